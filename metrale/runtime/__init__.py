@@ -1,0 +1,1 @@
+"""The engine: sequences, paged KV, step planning, sampling and models. Knows nothing of gRPC."""

@@ -1,0 +1,114 @@
+"""The CPU backend: the ops of ops.py in plain torch. Development, CI and the embedded default model."""
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from metrale.runtime.backend.ops import RopeTable
+from metrale.runtime.batch import ForwardBatch
+from metrale.runtime.errors import InvalidArgument
+
+_DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CpuBackend:
+    device = "cpu"
+
+    def __init__(self, dtype: str = "auto"):
+        if dtype not in _DTYPES:
+            raise InvalidArgument(f"dtype {dtype!r} is not supported on the CPU backend")
+        self.dtype = _DTYPES[dtype]
+
+    def upload(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.dtype).contiguous()
+
+    def upload_float32(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.float().contiguous()
+
+    def available_kv_bytes(self, fraction: float) -> int:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * fraction)
+
+    def allocate_kv_cache(self, num_layers, num_blocks, kv_block_size, num_kv_heads, head_dim):
+        shape = (2, num_blocks, kv_block_size, num_kv_heads, head_dim)
+        return [torch.zeros(shape, dtype=self.dtype) for _ in range(num_layers)]
+
+    def prepare(self, batch: ForwardBatch) -> ForwardBatch:
+        return batch
+
+    def embedding(self, table, token_ids):
+        return F.embedding(token_ids, table)
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        if residual is not None:
+            x = x + residual
+        return _rms(x, weight, eps), x
+
+    def head_rms_norm(self, x, weight, eps, head_dim):
+        return _rms(x.view(x.shape[0], -1, head_dim), weight, eps).view(x.shape)
+
+    def linear(self, x, weight, bias=None):
+        return F.linear(x, weight, bias)
+
+    def rope_and_write_kv(self, q, k, v, rope: RopeTable, batch: ForwardBatch, kv, head_dim):
+        cos = rope.cos[batch.positions].unsqueeze(1)  # [T, 1, head_dim // 2]
+        sin = rope.sin[batch.positions].unsqueeze(1)
+        q = _rotate(q.view(q.shape[0], -1, head_dim), cos, sin)
+        k = _rotate(k.view(k.shape[0], -1, head_dim), cos, sin)
+        num_blocks, block_size = kv.shape[1], kv.shape[2]
+        flat = kv.view(2, num_blocks * block_size, *kv.shape[3:])
+        flat[0, batch.slot_mapping] = k
+        flat[1, batch.slot_mapping] = v.view(k.shape)
+        return q.reshape(q.shape[0], -1)
+
+    def paged_attention(self, q, kv, batch: ForwardBatch, num_kv_heads, head_dim, scale, sliding_window):
+        out = torch.empty_like(q)
+        for start, n, context, table in zip(batch.query_starts, batch.query_lens, batch.context_lens,
+                                            batch.block_tables):
+            keys = kv[0, table].reshape(-1, num_kv_heads, head_dim)[:context]    # [C, kvh, hd]
+            values = kv[1, table].reshape(-1, num_kv_heads, head_dim)[:context]
+            queries = q[start:start + n].view(n, -1, head_dim)                     # [n, h, hd]
+            out[start:start + n] = _attend(queries, keys, values, scale, sliding_window).reshape(n, -1)
+        return out
+
+    def silu_mul(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def gather_rows(self, x, rows):
+        return x[rows]
+
+    def logits_to_host(self, logits):
+        return logits.float()
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # As transformers' LlamaRMSNorm: variance in float32, cast back before the weight.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Rotate-half layout: pairs (i, i + head_dim / 2). x [T, heads, head_dim]; cos/sin [T, 1, head_dim / 2].
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotated.to(x.dtype)
+
+
+def _attend(q, k, v, scale, sliding_window):
+    """q [n, h, hd] are the last n positions of k/v [C, kvh, hd]; causal, optionally windowed."""
+    n, num_heads, _ = q.shape
+    context, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    q_pos = torch.arange(context - n, context).unsqueeze(1)   # [n, 1]
+    k_pos = torch.arange(context).unsqueeze(0)                # [1, C]
+    allowed = k_pos <= q_pos
+    if sliding_window is not None:
+        allowed &= k_pos > q_pos - sliding_window
+    scores = torch.einsum("nhd,chd->hnc", q.float(), k.float()) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hnc,chd->nhd", probs, v.float()).to(q.dtype)

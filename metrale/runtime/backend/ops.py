@@ -1,0 +1,69 @@
+"""The ops interface every model family is written against; each backend implements it."""
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from metrale.runtime.batch import ForwardBatch
+
+# A backend's tensor type: torch.Tensor on the CPU backend, a device buffer view on CUDA.
+Tensor = Any
+
+
+@dataclass(frozen=True)
+class RopeTable:
+    """cos/sin of position * inv_freq for every position: [max_positions, head_dim // 2] float32 each."""
+    cos: Tensor
+    sin: Tensor
+
+
+class Ops(Protocol):
+    device: str
+    dtype: torch.dtype
+
+    def upload(self, tensor: torch.Tensor) -> Tensor:
+        """A weight in the backend's dtype and memory."""
+
+    def upload_float32(self, tensor: torch.Tensor) -> Tensor:
+        """A float32 table (rope cos/sin) in the backend's memory."""
+
+    def available_kv_bytes(self, fraction: float) -> int:
+        """Bytes the KV pool may take: a fraction of the memory left now."""
+
+    def allocate_kv_cache(self, num_layers: int, num_blocks: int, kv_block_size: int, num_kv_heads: int,
+                          head_dim: int) -> list[Tensor]:
+        """One KV tensor per layer, [2, num_blocks, kv_block_size, num_kv_heads, head_dim]."""
+
+    def prepare(self, batch: ForwardBatch) -> Any:
+        """Moves a batch's metadata to the device once per forward."""
+
+    def embedding(self, table: Tensor, token_ids: Tensor) -> Tensor:
+        """[T] -> [T, hidden]."""
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """residual = x + residual (or x); returns (rms_norm(residual) * weight, residual)."""
+
+    def head_rms_norm(self, x: Tensor, weight: Tensor, eps: float, head_dim: int) -> Tensor:
+        """RMSNorm over each head_dim slice of x [T, heads * head_dim] (Qwen3 q/k norm)."""
+
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        """x [T, in] @ weight[out, in].T (+ bias) -> [T, out]."""
+
+    def rope_and_write_kv(self, q: Tensor, k: Tensor, v: Tensor, rope: RopeTable, batch: Any, kv: Tensor,
+                          head_dim: int) -> Tensor:
+        """Rotates q and k (rotate-half layout) at the batch positions, writes k and v into kv at the batch
+        slots; returns rotated q [T, heads * head_dim]."""
+
+    def paged_attention(self, q: Tensor, kv: Tensor, batch: Any, num_kv_heads: int, head_dim: int, scale: float,
+                        sliding_window: int | None) -> Tensor:
+        """Causal attention of each segment's queries over its paged KV -> [T, heads * head_dim]."""
+
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
+        """[T, 2 * I] -> silu(gate) * up, [T, I]."""
+
+    def gather_rows(self, x: Tensor, rows: Tensor) -> Tensor:
+        """x[rows]."""
+
+    def logits_to_host(self, logits: Tensor) -> torch.Tensor:
+        """[N, vocab] float32 on the host, for the sampler."""

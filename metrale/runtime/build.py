@@ -1,0 +1,50 @@
+"""Builds a ready engine from a checkpoint: backend, model, KV pool, and what Info reports."""
+
+from dataclasses import dataclass
+
+from metrale.runtime.backend import create_backend
+from metrale.runtime.config import EngineConfig
+from metrale.runtime.engine import Engine
+from metrale.runtime.loading import Checkpoint
+from metrale.runtime.models import family_of
+
+VERSION = "0.1.0"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str
+    architecture: str
+    dtype: str
+    device: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    pad_token_id: int | None
+
+
+def build_engine(checkpoint: Checkpoint, config: EngineConfig) -> tuple[Engine, ModelInfo]:
+    family = family_of(checkpoint.config)
+    model_config = family.config_from_hf(checkpoint.config)
+    backend = create_backend(config.device, config.dtype)
+    max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                        model_config.max_position_embeddings)
+    model = family.model_class(model_config, checkpoint.tensors, backend, max_model_len)
+    num_blocks = config.kv_blocks or _blocks_that_fit(backend, model_config, config)
+    kv_cache = backend.allocate_kv_cache(model_config.num_layers, num_blocks, config.kv_block_size,
+                                         model_config.num_kv_heads, model_config.head_dim)
+    engine = Engine(model, kv_cache, num_blocks, config, max_model_len)
+    tokenizer = checkpoint.tokenizer
+    eos = model_config.eos_token_ids or tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
+    info = ModelInfo(model_id=checkpoint.source, architecture=model_config.architecture,
+                     dtype=str(backend.dtype).removeprefix("torch."), device=backend.device,
+                     vocab_size=model_config.vocab_size, max_model_len=max_model_len, eos_token_ids=eos,
+                     bos_token_id=model_config.bos_token_id, pad_token_id=model_config.pad_token_id)
+    return engine, info
+
+
+def _blocks_that_fit(backend, c, config: EngineConfig) -> int:
+    element_size = backend.dtype.itemsize
+    block_bytes = 2 * c.num_layers * config.kv_block_size * c.num_kv_heads * c.head_dim * element_size
+    return max(1, backend.available_kv_bytes(config.kv_memory_fraction) // block_bytes)

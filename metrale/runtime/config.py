@@ -1,0 +1,40 @@
+"""The engine's typed configuration, checked on creation."""
+
+from dataclasses import dataclass
+
+from metrale.runtime.errors import InvalidArgument
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = "auto"
+    dtype: str = "auto"
+    kv_block_size: int = 16
+    # Exactly one sizes the KV pool: a block count, or a fraction of the memory left after the weights.
+    kv_blocks: int | None = None
+    kv_memory_fraction: float = 0.25
+    max_batch_tokens: int = 8192
+    num_streams: int = 1
+    # None: the model's own max_position_embeddings.
+    max_model_len: int | None = None
+
+    def __post_init__(self):
+        if self.device not in DEVICES:
+            raise InvalidArgument(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise InvalidArgument(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_block_size < 1 or self.kv_block_size & (self.kv_block_size - 1):
+            raise InvalidArgument(f"kv_block_size must be a power of two, got {self.kv_block_size}")
+        if self.kv_blocks is not None and self.kv_blocks < 1:
+            raise InvalidArgument(f"kv_blocks must be >= 1, got {self.kv_blocks}")
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise InvalidArgument(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        if self.max_batch_tokens < 1:
+            raise InvalidArgument(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
+        if not 1 <= self.num_streams <= 64:
+            raise InvalidArgument(f"num_streams must be in [1, 64], got {self.num_streams}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise InvalidArgument(f"max_model_len must be >= 1, got {self.max_model_len}")

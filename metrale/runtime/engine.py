@@ -1,0 +1,114 @@
+"""The engine: runs validated steps over the sequence table, the KV pool and the model. Step = plan, run, sample."""
+
+import threading
+import time
+from dataclasses import dataclass
+
+from metrale.runtime.batch import Segment, build_batch
+from metrale.runtime.config import EngineConfig
+from metrale.runtime.errors import DeviceFault, WorkerError
+from metrale.runtime.kv_blocks import KvBlockManager, blocks_for
+from metrale.runtime.planner import Chunk, Limits, Plan, plan_step
+from metrale.runtime.sampling import SampleRow, random_seed, sample
+from metrale.runtime.sequence import Sequence, SequenceTable
+from metrale.runtime.step import SequenceOutput, Step, StepOutput
+
+
+@dataclass
+class ReleaseResult:
+    released: list[int]
+    unknown: list[int]
+    blocks_freed: int
+
+
+class Engine:
+    """Owns all model state. Steps on disjoint sequences may run on several lanes at once: planning and
+    committing hold the state lock; the forward itself does not."""
+
+    def __init__(self, model, kv_cache: list, num_kv_blocks: int, config: EngineConfig, max_model_len: int):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.config = config
+        self.sequences = SequenceTable()
+        self.blocks = KvBlockManager(num_kv_blocks, config.kv_block_size)
+        self.limits = Limits(max_model_len, config.max_batch_tokens, config.kv_block_size)
+        self._lock = threading.Lock()
+
+    def step(self, step: Step) -> StepOutput:
+        with self._lock:
+            plan = plan_step(step, self.sequences, self.blocks.num_free, self.limits)
+            snapshot = self._reserve(plan)
+        started = time.perf_counter()
+        try:
+            outputs = [out for chunks in plan.rounds for out in self._run_round(chunks)]
+        except Exception as error:
+            with self._lock:
+                self._restore(snapshot, plan)
+            if isinstance(error, WorkerError):
+                raise
+            raise DeviceFault(f"the step failed on the device: {error!r}") from error
+        return StepOutput(outputs, int((time.perf_counter() - started) * 1e6))
+
+    def release(self, seq_ids: list[int] | None) -> ReleaseResult:
+        """Frees the given sequences (None: all of them) and their blocks."""
+        with self._lock:
+            ids = self.sequences.ids() if seq_ids is None else seq_ids
+            released, unknown, freed = [], [], 0
+            for seq_id in ids:
+                seq = self.sequences.remove(seq_id)
+                if seq is None:
+                    unknown.append(seq_id)
+                    continue
+                self.blocks.free(seq.block_table)
+                freed += len(seq.block_table)
+                released.append(seq_id)
+            return ReleaseResult(released, unknown, freed)
+
+    def live_seq_ids(self) -> list[int]:
+        with self._lock:
+            return self.sequences.ids()
+
+    def _reserve(self, plan: Plan) -> dict:
+        """Creates new sequences and takes every block the step needs; returns what _restore needs."""
+        snapshot = {i: (seq.num_tokens, len(seq.block_table), seq.prompt_finished, seq.num_prompt_tokens)
+                    for i in plan.final_lengths if (seq := self.sequences.get(i)) is not None}
+        for s in plan.new_sequences:
+            seed = s.sampling.seed if s.sampling.seed is not None else random_seed()
+            self.sequences.add(Sequence(s.seq_id, s.sampling, s.output, seed))
+        for seq_id, length in plan.final_lengths.items():
+            seq = self.sequences.get(seq_id)
+            seq.block_table.extend(self.blocks.allocate(blocks_for(length, self.blocks.kv_block_size)
+                                                        - len(seq.block_table)))
+        return snapshot
+
+    def _restore(self, snapshot: dict, plan: Plan) -> None:
+        for seq_id in plan.final_lengths:
+            seq = self.sequences.get(seq_id)
+            if seq_id not in snapshot:
+                self.sequences.remove(seq_id)
+                self.blocks.free(seq.block_table)
+                continue
+            num_tokens, num_blocks, finished, num_prompt = snapshot[seq_id]
+            del seq.tokens[num_tokens:]
+            self.blocks.free(seq.block_table[num_blocks:])
+            del seq.block_table[num_blocks:]
+            seq.prompt_finished, seq.num_prompt_tokens = finished, num_prompt
+
+    def _run_round(self, chunks: tuple[Chunk, ...]) -> list[SequenceOutput]:
+        sequences = [self.sequences.get(c.seq_id) for c in chunks]
+        segments = [Segment(seq.block_table, c.start, list(c.tokens), c.samples) for c, seq in zip(chunks, sequences)]
+        batch = build_batch(segments, self.config.kv_block_size)
+        logits = self.model.forward(batch, self.kv_cache)
+        with self._lock:
+            for c, seq in zip(chunks, sequences):
+                seq.tokens.extend(c.tokens)
+                if not seq.prompt_finished:
+                    seq.num_prompt_tokens = seq.num_tokens
+                    seq.prompt_finished = c.ends_prompt
+        sampled = [seq for c, seq in zip(chunks, sequences) if c.samples]
+        if not sampled:
+            return []
+        rows = [SampleRow(s.sampling, s.output, s.seed, s.num_tokens, s.tokens, s.output_tokens) for s in sampled]
+        result = sample(self.model.ops.logits_to_host(logits), rows)
+        return [SequenceOutput(seq.seq_id, result.tokens[i], result.logprobs[i], result.top_logprobs[i],
+                               result.logits[i]) for i, seq in enumerate(sampled)]

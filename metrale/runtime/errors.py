@@ -1,0 +1,55 @@
+"""Typed domain errors; service/status.py maps each to one gRPC status code."""
+
+
+class WorkerError(Exception):
+    """Base of every error a request can cause. The message is for a person to act on."""
+
+
+class InvalidArgument(WorkerError):
+    """Malformed input: empty tokens, ids out of range, bad sampling values, ..."""
+
+
+class UnknownSequence(WorkerError):
+    def __init__(self, seq_ids):
+        self.seq_ids = sorted(seq_ids)
+        super().__init__(f"unknown seq_id(s) {self.seq_ids}: create a sequence with a chunk_start=0 slice first")
+
+
+class FailedPrecondition(WorkerError):
+    """The request is well formed but the model or the sequence's state does not allow it."""
+
+
+class OutOfRange(WorkerError):
+    """A sequence would pass max_model_len."""
+
+
+class OutOfKvBlocks(WorkerError):
+    def __init__(self, blocks_needed: int, blocks_free: int):
+        self.blocks_needed = blocks_needed
+        self.blocks_free = blocks_free
+        super().__init__(f"not enough free KV blocks: this request needs {blocks_needed}, "
+                         f"{blocks_free} are free; release sequences or send fewer tokens")
+
+
+class BatchTooLarge(WorkerError):
+    def __init__(self, num_tokens: int, max_batch_tokens: int):
+        self.num_tokens = num_tokens
+        self.max_batch_tokens = max_batch_tokens
+        super().__init__(f"one step would run {num_tokens} tokens, over max_batch_tokens={max_batch_tokens}; "
+                         f"split the prompt (chunk_size) or send fewer slices")
+
+
+class SequenceBusy(WorkerError):
+    def __init__(self, seq_ids):
+        self.seq_ids = sorted(seq_ids)
+        super().__init__(f"seq_id(s) {self.seq_ids} are in another step that has not finished; "
+                         f"send one step per sequence at a time")
+
+
+class Draining(WorkerError):
+    def __init__(self):
+        super().__init__("the worker is shutting down and takes no new work")
+
+
+class DeviceFault(WorkerError):
+    """The device failed mid-step; the worker stops serving."""

@@ -1,0 +1,33 @@
+"""Model families, dispatched by the config's `architectures` entry."""
+
+from dataclasses import dataclass
+from typing import Callable
+
+from metrale.runtime.errors import InvalidArgument
+from metrale.runtime.models import llama, mistral, qwen2, qwen3
+
+
+@dataclass(frozen=True)
+class Family:
+    config_from_hf: Callable[[dict], object]
+    model_class: type
+
+
+def _llama_config(hf: dict) -> llama.DecoderConfig:
+    return llama.DecoderConfig.from_hf(hf, qkv_bias=hf.get("attention_bias", False))
+
+
+ARCHITECTURES: dict[str, Family] = {
+    "LlamaForCausalLM": Family(_llama_config, llama.LlamaForCausalLM),
+    "MistralForCausalLM": Family(mistral.config_from_hf, llama.LlamaForCausalLM),
+    "Qwen2ForCausalLM": Family(qwen2.config_from_hf, llama.LlamaForCausalLM),
+    "Qwen3ForCausalLM": Family(qwen3.config_from_hf, llama.LlamaForCausalLM),
+}
+
+
+def family_of(hf_config: dict) -> Family:
+    names = hf_config.get("architectures") or []
+    for name in names:
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]
+    raise InvalidArgument(f"architecture {names} is not supported; supported: {sorted(ARCHITECTURES)}")

@@ -1,0 +1,120 @@
+"""The Llama family decoder (Llama, and the variants Mistral, Qwen2 and Qwen3 configure), against the backend ops."""
+
+from dataclasses import dataclass
+
+import torch
+
+from metrale.runtime.backend.ops import Ops, RopeTable
+from metrale.runtime.batch import ForwardBatch
+from metrale.runtime.errors import InvalidArgument
+from metrale.runtime.models.rope import inverse_frequencies, rope_cos_sin, rope_parameters
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: dict
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    @classmethod
+    def from_hf(cls, hf: dict, **family) -> "DecoderConfig":
+        if hf.get("hidden_act", "silu") != "silu":
+            raise InvalidArgument(f"hidden_act {hf['hidden_act']!r} is not supported (silu is)")
+        eos = hf.get("eos_token_id")
+        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        num_heads = hf["num_attention_heads"]
+        return cls(
+            architecture=hf["architectures"][0], vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"], num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads, rms_norm_eps=hf["rms_norm_eps"],
+            rope=rope_parameters(hf), max_position_embeddings=hf["max_position_embeddings"],
+            tie_word_embeddings=hf.get("tie_word_embeddings", False), eos_token_ids=eos,
+            bos_token_id=hf.get("bos_token_id"), pad_token_id=hf.get("pad_token_id"), **family)
+
+
+# Checkpoint tensors a layer fuses into one weight, in order: one GEMM instead of three or two.
+PACKED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+LAYER_TENSORS = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight",
+                 "mlp.down_proj.weight")
+QK_NORM_TENSORS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+
+
+class LlamaForCausalLM:
+    def __init__(self, config: DecoderConfig, tensors: dict[str, torch.Tensor], ops: Ops, max_model_len: int):
+        self.config = config
+        self.ops = ops
+        self.weights = _load_weights(config, tensors, ops)
+        cos, sin = rope_cos_sin(inverse_frequencies(config.rope, config.head_dim), max_model_len)
+        self.rope = RopeTable(ops.upload_float32(cos), ops.upload_float32(sin))
+        self.scale = config.head_dim ** -0.5
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+
+    def forward(self, batch: ForwardBatch, kv_cache: list) -> torch.Tensor:
+        """Runs every token of the batch; returns logits [N, vocab] of batch.sample_rows."""
+        ops, c, w = self.ops, self.config, self.weights
+        meta = ops.prepare(batch)
+        x = ops.embedding(w["embed"], meta.token_ids)             # [T, hidden]
+        residual = None
+        for layer, kv in zip(w["layers"], kv_cache):
+            h, residual = ops.rms_norm(x, layer["input_layernorm.weight"], c.rms_norm_eps, residual)
+            h = self._attention(h, layer, meta, kv)
+            h, residual = ops.rms_norm(h, layer["post_attention_layernorm.weight"], c.rms_norm_eps, residual)
+            h = ops.silu_mul(ops.linear(h, layer["mlp.gate_up_proj"]))
+            x = ops.linear(h, layer["mlp.down_proj.weight"])
+        # Only rows that sample need the final norm and the vocab projection.
+        rows = meta.sample_rows
+        x, _ = ops.rms_norm(ops.gather_rows(x, rows), w["norm"], c.rms_norm_eps, ops.gather_rows(residual, rows))
+        return ops.linear(x, w["lm_head"])
+
+    def _attention(self, h, layer: dict, meta, kv):
+        ops, c = self.ops, self.config
+        qkv = ops.linear(h, layer["self_attn.qkv_proj"], layer.get("self_attn.qkv_bias"))   # [T, q + 2 kv]
+        q, k, v = qkv[:, :self.q_size], qkv[:, self.q_size:self.q_size + self.kv_size], qkv[:, self.q_size + self.kv_size:]
+        if c.qk_norm:
+            q = ops.head_rms_norm(q, layer["self_attn.q_norm.weight"], c.rms_norm_eps, c.head_dim)
+            k = ops.head_rms_norm(k, layer["self_attn.k_norm.weight"], c.rms_norm_eps, c.head_dim)
+        q = ops.rope_and_write_kv(q, k, v, self.rope, meta, kv, c.head_dim)
+        o = ops.paged_attention(q, kv, meta, c.num_kv_heads, c.head_dim, self.scale, c.sliding_window)
+        return ops.linear(o, layer["self_attn.o_proj.weight"])
+
+
+def _load_weights(c: DecoderConfig, tensors: dict[str, torch.Tensor], ops: Ops) -> dict:
+    def take(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise InvalidArgument(f"the checkpoint has no tensor {name!r} that {c.architecture} needs")
+        return tensors[name]
+
+    embed = take("model.embed_tokens.weight")
+    lm_head = embed if c.tie_word_embeddings else take("lm_head.weight")
+    layers = []
+    for i in range(c.num_layers):
+        prefix = f"model.layers.{i}."
+        layer = {name: ops.upload(take(prefix + name)) for name in LAYER_TENSORS}
+        for packed, parts in PACKED.items():
+            layer[packed] = ops.upload(torch.cat([take(prefix + p + ".weight") for p in parts]))
+        if c.qkv_bias:
+            parts = PACKED["self_attn.qkv_proj"]
+            layer["self_attn.qkv_bias"] = ops.upload(torch.cat([take(prefix + p + ".bias") for p in parts]))
+        if c.qk_norm:
+            layer.update({name: ops.upload(take(prefix + name)) for name in QK_NORM_TENSORS})
+        layers.append(layer)
+    return {"embed": ops.upload(embed), "lm_head": ops.upload(lm_head), "norm": ops.upload(take("model.norm.weight")),
+            "layers": layers}

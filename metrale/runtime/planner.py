@@ -1,0 +1,106 @@
+"""Turns a checked Step into forward rounds, after checking it against the sequences' state.
+
+Nothing here changes state: a step that fails planning leaves every sequence and block as it was.
+"""
+
+from dataclasses import dataclass
+
+from metrale.runtime.errors import BatchTooLarge, FailedPrecondition, InvalidArgument, OutOfKvBlocks, OutOfRange, \
+    UnknownSequence
+from metrale.runtime.kv_blocks import blocks_for
+from metrale.runtime.sequence import SequenceTable
+from metrale.runtime.step import PrefillSlice, Step
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_model_len: int
+    max_batch_tokens: int
+    kv_block_size: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens one sequence appends in one forward, starting at position `start`."""
+    seq_id: int
+    tokens: tuple[int, ...]
+    start: int
+    # Its last token's logits are sampled: a decode lane, or the end of a prompt.
+    samples: bool
+    ends_prompt: bool = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    # Forwards run in order; decode lanes all run in the first, before any prefill chunk.
+    rounds: tuple[tuple[Chunk, ...], ...]
+    # Slices with chunk_start=0: their sequences are created before the first round.
+    new_sequences: tuple[PrefillSlice, ...]
+    # seq_id -> tokens it will hold after the step, for block reservation.
+    final_lengths: dict
+
+
+def plan_step(step: Step, sequences: SequenceTable, num_free_blocks: int, limits: Limits) -> Plan:
+    _check_decode(step, sequences, limits)
+    _check_prefill(step, sequences, limits)
+    rounds: list[list[Chunk]] = [[]]
+    final_lengths = {}
+    for lane in step.decode:
+        start = sequences.get(lane.seq_id).num_tokens
+        rounds[0].append(Chunk(lane.seq_id, (lane.token,), start, samples=True))
+        final_lengths[lane.seq_id] = start + 1
+    for s in step.prefill:
+        size = s.chunk_size or len(s.tokens)
+        pieces = [s.tokens[i:i + size] for i in range(0, len(s.tokens), size)]
+        for r, piece in enumerate(pieces):
+            last = r == len(pieces) - 1
+            if r == len(rounds):
+                rounds.append([])
+            rounds[r].append(Chunk(s.seq_id, piece, s.chunk_start + r * size, samples=last and s.is_last_chunk,
+                                   ends_prompt=last and s.is_last_chunk))
+        final_lengths[s.seq_id] = s.chunk_start + len(s.tokens)
+    biggest = max(sum(len(c.tokens) for c in chunks) for chunks in rounds)
+    if biggest > limits.max_batch_tokens:
+        raise BatchTooLarge(biggest, limits.max_batch_tokens)
+    needed = sum(blocks_for(n, limits.kv_block_size) - _blocks_held(sequences, i) for i, n in final_lengths.items())
+    if needed > num_free_blocks:
+        raise OutOfKvBlocks(needed, num_free_blocks)
+    return Plan(tuple(tuple(r) for r in rounds), tuple(s for s in step.prefill if s.chunk_start == 0), final_lengths)
+
+
+def _blocks_held(sequences: SequenceTable, seq_id: int) -> int:
+    seq = sequences.get(seq_id)
+    return len(seq.block_table) if seq else 0
+
+
+def _check_decode(step: Step, sequences: SequenceTable, limits: Limits) -> None:
+    unknown = [lane.seq_id for lane in step.decode if lane.seq_id not in sequences]
+    if unknown:
+        raise UnknownSequence(unknown)
+    for lane in step.decode:
+        seq = sequences.get(lane.seq_id)
+        if not seq.prompt_finished:
+            raise FailedPrecondition(f"seq_id {lane.seq_id}: its prompt is not finished "
+                                     f"(no slice with is_last_chunk=true yet); it cannot decode")
+        if seq.num_tokens + 1 > limits.max_model_len:
+            raise OutOfRange(f"seq_id {lane.seq_id}: holds {seq.num_tokens} tokens; one more passes "
+                             f"max_model_len={limits.max_model_len}")
+
+
+def _check_prefill(step: Step, sequences: SequenceTable, limits: Limits) -> None:
+    unknown = [s.seq_id for s in step.prefill if s.chunk_start > 0 and s.seq_id not in sequences]
+    if unknown:
+        raise UnknownSequence(unknown)
+    for s in step.prefill:
+        seq = sequences.get(s.seq_id)
+        if s.chunk_start == 0 and seq is not None:
+            raise InvalidArgument(f"seq_id {s.seq_id} is live: chunk_start=0 would create it again; "
+                                  f"release it first or continue at chunk_start={seq.num_tokens}")
+        if seq is not None and seq.prompt_finished:
+            raise FailedPrecondition(f"seq_id {s.seq_id}: its prompt is finished; append tokens with Decode")
+        if seq is not None and s.chunk_start != seq.num_tokens:
+            raise InvalidArgument(f"seq_id {s.seq_id}: chunk_start={s.chunk_start} but the sequence holds "
+                                  f"{seq.num_tokens} tokens; the next chunk must start there")
+        if s.chunk_start + len(s.tokens) > limits.max_model_len:
+            raise OutOfRange(f"seq_id {s.seq_id}: {s.chunk_start + len(s.tokens)} tokens pass "
+                             f"max_model_len={limits.max_model_len}")

@@ -1,0 +1,77 @@
+"""A step as the engine receives it: decode lanes plus prefill slices, and what it returns."""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from metrale.runtime.errors import InvalidArgument
+from metrale.runtime.sampling import OutputOptions, SamplingParams
+
+
+@dataclass(frozen=True)
+class PrefillSlice:
+    seq_id: int
+    tokens: tuple[int, ...]
+    chunk_start: int = 0
+    is_last_chunk: bool = True
+    # > 0: the worker runs the slice as several forwards of this many tokens.
+    chunk_size: int = 0
+    sampling: SamplingParams = SamplingParams()
+    output: OutputOptions = OutputOptions()
+
+
+@dataclass(frozen=True)
+class DecodeLane:
+    seq_id: int
+    # Appended to the sequence; its KV is computed and the next token sampled.
+    token: int
+
+
+@dataclass(frozen=True)
+class Step:
+    decode: tuple[DecodeLane, ...] = ()
+    prefill: tuple[PrefillSlice, ...] = ()
+
+    @property
+    def seq_ids(self) -> list[int]:
+        return [lane.seq_id for lane in self.decode] + [s.seq_id for s in self.prefill]
+
+    def check(self, vocab_size: int) -> None:
+        """Checks what needs no sequence state; raises InvalidArgument."""
+        if not self.decode and not self.prefill:
+            raise InvalidArgument("the step is empty: give decode lanes or prefill slices")
+        seen: set[int] = set()
+        duplicates = sorted({i for i in self.seq_ids if i in seen or seen.add(i)})
+        if duplicates:
+            raise InvalidArgument(f"seq_id(s) {duplicates} appear more than once in one request")
+        for lane in self.decode:
+            _check_token_ids(lane.seq_id, (lane.token,), vocab_size)
+        for s in self.prefill:
+            if not s.tokens:
+                raise InvalidArgument(f"seq_id {s.seq_id}: a prefill slice needs at least one token")
+            _check_token_ids(s.seq_id, s.tokens, vocab_size)
+            if s.chunk_start == 0:
+                s.sampling.validate(vocab_size)
+                s.output.validate()
+
+
+def _check_token_ids(seq_id: int, tokens, vocab_size: int) -> None:
+    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidArgument(f"seq_id {seq_id}: token id {bad[0]} is out of range, vocab_size is {vocab_size}")
+
+
+@dataclass
+class SequenceOutput:
+    seq_id: int
+    token: int
+    logprob: float
+    top_logprobs: tuple[list[int], list[float]] | None = None
+    # [vocab_size] float32, only where the sequence asked.
+    logits: torch.Tensor | None = None
+
+
+@dataclass
+class StepOutput:
+    outputs: list[SequenceOutput] = field(default_factory=list)
+    forward_us: int = 0

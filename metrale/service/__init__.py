@@ -1,0 +1,1 @@
+"""The gRPC side: CLI, config, servicer, status mapping, health, reflection. Speaks gRPC and nothing else."""

@@ -1,0 +1,61 @@
+"""`metrale-worker serve` and `metrale-worker fetch-default-model`."""
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+import structlog
+
+from metrale.runtime.errors import WorkerError
+from metrale.service.config import WorkerConfig, add_serve_flags, config_from_args
+from metrale.service.log import configure_logging
+
+log = structlog.get_logger()
+
+
+def _cache_dir(config_dir: str | None) -> Path:
+    from metrale.runtime.default_model import default_cache_dir
+    return Path(config_dir) if config_dir else default_cache_dir()
+
+
+def model_path(config: WorkerConfig) -> Path:
+    """The --model path, or the embedded default model (fetched on first use)."""
+    if config.model:
+        return Path(config.model)
+    from metrale.runtime.default_model import fetch_default_model
+    return fetch_default_model(_cache_dir(config.cache_dir))
+
+
+def run_serve(config: WorkerConfig) -> None:
+    from metrale.runtime.loading import load_checkpoint
+    from metrale.service.server import serve
+
+    path = model_path(config)
+    log.info("loading", model=str(path))
+    asyncio.run(serve(load_checkpoint(path), config))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="metrale-worker", description="GPU model worker for LLM serving")
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_serve_flags(commands.add_parser("serve", help="load a model and serve the gRPC API"))
+    fetch = commands.add_parser("fetch-default-model", help="download the embedded default model's GGUF")
+    fetch.add_argument("--cache-dir", default=None)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "fetch-default-model":
+            from metrale.runtime.default_model import fetch_default_model
+            print(fetch_default_model(_cache_dir(args.cache_dir)))
+            return 0
+        config = config_from_args(args)
+        configure_logging(config.log_format)
+        run_serve(config)
+    except WorkerError as error:
+        print(f"metrale-worker: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

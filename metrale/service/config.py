@@ -1,0 +1,93 @@
+"""The worker's one typed config, parsed once from flags and METRALE_<FLAG> environment variables."""
+
+import argparse
+import os
+from dataclasses import dataclass, field, fields
+
+from metrale.runtime.config import DEVICES, DTYPES, EngineConfig
+from metrale.runtime.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    # None: the embedded default model (fetched by `metrale-worker fetch-default-model`).
+    model: str | None = None
+    host: str = "0.0.0.0"
+    port: int = 50051
+    max_message_mb: int = 64
+    metrics_port: int | None = None
+    # Seconds SIGTERM waits for in-flight RPCs before the process exits.
+    drain_timeout: float = 30.0
+    reflection: bool = True
+    log_format: str = "auto"
+    cache_dir: str | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self):
+        if not 0 <= self.port < 65536:
+            raise InvalidArgument(f"port must be in [0, 65535], got {self.port}")
+        if self.max_message_mb < 1:
+            raise InvalidArgument(f"max_message_mb must be >= 1, got {self.max_message_mb}")
+        if self.log_format not in ("auto", "json", "console"):
+            raise InvalidArgument(f"log_format must be auto, json or console, got {self.log_format!r}")
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self.max_message_mb * 1024 * 1024
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+# (flag, type, help, choices); defaults come from the dataclasses.
+SERVE_FLAGS = [
+    ("model", str, "Hugging Face model directory or .gguf file; default: the embedded SmolLM2-135M-Instruct", None),
+    ("device", str, "where the model runs", DEVICES),
+    ("dtype", str, "weights and activations; auto: float32 on cpu, bfloat16 on cuda", DTYPES),
+    ("host", str, "address to listen on", None),
+    ("port", int, "gRPC port", None),
+    ("kv-blocks", int, "KV blocks in the pool (overrides --kv-memory-fraction)", None),
+    ("kv-memory-fraction", float, "fraction of the memory left after the weights that the KV pool takes", None),
+    ("kv-block-size", int, "tokens per KV block (a power of two)", None),
+    ("max-batch-tokens", int, "most tokens one forward may run", None),
+    ("max-model-len", int, "longest sequence; default: the model's max_position_embeddings", None),
+    ("num-streams", int, "device streams (lanes) that run steps independently", None),
+    ("max-message-mb", int, "largest gRPC message, either way", None),
+    ("metrics-port", int, "Prometheus metrics port (off when unset)", None),
+    ("drain-timeout", float, "seconds SIGTERM waits for in-flight RPCs", None),
+    ("reflection", _bool, "serve gRPC server reflection", None),
+    ("log-format", str, "auto: JSON unless stdout is a terminal", ("auto", "json", "console")),
+    ("cache-dir", str, "where the default model and kernel cache live; default ~/.cache/metrale", None),
+]
+
+
+def add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    for flag, kind, help_text, choices in SERVE_FLAGS:
+        env = "METRALE_" + flag.upper().replace("-", "_")
+        parser.add_argument(f"--{flag}", type=kind, choices=choices, default=None,
+                            help=f"{help_text} [env {env}]")
+
+
+def config_from_args(args: argparse.Namespace, environ: dict | None = None) -> WorkerConfig:
+    """Flags win over METRALE_<FLAG> variables, which win over the defaults."""
+    environ = os.environ if environ is None else environ
+    values = {}
+    for flag, kind, _, _ in SERVE_FLAGS:
+        name = flag.replace("-", "_")
+        value = getattr(args, name, None)
+        env = environ.get("METRALE_" + name.upper())
+        if value is None and env not in (None, ""):
+            try:
+                value = kind(env)
+            except (ValueError, argparse.ArgumentTypeError) as error:
+                raise InvalidArgument(f"METRALE_{name.upper()}={env!r}: {error}") from None
+        if value is not None:
+            values[name] = value
+    engine_names = {f.name for f in fields(EngineConfig)}
+    engine = EngineConfig(**{k: v for k, v in values.items() if k in engine_names})
+    return WorkerConfig(engine=engine, **{k: v for k, v in values.items() if k not in engine_names})

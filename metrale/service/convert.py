@@ -1,0 +1,63 @@
+"""Protobuf messages to runtime objects and back."""
+
+import numpy as np
+
+from metrale.runtime.sampling import OutputOptions, SamplingParams
+from metrale.runtime.step import DecodeLane, PrefillSlice, Step, StepOutput
+from metrale.runtime.errors import InvalidArgument
+from metrale.v1 import worker_pb2 as pb
+
+
+def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=m.temperature, top_k=m.top_k, top_p=m.top_p or 1.0, min_p=m.min_p,
+        seed=m.seed if m.HasField("seed") else None, repetition_penalty=m.repetition_penalty or 1.0,
+        presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty,
+        logit_bias=tuple(sorted(m.logit_bias.items())))
+
+
+def output_from_pb(m: pb.OutputOptions) -> OutputOptions:
+    return OutputOptions(logprobs=m.logprobs, top_logprobs=m.top_logprobs, return_logits=m.return_logits)
+
+
+def slice_from_pb(m: pb.PrefillSlice) -> PrefillSlice:
+    return PrefillSlice(seq_id=m.seq_id, tokens=tuple(m.tokens), chunk_start=m.chunk_start,
+                        is_last_chunk=m.is_last_chunk, chunk_size=m.chunk_size,
+                        sampling=sampling_from_pb(m.sampling), output=output_from_pb(m.output))
+
+
+def decode_lanes_from_pb(m: pb.DecodeRequest) -> tuple[DecodeLane, ...]:
+    if len(m.seq_ids) != len(m.tokens):
+        raise InvalidArgument(f"seq_ids has {len(m.seq_ids)} entries but tokens has {len(m.tokens)}; "
+                              f"they are parallel arrays")
+    return tuple(DecodeLane(i, t) for i, t in zip(m.seq_ids, m.tokens))
+
+
+def step_from_prefill(m: pb.PrefillRequest) -> Step:
+    return Step(prefill=tuple(slice_from_pb(s) for s in m.slices))
+
+
+def step_from_decode(m: pb.DecodeRequest) -> Step:
+    return Step(decode=decode_lanes_from_pb(m))
+
+
+def step_from_mixed(m: pb.MixedForwardRequest) -> Step:
+    return Step(decode=decode_lanes_from_pb(m.decode), prefill=tuple(slice_from_pb(s) for s in m.prefill.slices))
+
+
+def forward_response(out: StepOutput, queue_us: int) -> pb.ForwardResponse:
+    response = pb.ForwardResponse(seq_ids=[o.seq_id for o in out.outputs], tokens=[o.token for o in out.outputs],
+                                  logprobs=[o.logprob for o in out.outputs], forward_us=out.forward_us,
+                                  queue_us=queue_us)
+    for o in out.outputs:
+        if o.top_logprobs is not None:
+            ids, logprobs = o.top_logprobs
+            response.top_logprobs.add(seq_id=o.seq_id, token_ids=ids, logprobs=logprobs)
+        if o.logits is not None:
+            data = o.logits.float().numpy().astype("<f4", copy=False).tobytes()
+            response.logits.add(seq_id=o.seq_id, data=data)
+    return response
+
+
+def logits_from_pb(m: pb.Logits) -> np.ndarray:
+    return np.frombuffer(m.data, dtype="<f4")

@@ -1,0 +1,62 @@
+"""Generate: one request's prefill and decode loop through the same device lanes as the step RPCs.
+
+A debugging aid for grpcurl, not a scheduler: it holds one sequence, streams each token, and releases it.
+"""
+
+import math
+
+from metrale.runtime.errors import FailedPrecondition, InvalidArgument
+from metrale.runtime.step import DecodeLane, PrefillSlice, Step
+from metrale.service import convert
+from metrale.v1 import worker_pb2 as pb
+
+
+def _prompt_tokens(request: pb.GenerateRequest, servicer) -> tuple[int, ...]:
+    if request.prompt_tokens and request.prompt:
+        raise InvalidArgument("give prompt or prompt_tokens, not both")
+    if request.prompt_tokens:
+        return tuple(request.prompt_tokens)
+    if not request.prompt:
+        raise InvalidArgument("the prompt is empty: give prompt or prompt_tokens")
+    if servicer.tokenizer is None:
+        raise FailedPrecondition("this model has no tokenizer; send prompt_tokens")
+    return tuple(servicer.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens))
+
+
+async def generate_tokens(request: pb.GenerateRequest, seq_id: int, servicer):
+    if request.max_new_tokens < 1:
+        raise InvalidArgument("max_new_tokens must be >= 1")
+    first = PrefillSlice(seq_id=seq_id, tokens=_prompt_tokens(request, servicer), is_last_chunk=True,
+                         sampling=convert.sampling_from_pb(request.sampling),
+                         output=convert.output_from_pb(request.output))
+    stop_ids = set(request.stop_token_ids)
+    eos_ids = set() if request.ignore_eos else set(servicer.info.eos_token_ids)
+    step = Step(prefill=(first,))
+    step.check(servicer.info.vocab_size)
+    engine, stream = servicer.engine, request.stream
+    room = servicer.info.max_model_len - len(first.tokens)
+    generated, emitted = [], ""
+    try:
+        for index in range(request.max_new_tokens):
+            out, _ = await servicer.run_on_lane(stream, [seq_id], lambda s=step: engine.step(s))
+            o = out.outputs[0]
+            generated.append(o.token)
+            last = index == request.max_new_tokens - 1 or index + 1 >= room
+            reason = "eos" if o.token in eos_ids else "stop" if o.token in stop_ids else "length" if last else ""
+            response = pb.GenerateResponse(token=o.token, logprob=o.logprob, index=index, finish_reason=reason)
+            if math.isnan(o.logprob):
+                response.ClearField("logprob")
+            if servicer.tokenizer is not None:
+                # Whole-text decode, so multi-token characters come out whole once complete.
+                text = servicer.tokenizer.decode(generated)
+                if not text.endswith("\ufffd"):
+                    response.text, emitted = text[len(emitted):], text
+            if o.top_logprobs is not None:
+                response.top_logprobs.CopyFrom(pb.TopLogprobs(seq_id=seq_id, token_ids=o.top_logprobs[0],
+                                                              logprobs=o.top_logprobs[1]))
+            yield response
+            if reason:
+                return
+            step = Step(decode=(DecodeLane(seq_id, o.token),))
+    finally:
+        await servicer.run_on_lane(stream, [seq_id], lambda: engine.release([seq_id]))

@@ -1,0 +1,84 @@
+"""Builds and runs the gRPC server: Worker, health and reflection; drains on SIGTERM."""
+
+import asyncio
+import signal
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from metrale.runtime.build import build_engine
+from metrale.runtime.lanes import DeviceLanes
+from metrale.runtime.loading import Checkpoint
+from metrale.service.config import WorkerConfig
+from metrale.service.servicer import ServingState, WorkerServicer
+from metrale.service.status import StatusInterceptor
+from metrale.v1 import worker_pb2, worker_pb2_grpc
+
+log = structlog.get_logger()
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+
+class WorkerServer:
+    """The running worker: the server, its servicer and health state. start(), then wait() or drain()."""
+
+    def __init__(self, checkpoint: Checkpoint, config: WorkerConfig):
+        self.config = config
+        engine, info = build_engine(checkpoint, config.engine)
+        self.lanes = DeviceLanes(config.engine.num_streams)
+        self.state = ServingState()
+        self.health = health.aio.HealthServicer()
+        self.servicer = WorkerServicer(engine, self.lanes, info, checkpoint.tokenizer, self.state)
+        options = [("grpc.max_receive_message_length", config.max_message_bytes),
+                   ("grpc.max_send_message_length", config.max_message_bytes)]
+        self.server = grpc.aio.server(interceptors=[StatusInterceptor(self._on_device_fault)], options=options)
+        worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        if config.reflection:
+            names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+            reflection.enable_server_reflection(names, self.server)
+        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> None:
+        await self.server.start()
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving", port=self.port, model=self.servicer.info.model_id, device=self.servicer.info.device,
+                 kv_blocks=self.servicer.engine.blocks.num_blocks)
+
+    async def drain(self) -> None:
+        """Health goes NOT_SERVING, new forward RPCs get UNAVAILABLE, in-flight ones finish, then the server stops."""
+        if self.state.draining:
+            return
+        self.state.draining = True
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        log.info("draining", in_flight=self.state.in_flight)
+        try:
+            await asyncio.wait_for(self.state.idle.wait(), self.config.drain_timeout)
+        except asyncio.TimeoutError:
+            log.warning("drain_timeout", in_flight=self.state.in_flight)
+        await self.server.stop(grace=1.0)
+        self.lanes.close()
+        self._stopped.set()
+        log.info("stopped")
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+
+    async def _set_health(self, status) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    def _on_device_fault(self) -> None:
+        log.error("device_fault: reporting NOT_SERVING")
+        asyncio.get_running_loop().create_task(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
+
+
+async def serve(checkpoint: Checkpoint, config: WorkerConfig) -> None:
+    worker = WorkerServer(checkpoint, config)
+    await worker.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: loop.create_task(worker.drain()))
+    await worker.wait()

@@ -1,0 +1,94 @@
+"""The one place runtime errors become gRPC status codes, as a server interceptor."""
+
+import grpc
+import structlog
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from metrale.runtime import errors
+
+log = structlog.get_logger()
+
+STATUS_OF = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.UnknownSequence: grpc.StatusCode.NOT_FOUND,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
+    errors.OutOfKvBlocks: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.BatchTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.SequenceBusy: grpc.StatusCode.ABORTED,
+    errors.Draining: grpc.StatusCode.UNAVAILABLE,
+    errors.DeviceFault: grpc.StatusCode.INTERNAL,
+}
+
+
+def status_of(error: errors.WorkerError) -> grpc.StatusCode:
+    for kind in type(error).__mro__:
+        if kind in STATUS_OF:
+            return STATUS_OF[kind]
+    return grpc.StatusCode.INTERNAL
+
+
+def _details(error: errors.WorkerError) -> list:
+    if isinstance(error, errors.OutOfKvBlocks):
+        return [error_details_pb2.ErrorInfo(
+            reason="KV_BLOCKS_EXHAUSTED", domain="metrale.v1",
+            metadata={"blocks_needed": str(error.blocks_needed), "blocks_free": str(error.blocks_free)})]
+    if isinstance(error, errors.BatchTooLarge):
+        return [error_details_pb2.ErrorInfo(
+            reason="MAX_BATCH_TOKENS", domain="metrale.v1",
+            metadata={"num_tokens": str(error.num_tokens), "max_batch_tokens": str(error.max_batch_tokens)})]
+    return []
+
+
+def to_grpc_status(error: errors.WorkerError) -> grpc.Status:
+    code = status_of(error)
+    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=str(error))
+    for detail in _details(error):
+        status.details.add().Pack(detail)
+    return rpc_status.to_status(status)
+
+
+async def abort_with(context: grpc.aio.ServicerContext, error: errors.WorkerError, on_fault=None) -> None:
+    status = to_grpc_status(error)
+    log.warning("request_failed", code=status.code.name, message=str(error))
+    if isinstance(error, errors.DeviceFault) and on_fault is not None:
+        on_fault()
+    await context.abort(status.code, status.details, status.trailing_metadata)
+
+
+class StatusInterceptor(grpc.aio.ServerInterceptor):
+    """Turns a WorkerError raised by any handler into its status code; on_fault runs for device faults."""
+
+    def __init__(self, on_fault):
+        self._on_fault = on_fault
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        rpc = handler_call_details.method.rsplit("/", 1)[-1]
+        if handler.unary_unary is not None:
+            return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary, rpc))
+        if handler.unary_stream is not None:
+            return handler._replace(unary_stream=self._wrap_stream(handler.unary_stream, rpc))
+        return handler
+
+    def _wrap_unary(self, behavior, rpc):
+        async def wrapped(request, context):
+            with structlog.contextvars.bound_contextvars(rpc=rpc):
+                try:
+                    return await behavior(request, context)
+                except errors.WorkerError as error:
+                    await abort_with(context, error, self._on_fault)
+        return wrapped
+
+    def _wrap_stream(self, behavior, rpc):
+        async def wrapped(request, context):
+            with structlog.contextvars.bound_contextvars(rpc=rpc):
+                try:
+                    async for item in behavior(request, context):
+                        yield item
+                except errors.WorkerError as error:
+                    await abort_with(context, error, self._on_fault)
+        return wrapped

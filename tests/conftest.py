@@ -1,0 +1,30 @@
+"""Shared test fixtures: the embedded default model's GGUF, and the gpu marker that skips without CUDA."""
+
+from pathlib import Path
+
+import pytest
+
+from metrale.runtime.default_model import default_cache_dir, fetch_default_model
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped where torch.cuda.is_available() is False")
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA GPU (torch.cuda.is_available() is False)")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    """The default model's GGUF, downloaded once into the user cache (~/.cache/metrale)."""
+    return fetch_default_model(default_cache_dir())

@@ -1,0 +1,106 @@
+"""Prefill, Decode and MixedForward through a real gRPC channel: chunking, batching, the logits-row trap."""
+
+import numpy as np
+import pytest
+
+from metrale.v1 import worker_pb2 as pb
+
+PROMPT = [5, 17, 99, 3, 42, 200, 7, 8, 150, 33, 61, 2, 90, 14, 77, 101, 12, 250, 4, 66, 31, 9, 180, 44, 71]
+LOGITS = pb.OutputOptions(logprobs=True, return_logits=True)
+
+
+def prefill(stub, seq_id, tokens, chunk_start=0, last=True, **kw):
+    s = pb.PrefillSlice(seq_id=seq_id, tokens=tokens, chunk_start=chunk_start, is_last_chunk=last, output=LOGITS, **kw)
+    return stub.Prefill(pb.PrefillRequest(slices=[s]))
+
+
+def logits_of(response, seq_id):
+    return {m.seq_id: np.frombuffer(m.data, "<f4") for m in response.logits}[seq_id]
+
+
+def decode_n(stub, seq_id, first_token, n):
+    tokens, token = [], first_token
+    for _ in range(n):
+        r = stub.Decode(pb.DecodeRequest(seq_ids=[seq_id], tokens=[token]))
+        token = r.tokens[0]
+        tokens.append(token)
+    return tokens
+
+
+def test_info(stub, worker):
+    info = stub.Info(pb.InfoRequest())
+    assert info.architecture == "LlamaForCausalLM"
+    assert info.vocab_size == 256 and info.kv_block_size == 16 and info.num_kv_blocks == 64
+    assert info.free_kv_blocks == 64 and info.num_streams == 2 and info.max_model_len == 96
+    assert not info.supports_beam and not info.is_mla and info.eos_token_ids == [2]
+
+
+@pytest.mark.parametrize("splits", [[25], [16, 9], [7, 11, 7], [1] * 25, [3, 13, 9]])
+def test_chunked_prefill_equals_whole(stub, splits):
+    whole = prefill(stub, 1, PROMPT)
+    whole_next = decode_n(stub, 1, whole.tokens[0], 4)
+    start = 0
+    for i, n in enumerate(splits):
+        r = prefill(stub, 2, PROMPT[start:start + n], chunk_start=start, last=i == len(splits) - 1)
+        assert len(r.seq_ids) == (1 if i == len(splits) - 1 else 0)
+        start += n
+    np.testing.assert_allclose(logits_of(r, 2), logits_of(whole, 1), rtol=0, atol=1e-5)
+    assert r.tokens[0] == whole.tokens[0]
+    assert decode_n(stub, 2, r.tokens[0], 4) == whole_next
+
+
+def test_chunk_size_split_by_worker_equals_whole(stub):
+    whole = prefill(stub, 1, PROMPT)
+    r = prefill(stub, 2, PROMPT, chunk_size=6)
+    np.testing.assert_allclose(logits_of(r, 2), logits_of(whole, 1), rtol=0, atol=1e-5)
+
+
+def test_batched_prefill_and_decode_equal_each_alone(stub):
+    prompts = {10: PROMPT[:5], 11: PROMPT[3:20], 12: PROMPT}
+    alone = {}
+    for seq_id, tokens in prompts.items():
+        first = prefill(stub, seq_id + 100, tokens).tokens[0]
+        alone[seq_id] = [first] + decode_n(stub, seq_id + 100, first, 5)
+    slices = [pb.PrefillSlice(seq_id=i, tokens=t, is_last_chunk=True) for i, t in prompts.items()]
+    r = stub.Prefill(pb.PrefillRequest(slices=slices))
+    got = {i: [t] for i, t in zip(r.seq_ids, r.tokens)}
+    for _ in range(5):
+        ids = sorted(got)
+        r = stub.Decode(pb.DecodeRequest(seq_ids=ids, tokens=[got[i][-1] for i in ids]))
+        assert list(r.seq_ids) == ids
+        for i, t in zip(r.seq_ids, r.tokens):
+            got[i].append(t)
+    assert got == alone
+
+
+def test_finishing_prefill_never_leaks_into_decode_lanes(stub):
+    """The logits-row trap: a prefill finishing in a mixed step must not change any decode lane's output."""
+    for seq_id in (1, 2, 3):
+        prefill(stub, seq_id, PROMPT[seq_id:seq_id + 10])
+    lanes = pb.DecodeRequest(seq_ids=[1, 2, 3], tokens=[40, 41, 42])
+    baseline = stub.Decode(lanes)
+    logits = {i: logits_of(baseline, i) for i in (1, 2, 3)}
+    stub.Release(pb.ReleaseRequest(seq_ids=[1, 2, 3]))
+    for seq_id in (1, 2, 3):
+        prefill(stub, seq_id, PROMPT[seq_id:seq_id + 10])
+    finishing = pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=9, tokens=PROMPT, is_last_chunk=True, output=LOGITS)])
+    mixed = stub.MixedForward(pb.MixedForwardRequest(decode=lanes, prefill=finishing))
+    assert list(mixed.seq_ids) == [1, 2, 3, 9]
+    assert list(mixed.tokens[:3]) == list(baseline.tokens)
+    np.testing.assert_allclose(mixed.logprobs[:3], baseline.logprobs, rtol=0, atol=1e-5)
+    for i in (1, 2, 3):
+        np.testing.assert_allclose(logits_of(mixed, i), logits[i], rtol=0, atol=1e-5)
+    alone = prefill(stub, 19, PROMPT)
+    assert mixed.tokens[3] == alone.tokens[0]
+
+
+def test_release_frees_every_block(stub):
+    before = stub.Info(pb.InfoRequest()).free_kv_blocks
+    prefill(stub, 1, PROMPT)
+    prefill(stub, 2, PROMPT[:3])
+    assert stub.Info(pb.InfoRequest()).free_kv_blocks == before - 3
+    r = stub.Release(pb.ReleaseRequest(seq_ids=[1, 2, 77]))
+    assert sorted(r.released_seq_ids) == [1, 2] and list(r.unknown_seq_ids) == [77] and r.blocks_freed == 3
+    assert stub.Info(pb.InfoRequest()).free_kv_blocks == before
+    again = stub.Release(pb.ReleaseRequest(seq_ids=[1, 2]))
+    assert list(again.unknown_seq_ids) == [1, 2] and again.blocks_freed == 0
