@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Installs the worker and its test dependencies. torch is pinned first to the CPU build the machine has on
+# disk, so no other requirement can pull a CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -m pip install --quiet torch==2.13.0
+python -m pip install --quiet -e '.[test]'
