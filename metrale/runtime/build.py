@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from metrale.runtime.backend import create_backend
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.engine import Engine
+from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.loading import Checkpoint
 from metrale.runtime.models import family_of
 
@@ -28,8 +29,10 @@ def build_engine(checkpoint: Checkpoint, config: EngineConfig) -> tuple[Engine, 
     family = family_of(checkpoint.config)
     model_config = family.config_from_hf(checkpoint.config)
     backend = create_backend(config.device, config.dtype)
-    max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
-                        model_config.max_position_embeddings)
+    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    if max_model_len > model_config.max_position_embeddings:
+        raise InvalidArgument(f"max_model_len={max_model_len} is over the model's max_position_embeddings="
+                              f"{model_config.max_position_embeddings}")
     model = family.model_class(model_config, checkpoint.tensors, backend, max_model_len)
     num_blocks = config.kv_blocks or _blocks_that_fit(backend, model_config, config)
     kv_cache = backend.allocate_kv_cache(model_config.num_layers, num_blocks, config.kv_block_size,

@@ -60,5 +60,7 @@ class DeviceLanes:
             # Unclaim before the handler sees the result, so its next step on these sequences is accepted.
             with self._claim_lock:
                 self._claimed -= claim
-            if running:
-                future.set_exception(error) if error is not None else future.set_result(result)
+            if running and error is not None:
+                future.set_exception(error)
+            elif running:
+                future.set_result(result)

@@ -86,37 +86,11 @@ class Tokenizer:
         if tokenizer_model != "gpt2":
             raise errors.InvalidArgument(
                 f"GGUF tokenizer model {tokenizer_model!r} is not supported; only byte-level BPE ('gpt2') is")
+        if missing := [key for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges") if key not in fields]:
+            raise errors.InvalidArgument(f"GGUF byte-level BPE tokenizer lacks {missing}")
         tokens = list(fields["tokenizer.ggml.tokens"])
-        token_types = list(fields.get("tokenizer.ggml.token_type") or [])
-        if "tokenizer.ggml.merges" not in fields:
-            raise errors.InvalidArgument("GGUF byte-level BPE tokenizer has no tokenizer.ggml.merges")
-        merges = [tuple(merge.split(" ", 1)) for merge in fields["tokenizer.ggml.merges"]]
-
-        spelling = _bytes_to_unicode()
-        alphabet = set(spelling.values())
-        # A token written in plain UTF-8 rather than the byte alphabet is respelled byte by byte.
-        vocab = {token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): index
-                 for index, token in enumerate(tokens)}
-        backend = tokenizers.Tokenizer(models.BPE(
-            vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-            end_of_word_suffix="", fuse_unk=False))
-        split = GGUF_PRE_TOKENIZER_SPLITS.get(fields.get("tokenizer.ggml.pre"))
-        if split is None:
-            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        else:
-            backend.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        backend.decoder = decoders.ByteLevel()
-
-        # Control tokens stay whole and are special; a "control" token outside the byte alphabet is a
-        # llama.cpp mislabel that transformers skips, and so do we. User-defined tokens stay whole too.
-        backend.add_special_tokens([
-            AddedToken(token, normalized=False, special=True)
-            for token, kind in zip(tokens, token_types) if kind == CONTROL and set(token) <= alphabet])
-        backend.add_tokens([
-            AddedToken(token, normalized=False, special=False)
-            for token, kind in zip(tokens, token_types) if kind == USER_DEFINED and token in vocab])
+        backend = _byte_level_bpe(tokens, list(fields.get("tokenizer.ggml.token_type") or []),
+                                  fields["tokenizer.ggml.merges"], fields.get("tokenizer.ggml.pre"))
 
         def token_id(key: str) -> int | None:
             value = fields.get(f"tokenizer.ggml.{key}")
@@ -165,7 +139,43 @@ class Tokenizer:
         return cls(backend, list(dict.fromkeys(eos_ids)), special_id("bos"), special_id("pad"))
 
 
-def _template(tokens: list[str], bos_token_id: int | None, eos_token_id: int | None) -> processors.TemplateProcessing:
+def _byte_level_bpe(tokens: list[str], token_types: list[int], merges: list[str],
+                    pre: str | None) -> tokenizers.Tokenizer:
+    """GPT-2 style byte-level BPE with the control / user-defined tokens kept whole, as transformers builds it."""
+    merge_pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    # A token written in plain UTF-8 rather than the byte alphabet is respelled byte by byte.
+    vocab = {token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): index
+             for index, token in enumerate(tokens)}
+    try:
+        bpe = models.BPE(vocab=vocab, merges=merge_pairs, dropout=None, continuing_subword_prefix="",
+                         end_of_word_suffix="", fuse_unk=False)
+    except Exception as error:  # tokenizers raises a bare Exception for a merge outside the vocabulary
+        raise errors.InvalidArgument(f"GGUF tokenizer vocabulary and merges do not agree: {error}") from error
+    backend = tokenizers.Tokenizer(bpe)
+    split = GGUF_PRE_TOKENIZER_SPLITS.get(pre)
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+
+    # Control tokens stay whole and are special; a "control" token outside the byte alphabet is a
+    # llama.cpp mislabel that transformers skips, and so do we. User-defined tokens stay whole too.
+    backend.add_special_tokens([
+        AddedToken(token, normalized=False, special=True)
+        for token, kind in zip(tokens, token_types) if kind == CONTROL and set(token) <= alphabet])
+    backend.add_tokens([
+        AddedToken(token, normalized=False, special=False)
+        for token, kind in zip(tokens, token_types) if kind == USER_DEFINED and token in vocab])
+    return backend
+
+
+def _template(tokens: list[str], bos_token_id: int | None,
+              eos_token_id: int | None) -> processors.TemplateProcessing:
     """The post-processor transformers builds for add_bos_token / add_eos_token (None: do not add)."""
     bos = tokens[bos_token_id] if bos_token_id is not None else None
     eos = tokens[eos_token_id] if eos_token_id is not None else None

@@ -2,6 +2,7 @@
 
 import argparse
 import asyncio
+import signal
 import sys
 from pathlib import Path
 
@@ -31,6 +32,8 @@ def run_serve(config: WorkerConfig) -> None:
     from metrale.runtime.loading import load_checkpoint
     from metrale.service.server import serve
 
+    # Until the server drains on signals itself, a SIGTERM during loading is a clean exit.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     path = model_path(config)
     log.info("loading", model=str(path))
     asyncio.run(serve(load_checkpoint(path), config))

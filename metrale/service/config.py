@@ -28,6 +28,10 @@ class WorkerConfig:
             raise InvalidArgument(f"port must be in [0, 65535], got {self.port}")
         if self.max_message_mb < 1:
             raise InvalidArgument(f"max_message_mb must be >= 1, got {self.max_message_mb}")
+        if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
+            raise InvalidArgument(f"metrics_port must be in [1, 65535], got {self.metrics_port}")
+        if not self.drain_timeout >= 0:
+            raise InvalidArgument(f"drain_timeout must be >= 0 seconds, got {self.drain_timeout}")
         if self.log_format not in ("auto", "json", "console"):
             raise InvalidArgument(f"log_format must be auto, json or console, got {self.log_format!r}")
 

@@ -39,6 +39,7 @@ async def generate_tokens(request: pb.GenerateRequest, seq_id: int, servicer):
     try:
         for index in range(request.max_new_tokens):
             out, _ = await servicer.run_on_lane(stream, [seq_id], lambda s=step: engine.step(s))
+            servicer.metrics.count_step(step)
             o = out.outputs[0]
             generated.append(o.token)
             last = index == request.max_new_tokens - 1 or index + 1 >= room

@@ -12,6 +12,7 @@ from metrale.runtime.build import build_engine
 from metrale.runtime.lanes import DeviceLanes
 from metrale.runtime.loading import Checkpoint
 from metrale.service.config import WorkerConfig
+from metrale.service.metrics import WorkerMetrics
 from metrale.service.servicer import ServingState, WorkerServicer
 from metrale.service.status import StatusInterceptor
 from metrale.v1 import worker_pb2, worker_pb2_grpc
@@ -29,10 +30,11 @@ class WorkerServer:
         self.lanes = DeviceLanes(config.engine.num_streams)
         self.state = ServingState()
         self.health = health.aio.HealthServicer()
-        self.servicer = WorkerServicer(engine, self.lanes, info, checkpoint.tokenizer, self.state)
+        self.metrics = WorkerMetrics(engine)
+        self.servicer = WorkerServicer(engine, self.lanes, info, checkpoint.tokenizer, self.state, self.metrics)
         options = [("grpc.max_receive_message_length", config.max_message_bytes),
                    ("grpc.max_send_message_length", config.max_message_bytes)]
-        self.server = grpc.aio.server(interceptors=[StatusInterceptor(self._on_device_fault)], options=options)
+        self.server = grpc.aio.server(interceptors=[StatusInterceptor(self._on_device_fault, self.metrics)], options=options)
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if config.reflection:
@@ -42,14 +44,18 @@ class WorkerServer:
         self._stopped = asyncio.Event()
 
     async def start(self) -> None:
+        if self.config.metrics_port:
+            self.metrics.serve(self.config.host, self.config.metrics_port)
         await self.server.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("serving", port=self.port, model=self.servicer.info.model_id, device=self.servicer.info.device,
                  kv_blocks=self.servicer.engine.blocks.num_blocks)
 
     async def drain(self) -> None:
-        """Health goes NOT_SERVING, new forward RPCs get UNAVAILABLE, in-flight ones finish, then the server stops."""
+        """Health goes NOT_SERVING, new forward RPCs get UNAVAILABLE, in-flight ones finish, then the server stops.
+        A second call (a second signal) stops at once."""
         if self.state.draining:
+            await self.server.stop(grace=0)
             return
         self.state.draining = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -79,6 +85,13 @@ async def serve(checkpoint: Checkpoint, config: WorkerConfig) -> None:
     worker = WorkerServer(checkpoint, config)
     await worker.start()
     loop = asyncio.get_running_loop()
+    drains = set()
+
+    def on_signal():
+        task = loop.create_task(worker.drain())
+        drains.add(task)
+        task.add_done_callback(drains.discard)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: loop.create_task(worker.drain()))
+        loop.add_signal_handler(sig, on_signal)
     await worker.wait()

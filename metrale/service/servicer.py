@@ -12,6 +12,7 @@ from metrale.runtime.lanes import DeviceLanes
 from metrale.runtime.step import Step
 from metrale.service import convert
 from metrale.service.generate import generate_tokens
+from metrale.service.metrics import WorkerMetrics
 from metrale.v1 import worker_pb2 as pb
 from metrale.v1 import worker_pb2_grpc
 
@@ -44,7 +45,9 @@ class ServingState:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, engine: Engine, lanes: DeviceLanes, info: ModelInfo, tokenizer, state: ServingState):
+    def __init__(self, engine: Engine, lanes: DeviceLanes, info: ModelInfo, tokenizer, state: ServingState,
+                 metrics: WorkerMetrics):
+        self.metrics = metrics
         self.engine = engine
         self.lanes = lanes
         self.info = info
@@ -133,6 +136,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         step.check(self.info.vocab_size)
         with self.state.admitted():
             out, queue_us = await self.run_on_lane(stream, ids, lambda: self.engine.step(step))
+        self.metrics.count_step(step)
         return convert.forward_response(out, queue_us)
 
     async def run_on_lane(self, stream: int, seq_ids: list[int], work):

@@ -58,10 +58,12 @@ async def abort_with(context: grpc.aio.ServicerContext, error: errors.WorkerErro
 
 
 class StatusInterceptor(grpc.aio.ServerInterceptor):
-    """Turns a WorkerError raised by any handler into its status code; on_fault runs for device faults."""
+    """Turns a WorkerError raised by any handler into its status code, and times every RPC;
+    on_fault runs for device faults."""
 
-    def __init__(self, on_fault):
+    def __init__(self, on_fault, metrics):
         self._on_fault = on_fault
+        self._metrics = metrics
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -76,19 +78,21 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
 
     def _wrap_unary(self, behavior, rpc):
         async def wrapped(request, context):
-            with structlog.contextvars.bound_contextvars(rpc=rpc):
+            with structlog.contextvars.bound_contextvars(rpc=rpc), self._metrics.rpc_seconds.labels(rpc).time():
                 try:
                     return await behavior(request, context)
                 except errors.WorkerError as error:
+                    self._metrics.rpc_errors.labels(rpc, status_of(error).name).inc()
                     await abort_with(context, error, self._on_fault)
         return wrapped
 
     def _wrap_stream(self, behavior, rpc):
         async def wrapped(request, context):
-            with structlog.contextvars.bound_contextvars(rpc=rpc):
+            with structlog.contextvars.bound_contextvars(rpc=rpc), self._metrics.rpc_seconds.labels(rpc).time():
                 try:
                     async for item in behavior(request, context):
                         yield item
                 except errors.WorkerError as error:
+                    self._metrics.rpc_errors.labels(rpc, status_of(error).name).inc()
                     await abort_with(context, error, self._on_fault)
         return wrapped

@@ -105,8 +105,8 @@ def _config(fields: dict, arch_name: str, arch: GgufArchitecture, gguf_tensors: 
     if missing := [name for name in required if key(name) is None]:
         raise errors.InvalidArgument(f"GGUF metadata lacks {[f'{arch_name}.{name}' for name in missing]}")
     hidden_size, num_heads = int(key("embedding_length")), int(key("attention.head_count"))
-    # qwen2/qwen3 keep HF's rotate-half layout, so no rows were permuted; rope.dimension_count is the
-    # rotary width, which equals head_dim for these families.
+    # key_length where the file states it (qwen3); else the rotary width, which is the whole head in
+    # these families (transformers reads llama's head_dim from it too).
     head_dim = key("attention.key_length") or key("rope.dimension_count") or hidden_size // num_heads
     tokens = fields.get("tokenizer.ggml.tokens")
     vocab_size = key("vocab_size") or (len(tokens) if tokens is not None else None)
@@ -183,7 +183,8 @@ def _llama3_scaling(rope_factors: np.ndarray, rope_theta: float, head_dim: int) 
 def _dequantize(tensor, path) -> np.ndarray:
     """[out, in] float32 (GGUF lists dims innermost first; numpy order is already HF's)."""
     try:
-        weight = dequantize(tensor.data, tensor.tensor_type)
+        # np.asarray drops the memmap subclass, whose per-slice bookkeeping dominates dequantisation time.
+        weight = dequantize(np.asarray(tensor.data), tensor.tensor_type)
     except NotImplementedError as error:
         raise errors.InvalidArgument(
             f"{path}: tensor {tensor.name} has quantisation type {tensor.tensor_type.name}, "

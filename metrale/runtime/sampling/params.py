@@ -58,7 +58,8 @@ class SamplingParams:
         _check_real("sampling.top_p", self.top_p, lambda v: 0 < v <= 1, "must be in (0, 1] (1 = off)")
         _check_real("sampling.min_p", self.min_p, lambda v: 0 <= v <= 1, "must be in [0, 1] (0 = off)")
         if self.seed is not None:
-            _check_int("sampling.seed", self.seed, lambda v: 0 <= v <= MAX_SEED, f"must be a uint64, in [0, {MAX_SEED}]")
+            _check_int("sampling.seed", self.seed, lambda v: 0 <= v <= MAX_SEED,
+                       f"must be a uint64, in [0, {MAX_SEED}]")
         _check_real("sampling.repetition_penalty", self.repetition_penalty, lambda v: v > 0,
                     "must be a finite number > 0 (1 = off)")
         for field in ("presence_penalty", "frequency_penalty"):
@@ -66,11 +67,13 @@ class SamplingParams:
                         f"must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}] (0 = off)")
         for pair in self.logit_bias:
             if not isinstance(pair, tuple) or len(pair) != 2:
-                raise errors.InvalidArgument(f"sampling.logit_bias entry {pair!r} is not a (token_id, bias) pair")
+                raise errors.InvalidArgument(f"sampling.logit_bias entry {pair!r} is malformed: "
+                                             f"must be a (token_id, bias) pair")
             token_id, bias = pair
             _check_int("sampling.logit_bias token id", token_id, lambda v: 0 <= v < vocab_size,
                        f"must be in [0, {vocab_size}) (the vocabulary size)")
-            _check_real(f"sampling.logit_bias[{token_id}]", bias, lambda v: True, "the bias must be a finite number")
+            _check_real(f"sampling.logit_bias[{token_id}]", bias, lambda v: True,
+                        "the bias must be a finite number")
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,9 @@ The rule, which the CUDA sampler kernel implements too (x: one row of logits, in
     (x < 0: x * r, else x / r); then x -= frequency_penalty * count + presence_penalty * (count > 0),
     counts over output_tokens; then x += logit_bias (repeated ids add up).
  2. temperature == 0: the token is argmax(x), ties to the lowest id. Done.
- 3. s = (x - max(x)) / temperature (the shift changes no probability; it keeps s finite).
-    Canonical order: s descending, ties by lower id.
-    top_k > 0: drop tokens with s < the top_k-th largest s (HF TopKLogitsWarper: ties at the cut stay).
+ 3. Canonical order: x descending, ties by lower id (temperature and the shift below keep this order).
+    top_k > 0: drop tokens with x < the top_k-th largest x (HF TopKLogitsWarper: ties at the cut stay).
+    s = (x - max(x)) / temperature: the shift changes no probability and keeps s finite.
     p = softmax(s) over what is left (float32); tokens with p == 0 are dropped.
     top_p < 1: keep a token while the float64 sum of p before it (canonical order) is < top_p
       (HF TopPLogitsWarper: the smallest head whose mass reaches top_p; the first token always stays).
@@ -28,7 +28,8 @@ import torch
 from metrale.runtime.sampling.params import OutputOptions, SamplingParams
 from metrale.runtime.sampling.philox import uniform
 
-FIRST_HEAD = 128  # canonical-order tokens walked first; doubled until the choice is inside
+FIRST_HEAD = 128  # canonical-order tokens walked first: the choice is in them for all but flat rows
+NUM_BUCKETS = 4096  # s-buckets that narrow the walk on flat rows
 
 
 @dataclass
@@ -100,78 +101,98 @@ def _token_ids(tokens: Sequence[int], vocab_size: int) -> torch.Tensor:
 def _sample_rows(x: torch.Tensor, rows: list[SampleRow]) -> list[int]:
     """x: [M, V] float32 penalised logits of the rows that sample (temperature > 0); a copy, changed in place."""
     vocab_size = x.shape[1]
-    temperature = torch.tensor([row.params.temperature for row in rows], dtype=torch.float32)
-    s = x.sub_(x.amax(dim=-1, keepdim=True)).div_(temperature[:, None])
     top_k = torch.tensor([min(row.params.top_k, vocab_size) for row in rows])
+    temperature = torch.tensor([row.params.temperature for row in rows], dtype=torch.float32)
+    s = (x - x.amax(dim=-1, keepdim=True)).div_(temperature[:, None])
     if bool(top_k.any()):
-        # [M, 1] the top_k-th largest s; -inf where top_k is off
-        kth = torch.topk(s, int(top_k.max()), dim=-1).values.gather(1, (top_k - 1).clamp(min=0)[:, None])
+        # [M, 1] the top_k-th largest x; -inf where top_k is off
+        kth = torch.topk(x, int(top_k.max()), dim=-1).values.gather(1, (top_k - 1).clamp(min=0)[:, None])
         kth[top_k == 0] = -torch.inf
-        s = s.masked_fill_(s < kth, -torch.inf)
+        s.masked_fill_(x < kth, -torch.inf)
     p = torch.softmax(s, dim=-1)
     min_p = torch.tensor([row.params.min_p for row in rows], dtype=torch.float32)
-    keep = p >= (min_p[:, None] * p.amax(dim=-1, keepdim=True)).clamp(min=torch.finfo(torch.float32).tiny)
-    head = min(FIRST_HEAD, vocab_size)
-    best = torch.topk(s, min(head + 1, vocab_size), dim=-1)  # [M, head + 1], first heads of all rows at once
-    return [_choose(s[m], p[m], keep[m], canonical_head(s[m], head, best.values[m], best.indices[m]),
-                    row.params.top_p, uniform(row.seed, row.position))
-            for m, row in enumerate(rows)]
+    keep = (p > 0) & (p >= min_p[:, None] * p.amax(dim=-1, keepdim=True))
+    num_keep = keep.sum(dim=-1).tolist()
+    # [M, FIRST_HEAD + 1]: the first canonical heads of all rows from one topk
+    best_values, best_ids = (t.numpy() for t in torch.topk(x, min(FIRST_HEAD + 1, vocab_size), dim=-1))
+    tokens = []
+    for m, row in enumerate(rows):
+        if num_keep[m] == 0:
+            raise ValueError("a logits row has no finite maximum (NaN or +inf logits): nothing to sample")
+        x_row, s_row, p_row, keep_row = x[m].numpy(), s[m].numpy(), p[m].numpy(), keep[m].numpy()
+        head = canonical_head(x_row, min(FIRST_HEAD, num_keep[m]), best_values[m], best_ids[m])
+        draw = _Draw(x_row, s_row, p_row, head)
+        tokens.append(draw.choose(keep_row, row.params.top_p, uniform(row.seed, row.position)))
+    return tokens
 
 
-def _choose(s: torch.Tensor, p: torch.Tensor, keep: torch.Tensor, order: torch.Tensor, top_p: float, u: float) -> int:
-    """Inverse-CDF choice over K. s, p, keep: [V], keep = p > 0 and min_p; order: a canonical head of s."""
-    num_keep = int(keep.sum())
-    if num_keep == 0:
-        raise ValueError("a logits row has no finite maximum (NaN or +inf logits): nothing to sample")
-    kept_len = num_keep if top_p >= 1.0 else None  # length of K once top_p's cut is known
-    total = None
-    head = len(order)
-    while True:
-        order = order[keep[order]]  # keep is a head of the canonical order, so this stays a head of K
-        probs = p[order].double().numpy()
-        cumulative = np.cumsum(probs)
-        if kept_len is None:
-            before = np.concatenate(([0.0], cumulative[:-1]))
-            inside = int(np.count_nonzero(before < top_p))
-            if inside < len(order) or len(order) == num_keep:
-                kept_len = inside
-        if kept_len is not None:
-            if total is None:
-                total = _kept_mass(p, keep, order, kept_len)
-            limit = min(kept_len, len(order))
-            index = int(np.searchsorted(cumulative[:limit], u * total, side="right"))
-            if index < limit:
-                return int(order[index])
-            if limit == kept_len:
-                return int(order[limit - 1])
-        # ends: at the full vocabulary the order holds all of K
-        head = min(2 * head, s.shape[0])
-        order = canonical_head(s, head)
+@dataclass
+class _Draw:
+    """One row's inverse-CDF draw. x, s, p: [V] penalised logits, shifted and scaled s, softmax p."""
+
+    x: np.ndarray
+    s: np.ndarray
+    p: np.ndarray
+    head: np.ndarray  # a head of the canonical order of x
+
+    def choose(self, keep: np.ndarray, top_p: float, u: float) -> int:
+        """keep: [V], p > 0 and min_p."""
+        kept = keep
+        if top_p < 1.0:
+            # K ends at the first token whose running sum reaches top_p
+            last = self.first_past(keep, float(np.nextafter(top_p, -1.0)))
+            after_last = (self.x < self.x[last]) | ((self.x == self.x[last]) & (np.arange(len(self.x)) > last))
+            kept = keep & ~after_last
+        total = float(np.sum(self.p, where=kept, dtype=np.float64))
+        return self.first_past(kept, u * total)
+
+    def first_past(self, mask: np.ndarray, target: float) -> int:
+        """The first token of mask (canonical order) whose float64 running sum of p is > target; else the last."""
+        order = self.head[mask[self.head]]
+        cumulative = np.cumsum(self.p[order], dtype=np.float64)
+        index = int(np.searchsorted(cumulative, target, side="right"))
+        if index < len(order):
+            return int(order[index])
+        if len(order) == np.count_nonzero(mask):
+            return int(order[-1])
+        return self._first_past_by_buckets(mask, target)
+
+    def _first_past_by_buckets(self, mask: np.ndarray, target: float) -> int:
+        """first_past where the crossing lies past the head (flat rows): sum p per s-bucket, sort one bucket."""
+        lowest = float(np.min(self.s, where=mask, initial=0.0))  # s <= 0: the top token has s == 0
+        before = 0.0
+        if lowest == 0.0:
+            ids = np.flatnonzero(mask)  # all of mask is tied at the top of s
+        else:
+            # bucket 0 holds the largest s; s is monotone in x, so buckets follow the canonical order
+            scaled = np.floor(self.s * ((NUM_BUCKETS - 1) / lowest))
+            bucket = np.clip(scaled, 0, NUM_BUCKETS - 1).astype(np.intp)
+            mass = np.cumsum(np.bincount(bucket, weights=self.p * mask, minlength=NUM_BUCKETS))
+            crossed = min(int(np.searchsorted(mass, target, side="right")), NUM_BUCKETS - 1)
+            while crossed and mass[crossed] == mass[crossed - 1]:
+                crossed -= 1  # rounding left target past the last bucket: back off to one with tokens
+            before = float(mass[crossed - 1]) if crossed else 0.0
+            ids = np.flatnonzero(mask & (bucket == crossed))
+        order = ids[np.argsort(-self.x[ids], kind="stable")]  # ids ascending: ties stay in id order
+        cumulative = before + np.cumsum(self.p[order], dtype=np.float64)
+        return int(order[min(int(np.searchsorted(cumulative, target, side="right")), len(order) - 1)])
 
 
-def _kept_mass(p: torch.Tensor, keep: torch.Tensor, order: torch.Tensor, kept_len: int) -> float:
-    """T: float64 sum of p over K, the head of `keep` in canonical order of length kept_len."""
-    if kept_len <= len(order):
-        return float(p[order[:kept_len]].double().sum())
-    return float(p[keep].double().sum())
-
-
-def canonical_head(values: torch.Tensor, n: int, best: torch.Tensor | None = None,
-                   best_ids: torch.Tensor | None = None) -> torch.Tensor:
+def canonical_head(values: np.ndarray, n: int, best: np.ndarray | None = None,
+                   best_ids: np.ndarray | None = None) -> np.ndarray:
     """Ids of the n largest values (more where ties straddle the n-th), largest first, ties by lower id.
 
-    values: [V]; best, best_ids: topk(values, k) for some k > n, where the caller has it already.
+    values: [V]; best, best_ids: topk(values, k) for some k > n, largest first, where the caller has it.
     """
     if n >= values.shape[0]:
-        return torch.sort(values, descending=True, stable=True).indices
+        return np.argsort(-values, kind="stable")
     if best is None:
-        best, best_ids = torch.topk(values, n + 1)
+        best, best_ids = (t.numpy() for t in torch.topk(torch.from_numpy(values), n + 1))
     if best[n] < best[n - 1]:
-        ids = best_ids[:n].sort().values
+        ids = np.sort(best_ids[:n])
     else:
-        ids = torch.nonzero(values >= best[n - 1]).squeeze(1)  # ties straddle the cut: take them all
-    # ids ascending, so the stable sort leaves ties in id order
-    return ids[torch.sort(values[ids], descending=True, stable=True).indices]
+        ids = np.flatnonzero(values >= best[n - 1])  # ties straddle the cut: take them all
+    return ids[np.argsort(-values[ids], kind="stable")]  # ids ascending: ties stay in id order
 
 
 def _outputs(raw: torch.Tensor, rows: list[SampleRow], tokens: list[int]) -> SampleResult:
@@ -182,15 +203,18 @@ def _outputs(raw: torch.Tensor, rows: list[SampleRow], tokens: list[int]) -> Sam
     if asked:
         logprobs = torch.log_softmax(raw if len(asked) == len(rows) else raw[asked], dim=-1)  # [len(asked), V]
         top_n = max(rows[i].options.top_logprobs for i in asked)
-        best = torch.topk(logprobs, min(top_n + 1, logprobs.shape[1]), dim=-1) if top_n else None
+        if top_n:
+            best = torch.topk(logprobs, min(top_n + 1, logprobs.shape[1]), dim=-1)
+            best_values, best_ids = best.values.numpy(), best.indices.numpy()
         for m, i in enumerate(asked):
             options = rows[i].options
             if options.logprobs:
                 result.logprobs[i] = float(logprobs[m, tokens[i]])
             if options.top_logprobs:
                 n = options.top_logprobs
-                ids = canonical_head(logprobs[m], n, best.values[m], best.indices[m])[:n]
-                result.top_logprobs[i] = (ids.tolist(), logprobs[m, ids].tolist())
+                row_logprobs = logprobs[m].numpy()
+                ids = canonical_head(row_logprobs, n, best_values[m], best_ids[m])[:n]
+                result.top_logprobs[i] = (ids.tolist(), row_logprobs[ids].tolist())
     for i, row in enumerate(rows):
         if row.options.return_logits:
             result.logits[i] = raw[i].clone()

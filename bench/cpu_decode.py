@@ -1,0 +1,197 @@
+"""CPU decode speed of a model (default: the embedded SmolLM2-135M), engine alone and through gRPC, against the
+§6 floor: (weight bytes + KV bytes read per step) / measured memory copy bandwidth.
+
+Run from the repository root: python -m bench.cpu_decode [--batches 1,8] [--steps 32] [--model PATH]
+"""
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from bench.grpc_overhead import LoopbackWorker, loopback_config, machine_line, quiet_logs
+from metrale.runtime.config import EngineConfig
+from metrale.runtime.default_model import default_cache_dir, fetch_default_model
+from metrale.runtime.engine import Engine
+from metrale.runtime.kv_blocks import blocks_for
+from metrale.runtime.loading import load_checkpoint
+from metrale.runtime.step import DecodeLane, PrefillSlice, Step
+from metrale.service.server import WorkerServer
+from metrale.v1 import worker_pb2 as pb
+
+
+@dataclass
+class DecodeRun:
+    batch: int
+    path: str  # "engine" or "grpc"
+    step_ms: list[float]  # per timed step, wall clock as the caller saw it
+    forward_ms: list[float]  # per timed step, the engine's own forward_us
+
+
+@dataclass
+class Row:
+    batch: int
+    path: str
+    mean_ms: float
+    p50_ms: float
+    forward_ms: float
+    tokens_per_s: float
+    floor_ms: float
+    times_floor: float
+
+
+def copy_bandwidth(num_bytes: int, repeats: int = 10) -> float:
+    """Bytes/s of a large tensor copy, counting bytes read + bytes written (STREAM 'Copy'); best of repeats."""
+    source = torch.ones(num_bytes // 4, dtype=torch.float32)
+    target = torch.empty_like(source)
+    target.copy_(source)  # faults in target's pages before timing
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - started)
+    return 2 * source.nbytes / best
+
+
+def weight_bytes(engine: Engine) -> int:
+    """Bytes of every weight a decode step reads whole. The embedding table only gives one row per token, so it
+    counts only where it is also the (tied) lm_head; a tensor used twice counts once."""
+    weights = engine.model.weights
+    tensors = [weights["lm_head"], weights["norm"]] + [t for layer in weights["layers"] for t in layer.values()]
+    unique = {t.data_ptr(): t.nbytes for t in tensors}
+    return sum(unique.values())
+
+
+def kv_bytes_per_token(engine: Engine) -> int:
+    # Each layer's pool: [2 (k, v), num_blocks, kv_block_size, num_kv_heads, head_dim].
+    return sum(2 * kv.shape[3] * kv.shape[4] * kv.element_size() for kv in engine.kv_cache)
+
+
+def prompt_tokens(first_seq_id: int, batch: int, prompt_len: int, vocab_size: int) -> dict[int, tuple[int, ...]]:
+    """seq_id -> prompt; random ids above the usual special tokens, the same in every run."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab_size, (batch, prompt_len), generator=generator)
+    return {first_seq_id + i: tuple(row.tolist()) for i, row in enumerate(ids)}
+
+
+class EngineDecoder:
+    """Decodes a set of sequences by calling Engine.step directly: device time plus the engine's own Python."""
+
+    path = "engine"
+
+    def __init__(self, engine: Engine, prompts: dict[int, tuple[int, ...]]):
+        self.engine = engine
+        out = engine.step(Step(prefill=tuple(PrefillSlice(seq_id, tokens) for seq_id, tokens in prompts.items())))
+        self.next_tokens = {o.seq_id: o.token for o in out.outputs}
+
+    def step(self) -> tuple[float, float]:
+        """One decode step of every sequence; returns (wall ms, forward ms)."""
+        step = Step(decode=tuple(DecodeLane(seq_id, token) for seq_id, token in self.next_tokens.items()))
+        started = time.perf_counter()
+        out = self.engine.step(step)
+        elapsed_ms = (time.perf_counter() - started) * 1e3
+        self.next_tokens = {o.seq_id: o.token for o in out.outputs}
+        return elapsed_ms, out.forward_us / 1e3
+
+    def release(self) -> None:
+        self.engine.release(list(self.next_tokens))
+
+
+class GrpcDecoder:
+    """Decodes a set of sequences with Decode RPCs on a loopback channel: what a client in this process sees."""
+
+    path = "grpc"
+
+    def __init__(self, stub, prompts: dict[int, tuple[int, ...]]):
+        self.stub = stub
+        slices = [pb.PrefillSlice(seq_id=seq_id, tokens=tokens, is_last_chunk=True) for seq_id, tokens in prompts.items()]
+        response = stub.Prefill(pb.PrefillRequest(slices=slices))
+        self.seq_ids, self.tokens = list(response.seq_ids), list(response.tokens)
+
+    def step(self) -> tuple[float, float]:
+        request = pb.DecodeRequest(seq_ids=self.seq_ids, tokens=self.tokens)
+        started = time.perf_counter()
+        response = self.stub.Decode(request)
+        elapsed_ms = (time.perf_counter() - started) * 1e3
+        self.seq_ids, self.tokens = list(response.seq_ids), list(response.tokens)
+        return elapsed_ms, response.forward_us / 1e3
+
+    def release(self) -> None:
+        self.stub.Release(pb.ReleaseRequest(seq_ids=self.seq_ids))
+
+
+def decode_interleaved(decoders: list, batch: int, steps: int, warmup: int) -> list[DecodeRun]:
+    """Steps the decoders in turn, so load that drifts during the run falls on every path alike."""
+    runs = [DecodeRun(batch, d.path, [], []) for d in decoders]
+    for i in range(warmup + steps):
+        for decoder, run in zip(decoders, runs):
+            elapsed_ms, forward_ms = decoder.step()
+            if i >= warmup:
+                run.step_ms.append(elapsed_ms)
+                run.forward_ms.append(forward_ms)
+    for decoder in decoders:
+        decoder.release()
+    return runs
+
+
+def row_of(run: DecodeRun, floor_ms: float) -> Row:
+    mean_ms = statistics.fmean(run.step_ms)
+    return Row(run.batch, run.path, mean_ms, statistics.median(run.step_ms), statistics.fmean(run.forward_ms),
+               run.batch / mean_ms * 1e3, floor_ms, mean_ms / floor_ms)
+
+
+def format_table(rows: list[Row]) -> str:
+    lines = [f"{'batch':>5}  {'path':<6}  {'ms/step':>8}  {'p50 ms':>8}  {'forward ms':>10}  {'tokens/s':>8}  "
+             f"{'floor ms':>8}  {'x floor':>7}"]
+    lines += [f"{r.batch:>5}  {r.path:<6}  {r.mean_ms:>8.1f}  {r.p50_ms:>8.1f}  {r.forward_ms:>10.1f}  "
+              f"{r.tokens_per_s:>8.1f}  {r.floor_ms:>8.2f}  {r.times_floor:>7.1f}" for r in rows]
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="GGUF file or HF directory; default: the embedded model")
+    parser.add_argument("--batches", default="1,8", help="sequences decoding together, comma-separated")
+    parser.add_argument("--steps", type=int, default=32, help="timed decode steps per batch and path")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first")
+    parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per sequence")
+    parser.add_argument("--copy-mb", type=int, default=512, help="size of the tensor copied to measure bandwidth")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads; default: torch's choice")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    model = args.model or fetch_default_model(default_cache_dir())
+    checkpoint = load_checkpoint(model)
+    max_len = args.prompt_len + args.warmup + args.steps + 1
+    engine_config = EngineConfig(device="cpu", max_model_len=max_len,
+                                 kv_blocks=2 * max(batches) * blocks_for(max_len, EngineConfig.kv_block_size))
+    bandwidth = copy_bandwidth(args.copy_mb << 20)
+    print(machine_line("cpu_decode"))
+    with LoopbackWorker(lambda: WorkerServer(checkpoint, loopback_config(engine_config))) as worker:
+        engine, info = worker.server.servicer.engine, worker.server.servicer.info
+        weights, kv_per_token = weight_bytes(engine), kv_bytes_per_token(engine)
+        # Decode step i reads prompt_len + i + 1 tokens of KV per sequence; the mean over the timed steps:
+        mean_context = args.prompt_len + args.warmup + (args.steps + 1) / 2
+        print(f"# {info.model_id}: {info.architecture} {info.dtype}, weights read per step {weights / 1e6:.1f} MB, "
+              f"KV {kv_per_token / 1e3:.1f} kB/token; prompt {args.prompt_len} tokens, {args.steps} timed steps "
+              f"after {args.warmup} warm-up; copy bandwidth {bandwidth / 1e9:.2f} GB/s (read + write)")
+        rows = []
+        for batch in batches:
+            floor_ms = (weights + batch * mean_context * kv_per_token) / bandwidth * 1e3
+            decoders = [EngineDecoder(engine, prompt_tokens(0, batch, args.prompt_len, info.vocab_size)),
+                        GrpcDecoder(worker.stub, prompt_tokens(batch, batch, args.prompt_len, info.vocab_size))]
+            rows += [row_of(run, floor_ms) for run in decode_interleaved(decoders, batch, args.steps, args.warmup)]
+    print(format_table(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    quiet_logs()
+    main()

@@ -1,0 +1,49 @@
+"""Bench-only: an engine that does no work, inside a real WorkerServer, so a round trip measures the API alone."""
+
+from unittest import mock
+
+from metrale.runtime.build import ModelInfo
+from metrale.runtime.config import EngineConfig
+from metrale.runtime.engine import ReleaseResult
+from metrale.runtime.kv_blocks import KvBlockManager
+from metrale.runtime.loading import Checkpoint
+from metrale.runtime.sequence import SequenceTable
+from metrale.runtime.step import SequenceOutput, Step, StepOutput
+from metrale.service import server as server_module
+from metrale.service.config import WorkerConfig
+from metrale.service.server import WorkerServer
+
+STUB_VOCAB_SIZE = 32000
+STUB_INFO = ModelInfo(model_id="stub", architecture="StubForBench", dtype="float32", device="cpu",
+                      vocab_size=STUB_VOCAB_SIZE, max_model_len=4096, eos_token_ids=(), bos_token_id=None,
+                      pad_token_id=None)
+
+
+class StubEngine:
+    """Engine's interface, instantly: every decode lane and last prefill chunk gets token 0, logprob 0.0."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.sequences = SequenceTable()
+        self.blocks = KvBlockManager(1, config.kv_block_size)
+
+    def step(self, step: Step) -> StepOutput:
+        seq_ids = [lane.seq_id for lane in step.decode] + [s.seq_id for s in step.prefill if s.is_last_chunk]
+        return StepOutput([SequenceOutput(seq_id, 0, 0.0) for seq_id in seq_ids], forward_us=0)
+
+    def release(self, seq_ids: list[int] | None) -> ReleaseResult:
+        return ReleaseResult(released=[], unknown=list(seq_ids or ()), blocks_freed=0)
+
+    def live_seq_ids(self) -> list[int]:
+        return []
+
+
+def stub_worker_server(config: WorkerConfig) -> WorkerServer:
+    """The real WorkerServer (servicer, interceptor, lanes, options) with StubEngine where build_engine's engine goes.
+
+    Must run on the event loop that will serve it, as WorkerServer's constructor does."""
+    def build_stub(checkpoint, engine_config):
+        return StubEngine(engine_config), STUB_INFO
+
+    with mock.patch.object(server_module, "build_engine", build_stub):
+        return WorkerServer(Checkpoint(config={}, tensors={}, source="stub"), config)

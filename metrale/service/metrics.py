@@ -1,0 +1,33 @@
+"""Prometheus metrics, on their own HTTP port (--metrics-port). One registry per server."""
+
+import prometheus_client as prom
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+class WorkerMetrics:
+    def __init__(self, engine):
+        self.registry = prom.CollectorRegistry()
+        r = self.registry
+        self.rpc_seconds = prom.Histogram("metrale_rpc_seconds", "Time to answer an RPC, by RPC.", ["rpc"],
+                                          buckets=LATENCY_BUCKETS, registry=r)
+        self.rpc_errors = prom.Counter("metrale_rpc_errors", "RPCs answered with an error, by RPC and status code.",
+                                       ["rpc", "code"], registry=r)
+        self.tokens = prom.Counter("metrale_tokens", "Tokens run through the model, by kind (prefill or decode).",
+                                   ["kind"], registry=r)
+        self.step_sequences = prom.Histogram("metrale_step_sequences", "Sequences in one step.",
+                                             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
+        live = prom.Gauge("metrale_live_sequences", "Sequences the worker holds.", registry=r)
+        live.set_function(lambda: len(engine.sequences))
+        free = prom.Gauge("metrale_kv_blocks_free", "KV blocks free in the pool.", registry=r)
+        free.set_function(lambda: engine.blocks.num_free)
+        used = prom.Gauge("metrale_kv_blocks_used", "KV blocks held by sequences.", registry=r)
+        used.set_function(lambda: engine.blocks.num_blocks - engine.blocks.num_free)
+
+    def count_step(self, step) -> None:
+        self.tokens.labels("decode").inc(len(step.decode))
+        self.tokens.labels("prefill").inc(sum(len(s.tokens) for s in step.prefill))
+        self.step_sequences.observe(len(step.decode) + len(step.prefill))
+
+    def serve(self, host: str, port: int) -> None:
+        prom.start_http_server(port, addr=host, registry=self.registry)

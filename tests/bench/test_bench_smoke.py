@@ -1,0 +1,47 @@
+"""Runs each bench script's main with tiny sizes, so the scripts keep working; timings are not checked (§6)."""
+
+from pathlib import Path
+
+import pytest
+
+from tiny_models import write_tiny
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    # The scripts run as `python -m bench.<name>` from the repository root, which is not always on sys.path here.
+    monkeypatch.syspath_prepend(str(ROOT))
+    import bench.cpu_decode
+    import bench.grpc_overhead
+
+    return bench
+
+
+def test_grpc_overhead_measures_every_size(bench, capsys):
+    rows = bench.grpc_overhead.main(["--sizes", "1,3", "--iterations", "5", "--warmup", "1"])
+    assert [r.num_sequences for r in rows] == [1, 3]
+    assert all(0 < r.p50_us <= r.p99_us for r in rows)
+    assert "sequences" in capsys.readouterr().out
+
+
+def test_stub_engine_answers_one_token_per_lane(bench):
+    from metrale.runtime.config import EngineConfig
+    from metrale.runtime.step import DecodeLane, PrefillSlice, Step
+
+    from bench.stub_model import StubEngine
+
+    step = Step(decode=(DecodeLane(5, 1), DecodeLane(7, 2)), prefill=(PrefillSlice(9, (1, 2), is_last_chunk=False),))
+    out = StubEngine(EngineConfig(device="cpu")).step(step)
+    assert [(o.seq_id, o.token, o.logprob) for o in out.outputs] == [(5, 0, 0.0), (7, 0, 0.0)]
+
+
+def test_cpu_decode_reports_engine_and_grpc_per_batch(bench, tmp_path, capsys):
+    model = write_tiny("llama_tied", tmp_path / "llama")
+    rows = bench.cpu_decode.main(["--model", str(model), "--batches", "1,2", "--steps", "2", "--warmup", "1",
+                                  "--prompt-len", "4", "--copy-mb", "1"])
+    assert [(r.batch, r.path) for r in rows] == [(1, "engine"), (1, "grpc"), (2, "engine"), (2, "grpc")]
+    assert all(r.floor_ms > 0 and r.tokens_per_s > 0 for r in rows)
+    out = capsys.readouterr().out
+    assert "x floor" in out and "copy bandwidth" in out

@@ -1,0 +1,51 @@
+"""The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF) against transformers loading the same file."""
+
+import pytest
+import torch
+import transformers
+
+from metrale.runtime.build import build_engine
+from metrale.runtime.config import EngineConfig
+from metrale.runtime.loading import load_checkpoint
+from metrale.runtime.sampling import OutputOptions
+from metrale.runtime.step import DecodeLane, PrefillSlice, Step
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def reference(default_gguf):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def engine_and_tokenizer(default_gguf):
+    checkpoint = load_checkpoint(default_gguf)
+    engine, _ = build_engine(checkpoint, EngineConfig(device="cpu", kv_blocks=64))
+    return engine, checkpoint.tokenizer
+
+
+def test_logits_match_transformers_on_the_same_gguf(reference, engine_and_tokenizer):
+    engine, tokenizer = engine_and_tokenizer
+    prompt = tokenizer.encode("Gravity is the force that")
+    out = engine.step(Step(prefill=(PrefillSlice(1, tuple(prompt), output=OutputOptions(return_logits=True)),)))
+    ours, tokens = [out.outputs[0].logits], list(prompt)
+    for _ in range(8):
+        tokens.append(out.outputs[0].token)
+        out = engine.step(Step(decode=(DecodeLane(1, tokens[-1]),)))
+        ours.append(out.outputs[0].logits)
+    engine.release([1])
+    with torch.no_grad():
+        expected = reference(torch.tensor([tokens])).logits[0, len(prompt) - 1:]
+    for i, (row, want) in enumerate(zip(ours, expected)):
+        error = float((row - want).abs().max() / want.abs().max())
+        assert error < 1e-3, f"step {i}: relative error {error}"
+    assert tokens[len(prompt):] == expected[:-1].argmax(-1).tolist()
+
+
+def test_greedy_continuation_is_paris(engine_and_tokenizer):
+    engine, tokenizer = engine_and_tokenizer
+    out = engine.step(Step(prefill=(PrefillSlice(2, tuple(tokenizer.encode(PROMPT))),)))
+    engine.release([2])
+    assert tokenizer.decode([out.outputs[0].token]) == " Paris"

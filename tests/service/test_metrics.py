@@ -1,0 +1,52 @@
+"""The Prometheus endpoint, scraped over HTTP, moves with what the client did."""
+
+import socket
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from metrale.v1 import worker_pb2 as pb
+from service_harness import start_worker
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> dict:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+@pytest.fixture(scope="module")
+def metered(tiny_llama_dir):
+    port = free_port()
+    running = start_worker(tiny_llama_dir, kv_blocks=32, metrics_port=port)
+    yield running, port
+    running.stop()
+
+
+def test_metrics_follow_the_requests(metered):
+    worker, port = metered
+    stub = worker.stub
+    stub.Prefill(pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=1, tokens=[3] * 20, is_last_chunk=True),
+                                           pb.PrefillSlice(seq_id=2, tokens=[4] * 5, is_last_chunk=True)]))
+    for _ in range(3):
+        stub.Decode(pb.DecodeRequest(seq_ids=[1, 2], tokens=[7, 7]))
+    with pytest.raises(grpc.RpcError):
+        stub.Decode(pb.DecodeRequest(seq_ids=[9], tokens=[7]))
+    m = scrape(port)
+    assert m[("metrale_tokens_total", (("kind", "prefill"),))] == 25
+    assert m[("metrale_tokens_total", (("kind", "decode"),))] == 6
+    assert m[("metrale_rpc_errors_total", (("code", "NOT_FOUND"), ("rpc", "Decode")))] == 1
+    assert m[("metrale_rpc_seconds_count", (("rpc", "Decode"),))] == 4
+    assert m[("metrale_live_sequences", ())] == 2
+    assert m[("metrale_kv_blocks_used", ())] == 3 and m[("metrale_kv_blocks_free", ())] == 29
+    stub.Release(pb.ReleaseRequest(all=True))
+    m = scrape(port)
+    assert m[("metrale_live_sequences", ())] == 0 and m[("metrale_kv_blocks_free", ())] == 32
