@@ -40,6 +40,13 @@ class DeviceLanes:
         self._queues[lane].put((future, work, claim, time.perf_counter()))
         return future
 
+    def submit_in_order(self, lane: int, work: Callable[[], object]) -> Future:
+        """Runs work after everything already queued on the lane, claiming nothing: for clean-up of sequences
+        only this lane's queued work can touch (a cancelled Generate's)."""
+        future: Future = Future()
+        self._queues[lane].put((future, work, set(), time.perf_counter()))
+        return future
+
     def close(self) -> None:
         for q in self._queues:
             q.put(None)

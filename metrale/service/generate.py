@@ -60,4 +60,6 @@ async def generate_tokens(request: pb.GenerateRequest, seq_id: int, servicer):
                 return
             step = Step(decode=(DecodeLane(seq_id, o.token),))
     finally:
-        await servicer.run_on_lane(stream, [seq_id], lambda: engine.release([seq_id]))
+        # Queued behind this request's last step, which may still run if the client cancelled; not awaited, so
+        # a second cancellation cannot skip it.
+        servicer.lanes.submit_in_order(stream, lambda: engine.release([seq_id]))

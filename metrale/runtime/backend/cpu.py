@@ -33,8 +33,8 @@ class CpuBackend:
         shape = (2, num_blocks, kv_block_size, num_kv_heads, head_dim)
         return [torch.zeros(shape, dtype=self.dtype) for _ in range(num_layers)]
 
-    def prepare(self, batch: ForwardBatch) -> ForwardBatch:
-        return batch
+    def prepare(self, batch: ForwardBatch) -> "CpuBatch":
+        return CpuBatch.from_batch(batch)
 
     def embedding(self, table, token_ids):
         return F.embedding(token_ids, table)
@@ -50,9 +50,8 @@ class CpuBackend:
     def linear(self, x, weight, bias=None):
         return F.linear(x, weight, bias)
 
-    def rope_and_write_kv(self, q, k, v, rope: RopeTable, batch: ForwardBatch, kv, head_dim):
-        cos = rope.cos[batch.positions].unsqueeze(1)  # [T, 1, head_dim // 2]
-        sin = rope.sin[batch.positions].unsqueeze(1)
+    def rope_and_write_kv(self, q, k, v, rope: RopeTable, batch: "CpuBatch", kv, head_dim):
+        cos, sin = batch.rope_at_positions(rope)
         q = _rotate(q.view(q.shape[0], -1, head_dim), cos, sin)
         k = _rotate(k.view(k.shape[0], -1, head_dim), cos, sin)
         num_blocks, block_size = kv.shape[1], kv.shape[2]
@@ -61,13 +60,23 @@ class CpuBackend:
         flat[1, batch.slot_mapping] = v.view(k.shape)
         return q.reshape(q.shape[0], -1)
 
-    def paged_attention(self, q, kv, batch: ForwardBatch, num_kv_heads, head_dim, scale, sliding_window):
+    def paged_attention(self, q, kv, batch: "CpuBatch", num_kv_heads, head_dim, scale, sliding_window):
         out = torch.empty_like(q)
-        for start, n, context, table in zip(batch.query_starts, batch.query_lens, batch.context_lens,
-                                            batch.block_tables):
+        if batch.single_rows.numel():
+            # Every one-token segment at once, over KV padded to the longest context.
+            keys = kv[0][batch.single_tables].flatten(1, 2)[:, :batch.single_context]   # [B, C, kvh, hd]
+            values = kv[1][batch.single_tables].flatten(1, 2)[:, :batch.single_context]
+            queries = q[batch.single_rows].view(len(batch.single_rows), num_kv_heads, -1, head_dim)
+            allowed = batch.single_allowed(sliding_window)                              # [B, C]
+            scores = torch.einsum("bkgd,bckd->bkgc", queries.float(), keys.float()) * scale
+            scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            attended = torch.einsum("bkgc,bckd->bkgd", probs, values.float()).to(q.dtype)
+            out[batch.single_rows] = attended.reshape(len(batch.single_rows), -1)
+        for start, n, context, table in batch.multi_segments:
             keys = kv[0, table].reshape(-1, num_kv_heads, head_dim)[:context]    # [C, kvh, hd]
             values = kv[1, table].reshape(-1, num_kv_heads, head_dim)[:context]
-            queries = q[start:start + n].view(n, -1, head_dim)                     # [n, h, hd]
+            queries = q[start:start + n].view(n, num_kv_heads, -1, head_dim)      # [n, kvh, g, hd]
             out[start:start + n] = _attend(queries, keys, values, scale, sliding_window).reshape(n, -1)
         return out
 
@@ -97,18 +106,58 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def _attend(q, k, v, scale, sliding_window):
-    """q [n, h, hd] are the last n positions of k/v [C, kvh, hd]; causal, optionally windowed."""
-    n, num_heads, _ = q.shape
-    context, num_kv_heads, _ = k.shape
-    group = num_heads // num_kv_heads
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
+    """q [n, kvh, g, hd] are the last n positions of k/v [C, kvh, hd]; causal, optionally windowed."""
+    n, context = q.shape[0], k.shape[0]
     q_pos = torch.arange(context - n, context).unsqueeze(1)   # [n, 1]
     k_pos = torch.arange(context).unsqueeze(0)                # [1, C]
     allowed = k_pos <= q_pos
     if sliding_window is not None:
         allowed &= k_pos > q_pos - sliding_window
-    scores = torch.einsum("nhd,chd->hnc", q.float(), k.float()) * scale
+    scores = torch.einsum("nkgd,ckd->kgnc", q.float(), k.float()) * scale
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hnc,chd->nhd", probs, v.float()).to(q.dtype)
+    return torch.einsum("kgnc,ckd->nkgd", probs, v.float()).to(q.dtype)
+
+
+class CpuBatch:
+    """A ForwardBatch with what the CPU ops derive from it once per forward instead of once per layer."""
+
+    def __init__(self, batch: ForwardBatch, single: list[int], multi: list[int]):
+        self.token_ids, self.positions = batch.token_ids, batch.positions
+        self.slot_mapping, self.sample_rows = batch.slot_mapping, batch.sample_rows
+        self.single_rows = torch.tensor([batch.query_starts[i] for i in single], dtype=torch.int64)
+        contexts = [batch.context_lens[i] for i in single]
+        self.single_context = max(contexts, default=0)
+        self.single_contexts = torch.tensor(contexts, dtype=torch.int64)
+        width = max((len(batch.block_tables[i]) for i in single), default=0)
+        # Padding points at block 0: read, then masked out.
+        self.single_tables = torch.zeros((len(single), width), dtype=torch.int64)
+        for row, i in enumerate(single):
+            self.single_tables[row, :len(batch.block_tables[i])] = batch.block_tables[i]
+        self.multi_segments = [(batch.query_starts[i], batch.query_lens[i], batch.context_lens[i],
+                                batch.block_tables[i]) for i in multi]
+        self._rope = None
+        self._allowed = {}
+
+    @classmethod
+    def from_batch(cls, batch: ForwardBatch) -> "CpuBatch":
+        single = [i for i, n in enumerate(batch.query_lens) if n == 1]
+        multi = [i for i, n in enumerate(batch.query_lens) if n != 1]
+        return cls(batch, single, multi)
+
+    def rope_at_positions(self, rope: RopeTable) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin at each token's position: [T, 1, head_dim // 2] each."""
+        if self._rope is None:
+            self._rope = (rope.cos[self.positions].unsqueeze(1), rope.sin[self.positions].unsqueeze(1))
+        return self._rope
+
+    def single_allowed(self, sliding_window: int | None) -> torch.Tensor:
+        """[B, C] which cached positions each one-token segment attends to."""
+        if sliding_window not in self._allowed:
+            k_pos = torch.arange(self.single_context).unsqueeze(0)
+            last = (self.single_contexts - 1).unsqueeze(1)
+            allowed = k_pos <= last
+            if sliding_window is not None:
+                allowed &= k_pos > last - sliding_window
+            self._allowed[sliding_window] = allowed
+        return self._allowed[sliding_window]

@@ -16,6 +16,8 @@ The rule, which the CUDA sampler kernel implements too (x: one row of logits, in
  4. u = philox.uniform(seed, position), in (0, 1). T = float64 sum of p over K.
     c_j = float64 running sum of p over K in canonical order. The token is the first j with
     c_j > u * T, or the last token of K where rounding leaves none.
+Backends agree token for token except where u * T falls within float rounding of some c_j.
+Here the walk reads a canonical head first and, on flat rows, sums p per bucket of s to skip ahead.
 Logprobs are log_softmax of the raw row: the model's own distribution, before step 1.
 """
 
@@ -71,7 +73,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
             tokens[i] = token
     sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
     if sampled:
-        for i, token in zip(sampled, _sample_rows(processed[sampled], [rows[i] for i in sampled])):
+        x = processed if len(sampled) == len(rows) else processed[sampled]
+        for i, token in zip(sampled, _sample_rows(x, [rows[i] for i in sampled])):
             tokens[i] = token
     return _outputs(raw, rows, tokens)
 
@@ -99,7 +102,7 @@ def _token_ids(tokens: Sequence[int], vocab_size: int) -> torch.Tensor:
 
 
 def _sample_rows(x: torch.Tensor, rows: list[SampleRow]) -> list[int]:
-    """x: [M, V] float32 penalised logits of the rows that sample (temperature > 0); a copy, changed in place."""
+    """x: [M, V] float32 penalised logits of the rows that sample (temperature > 0)."""
     vocab_size = x.shape[1]
     top_k = torch.tensor([min(row.params.top_k, vocab_size) for row in rows])
     temperature = torch.tensor([row.params.temperature for row in rows], dtype=torch.float32)
@@ -112,15 +115,15 @@ def _sample_rows(x: torch.Tensor, rows: list[SampleRow]) -> list[int]:
     p = torch.softmax(s, dim=-1)
     min_p = torch.tensor([row.params.min_p for row in rows], dtype=torch.float32)
     keep = (p > 0) & (p >= min_p[:, None] * p.amax(dim=-1, keepdim=True))
-    num_keep = keep.sum(dim=-1).tolist()
     # [M, FIRST_HEAD + 1]: the first canonical heads of all rows from one topk
     best_values, best_ids = (t.numpy() for t in torch.topk(x, min(FIRST_HEAD + 1, vocab_size), dim=-1))
     tokens = []
     for m, row in enumerate(rows):
-        if num_keep[m] == 0:
-            raise ValueError("a logits row has no finite maximum (NaN or +inf logits): nothing to sample")
         x_row, s_row, p_row, keep_row = x[m].numpy(), s[m].numpy(), p[m].numpy(), keep[m].numpy()
-        head = canonical_head(x_row, min(FIRST_HEAD, num_keep[m]), best_values[m], best_ids[m])
+        num_keep = np.count_nonzero(keep_row)
+        if num_keep == 0:
+            raise ValueError("a logits row has no finite maximum (NaN or +inf logits): nothing to sample")
+        head = canonical_head(x_row, min(FIRST_HEAD, num_keep), best_values[m], best_ids[m])
         draw = _Draw(x_row, s_row, p_row, head)
         tokens.append(draw.choose(keep_row, row.params.top_p, uniform(row.seed, row.position)))
     return tokens
