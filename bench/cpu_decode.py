@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
                                  kv_blocks=2 * max(batches) * blocks_for(max_len, EngineConfig.kv_block_size))
     bandwidth = copy_bandwidth(args.copy_mb << 20)
     print(machine_line("cpu_decode"))
-    with LoopbackWorker(lambda: WorkerServer(checkpoint, loopback_config(engine_config))) as worker:
+    with LoopbackWorker(lambda: WorkerServer.from_checkpoint(checkpoint, loopback_config(engine_config))) as worker:
         engine, info = worker.server.servicer.engine, worker.server.servicer.info
         weights, kv_per_token = weight_bytes(engine), kv_bytes_per_token(engine)
         # Decode step i reads prompt_len + i + 1 tokens of KV per sequence; the mean over the timed steps:

@@ -1,15 +1,11 @@
 """Bench-only: an engine that does no work, inside a real WorkerServer, so a round trip measures the API alone."""
 
-from unittest import mock
-
 from metrale.runtime.build import ModelInfo
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.engine import ReleaseResult
 from metrale.runtime.kv_blocks import KvBlockManager
-from metrale.runtime.loading import Checkpoint
 from metrale.runtime.sequence import SequenceTable
 from metrale.runtime.step import SequenceOutput, Step, StepOutput
-from metrale.service import server as server_module
 from metrale.service.config import WorkerConfig
 from metrale.service.server import WorkerServer
 
@@ -39,11 +35,6 @@ class StubEngine:
 
 
 def stub_worker_server(config: WorkerConfig) -> WorkerServer:
-    """The real WorkerServer (servicer, interceptor, lanes, options) with StubEngine where build_engine's engine goes.
-
-    Must run on the event loop that will serve it, as WorkerServer's constructor does."""
-    def build_stub(checkpoint, engine_config):
-        return StubEngine(engine_config), STUB_INFO
-
-    with mock.patch.object(server_module, "build_engine", build_stub):
-        return WorkerServer(Checkpoint(config={}, tensors={}, source="stub"), config)
+    """The real WorkerServer (servicer, interceptor, lanes, options) around StubEngine; call it on the event loop
+    that will serve it."""
+    return WorkerServer(StubEngine(config.engine), STUB_INFO, None, config)

@@ -8,7 +8,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from metrale.runtime.build import build_engine
+from metrale.runtime.build import ModelInfo, build_engine
 from metrale.runtime.lanes import DeviceLanes
 from metrale.runtime.loading import Checkpoint
 from metrale.service.config import WorkerConfig
@@ -22,16 +22,16 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
 class WorkerServer:
-    """The running worker: the server, its servicer and health state. start(), then wait() or drain()."""
+    """The running worker: the server, its servicer and health state. start(), then wait() or drain().
+    Built on the event loop that will serve it."""
 
-    def __init__(self, checkpoint: Checkpoint, config: WorkerConfig):
+    def __init__(self, engine, info: ModelInfo, tokenizer, config: WorkerConfig):
         self.config = config
-        engine, info = build_engine(checkpoint, config.engine)
         self.lanes = DeviceLanes(config.engine.num_streams)
         self.state = ServingState()
         self.health = health.aio.HealthServicer()
         self.metrics = WorkerMetrics(engine)
-        self.servicer = WorkerServicer(engine, self.lanes, info, checkpoint.tokenizer, self.state, self.metrics)
+        self.servicer = WorkerServicer(engine, self.lanes, info, tokenizer, self.state, self.metrics)
         options = [("grpc.max_receive_message_length", config.max_message_bytes),
                    ("grpc.max_send_message_length", config.max_message_bytes)]
         self.server = grpc.aio.server(interceptors=[StatusInterceptor(self._on_device_fault, self.metrics)], options=options)
@@ -42,6 +42,11 @@ class WorkerServer:
             reflection.enable_server_reflection(names, self.server)
         self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
         self._stopped = asyncio.Event()
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: Checkpoint, config: WorkerConfig) -> "WorkerServer":
+        engine, info = build_engine(checkpoint, config.engine)
+        return cls(engine, info, checkpoint.tokenizer, config)
 
     async def start(self) -> None:
         if self.config.metrics_port:
@@ -82,7 +87,7 @@ class WorkerServer:
 
 
 async def serve(checkpoint: Checkpoint, config: WorkerConfig) -> None:
-    worker = WorkerServer(checkpoint, config)
+    worker = WorkerServer.from_checkpoint(checkpoint, config)
     await worker.start()
     loop = asyncio.get_running_loop()
     drains = set()

@@ -28,7 +28,7 @@ class RunningWorker:
 
     @staticmethod
     async def _create(checkpoint, config):
-        return WorkerServer(checkpoint, config)
+        return WorkerServer.from_checkpoint(checkpoint, config)
 
     def call(self, coroutine, timeout: float = 60.0):
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)

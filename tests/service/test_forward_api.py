@@ -104,3 +104,27 @@ def test_release_frees_every_block(stub):
     assert stub.Info(pb.InfoRequest()).free_kv_blocks == before
     again = stub.Release(pb.ReleaseRequest(seq_ids=[1, 2]))
     assert list(again.unknown_seq_ids) == [1, 2] and again.blocks_freed == 0
+
+
+def test_seeded_sampling_ignores_batch_composition(stub):
+    """The same seed gives the same tokens alone, in a batch with other sequences, and on another stream."""
+    sampling = pb.SamplingParams(temperature=1.0, top_p=0.9, seed=42)
+
+    def run(seq_id, others, stream):
+        slices = [pb.PrefillSlice(seq_id=seq_id, tokens=PROMPT[:12], is_last_chunk=True, sampling=sampling)]
+        slices += [pb.PrefillSlice(seq_id=o, tokens=PROMPT[o % 5:], is_last_chunk=True,
+                                   sampling=pb.SamplingParams(temperature=1.0, seed=o)) for o in others]
+        r = stub.Prefill(pb.PrefillRequest(slices=slices, stream=stream))
+        last = dict(zip(r.seq_ids, r.tokens))
+        tokens = [last[seq_id]]
+        for _ in range(8):
+            ids = [seq_id, *others]
+            r = stub.Decode(pb.DecodeRequest(seq_ids=ids, tokens=[last[i] for i in ids], stream=stream))
+            last = dict(zip(r.seq_ids, r.tokens))
+            tokens.append(last[seq_id])
+        return tokens
+
+    alone = run(1, [], 0)
+    assert run(2, [50, 51, 52], 1) == alone
+    assert run(3, [60], 0) == alone
+    assert len(set(alone)) > 2

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from metrale.v1 import worker_pb2 as pb
-from worker_process import WorkerProcess
+from worker_process import WorkerProcess, log_events
 
 PROMPT = [5, 17, 99, 3, 42, 200, 7, 8, 150, 33]
 MAX_MODEL_LEN = 128
@@ -151,8 +151,18 @@ def test_error_status_reaches_grpcurl(address):
     result = grpcurl(address, "metrale.v1.Worker/Tokenize", data={"text": "hello"}, check=False)
     assert result.returncode == 64 + 9, result.stderr
     assert "FailedPrecondition" in result.stderr and "tokenizer" in result.stderr
-    result = grpcurl(address, "metrale.v1.Worker/Decode", data={"seq_ids": [404], "tokens": [1]}, check=False)
+    result = grpcurl(address, "metrale.v1.Worker/Decode", data={"seq_ids": [404], "tokens": [1], "stream": 0},
+                     check=False)
     assert result.returncode == 64 + 5 and "NotFound" in result.stderr, result.stderr
+
+
+def test_failed_request_is_logged_as_json_with_its_rpc_seq_ids_and_stream(worker, address):
+    grpcurl(address, "metrale.v1.Worker/Decode", data={"seq_ids": [405, 406], "tokens": [1, 1]}, check=False)
+    failures = [e for e in log_events(worker.log_path) if e.get("event") == "request_failed"
+                and e.get("seq_ids") == [405, 406]]
+    assert len(failures) == 1, log_events(worker.log_path)[-5:]
+    assert failures[0]["rpc"] == "Decode" and failures[0]["stream"] == 0 and failures[0]["code"] == "NOT_FOUND"
+    assert failures[0]["level"] == "warning" and "timestamp" in failures[0]
 
 
 
