@@ -11,13 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.grpc_overhead import LoopbackWorker, loopback_config, machine_line, quiet_logs
+from bench.grpc_overhead import loopback_config, machine_line, quiet_logs
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.default_model import default_cache_dir, fetch_default_model
 from metrale.runtime.engine import Engine
 from metrale.runtime.kv_blocks import blocks_for
 from metrale.runtime.loading import load_checkpoint
 from metrale.runtime.step import DecodeLane, PrefillSlice, Step
+from metrale.service.in_process import InProcessWorker
 from metrale.service.server import WorkerServer
 from metrale.v1 import worker_pb2 as pb
 
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
                                  kv_blocks=2 * max(batches) * blocks_for(max_len, EngineConfig.kv_block_size))
     bandwidth = copy_bandwidth(args.copy_mb << 20)
     print(machine_line("cpu_decode"))
-    with LoopbackWorker(lambda: WorkerServer.from_checkpoint(checkpoint, loopback_config(engine_config))) as worker:
+    with InProcessWorker(lambda: WorkerServer.from_checkpoint(checkpoint, loopback_config(engine_config))) as worker:
         engine, info = worker.server.servicer.engine, worker.server.servicer.info
         weights, kv_per_token = weight_bytes(engine), kv_bytes_per_token(engine)
         # Decode step i reads prompt_len + i + 1 tokens of KV per sequence; the mean over the timed steps:

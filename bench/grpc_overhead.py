@@ -4,16 +4,13 @@ Run from the repository root: python -m bench.grpc_overhead [--sizes 1,64,256] [
 """
 
 import argparse
-import asyncio
 import datetime
 import math
 import os
 import platform
 import statistics
 import sys
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -23,43 +20,8 @@ import torch
 from bench.stub_model import stub_worker_server
 from metrale.runtime.config import EngineConfig
 from metrale.service.config import WorkerConfig
-from metrale.service.server import WorkerServer
+from metrale.service.in_process import InProcessWorker
 from metrale.v1 import worker_pb2 as pb
-from metrale.v1 import worker_pb2_grpc
-
-
-class LoopbackWorker:
-    """A WorkerServer on its own event loop thread, and a blocking client stub on a 127.0.0.1 channel."""
-
-    def __init__(self, make_server: Callable[[], WorkerServer]):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="bench-worker-loop", daemon=True)
-        self.thread.start()
-        self.server = self._call(self._construct(make_server))
-        self._call(self.server.start())
-        options = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)]
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.server.port}", options=options)
-        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
-
-    @staticmethod
-    async def _construct(make_server):
-        # grpc.aio.server and the server's asyncio objects bind to the loop they are created on.
-        return make_server()
-
-    def _call(self, coroutine, timeout: float = 120.0):
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        self.channel.close()
-        self._call(self.server.drain())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-    def __enter__(self) -> "LoopbackWorker":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def loopback_config(engine: EngineConfig) -> WorkerConfig:
@@ -130,7 +92,7 @@ def main(argv: list[str] | None = None) -> list[RoundTrip]:
     print(f"# Decode through a real WorkerServer with a no-work engine, sync client in the same process, "
           f"{args.iterations} round trips per size after {args.warmup} warm-up")
     config = loopback_config(EngineConfig(device="cpu", kv_blocks=1))
-    with LoopbackWorker(lambda: stub_worker_server(config)) as worker:
+    with InProcessWorker(lambda: stub_worker_server(config)) as worker:
         rows = [time_decode(worker.stub, n, args.iterations, args.warmup) for n in sizes]
     print(format_table(rows))
     return rows

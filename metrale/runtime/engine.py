@@ -3,15 +3,23 @@
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from metrale.runtime.batch import Segment, build_batch
 from metrale.runtime.config import EngineConfig
-from metrale.runtime.errors import DeviceFault, WorkerError
+from metrale.runtime.errors import Cancelled, DeviceFault, WorkerError
 from metrale.runtime.kv_blocks import KvBlockManager, blocks_for
 from metrale.runtime.planner import Chunk, Limits, Plan, plan_step
 from metrale.runtime.sampling import SampleRow, random_seed, sample
 from metrale.runtime.sequence import Sequence, SequenceTable
 from metrale.runtime.step import SequenceOutput, Step, StepOutput
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_kv_blocks: int
+    free_kv_blocks: int
+    live_sequences: int
 
 
 @dataclass
@@ -34,20 +42,28 @@ class Engine:
         self.limits = Limits(max_model_len, config.max_batch_tokens, config.kv_block_size)
         self._lock = threading.Lock()
 
-    def step(self, step: Step) -> StepOutput:
+    def step(self, step: Step, cancelled: Callable[[], bool] = lambda: False) -> StepOutput:
+        """Runs the step, or changes nothing: on any error, or if cancelled() before its last commit."""
         with self._lock:
             plan = plan_step(step, self.sequences, self.blocks.num_free, self.limits)
             snapshot = self._reserve(plan)
         started = time.perf_counter()
         try:
-            outputs = [out for chunks in plan.rounds for out in self._run_round(chunks)]
+            outputs = [out for chunks in plan.rounds for out in self._run_round(chunks, cancelled)]
         except Exception as error:
             with self._lock:
                 self._restore(snapshot, plan)
             if isinstance(error, WorkerError):
                 raise
             raise DeviceFault(f"the step failed on the device: {error!r}") from error
+        # Rounds finish prompts in chunk order; the reply lists decode lanes, then prompts, in request order.
+        order = {seq_id: i for i, seq_id in enumerate(step.seq_ids)}
+        outputs.sort(key=lambda out: order[out.seq_id])
         return StepOutput(outputs, int((time.perf_counter() - started) * 1e6))
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return EngineStats(self.blocks.num_blocks, self.blocks.num_free, len(self.sequences))
 
     def release(self, seq_ids: list[int] | None) -> ReleaseResult:
         """Frees the given sequences (None: all of them) and their blocks."""
@@ -94,11 +110,13 @@ class Engine:
             del seq.block_table[num_blocks:]
             seq.prompt_finished, seq.num_prompt_tokens = finished, num_prompt
 
-    def _run_round(self, chunks: tuple[Chunk, ...]) -> list[SequenceOutput]:
+    def _run_round(self, chunks: tuple[Chunk, ...], cancelled: Callable[[], bool]) -> list[SequenceOutput]:
         sequences = [self.sequences.get(c.seq_id) for c in chunks]
         segments = [Segment(seq.block_table, c.start, list(c.tokens), c.samples) for c, seq in zip(chunks, sequences)]
         batch = build_batch(segments, self.config.kv_block_size)
         logits = self.model.forward(batch, self.kv_cache)
+        if cancelled():
+            raise Cancelled()
         with self._lock:
             for c, seq in zip(chunks, sequences):
                 seq.tokens.extend(c.tokens)

@@ -51,5 +51,11 @@ class Draining(WorkerError):
         super().__init__("the worker is shutting down and takes no new work")
 
 
+class Cancelled(WorkerError):
+    def __init__(self):
+        super().__init__("the request was cancelled (or its deadline passed) before its step finished; "
+                         "its sequences are as they were before it")
+
+
 class DeviceFault(WorkerError):
     """The device failed mid-step; the worker stops serving."""

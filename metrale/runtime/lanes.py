@@ -28,8 +28,7 @@ class DeviceLanes:
 
     def submit(self, lane: int, seq_ids: list[int], work: Callable[[], object]) -> Future:
         """Runs work() on the lane's thread; the future's result is (work's result, queue_us)."""
-        if not 0 <= lane < len(self._queues):
-            raise InvalidArgument(f"stream {lane} does not exist; the worker has {len(self._queues)} streams")
+        self.check_lane(lane)
         claim = set(seq_ids)
         with self._claim_lock:
             busy = claim & self._claimed
@@ -40,9 +39,14 @@ class DeviceLanes:
         self._queues[lane].put((future, work, claim, time.perf_counter()))
         return future
 
+    def check_lane(self, lane: int) -> None:
+        if not 0 <= lane < len(self._queues):
+            raise InvalidArgument(f"stream {lane} does not exist; the worker has {len(self._queues)} streams")
+
     def submit_in_order(self, lane: int, work: Callable[[], object]) -> Future:
         """Runs work after everything already queued on the lane, claiming nothing: for clean-up of sequences
         only this lane's queued work can touch (a cancelled Generate's)."""
+        self.check_lane(lane)
         future: Future = Future()
         self._queues[lane].put((future, work, set(), time.perf_counter()))
         return future

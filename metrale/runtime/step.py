@@ -45,20 +45,20 @@ class Step:
         if duplicates:
             raise InvalidArgument(f"seq_id(s) {duplicates} appear more than once in one request")
         for lane in self.decode:
-            _check_token_ids(lane.seq_id, (lane.token,), vocab_size)
+            check_token_ids(f"seq_id {lane.seq_id}", (lane.token,), vocab_size)
         for s in self.prefill:
             if not s.tokens:
                 raise InvalidArgument(f"seq_id {s.seq_id}: a prefill slice needs at least one token")
-            _check_token_ids(s.seq_id, s.tokens, vocab_size)
+            check_token_ids(f"seq_id {s.seq_id}", s.tokens, vocab_size)
             if s.chunk_start == 0:
                 s.sampling.validate(vocab_size)
                 s.output.validate()
 
 
-def _check_token_ids(seq_id: int, tokens, vocab_size: int) -> None:
+def check_token_ids(where: str, tokens, vocab_size: int) -> None:
     bad = [t for t in tokens if not 0 <= t < vocab_size]
     if bad:
-        raise InvalidArgument(f"seq_id {seq_id}: token id {bad[0]} is out of range, vocab_size is {vocab_size}")
+        raise InvalidArgument(f"{where}: token id {bad[0]} is out of range, vocab_size is {vocab_size}")
 
 
 @dataclass

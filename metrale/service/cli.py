@@ -44,14 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     add_serve_flags(commands.add_parser("serve", help="load a model and serve the gRPC API"))
     fetch = commands.add_parser("fetch-default-model", help="download the embedded default model's GGUF")
-    fetch.add_argument("--cache-dir", default=None)
+    fetch.add_argument("--cache-dir", default=None, help="default ~/.cache/metrale [env METRALE_CACHE_DIR]")
     args = parser.parse_args(argv)
     try:
+        config = config_from_args(args)
         if args.command == "fetch-default-model":
             from metrale.runtime.default_model import fetch_default_model
-            print(fetch_default_model(_cache_dir(args.cache_dir)))
+            print(fetch_default_model(_cache_dir(config.cache_dir)))
             return 0
-        config = config_from_args(args)
         configure_logging(config.log_format)
         run_serve(config)
     except WorkerError as error:

@@ -1,7 +1,5 @@
 """Protobuf messages to runtime objects and back."""
 
-import numpy as np
-
 from metrale.runtime.sampling import OutputOptions, SamplingParams
 from metrale.runtime.step import DecodeLane, PrefillSlice, Step, StepOutput
 from metrale.runtime.errors import InvalidArgument
@@ -57,7 +55,3 @@ def forward_response(out: StepOutput, queue_us: int) -> pb.ForwardResponse:
             data = o.logits.float().numpy().astype("<f4", copy=False).tobytes()
             response.logits.add(seq_id=o.seq_id, data=data)
     return response
-
-
-def logits_from_pb(m: pb.Logits) -> np.ndarray:
-    return np.frombuffer(m.data, dtype="<f4")

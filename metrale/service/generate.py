@@ -33,20 +33,19 @@ async def generate_tokens(request: pb.GenerateRequest, seq_id: int, servicer):
     eos_ids = set() if request.ignore_eos else set(servicer.info.eos_token_ids)
     step = Step(prefill=(first,))
     step.check(servicer.info.vocab_size)
-    engine, stream = servicer.engine, request.stream
+    stream = request.stream
     room = servicer.info.max_model_len - len(first.tokens)
     generated, emitted = [], ""
     try:
         for index in range(request.max_new_tokens):
-            out, _ = await servicer.run_on_lane(stream, [seq_id], lambda s=step: engine.step(s))
-            servicer.metrics.count_step(step)
+            out, _ = await servicer.run_step(stream, step)
             o = out.outputs[0]
             generated.append(o.token)
             last = index == request.max_new_tokens - 1 or index + 1 >= room
             reason = "eos" if o.token in eos_ids else "stop" if o.token in stop_ids else "length" if last else ""
-            response = pb.GenerateResponse(token=o.token, logprob=o.logprob, index=index, finish_reason=reason)
-            if math.isnan(o.logprob):
-                response.ClearField("logprob")
+            response = pb.GenerateResponse(token=o.token, index=index, finish_reason=reason)
+            if not math.isnan(o.logprob):
+                response.logprob = o.logprob
             if servicer.tokenizer is not None:
                 # Whole-text decode, so multi-token characters come out whole once complete.
                 text = servicer.tokenizer.decode(generated)
@@ -60,6 +59,5 @@ async def generate_tokens(request: pb.GenerateRequest, seq_id: int, servicer):
                 return
             step = Step(decode=(DecodeLane(seq_id, o.token),))
     finally:
-        # Queued behind this request's last step, which may still run if the client cancelled; not awaited, so
-        # a second cancellation cannot skip it.
-        servicer.lanes.submit_in_order(stream, lambda: engine.release([seq_id]))
+        # Queued behind this request's last step, which may still be running if the client cancelled.
+        servicer.release_in_order(stream, [seq_id])

@@ -18,11 +18,11 @@ class WorkerMetrics:
         self.step_sequences = prom.Histogram("metrale_step_sequences", "Sequences in one step.",
                                              buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
         live = prom.Gauge("metrale_live_sequences", "Sequences the worker holds.", registry=r)
-        live.set_function(lambda: len(engine.sequences))
+        live.set_function(lambda: engine.stats().live_sequences)
         free = prom.Gauge("metrale_kv_blocks_free", "KV blocks free in the pool.", registry=r)
-        free.set_function(lambda: engine.blocks.num_free)
+        free.set_function(lambda: engine.stats().free_kv_blocks)
         used = prom.Gauge("metrale_kv_blocks_used", "KV blocks held by sequences.", registry=r)
-        used.set_function(lambda: engine.blocks.num_blocks - engine.blocks.num_free)
+        used.set_function(lambda: _blocks_used(engine.stats()))
 
     def count_step(self, step) -> None:
         self.tokens.labels("decode").inc(len(step.decode))
@@ -31,3 +31,7 @@ class WorkerMetrics:
 
     def serve(self, host: str, port: int) -> None:
         prom.start_http_server(port, addr=host, registry=self.registry)
+
+
+def _blocks_used(stats) -> int:
+    return stats.num_kv_blocks - stats.free_kv_blocks

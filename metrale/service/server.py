@@ -42,6 +42,7 @@ class WorkerServer:
             reflection.enable_server_reflection(names, self.server)
         self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
         self._stopped = asyncio.Event()
+        self._fault_task = None
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, config: WorkerConfig) -> "WorkerServer":
@@ -54,7 +55,7 @@ class WorkerServer:
         await self.server.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("serving", port=self.port, model=self.servicer.info.model_id, device=self.servicer.info.device,
-                 kv_blocks=self.servicer.engine.blocks.num_blocks)
+                 kv_blocks=self.servicer.engine.stats().num_kv_blocks)
 
     async def drain(self) -> None:
         """Health goes NOT_SERVING, new forward RPCs get UNAVAILABLE, in-flight ones finish, then the server stops.
@@ -70,7 +71,7 @@ class WorkerServer:
         except asyncio.TimeoutError:
             log.warning("drain_timeout", in_flight=self.state.in_flight)
         await self.server.stop(grace=1.0)
-        self.lanes.close()
+        await asyncio.to_thread(self.lanes.close)
         self._stopped.set()
         log.info("stopped")
 
@@ -83,7 +84,8 @@ class WorkerServer:
 
     def _on_device_fault(self) -> None:
         log.error("device_fault: reporting NOT_SERVING")
-        asyncio.get_running_loop().create_task(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
+        self._fault_task = asyncio.get_running_loop().create_task(
+            self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
 
 
 async def serve(checkpoint: Checkpoint, config: WorkerConfig) -> None:

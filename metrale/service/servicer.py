@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import threading
 
 import structlog
 
@@ -9,7 +10,7 @@ from metrale.runtime.build import VERSION, ModelInfo
 from metrale.runtime.engine import Engine
 from metrale.runtime.errors import Draining, FailedPrecondition, InvalidArgument, UnknownSequence
 from metrale.runtime.lanes import DeviceLanes
-from metrale.runtime.step import Step
+from metrale.runtime.step import Step, check_token_ids
 from metrale.service import convert
 from metrale.service.generate import generate_tokens
 from metrale.service.metrics import WorkerMetrics
@@ -56,15 +57,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._next_generate_id = RESERVED_SEQ_IDS
 
     async def Info(self, request, context):
-        i, c = self.info, self.engine.config
+        i, c, stats = self.info, self.engine.config, self.engine.stats()
         return pb.InfoResponse(
             model_id=i.model_id, architecture=i.architecture, dtype=i.dtype, device=i.device,
             vocab_size=i.vocab_size, max_model_len=i.max_model_len, kv_block_size=c.kv_block_size,
-            num_kv_blocks=self.engine.blocks.num_blocks, free_kv_blocks=self.engine.blocks.num_free,
+            num_kv_blocks=stats.num_kv_blocks, free_kv_blocks=stats.free_kv_blocks,
             is_mla=False, hc_mult=1, supports_beam=False, is_encoder_decoder=False, has_ssm=False,
             eos_token_ids=list(i.eos_token_ids), bos_token_id=i.bos_token_id, pad_token_id=i.pad_token_id,
             num_streams=self.lanes.num_lanes, max_batch_tokens=c.max_batch_tokens, version=VERSION,
-            live_sequences=len(self.engine.sequences))
+            live_sequences=stats.live_sequences)
 
     async def Prefill(self, request, context):
         return await self._forward(convert.step_from_prefill(request), request.stream)
@@ -84,22 +85,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         else:
             ids = list(dict.fromkeys(request.seq_ids))
         structlog.contextvars.bind_contextvars(seq_ids=ids)
-        result, _ = await self.run_on_lane(0, ids, lambda: self.engine.release(ids))
-        return pb.ReleaseResponse(released_seq_ids=result.released, unknown_seq_ids=result.unknown,
+        # Generate's sequences are its own: to a gateway they do not exist.
+        reserved = [i for i in ids if i >= RESERVED_SEQ_IDS]
+        ids = [i for i in ids if i < RESERVED_SEQ_IDS]
+        result, _ = await self.run_on_lane(0, ids, lambda cancelled: self.engine.release(ids))
+        return pb.ReleaseResponse(released_seq_ids=result.released, unknown_seq_ids=result.unknown + reserved,
                                   blocks_freed=result.blocks_freed)
 
     async def PrefillTailSplit(self, request, context):
         if not request.tokens:
             raise InvalidArgument("tokens is empty")
-        bad = [t for t in request.tokens if t >= self.info.vocab_size]
-        if bad:
-            raise InvalidArgument(f"token id {bad[0]} is out of range, vocab_size is {self.info.vocab_size}")
+        check_token_ids("PrefillTailSplit", request.tokens, self.info.vocab_size)
         # Attention-only models keep no SSM state, so any chunk end is fine: no split.
         return pb.PrefillTailSplitResponse()
 
     async def NormalizeSsmStates(self, request, context):
         live = set(self.engine.live_seq_ids())
-        unknown = [i for i in request.seq_ids if i not in live]
+        unknown = [i for i in request.seq_ids if i not in live or i >= RESERVED_SEQ_IDS]
         if unknown:
             raise UnknownSequence(unknown)
         return pb.NormalizeSsmStatesResponse()
@@ -109,13 +111,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return pb.TokenizeResponse(tokens=tokens)
 
     async def Detokenize(self, request, context):
-        bad = [t for t in request.tokens if t >= self.info.vocab_size]
-        if bad:
-            raise InvalidArgument(f"token id {bad[0]} is out of range, vocab_size is {self.info.vocab_size}")
+        check_token_ids("Detokenize", request.tokens, self.info.vocab_size)
         text = self._tokenizer().decode(list(request.tokens), skip_special_tokens=request.skip_special_tokens)
         return pb.DetokenizeResponse(text=text)
 
     async def Generate(self, request, context):
+        self.lanes.check_lane(request.stream)
         seq_id = self._next_generate_id
         self._next_generate_id += 1
         with self.state.admitted():
@@ -124,7 +125,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def _tokenizer(self):
         if self.tokenizer is None:
-            raise FailedPrecondition("this model has no tokenizer; send token ids")
+            raise FailedPrecondition(f"this model has no tokenizer ({self.info.tokenizer_note}); send token ids")
         return self.tokenizer
 
     async def _forward(self, step: Step, stream: int) -> pb.ForwardResponse:
@@ -135,10 +136,27 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise InvalidArgument(f"seq_id(s) {reserved} are >= 2^63, a range the worker keeps for Generate")
         step.check(self.info.vocab_size)
         with self.state.admitted():
-            out, queue_us = await self.run_on_lane(stream, ids, lambda: self.engine.step(step))
-        self.metrics.count_step(step)
+            out, queue_us = await self.run_step(stream, step)
         return convert.forward_response(out, queue_us)
 
+    async def run_step(self, stream: int, step: Step):
+        """Runs one engine step on the stream's lane; returns (StepOutput, queue_us)."""
+        result = await self.run_on_lane(stream, step.seq_ids, lambda cancelled: self.engine.step(step, cancelled))
+        self.metrics.count_step(step)
+        return result
+
+    def release_in_order(self, stream: int, seq_ids: list[int]) -> None:
+        """Frees sequences after the work already queued on the stream; not awaited, so it survives cancellation."""
+        self.lanes.submit_in_order(stream, lambda: self.engine.release(seq_ids))
+
     async def run_on_lane(self, stream: int, seq_ids: list[int], work):
-        """Runs work on the stream's device lane; returns (result, queue_us)."""
-        return await asyncio.wrap_future(self.lanes.submit(stream, seq_ids, work))
+        """Runs work(cancelled) on the stream's device lane; returns (result, queue_us). If this handler is
+        cancelled (client cancel, deadline), cancelled() turns true, and the engine undoes the step at its next
+        round boundary."""
+        cancel = threading.Event()
+        future = self.lanes.submit(stream, seq_ids, lambda: work(cancel.is_set))
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            cancel.set()
+            raise

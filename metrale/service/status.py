@@ -18,6 +18,7 @@ STATUS_OF = {
     errors.BatchTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.SequenceBusy: grpc.StatusCode.ABORTED,
     errors.Draining: grpc.StatusCode.UNAVAILABLE,
+    errors.Cancelled: grpc.StatusCode.CANCELLED,
     errors.DeviceFault: grpc.StatusCode.INTERNAL,
 }
 
@@ -84,6 +85,8 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                 except errors.WorkerError as error:
                     self._metrics.rpc_errors.labels(rpc, status_of(error).name).inc()
                     await abort_with(context, error, self._on_fault)
+                except Exception as error:
+                    await self._abort_on_bug(context, rpc, error)
         return wrapped
 
     def _wrap_stream(self, behavior, rpc):
@@ -95,4 +98,14 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                 except errors.WorkerError as error:
                     self._metrics.rpc_errors.labels(rpc, status_of(error).name).inc()
                     await abort_with(context, error, self._on_fault)
+                except Exception as error:
+                    await self._abort_on_bug(context, rpc, error)
         return wrapped
+
+    async def _abort_on_bug(self, context, rpc: str, error: Exception) -> None:
+        """An exception no code path expected: a bug, not the device. INTERNAL, logged with its traceback."""
+        if isinstance(error, grpc.aio.AbortError):
+            raise error
+        log.exception("unexpected_error")
+        self._metrics.rpc_errors.labels(rpc, grpc.StatusCode.INTERNAL.name).inc()
+        await context.abort(grpc.StatusCode.INTERNAL, f"unexpected error in {rpc}: {error!r}")

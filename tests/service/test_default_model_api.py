@@ -8,13 +8,13 @@ from metrale.runtime.config import EngineConfig
 from metrale.runtime.loading import load_checkpoint
 from metrale.service.config import WorkerConfig
 from metrale.v1 import worker_pb2 as pb
-from service_harness import RunningWorker
+from service_harness import serve_checkpoint
 
 
 @pytest.fixture(scope="module")
 def default_worker(default_gguf):
     config = WorkerConfig(host="127.0.0.1", port=0, engine=EngineConfig(device="cpu", kv_blocks=128))
-    running = RunningWorker(load_checkpoint(default_gguf), config)
+    running = serve_checkpoint(load_checkpoint(default_gguf), config)
     yield running
     running.stop()
 

@@ -5,8 +5,9 @@ seed). After each bad request both pairs decode, and their outputs must be ident
 count must not have moved.
 """
 
+import time
+
 import grpc
-import numpy as np
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
@@ -162,19 +163,22 @@ def test_message_over_size_limit(stub, live):
     assert_unchanged(stub, live, info.free_kv_blocks, info.live_sequences)
 
 
-def test_second_concurrent_step_on_a_sequence_is_aborted(stub, live):
-    info = stub.Info(pb.InfoRequest())
-    # A slow step on stream 0 (90 forwards of one token), then a step that queues behind it, claiming seq 1.
-    slow = stub.Prefill.future(pb.PrefillRequest(slices=[slice_(30, [4] * 90, chunk_size=1)]))
-    queued = stub.Decode.future(pb.DecodeRequest(seq_ids=[1], tokens=[live]))
-    expect(grpc.StatusCode.ABORTED, stub.Decode, pb.DecodeRequest(seq_ids=[1], tokens=[live], stream=1),
-           "another step")
-    queued_out = queued.result()
-    slow.result()
-    stub.Release(pb.ReleaseRequest(seq_ids=[30]))
-    twin = stub.Decode(pb.DecodeRequest(seq_ids=[101], tokens=[live]))
-    assert queued_out.tokens == twin.tokens and queued_out.logits[0].data == twin.logits[0].data
-    assert stub.Info(pb.InfoRequest()).free_kv_blocks == info.free_kv_blocks
+def test_second_concurrent_step_on_a_sequence_is_aborted(stub):
+    # Sequence 40 is created by a slow step (90 one-token forwards); once Info shows it live, that step is
+    # running and holds the sequence, so a step naming it on the other stream must be refused.
+    slow = stub.Prefill.future(pb.PrefillRequest(slices=[slice_(40, [4] * 90, chunk_size=1)]))
+    deadline = time.monotonic() + 30
+    while stub.Info(pb.InfoRequest()).live_sequences == 0 and time.monotonic() < deadline:
+        pass
+    expect(grpc.StatusCode.ABORTED, stub.Prefill, pb.PrefillRequest(
+        slices=[slice_(40, [4], chunk_start=90)], stream=1), "another step")
+    first = slow.result()
+    # The refused request changed nothing: the slow step's sequence continues as a fresh twin does.
+    twin = stub.Prefill(pb.PrefillRequest(slices=[slice_(41, [4] * 90, output=OUT)]))
+    assert first.tokens == twin.tokens
+    ours = stub.Decode(pb.DecodeRequest(seq_ids=[40], tokens=[5]))
+    theirs = stub.Decode(pb.DecodeRequest(seq_ids=[41], tokens=[5]))
+    assert ours.tokens == theirs.tokens
 
 
 def test_models_without_beam_or_tokenizer_say_so(stub):

@@ -51,26 +51,54 @@ def test_chunked_prefill_equals_whole(stub, splits):
 
 def test_chunk_size_split_by_worker_equals_whole(stub):
     whole = prefill(stub, 1, PROMPT)
+    whole_next = decode_n(stub, 1, whole.tokens[0], 4)
     r = prefill(stub, 2, PROMPT, chunk_size=6)
     np.testing.assert_allclose(logits_of(r, 2), logits_of(whole, 1), rtol=0, atol=1e-5)
+    assert decode_n(stub, 2, r.tokens[0], 4) == whole_next
+
+
+def test_slices_finishing_in_different_rounds_with_decode_lanes(stub):
+    """Slices with different chunk sizes finish in different forwards, next to decode lanes; every output is
+    what the sequence gets alone, and the reply lists lanes then prompts in request order."""
+    lane_first = prefill(stub, 1, PROMPT[:7]).tokens[0]
+    lane_alone = stub.Decode(pb.DecodeRequest(seq_ids=[1], tokens=[lane_first]))
+    stub.Release(pb.ReleaseRequest(seq_ids=[1]))
+    prefill(stub, 1, PROMPT[:7])
+    alone = {seq_id: prefill(stub, seq_id + 100, PROMPT[:n]) for seq_id, n in ((10, 25), (11, 7), (12, 13))}
+    slices = [pb.PrefillSlice(seq_id=10, tokens=PROMPT, is_last_chunk=True, chunk_size=4, output=LOGITS),
+              pb.PrefillSlice(seq_id=11, tokens=PROMPT[:7], is_last_chunk=True, output=LOGITS),
+              pb.PrefillSlice(seq_id=12, tokens=PROMPT[:13], is_last_chunk=True, chunk_size=5, output=LOGITS)]
+    mixed = stub.MixedForward(pb.MixedForwardRequest(decode=pb.DecodeRequest(seq_ids=[1], tokens=[lane_first]),
+                                                     prefill=pb.PrefillRequest(slices=slices)))
+    assert list(mixed.seq_ids) == [1, 10, 11, 12]
+    assert mixed.tokens[0] == lane_alone.tokens[0]
+    np.testing.assert_allclose(logits_of(mixed, 1), logits_of(lane_alone, 1), rtol=0, atol=1e-5)
+    for seq_id, r in alone.items():
+        np.testing.assert_allclose(logits_of(mixed, seq_id), logits_of(r, seq_id + 100), rtol=0, atol=1e-5)
 
 
 def test_batched_prefill_and_decode_equal_each_alone(stub):
     prompts = {10: PROMPT[:5], 11: PROMPT[3:20], 12: PROMPT}
     alone = {}
     for seq_id, tokens in prompts.items():
-        first = prefill(stub, seq_id + 100, tokens).tokens[0]
-        alone[seq_id] = [first] + decode_n(stub, seq_id + 100, first, 5)
-    slices = [pb.PrefillSlice(seq_id=i, tokens=t, is_last_chunk=True) for i, t in prompts.items()]
+        r = prefill(stub, seq_id + 100, tokens)
+        alone[seq_id] = [(r.tokens[0], r.logprobs[0], logits_of(r, seq_id + 100))]
+        for _ in range(5):
+            r = stub.Decode(pb.DecodeRequest(seq_ids=[seq_id + 100], tokens=[alone[seq_id][-1][0]]))
+            alone[seq_id].append((r.tokens[0], r.logprobs[0], logits_of(r, seq_id + 100)))
+    slices = [pb.PrefillSlice(seq_id=i, tokens=t, is_last_chunk=True, output=LOGITS) for i, t in prompts.items()]
     r = stub.Prefill(pb.PrefillRequest(slices=slices))
-    got = {i: [t] for i, t in zip(r.seq_ids, r.tokens)}
+    got = {i: [(t, lp, logits_of(r, i))] for i, t, lp in zip(r.seq_ids, r.tokens, r.logprobs)}
     for _ in range(5):
         ids = sorted(got)
-        r = stub.Decode(pb.DecodeRequest(seq_ids=ids, tokens=[got[i][-1] for i in ids]))
+        r = stub.Decode(pb.DecodeRequest(seq_ids=ids, tokens=[got[i][-1][0] for i in ids]))
         assert list(r.seq_ids) == ids
-        for i, t in zip(r.seq_ids, r.tokens):
-            got[i].append(t)
-    assert got == alone
+        for i, t, lp in zip(r.seq_ids, r.tokens, r.logprobs):
+            got[i].append((t, lp, logits_of(r, i)))
+    for seq_id in prompts:
+        for (token, logprob, row), (want_token, want_logprob, want_row) in zip(got[seq_id], alone[seq_id]):
+            assert token == want_token and abs(logprob - want_logprob) < 1e-5
+            np.testing.assert_allclose(row, want_row, rtol=0, atol=1e-5)
 
 
 def test_finishing_prefill_never_leaks_into_decode_lanes(stub):

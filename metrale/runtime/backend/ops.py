@@ -18,6 +18,12 @@ class RopeTable:
     sin: Tensor
 
 
+class PreparedBatch(Protocol):
+    """A ForwardBatch as the backend holds it for one forward; models read these two fields."""
+    token_ids: Tensor      # [T]
+    sample_rows: Tensor    # [N]
+
+
 class Ops(Protocol):
     device: str
     dtype: torch.dtype
@@ -35,7 +41,7 @@ class Ops(Protocol):
                           head_dim: int) -> list[Tensor]:
         """One KV tensor per layer, [2, num_blocks, kv_block_size, num_kv_heads, head_dim]."""
 
-    def prepare(self, batch: ForwardBatch) -> Any:
+    def prepare(self, batch: ForwardBatch) -> PreparedBatch:
         """Moves a batch's metadata to the device once per forward."""
 
     def embedding(self, table: Tensor, token_ids: Tensor) -> Tensor:
@@ -50,12 +56,12 @@ class Ops(Protocol):
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         """x [T, in] @ weight[out, in].T (+ bias) -> [T, out]."""
 
-    def rope_and_write_kv(self, q: Tensor, k: Tensor, v: Tensor, rope: RopeTable, batch: Any, kv: Tensor,
+    def rope_and_write_kv(self, q: Tensor, k: Tensor, v: Tensor, rope: RopeTable, batch: PreparedBatch, kv: Tensor,
                           head_dim: int) -> Tensor:
         """Rotates q and k (rotate-half layout) at the batch positions, writes k and v into kv at the batch
         slots; returns rotated q [T, heads * head_dim]."""
 
-    def paged_attention(self, q: Tensor, kv: Tensor, batch: Any, num_kv_heads: int, head_dim: int, scale: float,
+    def paged_attention(self, q: Tensor, kv: Tensor, batch: PreparedBatch, num_kv_heads: int, head_dim: int, scale: float,
                         sliding_window: int | None) -> Tensor:
         """Causal attention of each segment's queries over its paged KV -> [T, heads * head_dim]."""
 

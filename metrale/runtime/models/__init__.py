@@ -13,12 +13,8 @@ class Family:
     model_class: type
 
 
-def _llama_config(hf: dict) -> llama.DecoderConfig:
-    return llama.DecoderConfig.from_hf(hf, qkv_bias=hf.get("attention_bias", False))
-
-
 ARCHITECTURES: dict[str, Family] = {
-    "LlamaForCausalLM": Family(_llama_config, llama.LlamaForCausalLM),
+    "LlamaForCausalLM": Family(llama.config_from_hf, llama.LlamaForCausalLM),
     "MistralForCausalLM": Family(mistral.config_from_hf, llama.LlamaForCausalLM),
     "Qwen2ForCausalLM": Family(qwen2.config_from_hf, llama.LlamaForCausalLM),
     "Qwen3ForCausalLM": Family(qwen3.config_from_hf, llama.LlamaForCausalLM),

@@ -25,6 +25,7 @@ class DecoderConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool = False
+    o_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -35,6 +36,8 @@ class DecoderConfig:
     def from_hf(cls, hf: dict, **family) -> "DecoderConfig":
         if hf.get("hidden_act", "silu") != "silu":
             raise InvalidArgument(f"hidden_act {hf['hidden_act']!r} is not supported (silu is)")
+        if hf.get("mlp_bias"):
+            raise InvalidArgument("mlp_bias=true is not supported")
         eos = hf.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         num_heads = hf["num_attention_heads"]
@@ -54,6 +57,12 @@ PACKED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_a
 LAYER_TENSORS = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight",
                  "mlp.down_proj.weight")
 QK_NORM_TENSORS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+
+
+def config_from_hf(hf: dict) -> DecoderConfig:
+    """Llama puts attention_bias on all four attention projections."""
+    bias = hf.get("attention_bias", False)
+    return DecoderConfig.from_hf(hf, qkv_bias=bias, o_bias=bias)
 
 
 class LlamaForCausalLM:
@@ -93,7 +102,7 @@ class LlamaForCausalLM:
             k = ops.head_rms_norm(k, layer["self_attn.k_norm.weight"], c.rms_norm_eps, c.head_dim)
         q = ops.rope_and_write_kv(q, k, v, self.rope, meta, kv, c.head_dim)
         o = ops.paged_attention(q, kv, meta, c.num_kv_heads, c.head_dim, self.scale, c.sliding_window)
-        return ops.linear(o, layer["self_attn.o_proj.weight"])
+        return ops.linear(o, layer["self_attn.o_proj.weight"], layer.get("self_attn.o_proj.bias"))
 
 
 def _load_weights(c: DecoderConfig, tensors: dict[str, torch.Tensor], ops: Ops) -> dict:
@@ -113,6 +122,8 @@ def _load_weights(c: DecoderConfig, tensors: dict[str, torch.Tensor], ops: Ops) 
         if c.qkv_bias:
             parts = PACKED["self_attn.qkv_proj"]
             layer["self_attn.qkv_bias"] = ops.upload(torch.cat([take(prefix + p + ".bias") for p in parts]))
+        if c.o_bias:
+            layer["self_attn.o_proj.bias"] = ops.upload(take(prefix + "self_attn.o_proj.bias"))
         if c.qk_norm:
             layer.update({name: ops.upload(take(prefix + name)) for name in QK_NORM_TENSORS})
         layers.append(layer)

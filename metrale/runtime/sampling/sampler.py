@@ -30,6 +30,7 @@ import torch
 from metrale.runtime.sampling.params import OutputOptions, SamplingParams
 from metrale.runtime.sampling.philox import uniform
 
+FLOAT32_MAX = torch.finfo(torch.float32).max
 FIRST_HEAD = 128  # canonical-order tokens walked first: the choice is in them for all but flat rows
 NUM_BUCKETS = 4096  # s-buckets that narrow the walk on flat rows
 
@@ -93,6 +94,8 @@ def apply_penalties(row: torch.Tensor, sample_row: SampleRow) -> None:
     if params.logit_bias:
         ids, biases = zip(*params.logit_bias)
         row.index_add_(0, torch.tensor(ids, dtype=torch.long), torch.tensor(biases, dtype=torch.float32))
+    # Extreme penalties or biases overflow to +-inf; keep the row finite so a client's values cannot break it.
+    row.clamp_(-FLOAT32_MAX, FLOAT32_MAX)
 
 
 def _token_ids(tokens: Sequence[int], vocab_size: int) -> torch.Tensor:
