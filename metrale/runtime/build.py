@@ -1,11 +1,15 @@
 """Builds a ready engine from a checkpoint: backend, model, KV pool, and what Info reports."""
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from metrale.runtime.backend import create_backend
+from metrale.runtime.backend.ops import MemoryShapes
+from metrale.runtime.default_model import default_cache_dir
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.engine import Engine
 from metrale.runtime.errors import InvalidArgument
+from metrale.runtime.kv_blocks import blocks_for
 from metrale.runtime.loading import Checkpoint
 from metrale.runtime.models import family_of
 
@@ -27,14 +31,18 @@ class ModelInfo:
     tokenizer_note: str = ""
 
 
-def build_engine(checkpoint: Checkpoint, config: EngineConfig) -> tuple[Engine, ModelInfo]:
+def build_engine(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path | None = None
+                 ) -> tuple[Engine, ModelInfo]:
+    """cache_dir: where compiled kernels are kept (default ~/.cache/metrale)."""
     family = family_of(checkpoint.config)
     model_config = family.config_from_hf(checkpoint.config)
-    backend = create_backend(config.device, config.dtype)
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     if max_model_len > model_config.max_position_embeddings:
         raise InvalidArgument(f"max_model_len={max_model_len} is over the model's max_position_embeddings="
                               f"{model_config.max_position_embeddings}")
+    backend = create_backend(config.device, config.dtype, cache_dir or default_cache_dir())
+    backend.plan(_weight_bytes(checkpoint, model_config, max_model_len), _memory_shapes(model_config, config,
+                                                                                        max_model_len))
     model = family.model_class(model_config, checkpoint.tensors, backend, max_model_len)
     num_blocks = config.kv_blocks or _blocks_that_fit(backend, model_config, config)
     kv_cache = backend.allocate_kv_cache(model_config.num_layers, num_blocks, config.kv_block_size,
@@ -48,6 +56,18 @@ def build_engine(checkpoint: Checkpoint, config: EngineConfig) -> tuple[Engine, 
                      bos_token_id=model_config.bos_token_id, pad_token_id=model_config.pad_token_id,
                      tokenizer_note=checkpoint.metadata.get("tokenizer_unsupported", "the checkpoint has none"))
     return engine, info
+
+
+def _weight_bytes(checkpoint: Checkpoint, c, max_model_len: int) -> int:
+    """An upper bound: every checkpoint tensor in bf16 and rope tables in float32, each 256-byte aligned."""
+    tensors = sum(2 * t.numel() + 256 for t in checkpoint.tensors.values())
+    return tensors + 2 * (4 * max_model_len * c.head_dim // 2 + 256)
+
+
+def _memory_shapes(c, config: EngineConfig, max_model_len: int) -> MemoryShapes:
+    return MemoryShapes(hidden=c.hidden_size, q_size=c.num_heads * c.head_dim, kv_size=c.num_kv_heads * c.head_dim,
+                        intermediate=c.intermediate_size, vocab=c.vocab_size, max_batch_tokens=config.max_batch_tokens,
+                        max_seqs=config.max_seqs, max_blocks_per_seq=blocks_for(max_model_len, config.kv_block_size))
 
 
 def _blocks_that_fit(backend, c, config: EngineConfig) -> int:

@@ -17,6 +17,8 @@ class EngineConfig:
     kv_blocks: int | None = None
     kv_memory_fraction: float = 0.25
     max_batch_tokens: int = 8192
+    # Most sequences one forward samples (decode lanes plus finishing prompts).
+    max_seqs: int = 512
     num_streams: int = 1
     # None: the model's own max_position_embeddings.
     max_model_len: int | None = None
@@ -34,6 +36,8 @@ class EngineConfig:
             raise InvalidArgument(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         if self.max_batch_tokens < 1:
             raise InvalidArgument(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
+        if self.max_seqs < 1:
+            raise InvalidArgument(f"max_seqs must be >= 1, got {self.max_seqs}")
         if not 1 <= self.num_streams <= 64:
             raise InvalidArgument(f"num_streams must be in [1, 64], got {self.num_streams}")
         if self.max_model_len is not None and self.max_model_len < 1:

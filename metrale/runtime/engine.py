@@ -39,7 +39,7 @@ class Engine:
         self.config = config
         self.sequences = SequenceTable()
         self.blocks = KvBlockManager(num_kv_blocks, config.kv_block_size)
-        self.limits = Limits(max_model_len, config.max_batch_tokens, config.kv_block_size)
+        self.limits = Limits(max_model_len, config.max_batch_tokens, config.kv_block_size, config.max_seqs)
         self._lock = threading.Lock()
 
     def step(self, step: Step, cancelled: Callable[[], bool] = lambda: False) -> StepOutput:

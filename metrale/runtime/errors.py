@@ -32,10 +32,12 @@ class OutOfKvBlocks(WorkerError):
 
 
 class BatchTooLarge(WorkerError):
-    def __init__(self, num_tokens: int, max_batch_tokens: int):
-        self.num_tokens = num_tokens
-        self.max_batch_tokens = max_batch_tokens
-        super().__init__(f"one step would run {num_tokens} tokens, over max_batch_tokens={max_batch_tokens}; "
+    """One forward over a limit of the memory plan: max_batch_tokens or max_seqs."""
+
+    def __init__(self, count: int, limit: int, limit_name: str = "max_batch_tokens"):
+        self.count, self.limit, self.limit_name = count, limit, limit_name
+        what = "tokens" if limit_name == "max_batch_tokens" else "sequences"
+        super().__init__(f"one step would run {count} {what} in a forward, over {limit_name}={limit}; "
                          f"split the prompt (chunk_size) or send fewer slices")
 
 

@@ -17,6 +17,7 @@ class Limits:
     max_model_len: int
     max_batch_tokens: int
     kv_block_size: int
+    max_seqs: int
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,9 @@ def plan_step(step: Step, sequences: SequenceTable, num_free_blocks: int, limits
     biggest = max(sum(len(c.tokens) for c in chunks) for chunks in rounds)
     if biggest > limits.max_batch_tokens:
         raise BatchTooLarge(biggest, limits.max_batch_tokens)
+    most_sequences = max(len(chunks) for chunks in rounds)
+    if most_sequences > limits.max_seqs:
+        raise BatchTooLarge(most_sequences, limits.max_seqs, "max_seqs")
     needed = sum(blocks_for(n, limits.kv_block_size) - _blocks_held(sequences, i) for i, n in final_lengths.items())
     if needed > num_free_blocks:
         raise OutOfKvBlocks(needed, num_free_blocks)

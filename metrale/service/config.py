@@ -59,6 +59,7 @@ SERVE_FLAGS = [
     ("kv-memory-fraction", float, "fraction of the memory left after the weights that the KV pool takes", None),
     ("kv-block-size", int, "tokens per KV block (a power of two)", None),
     ("max-batch-tokens", int, "most tokens one forward may run", None),
+    ("max-seqs", int, "most sequences one forward samples (decode lanes plus finishing prompts)", None),
     ("max-model-len", int, "longest sequence; default: the model's max_position_embeddings", None),
     ("num-streams", int, "device streams (lanes) that run steps independently", None),
     ("max-message-mb", int, "largest gRPC message, either way", None),

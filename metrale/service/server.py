@@ -2,6 +2,7 @@
 
 import asyncio
 import signal
+from pathlib import Path
 
 import grpc
 import structlog
@@ -46,7 +47,7 @@ class WorkerServer:
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, config: WorkerConfig) -> "WorkerServer":
-        engine, info = build_engine(checkpoint, config.engine)
+        engine, info = build_engine(checkpoint, config.engine, Path(config.cache_dir) if config.cache_dir else None)
         return cls(engine, info, checkpoint.tokenizer, config)
 
     async def start(self) -> None:

@@ -37,8 +37,8 @@ def _details(error: errors.WorkerError) -> list:
             metadata={"blocks_needed": str(error.blocks_needed), "blocks_free": str(error.blocks_free)})]
     if isinstance(error, errors.BatchTooLarge):
         return [error_details_pb2.ErrorInfo(
-            reason="MAX_BATCH_TOKENS", domain="metrale.v1",
-            metadata={"num_tokens": str(error.num_tokens), "max_batch_tokens": str(error.max_batch_tokens)})]
+            reason=error.limit_name.upper(), domain="metrale.v1",
+            metadata={"count": str(error.count), error.limit_name: str(error.limit)})]
     return []
 
 

@@ -26,6 +26,7 @@ NON_DEFAULT = {
     "kv-memory-fraction": ("0.5", "engine.kv_memory_fraction", 0.5),
     "kv-block-size": ("32", "engine.kv_block_size", 32),
     "max-batch-tokens": ("1024", "engine.max_batch_tokens", 1024),
+    "max-seqs": ("64", "engine.max_seqs", 64),
     "max-model-len": ("100", "engine.max_model_len", 100),
     "num-streams": ("3", "engine.num_streams", 3),
     "max-message-mb": ("8", "max_message_mb", 8),

@@ -1,16 +1,37 @@
-"""Backends implement the ops a model family is written against (ops.py): cpu.py with torch, cuda later."""
+"""Backends implement the ops a model family is written against (ops.py): cpu.py with torch, cuda/ with
+NVRTC kernels and cuBLASLt."""
+
+from pathlib import Path
 
 from metrale.runtime.backend.ops import Ops, RopeTable
+from metrale.runtime.errors import FailedPrecondition
 
 
-def create_backend(device: str, dtype: str) -> Ops:
-    """device is 'auto', 'cpu' or 'cuda'; only the CPU backend exists so far."""
+def cuda_available() -> bool:
+    """A CUDA driver and at least one device, asked of the driver itself (no torch)."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return False
+    try:
+        (status,) = driver.cuInit(0)
+        if status != driver.CUresult.CUDA_SUCCESS:
+            return False
+        status, count = driver.cuDeviceGetCount()
+        return status == driver.CUresult.CUDA_SUCCESS and count > 0
+    except Exception:  # no driver library at all
+        return False
+
+
+def create_backend(device: str, dtype: str, cache_dir: Path) -> Ops:
+    """device: 'auto' (CUDA where a GPU is present), 'cpu' or 'cuda'."""
+    if device == "cuda" or (device == "auto" and cuda_available()):
+        if not cuda_available():
+            raise FailedPrecondition("--device cuda, but no CUDA device is visible")
+        from metrale.runtime.backend.cuda.backend import CudaBackend
+        return CudaBackend(cache_dir / "kernels", dtype)
     from metrale.runtime.backend.cpu import CpuBackend
-    from metrale.runtime.errors import FailedPrecondition
-
-    if device == "cuda":
-        raise FailedPrecondition("the CUDA backend is not built yet; use --device cpu")
     return CpuBackend(dtype)
 
 
-__all__ = ["Ops", "RopeTable", "create_backend"]
+__all__ = ["Ops", "RopeTable", "create_backend", "cuda_available"]

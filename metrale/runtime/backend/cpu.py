@@ -20,6 +20,9 @@ class CpuBackend:
             raise InvalidArgument(f"dtype {dtype!r} is not supported on the CPU backend")
         self.dtype = _DTYPES[dtype]
 
+    def plan(self, weight_bytes, shapes) -> None:
+        """torch allocates as it goes on the CPU."""
+
     def upload(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.dtype).contiguous()
 
@@ -86,6 +89,9 @@ class CpuBackend:
 
     def gather_rows(self, x, rows):
         return x[rows]
+
+    def logits(self, x, lm_head):
+        return F.linear(x, lm_head).float()
 
     def logits_to_host(self, logits):
         return logits.float()

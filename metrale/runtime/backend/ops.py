@@ -18,6 +18,19 @@ class RopeTable:
     sin: Tensor
 
 
+@dataclass(frozen=True)
+class MemoryShapes:
+    """What a backend's memory plan is sized by: the model's dimensions and the engine's limits."""
+    hidden: int
+    q_size: int
+    kv_size: int
+    intermediate: int
+    vocab: int
+    max_batch_tokens: int
+    max_seqs: int
+    max_blocks_per_seq: int
+
+
 class PreparedBatch(Protocol):
     """A ForwardBatch as the backend holds it for one forward; models read these two fields."""
     token_ids: Tensor      # [T]
@@ -27,6 +40,9 @@ class PreparedBatch(Protocol):
 class Ops(Protocol):
     device: str
     dtype: torch.dtype
+
+    def plan(self, weight_bytes: int, shapes: MemoryShapes) -> None:
+        """Places weights and workspaces before any upload; the KV pool comes after."""
 
     def upload(self, tensor: torch.Tensor) -> Tensor:
         """A weight in the backend's dtype and memory."""
@@ -70,6 +86,9 @@ class Ops(Protocol):
 
     def gather_rows(self, x: Tensor, rows: Tensor) -> Tensor:
         """x[rows]."""
+
+    def logits(self, x: Tensor, lm_head: Tensor) -> Tensor:
+        """x [N, hidden] @ lm_head[vocab, hidden].T -> [N, vocab] float32."""
 
     def logits_to_host(self, logits: Tensor) -> torch.Tensor:
         """[N, vocab] float32 on the host, for the sampler."""

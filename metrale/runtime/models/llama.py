@@ -91,7 +91,7 @@ class LlamaForCausalLM:
         # Only rows that sample need the final norm and the vocab projection.
         rows = meta.sample_rows
         x, _ = ops.rms_norm(ops.gather_rows(x, rows), w["norm"], c.rms_norm_eps, ops.gather_rows(residual, rows))
-        return ops.linear(x, w["lm_head"])
+        return ops.logits(x, w["lm_head"])
 
     def _attention(self, h, layer: dict, meta, kv):
         ops, c = self.ops, self.config
@@ -111,8 +111,8 @@ def _load_weights(c: DecoderConfig, tensors: dict[str, torch.Tensor], ops: Ops) 
             raise InvalidArgument(f"the checkpoint has no tensor {name!r} that {c.architecture} needs")
         return tensors[name]
 
-    embed = take("model.embed_tokens.weight")
-    lm_head = embed if c.tie_word_embeddings else take("lm_head.weight")
+    embed = ops.upload(take("model.embed_tokens.weight"))
+    lm_head = embed if c.tie_word_embeddings else ops.upload(take("lm_head.weight"))
     layers = []
     for i in range(c.num_layers):
         prefix = f"model.layers.{i}."
@@ -127,5 +127,4 @@ def _load_weights(c: DecoderConfig, tensors: dict[str, torch.Tensor], ops: Ops) 
         if c.qk_norm:
             layer.update({name: ops.upload(take(prefix + name)) for name in QK_NORM_TENSORS})
         layers.append(layer)
-    return {"embed": ops.upload(embed), "lm_head": ops.upload(lm_head), "norm": ops.upload(take("model.norm.weight")),
-            "layers": layers}
+    return {"embed": embed, "lm_head": lm_head, "norm": ops.upload(take("model.norm.weight")), "layers": layers}

@@ -1,0 +1,23 @@
+// Gated activations of the MLP: out = silu(gate) * up in fp32, rounded to bf16 once.
+#include "common.cuh"
+
+__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+
+__device__ __forceinline__ unsigned int silu_mul_pair(unsigned int gate, unsigned int up) {
+    const float2 g = bf16x2_to_float2(gate), u = bf16x2_to_float2(up);
+    return float2_to_bf16x2(silu(g.x) * u.x, silu(g.y) * u.y);
+}
+
+// out [T, I], gate_up [T, 2I] = [gate | up], bf16; row strides in 16-byte units (8 bf16), I % 8 == 0.
+// A flat grid over the T * I / 8 units of out, one unit per thread.
+extern "C" __global__ void silu_mul(uint4* out, long long out_stride, const uint4* gate_up, long long gate_up_stride,
+                                    int num_tokens, int units_per_row) {
+    const long long unit = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (unit >= (long long)num_tokens * units_per_row) return;
+    const long long row = unit / units_per_row;
+    const int column = (int)(unit - row * units_per_row);
+    const uint4* gate_row = gate_up + row * gate_up_stride;
+    const uint4 g = gate_row[column], u = gate_row[units_per_row + column];
+    out[row * out_stride + column] = make_uint4(silu_mul_pair(g.x, u.x), silu_mul_pair(g.y, u.y),
+                                                silu_mul_pair(g.z, u.z), silu_mul_pair(g.w, u.w));
+}

@@ -1,0 +1,532 @@
+// Causal attention over the paged KV cache, on tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate):
+// decode (one query per sequence; the query heads of a kv group share each K/V read; the context is split
+// across CTAs and merged by paged_decode_reduce, as flash-decoding) and prefill (flash-attention-2 over
+// 64-row query tiles, reading K/V tiles through the block table).
+//
+// q [T, num_heads * head_dim] bf16, row stride q_stride (elements; q may be a column slice of qkv).
+// kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] bf16, contiguous; plane 0 = K, 1 = V;
+//   plane_elems = num_blocks * block_size * num_kv_heads * head_dim. Token k of a sequence lives in block
+//   block_table[k / block_size], row k % block_size. block_size is a power of two dividing KV_TILE.
+// block_tables [S, max_blocks] int32; out [T, num_heads * head_dim] bf16, row stride out_stride.
+// Query head h attends with kv head h / group_size. The queries of a segment are the last positions of its
+// context; a query at position p sees keys max(0, p - window + 1) .. p (window <= 0: no window).
+// Softmax runs in base 2: scores are multiplied by scale_log2 = scale * log2(e), exponentials are ex2.
+//
+// Fragment layouts relied on (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type").
+// lane = 4 * g + t, g = lane >> 2 in 0..7, t = lane & 3; each .b32 holds two bf16, the lower index in the
+// low half (as in memory, and as float2_to_bf16x2(lo, hi) packs them):
+//   A 16x16, row-major: a0 = A[g][2t, 2t+1]  a1 = A[g+8][2t, 2t+1]  a2 = A[g][2t+8, 2t+9]  a3 = A[g+8][2t+8, 2t+9]
+//   B 16x8, "col":      b0 = B[2t, 2t+1][g]  b1 = B[2t+8, 2t+9][g]
+//   C/D 16x8 fp32:      c0, c1 = C[g][2t], C[g][2t+1]   c2, c3 = C[g+8][2t], C[g+8][2t+1]
+// ldmatrix.m8n8.x4.b16: lanes 8i .. 8i+7 give the addresses of the 8 rows of matrix i (16 bytes each);
+// register i of every lane receives M_i[g][2t, 2t+1], or with .trans M_i[2t][g], M_i[2t+1][g].
+// Hence, with K and V tiles stored token-major ([token][dim], rows padded to HEAD_DIM + 8):
+//   S = Q K^T: A = Q rows (ldmatrix of Q), B[k = dim][n = token] = K[token][dim] (ldmatrix, no .trans);
+//   O += P V:  A = P from the S accumulators (c0,c1 | c2,c3 of two 8-key tiles = a0,a1 | a2,a3),
+//              B[k = token][n = dim] = V[token][dim] (ldmatrix .trans).
+#include "common.cuh"
+
+namespace {
+
+constexpr int WARPS = 4;
+constexpr int THREADS = 32 * WARPS;
+constexpr int KV_TILE = 64;                // keys per K or V tile in shared memory
+constexpr int PREFILL_ROWS = 16 * WARPS;   // query rows of a prefill CTA: 16 per warp
+constexpr int DECODE_ROWS = 16;            // query heads of a kv group, padded to one mma tile
+
+template <int HEAD_DIM>
+struct Tile {
+    static constexpr int STRIDE = HEAD_DIM + 8;              // elements; the 16-byte pad makes ldmatrix conflict-free
+    static constexpr int ELEMS = KV_TILE * STRIDE;
+    static constexpr int CHUNKS = HEAD_DIM / 8;              // 16-byte chunks per row
+    static constexpr int KV_BYTES = 2 * ELEMS * 2;           // a K and a V tile, bf16
+    // Decode: the K and V tiles and the group's Q tile (read from shared memory at every K tile: Q held in
+    // registers would cost 2 * HEAD_DIM of them), then the merge of the 4 warps over the same bytes:
+    // acc [WARPS][16][HEAD_DIM], row max and row sum [WARPS][16], fp32.
+    static constexpr int DECODE_TILES_BYTES = KV_BYTES + DECODE_ROWS * STRIDE * 2;
+    static constexpr int MERGE_BYTES = (WARPS * DECODE_ROWS * HEAD_DIM + 2 * WARPS * DECODE_ROWS) * 4;
+    static constexpr int DECODE_BYTES = DECODE_TILES_BYTES > MERGE_BYTES ? DECODE_TILES_BYTES : MERGE_BYTES;
+    static_assert(HEAD_DIM % 16 == 0 && (KV_TILE * CHUNKS) % THREADS == 0, "head_dim must be a multiple of 16");
+    static_assert(PREFILL_ROWS == KV_TILE, "the prefill Q tile is staged in the V tile");
+};
+
+__device__ __forceinline__ float negative_infinity() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ float fast_exp2(float x) {   // ex2(-inf) = +0
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ unsigned shared_address(const void* pointer) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(pointer));
+}
+
+// 16 bytes global -> shared, asynchronous; an invalid chunk is zero-filled and reads nothing.
+__device__ __forceinline__ void copy_async_16(void* shared, const void* global, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 ::"r"(shared_address(shared)), "l"(global), "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Waits until at most `pending` of this thread's committed groups are still in flight.
+template <int pending>
+__device__ __forceinline__ void copy_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(pending)); }
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const bf16* shared) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(shared)));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const bf16* shared) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(shared)));
+}
+
+// c [16x8] += a [16x16] * b [16x8]
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Keys [tile_start, tile_start + KV_TILE) of one sequence and kv head from one cache plane into a tile;
+// keys outside [lo, hi) are zero-filled without touching the block table or the cache.
+// plane: the K or V plane, already offset by kv_head * HEAD_DIM; token_stride = num_kv_heads * HEAD_DIM.
+template <int HEAD_DIM>
+__device__ __forceinline__ void load_kv_tile(bf16* tile, const bf16* plane, const int* block_table, int block_shift,
+                                             int token_stride, int tile_start, int lo, int hi) {
+    using T = Tile<HEAD_DIM>;
+#pragma unroll
+    for (int i = 0; i < KV_TILE * T::CHUNKS / THREADS; ++i) {
+        const int chunk = threadIdx.x + i * THREADS;
+        const int row = chunk / T::CHUNKS, column = (chunk % T::CHUNKS) * 8;
+        const int key = tile_start + row;
+        const bool valid = key >= lo && key < hi;
+        const bf16* source = plane;
+        if (valid) {
+            const long long slot = ((long long)block_table[key >> block_shift] << block_shift) +
+                                   (key & ((1 << block_shift) - 1));
+            source = plane + slot * token_stride + column;
+        }
+        copy_async_16(tile + row * T::STRIDE + column, source, valid);
+    }
+}
+
+// ROWS query rows of HEAD_DIM into a tile; rows >= valid_rows are zero-filled.
+template <int HEAD_DIM, int ROWS>
+__device__ __forceinline__ void load_query_tile(bf16* tile, const bf16* first_row, long long row_stride,
+                                                int valid_rows) {
+    using T = Tile<HEAD_DIM>;
+#pragma unroll
+    for (int i = 0; i < (ROWS * T::CHUNKS + THREADS - 1) / THREADS; ++i) {
+        const int chunk = threadIdx.x + i * THREADS;
+        if (ROWS * T::CHUNKS % THREADS != 0 && chunk >= ROWS * T::CHUNKS) break;
+        const int row = chunk / T::CHUNKS, column = (chunk % T::CHUNKS) * 8;
+        const bool valid = row < valid_rows;
+        copy_async_16(tile + row * T::STRIDE + column, valid ? first_row + row * row_stride + column : first_row,
+                      valid);
+    }
+}
+
+// The A fragment of tile rows row0 .. row0 + 15, columns 16 kk .. 16 kk + 15: matrix i is rows
+// row0 + 8 (i & 1) .., columns 16 kk + 8 (i >> 1) .., i.e. a0 .. a3 above.
+template <int HEAD_DIM>
+__device__ __forceinline__ void load_query_fragment(unsigned (&a)[4], const bf16* tile, int row0, int kk) {
+    const int lane = threadIdx.x & 31;
+    ldmatrix_x4(a, tile + (row0 + (lane & 15)) * Tile<HEAD_DIM>::STRIDE + 16 * kk + (lane >> 4) * 8);
+}
+
+// Online softmax of one warp's 16 query rows; this lane holds rows g and g + 8 (index r = 0, 1).
+template <int HEAD_DIM>
+struct WarpAttention {
+    float acc[HEAD_DIM / 8][4];   // unnormalized output, C fragments of 8-column tiles
+    float row_max[2];             // running max of the scaled scores (base 2)
+    float row_sum[2];             // this lane's share of the sum of exponentials (quad-summed by finish)
+
+    __device__ __forceinline__ void start() {
+#pragma unroll
+        for (int n = 0; n < HEAD_DIM / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+        row_max[0] = row_max[1] = negative_infinity();
+        row_sum[0] = row_sum[1] = 0.f;
+    }
+
+    // Scores against the KEYS keys of the K tile from row key0, folded into the running max and sum;
+    // returns their probabilities as A fragments (one per 16 keys) for add_values. query(kk, a) gives the
+    // A fragment of head-dim columns 16 kk ..; with masked, allowed(r, key_in_tile) says which scores
+    // count; without, all do.
+    template <int KEYS, typename Query, typename Allowed>
+    __device__ __forceinline__ void add_scores(unsigned (&probs)[KEYS / 16][4], Query query, const bf16* k_tile,
+                                               int key0, float scale_log2, bool masked, Allowed allowed) {
+        const int lane = threadIdx.x & 31, t = lane & 3;
+        float s[KEYS / 8][4];
+#pragma unroll
+        for (int j = 0; j < KEYS / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+            unsigned a[4];
+            query(kk, a);
+#pragma unroll
+            for (int j = 0; j < KEYS / 16; ++j) {
+                // matrices: keys +0..7 dims +0..7 (b0), keys +0..7 dims +8..15 (b1), then keys +8..15 likewise
+                unsigned b[4];
+                ldmatrix_x4(b, k_tile + (key0 + 16 * j + (lane & 7) + ((lane >> 4) << 3)) * Tile<HEAD_DIM>::STRIDE +
+                                   16 * kk + ((lane >> 3) & 1) * 8);
+                mma_bf16(s[2 * j], a, b[0], b[1]);
+                mma_bf16(s[2 * j + 1], a, b[2], b[3]);
+            }
+        }
+        float tile_max[2] = {negative_infinity(), negative_infinity()};
+#pragma unroll
+        for (int j = 0; j < KEYS / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float x = s[j][e] * scale_log2;
+                if (masked && !allowed(e >> 1, key0 + 8 * j + 2 * t + (e & 1))) x = negative_infinity();
+                s[j][e] = x;
+                tile_max[e >> 1] = fmaxf(tile_max[e >> 1], x);
+            }
+        }
+        float base[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            // the 4 lanes of a quad hold the same two rows
+            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+            const float new_max = fmaxf(row_max[r], tile_max[r]);
+            // a row that has seen no key yet keeps max -inf; subtracting 0 keeps its exponentials 0, not NaN
+            base[r] = new_max == negative_infinity() ? 0.f : new_max;
+            const float correction = fast_exp2(row_max[r] - base[r]);
+            row_max[r] = new_max;
+            row_sum[r] *= correction;
+#pragma unroll
+            for (int n = 0; n < HEAD_DIM / 8; ++n) {
+                acc[n][2 * r] *= correction;
+                acc[n][2 * r + 1] *= correction;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < KEYS / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[j][e] = fast_exp2(s[j][e] - base[e >> 1]);
+                row_sum[e >> 1] += s[j][e];
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < KEYS / 16; ++i) {
+            probs[i][0] = float2_to_bf16x2(s[2 * i][0], s[2 * i][1]);
+            probs[i][1] = float2_to_bf16x2(s[2 * i][2], s[2 * i][3]);
+            probs[i][2] = float2_to_bf16x2(s[2 * i + 1][0], s[2 * i + 1][1]);
+            probs[i][3] = float2_to_bf16x2(s[2 * i + 1][2], s[2 * i + 1][3]);
+        }
+    }
+
+    // acc += probs [16 x KEYS] * V tile rows key0 .. key0 + KEYS - 1.
+    template <int KEYS>
+    __device__ __forceinline__ void add_values(const unsigned (&probs)[KEYS / 16][4], const bf16* v_tile, int key0) {
+        const int lane = threadIdx.x & 31;
+#pragma unroll
+        for (int i = 0; i < KEYS / 16; ++i) {
+#pragma unroll
+            for (int n = 0; n < HEAD_DIM / 16; ++n) {
+                // matrices (.trans): keys +0..7 dims +0..7 (b0), keys +8..15 dims +0..7 (b1), then dims +8..15
+                unsigned b[4];
+                ldmatrix_x4_trans(b, v_tile + (key0 + 16 * i + (lane & 7) + (((lane >> 3) & 1) << 3)) *
+                                                  Tile<HEAD_DIM>::STRIDE + 16 * n + (lane >> 4) * 8);
+                mma_bf16(acc[2 * n], probs[i], b[0], b[1]);
+                mma_bf16(acc[2 * n + 1], probs[i], b[2], b[3]);
+            }
+        }
+    }
+
+    __device__ __forceinline__ void finish() {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
+            row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
+        }
+    }
+};
+
+// The K/V loop shared by both kernels, over the 64-key tiles holding keys [lo, hi). The caller has issued
+// and committed the copy of its Q tile; read_query() runs once it has landed (prefill stages Q in v_tile
+// and takes it into registers). K and V alternate so that one streams in while the other is used:
+// V(j) loads during the scores of K(j), K(j + 1) during P V(j). Two barriers per tile: each makes one tile
+// visible and also frees the other, which every warp finished before reaching it.
+// step(tile_start, phase) runs phase 0 (scores, K tile ready) and phase 1 (values, V tile ready).
+// On return every thread's copies have landed, but warps may still be reading v_tile.
+template <int HEAD_DIM, typename ReadQuery, typename Step>
+__device__ __forceinline__ void for_each_kv_tile(bf16* k_tile, bf16* v_tile, const bf16* k_plane,
+                                                 const bf16* v_plane, const int* block_table, int block_shift,
+                                                 int token_stride, int lo, int hi, ReadQuery read_query, Step step) {
+    const int first = lo & ~(KV_TILE - 1);
+    load_kv_tile<HEAD_DIM>(k_tile, k_plane, block_table, block_shift, token_stride, first, lo, hi);
+    copy_async_commit();
+    copy_async_wait<1>();
+    __syncthreads();                // Q visible to all warps
+    read_query();
+    for (int tile = first; tile < hi; tile += KV_TILE) {
+        copy_async_wait<0>();
+        __syncthreads();            // K(tile) visible; every warp is done with v_tile (V(tile - 64) or Q)
+        load_kv_tile<HEAD_DIM>(v_tile, v_plane, block_table, block_shift, token_stride, tile, lo, hi);
+        copy_async_commit();
+        step(tile, 0);
+        copy_async_wait<0>();
+        __syncthreads();            // V(tile) visible; every warp is done with K(tile)
+        if (tile + KV_TILE < hi) {
+            load_kv_tile<HEAD_DIM>(k_tile, k_plane, block_table, block_shift, token_stride, tile + KV_TILE, lo, hi);
+            copy_async_commit();
+        }
+        step(tile, 1);
+    }
+}
+
+// grid (num_splits, num_kv_heads, B), THREADS threads. CTA (split, kv_head, b) attends the group_size
+// (<= 16) query heads of kv_head, the 16 rows of one mma tile, over the keys of its split:
+// [split * partition_size, (split + 1) * partition_size) within the window. Each warp takes 16 keys of
+// every 64-key tile; the warps merge through shared memory at the end. A sequence whose keys lie in one
+// split is written to out here; otherwise each split writes its normalized output and log2-sum-exp to
+// partial_out [B, num_heads, num_splits, HEAD_DIM] and partial_lse [B, num_heads, num_splits] fp32.
+template <int HEAD_DIM>
+__device__ __forceinline__ void paged_decode_attention(bf16* out, long long out_stride, const bf16* q,
+                                                       long long q_stride, const bf16* kv_cache,
+                                                       long long plane_elems, const int* seq_rows,
+                                                       const int* context_lens, const int* block_tables,
+                                                       int max_blocks, float* partial_out, float* partial_lse,
+                                                       int group_size, int block_shift, float scale_log2,
+                                                       int sliding_window, int partition_size) {
+    using T = Tile<HEAD_DIM>;
+    __shared__ __align__(16) unsigned char shared[T::DECODE_BYTES];
+    bf16* k_tile = reinterpret_cast<bf16*>(shared);
+    bf16* v_tile = k_tile + T::ELEMS;
+    bf16* query_tile = v_tile + T::ELEMS;
+
+    const int split = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
+    const int num_splits = gridDim.x, num_kv_heads = gridDim.y;
+    const int context = context_lens[seq];
+    const int window_start = sliding_window > 0 ? max(0, context - sliding_window) : 0;
+    const int lo = max(window_start, split * partition_size);
+    const int hi = min(context, (split + 1) * partition_size);
+    if (lo >= hi) return;
+    const bool whole = window_start / partition_size == (context - 1) / partition_size;   // one split holds all keys
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int head0 = kv_head * group_size;
+    const long long row = seq_rows[seq];
+    load_query_tile<HEAD_DIM, DECODE_ROWS>(query_tile, q + row * q_stride + (long long)head0 * HEAD_DIM, HEAD_DIM,
+                                           group_size);
+    copy_async_commit();
+    const bf16* k_plane = kv_cache + kv_head * HEAD_DIM;
+    const int* block_table = block_tables + (long long)seq * max_blocks;
+
+    WarpAttention<HEAD_DIM> attention;
+    attention.start();
+    unsigned probs[1][4];
+    const int key0 = 16 * warp;   // this warp's keys in every tile
+    for_each_kv_tile<HEAD_DIM>(
+        k_tile, v_tile, k_plane, k_plane + plane_elems, block_table, block_shift, num_kv_heads * HEAD_DIM, lo, hi,
+        [] {},
+        [&](int tile, int phase) {
+            if (phase == 0) {
+                // decode needs no causal mask: every key of the split in [lo, hi) is seen by the one query
+                const bool edge = tile < lo || tile + KV_TILE > hi;
+                attention.template add_scores<16>(
+                    probs, [&](int kk, unsigned (&a)[4]) { load_query_fragment<HEAD_DIM>(a, query_tile, 0, kk); },
+                    k_tile, key0, scale_log2, edge, [&](int, int key) { return tile + key >= lo && tile + key < hi; });
+            } else {
+                attention.template add_values<16>(probs, v_tile, key0);
+            }
+        });
+    attention.finish();
+    __syncthreads();   // every warp is done with v_tile, which the merge overwrites
+
+    // Merge the warps: [warp][row][dim] accumulators, [warp][row] max and sum.
+    float* merge_acc = reinterpret_cast<float*>(shared);
+    float* merge_max = merge_acc + WARPS * DECODE_ROWS * HEAD_DIM;
+    float* merge_sum = merge_max + WARPS * DECODE_ROWS;
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int slot = warp * DECODE_ROWS + g + 8 * r;
+#pragma unroll
+        for (int n = 0; n < HEAD_DIM / 8; ++n)
+            *reinterpret_cast<float2*>(merge_acc + slot * HEAD_DIM + 8 * n + 2 * t) =
+                make_float2(attention.acc[n][2 * r], attention.acc[n][2 * r + 1]);
+        if (t == 0) {
+            merge_max[slot] = attention.row_max[r];
+            merge_sum[slot] = attention.row_sum[r];
+        }
+    }
+    __syncthreads();
+    const int num_heads = num_kv_heads * group_size;
+    for (int i = threadIdx.x; i < group_size * HEAD_DIM; i += THREADS) {
+        const int head_row = i / HEAD_DIM, d = i % HEAD_DIM;
+        // every row saw at least one key in some warp (lo < hi, and padded query rows are zero, not masked)
+        float m = negative_infinity();
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) m = fmaxf(m, merge_max[w * DECODE_ROWS + head_row]);
+        float sum = 0.f, o = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const int slot = w * DECODE_ROWS + head_row;
+            const float weight = fast_exp2(merge_max[slot] - m);
+            sum += weight * merge_sum[slot];
+            o += weight * merge_acc[slot * HEAD_DIM + d];
+        }
+        const int head = head0 + head_row;
+        if (whole) {
+            out[row * out_stride + (long long)head * HEAD_DIM + d] = float_to_bf16(o / sum);
+        } else {
+            const long long part = ((long long)seq * num_heads + head) * num_splits + split;
+            partial_out[part * HEAD_DIM + d] = o / sum;
+            if (d == 0) partial_lse[part] = m + log2f(sum);
+        }
+    }
+}
+
+// grid (ceil(max_query_len / PREFILL_ROWS), num_heads, num_segments), THREADS threads. CTA (tile, head, s)
+// attends query rows [tile * 64, tile * 64 + 64) of segment s (warp w: rows 16w .. 16w + 15) for one head,
+// over keys from the window start of its first row to its last row's position. Tiles run last first, so
+// the longest CTAs of a causal segment start earliest.
+template <int HEAD_DIM>
+__device__ __forceinline__ void paged_prefill_attention(bf16* out, long long out_stride, const bf16* q,
+                                                        long long q_stride, const bf16* kv_cache,
+                                                        long long plane_elems, const int* query_starts,
+                                                        const int* query_lens, const int* context_lens,
+                                                        const int* block_tables, int max_blocks, int num_kv_heads,
+                                                        int group_size, int block_shift, float scale_log2,
+                                                        int sliding_window) {
+    using T = Tile<HEAD_DIM>;
+    __shared__ __align__(16) unsigned char shared[T::KV_BYTES];
+    bf16* k_tile = reinterpret_cast<bf16*>(shared);
+    bf16* v_tile = k_tile + T::ELEMS;
+
+    const int query_tile = gridDim.x - 1 - blockIdx.x, head = blockIdx.y, segment = blockIdx.z;
+    const int query_len = query_lens[segment];
+    const int row0 = query_tile * PREFILL_ROWS;
+    if (row0 >= query_len) return;
+    const int rows = min(PREFILL_ROWS, query_len - row0);
+    const int first_position = context_lens[segment] - query_len + row0;
+    const int last_position = first_position + rows - 1;
+    const int lo = sliding_window > 0 ? max(0, first_position - sliding_window + 1) : 0;
+    const int hi = last_position + 1;
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const long long first_row = (long long)query_starts[segment] + row0;
+    load_query_tile<HEAD_DIM, PREFILL_ROWS>(v_tile, q + first_row * q_stride + (long long)head * HEAD_DIM, q_stride,
+                                            rows);
+    copy_async_commit();
+    const int kv_head = head / group_size;
+    const bf16* k_plane = kv_cache + kv_head * HEAD_DIM;
+    const int* block_table = block_tables + (long long)segment * max_blocks;
+
+    // positions of this lane's rows; padding rows past the segment take the last row's
+    int position[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) position[r] = min(first_position + 16 * warp + (lane >> 2) + 8 * r, last_position);
+
+    unsigned query[HEAD_DIM / 16][4];
+    WarpAttention<HEAD_DIM> attention;
+    attention.start();
+    unsigned probs[KV_TILE / 16][4];
+    for_each_kv_tile<HEAD_DIM>(
+        k_tile, v_tile, k_plane, k_plane + plane_elems, block_table, block_shift, num_kv_heads * HEAD_DIM, lo, hi,
+        [&] {
+#pragma unroll
+            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) load_query_fragment<HEAD_DIM>(query[kk], v_tile, 16 * warp, kk);
+        },
+        [&](int tile, int phase) {
+            if (phase == 0) {
+                // a tile every key of which every row of the CTA may see needs no mask
+                const bool inside = tile + KV_TILE - 1 <= first_position &&
+                                    (sliding_window <= 0 || tile > last_position - sliding_window);
+                attention.template add_scores<KV_TILE>(
+                    probs,
+                    [&](int kk, unsigned (&a)[4]) {
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) a[i] = query[kk][i];
+                    },
+                    k_tile, 0, scale_log2, !inside, [&](int r, int key) {
+                        const int k = tile + key;
+                        return k <= position[r] && (sliding_window <= 0 || k > position[r] - sliding_window);
+                    });
+            } else {
+                attention.template add_values<KV_TILE>(probs, v_tile, 0);
+            }
+        });
+    attention.finish();
+
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = 16 * warp + g + 8 * r;
+        if (row >= rows) continue;
+        const float inverse = 1.f / attention.row_sum[r];   // >= 1 key: the row's own position
+        unsigned* destination = reinterpret_cast<unsigned*>(out + (first_row + row) * out_stride +
+                                                            (long long)head * HEAD_DIM + 2 * t);
+#pragma unroll
+        for (int n = 0; n < HEAD_DIM / 8; ++n)
+            destination[4 * n] = float2_to_bf16x2(attention.acc[n][2 * r] * inverse,
+                                                  attention.acc[n][2 * r + 1] * inverse);
+    }
+}
+
+}  // namespace
+
+#define DECODE_KERNEL(HEAD_DIM)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(THREADS) paged_decode_attention_hd##HEAD_DIM(                   \
+        bf16* out, long long out_stride, const bf16* q, long long q_stride, const bf16* kv_cache,                   \
+        long long plane_elems, const int* seq_rows, const int* context_lens, const int* block_tables,               \
+        int max_blocks, float* partial_out, float* partial_lse, int group_size, int block_shift, float scale_log2, \
+        int sliding_window, int partition_size) {                                                                   \
+        paged_decode_attention<HEAD_DIM>(out, out_stride, q, q_stride, kv_cache, plane_elems, seq_rows,             \
+                                         context_lens, block_tables, max_blocks, partial_out, partial_lse,          \
+                                         group_size, block_shift, scale_log2, sliding_window, partition_size);      \
+    }
+
+#define PREFILL_KERNEL(HEAD_DIM)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1) paged_prefill_attention_hd##HEAD_DIM(                     \
+        bf16* out, long long out_stride, const bf16* q, long long q_stride, const bf16* kv_cache,                   \
+        long long plane_elems, const int* query_starts, const int* query_lens, const int* context_lens,            \
+        const int* block_tables, int max_blocks, int num_kv_heads, int group_size, int block_shift,               \
+        float scale_log2, int sliding_window) {                                                                     \
+        paged_prefill_attention<HEAD_DIM>(out, out_stride, q, q_stride, kv_cache, plane_elems, query_starts,        \
+                                          query_lens, context_lens, block_tables, max_blocks, num_kv_heads,         \
+                                          group_size, block_shift, scale_log2, sliding_window);                     \
+    }
+
+DECODE_KERNEL(32)
+DECODE_KERNEL(64)
+DECODE_KERNEL(128)
+PREFILL_KERNEL(32)
+PREFILL_KERNEL(64)
+PREFILL_KERNEL(128)
+
+// grid (num_heads, B), head_dim threads: the out row of each decode sequence whose keys span several
+// splits = the mean of the splits' partial outputs weighted by 2^lse. Splits are chosen as in
+// paged_decode_attention; a sequence with one split was written there.
+extern "C" __global__ void paged_decode_reduce(bf16* out, long long out_stride, const int* seq_rows,
+                                               const int* context_lens, const float* partial_out,
+                                               const float* partial_lse, int sliding_window, int partition_size,
+                                               int num_splits) {
+    const int head = blockIdx.x, seq = blockIdx.y, num_heads = gridDim.x;
+    const int head_dim = blockDim.x, d = threadIdx.x;
+    const int context = context_lens[seq];
+    if (context <= 0) return;
+    const int window_start = sliding_window > 0 ? max(0, context - sliding_window) : 0;
+    const int first = window_start / partition_size, last = (context - 1) / partition_size;
+    if (first == last) return;
+    const long long base = ((long long)seq * num_heads + head) * num_splits;
+    float m = negative_infinity();
+    for (int s = first; s <= last; ++s) m = fmaxf(m, partial_lse[base + s]);
+    float sum = 0.f, o = 0.f;
+    for (int s = first; s <= last; ++s) {
+        const float weight = fast_exp2(partial_lse[base + s] - m);
+        sum += weight;
+        o += weight * partial_out[(base + s) * head_dim + d];
+    }
+    out[(long long)seq_rows[seq] * out_stride + (long long)head * head_dim + d] = float_to_bf16(o / sum);
+}

@@ -1,0 +1,49 @@
+// Shared device helpers: bf16 <-> float without cuda_bf16.h (NVRTC ships no CUDA headers), warp reductions.
+#pragma once
+
+typedef unsigned short bf16;   // raw bfloat16 bits
+
+__device__ __forceinline__ float bf16_to_float(bf16 x) {
+    return __uint_as_float(((unsigned int)x) << 16);
+}
+
+__device__ __forceinline__ bf16 float_to_bf16(float f) {
+    unsigned short r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+}
+
+// Two bf16 packed in 32 bits <-> float2.
+__device__ __forceinline__ float2 bf16x2_to_float2(unsigned int packed) {
+    return make_float2(__uint_as_float(packed << 16), __uint_as_float(packed & 0xffff0000u));
+}
+
+__device__ __forceinline__ unsigned int float2_to_bf16x2(float lo, float hi) {
+    unsigned int r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    return v;
+}
+
+// Sum over a block of blockDim.x threads (a multiple of 32, at most 1024); every thread gets the total.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float partial[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    v = lane < (blockDim.x >> 5) ? partial[lane] : 0.f;
+    return warp_sum(v);
+}

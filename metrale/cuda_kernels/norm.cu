@@ -1,0 +1,108 @@
+// RMSNorm as transformers' LlamaRMSNorm computes it in bf16: variance in fp32 over the bf16 input,
+// normalised value rounded to bf16, then weight * normalised in fp32 and rounded once.
+// The optional residual add rounds x + residual to bf16 first (as a bf16 torch add), and the norm reads
+// that rounded sum. Pointers are not __restrict__: out may alias x, residual_out may alias x or residual
+// (each thread reads its elements before it writes them).
+#include "common.cuh"
+
+#define RMS_NORM_MAX_UNITS 4        // 16-byte units (8 bf16) per thread: hidden <= 4 * 8 * blockDim.x
+#define HEAD_NORM_MAX_UNITS 4       // 4-byte units (2 bf16) per lane: head_dim <= 4 * 2 * 32 = 256
+#define HEAD_NORM_WARPS 4
+
+// 8 bf16 in a uint4 <-> 8 floats.
+__device__ __forceinline__ void unpack8(uint4 v, float* f) {
+    float2 a = bf16x2_to_float2(v.x), b = bf16x2_to_float2(v.y), c = bf16x2_to_float2(v.z), d = bf16x2_to_float2(v.w);
+    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y; f[4] = c.x; f[5] = c.y; f[6] = d.x; f[7] = d.y;
+}
+
+__device__ __forceinline__ uint4 pack8(const float* f) {
+    return make_uint4(float2_to_bf16x2(f[0], f[1]), float2_to_bf16x2(f[2], f[3]), float2_to_bf16x2(f[4], f[5]),
+                      float2_to_bf16x2(f[6], f[7]));
+}
+
+// bf16(weight * bf16(value * inv_rms)), two at a time.
+__device__ __forceinline__ unsigned int scale_pair(unsigned int value, unsigned int weight, float inv_rms) {
+    const float2 v = bf16x2_to_float2(value), w = bf16x2_to_float2(weight);
+    const float2 n = bf16x2_to_float2(float2_to_bf16x2(v.x * inv_rms, v.y * inv_rms));
+    return float2_to_bf16x2(w.x * n.x, w.y * n.y);
+}
+
+// One block per row; x, residual, out, residual_out [T, hidden] bf16 with row strides in elements (multiples
+// of 8), weight [hidden]. residual and residual_out may be null. hidden % 8 == 0, every row 16-byte aligned.
+// With residual: residual_out = bf16(x + residual), out = norm(residual_out) * weight.
+// Without: out = norm(x) * weight, residual_out (if not null) = x.
+extern "C" __global__ void rms_norm(bf16* out, long long out_stride, bf16* residual_out, long long residual_out_stride,
+                                    const bf16* x, long long x_stride, const bf16* residual, long long residual_stride,
+                                    const bf16* weight, int hidden, float eps) {
+    const long long row = blockIdx.x;
+    const int units = hidden >> 3;
+    const uint4* x_row = reinterpret_cast<const uint4*>(x + row * x_stride);
+    const uint4* residual_row = residual ? reinterpret_cast<const uint4*>(residual + row * residual_stride) : nullptr;
+    uint4* residual_out_row =
+        residual_out ? reinterpret_cast<uint4*>(residual_out + row * residual_out_stride) : nullptr;
+    uint4 values[RMS_NORM_MAX_UNITS];
+    float sum_squares = 0.f;
+#pragma unroll
+    for (int k = 0; k < RMS_NORM_MAX_UNITS; ++k) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i >= units) break;
+        uint4 v = x_row[i];
+        if (residual_row) {
+            float a[8], b[8];
+            unpack8(v, a);
+            unpack8(residual_row[i], b);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) a[j] += b[j];
+            v = pack8(a);
+        }
+        if (residual_out_row) residual_out_row[i] = v;
+        float f[8];
+        unpack8(v, f);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) sum_squares += f[j] * f[j];
+        values[k] = v;
+    }
+    const float inv_rms = rsqrtf(block_sum(sum_squares) / (float)hidden + eps);
+    const uint4* weight_units = reinterpret_cast<const uint4*>(weight);
+    uint4* out_row = reinterpret_cast<uint4*>(out + row * out_stride);
+#pragma unroll
+    for (int k = 0; k < RMS_NORM_MAX_UNITS; ++k) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i >= units) break;
+        const uint4 v = values[k], w = weight_units[i];
+        out_row[i] = make_uint4(scale_pair(v.x, w.x, inv_rms), scale_pair(v.y, w.y, inv_rms),
+                                scale_pair(v.z, w.z, inv_rms), scale_pair(v.w, w.w, inv_rms));
+    }
+}
+
+// In place over x [T, num_heads * head_dim] bf16 (row stride in elements, may be a column slice of qkv),
+// weight [head_dim]; one warp per (row, head), blocks of HEAD_NORM_WARPS warps. head_dim even, <= 256;
+// rows 4-byte aligned.
+extern "C" __global__ void head_rms_norm(bf16* x, long long x_stride, const bf16* weight, int num_rows, int num_heads,
+                                         int head_dim, float eps) {
+    const long long item = (long long)blockIdx.x * HEAD_NORM_WARPS + (threadIdx.x >> 5);
+    if (item >= (long long)num_rows * num_heads) return;
+    const int lane = threadIdx.x & 31;
+    const long long row = item / num_heads;
+    const int head = (int)(item % num_heads);
+    unsigned int* head_pairs = reinterpret_cast<unsigned int*>(x + row * x_stride + (long long)head * head_dim);
+    const unsigned int* weight_pairs = reinterpret_cast<const unsigned int*>(weight);
+    const int pairs = head_dim >> 1;
+    unsigned int values[HEAD_NORM_MAX_UNITS];
+    float sum_squares = 0.f;
+#pragma unroll
+    for (int k = 0; k < HEAD_NORM_MAX_UNITS; ++k) {
+        const int i = lane + 32 * k;
+        if (i < pairs) {
+            values[k] = head_pairs[i];
+            const float2 f = bf16x2_to_float2(values[k]);
+            sum_squares += f.x * f.x + f.y * f.y;
+        }
+    }
+    const float inv_rms = rsqrtf(warp_sum(sum_squares) / (float)head_dim + eps);
+#pragma unroll
+    for (int k = 0; k < HEAD_NORM_MAX_UNITS; ++k) {
+        const int i = lane + 32 * k;
+        if (i < pairs) head_pairs[i] = scale_pair(values[k], weight_pairs[i], inv_rms);
+    }
+}

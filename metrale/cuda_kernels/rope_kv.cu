@@ -1,0 +1,60 @@
+// Rotary embedding of q and k (rotate-half layout) fused with the write of k and v into the paged KV cache.
+//
+// qkv [T, (num_heads + 2 * num_kv_heads) * head_dim] bf16, row stride in elements: per token, q heads, then k
+//   heads, then v heads, each head_dim contiguous. After the call q and k in qkv are rotated, v is unchanged.
+// cos, sin [P, head_dim / 2] fp32 (angle = position * inv_freq[i]); positions [T] int32 in [0, P).
+// Rotate-half: element i pairs with i + head_dim / 2 (i < head_dim / 2), in fp32, rounded to bf16 once:
+//   out[i] = x[i] * cos[i] - x[i + half] * sin[i];  out[i + half] = x[i + half] * cos[i] + x[i] * sin[i].
+// kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] bf16, contiguous, one layer; plane 0 holds k,
+//   plane 1 holds v. Token t with slot = slot_mapping[t] writes kv_cache[p, slot / block_size,
+//   slot % block_size, :, :], i.e. the flat [2, num_slots, num_kv_heads, head_dim] index [p, slot]. A negative
+//   slot (a padding token) writes nothing.
+// Each thread owns one group: 4 pairs (elements 4g..4g+3 and half+4g..half+4g+3) of one head of one token,
+// loaded as two 8-byte vectors; cos/sin of the group are one float4 each. head_dim % 8 == 0.
+#include "common.cuh"
+
+__device__ __forceinline__ void rotate_pair2(unsigned int& first, unsigned int& second, float c0, float c1, float s0,
+                                             float s1) {
+    const float2 x1 = bf16x2_to_float2(first), x2 = bf16x2_to_float2(second);
+    first = float2_to_bf16x2(x1.x * c0 - x2.x * s0, x1.y * c1 - x2.y * s1);
+    second = float2_to_bf16x2(x2.x * c0 + x1.x * s0, x2.y * c1 + x1.y * s1);
+}
+
+// grid (T, ceil(items / blockDim.x)), items = (num_heads + 2 * num_kv_heads) * head_dim / 8 per token.
+extern "C" __global__ void rope_and_write_kv(bf16* qkv, long long qkv_stride, const float* cos, const float* sin,
+                                             const int* positions, const int* slot_mapping, bf16* kv_cache,
+                                             long long num_slots, int num_heads, int num_kv_heads, int head_dim) {
+    const long long token = blockIdx.x;
+    const int groups_per_head = head_dim >> 3;
+    const int item = blockIdx.y * blockDim.x + threadIdx.x;
+    if (item >= (num_heads + 2 * num_kv_heads) * groups_per_head) return;
+    const int head = item / groups_per_head;
+    const int group = item - head * groups_per_head;
+    const int half = head_dim >> 1;
+    bf16* head_start = qkv + token * qkv_stride + (long long)head * head_dim;
+    uint2* first = reinterpret_cast<uint2*>(head_start + 4 * group);
+    uint2* second = reinterpret_cast<uint2*>(head_start + half + 4 * group);
+    uint2 a = *first, b = *second;
+    int plane, kv_head;
+    if (head < num_heads + num_kv_heads) {
+        const long long angle = (long long)positions[token] * half + 4 * group;
+        const float4 c = *reinterpret_cast<const float4*>(cos + angle);
+        const float4 s = *reinterpret_cast<const float4*>(sin + angle);
+        rotate_pair2(a.x, b.x, c.x, c.y, s.x, s.y);
+        rotate_pair2(a.y, b.y, c.z, c.w, s.z, s.w);
+        *first = a;
+        *second = b;
+        if (head < num_heads) return;
+        plane = 0;
+        kv_head = head - num_heads;
+    } else {
+        plane = 1;
+        kv_head = head - num_heads - num_kv_heads;
+    }
+    const int slot = slot_mapping[token];
+    if (slot < 0) return;
+    const long long slot_elements = (long long)num_kv_heads * head_dim;
+    bf16* dst = kv_cache + (plane * num_slots + slot) * slot_elements + (long long)kv_head * head_dim;
+    *reinterpret_cast<uint2*>(dst + 4 * group) = a;
+    *reinterpret_cast<uint2*>(dst + half + 4 * group) = b;
+}

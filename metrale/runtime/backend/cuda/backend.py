@@ -1,0 +1,158 @@
+"""The CUDA backend: the ops of ops.py as NVRTC kernels and cuBLASLt GEMMs on one device stream.
+
+No torch on this path: torch only hands over checkpoint tensors at load time."""
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from metrale.runtime.backend.cuda import kernels
+from metrale.runtime.backend.cuda.batch import CudaBatch, metadata_elements, pack_batch
+from metrale.runtime.backend.cuda.compiler import KernelCache, KernelLibrary
+from metrale.runtime.backend.cuda.device import Arena, CudaDevice, RingArena
+from metrale.runtime.backend.cuda.gemm import CublasLt
+from metrale.runtime.backend.cuda.tensor import DeviceTensor
+from metrale.runtime.backend.ops import MemoryShapes, RopeTable
+from metrale.runtime.batch import ForwardBatch
+from metrale.runtime.errors import InvalidArgument
+
+GEMM_WORKSPACE_BYTES = 32 << 20
+# The activation workspace holds this many layers' tensors at max_batch_tokens (see RingArena).
+WORKSPACE_LAYERS = 3
+
+
+class CudaBackend:
+    device = "cuda"
+    dtype = torch.bfloat16
+
+    def __init__(self, cache_dir: Path, dtype: str = "auto"):
+        if dtype not in ("auto", "bfloat16"):
+            raise InvalidArgument(f"the CUDA backend runs bfloat16, not {dtype}")
+        self.cuda = CudaDevice()
+        self.lib = KernelLibrary(self.cuda.arch, KernelCache(cache_dir))
+        self._weights: Arena | None = None
+        self._pending = []   # host arrays kept alive until the stream is synchronized
+
+    def plan(self, weight_bytes: int, shapes: MemoryShapes) -> None:
+        """Places weights, workspaces and the metadata region; the KV pool takes what is left, later."""
+        self.shapes = shapes
+        t = shapes.max_batch_tokens
+        per_layer = 2 * t * (4 * shapes.hidden + 2 * shapes.q_size + 2 * shapes.kv_size + 3 * shapes.intermediate)
+        workspace = WORKSPACE_LAYERS * per_layer + 4 * t * shapes.hidden * 2
+        logits = 4 * shapes.max_seqs * shapes.vocab
+        metadata = 4 * metadata_elements(t, shapes.max_seqs, shapes.max_blocks_per_seq)
+        sizes = {"weights": weight_bytes, "workspace": workspace, "logits": logits, "metadata": metadata,
+                 "gemm": GEMM_WORKSPACE_BYTES}
+        base = self.cuda.allocate(sum(sizes.values()) + 256 * len(sizes))
+        regions = {}
+        for name, size in sizes.items():
+            regions[name] = Arena(base, size + 256, name)
+            base += size + 256
+        self._weights = regions["weights"]
+        self._ring = RingArena(regions["workspace"].base, regions["workspace"].nbytes, "activation workspace")
+        self._logits = regions["logits"].take((shapes.max_seqs, shapes.vocab), "float32")
+        self._metadata = regions["metadata"].take((metadata // 4,), "int32")
+        self.gemm = CublasLt(regions["gemm"].take((GEMM_WORKSPACE_BYTES,), "uint8"))
+
+    def upload(self, tensor: torch.Tensor) -> DeviceTensor:
+        return self._upload(tensor.to(torch.bfloat16), "bfloat16")
+
+    def upload_float32(self, tensor: torch.Tensor) -> DeviceTensor:
+        return self._upload(tensor.float(), "float32")
+
+    def _upload(self, tensor: torch.Tensor, dtype: str) -> DeviceTensor:
+        host = tensor.contiguous().view(torch.int16 if dtype == "bfloat16" else torch.float32).numpy()
+        out = self._weights.take(tuple(tensor.shape), dtype)
+        self.cuda.copy_to_device(out, host)
+        self.cuda.synchronize()
+        return out
+
+    def available_kv_bytes(self, fraction: float) -> int:
+        return int(self.cuda.free_memory() * fraction)
+
+    def allocate_kv_cache(self, num_layers, num_blocks, kv_block_size, num_kv_heads, head_dim):
+        shape = (2, num_blocks, kv_block_size, num_kv_heads, head_dim)
+        layer_bytes = int(np.prod(shape)) * 2
+        pool = Arena(self.cuda.allocate(num_layers * layer_bytes + 256 * num_layers), num_layers * layer_bytes
+                     + 256 * num_layers, "KV pool")
+        return [pool.take(shape, "bfloat16") for _ in range(num_layers)]
+
+    def prepare(self, batch: ForwardBatch) -> CudaBatch:
+        if batch.num_tokens > self.shapes.max_batch_tokens or len(batch.sample_rows) > self.shapes.max_seqs:
+            raise InvalidArgument("the forward is larger than the memory plan")
+        self._ring.reset()
+        prepared = pack_batch(batch, self._metadata, self.shapes.max_blocks_per_seq)
+        self.cuda.copy_to_device(DeviceTensor(self._metadata.ptr, prepared.host.shape, "int32"), prepared.host)
+        self._pending.append(prepared.host)
+        return prepared
+
+    def _new(self, rows: int, cols: int, dtype: str = "bfloat16") -> DeviceTensor:
+        return self._ring.take((rows, cols), dtype)
+
+    def embedding(self, table, token_ids):
+        out = self._new(token_ids.shape[0], table.shape[1])
+        kernels.embedding.embedding(self.lib, self.cuda.stream, out, table, token_ids)
+        return out
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        out = self._new(*x.shape)
+        residual_out = self._new(*x.shape)
+        kernels.norm.rms_norm(self.lib, self.cuda.stream, out, x, weight, eps, residual=residual,
+                              residual_out=residual_out)
+        return out, residual_out
+
+    def head_rms_norm(self, x, weight, eps, head_dim):
+        kernels.norm.head_rms_norm(self.lib, self.cuda.stream, x, weight, eps, head_dim)
+        return x
+
+    def linear(self, x, weight, bias=None):
+        out = self._new(x.shape[0], weight.shape[0])
+        self.gemm.linear(self.cuda.stream, out, x, weight, bias)
+        return out
+
+    def rope_and_write_kv(self, q, k, v, rope: RopeTable, batch: CudaBatch, kv, head_dim):
+        # q, k and v are column slices of one qkv buffer, which the kernel takes whole.
+        qkv = DeviceTensor(q.ptr, (q.shape[0], q.stride), q.dtype)
+        num_heads, num_kv_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
+        kernels.rope_kv.rope_and_write_kv(self.lib, self.cuda.stream, qkv, rope.cos, rope.sin, batch.positions,
+                                          batch.slot_mapping, kv, num_heads, num_kv_heads, head_dim)
+        return q
+
+    def paged_attention(self, q, kv, batch: CudaBatch, num_kv_heads, head_dim, scale, sliding_window):
+        out = self._new(q.shape[0], q.shape[1])
+        num_heads = q.shape[1] // head_dim
+        window = -1 if sliding_window is None else sliding_window
+        stream = self.cuda.stream
+        if batch.num_decode:
+            workspace = self._ring.take((kernels.attention.decode_workspace_elements(
+                batch.num_decode, num_heads, head_dim, batch.max_decode_context),), "float32")
+            kernels.attention.paged_decode_attention(
+                self.lib, stream, out, q, kv, batch.decode_rows, batch.decode_contexts, batch.decode_tables,
+                workspace, num_heads, num_kv_heads, head_dim, scale, window, batch.max_decode_context)
+        if batch.num_prefill:
+            kernels.attention.paged_prefill_attention(
+                self.lib, stream, out, q, kv, batch.prefill_starts, batch.prefill_lens, batch.prefill_contexts,
+                batch.prefill_tables, num_heads, num_kv_heads, head_dim, scale, window, batch.num_prefill,
+                batch.max_prefill_query)
+        return out
+
+    def silu_mul(self, gate_up):
+        out = self._new(gate_up.shape[0], gate_up.shape[1] // 2)
+        kernels.activation.silu_mul(self.lib, self.cuda.stream, out, gate_up)
+        return out
+
+    def gather_rows(self, x, rows):
+        out = self._new(rows.shape[0], x.shape[1], x.dtype)
+        kernels.embedding.gather_rows(self.lib, self.cuda.stream, out, x, rows)
+        return out
+
+    def logits(self, x, lm_head):
+        out = self._logits.rows(0, x.shape[0])
+        self.gemm.linear(self.cuda.stream, out, x, lm_head)
+        return out
+
+    def logits_to_host(self, logits) -> torch.Tensor:
+        host = self.cuda.copy_to_host(logits)
+        self._pending.clear()
+        return torch.from_numpy(host)

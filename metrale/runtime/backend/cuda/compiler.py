@@ -1,0 +1,89 @@
+"""NVRTC compilation of metrale/cuda_kernels/*.cu to cubin, with an on-disk cache.
+
+Always cubin, never PTX: the driver may be older than NVRTC and reject newer PTX. The cache key is the
+source (with the shared header), the options and the NVRTC version, so a second start compiles nothing.
+"""
+
+import hashlib
+import os
+from importlib import resources
+from pathlib import Path
+
+from cuda.bindings import nvrtc
+from cuda.core import ObjectCode, Program, ProgramOptions
+
+from metrale.runtime.errors import FailedPrecondition
+
+HEADER = "common.cuh"
+# Each .cu is compiled with the shared header pasted in, so NVRTC needs no include path.
+OPTIONS = {"std": "c++17", "lineinfo": True}
+
+
+def kernel_sources() -> dict[str, str]:
+    """name (file stem) -> CUDA C++ source of every .cu in metrale/cuda_kernels, with common.cuh inlined."""
+    folder = resources.files("metrale") / "cuda_kernels"
+    header = (folder / HEADER).read_text()
+    sources = {}
+    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".cu"):
+            text = entry.read_text().replace(f'#include "{HEADER}"', header)
+            sources[entry.name.removesuffix(".cu")] = text
+    return sources
+
+
+def nvrtc_version() -> str:
+    result, major, minor = nvrtc.nvrtcVersion()
+    if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise FailedPrecondition(f"NVRTC is not usable: {result.name}")
+    return f"{major}.{minor}"
+
+
+def compile_cubin(name: str, source: str, arch: str) -> bytes:
+    """arch: 'sm_90a', 'sm_89', 'sm_80', ... Raises FailedPrecondition with the NVRTC log."""
+    options = ProgramOptions(arch=arch, name=f"{name}.cu", **OPTIONS)
+    try:
+        code = Program(source, "c++", options).compile("cubin")
+    except Exception as error:  # cuda.core puts the NVRTC log in the message
+        raise FailedPrecondition(f"NVRTC failed on {name}.cu for {arch}: {error}") from None
+    return bytes(code.code)
+
+
+class KernelCache:
+    """cubin files under cache_dir, one per (source, arch, options, NVRTC version)."""
+
+    def __init__(self, cache_dir: Path):
+        self.cache_dir = Path(cache_dir)
+        self.hits = 0
+        self.misses = 0
+
+    def cubin(self, name: str, source: str, arch: str) -> bytes:
+        settings = [f"{k}={v}" for k, v in sorted(OPTIONS.items())]
+        key = hashlib.sha256("\0".join([source, arch, *settings, nvrtc_version()]).encode()).hexdigest()[:24]
+        path = self.cache_dir / f"{name}-{arch}-{key}.cubin"
+        if path.exists():
+            self.hits += 1
+            return path.read_bytes()
+        self.misses += 1
+        cubin = compile_cubin(name, source, arch)
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.partial")
+        partial.write_bytes(cubin)
+        partial.replace(path)
+        return cubin
+
+
+class KernelLibrary:
+    """Every kernel of metrale/cuda_kernels loaded for one device: get('rms_norm_residual') -> Kernel."""
+
+    def __init__(self, arch: str, cache: KernelCache):
+        self._kernels = {}
+        self._modules = {}
+        for name, source in kernel_sources().items():
+            self._modules[name] = ObjectCode.from_cubin(cache.cubin(name, source, arch))
+        self.arch = arch
+
+    def get(self, kernel_name: str, module: str):
+        key = (module, kernel_name)
+        if key not in self._kernels:
+            self._kernels[key] = self._modules[module].get_kernel(kernel_name)
+        return self._kernels[key]

@@ -1,0 +1,112 @@
+"""The device: cuda.core Device and stream, every driver call checked, host<->device copies, and the memory
+plan: one allocation carved into weights, KV pool, activation workspace and GEMM workspace."""
+
+import numpy as np
+from cuda.bindings import driver
+from cuda.core import Device
+
+from metrale.runtime.backend.cuda.tensor import DTYPES, DeviceTensor
+from metrale.runtime.errors import DeviceFault, FailedPrecondition
+
+ALIGNMENT = 256
+
+
+def check(result) -> object:
+    """cuda.bindings calls return (status, *values); raise with the status name, return the values."""
+    status, *values = result if isinstance(result, tuple) else (result,)
+    if status != driver.CUresult.CUDA_SUCCESS:
+        raise DeviceFault(f"CUDA driver error {status.name}")
+    return values[0] if len(values) == 1 else values
+
+
+def arch_of(device: Device) -> str:
+    """NVRTC target: 'sm_90a' on Hopper (wgmma, setmaxnreg), 'sm_XY' elsewhere."""
+    return "sm_90a" if device.arch == "90" else f"sm_{device.arch}"
+
+
+class CudaDevice:
+    def __init__(self, index: int = 0):
+        try:
+            self.device = Device(index)
+            self.device.set_current()
+        except Exception as error:
+            raise FailedPrecondition(f"no usable CUDA device {index}: {error}") from None
+        self.arch = arch_of(self.device)
+        self.stream = self.device.create_stream()
+        self._buffers = []
+
+    @property
+    def stream_handle(self) -> int:
+        return int(self.stream.handle)
+
+    def free_memory(self) -> int:
+        free, _ = check(driver.cuMemGetInfo())
+        return int(free)
+
+    def allocate(self, nbytes: int):
+        """A device allocation that lives as long as this device object: the memory plan's arenas."""
+        buffer = self.device.allocate(max(nbytes, ALIGNMENT), stream=self.stream)
+        self.stream.sync()
+        self._buffers.append(buffer)
+        return int(buffer.handle)
+
+    def copy_to_device(self, dst: DeviceTensor, host: np.ndarray) -> None:
+        """Asynchronous on the stream; `host` must stay alive until the stream is synchronized."""
+        if host.nbytes != dst.nbytes or not dst.is_contiguous:
+            raise DeviceFault(f"copy of {host.nbytes} bytes into a {dst.shape} {dst.dtype} tensor")
+        check(driver.cuMemcpyHtoDAsync(dst.ptr, host.ctypes.data, host.nbytes, self.stream_handle))
+
+    def copy_to_host(self, src: DeviceTensor) -> np.ndarray:
+        """Synchronous: waits for the stream."""
+        host = np.empty(src.shape, dtype=DTYPES[src.dtype][1])
+        if src.is_contiguous:
+            check(driver.cuMemcpyDtoHAsync(host.ctypes.data, src.ptr, host.nbytes, self.stream_handle))
+        else:
+            row_bytes = src.shape[-1] * src.itemsize
+            for row in range(src.shape[0]):
+                check(driver.cuMemcpyDtoHAsync(host.ctypes.data + row * row_bytes,
+                                               src.ptr + row * src.stride * src.itemsize, row_bytes,
+                                               self.stream_handle))
+        self.synchronize()
+        return host
+
+    def synchronize(self) -> None:
+        self.stream.sync()
+
+
+class Arena:
+    """A bump allocator over one region: weights and the KV pool, placed once at start."""
+
+    def __init__(self, base: int, nbytes: int, name: str):
+        self.base, self.nbytes, self.name = base, nbytes, name
+        self.used = 0
+
+    def take(self, shape: tuple[int, ...], dtype: str) -> DeviceTensor:
+        size = int(np.prod(shape)) * DTYPES[dtype][0]
+        start = -(-self.used // ALIGNMENT) * ALIGNMENT
+        if start + size > self.nbytes:
+            raise FailedPrecondition(f"the {self.name} region ({self.nbytes} bytes) is too small: "
+                                     f"{start + size} needed")
+        self.used = start + size
+        return DeviceTensor(self.base + start, tuple(shape), dtype)
+
+
+class RingArena(Arena):
+    """The activation workspace. Reset at the start of every forward, so a forward's tensors get the same
+    addresses every time (CUDA graphs replay them). Allocation wraps around: a tensor must be dead once
+    `nbytes` more bytes have been taken after it; the workspace is sized at three layers' worth, and a
+    layer's tensors die within the next layer."""
+
+    def take(self, shape: tuple[int, ...], dtype: str) -> DeviceTensor:
+        size = -(-int(np.prod(shape)) * DTYPES[dtype][0] // ALIGNMENT) * ALIGNMENT
+        if size > self.nbytes:
+            raise FailedPrecondition(f"a {shape} {dtype} tensor does not fit the activation workspace "
+                                     f"({self.nbytes} bytes); lower max_batch_tokens")
+        if self.used + size > self.nbytes:
+            self.used = 0
+        tensor = DeviceTensor(self.base + self.used, tuple(shape), dtype)
+        self.used += size
+        return tensor
+
+    def reset(self) -> None:
+        self.used = 0

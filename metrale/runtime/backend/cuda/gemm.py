@@ -1,0 +1,294 @@
+"""Dense GEMMs on cuBLASLt: out = x @ weight.T (+ bias), on the caller's stream and workspace, with the matmul
+descriptor, the matrix layouts and the heuristic's algorithm built once per shape and cached.
+
+cuBLASLt is reached through nvmath-python's low-level bindings (`nvmath.bindings.cublasLt`: raw pointers in,
+statuses out). Neither package is loaded until a CublasLt is created, so this module imports anywhere.
+libcublasLt.so.13 is found by `cuda.pathfinder` (the loader nvmath-python 1.x itself uses): first the
+`nvidia-cublas` wheel (site-packages/nvidia/cu13/lib), then conda, then the system (LD_LIBRARY_PATH, ldconfig,
+CUDA_HOME). We load it ourselves first so a missing library is one FailedPrecondition naming the fix.
+"""
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from metrale.runtime.backend.cuda.launch import require
+from metrale.runtime.backend.cuda.tensor import DeviceTensor
+from metrale.runtime.errors import DeviceFault, FailedPrecondition, InvalidArgument
+
+# cudaDataType_t values (library_types.h).
+CUDA_DATA_TYPE = {"bfloat16": 14, "float32": 0}
+CUBLAS_COMPUTE_32F = 68
+CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+CUBLASLT_EPILOGUE_DEFAULT, CUBLASLT_EPILOGUE_BIAS = 1, 4
+OUT_DTYPES = ("bfloat16", "float32")
+# Every pointer and row stride is checked to this alignment, and the heuristic is told so: its default
+# assumption is 256 bytes, and an algorithm picked under it may misbehave on a row view that is only 16-aligned.
+ALIGNMENT = 16
+
+
+class CublasLtError(DeviceFault):
+    """A cuBLASLt call returned a status other than CUBLAS_STATUS_SUCCESS."""
+
+    def __init__(self, call: str, status: str, detail: str = ""):
+        self.call = call
+        self.status = status
+        super().__init__(f"cuBLASLt {call} failed with {status}" + (f": {detail}" if detail else ""))
+
+
+class LinearKey(NamedTuple):
+    """What a linear's descriptors and algorithm depend on: the cache key. Pointers are not part of it."""
+    m: int            # rows of x and out (tokens)
+    n: int            # rows of weight, columns of out
+    k: int            # columns of x and weight
+    x_stride: int     # elements between rows of x
+    out_stride: int   # elements between rows of out
+    out_dtype: str    # 'bfloat16' or 'float32' (logits)
+    has_bias: bool
+
+
+@dataclass(frozen=True)
+class MatrixLayout:
+    """A column-major cuBLASLt matrix: rows x cols, column j at element offset j * ld."""
+    dtype: str
+    rows: int
+    cols: int
+    ld: int
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """cuBLASLt computes D[m, n] = op(A) @ op(B), column-major. A row-major [R, C] buffer with row stride s is,
+    read column-major, the [C, R] matrix with ld = s: its transpose, for free. So
+        out[M, N] = x[M, K] @ weight[N, K].T   <=>   out.T[N, M] = weight[N, K] @ x.T[K, M]
+    and every operand is already in memory in the form this needs:
+        A = weight, read as [K, N] ld K, transposed (OP_T)  -> [N, K]
+        B = x,      read as [K, M] ld x_stride (OP_N)        -> [K, M]
+        D = out,    read as [N, M] ld out_stride             (C = D, beta = 0: never read)
+    m = N, n = M, k = K: the "TN" GEMM, the layout cuBLASLt's fastest bf16 kernels take. The BIAS epilogue adds
+    a vector as long as D's rows (N), broadcast over D's columns (tokens): bias[N], as nn.Linear adds it."""
+    a: MatrixLayout
+    b: MatrixLayout
+    d: MatrixLayout
+    transa: int
+    transb: int
+    epilogue: int
+
+    @classmethod
+    def for_linear(cls, key: LinearKey) -> "GemmPlan":
+        return cls(a=MatrixLayout("bfloat16", key.k, key.n, key.k),
+                   b=MatrixLayout("bfloat16", key.k, key.m, key.x_stride),
+                   d=MatrixLayout(key.out_dtype, key.n, key.m, key.out_stride),
+                   transa=CUBLAS_OP_T, transb=CUBLAS_OP_N,
+                   epilogue=CUBLASLT_EPILOGUE_BIAS if key.has_bias else CUBLASLT_EPILOGUE_DEFAULT)
+
+
+def linear_key(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None) -> LinearKey:
+    """Checks a linear's operands (shapes, dtypes, 16-byte alignment) and returns its cache key.
+    On the hot path of every prefill linear: plain comparisons, and a message is formatted only on failure."""
+    if len(x.shape) != 2 or x.dtype != "bfloat16":
+        raise InvalidArgument(f"linear: x must be [M, K] bfloat16, not {x.shape} {x.dtype}")
+    if len(weight.shape) != 2 or weight.dtype != "bfloat16" or not weight.is_contiguous:
+        raise InvalidArgument(f"linear: weight must be a contiguous [N, K] bfloat16, not {weight.shape} "
+                              f"{weight.dtype} with row stride {weight.stride}")
+    m, k = x.shape
+    n = weight.shape[0]
+    if n == 0 or k == 0:
+        raise InvalidArgument(f"linear: weight {weight.shape} is empty")
+    if weight.shape[1] != k:
+        raise InvalidArgument(f"linear: x {x.shape} and weight {weight.shape} disagree on K")
+    if out.shape != (m, n) or out.dtype not in OUT_DTYPES:
+        raise InvalidArgument(f"linear: out must be [{m}, {n}] in one of {OUT_DTYPES}, not {out.shape} {out.dtype}")
+    x_stride, out_stride = x.stride, out.stride
+    if x_stride < k or out_stride < n:
+        raise InvalidArgument(f"linear: a row stride is shorter than its row (x {x_stride} < {k} or out "
+                              f"{out_stride} < {n})")
+    if (x.ptr | weight.ptr | out.ptr | 2 * x_stride | 2 * k | out.itemsize * out_stride) % ALIGNMENT:
+        raise InvalidArgument(f"linear: x, weight and out must be {ALIGNMENT}-byte aligned (pointer and row stride): "
+                              f"x {x.ptr:#x} stride {x_stride}, weight {weight.ptr:#x} stride {k}, out "
+                              f"{out.ptr:#x} stride {out_stride}")
+    if bias is not None:
+        # cuBLASLt's BIAS epilogue takes a bias of D's type only (a bf16 bias on float32 logits is INVALID_VALUE):
+        # a biased float32 output needs the bias uploaded as float32.
+        if bias.shape != (n,) or bias.dtype != out.dtype:
+            raise InvalidArgument(f"linear: bias must be [{n}] {out.dtype} (out's dtype), not {bias.shape} "
+                                  f"{bias.dtype}")
+        if bias.ptr % ALIGNMENT:
+            raise InvalidArgument(f"linear: bias must be {ALIGNMENT}-byte aligned, not {bias.ptr:#x}")
+    return LinearKey(m, n, k, x_stride, out_stride, out.dtype, bias is not None)
+
+
+def load_cublaslt():
+    """nvmath.bindings.cublasLt, with libcublasLt loaded. Raises FailedPrecondition saying what is missing."""
+    try:
+        from cuda import pathfinder
+        from nvmath.bindings import cublasLt
+    except ImportError as error:
+        raise FailedPrecondition(f"the CUDA backend's GEMMs need nvmath-python (pip install nvmath-python, without "
+                                 f"extras: it brings no CUDA libraries of its own): {error}") from None
+    try:
+        pathfinder.load_nvidia_dynamic_lib("cublasLt")
+    except pathfinder.DynamicLibNotFoundError as error:
+        raise FailedPrecondition(f"libcublasLt.so.13 not found: pip install nvidia-cublas (the CUDA 13 wheel), or "
+                                 f"put the CUDA toolkit's lib64 on LD_LIBRARY_PATH ({error})") from None
+    try:
+        cublasLt.get_version()  # binds every entry point; needs the driver (libcuda.so.1)
+    except Exception as error:  # nvmath's NotSupportedError (no driver), RuntimeError (a symbol missing)
+        raise FailedPrecondition(f"cuBLASLt is not usable here: {error}") from None
+    return cublasLt
+
+
+class _Matmul:
+    """One shape's cuBLASLt objects: matmul descriptor, A/B/D layouts and the chosen algorithm."""
+
+    def __init__(self, desc: int, layouts: tuple[int, int, int], heuristic):
+        self.desc = desc
+        self.a_layout, self.b_layout, self.d_layout = layouts
+        self.heuristic = heuristic              # MatmulHeuristicResult; keeps the algo struct alive
+        self.algo = heuristic.ptr               # cublasLtMatmulAlgo_t is the result struct's first field
+
+
+class CublasLt:
+    """A cuBLASLt handle, a workspace and the per-shape cache. Not thread-safe and not for concurrent streams:
+    calls in flight on two streams would share the workspace. One instance per stream lane."""
+
+    def __init__(self, workspace: DeviceTensor):
+        require(workspace.dtype == "uint8" and len(workspace.shape) == 1 and workspace.nbytes > 0,
+                f"cuBLASLt workspace must be a 1-D uint8 buffer, not {workspace.shape} {workspace.dtype}")
+        require(workspace.ptr % 256 == 0, "cuBLASLt workspace must be 256-byte aligned")
+        self._lt = load_cublaslt()
+        self.workspace = workspace
+        self._matmuls: dict[LinearKey, _Matmul] = {}
+        self.plans_created = 0              # descriptor sets built: one per new LinearKey
+        # Host scalars in fp32 (the scale type); POINTER_MODE_HOST reads them when a matmul is enqueued.
+        self._alpha = np.ones(1, dtype=np.float32)
+        self._beta = np.zeros(1, dtype=np.float32)
+        # A biased call copies bias.ptr into its shape's descriptor (cuBLASLt keeps the value, not this address).
+        self._bias_pointer = np.zeros(1, dtype=np.int64)
+        self._bias_pointer_attribute = self._lt.MatmulDescAttribute.BIAS_POINTER
+        # Addresses and sizes read by every call, computed once (numpy's .ctypes.data costs microseconds).
+        self._alpha_address, self._beta_address = self._alpha.ctypes.data, self._beta.ctypes.data
+        self._bias_pointer_address = self._bias_pointer.ctypes.data
+        self._workspace_address, self._workspace_bytes = workspace.ptr, workspace.nbytes
+        self.version = self._lt.get_version()   # e.g. 130100 for cuBLAS 13.1.0
+        self._handle = self._call("cublasLtCreate", self._lt.create)
+
+    def linear(self, stream, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
+               bias: DeviceTensor | None = None) -> None:
+        """out [M, N] = x [M, K] @ weight [N, K].T (+ bias [N]) on `stream` (a cuda.core Stream).
+        x, weight: bf16; out: bf16 or float32 (logits); bias: out's dtype. x and out may be column slices
+        (row-strided); every pointer and row stride 16-byte aligned. Accumulates in fp32."""
+        if self._handle is None:
+            raise FailedPrecondition("linear on a closed CublasLt")
+        key = linear_key(out, x, weight, bias)
+        if key.m == 0:
+            return
+        matmul = self._matmuls.get(key)
+        if matmul is None:
+            matmul = self._matmuls[key] = self._create_matmul(GemmPlan.for_linear(key))
+        lt = self._lt
+        try:
+            if bias is not None:
+                self._bias_pointer[0] = bias.ptr
+                lt.matmul_desc_set_attribute(matmul.desc, self._bias_pointer_attribute, self._bias_pointer_address, 8)
+            lt.matmul(self._handle, matmul.desc, self._alpha_address, weight.ptr, matmul.a_layout, x.ptr,
+                      matmul.b_layout, self._beta_address, out.ptr, matmul.d_layout, out.ptr, matmul.d_layout,
+                      matmul.algo, self._workspace_address, self._workspace_bytes, int(stream.handle))
+        except lt.cuBLASLtError as error:   # inlined _call: this is the hot path
+            raise CublasLtError("cublasLtMatmul" if bias is None else "cublasLtMatmul (with bias)",
+                                self._status_name(error.status)) from None
+
+    def close(self) -> None:
+        """Destroys every cached descriptor and the handle; the workspace stays the caller's. Idempotent."""
+        if self._handle is None:
+            return
+        lt = self._lt
+        for matmul in self._matmuls.values():
+            self._call("cublasLtMatmulDescDestroy", lt.matmul_desc_destroy, matmul.desc)
+            for layout in (matmul.a_layout, matmul.b_layout, matmul.d_layout):
+                self._call("cublasLtMatrixLayoutDestroy", lt.matrix_layout_destroy, layout)
+        self._matmuls.clear()
+        handle, self._handle = self._handle, None
+        self._call("cublasLtDestroy", lt.destroy, handle)
+
+    def __enter__(self) -> "CublasLt":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _create_matmul(self, plan: GemmPlan) -> _Matmul:
+        lt = self._lt
+        attr = lt.MatmulDescAttribute
+        desc = self._call("cublasLtMatmulDescCreate", lt.matmul_desc_create, CUBLAS_COMPUTE_32F,
+                          CUDA_DATA_TYPE["float32"])    # fp32 accumulation, fp32 alpha/beta
+        layouts = []
+        try:
+            self._set_desc(desc, attr.TRANSA, plan.transa)
+            self._set_desc(desc, attr.TRANSB, plan.transb)
+            self._set_desc(desc, attr.EPILOGUE, plan.epilogue)
+            if plan.epilogue == CUBLASLT_EPILOGUE_BIAS:
+                self._set_desc(desc, attr.BIAS_DATA_TYPE, CUDA_DATA_TYPE[plan.d.dtype])   # = out's: see linear_key
+                # The heuristic reads the bias pointer only for its alignment: address ALIGNMENT stands for every
+                # bias linear_key accepts. linear() sets the real one before each call.
+                self._set_desc(desc, attr.BIAS_POINTER, ALIGNMENT)
+            for layout in (plan.a, plan.b, plan.d):
+                layouts.append(self._call("cublasLtMatrixLayoutCreate", lt.matrix_layout_create,
+                                          CUDA_DATA_TYPE[layout.dtype], layout.rows, layout.cols, layout.ld))
+            heuristic = self._choose_algo(plan, desc, layouts)
+        except BaseException:
+            self._call("cublasLtMatmulDescDestroy", lt.matmul_desc_destroy, desc)
+            for layout in layouts:
+                self._call("cublasLtMatrixLayoutDestroy", lt.matrix_layout_destroy, layout)
+            raise
+        self.plans_created += 1
+        return _Matmul(desc, tuple(layouts), heuristic)
+
+    def _choose_algo(self, plan: GemmPlan, desc: int, layouts: list[int]):
+        """The heuristic's first choice for this plan, within the workspace and ALIGNMENT."""
+        lt = self._lt
+        attr = lt.MatmulPreferenceAttribute
+        preference = self._call("cublasLtMatmulPreferenceCreate", lt.matmul_preference_create)
+        try:
+            self._set_preference(preference, attr.MAX_WORKSPACE_BYTES, self.workspace.nbytes)
+            for name in ("MIN_ALIGNMENT_A_BYTES", "MIN_ALIGNMENT_B_BYTES", "MIN_ALIGNMENT_C_BYTES",
+                         "MIN_ALIGNMENT_D_BYTES"):
+                self._set_preference(preference, getattr(attr, name), ALIGNMENT)
+            heuristic = lt.MatmulHeuristicResult(1)
+            found = np.zeros(1, dtype=np.int32)
+            a_layout, b_layout, d_layout = layouts
+            self._call("cublasLtMatmulAlgoGetHeuristic", lt.matmul_algo_get_heuristic, self._handle, desc,
+                       a_layout, b_layout, d_layout, d_layout, preference, 1, heuristic.ptr, found.ctypes.data)
+        finally:
+            self._call("cublasLtMatmulPreferenceDestroy", lt.matmul_preference_destroy, preference)
+        if found[0] == 0:
+            raise FailedPrecondition(f"cuBLASLt has no algorithm for {plan} within a {self.workspace.nbytes}-byte "
+                                     f"workspace")
+        if int(heuristic.state) != 0:
+            raise CublasLtError("cublasLtMatmulAlgoGetHeuristic", self._status_name(int(heuristic.state)), str(plan))
+        return heuristic
+
+    def _set_desc(self, desc: int, attribute, value: int) -> None:
+        buffer = np.array([value], dtype=self._lt.get_matmul_desc_attribute_dtype(attribute))
+        self._call("cublasLtMatmulDescSetAttribute", self._lt.matmul_desc_set_attribute, desc, attribute,
+                   buffer.ctypes.data, buffer.nbytes)
+
+    def _set_preference(self, preference: int, attribute, value: int) -> None:
+        buffer = np.array([value], dtype=self._lt.get_matmul_preference_attribute_dtype(attribute))
+        self._call("cublasLtMatmulPreferenceSetAttribute", self._lt.matmul_preference_set_attribute, preference,
+                   attribute, buffer.ctypes.data, buffer.nbytes)
+
+    def _call(self, name: str, function, *args):
+        """Every cuBLASLt call but linear()'s own two goes through here (those inline it): a failing status becomes
+        a CublasLtError with the status's name."""
+        try:
+            return function(*args)
+        except self._lt.cuBLASLtError as error:
+            raise CublasLtError(name, self._status_name(error.status)) from None
+
+    def _status_name(self, status: int) -> str:
+        try:
+            return self._lt.get_status_name(status)
+        except Exception:  # the library could not even name it
+            return f"cublasStatus_t {status}"

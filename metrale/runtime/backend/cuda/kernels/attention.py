@@ -1,0 +1,148 @@
+"""Launchers for cuda_kernels/attention.cu: causal attention over the paged KV cache, decode (split along the
+context, flash-decoding) and prefill (flash-attention-2), on tensor cores."""
+
+import math
+
+import numpy as np
+
+from metrale.runtime.backend.cuda.launch import ceil_div, launch_kernel, require, require_aligned
+from metrale.runtime.backend.cuda.tensor import DeviceTensor
+
+MODULE = "attention"
+HEAD_DIMS = (32, 64, 128)
+BLOCK_SIZES = (16, 32, 64)     # powers of two dividing KV_TILE
+THREADS = 128                  # as in attention.cu: 4 warps
+KV_TILE = 64                   # as in attention.cu: keys per K/V tile
+PREFILL_ROWS = 64              # as in attention.cu: query rows per prefill CTA
+MAX_DECODE_GROUP = 16          # decode: a kv group's query heads fill the 16 rows of one mma tile
+MIN_PARTITION = 4 * KV_TILE    # decode: fewest keys per split, so a split streams several tiles
+# decode: CTAs to aim for, about 2 waves of 3 resident CTAs (head_dim 128) on 132 SMs (H100, H200)
+TARGET_CTAS = 800
+MAX_GRID_YZ = 65535
+LOG2_E = math.log2(math.e)
+
+
+def decode_partition(batch: int, num_kv_heads: int, max_context: int) -> tuple[int, int]:
+    """(keys per split, number of splits) of a decode launch: the context is split until there are about
+    TARGET_CTAS CTAs, in multiples of KV_TILE keys, at least MIN_PARTITION each."""
+    max_context = max(max_context, 1)
+    wanted = max(1, ceil_div(TARGET_CTAS, max(batch * num_kv_heads, 1)))
+    partition = max(MIN_PARTITION, KV_TILE * ceil_div(ceil_div(max_context, wanted), KV_TILE))
+    return partition, ceil_div(max_context, partition)
+
+
+def decode_workspace_elements(batch: int, num_heads: int, num_kv_heads: int, head_dim: int, max_context: int) -> int:
+    """float32 elements paged_decode_attention needs for these sizes (0 when the context is not split):
+    each split's normalized output [B, num_heads, splits, head_dim] and log2-sum-exp [B, num_heads, splits]."""
+    _, splits = decode_partition(batch, num_kv_heads, max_context)
+    return 0 if splits == 1 else batch * num_heads * splits * (head_dim + 1)
+
+
+def paged_decode_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_cache: DeviceTensor,
+                           seq_rows: DeviceTensor, context_lens: DeviceTensor, block_tables: DeviceTensor,
+                           workspace: DeviceTensor | None, num_heads: int, num_kv_heads: int, head_dim: int,
+                           scale: float, sliding_window: int, max_context: int) -> None:
+    """Attention of one query per sequence over its paged KV: for b < B, out[seq_rows[b]] (all heads) from
+    q[seq_rows[b]] and keys 0 .. context_lens[b] - 1 (the last max(0, context - sliding_window) .. with a
+    window) read through block_tables[b].
+
+    out, q [T, num_heads * head_dim] bf16 (q may be a column slice; rows not in seq_rows are not touched);
+    kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] bf16; seq_rows, context_lens [B] int32;
+    block_tables [B, max_blocks] int32; workspace float32 of at least decode_workspace_elements(...)
+    elements (None when that is 0); sliding_window -1 for none. Not checked on the device (the caller
+    guarantees): 1 <= context_lens[b] <= max_context <= max_blocks * block_size, block ids in [0, num_blocks),
+    seq_rows in [0, T). A sequence with context_lens[b] == 0 (a padding lane) leaves its row unwritten.
+    The number of splits depends on B, num_kv_heads and max_context only, so a captured graph stays valid
+    for any contexts up to max_context."""
+    _check_common("paged_decode_attention", out, q, kv_cache, block_tables, num_heads, num_kv_heads, head_dim,
+                  sliding_window)
+    require(len(seq_rows.shape) == 1 and seq_rows.dtype == "int32",
+            "paged_decode_attention: seq_rows must be [B] int32")
+    batch = seq_rows.shape[0]
+    require(context_lens.shape == (batch,) and context_lens.dtype == "int32",
+            f"paged_decode_attention: context_lens must be [{batch}] int32")
+    require(block_tables.shape[0] == batch, f"paged_decode_attention: block_tables must have {batch} rows")
+    require(num_heads // num_kv_heads <= MAX_DECODE_GROUP,
+            f"paged_decode_attention: at most {MAX_DECODE_GROUP} query heads per kv head")
+    block_size = kv_cache.shape[2]
+    require(0 <= max_context <= block_tables.shape[1] * block_size,
+            f"paged_decode_attention: max_context {max_context} exceeds the block tables' "
+            f"{block_tables.shape[1]} blocks of {block_size}")
+    require(batch <= MAX_GRID_YZ, f"paged_decode_attention: at most {MAX_GRID_YZ} sequences")
+    if batch == 0 or max_context == 0:
+        return
+    partition, splits = decode_partition(batch, num_kv_heads, max_context)
+    needed = decode_workspace_elements(batch, num_heads, num_kv_heads, head_dim, max_context)
+    partial_out = partial_lse = np.uint64(0)
+    if needed:
+        require(workspace is not None and workspace.dtype == "float32" and workspace.numel >= needed,
+                f"paged_decode_attention: workspace must be float32 with at least {needed} elements")
+        require(workspace.ptr % 16 == 0, "paged_decode_attention: workspace must be 16-byte aligned")
+        partial_out = workspace
+        partial_lse = np.uint64(workspace.ptr + batch * num_heads * splits * head_dim * 4)
+    kernel = lib.get(f"paged_decode_attention_hd{head_dim}", MODULE)
+    launch_kernel(stream, kernel, (splits, num_kv_heads, batch), THREADS, out, np.int64(out.stride), q,
+                  np.int64(q.stride), kv_cache, np.int64(kv_cache.numel // 2), seq_rows, context_lens, block_tables,
+                  block_tables.shape[1], partial_out, partial_lse, num_heads // num_kv_heads,
+                  block_size.bit_length() - 1, np.float32(scale * LOG2_E), sliding_window, partition)
+    if splits > 1:
+        launch_kernel(stream, lib.get("paged_decode_reduce", MODULE), (num_heads, batch), head_dim, out,
+                      np.int64(out.stride), seq_rows, context_lens, partial_out, partial_lse, sliding_window,
+                      partition, splits)
+
+
+def paged_prefill_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_cache: DeviceTensor,
+                            query_starts: DeviceTensor, query_lens: DeviceTensor, context_lens: DeviceTensor,
+                            block_tables: DeviceTensor, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                            sliding_window: int, num_segments: int, max_query_len: int) -> None:
+    """Causal attention of each segment's queries over its paged KV: segment s owns rows
+    query_starts[s] .. + query_lens[s] of q and out, the queries at the last query_lens[s] positions of its
+    context_lens[s] keys (earlier chunks and the new tokens, all already in kv_cache), read through
+    block_tables[s]; sliding_window -1 for none.
+
+    out, q [T, num_heads * head_dim] bf16 (q may be a column slice; rows outside the segments are not
+    touched); kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] bf16; query_starts, query_lens,
+    context_lens [S] int32, S >= num_segments; block_tables [S, max_blocks] int32. Not checked on the device
+    (the caller guarantees): 0 <= query_lens[s] <= max_query_len, query_lens[s] <= context_lens[s]
+    <= max_blocks * block_size, block ids in [0, num_blocks), segment rows inside [0, T)."""
+    _check_common("paged_prefill_attention", out, q, kv_cache, block_tables, num_heads, num_kv_heads, head_dim,
+                  sliding_window)
+    for name, tensor in (("query_starts", query_starts), ("query_lens", query_lens), ("context_lens", context_lens)):
+        require(len(tensor.shape) == 1 and tensor.shape[0] >= num_segments and tensor.dtype == "int32",
+                f"paged_prefill_attention: {name} must be [S >= {num_segments}] int32")
+    require(block_tables.shape[0] >= num_segments,
+            f"paged_prefill_attention: block_tables must have at least {num_segments} rows")
+    require(num_segments <= MAX_GRID_YZ and num_heads <= MAX_GRID_YZ,
+            f"paged_prefill_attention: at most {MAX_GRID_YZ} segments and heads")
+    require(max_query_len >= 0, "paged_prefill_attention: max_query_len must be >= 0")
+    if num_segments == 0 or max_query_len == 0:
+        return
+    block_size = kv_cache.shape[2]
+    kernel = lib.get(f"paged_prefill_attention_hd{head_dim}", MODULE)
+    launch_kernel(stream, kernel, (ceil_div(max_query_len, PREFILL_ROWS), num_heads, num_segments), THREADS, out,
+                  np.int64(out.stride), q, np.int64(q.stride), kv_cache, np.int64(kv_cache.numel // 2), query_starts,
+                  query_lens, context_lens, block_tables, block_tables.shape[1], num_kv_heads,
+                  num_heads // num_kv_heads, block_size.bit_length() - 1, np.float32(scale * LOG2_E), sliding_window)
+
+
+def _check_common(name: str, out: DeviceTensor, q: DeviceTensor, kv_cache: DeviceTensor, block_tables: DeviceTensor,
+                  num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int) -> None:
+    require(head_dim in HEAD_DIMS, f"{name}: head_dim {head_dim} is not one of {HEAD_DIMS}")
+    require(num_kv_heads > 0 and num_heads % num_kv_heads == 0,
+            f"{name}: num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    width = num_heads * head_dim
+    require(q.dtype == "bfloat16" and len(q.shape) == 2 and q.shape[1] == width,
+            f"{name}: q must be [T, {width}] bfloat16, not {q.shape} {q.dtype}")
+    require(out.dtype == "bfloat16" and out.shape == q.shape, f"{name}: out must be bfloat16 of q's shape {q.shape}")
+    require(kv_cache.dtype == "bfloat16" and len(kv_cache.shape) == 5 and kv_cache.shape[0] == 2
+            and kv_cache.shape[3:] == (num_kv_heads, head_dim) and kv_cache.is_contiguous,
+            f"{name}: kv_cache must be [2, num_blocks, block_size, {num_kv_heads}, {head_dim}] bfloat16, "
+            f"not {kv_cache.shape}")
+    require(kv_cache.shape[2] in BLOCK_SIZES, f"{name}: block_size {kv_cache.shape[2]} is not one of {BLOCK_SIZES}")
+    require(len(block_tables.shape) == 2 and block_tables.dtype == "int32",
+            f"{name}: block_tables must be [S, max_blocks] int32")
+    require(sliding_window == -1 or sliding_window >= 1, f"{name}: sliding_window must be -1 (none) or >= 1")
+    require_aligned(q, 16, f"{name}: q")
+    require_aligned(out, 4, f"{name}: out")
+    require(kv_cache.ptr % 16 == 0, f"{name}: kv_cache must be 16-byte aligned")
+    require(block_tables.ptr % 4 == 0, f"{name}: block_tables must be 4-byte aligned")

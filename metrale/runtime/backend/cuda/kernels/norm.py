@@ -1,0 +1,70 @@
+"""Launchers for cuda_kernels/norm.cu: RMSNorm with an optional fused residual add, and per-head RMSNorm."""
+
+import numpy as np
+
+from metrale.runtime.backend.cuda.launch import ceil_div, launch_kernel, require, require_aligned
+from metrale.runtime.backend.cuda.tensor import DeviceTensor
+
+MODULE = "norm"
+MAX_BLOCK = 1024
+RMS_NORM_MAX_UNITS = 4         # as in norm.cu: 16-byte units per thread
+MAX_HIDDEN = RMS_NORM_MAX_UNITS * 8 * MAX_BLOCK
+HEAD_NORM_WARPS = 4            # as in norm.cu
+MAX_HEAD_DIM = 256
+NULL = np.uint64(0)
+
+
+def rms_norm(lib, stream, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, eps: float,
+             residual: DeviceTensor | None = None, residual_out: DeviceTensor | None = None) -> None:
+    """out [T, H] = rms_norm(x [+ residual]) * weight [H], all bf16.
+    With residual, residual_out = bf16(x + residual) (residual_out is required; it may be residual itself);
+    without, residual_out (if given) = x. Needs H % 8 == 0, H <= 32768, 16-byte aligned rows."""
+    require(len(x.shape) == 2, f"rms_norm: x must be [T, H], not {x.shape}")
+    num_tokens, hidden = x.shape
+    rows = {"out": out, "x": x, "residual": residual, "residual_out": residual_out}
+    for name, tensor in rows.items():
+        if tensor is None:
+            continue
+        require(tensor.dtype == "bfloat16", f"rms_norm: {name} must be bfloat16, not {tensor.dtype}")
+        require(tensor.shape == x.shape, f"rms_norm: {name} {tensor.shape} must have x's shape {x.shape}")
+        require_aligned(tensor, 16, f"rms_norm: {name}")
+    require(residual is None or residual_out is not None, "rms_norm: a residual add needs residual_out")
+    require(weight.dtype == "bfloat16" and weight.shape == (hidden,), f"rms_norm: weight must be [{hidden}] bfloat16")
+    require(weight.ptr % 16 == 0, "rms_norm: weight must be 16-byte aligned")
+    require(hidden % 8 == 0 and 0 < hidden <= MAX_HIDDEN, f"rms_norm: hidden {hidden} must be a multiple of 8, "
+                                                          f"at most {MAX_HIDDEN}")
+    if num_tokens == 0:
+        return
+    units = hidden // 8
+    # One 16-byte unit per thread up to hidden 8192, then up to RMS_NORM_MAX_UNITS per thread.
+    block = min(MAX_BLOCK, 32 * ceil_div(units, 32))
+    kernel = lib.get("rms_norm", MODULE)
+    launch_kernel(stream, kernel, num_tokens, block, out, _stride(out), _pointer(residual_out), _stride(residual_out),
+                  x, _stride(x), _pointer(residual), _stride(residual), weight, hidden, float(eps))
+
+
+def head_rms_norm(lib, stream, x: DeviceTensor, weight: DeviceTensor, eps: float, head_dim: int) -> None:
+    """In place: each head_dim slice of x [T, heads * head_dim] (bf16, may be a column slice of qkv)
+    = rms_norm(slice) * weight [head_dim]. Needs head_dim even and <= 256, 4-byte aligned rows."""
+    require(x.dtype == "bfloat16" and len(x.shape) == 2, "head_rms_norm: x must be [T, heads * head_dim] bfloat16")
+    require(head_dim > 0 and head_dim % 2 == 0 and head_dim <= MAX_HEAD_DIM,
+            f"head_rms_norm: head_dim {head_dim} must be even and at most {MAX_HEAD_DIM}")
+    require(x.shape[1] % head_dim == 0, f"head_rms_norm: x width {x.shape[1]} is not a multiple of {head_dim}")
+    require(weight.dtype == "bfloat16" and weight.shape == (head_dim,),
+            f"head_rms_norm: weight must be [{head_dim}] bfloat16")
+    require_aligned(x, 4, "head_rms_norm: x")
+    require(weight.ptr % 4 == 0, "head_rms_norm: weight must be 4-byte aligned")
+    num_tokens, num_heads = x.shape[0], x.shape[1] // head_dim
+    if num_tokens == 0 or num_heads == 0:
+        return
+    kernel = lib.get("head_rms_norm", MODULE)
+    launch_kernel(stream, kernel, ceil_div(num_tokens * num_heads, HEAD_NORM_WARPS), 32 * HEAD_NORM_WARPS,
+                  x, _stride(x), weight, num_tokens, num_heads, head_dim, float(eps))
+
+
+def _pointer(tensor: DeviceTensor | None):
+    return NULL if tensor is None else tensor
+
+
+def _stride(tensor: DeviceTensor | None):
+    return np.int64(0 if tensor is None else tensor.stride)

@@ -1,0 +1,43 @@
+"""Each architecture on the CUDA backend (bf16) against transformers on the GPU, same checkpoint."""
+
+import pytest
+import torch
+
+from metrale.runtime.build import build_engine
+from metrale.runtime.config import EngineConfig
+from metrale.runtime.loading import load_checkpoint
+from metrale.runtime.sampling import OutputOptions
+from metrale.runtime.step import DecodeLane, PrefillSlice, Step
+from tiny_models import TINY, write_tiny
+
+from gpu_reference import relative_error
+
+NUM_DECODES = 32
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_logits_and_greedy_tokens_match_transformers(name, tmp_path):
+    import transformers
+
+    directory = write_tiny(name, tmp_path / name)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).cuda().eval()
+    engine, info = build_engine(load_checkpoint(directory), EngineConfig(device="cuda", kv_blocks=64,
+                                                                          max_batch_tokens=256, max_seqs=8),
+                                cache_dir=tmp_path / "cache")
+    prompt = torch.randint(0, info.vocab_size, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    out = engine.step(Step(prefill=(PrefillSlice(7, tuple(prompt), output=OutputOptions(return_logits=True)),)))
+    ours, tokens = [out.outputs[0].logits], list(prompt)
+    for _ in range(NUM_DECODES):
+        tokens.append(out.outputs[0].token)
+        out = engine.step(Step(decode=(DecodeLane(7, tokens[-1]),)))
+        ours.append(out.outputs[0].logits)
+    with torch.no_grad():
+        expected = reference(torch.tensor([tokens], device="cuda")).logits[0, len(prompt) - 1:].float().cpu()
+    errors = [relative_error(row, want) for row, want in zip(ours, expected)]
+    assert max(errors) < 1e-2, f"{name}: relative errors {errors}"
+    # Greedy tokens agree wherever transformers' own top two are not within bf16 noise of each other.
+    top2 = expected[:-1].topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.05 * top2[:, 0].abs().clamp(min=1)
+    ours_greedy = torch.tensor(tokens[len(prompt):])
+    assert (ours_greedy[clear] == expected[:-1].argmax(-1)[clear]).all()

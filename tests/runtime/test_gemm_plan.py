@@ -1,0 +1,104 @@
+"""The CUDA GEMM's host side, without a GPU: operand checks, the cache key, and the column-major mapping
+(cuBLASLt's D = op(A) @ op(B) read over our row-major buffers, replayed in numpy, must be x @ weight.T + bias)."""
+
+import numpy as np
+import pytest
+import torch
+
+from metrale.runtime.backend.cuda.gemm import (CUBLAS_OP_T, CUBLASLT_EPILOGUE_BIAS, CUBLASLT_EPILOGUE_DEFAULT, CublasLt,
+                                               GemmPlan, MatrixLayout, linear_key)
+from metrale.runtime.backend.cuda.tensor import DeviceTensor
+from metrale.runtime.errors import FailedPrecondition, InvalidArgument
+
+BASE = 1 << 20   # a fake, 256-byte aligned device address; linear_key never dereferences pointers
+
+
+def tensor(shape, dtype="bfloat16", ptr=BASE, row_stride=None):
+    return DeviceTensor(ptr, tuple(shape), dtype, row_stride)
+
+
+def operands(m=7, n=1536, k=576, out_dtype="bfloat16", bias=True):
+    return (tensor((m, n), out_dtype, ptr=BASE * 64), tensor((m, k), ptr=BASE * 16), tensor((n, k), ptr=BASE * 32),
+            tensor((n,), out_dtype, ptr=BASE * 48) if bias else None)
+
+
+def column_major(buffer: np.ndarray, layout: MatrixLayout) -> np.ndarray:
+    """The rows x cols matrix cuBLASLt reads from `buffer` (flat): element (i, j) at i + j * ld."""
+    size = buffer.itemsize
+    return np.lib.stride_tricks.as_strided(buffer, (layout.rows, layout.cols), (size, layout.ld * size))
+
+
+@pytest.mark.parametrize("m,n,k,x_pad,out_pad", [(1, 1536, 576, 0, 0), (7, 48, 32, 16, 8), (300, 64, 40, 8, 24)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_column_major_plan_computes_linear(m, n, k, x_pad, out_pad, with_bias):
+    rng = np.random.default_rng(m * 1000 + n)
+    x_wide = rng.standard_normal((m, k + x_pad))
+    x = x_wide[:, x_pad:]                               # a column slice: row stride k + x_pad
+    weight = rng.standard_normal((n, k))
+    bias = rng.standard_normal(n) if with_bias else None
+    out_wide = np.full((m, n + out_pad), np.nan)
+    out = tensor((m, n), row_stride=n + out_pad)
+    key = linear_key(out, tensor((m, k), row_stride=k + x_pad), tensor((n, k)), tensor((n,)) if with_bias else None)
+    plan = GemmPlan.for_linear(key)
+
+    # BLAS semantics over the same memory the kernel will see: each operand from its buffer's start.
+    a = column_major(weight.reshape(-1), plan.a)
+    b = column_major(x_wide.reshape(-1)[x_pad:], plan.b)
+    d = column_major(out_wide.reshape(-1), plan.d)
+    op_a = a.T if plan.transa == CUBLAS_OP_T else a
+    op_b = b.T if plan.transb == CUBLAS_OP_T else b
+    d[...] = op_a @ op_b
+    if plan.epilogue == CUBLASLT_EPILOGUE_BIAS:
+        d += bias[:, None]                              # BIAS: one value per row of D
+
+    expected = x @ weight.T + (bias if with_bias else 0)
+    np.testing.assert_allclose(out_wide[:, :n], expected, rtol=1e-12, atol=1e-12)
+    assert np.isnan(out_wide[:, n:]).all()              # the padding columns of out are never written
+    assert plan.epilogue == (CUBLASLT_EPILOGUE_BIAS if with_bias else CUBLASLT_EPILOGUE_DEFAULT)
+
+
+def test_key_ignores_pointers_and_sees_strides_dtype_and_bias():
+    out, x, weight, bias = operands()
+    moved = [DeviceTensor(t.ptr + 4096, t.shape, t.dtype, t.row_stride) for t in (out, x, weight, bias)]
+    assert linear_key(out, x, weight, bias) == linear_key(*moved)
+    assert linear_key(out, x, weight, bias) != linear_key(out, x, weight, None)
+    assert linear_key(*operands(out_dtype="float32")) != linear_key(*operands())
+    wide_x = tensor((7, 576), ptr=BASE * 16, row_stride=640)
+    assert linear_key(out, wide_x, weight, bias).x_stride == 640
+    assert linear_key(out, x, weight, bias) == (7, 1536, 576, 576, 1536, "bfloat16", True)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"x": tensor((7, 512))}, "disagree on K"),
+    ({"out": tensor((7, 1535), ptr=BASE * 64)}, "out must be"),
+    ({"out": tensor((7, 1536), "float16", ptr=BASE * 64)}, "out must be .* in one of"),
+    ({"x": tensor((7, 576), "float32")}, "x must be"),
+    ({"weight": tensor((1536, 576), row_stride=640)}, "contiguous"),
+    ({"bias": tensor((1535,))}, "bias must be"),
+    ({"bias": tensor((1536,), "float32")}, "bias must be"),
+    ({"out": tensor((7, 1536), "float32", ptr=BASE * 64)}, "bias must be .* float32"),   # bf16 bias, fp32 logits
+    ({"bias": tensor((1536,), ptr=BASE + 2)}, "aligned"),
+    ({"x": tensor((7, 576), ptr=BASE + 2, row_stride=640)}, "aligned"),         # a column slice starting at 1
+    ({"x": tensor((7, 576), row_stride=580)}, "aligned"),                         # a row stride of 1160 bytes
+    ({"out": tensor((7, 1536), ptr=BASE + 8, row_stride=1540)}, "aligned"),
+    ({"weight": tensor((1536, 0)), "x": tensor((7, 0))}, "empty"),
+])
+def test_key_rejects_bad_operands(change, message):
+    out, x, weight, bias = operands()
+    arguments = {"out": out, "x": x, "weight": weight, "bias": bias} | change
+    with pytest.raises(InvalidArgument, match=message):
+        linear_key(**arguments)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where there is no GPU")
+def test_cublaslt_without_a_gpu_is_a_failed_precondition():
+    # Without nvmath-python, without libcublasLt, or without a driver: one actionable error, raised at creation.
+    with pytest.raises(FailedPrecondition, match="nvmath-python|libcublasLt|cuBLASLt is not usable"):
+        CublasLt(tensor((32 << 20,), "uint8"))
+
+
+def test_workspace_is_checked_before_anything_loads():
+    with pytest.raises(InvalidArgument, match="workspace"):
+        CublasLt(tensor((1024,), "bfloat16"))
+    with pytest.raises(InvalidArgument, match="256-byte"):
+        CublasLt(tensor((1024,), "uint8", ptr=BASE + 16))
