@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 import transformers
 
-BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+BASE = dict(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
 
 # name -> (config class, model class, config overrides)
@@ -19,11 +19,12 @@ TINY = {
                                                                       attention_bias=True)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=16)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=True, head_dim=32)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=True, head_dim=64)),
 }
 
 
-def write_tiny(name: str, directory: Path, seed: int = 0, shard: bool = False) -> Path:
+def write_tiny(name: str, directory: Path, seed: int = 0, shard: bool = False, weight_std: float = 0.15,
+               norm_std: float = 0.5) -> Path:
     """A random model of architecture `name` saved as safetensors in directory; weights scaled so the
     logits are far from uniform. shard=True writes several files with an index."""
     config_class, model_class, overrides = TINY[name]
@@ -32,7 +33,7 @@ def write_tiny(name: str, directory: Path, seed: int = 0, shard: bool = False) -
     model = getattr(transformers, model_class)(config).eval()
     with torch.no_grad():
         for param in model.parameters():
-            param.normal_(0.0, 0.15 if param.dim() > 1 else 0.5).add_(1.0 if param.dim() == 1 else 0.0)
+            param.normal_(0.0, weight_std if param.dim() > 1 else norm_std).add_(1.0 if param.dim() == 1 else 0.0)
     model.save_pretrained(directory, max_shard_size="40KB" if shard else "1GB")
     return directory
 

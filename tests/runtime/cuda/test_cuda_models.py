@@ -20,8 +20,11 @@ pytestmark = pytest.mark.gpu
 def test_logits_and_greedy_tokens_match_transformers(name, tmp_path):
     import transformers
 
-    directory = write_tiny(name, tmp_path / name)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).cuda().eval()
+    # Weights at the scale of a trained model's, so bf16 rounding stays bf16-sized through the layers.
+    directory = write_tiny(name, tmp_path / name, weight_std=0.04, norm_std=0.1)
+    # The reference is transformers in float32 on the GPU; its own bf16 run is measured beside ours.
+    reference = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).cuda().eval()
+    reference_bf16 = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).cuda().eval()
     engine, info = build_engine(load_checkpoint(directory), EngineConfig(device="cuda", kv_blocks=64,
                                                                           max_batch_tokens=256, max_seqs=8),
                                 cache_dir=tmp_path / "cache")
@@ -33,9 +36,16 @@ def test_logits_and_greedy_tokens_match_transformers(name, tmp_path):
         out = engine.step(Step(decode=(DecodeLane(7, tokens[-1]),)))
         ours.append(out.outputs[0].logits)
     with torch.no_grad():
-        expected = reference(torch.tensor([tokens], device="cuda")).logits[0, len(prompt) - 1:].float().cpu()
+        ids = torch.tensor([tokens], device="cuda")
+        expected = reference(ids).logits[0, len(prompt) - 1:].float().cpu()
+        theirs_bf16 = reference_bf16(ids).logits[0, len(prompt) - 1:].float().cpu()
     errors = [relative_error(row, want) for row, want in zip(ours, expected)]
-    assert max(errors) < 1e-2, f"{name}: relative errors {errors}"
+    their_errors = [relative_error(row, want) for row, want in zip(theirs_bf16, expected)]
+    print(f"{name}: max relative error ours {max(errors):.2e}, transformers bf16 {max(their_errors):.2e}")
+    # bf16 through a few layers already costs ~1e-2 against float32 (transformers' own bf16 run shows it):
+    # ours must be within 1e-2, or no worse than 1.25x transformers' bf16 error, whichever is larger.
+    bound = max(1e-2, 1.25 * max(their_errors))
+    assert max(errors) < bound, f"{name}: relative errors {errors}, bound {bound}"
     # Greedy tokens agree wherever transformers' own top two are not within bf16 noise of each other.
     top2 = expected[:-1].topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > 0.05 * top2[:, 0].abs().clamp(min=1)

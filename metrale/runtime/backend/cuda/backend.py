@@ -10,7 +10,7 @@ import torch
 from metrale.runtime.backend.cuda import kernels
 from metrale.runtime.backend.cuda.batch import CudaBatch, metadata_elements, pack_batch
 from metrale.runtime.backend.cuda.compiler import KernelCache, KernelLibrary
-from metrale.runtime.backend.cuda.device import Arena, CudaDevice, RingArena
+from metrale.runtime.backend.cuda.device import ALIGNMENT, Arena, CudaDevice, RingArena
 from metrale.runtime.backend.cuda.gemm import CublasLt
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.backend.ops import MemoryShapes, RopeTable
@@ -44,11 +44,12 @@ class CudaBackend:
         metadata = 4 * metadata_elements(t, shapes.max_seqs, shapes.max_blocks_per_seq)
         sizes = {"weights": weight_bytes, "workspace": workspace, "logits": logits, "metadata": metadata,
                  "gemm": GEMM_WORKSPACE_BYTES}
-        base = self.cuda.allocate(sum(sizes.values()) + 256 * len(sizes))
+        aligned = {name: -(-size // ALIGNMENT) * ALIGNMENT for name, size in sizes.items()}
+        base = self.cuda.allocate(sum(aligned.values()))
         regions = {}
-        for name, size in sizes.items():
-            regions[name] = Arena(base, size + 256, name)
-            base += size + 256
+        for name, size in aligned.items():
+            regions[name] = Arena(base, size, name)
+            base += size
         self._weights = regions["weights"]
         self._ring = RingArena(regions["workspace"].base, regions["workspace"].nbytes, "activation workspace")
         self._logits = regions["logits"].take((shapes.max_seqs, shapes.vocab), "float32")
@@ -74,8 +75,8 @@ class CudaBackend:
     def allocate_kv_cache(self, num_layers, num_blocks, kv_block_size, num_kv_heads, head_dim):
         shape = (2, num_blocks, kv_block_size, num_kv_heads, head_dim)
         layer_bytes = int(np.prod(shape)) * 2
-        pool = Arena(self.cuda.allocate(num_layers * layer_bytes + 256 * num_layers), num_layers * layer_bytes
-                     + 256 * num_layers, "KV pool")
+        pool_bytes = num_layers * -(-layer_bytes // ALIGNMENT) * ALIGNMENT
+        pool = Arena(self.cuda.allocate(pool_bytes), pool_bytes, "KV pool")
         return [pool.take(shape, "bfloat16") for _ in range(num_layers)]
 
     def prepare(self, batch: ForwardBatch) -> CudaBatch:
@@ -125,8 +126,9 @@ class CudaBackend:
         window = -1 if sliding_window is None else sliding_window
         stream = self.cuda.stream
         if batch.num_decode:
-            workspace = self._ring.take((kernels.attention.decode_workspace_elements(
-                batch.num_decode, num_heads, head_dim, batch.max_decode_context),), "float32")
+            elements = kernels.attention.decode_workspace_elements(
+                batch.num_decode, num_heads, num_kv_heads, head_dim, batch.max_decode_context)
+            workspace = self._ring.take((elements,), "float32") if elements else None
             kernels.attention.paged_decode_attention(
                 self.lib, stream, out, q, kv, batch.decode_rows, batch.decode_contexts, batch.decode_tables,
                 workspace, num_heads, num_kv_heads, head_dim, scale, window, batch.max_decode_context)

@@ -16,8 +16,9 @@ KV_TILE = 64                   # as in attention.cu: keys per K/V tile
 PREFILL_ROWS = 64              # as in attention.cu: query rows per prefill CTA
 MAX_DECODE_GROUP = 16          # decode: a kv group's query heads fill the 16 rows of one mma tile
 MIN_PARTITION = 4 * KV_TILE    # decode: fewest keys per split, so a split streams several tiles
-# decode: CTAs to aim for, about 2 waves of 3 resident CTAs (head_dim 128) on 132 SMs (H100, H200)
-TARGET_CTAS = 800
+# decode: CTAs to aim for, about 4 waves of 3 resident CTAs (head_dim 128) on 132 SMs. On an H200, 1600 was
+# the best of 800 / 1600 / 3200 / 6400 over batch 8 x 32768, 64 x 4096, 64 x 2000 and 256 x 1024.
+TARGET_CTAS = 1600
 MAX_GRID_YZ = 65535
 LOG2_E = math.log2(math.e)
 
