@@ -1,14 +1,17 @@
 """Backends implement the ops a model family is written against (ops.py): cpu.py with torch, cuda/ with
 NVRTC kernels and cuBLASLt."""
 
+import functools
 from pathlib import Path
 
 from metrale.runtime.backend.ops import Ops, RopeTable
 from metrale.runtime.errors import FailedPrecondition
 
 
+@functools.cache
 def cuda_available() -> bool:
-    """A CUDA driver and at least one device, asked of the driver itself (no torch)."""
+    """A CUDA driver and at least one device, asked of the driver itself (no torch), once per process: without
+    a driver library, repeated driver calls fail differently each time."""
     try:
         from cuda.bindings import driver
     except ImportError:
