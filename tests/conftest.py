@@ -7,6 +7,11 @@ import pytest
 from metrale.runtime.default_model import default_cache_dir, fetch_default_model
 
 
+def pytest_addoption(parser):
+    parser.addoption("--worker-device", default="cpu", choices=("cpu", "cuda"),
+                     help="backend of the in-process workers of the API tests")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped where torch.cuda.is_available() is False")
 

@@ -1,5 +1,6 @@
 """The engine: runs validated steps over the sequence table, the KV pool and the model. Step = plan, run, sample."""
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ class Engine:
         self.blocks = KvBlockManager(num_kv_blocks, config.kv_block_size)
         self.limits = Limits(max_model_len, config.max_batch_tokens, config.kv_block_size, config.max_seqs)
         self._lock = threading.Lock()
+        # Held around each forward where the backend cannot run two at once.
+        self._forward_lock = contextlib.nullcontext() if model.ops.concurrent_forwards else threading.Lock()
 
     def step(self, step: Step, cancelled: Callable[[], bool] = lambda: False) -> StepOutput:
         """Runs the step, or changes nothing: on any error, or if cancelled() before its last commit."""
@@ -114,7 +117,8 @@ class Engine:
         sequences = [self.sequences.get(c.seq_id) for c in chunks]
         segments = [Segment(seq.block_table, c.start, list(c.tokens), c.samples) for c, seq in zip(chunks, sequences)]
         batch = build_batch(segments, self.config.kv_block_size)
-        logits = self.model.forward(batch, self.kv_cache)
+        with self._forward_lock:
+            logits = self.model.ops.logits_to_host(self.model.forward(batch, self.kv_cache))
         if cancelled():
             raise Cancelled()
         with self._lock:
@@ -127,6 +131,6 @@ class Engine:
         if not sampled:
             return []
         rows = [SampleRow(s.sampling, s.output, s.seed, s.num_tokens, s.tokens, s.output_tokens) for s in sampled]
-        result = sample(self.model.ops.logits_to_host(logits), rows)
+        result = sample(logits, rows)
         return [SequenceOutput(seq.seq_id, result.tokens[i], result.logprobs[i], result.top_logprobs[i],
                                result.logits[i]) for i, seq in enumerate(sampled)]

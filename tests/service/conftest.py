@@ -3,8 +3,14 @@
 import pytest
 
 from metrale.v1 import worker_pb2
-from service_harness import start_worker
+from service_harness import WORKER_DEVICE, start_worker
 from tiny_models import write_tiny
+
+
+@pytest.fixture(scope="session", autouse=True)
+def worker_device(request):
+    WORKER_DEVICE["device"] = request.config.getoption("--worker-device")
+    return WORKER_DEVICE["device"]
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,11 @@ def serve_checkpoint(checkpoint, config: WorkerConfig) -> InProcessWorker:
     return InProcessWorker(lambda: WorkerServer.from_checkpoint(checkpoint, config))
 
 
+# The API tests' backend: "cpu" here; bench/gpu_check.sh runs them on "cuda" with --worker-device.
+WORKER_DEVICE = {"device": "cpu"}
+
+
 def start_worker(directory, metrics_port: int | None = None, **engine) -> InProcessWorker:
     config = WorkerConfig(host="127.0.0.1", port=0, max_message_mb=4, drain_timeout=5.0, metrics_port=metrics_port,
-                          engine=EngineConfig(device="cpu", **{"kv_blocks": 64, **engine}))
+                          engine=EngineConfig(device=WORKER_DEVICE["device"], **{"kv_blocks": 64, **engine}))
     return serve_checkpoint(load_checkpoint(directory), config)

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from metrale.v1 import worker_pb2 as pb
+from service_harness import WORKER_DEVICE
 
 PROMPT = [5, 17, 99, 3, 42, 200, 7, 8, 150, 33, 61, 2, 90, 14, 77, 101, 12, 250, 4, 66, 31, 9, 180, 44, 71]
 LOGITS = pb.OutputOptions(logprobs=True, return_logits=True)
@@ -15,8 +16,13 @@ def prefill(stub, seq_id, tokens, chunk_start=0, last=True, **kw):
 
 
 def assert_same_logits(ours, expected):
-    """float32 logits of one computation done two ways (chunked, batched, ...): equal up to summation order."""
-    np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-4)
+    """Logits of one computation done two ways (chunked, batched, ...): equal up to summation order in float32
+    on the CPU; within bf16 rounding (relative L2 error < 3e-2) on the CUDA backend, whose kernels differ
+    between one-token and longer segments."""
+    if WORKER_DEVICE["device"] == "cpu":
+        np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-4)
+    else:
+        assert np.linalg.norm(ours - expected) / np.linalg.norm(expected) < 3e-2
 
 
 def logits_of(response, seq_id):

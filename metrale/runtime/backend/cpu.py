@@ -14,6 +14,7 @@ _DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bf
 
 class CpuBackend:
     device = "cpu"
+    concurrent_forwards = True
 
     def __init__(self, dtype: str = "auto"):
         if dtype not in _DTYPES:

@@ -40,6 +40,8 @@ class PreparedBatch(Protocol):
 class Ops(Protocol):
     device: str
     dtype: torch.dtype
+    # False: one forward at a time (from prepare to logits_to_host), whatever the number of lanes.
+    concurrent_forwards: bool
 
     def plan(self, weight_bytes: int, shapes: MemoryShapes) -> None:
         """Places weights and workspaces before any upload; the KV pool comes after."""

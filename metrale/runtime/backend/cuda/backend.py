@@ -25,6 +25,8 @@ WORKSPACE_LAYERS = 3
 class CudaBackend:
     device = "cuda"
     dtype = torch.bfloat16
+    # One stream, one activation workspace and one metadata region so far: lanes take turns.
+    concurrent_forwards = False
 
     def __init__(self, cache_dir: Path, dtype: str = "auto"):
         if dtype not in ("auto", "bfloat16"):
