@@ -48,6 +48,7 @@ def build_engine(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path |
     kv_cache = backend.allocate_kv_cache(model_config.num_layers, num_blocks, config.kv_block_size,
                                          model_config.num_kv_heads, model_config.head_dim)
     engine = Engine(model, kv_cache, num_blocks, config, max_model_len)
+    backend.warm_up(engine.forward, config.cuda_graph_batch_sizes, max_model_len)
     tokenizer = checkpoint.tokenizer
     eos = model_config.eos_token_ids or tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
     info = ModelInfo(model_id=checkpoint.source, architecture=model_config.architecture,

@@ -22,6 +22,8 @@ class EngineConfig:
     num_streams: int = 1
     # None: the model's own max_position_embeddings.
     max_model_len: int | None = None
+    # Decode batch sizes captured as CUDA graphs at start (a decode step is padded to the next one); () = off.
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
     def __post_init__(self):
         if self.device not in DEVICES:
@@ -40,5 +42,7 @@ class EngineConfig:
             raise InvalidArgument(f"max_seqs must be >= 1, got {self.max_seqs}")
         if not 1 <= self.num_streams <= 64:
             raise InvalidArgument(f"num_streams must be in [1, 64], got {self.num_streams}")
+        if any(size < 1 for size in self.cuda_graph_batch_sizes):
+            raise InvalidArgument(f"cuda_graph_batch_sizes must be >= 1, got {self.cuda_graph_batch_sizes}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidArgument(f"max_model_len must be >= 1, got {self.max_model_len}")

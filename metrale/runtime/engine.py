@@ -113,12 +113,16 @@ class Engine:
             del seq.block_table[num_blocks:]
             seq.prompt_finished, seq.num_prompt_tokens = finished, num_prompt
 
+    def forward(self, batch):
+        """The model over one flat batch, logits on the device (the backend calls it, or captures it)."""
+        return self.model.forward(batch, self.kv_cache)
+
     def _run_round(self, chunks: tuple[Chunk, ...], cancelled: Callable[[], bool]) -> list[SequenceOutput]:
         sequences = [self.sequences.get(c.seq_id) for c in chunks]
         segments = [Segment(seq.block_table, c.start, list(c.tokens), c.samples) for c, seq in zip(chunks, sequences)]
         batch = build_batch(segments, self.config.kv_block_size)
         with self._forward_lock:
-            logits = self.model.ops.logits_to_host(self.model.forward(batch, self.kv_cache))
+            logits = self.model.ops.run_forward(self.forward, batch)
         if cancelled():
             raise Cancelled()
         with self._lock:

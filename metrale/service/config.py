@@ -48,6 +48,13 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _int_tuple(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
 # (flag, type, help, choices); defaults come from the dataclasses.
 SERVE_FLAGS = [
     ("model", str, "Hugging Face model directory or .gguf file; default: the embedded SmolLM2-135M-Instruct", None),
@@ -61,6 +68,8 @@ SERVE_FLAGS = [
     ("max-batch-tokens", int, "most tokens one forward may run", None),
     ("max-seqs", int, "most sequences one forward samples (decode lanes plus finishing prompts)", None),
     ("max-model-len", int, "longest sequence; default: the model's max_position_embeddings", None),
+    ("cuda-graph-batch-sizes", _int_tuple, "decode batch sizes captured as CUDA graphs, e.g. 1,2,4,8 ('' = off)",
+     None),
     ("num-streams", int, "device streams (lanes) that run steps independently", None),
     ("max-message-mb", int, "largest gRPC message, either way", None),
     ("metrics-port", int, "Prometheus metrics port (off when unset)", None),
@@ -86,7 +95,7 @@ def config_from_args(args: argparse.Namespace, environ: dict | None = None) -> W
         name = flag.replace("-", "_")
         value = getattr(args, name, None)
         env = environ.get("METRALE_" + name.upper())
-        if value is None and env not in (None, ""):
+        if value is None and env is not None and (env != "" or kind is _int_tuple):
             try:
                 value = kind(env)
             except (ValueError, argparse.ArgumentTypeError) as error:

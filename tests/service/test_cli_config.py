@@ -29,6 +29,7 @@ NON_DEFAULT = {
     "max-seqs": ("64", "engine.max_seqs", 64),
     "max-model-len": ("100", "engine.max_model_len", 100),
     "num-streams": ("3", "engine.num_streams", 3),
+    "cuda-graph-batch-sizes": ("1,4,16", "engine.cuda_graph_batch_sizes", (1, 4, 16)),
     "max-message-mb": ("8", "max_message_mb", 8),
     "metrics-port": ("9100", "metrics_port", 9100),
     "drain-timeout": ("2.5", "drain_timeout", 2.5),

@@ -94,6 +94,12 @@ class CpuBackend:
     def logits(self, x, lm_head):
         return F.linear(x, lm_head).float()
 
+    def warm_up(self, forward, graph_batch_sizes, max_context) -> None:
+        """Nothing to capture on the CPU."""
+
+    def run_forward(self, forward, batch):
+        return self.logits_to_host(forward(batch))
+
     def logits_to_host(self, logits):
         return logits.float()
 

@@ -1,7 +1,7 @@
 """The ops interface every model family is written against; each backend implements it."""
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -91,6 +91,13 @@ class Ops(Protocol):
 
     def logits(self, x: Tensor, lm_head: Tensor) -> Tensor:
         """x [N, hidden] @ lm_head[vocab, hidden].T -> [N, vocab] float32."""
+
+    def warm_up(self, forward: Callable[[ForwardBatch], Tensor], graph_batch_sizes: tuple[int, ...],
+                max_context: int) -> None:
+        """Done once the KV pool exists: capture what will be replayed (decode graphs), compile what is lazy."""
+
+    def run_forward(self, forward: Callable[[ForwardBatch], Tensor], batch: ForwardBatch) -> torch.Tensor:
+        """forward(batch)'s logits on the host as [N, vocab] float32; a backend may replay a captured graph."""
 
     def logits_to_host(self, logits: Tensor) -> torch.Tensor:
         """[N, vocab] float32 on the host, for the sampler."""

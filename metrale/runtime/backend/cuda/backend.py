@@ -2,6 +2,7 @@
 
 No torch on this path: torch only hands over checkpoint tensors at load time."""
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ from metrale.runtime.backend.cuda.batch import CudaBatch, metadata_elements, pac
 from metrale.runtime.backend.cuda.compiler import KernelCache, KernelLibrary
 from metrale.runtime.backend.cuda.device import ALIGNMENT, Arena, CudaDevice, RingArena
 from metrale.runtime.backend.cuda.gemm import CublasLt
+from metrale.runtime.backend.cuda.graphs import DecodeGraphs
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.backend.ops import MemoryShapes, RopeTable
 from metrale.runtime.batch import ForwardBatch
@@ -35,6 +37,8 @@ class CudaBackend:
         self.lib = KernelLibrary(self.cuda.arch, KernelCache(cache_dir))
         self._weights: Arena | None = None
         self._pending = []   # host arrays kept alive until the stream is synchronized
+        self._prepared: CudaBatch | None = None
+        self.graphs: DecodeGraphs | None = None
 
     def plan(self, weight_bytes: int, shapes: MemoryShapes) -> None:
         """Places weights, workspaces and the metadata region; the KV pool takes what is left, later."""
@@ -81,7 +85,31 @@ class CudaBackend:
         pool = Arena(self.cuda.allocate(pool_bytes), pool_bytes, "KV pool")
         return [pool.take(shape, "bfloat16") for _ in range(num_layers)]
 
+    def run_forward(self, forward, batch: ForwardBatch) -> torch.Tensor:
+        """forward(batch) -> logits on the device; host logits back. Decode steps replay a CUDA graph."""
+        size = self.graphs.bucket(batch) if self.graphs else None
+        logits = self.graphs.run(forward, batch, size) if size else forward(batch)
+        return self.logits_to_host(logits)
+
+    def warm_up(self, forward, batch_sizes: tuple[int, ...], max_context: int) -> None:
+        """Captures every decode bucket now, so serving never captures."""
+        usable = tuple(b for b in batch_sizes if b <= min(self.shapes.max_seqs, self.shapes.max_batch_tokens))
+        self.graphs = DecodeGraphs(self, usable, max_context) if usable else None
+        if self.graphs:
+            self.graphs.capture_all(forward)
+
+    @contextlib.contextmanager
+    def reuse_prepared(self, prepared: CudaBatch):
+        """While capturing, the model's prepare() returns the batch already in place instead of copying."""
+        self._prepared = prepared
+        try:
+            yield
+        finally:
+            self._prepared = None
+
     def prepare(self, batch: ForwardBatch) -> CudaBatch:
+        if self._prepared is not None:
+            return self._prepared
         if batch.num_tokens > self.shapes.max_batch_tokens or len(batch.sample_rows) > self.shapes.max_seqs:
             raise InvalidArgument("the forward is larger than the memory plan")
         self._ring.reset()

@@ -1,0 +1,76 @@
+"""Decode steps as CUDA graphs: one graph per bucketed batch size, captured once, replayed with new inputs.
+
+A decode forward is a fixed sequence of launches once its shapes are fixed: the batch is padded to its
+bucket with lanes that read and write nothing (context 0, KV slot -1), the metadata is copied into the same
+region with the same layout, the activation workspace is reset to the same addresses, and attention is
+planned for max_model_len so its split count does not depend on the lanes' contexts.
+"""
+
+from typing import Callable
+
+import torch
+
+from metrale.runtime.backend.cuda.tensor import DeviceTensor
+from metrale.runtime.batch import ForwardBatch
+
+
+def pad_decode_batch(batch: ForwardBatch, size: int) -> ForwardBatch:
+    """The batch's one-token lanes, then size - B padding lanes; every lane samples, in order."""
+    pad = size - batch.num_tokens
+    zeros = torch.zeros(pad, dtype=torch.int64)
+    empty = torch.zeros(0, dtype=torch.int64)
+    return ForwardBatch(
+        token_ids=torch.cat([batch.token_ids, zeros]), positions=torch.cat([batch.positions, zeros]),
+        slot_mapping=torch.cat([batch.slot_mapping, torch.full((pad,), -1, dtype=torch.int64)]),
+        query_starts=list(range(size)), query_lens=[1] * size, context_lens=batch.context_lens + [0] * pad,
+        block_tables=batch.block_tables + [empty] * pad, sample_rows=torch.arange(size, dtype=torch.int64))
+
+
+class DecodeGraphs:
+    def __init__(self, backend, batch_sizes: tuple[int, ...], max_context: int):
+        self.backend = backend
+        self.batch_sizes = tuple(sorted(batch_sizes))
+        self.max_context = max_context
+        self._graphs: dict[int, tuple[object, DeviceTensor]] = {}
+        self.replays = 0
+
+    def bucket(self, batch: ForwardBatch) -> int | None:
+        """The graph size a forward fits, or None: not a pure decode step, or larger than every bucket."""
+        if any(n != 1 for n in batch.query_lens) or len(batch.sample_rows) != batch.num_tokens:
+            return None
+        return next((size for size in self.batch_sizes if size >= batch.num_tokens), None)
+
+    def run(self, forward: Callable, batch: ForwardBatch, size: int) -> DeviceTensor:
+        """Logits [B, vocab] of the batch's lanes, from the bucket's graph (captured on first use)."""
+        padded = pad_decode_batch(batch, size)
+        prepared = self.backend.prepare(padded)
+        prepared.max_decode_context = self.max_context
+        if size not in self._graphs:
+            self._graphs[size] = self._capture(forward, padded, prepared)
+        graph, logits = self._graphs[size]
+        graph.launch(self.backend.cuda.stream)
+        self.replays += 1
+        return logits.rows(0, batch.num_tokens)
+
+    def capture_all(self, forward: Callable) -> None:
+        """Warm-up: every bucket captured with padding lanes only."""
+        empty = ForwardBatch(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
+                             torch.zeros(0, dtype=torch.int64), [], [], [], [], torch.zeros(0, dtype=torch.int64))
+        for size in self.batch_sizes:
+            if size not in self._graphs:
+                padded = pad_decode_batch(empty, size)
+                prepared = self.backend.prepare(padded)
+                prepared.max_decode_context = self.max_context
+                self._graphs[size] = self._capture(forward, padded, prepared)
+
+    def _capture(self, forward: Callable, padded: ForwardBatch, prepared) -> tuple[object, DeviceTensor]:
+        stream = self.backend.cuda.stream
+        stream.sync()
+        builder = stream.create_graph_builder()
+        builder.begin_building("thread_local")
+        with self.backend.reuse_prepared(prepared):
+            logits = forward(padded)
+        builder.end_building()
+        graph = builder.complete()
+        graph.upload(stream)
+        return graph, logits
