@@ -35,7 +35,7 @@ def decode_logits(engine, prompts: dict[int, list[int]], steps: int, forced=None
 def test_graph_replay_equals_eager(name, tmp_path):
     directory = write_tiny(name, tmp_path / name, weight_std=0.04, norm_std=0.1)
     checkpoint = load_checkpoint(directory)
-    common = dict(device="cuda", kv_blocks=128, max_batch_tokens=512, max_seqs=16)
+    common = dict(device="cuda", kv_blocks=128, max_batch_tokens=1024, max_seqs=16)
     eager, _ = build_engine(checkpoint, EngineConfig(**common, cuda_graph_batch_sizes=()), tmp_path / "cache")
     graphed, _ = build_engine(checkpoint, EngineConfig(**common, cuda_graph_batch_sizes=(1, 4, 8)),
                               tmp_path / "cache")
@@ -44,7 +44,7 @@ def test_graph_replay_equals_eager(name, tmp_path):
     generator = torch.Generator().manual_seed(3)
     # 3 lanes (padded to the 4-lane graph) of different contexts, then 1 lane, then 7 (the 8-lane graph).
     for num_lanes in (3, 1, 7):
-        prompts = {10 + i: torch.randint(0, 256, (5 + 37 * i,), generator=generator).tolist()
+        prompts = {10 + i: torch.randint(0, 256, (5 + 23 * i,), generator=generator).tolist()
                    for i in range(num_lanes)}
         want, fed = decode_logits(eager, prompts, steps=6)
         got, _ = decode_logits(graphed, prompts, steps=6, forced=fed)
