@@ -80,13 +80,13 @@ class Attention(nn.Module):
         k, v = k.transpose(1, 2), v.transpose(1, 2)                       # [B, kvh, T, hd]
         cache = self.kv_cache
         if seq_len == 1:
-            # Decode: every sequence at the same position (input_pos [1]), rows [0, B) of the cache.
-            k_cache, v_cache = cache.k_cache[:batch], cache.v_cache[:batch]
-            k_cache[:, :, input_pos] = k
-            v_cache[:, :, input_pos] = v
+            # Decode: every row of the cache (its batch is B), all at the same position input_pos [1]. Written
+            # in place (a slice of the cache here would make inductor copy the whole slice every step).
+            cache.k_cache[:, :, input_pos] = k
+            cache.v_cache[:, :, input_pos] = v
             group = self.num_heads // self.num_kv_heads
             queries = q.view(batch, self.num_kv_heads, group, self.head_dim)
-            y = F.scaled_dot_product_attention(queries, k_cache, v_cache, attn_mask=mask)
+            y = F.scaled_dot_product_attention(queries, cache.k_cache, cache.v_cache, attn_mask=mask)
             y = y.reshape(batch, 1, self.q_size)
         else:
             # Prefill from position 0 (input_pos = arange(T)) into cache rows `rows`.

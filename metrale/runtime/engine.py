@@ -11,7 +11,7 @@ from metrale.runtime.config import EngineConfig
 from metrale.runtime.errors import Cancelled, DeviceFault, WorkerError
 from metrale.runtime.kv_blocks import KvBlockManager, blocks_for
 from metrale.runtime.planner import Chunk, Limits, Plan, plan_step
-from metrale.runtime.sampling import SampleRow, random_seed, sample
+from metrale.runtime.sampling import SampleRow, random_seed
 from metrale.runtime.sequence import Sequence, SequenceTable
 from metrale.runtime.step import SequenceOutput, Step, StepOutput
 
@@ -121,20 +121,22 @@ class Engine:
         sequences = [self.sequences.get(c.seq_id) for c in chunks]
         segments = [Segment(seq.block_table, c.start, list(c.tokens), c.samples) for c, seq in zip(chunks, sequences)]
         batch = build_batch(segments, self.config.kv_block_size)
+        ops = self.model.ops
         with self._forward_lock:
-            logits = self.model.ops.run_forward(self.forward, batch)
-        if cancelled():
-            raise Cancelled()
-        with self._lock:
-            for c, seq in zip(chunks, sequences):
-                seq.tokens.extend(c.tokens)
-                if not seq.prompt_finished:
-                    seq.num_prompt_tokens = seq.num_tokens
-                    seq.prompt_finished = c.ends_prompt
-        sampled = [seq for c, seq in zip(chunks, sequences) if c.samples]
-        if not sampled:
-            return []
-        rows = [SampleRow(s.sampling, s.output, s.seed, s.num_tokens, s.tokens, s.output_tokens) for s in sampled]
-        result = sample(logits, rows)
+            # The logits live in the backend's memory until sampled: the lock covers both.
+            logits = ops.run_forward(self.forward, batch)
+            if cancelled():
+                raise Cancelled()
+            with self._lock:
+                for c, seq in zip(chunks, sequences):
+                    seq.tokens.extend(c.tokens)
+                    if not seq.prompt_finished:
+                        seq.num_prompt_tokens = seq.num_tokens
+                        seq.prompt_finished = c.ends_prompt
+            sampled = [seq for c, seq in zip(chunks, sequences) if c.samples]
+            if not sampled:
+                return []
+            rows = [SampleRow(s.sampling, s.output, s.seed, s.num_tokens, s.tokens, s.output_tokens) for s in sampled]
+            result = ops.sample(logits, rows)
         return [SequenceOutput(seq.seq_id, result.tokens[i], result.logprobs[i], result.top_logprobs[i],
                                result.logits[i]) for i, seq in enumerate(sampled)]

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from metrale.runtime.backend.ops import RopeTable
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.errors import InvalidArgument
+from metrale.runtime.sampling import sample
 
 _DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -98,10 +99,10 @@ class CpuBackend:
         """Nothing to capture on the CPU."""
 
     def run_forward(self, forward, batch):
-        return self.logits_to_host(forward(batch))
+        return forward(batch)
 
-    def logits_to_host(self, logits):
-        return logits.float()
+    def sample(self, logits, rows):
+        return sample(logits, rows)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

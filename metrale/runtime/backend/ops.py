@@ -6,6 +6,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from metrale.runtime.batch import ForwardBatch
+from metrale.runtime.sampling import SampleResult
 
 # A backend's tensor type: torch.Tensor on the CPU backend, a device buffer view on CUDA.
 Tensor = Any
@@ -40,7 +41,7 @@ class PreparedBatch(Protocol):
 class Ops(Protocol):
     device: str
     dtype: torch.dtype
-    # False: one forward at a time (from prepare to logits_to_host), whatever the number of lanes.
+    # False: one forward at a time (from prepare to sample), whatever the number of lanes.
     concurrent_forwards: bool
 
     def plan(self, weight_bytes: int, shapes: MemoryShapes) -> None:
@@ -96,8 +97,9 @@ class Ops(Protocol):
                 max_context: int) -> None:
         """Done once the KV pool exists: capture what will be replayed (decode graphs), compile what is lazy."""
 
-    def run_forward(self, forward: Callable[[ForwardBatch], Tensor], batch: ForwardBatch) -> torch.Tensor:
-        """forward(batch)'s logits on the host as [N, vocab] float32; a backend may replay a captured graph."""
+    def run_forward(self, forward: Callable[[ForwardBatch], Tensor], batch: ForwardBatch) -> Tensor:
+        """forward(batch): logits [N, vocab] float32 in the backend's memory; a backend may replay a graph."""
 
-    def logits_to_host(self, logits: Tensor) -> torch.Tensor:
-        """[N, vocab] float32 on the host, for the sampler."""
+    def sample(self, logits: Tensor, rows: list) -> "SampleResult":
+        """The next token of each row (runtime/sampling's rule), its logprob, top-n and, where asked, the raw
+        logits row on the host."""

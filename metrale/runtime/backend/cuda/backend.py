@@ -18,6 +18,7 @@ from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.backend.ops import MemoryShapes, RopeTable
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.errors import InvalidArgument
+from metrale.runtime.sampling import SampleResult, sample
 
 GEMM_WORKSPACE_BYTES = 32 << 20
 # The activation workspace holds this many layers' tensors at max_batch_tokens (see RingArena).
@@ -85,11 +86,14 @@ class CudaBackend:
         pool = Arena(self.cuda.allocate(pool_bytes), pool_bytes, "KV pool")
         return [pool.take(shape, "bfloat16") for _ in range(num_layers)]
 
-    def run_forward(self, forward, batch: ForwardBatch) -> torch.Tensor:
-        """forward(batch) -> logits on the device; host logits back. Decode steps replay a CUDA graph."""
+    def run_forward(self, forward, batch: ForwardBatch) -> DeviceTensor:
+        """forward(batch) -> logits on the device. Decode steps replay a CUDA graph."""
         size = self.graphs.bucket(batch) if self.graphs else None
-        logits = self.graphs.run(forward, batch, size) if size else forward(batch)
-        return self.logits_to_host(logits)
+        return self.graphs.run(forward, batch, size) if size else forward(batch)
+
+    def sample(self, logits: DeviceTensor, rows) -> SampleResult:
+        """For now the logits come to the host and the CPU sampler chooses."""
+        return sample(self.logits_to_host(logits), rows)
 
     def warm_up(self, forward, batch_sizes: tuple[int, ...], max_context: int) -> None:
         """Captures every decode bucket now, so serving never captures."""
