@@ -1,0 +1,718 @@
+"""GPU decode and prefill of a random bf16 Llama (default: the Llama-3-8B shape), the engine next to the peer of
+issue 3 (bench/peer_llama.py: plain PyTorch, static KV cache, torch.compile(mode="reduce-overhead")), against the
+§6 ceilings measured in the same run: copy bandwidth (decode floor) and the bf16 GEMM rate (prefill).
+
+Run from the repository root: python3 -m bench.gpu_decode [--shape llama3-8b] [--batches 1,8,32,64,128,256]
+"""
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+
+from bench.peer_llama import DeviceTimer, build_peer, check_compiled_decode, peer_prefill, synchronize, \
+    time_peer_decode
+from metrale.runtime.build import build_engine
+from metrale.runtime.config import EngineConfig
+from metrale.runtime.kv_blocks import blocks_for
+from metrale.runtime.loading import Checkpoint
+from metrale.runtime.sampling import OutputOptions
+from metrale.runtime.step import DecodeLane, PrefillSlice, Step
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    tied: bool
+    rope_theta: float
+    max_positions: int = 8192
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+SHAPES = {
+    "llama3-8b": Shape(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256, tied=False,
+                       rope_theta=500000.0),
+    "smollm2-135m": Shape(hidden=576, layers=30, heads=9, kv_heads=3, ffn=1536, vocab=49152, tied=True,
+                          rope_theta=100000.0),
+    # For the CPU smoke test.
+    "tiny": Shape(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=256, tied=False, rope_theta=10000.0,
+                  max_positions=512),
+}
+
+
+# --- the model: a random checkpoint, and what a step must read or compute --------------------------------------
+
+def hf_config(shape: Shape) -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": shape.hidden,
+            "intermediate_size": shape.ffn, "num_hidden_layers": shape.layers, "num_attention_heads": shape.heads,
+            "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim, "vocab_size": shape.vocab,
+            "max_position_embeddings": shape.max_positions, "rms_norm_eps": 1e-5, "rope_theta": shape.rope_theta,
+            "tie_word_embeddings": shape.tied, "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2,
+            "torch_dtype": "bfloat16"}
+
+
+def tensor_shapes(shape: Shape) -> dict[str, tuple[int, ...]]:
+    """Hugging Face names -> shapes, as metrale/runtime/models/llama.py takes them."""
+    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    shapes = {"model.embed_tokens.weight": (shape.vocab, h), "model.norm.weight": (h,)}
+    if not shape.tied:
+        shapes["lm_head.weight"] = (shape.vocab, h)
+    for i in range(shape.layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                       p + "mlp.gate_proj.weight": (shape.ffn, h), p + "mlp.up_proj.weight": (shape.ffn, h),
+                       p + "mlp.down_proj.weight": (h, shape.ffn)})
+    return shapes
+
+
+def random_checkpoint(shape: Shape, seed: int = 0, generate_on: str = "cpu") -> Checkpoint:
+    """Random bf16 weights in host memory (the engine and the peer both load from host tensors). Matrices
+    N(0, 0.02), norm weights 1 + N(0, 0.05): never zeros. generate_on='cuda' draws them on the GPU and copies
+    them back, much faster than the CPU's generator for 8B parameters."""
+    generator = torch.Generator(device=generate_on).manual_seed(seed)
+    tensors = {}
+    for name, dims in tensor_shapes(shape).items():
+        t = torch.randn(dims, generator=generator, device=generate_on, dtype=torch.bfloat16)
+        t = t.mul_(0.05).add_(1.0) if len(dims) == 1 else t.mul_(0.02)
+        tensors[name] = t.cpu()
+    return Checkpoint(config=hf_config(shape), tensors=tensors, source=f"random bf16 {shape_name(shape)}")
+
+
+def shape_name(shape: Shape) -> str:
+    return next((name for name, s in SHAPES.items() if s == shape), "custom")
+
+
+def layer_matmul_params(shape: Shape) -> int:
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    return shape.hidden * (q + 2 * kv) + q * shape.hidden + 3 * shape.hidden * shape.ffn
+
+
+def decode_weight_bytes(shape: Shape) -> int:
+    """Bytes of bf16 weights a decode step reads whole: every layer's matrices and norms, the final norm and the
+    vocab projection. The embedding table gives one row per token, so it counts only as the tied lm_head."""
+    per_layer = layer_matmul_params(shape) + 2 * shape.hidden
+    return 2 * (shape.layers * per_layer + shape.hidden + shape.vocab * shape.hidden)
+
+
+def kv_bytes_per_token(shape: Shape) -> int:
+    return 2 * shape.layers * 2 * shape.kv_heads * shape.head_dim   # K and V, bf16, every layer
+
+
+def prefill_flops(shape: Shape, num_seqs: int, seq_len: int) -> float:
+    """Model FLOPs of prefilling num_seqs prompts of seq_len tokens from position 0: 2 x matmul params x tokens
+    for the layers, the vocab projection of each prompt's last token only (it is all that is sampled), and causal
+    attention (QK^T and PV over t + 1 keys at position t)."""
+    tokens = num_seqs * seq_len
+    linear = 2 * shape.layers * layer_matmul_params(shape) * tokens + 2 * shape.vocab * shape.hidden * num_seqs
+    attention = 2 * shape.layers * shape.heads * shape.head_dim * num_seqs * seq_len * (seq_len + 1)
+    return float(linear + attention)
+
+
+def random_tokens(num_seqs: int, length: int, vocab: int, seed: int) -> torch.Tensor:
+    """[num_seqs, length] int64 ids above the usual special tokens; the same for the engine and the peer."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (num_seqs, length), generator=generator)
+
+
+# --- ceilings -------------------------------------------------------------------------------------------------
+
+def copy_bandwidth(device: str, nbytes: int, repeats: int = 10) -> float:
+    """Bytes/s of a device-to-device copy of `nbytes`, counting bytes read + bytes written; median of repeats."""
+    source = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    target = torch.empty_like(source)
+    target.copy_(source)
+    timer = DeviceTimer(device)
+    for _ in range(repeats):
+        started = timer.start()
+        target.copy_(source)
+        timer.stop(started)
+    seconds = statistics.median(timer.elapsed_ms()) / 1e3
+    del source, target
+    return 2 * (nbytes // 2) * 2 / seconds
+
+
+def gemm_rate(device: str, n: int, repeats: int = 20, sets: int = 3) -> float:
+    """FLOP/s of an n x n x n bf16 torch.matmul on random inputs, rotating among `sets` input pairs; median."""
+    pairs = [(torch.randn(n, n, device=device, dtype=torch.bfloat16),
+              torch.randn(n, n, device=device, dtype=torch.bfloat16)) for _ in range(sets)]
+    out = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+    for a, b in pairs:
+        torch.matmul(a, b, out=out)
+    timer = DeviceTimer(device)
+    for i in range(repeats):
+        a, b = pairs[i % sets]
+        started = timer.start()
+        torch.matmul(a, b, out=out)
+        timer.stop(started)
+    seconds = statistics.median(timer.elapsed_ms()) / 1e3
+    del pairs, out
+    return 2 * n ** 3 / seconds
+
+
+# --- results --------------------------------------------------------------------------------------------------
+
+@dataclass
+class DecodeRow:
+    batch: int
+    impl: str                     # "metrale" or "peer"
+    floor_ms: float
+    step_ms: list[float] = field(default_factory=list)
+    # metrale: the engine's own forward_us per step; peer: host wall clock per step over the timed loop.
+    other_ms: list[float] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.step_ms)
+
+    @property
+    def p50_ms(self) -> float:
+        return statistics.median(self.step_ms)
+
+    @property
+    def mean_ms(self) -> float:
+        return statistics.fmean(self.step_ms)
+
+    @property
+    def other_p50_ms(self) -> float | None:
+        return statistics.median(self.other_ms) if self.other_ms else None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch / self.mean_ms * 1e3
+
+    @property
+    def times_floor(self) -> float:
+        return self.p50_ms / self.floor_ms
+
+
+@dataclass
+class PrefillRow:
+    num_seqs: int
+    seq_len: int
+    impl: str
+    flops: float
+    gemm_flops_per_s: float
+    step_ms: list[float] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.step_ms)
+
+    @property
+    def label(self) -> str:
+        return f"{self.num_seqs}x{self.seq_len}"
+
+    @property
+    def p50_ms(self) -> float:
+        return statistics.median(self.step_ms)
+
+    @property
+    def tflops(self) -> float:
+        return self.flops / (self.p50_ms / 1e3) / 1e12
+
+    @property
+    def fraction_of_gemm(self) -> float:
+        return self.flops / (self.p50_ms / 1e3) / self.gemm_flops_per_s
+
+
+def format_decode_table(rows: list[DecodeRow]) -> str:
+    peer = {r.batch: r for r in rows if r.impl == "peer" and r.ok}
+    lines = [f"{'batch':>5}  {'impl':<7}  {'p50 ms':>8}  {'mean ms':>8}  {'other ms':>8}  {'tokens/s':>9}  "
+             f"{'floor ms':>8}  {'x floor':>7}  {'x peer':>6}"]
+    for r in rows:
+        if not r.ok:
+            lines.append(f"{r.batch:>5}  {r.impl:<7}  {'-':>8}  {'-':>8}  {'-':>8}  {'-':>9}  {r.floor_ms:>8.3f}  "
+                         f"{'-':>7}  {'-':>6}  {r.note}")
+            continue
+        other = f"{r.other_p50_ms:.3f}" if r.other_p50_ms is not None else "-"
+        vs_peer = f"{r.p50_ms / peer[r.batch].p50_ms:.2f}" if r.impl != "peer" and r.batch in peer else "-"
+        lines.append(f"{r.batch:>5}  {r.impl:<7}  {r.p50_ms:>8.3f}  {r.mean_ms:>8.3f}  {other:>8}  "
+                     f"{r.tokens_per_s:>9.0f}  {r.floor_ms:>8.3f}  {r.times_floor:>7.2f}  {vs_peer:>6}"
+                     + (f"  {r.note}" if r.note else ""))
+    return "\n".join(lines)
+
+
+def format_prefill_table(rows: list[PrefillRow]) -> str:
+    peer = {r.label: r for r in rows if r.impl == "peer" and r.ok}
+    lines = [f"{'prompts':>8}  {'impl':<7}  {'p50 ms':>8}  {'tokens/s':>9}  {'TFLOP/s':>7}  {'x GEMM':>6}  "
+             f"{'x peer':>6}"]
+    for r in rows:
+        if not r.ok:
+            lines.append(f"{r.label:>8}  {r.impl:<7}  {'-':>8}  {'-':>9}  {'-':>7}  {'-':>6}  {'-':>6}  {r.note}")
+            continue
+        tokens_per_s = r.num_seqs * r.seq_len / r.p50_ms * 1e3
+        vs_peer = f"{r.p50_ms / peer[r.label].p50_ms:.2f}" if r.impl != "peer" and r.label in peer else "-"
+        lines.append(f"{r.label:>8}  {r.impl:<7}  {r.p50_ms:>8.2f}  {tokens_per_s:>9.0f}  {r.tflops:>7.1f}  "
+                     f"{r.fraction_of_gemm:>6.2f}  {vs_peer:>6}" + (f"  {r.note}" if r.note else ""))
+    return "\n".join(lines)
+
+
+# --- the engine ------------------------------------------------------------------------------------------------
+
+class EngineRunner:
+    """Steps the engine through its Step API. Engine.step is synchronous (it copies the sampled tokens or logits
+    to the host), so the host clock around it is the step's time, host work included."""
+
+    def __init__(self, engine, max_batch_tokens: int):
+        self.engine = engine
+        self.max_batch_tokens = max_batch_tokens
+        self.next_seq_id = 0
+
+    def new_ids(self, n: int) -> list[int]:
+        ids = list(range(self.next_seq_id, self.next_seq_id + n))
+        self.next_seq_id += n
+        return ids
+
+    def prefill(self, tokens: torch.Tensor) -> dict[int, int]:
+        """Prefills each row of tokens [n, T] as a new sequence, as many per step as max_batch_tokens allows
+        (a prompt longer than that in chunks); returns seq_id -> sampled next token."""
+        n, length = tokens.shape
+        per_step = max(1, self.max_batch_tokens // length)
+        chunk = 0 if length <= self.max_batch_tokens else self.max_batch_tokens
+        next_tokens = {}
+        rows = list(zip(self.new_ids(n), tokens.tolist()))
+        for start in range(0, n, per_step):
+            slices = tuple(PrefillSlice(seq_id, tuple(row), chunk_size=chunk) for seq_id, row in
+                           rows[start:start + per_step])
+            out = self.engine.step(Step(prefill=slices))
+            next_tokens.update({o.seq_id: o.token for o in out.outputs})
+        return next_tokens
+
+    def time_decode(self, next_tokens: dict[int, int], warmup: int, steps: int) -> tuple[list[float], list[float]]:
+        """warmup untimed, then `steps` timed decode steps of every sequence; returns (step ms, forward ms)."""
+        step_ms, forward_ms = [], []
+        for i in range(warmup + steps):
+            step = Step(decode=tuple(DecodeLane(seq_id, token) for seq_id, token in next_tokens.items()))
+            started = time.perf_counter()
+            out = self.engine.step(step)
+            elapsed_ms = (time.perf_counter() - started) * 1e3
+            next_tokens = {o.seq_id: o.token for o in out.outputs}
+            if i >= warmup:
+                step_ms.append(elapsed_ms)
+                forward_ms.append(out.forward_us / 1e3)
+        return step_ms, forward_ms
+
+    def time_prefill(self, tokens: torch.Tensor, warmup: int, reps: int) -> list[float]:
+        """One step prefilling every row of tokens [n, T] (n x T <= max_batch_tokens: one forward), released
+        after each; returns the timed steps' ms."""
+        times = []
+        for i in range(warmup + reps):
+            ids = self.new_ids(tokens.shape[0])
+            step = Step(prefill=tuple(PrefillSlice(seq_id, tuple(row)) for seq_id, row in zip(ids, tokens.tolist())))
+            started = time.perf_counter()
+            self.engine.step(step)
+            elapsed_ms = (time.perf_counter() - started) * 1e3
+            self.engine.release(ids)
+            if i >= warmup:
+                times.append(elapsed_ms)
+        return times
+
+    def last_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[n, vocab] float32 logits of each prompt's last token (prompts released after)."""
+        ids = self.new_ids(tokens.shape[0])
+        step = Step(prefill=tuple(PrefillSlice(seq_id, tuple(row), output=OutputOptions(return_logits=True))
+                                  for seq_id, row in zip(ids, tokens.tolist())))
+        out = self.engine.step(step)
+        self.engine.release(ids)
+        by_id = {o.seq_id: o.logits for o in out.outputs}
+        return torch.stack([by_id[i].float() for i in ids])
+
+    def release_all(self) -> None:
+        self.engine.release(None)
+
+
+# --- the run ---------------------------------------------------------------------------------------------------
+
+def gpu_machine_line(name: str, device: str) -> str:
+    """What the figures ran on: GPU, driver, clocks, torch, CUDA, triton, CPU cores and the date."""
+    if torch.device(device).type != "cuda":
+        from bench.grpc_overhead import machine_line
+        return machine_line(name)
+    try:
+        query = "name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw"
+        smi = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20).stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        smi = f"{torch.cuda.get_device_name()} (nvidia-smi unavailable)"
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    return (f"# {name}: {smi}; torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton_version}, "
+            f"python {platform.python_version()}, {os.cpu_count()} CPU cores, {date}")
+
+
+def device_memory_gb(device: str) -> str:
+    if torch.device(device).type != "cuda":
+        return "n/a"
+    free, total = torch.cuda.mem_get_info()
+    return f"{(total - free) / 1e9:.1f} of {total / 1e9:.1f} GB in use"
+
+
+class Run:
+    """Phases in order, each caught: a failure is printed and noted in its rows, and the run goes on; a phase
+    that would start past the time budget is skipped, so the table still prints before an outer time limit."""
+
+    def __init__(self, budget_s: float, device: str):
+        self.started = time.perf_counter()
+        self.budget_s = budget_s
+        self.device = device
+        self.phases: dict[str, float] = {}
+        self.errors: list[str] = []
+        self.peak_bytes_in_use = 0    # device memory in use (torch's and the engine's), highest at a phase's end
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def over_budget(self) -> bool:
+        return self.elapsed() > self.budget_s
+
+    def phase(self, name: str, fn, *args):
+        """fn(*args), timed; returns (result, note): note is '' or why there is no result."""
+        if self.over_budget():
+            log(f"skipped {name}: {self.elapsed():.0f} s passed the time budget of {self.budget_s:.0f} s")
+            return None, "skipped: time budget"
+        started = time.perf_counter()
+        try:
+            result = fn(*args)
+        except Exception as error:
+            traceback.print_exc()
+            note = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}"
+            self.errors.append(f"{name}: {note}")
+            log(f"{name} {note}")
+            return None, note
+        finally:
+            self.phases[name] = time.perf_counter() - started
+            if torch.device(self.device).type == "cuda":
+                free, total = torch.cuda.mem_get_info()
+                self.peak_bytes_in_use = max(self.peak_bytes_in_use, total - free)
+        log(f"{name}: {self.phases[name]:.1f} s")
+        return result, ""
+
+
+def log(message: str) -> None:
+    print(f"# [{datetime.datetime.now().strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES), help="model shape (random weights)")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the smoke test's path")
+    parser.add_argument("--batches", default="1,8,32,64,128,256", help="decode batch sizes, comma-separated")
+    parser.add_argument("--context", type=int, default=1024, help="tokens each sequence holds before decoding")
+    parser.add_argument("--steps", type=int, default=32, help="timed decode steps per batch and implementation")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed decode steps first (peer: compile, graphs)")
+    parser.add_argument("--prefill", default="1x4096,8x512", help="prefill cases NUMxLEN, comma-separated; "
+                                                                  "'' for none")
+    parser.add_argument("--prefill-reps", type=int, default=5, help="timed prefills per case and implementation")
+    parser.add_argument("--prefill-warmup", type=int, default=2, help="untimed prefills first")
+    parser.add_argument("--copy-mb", type=int, default=4096, help="bytes copied to measure copy bandwidth (MB)")
+    parser.add_argument("--gemm-size", type=int, default=8192, help="n of the n^3 bf16 GEMM for the GEMM rate")
+    parser.add_argument("--max-batch-tokens", type=int, default=8192, help="the engine's max_batch_tokens "
+                                                                           "(raised to the largest prefill case)")
+    parser.add_argument("--kv-blocks", type=int, default=None,
+                        help="the engine's KV pool in blocks; default: what the largest phase needs, plus 8")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="the engine's max_model_len; default: the longest sequence of the run")
+    parser.add_argument("--engine-config", default="{}", help="more EngineConfig fields as JSON, e.g. "
+                                                              "'{\"cuda_graph_batch_sizes\": [1, 8]}'")
+    parser.add_argument("--peer-compile", default="reduce-overhead", choices=("reduce-overhead", "default", "none"),
+                        help="how the peer's decode step is compiled")
+    parser.add_argument("--skip-peer", action="store_true", help="measure the engine alone")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--time-budget", type=float, default=480.0,
+                        help="seconds after which no new phase starts (the table still prints)")
+    parser.add_argument("--json", default=None, help="write every number here (default: $OUT/gpu_decode.json "
+                                                     "where $OUT is set)")
+    return parser.parse_args(argv)
+
+
+def parse_prefill_cases(text: str) -> list[tuple[int, int]]:
+    cases = []
+    for case in filter(None, (c.strip() for c in text.split(","))):
+        n, length = case.lower().split("x")
+        cases.append((int(n), int(length)))
+    return cases
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    shape, device = SHAPES[args.shape], args.device
+    batches = [int(b) for b in args.batches.split(",")]
+    cases = parse_prefill_cases(args.prefill)
+    max_batch = max(batches)
+    decode_len = args.context + args.warmup + args.steps          # tokens a sequence holds after the last step
+    check_tokens = random_tokens(2, min(64, args.context), shape.vocab, args.seed + 1)
+    longest = max([decode_len, check_tokens.shape[1]] + [length for _, length in cases])
+    max_batch_tokens = max([args.max_batch_tokens] + [n * length for n, length in cases])
+    if longest > shape.max_positions:
+        raise SystemExit(f"sequences of {longest} tokens pass the shape's {shape.max_positions} positions")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda, but torch sees no CUDA device")
+    run = Run(args.time_budget, device)
+    result = {"args": vars(args), "shape": dataclasses.asdict(shape), "phases": run.phases, "errors": run.errors}
+
+    print(gpu_machine_line("gpu_decode", device), flush=True)
+    torch.manual_seed(args.seed)
+
+    # Ceilings first, on an empty device.
+    bandwidth, note = run.phase("copy bandwidth", copy_bandwidth, device, args.copy_mb * 10**6)
+    gemm, _ = run.phase("GEMM rate", gemm_rate, device, args.gemm_size)
+    if bandwidth is None or gemm is None:
+        raise SystemExit(f"the ceilings could not be measured: {run.errors}")
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    result["copy_bandwidth_bytes_per_s"], result["gemm_flops_per_s"] = bandwidth, gemm
+    weights, kv_token = decode_weight_bytes(shape), kv_bytes_per_token(shape)
+    log(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write, median of 10 copies of {args.copy_mb} MB); "
+        f"bf16 GEMM {gemm / 1e12:.1f} TFLOP/s ({args.gemm_size}^3, median of 20)")
+    log(f"{args.shape}: weights read per decode step {weights / 1e9:.3f} GB, KV {kv_token / 1e3:.1f} kB/token")
+
+    checkpoint, _ = run.phase("random checkpoint", random_checkpoint, shape, args.seed, device)
+    if checkpoint is None:
+        raise SystemExit(f"no checkpoint: {run.errors}")
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+    # The engine: a KV pool sized for the largest phase, max_model_len for the longest sequence.
+    kv_blocks = args.kv_blocks or max([max_batch * blocks_for(decode_len, EngineConfig.kv_block_size)]
+                                      + [n * blocks_for(length, EngineConfig.kv_block_size) for n, length in cases]
+                                      + [2 * blocks_for(check_tokens.shape[1], EngineConfig.kv_block_size)]) + 8
+    extra = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(args.engine_config).items()}
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    if set(extra) - known:
+        raise SystemExit(f"--engine-config: EngineConfig has no field(s) {sorted(set(extra) - known)}")
+    max_model_len = args.max_model_len or longest
+    if max_model_len < longest:
+        raise SystemExit(f"--max-model-len {max_model_len} is under the {longest} tokens this run needs")
+    config = EngineConfig(**{"device": device, "kv_blocks": kv_blocks, "max_batch_tokens": max_batch_tokens,
+                             "max_seqs": max(512, max_batch), "max_model_len": max_model_len, **extra})
+    result["engine_config"] = dataclasses.asdict(config)
+    built, _ = run.phase("engine build", build_engine, checkpoint, config)
+    ours = EngineRunner(built[0], max_batch_tokens) if built else None
+    log(f"engine: {config}; KV pool {kv_blocks} blocks ({kv_blocks * config.kv_block_size * kv_token / 1e9:.1f} GB); "
+        f"device {device_memory_gb(device)}")
+
+    peer = None
+    peer_prefill_len = round_up(max([check_tokens.shape[1]] + [length for _, length in cases]), 16)
+    peer_prefill_batch = max([check_tokens.shape[0]] + [n for n, _ in cases])
+    if not args.skip_peer:
+        peer, note = run.phase("peer build", build_peer, checkpoint.config, checkpoint.tensors, peer_prefill_batch,
+                               peer_prefill_len, device, torch.bfloat16, args.peer_compile)
+        log(f"peer: compile {args.peer_compile}; device {device_memory_gb(device)}")
+    del checkpoint
+    gc.collect()
+
+    # Same model on both sides: the logits of two prompts' prefill and of two decode steps after it.
+    if ours and peer:
+        checked, _ = run.phase("check: engine vs peer logits", check_same_model, ours, peer,
+                               check_tokens.to(device), 2)
+        result["check"] = checked
+        if checked:
+            warn = "" if checked["relative_error"] < 5e-2 and checked["finite"] else "  WARNING: not the same model?"
+            log(f"check: {checked['prompts']} prompts of {check_tokens.shape[1]} tokens, then 2 decode steps, "
+                f"engine vs peer (eager) logits: relative error per step "
+                f"{', '.join(f'{e:.2e}' for e in checked['errors'])}, same argmax {checked['same_argmax']}"
+                f"/{checked['compared']}, finite {checked['finite']}{warn}")
+
+    # Prefill: model FLOP/s against the GEMM rate.
+    prefill_rows: list[PrefillRow] = []
+    for n, length in cases:
+        tokens = random_tokens(n, length, shape.vocab, args.seed + 2)
+        flops = prefill_flops(shape, n, length)
+        row = PrefillRow(n, length, "metrale", flops, gemm)
+        if ours:
+            times, row.note = run.phase(f"prefill {n}x{length} metrale", ours.time_prefill, tokens,
+                                        args.prefill_warmup, args.prefill_reps)
+            row.step_ms = times or []
+        else:
+            row.note = "no engine"
+        prefill_rows.append(row)
+        if peer:
+            row = PrefillRow(n, length, "peer", flops, gemm)
+            times, row.note = run.phase(f"prefill {n}x{length} peer", time_peer_prefill, peer, tokens.to(device),
+                                        args.prefill_warmup, args.prefill_reps)
+            row.step_ms = times or []
+            prefill_rows.append(row)
+
+    # Decode at each batch size, the engine then the peer, side by side.
+    decode_rows: list[DecodeRow] = []
+    if peer:
+        # One more position for the compiled-vs-eager check; rows of 16 for the efficient-attention bias.
+        peer_decode_len = round_up(decode_len + 1, 16)
+        _, note = run.phase("peer decode caches", peer.allocate_caches, max_batch, peer_decode_len)
+        if note:
+            peer = None
+        log(f"peer caches {max_batch} x {peer_decode_len} tokens; device {device_memory_gb(device)}")
+    mean_context = args.context + args.warmup + (args.steps + 1) / 2      # KV read per sequence, timed steps
+    peer_failed = ""
+    for batch in batches:
+        floor_ms = (weights + batch * mean_context * kv_token) / bandwidth * 1e3
+        prompts = random_tokens(batch, args.context, shape.vocab, args.seed + 3)
+        row = DecodeRow(batch, "metrale", floor_ms)
+        if ours:
+            def ours_decode():
+                try:
+                    first = ours.prefill(prompts)
+                    return ours.time_decode(first, args.warmup, args.steps)
+                finally:
+                    ours.release_all()
+            times, row.note = run.phase(f"decode batch {batch} metrale", ours_decode)
+            if times:
+                row.step_ms, row.other_ms = times
+                log(f"batch {batch} metrale: p50 {row.p50_ms:.3f} ms ({row.times_floor:.2f}x floor {floor_ms:.3f}), "
+                    f"forward {row.other_p50_ms:.3f} ms")
+        else:
+            row.note = "no engine"
+        decode_rows.append(row)
+        if peer and peer_failed:
+            decode_rows.append(DecodeRow(batch, "peer", floor_ms, note=f"skipped: the peer failed at {peer_failed}"))
+        elif peer:
+            row = DecodeRow(batch, "peer", floor_ms)
+
+            def peer_decode():
+                peer.use_rows(batch)
+                first = torch.cat([peer_prefill(peer, chunk.to(device), offset) for offset, chunk in
+                                   chunks_of(prompts, max(1, max_batch_tokens // args.context))])
+                times = time_peer_decode(peer, first, args.context, args.warmup, args.steps)
+                return times, check_compiled_decode(peer, times.last_tokens, times.next_position)
+            measured, row.note = run.phase(f"decode batch {batch} peer", peer_decode)
+            if measured:
+                times, compiled_error = measured
+                row.step_ms, row.other_ms = times.step_ms, [times.wall_ms_per_step]
+                result.setdefault("peer_compiled_vs_eager", {})[batch] = compiled_error
+                if not compiled_error < 5e-2:
+                    row.note = f"compiled step differs from eager: relative error {compiled_error:.2e}"
+                log(f"batch {batch} peer: p50 {row.p50_ms:.3f} ms ({row.times_floor:.2f}x floor), wall "
+                    f"{times.wall_ms_per_step:.3f} ms/step; compiled vs eager logits {compiled_error:.2e}")
+            elif row.note.startswith("failed"):
+                peer_failed = f"batch {batch}"
+            decode_rows.append(row)
+    if peer and device == "cuda":
+        from torch._dynamo.utils import counters
+        inductor = dict(counters["inductor"])
+        result["peer_cudagraph_skips"] = inductor.get("cudagraph_skips", 0)
+        result["peer_graphs_compiled"] = dict(counters["stats"]).get("unique_graphs", 0)
+        result["peer_non_static_inputs_recorded"] = inductor.get("cudagraph_recorded_non_static_inputs", 0)
+        log(f"peer: {result['peer_graphs_compiled']} graphs compiled (2 expected), cudagraph skips "
+            f"{result['peer_cudagraph_skips']} (0 expected: every decode step a graph replay), non-static inputs "
+            f"recorded {result['peer_non_static_inputs_recorded']} (2 per recorded graph expected, tokens and "
+            f"position; 2 + 2 x layers would mean the KV caches are copied in at every replay)")
+
+    result["decode"] = [dict(dataclasses.asdict(r), p50_ms=r.p50_ms if r.ok else None) for r in decode_rows]
+    result["prefill"] = [dict(dataclasses.asdict(r), p50_ms=r.p50_ms if r.ok else None) for r in prefill_rows]
+    result["elapsed_s"] = run.elapsed()
+    result["peak_device_bytes_in_use"] = run.peak_bytes_in_use
+    write_json(args.json, result)
+
+    print(f"# decode: {args.context}-token contexts, {args.steps} timed steps after {args.warmup} warm-up; floor = "
+          f"(weights {weights / 1e9:.2f} GB + KV of the timed steps' mean context) / copy bandwidth "
+          f"{bandwidth / 1e12:.3f} TB/s; metrale: host clock around Engine.step (synchronous), other = its "
+          f"forward_us; peer: CUDA events around each graph replay, other = host wall per step; ratios of p50")
+    print(format_decode_table(decode_rows))
+    if prefill_rows:
+        print(f"# prefill: model FLOPs (2 x params x tokens + causal attention, lm_head on last tokens) / p50 time, "
+              f"against bf16 GEMM {gemm / 1e12:.1f} TFLOP/s")
+        print(format_prefill_table(prefill_rows))
+    print(f"# total {run.elapsed():.0f} s, device memory in use at most {run.peak_bytes_in_use / 1e9:.1f} GB "
+          f"(at phase ends); phases (s): " + ", ".join(f"{k} {v:.1f}" for k, v in run.phases.items())
+          + (f"; ERRORS: {run.errors}" if run.errors else ""))
+    result["decode_rows"], result["prefill_rows"] = decode_rows, prefill_rows
+    return result
+
+
+def check_same_model(ours: EngineRunner, peer, tokens: torch.Tensor, decode_steps: int) -> dict:
+    """Prefills tokens [n, T] on both and decodes decode_steps steps, both fed the engine's tokens; the relative
+    error of the peer's (eager) logits against the engine's at each step."""
+    engine, n, length = ours.engine, tokens.shape[0], tokens.shape[1]
+    ids = ours.new_ids(n)
+    out = engine.step(Step(prefill=tuple(PrefillSlice(i, tuple(row), output=OutputOptions(return_logits=True))
+                                         for i, row in zip(ids, tokens.tolist()))))
+    peer.use_rows(n)
+    _, theirs = peer_prefill(peer, tokens, return_logits=True)
+    errors, same, finite = [], 0, True
+    try:
+        for step in range(decode_steps + 1):
+            mine = torch.stack([o.logits.float() for o in out.outputs])
+            theirs = theirs.float().cpu()
+            errors.append(((mine - theirs).norm() / mine.norm()).item())
+            same += int((mine.argmax(-1) == theirs.argmax(-1)).sum())
+            finite = finite and bool(torch.isfinite(mine).all() and torch.isfinite(theirs).all())
+            if step == decode_steps:
+                break
+            next_tokens = [o.token for o in out.outputs]
+            out = engine.step(Step(decode=tuple(DecodeLane(i, t) for i, t in zip(ids, next_tokens))))
+            position = torch.tensor([length + step], device=tokens.device)
+            with torch.no_grad():
+                theirs = peer.model(torch.tensor(next_tokens, device=tokens.device).view(n, 1), position, peer.caches)
+    finally:
+        engine.release(ids)
+    return {"relative_error": max(errors), "errors": errors, "same_argmax": same, "compared": n * len(errors),
+            "prompts": n, "finite": finite}
+
+
+def chunks_of(tokens: torch.Tensor, size: int):
+    """(row offset, rows) of at most `size` rows each."""
+    return [(start, tokens[start:start + size]) for start in range(0, tokens.shape[0], size)]
+
+
+def time_peer_prefill(peer, tokens: torch.Tensor, warmup: int, reps: int) -> list[float]:
+    """Eager prefill of every row of tokens [n, T] from position 0 into cache rows [0, n), greedy next token
+    included; device time per prefill (CUDA events)."""
+    device = tokens.device
+    peer.use_rows(tokens.shape[0])
+    for _ in range(warmup):
+        peer_prefill(peer, tokens)
+    synchronize(device)
+    timer = DeviceTimer(device)
+    for _ in range(reps):
+        started = timer.start()
+        peer_prefill(peer, tokens)
+        timer.stop(started)
+    return timer.elapsed_ms()
+
+
+def write_json(path: str | None, result: dict) -> None:
+    path = path or (os.path.join(os.environ["OUT"], "gpu_decode.json") if os.environ.get("OUT") else None)
+    if not path:
+        return
+    serializable = {k: v for k, v in result.items() if k not in ("decode_rows", "prefill_rows")}
+    with open(path, "w") as out:
+        json.dump(serializable, out, indent=1, default=str)
+    log(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    from bench.grpc_overhead import quiet_logs
+    quiet_logs()
+    main()
+    sys.stdout.flush()

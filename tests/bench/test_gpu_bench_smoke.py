@@ -1,0 +1,168 @@
+"""The GPU bench (bench/gpu_decode.py) and its peer (bench/peer_llama.py) on the CPU with a tiny shape: the run's
+code paths, the peer against the engine, the peer's decode step under torch.compile's tracing, the accounting
+and the tables. No timing is checked (§6); the GPU figures come from running the script on the H200."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    # The scripts run as `python -m bench.<name>` from the repository root, which is not always on sys.path here.
+    monkeypatch.syspath_prepend(str(ROOT))
+    import bench.gpu_decode
+    import bench.peer_llama
+
+    return bench
+
+
+def tiny_run_args(tmp_path, *more):
+    return ["--shape", "tiny", "--device", "cpu", "--batches", "1,2", "--context", "8", "--steps", "2",
+            "--warmup", "1", "--prefill", "1x16,2x8", "--prefill-reps", "1", "--prefill-warmup", "1",
+            "--copy-mb", "1", "--gemm-size", "32", "--peer-compile", "none", "--json", str(tmp_path / "out.json"),
+            *more]
+
+
+def test_gpu_decode_runs_every_phase_on_the_cpu(bench, tmp_path, capsys):
+    result = bench.gpu_decode.main(tiny_run_args(tmp_path))
+    assert result["errors"] == []
+    decode = result["decode_rows"]
+    assert [(r.batch, r.impl) for r in decode] == [(1, "metrale"), (1, "peer"), (2, "metrale"), (2, "peer")]
+    assert all(r.ok and len(r.step_ms) == 2 and r.floor_ms > 0 and r.tokens_per_s > 0 for r in decode)
+    assert all(len(r.other_ms) == 2 for r in decode if r.impl == "metrale")   # forward_us of each step
+    prefill = result["prefill_rows"]
+    assert [(r.label, r.impl) for r in prefill] == [("1x16", "metrale"), ("1x16", "peer"), ("2x8", "metrale"),
+                                                     ("2x8", "peer")]
+    assert all(r.ok and r.fraction_of_gemm > 0 for r in prefill)
+    # Same model on both sides (engine float32 on the CPU, peer bf16).
+    assert result["check"]["finite"] and result["check"]["relative_error"] < 5e-2
+    out = capsys.readouterr().out
+    assert out.startswith("# gpu_decode:") and "x floor" in out and "x GEMM" in out
+    written = json.loads((tmp_path / "out.json").read_text())
+    assert len(written["decode"]) == 4 and written["copy_bandwidth_bytes_per_s"] > 0
+
+
+def test_gpu_decode_skip_peer_and_engine_config(bench, tmp_path):
+    result = bench.gpu_decode.main(tiny_run_args(tmp_path, "--skip-peer", "--prefill", "",
+                                                 "--engine-config", '{"cuda_graph_batch_sizes": [1, 2]}'))
+    assert [(r.batch, r.impl) for r in result["decode_rows"]] == [(1, "metrale"), (2, "metrale")]
+    assert result["prefill_rows"] == []
+    assert result["engine_config"]["cuda_graph_batch_sizes"] == (1, 2)
+    with pytest.raises(SystemExit, match="no field"):
+        bench.gpu_decode.main(tiny_run_args(tmp_path, "--engine-config", '{"no_such_field": 1}'))
+
+
+def test_peer_float32_matches_the_engine_in_prefill_and_decode(bench):
+    from metrale.runtime.build import build_engine
+    from metrale.runtime.config import EngineConfig
+    from metrale.runtime.sampling import OutputOptions
+    from metrale.runtime.step import DecodeLane, PrefillSlice, Step
+
+    gd, pl = bench.gpu_decode, bench.peer_llama
+    checkpoint = gd.random_checkpoint(gd.SHAPES["tiny"], seed=3)
+    engine, _ = build_engine(checkpoint, EngineConfig(device="cpu", kv_blocks=16, max_model_len=64))
+    peer = pl.build_peer(checkpoint.config, checkpoint.tensors, max_batch=3, max_len=64, device="cpu",
+                         dtype=torch.float32, compile_mode="none")
+    prompts = gd.random_tokens(3, 11, 256, seed=4)
+    out = engine.step(Step(prefill=tuple(PrefillSlice(i, tuple(row), output=OutputOptions(return_logits=True))
+                                         for i, row in enumerate(prompts.tolist()))))
+    ours = torch.stack([o.logits for o in out.outputs])
+    # Two prompts in one call and one at row offset 2: rows land where they belong.
+    first, theirs = pl.peer_prefill(peer, prompts[:2], return_logits=True)
+    last, theirs_last = pl.peer_prefill(peer, prompts[2:], batch_offset=2, return_logits=True)
+    theirs = torch.cat([theirs, theirs_last])
+    assert ((ours - theirs).norm() / ours.norm()).item() < 1e-4
+    tokens = torch.cat([first, last])
+    assert tokens.squeeze(1).tolist() == [o.token for o in out.outputs]
+    position = torch.tensor([11])
+    for _ in range(3):
+        out = engine.step(Step(decode=tuple(DecodeLane(i, t) for i, t in enumerate(tokens.squeeze(1).tolist()))))
+        ours = torch.stack([o.logits for o in out.outputs])
+        theirs = peer.model(tokens, position, peer.caches)
+        assert ((ours - theirs).norm() / ours.norm()).item() < 1e-4
+        tokens = pl.peer_decode_step(peer, tokens, position)
+        assert tokens.squeeze(1).tolist() == [o.token for o in out.outputs]
+        position += 1
+
+
+def test_peer_decode_step_traces_whole_and_goes_dynamic(bench):
+    """fullgraph tracing as torch.compile does it on the GPU (here with the aot_eager backend: no inductor, no
+    graphs): no graph break, the in-place cache writes kept, and one dynamic graph for every batch after the
+    second size, on views of one allocation."""
+    from torch._dynamo.utils import counters
+
+    gd, pl = bench.gpu_decode, bench.peer_llama
+    checkpoint = gd.random_checkpoint(gd.SHAPES["tiny"], seed=5)
+    peer = pl.build_peer(checkpoint.config, checkpoint.tensors, max_batch=4, max_len=32, device="cpu",
+                         dtype=torch.float32, compile_mode="none")
+    torch._dynamo.reset()
+    counters.clear()
+    peer.decode = torch.compile(pl.decode_one_token, backend="aot_eager", fullgraph=True)
+    eager = pl.build_peer(checkpoint.config, checkpoint.tensors, max_batch=4, max_len=32, device="cpu",
+                          dtype=torch.float32, compile_mode="none")
+    for batch in (1, 2, 3, 4):
+        prompts = gd.random_tokens(batch, 8, 256, seed=batch)
+        tokens = []
+        for p in (peer, eager):
+            p.use_rows(batch)
+            tokens.append(pl.peer_prefill(p, prompts))
+        for step in range(2):
+            position = torch.tensor([8 + step])
+            tokens = [pl.peer_decode_step(p, t, position) for p, t in zip((peer, eager), tokens)]
+            assert torch.equal(tokens[0], tokens[1])
+        for a, b in zip(peer.caches, eager.caches):
+            assert torch.allclose(a.k_cache, b.k_cache, atol=1e-6) and torch.allclose(a.v_cache, b.v_cache,
+                                                                                      atol=1e-6)
+    assert counters["stats"]["unique_graphs"] <= 2      # batch 1, then one dynamic graph for 2, 3 and 4
+    torch._dynamo.reset()
+
+
+def test_time_peer_decode_counts_steps(bench):
+    gd, pl = bench.gpu_decode, bench.peer_llama
+    checkpoint = gd.random_checkpoint(gd.SHAPES["tiny"], seed=6)
+    peer = pl.build_peer(checkpoint.config, checkpoint.tensors, max_batch=2, max_len=32, device="cpu",
+                         dtype=torch.bfloat16, compile_mode="none")
+    first = pl.peer_prefill(peer, gd.random_tokens(2, 8, 256, seed=7))
+    times = pl.time_peer_decode(peer, first, context=8, warmup=1, steps=3)
+    assert len(times.step_ms) == 3 and times.wall_ms_per_step > 0
+    with pytest.raises(ValueError, match="max_len"):
+        pl.time_peer_decode(peer, first, context=30, warmup=1, steps=3)
+
+
+def test_accounting_of_the_llama3_8b_shape(bench):
+    gd = bench.gpu_decode
+    shape = gd.SHAPES["llama3-8b"]
+    shapes = gd.tensor_shapes(shape)
+    params = sum(torch.Size(s).numel() for s in shapes.values())
+    assert params == 8_030_261_248                          # Llama-3-8B
+    # A decode step reads every weight but the embedding table (one row per token).
+    assert gd.decode_weight_bytes(shape) == 2 * (params - 128256 * 4096)
+    assert gd.kv_bytes_per_token(shape) == 32 * 2 * 8 * 128 * 2
+    matmul = params - 2 * 128256 * 4096 - (2 * 32 + 1) * 4096
+    attention = 2 * 32 * 32 * 128 * 4096 * 4097
+    assert gd.prefill_flops(shape, 1, 4096) == 2 * matmul * 4096 + 2 * 128256 * 4096 + attention
+    smollm = gd.SHAPES["smollm2-135m"]
+    assert "lm_head.weight" not in gd.tensor_shapes(smollm)
+    assert gd.decode_weight_bytes(smollm) == 2 * sum(torch.Size(s).numel()
+                                                     for s in gd.tensor_shapes(smollm).values())
+
+
+def test_tables_show_failures_and_ratios(bench):
+    gd = bench.gpu_decode
+    rows = [gd.DecodeRow(1, "metrale", 4.0, [5.0, 5.0, 6.0], [4.5]), gd.DecodeRow(1, "peer", 4.0, [5.5, 5.5],
+                                                                                  [5.6]),
+            gd.DecodeRow(8, "metrale", 4.2, note="failed: DeviceFault: boom"), gd.DecodeRow(8, "peer", 4.2, [6.0])]
+    table = gd.format_decode_table(rows).splitlines()
+    assert len(table) == 5
+    assert table[1].split()[:3] == ["1", "metrale", "5.000"] and table[1].split()[-2:] == ["1.25", "0.91"]
+    assert "failed: DeviceFault: boom" in table[3]
+    prefill = [gd.PrefillRow(1, 4096, "metrale", 1e12, 1e15, [2.0]), gd.PrefillRow(1, 4096, "peer", 1e12, 1e15, [],
+                                                                                   note="skipped: time budget")]
+    lines = gd.format_prefill_table(prefill).splitlines()
+    assert lines[1].split() == ["1x4096", "metrale", "2.00", "2048000", "500.0", "0.50", "-"]
+    assert "skipped: time budget" in lines[2]
