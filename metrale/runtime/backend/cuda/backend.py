@@ -14,13 +14,16 @@ from metrale.runtime.backend.cuda.compiler import KernelCache, KernelLibrary
 from metrale.runtime.backend.cuda.device import ALIGNMENT, Arena, CudaDevice, RingArena
 from metrale.runtime.backend.cuda.gemm import CublasLt
 from metrale.runtime.backend.cuda.graphs import DecodeGraphs
+from metrale.runtime.backend.cuda.sampler import OUT_WORDS, DeviceSampler
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.backend.ops import MemoryShapes, RopeTable
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.errors import InvalidArgument
-from metrale.runtime.sampling import SampleResult, sample
+from metrale.runtime.sampling import SampleResult
 
 GEMM_WORKSPACE_BYTES = 32 << 20
+# Penalty lists of one step (distinct history ids of the penalised rows, with counts and biases).
+PENALTY_BYTES = 64 << 20
 # The activation workspace holds this many layers' tensors at max_batch_tokens (see RingArena).
 WORKSPACE_LAYERS = 3
 
@@ -49,8 +52,11 @@ class CudaBackend:
         workspace = WORKSPACE_LAYERS * per_layer + 4 * t * shapes.hidden * 2
         logits = 4 * shapes.max_seqs * shapes.vocab
         metadata = 4 * metadata_elements(t, shapes.max_seqs, shapes.max_blocks_per_seq)
-        sizes = {"weights": weight_bytes, "workspace": workspace, "logits": logits, "metadata": metadata,
-                 "gemm": GEMM_WORKSPACE_BYTES}
+        sample_params = 4 * kernels.sampling.PARAM_WORDS * shapes.max_seqs
+        sample_outputs = 4 * OUT_WORDS * shapes.max_seqs
+        sizes = {"weights": weight_bytes, "workspace": workspace, "logits": logits, "processed": logits,
+                 "metadata": metadata, "gemm": GEMM_WORKSPACE_BYTES, "sample_params": sample_params,
+                 "sample_outputs": sample_outputs, "penalties": PENALTY_BYTES}
         aligned = {name: -(-size // ALIGNMENT) * ALIGNMENT for name, size in sizes.items()}
         base = self.cuda.allocate(sum(aligned.values()))
         regions = {}
@@ -62,6 +68,11 @@ class CudaBackend:
         self._logits = regions["logits"].take((shapes.max_seqs, shapes.vocab), "float32")
         self._metadata = regions["metadata"].take((metadata // 4,), "int32")
         self.gemm = CublasLt(regions["gemm"].take((GEMM_WORKSPACE_BYTES,), "uint8"))
+        self.sampler = DeviceSampler(
+            self, regions["sample_params"].take((shapes.max_seqs, kernels.sampling.PARAM_WORDS), "int32"),
+            regions["penalties"].take((PENALTY_BYTES // 4,), "int32"),
+            regions["processed"].take((shapes.max_seqs, shapes.vocab), "float32"),
+            regions["sample_outputs"].take((OUT_WORDS * shapes.max_seqs,), "int32"))
 
     def upload(self, tensor: torch.Tensor) -> DeviceTensor:
         return self._upload(tensor.to(torch.bfloat16), "bfloat16")
@@ -92,8 +103,13 @@ class CudaBackend:
         return self.graphs.run(forward, batch, size) if size else forward(batch)
 
     def sample(self, logits: DeviceTensor, rows) -> SampleResult:
-        """For now the logits come to the host and the CPU sampler chooses."""
-        return sample(self.logits_to_host(logits), rows)
+        result = self.sampler.sample(logits, rows)
+        self._pending.clear()
+        return result
+
+    def keep_alive(self, host_arrays) -> None:
+        """Host arrays an asynchronous copy reads from, kept until the next synchronization."""
+        self._pending.append(host_arrays)
 
     def warm_up(self, forward, batch_sizes: tuple[int, ...], max_context: int) -> None:
         """Captures every decode bucket now, so serving never captures."""
@@ -187,8 +203,3 @@ class CudaBackend:
         out = self._logits.rows(0, x.shape[0])
         self.gemm.linear(self.cuda.stream, out, x, lm_head)
         return out
-
-    def logits_to_host(self, logits) -> torch.Tensor:
-        host = self.cuda.copy_to_host(logits)
-        self._pending.clear()
-        return torch.from_numpy(host)

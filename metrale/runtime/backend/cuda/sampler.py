@@ -1,0 +1,78 @@
+"""Sampling on the device: the sampler kernels over the logits region, one small copy back (tokens,
+logprobs, top-n), and full logits rows only for the sequences that asked."""
+
+import math
+
+import numpy as np
+import torch
+
+from metrale.runtime.backend.cuda.kernels import sampling as kernels
+from metrale.runtime.backend.cuda.tensor import DeviceTensor
+from metrale.runtime.errors import DeviceFault
+from metrale.runtime.sampling import MAX_TOP_LOGPROBS, SampleResult
+
+# Words per row of the output region: token, logprob, top-n ids, top-n logprobs.
+OUT_WORDS = 2 + 2 * MAX_TOP_LOGPROBS
+
+
+class DeviceSampler:
+    def __init__(self, backend, params: DeviceTensor, penalties: DeviceTensor, processed: DeviceTensor,
+                 outputs: DeviceTensor):
+        """params [max_seqs, PARAM_WORDS] int32; penalties: int32 scratch for the penalty lists; processed
+        [max_seqs, vocab] float32; outputs [max_seqs * OUT_WORDS] int32."""
+        self.backend, self.params, self.penalties = backend, params, penalties
+        self.processed, self.outputs = processed, outputs
+
+    def sample(self, logits: DeviceTensor, rows) -> SampleResult:
+        cuda, lib, stream = self.backend.cuda, self.backend.lib, self.backend.cuda.stream
+        n = len(rows)
+        host_params = kernels.pack_sampling_params(rows)
+        params = DeviceTensor(self.params.ptr, host_params.shape, "int32")
+        cuda.copy_to_device(params, host_params)
+        processed = None
+        if any(row.params.has_penalties for row in rows):
+            processed = self.processed.rows(0, n)
+            offsets, entries, biases = self._upload_penalties(kernels.pack_penalties(rows, logits.shape[1]))
+            kernels.apply_penalties(lib, stream, processed, logits, params, offsets, entries, biases)
+        top_n = max(row.options.top_logprobs for row in rows)
+        base = self.outputs.ptr
+        tokens = DeviceTensor(base, (n,), "int32")
+        logprobs = DeviceTensor(base + 4 * n, (n,), "float32")
+        top_ids = DeviceTensor(base + 8 * n, (n, MAX_TOP_LOGPROBS), "int32")
+        top_logprobs = DeviceTensor(base + 8 * n + 4 * n * MAX_TOP_LOGPROBS, (n, MAX_TOP_LOGPROBS), "float32")
+        kernels.sample_rows(lib, stream, logits, params, tokens, logprobs, top_ids, top_logprobs, top_n,
+                            processed=processed)
+        host = cuda.copy_to_host(DeviceTensor(base, (n * OUT_WORDS,), "int32"))
+        return self._result(host, logits, rows, top_n)
+
+    def _upload_penalties(self, lists) -> tuple[DeviceTensor, DeviceTensor, DeviceTensor]:
+        words = lists.entry_offsets.size + lists.entries.size + lists.biases.size
+        if words > self.penalties.numel:
+            raise DeviceFault(f"the penalty lists ({words} words) overflow their region; lower max_model_len")
+        parts, tensors, offset = [lists.entry_offsets, lists.entries, lists.biases.view(np.int32)], [], 0
+        for part, dtype in zip(parts, ("int32", "int32", "float32")):
+            tensor = DeviceTensor(self.penalties.ptr + 4 * offset, part.shape, dtype)
+            if part.size:
+                self.backend.cuda.copy_to_device(DeviceTensor(tensor.ptr, part.shape, "int32"),
+                                                 np.ascontiguousarray(part))
+            tensors.append(tensor)
+            offset += part.size
+        self.backend.keep_alive(parts)
+        return tuple(tensors)
+
+    def _result(self, host: np.ndarray, logits: DeviceTensor, rows, top_n: int) -> SampleResult:
+        n = len(rows)
+        tokens = host[:n].tolist()
+        if any(t < 0 for t in tokens):
+            raise DeviceFault("a logits row has no finite maximum (NaN or +inf logits): nothing to sample")
+        logprobs = host[n:2 * n].view(np.float32).tolist()
+        ids = host[2 * n:2 * n + n * MAX_TOP_LOGPROBS].reshape(n, MAX_TOP_LOGPROBS)
+        values = host[2 * n + n * MAX_TOP_LOGPROBS:].view(np.float32).reshape(n, MAX_TOP_LOGPROBS)
+        top, raw = [], []
+        for i, row in enumerate(rows):
+            k = row.options.top_logprobs
+            top.append((ids[i, :k].tolist(), values[i, :k].tolist()) if k else None)
+            raw.append(torch.from_numpy(self.backend.cuda.copy_to_host(logits.rows(i, i + 1))[0])
+                       if row.options.return_logits else None)
+        logprobs = [lp if row.options.logprobs else math.nan for lp, row in zip(logprobs, rows)]
+        return SampleResult(tokens, logprobs, top, raw)
