@@ -11,13 +11,9 @@ import datetime
 import gc
 import json
 import os
-import platform
-import statistics
-import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
 
 import torch
 
@@ -26,251 +22,13 @@ from bench.peer_llama import DeviceTimer, build_peer, check_compiled_decode, pee
 from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.kv_blocks import blocks_for
-from metrale.runtime.loading import Checkpoint
 from metrale.runtime.sampling import OutputOptions
 from metrale.runtime.step import DecodeLane, PrefillSlice, Step
+from bench.decode_tables import DecodeRow, PrefillRow, format_decode_table, format_prefill_table
+from bench.gpu_ceilings import copy_bandwidth, device_memory_gb, gemm_rate, gpu_machine_line
+from bench.model_shapes import SHAPES, decode_weight_bytes, kv_bytes_per_token, prefill_flops, random_checkpoint, \
+    random_tokens
 
-
-@dataclass(frozen=True)
-class Shape:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int
-    tied: bool
-    rope_theta: float
-    max_positions: int = 8192
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-
-SHAPES = {
-    "llama3-8b": Shape(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256, tied=False,
-                       rope_theta=500000.0),
-    "smollm2-135m": Shape(hidden=576, layers=30, heads=9, kv_heads=3, ffn=1536, vocab=49152, tied=True,
-                          rope_theta=100000.0),
-    # For the CPU smoke test.
-    "tiny": Shape(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=256, tied=False, rope_theta=10000.0,
-                  max_positions=512),
-}
-
-
-# --- the model: a random checkpoint, and what a step must read or compute --------------------------------------
-
-def hf_config(shape: Shape) -> dict:
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": shape.hidden,
-            "intermediate_size": shape.ffn, "num_hidden_layers": shape.layers, "num_attention_heads": shape.heads,
-            "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim, "vocab_size": shape.vocab,
-            "max_position_embeddings": shape.max_positions, "rms_norm_eps": 1e-5, "rope_theta": shape.rope_theta,
-            "tie_word_embeddings": shape.tied, "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2,
-            "torch_dtype": "bfloat16"}
-
-
-def tensor_shapes(shape: Shape) -> dict[str, tuple[int, ...]]:
-    """Hugging Face names -> shapes, as metrale/runtime/models/llama.py takes them."""
-    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    shapes = {"model.embed_tokens.weight": (shape.vocab, h), "model.norm.weight": (h,)}
-    if not shape.tied:
-        shapes["lm_head.weight"] = (shape.vocab, h)
-    for i in range(shape.layers):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                       p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                       p + "mlp.gate_proj.weight": (shape.ffn, h), p + "mlp.up_proj.weight": (shape.ffn, h),
-                       p + "mlp.down_proj.weight": (h, shape.ffn)})
-    return shapes
-
-
-def random_checkpoint(shape: Shape, seed: int = 0, generate_on: str = "cpu") -> Checkpoint:
-    """Random bf16 weights in host memory (the engine and the peer both load from host tensors). Matrices
-    N(0, 0.02), norm weights 1 + N(0, 0.05): never zeros. generate_on='cuda' draws them on the GPU and copies
-    them back, much faster than the CPU's generator for 8B parameters."""
-    generator = torch.Generator(device=generate_on).manual_seed(seed)
-    tensors = {}
-    for name, dims in tensor_shapes(shape).items():
-        t = torch.randn(dims, generator=generator, device=generate_on, dtype=torch.bfloat16)
-        t = t.mul_(0.05).add_(1.0) if len(dims) == 1 else t.mul_(0.02)
-        tensors[name] = t.cpu()
-    return Checkpoint(config=hf_config(shape), tensors=tensors, source=f"random bf16 {shape_name(shape)}")
-
-
-def shape_name(shape: Shape) -> str:
-    return next((name for name, s in SHAPES.items() if s == shape), "custom")
-
-
-def layer_matmul_params(shape: Shape) -> int:
-    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    return shape.hidden * (q + 2 * kv) + q * shape.hidden + 3 * shape.hidden * shape.ffn
-
-
-def decode_weight_bytes(shape: Shape) -> int:
-    """Bytes of bf16 weights a decode step reads whole: every layer's matrices and norms, the final norm and the
-    vocab projection. The embedding table gives one row per token, so it counts only as the tied lm_head."""
-    per_layer = layer_matmul_params(shape) + 2 * shape.hidden
-    return 2 * (shape.layers * per_layer + shape.hidden + shape.vocab * shape.hidden)
-
-
-def kv_bytes_per_token(shape: Shape) -> int:
-    return 2 * shape.layers * 2 * shape.kv_heads * shape.head_dim   # K and V, bf16, every layer
-
-
-def prefill_flops(shape: Shape, num_seqs: int, seq_len: int) -> float:
-    """Model FLOPs of prefilling num_seqs prompts of seq_len tokens from position 0: 2 x matmul params x tokens
-    for the layers, the vocab projection of each prompt's last token only (it is all that is sampled), and causal
-    attention (QK^T and PV over t + 1 keys at position t)."""
-    tokens = num_seqs * seq_len
-    linear = 2 * shape.layers * layer_matmul_params(shape) * tokens + 2 * shape.vocab * shape.hidden * num_seqs
-    attention = 2 * shape.layers * shape.heads * shape.head_dim * num_seqs * seq_len * (seq_len + 1)
-    return float(linear + attention)
-
-
-def random_tokens(num_seqs: int, length: int, vocab: int, seed: int) -> torch.Tensor:
-    """[num_seqs, length] int64 ids above the usual special tokens; the same for the engine and the peer."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (num_seqs, length), generator=generator)
-
-
-# --- ceilings -------------------------------------------------------------------------------------------------
-
-def copy_bandwidth(device: str, nbytes: int, repeats: int = 10) -> float:
-    """Bytes/s of a device-to-device copy of `nbytes`, counting bytes read + bytes written; median of repeats."""
-    source = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
-    target = torch.empty_like(source)
-    target.copy_(source)
-    timer = DeviceTimer(device)
-    for _ in range(repeats):
-        started = timer.start()
-        target.copy_(source)
-        timer.stop(started)
-    seconds = statistics.median(timer.elapsed_ms()) / 1e3
-    del source, target
-    return 2 * (nbytes // 2) * 2 / seconds
-
-
-def gemm_rate(device: str, n: int, repeats: int = 20, sets: int = 3) -> float:
-    """FLOP/s of an n x n x n bf16 torch.matmul on random inputs, rotating among `sets` input pairs; median."""
-    pairs = [(torch.randn(n, n, device=device, dtype=torch.bfloat16),
-              torch.randn(n, n, device=device, dtype=torch.bfloat16)) for _ in range(sets)]
-    out = torch.empty(n, n, device=device, dtype=torch.bfloat16)
-    for a, b in pairs:
-        torch.matmul(a, b, out=out)
-    timer = DeviceTimer(device)
-    for i in range(repeats):
-        a, b = pairs[i % sets]
-        started = timer.start()
-        torch.matmul(a, b, out=out)
-        timer.stop(started)
-    seconds = statistics.median(timer.elapsed_ms()) / 1e3
-    del pairs, out
-    return 2 * n ** 3 / seconds
-
-
-# --- results --------------------------------------------------------------------------------------------------
-
-@dataclass
-class DecodeRow:
-    batch: int
-    impl: str                     # "metrale" or "peer"
-    floor_ms: float
-    step_ms: list[float] = field(default_factory=list)
-    # metrale: the engine's own forward_us per step; peer: host wall clock per step over the timed loop.
-    other_ms: list[float] = field(default_factory=list)
-    note: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return bool(self.step_ms)
-
-    @property
-    def p50_ms(self) -> float:
-        return statistics.median(self.step_ms)
-
-    @property
-    def mean_ms(self) -> float:
-        return statistics.fmean(self.step_ms)
-
-    @property
-    def other_p50_ms(self) -> float | None:
-        return statistics.median(self.other_ms) if self.other_ms else None
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.batch / self.mean_ms * 1e3
-
-    @property
-    def times_floor(self) -> float:
-        return self.p50_ms / self.floor_ms
-
-
-@dataclass
-class PrefillRow:
-    num_seqs: int
-    seq_len: int
-    impl: str
-    flops: float
-    gemm_flops_per_s: float
-    step_ms: list[float] = field(default_factory=list)
-    note: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return bool(self.step_ms)
-
-    @property
-    def label(self) -> str:
-        return f"{self.num_seqs}x{self.seq_len}"
-
-    @property
-    def p50_ms(self) -> float:
-        return statistics.median(self.step_ms)
-
-    @property
-    def tflops(self) -> float:
-        return self.flops / (self.p50_ms / 1e3) / 1e12
-
-    @property
-    def fraction_of_gemm(self) -> float:
-        return self.flops / (self.p50_ms / 1e3) / self.gemm_flops_per_s
-
-
-def format_decode_table(rows: list[DecodeRow]) -> str:
-    peer = {r.batch: r for r in rows if r.impl == "peer" and r.ok}
-    lines = [f"{'batch':>5}  {'impl':<7}  {'p50 ms':>8}  {'mean ms':>8}  {'other ms':>8}  {'tokens/s':>9}  "
-             f"{'floor ms':>8}  {'x floor':>7}  {'x peer':>6}"]
-    for r in rows:
-        if not r.ok:
-            lines.append(f"{r.batch:>5}  {r.impl:<7}  {'-':>8}  {'-':>8}  {'-':>8}  {'-':>9}  {r.floor_ms:>8.3f}  "
-                         f"{'-':>7}  {'-':>6}  {r.note}")
-            continue
-        other = f"{r.other_p50_ms:.3f}" if r.other_p50_ms is not None else "-"
-        vs_peer = f"{r.p50_ms / peer[r.batch].p50_ms:.2f}" if r.impl != "peer" and r.batch in peer else "-"
-        lines.append(f"{r.batch:>5}  {r.impl:<7}  {r.p50_ms:>8.3f}  {r.mean_ms:>8.3f}  {other:>8}  "
-                     f"{r.tokens_per_s:>9.0f}  {r.floor_ms:>8.3f}  {r.times_floor:>7.2f}  {vs_peer:>6}"
-                     + (f"  {r.note}" if r.note else ""))
-    return "\n".join(lines)
-
-
-def format_prefill_table(rows: list[PrefillRow]) -> str:
-    peer = {r.label: r for r in rows if r.impl == "peer" and r.ok}
-    lines = [f"{'prompts':>8}  {'impl':<7}  {'p50 ms':>8}  {'tokens/s':>9}  {'TFLOP/s':>7}  {'x GEMM':>6}  "
-             f"{'x peer':>6}"]
-    for r in rows:
-        if not r.ok:
-            lines.append(f"{r.label:>8}  {r.impl:<7}  {'-':>8}  {'-':>9}  {'-':>7}  {'-':>6}  {'-':>6}  {r.note}")
-            continue
-        tokens_per_s = r.num_seqs * r.seq_len / r.p50_ms * 1e3
-        vs_peer = f"{r.p50_ms / peer[r.label].p50_ms:.2f}" if r.impl != "peer" and r.label in peer else "-"
-        lines.append(f"{r.label:>8}  {r.impl:<7}  {r.p50_ms:>8.2f}  {tokens_per_s:>9.0f}  {r.tflops:>7.1f}  "
-                     f"{r.fraction_of_gemm:>6.2f}  {vs_peer:>6}" + (f"  {r.note}" if r.note else ""))
-    return "\n".join(lines)
-
-
-# --- the engine ------------------------------------------------------------------------------------------------
 
 class EngineRunner:
     """Steps the engine through its Step API. Engine.step is synchronous (it copies the sampled tokens or logits
@@ -342,36 +100,6 @@ class EngineRunner:
 
     def release_all(self) -> None:
         self.engine.release(None)
-
-
-# --- the run ---------------------------------------------------------------------------------------------------
-
-def gpu_machine_line(name: str, device: str) -> str:
-    """What the figures ran on: GPU, driver, clocks, torch, CUDA, triton, CPU cores and the date."""
-    if torch.device(device).type != "cuda":
-        from bench.grpc_overhead import machine_line
-        return machine_line(name)
-    try:
-        query = "name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw"
-        smi = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=20).stdout.strip().splitlines()[0]
-    except (OSError, subprocess.SubprocessError, IndexError):
-        smi = f"{torch.cuda.get_device_name()} (nvidia-smi unavailable)"
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "none"
-    date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    return (f"# {name}: {smi}; torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton_version}, "
-            f"python {platform.python_version()}, {os.cpu_count()} CPU cores, {date}")
-
-
-def device_memory_gb(device: str) -> str:
-    if torch.device(device).type != "cuda":
-        return "n/a"
-    free, total = torch.cuda.mem_get_info()
-    return f"{(total - free) / 1e9:.1f} of {total / 1e9:.1f} GB in use"
 
 
 class Run:

@@ -16,6 +16,7 @@ def bench(monkeypatch):
     # The scripts run as `python -m bench.<name>` from the repository root, which is not always on sys.path here.
     monkeypatch.syspath_prepend(str(ROOT))
     import bench.gpu_decode
+    import bench.model_shapes
     import bench.peer_llama
 
     return bench
@@ -137,7 +138,7 @@ def test_time_peer_decode_counts_steps(bench):
 def test_accounting_of_the_llama3_8b_shape(bench):
     gd = bench.gpu_decode
     shape = gd.SHAPES["llama3-8b"]
-    shapes = gd.tensor_shapes(shape)
+    shapes = bench.model_shapes.tensor_shapes(shape)
     params = sum(torch.Size(s).numel() for s in shapes.values())
     assert params == 8_030_261_248                          # Llama-3-8B
     # A decode step reads every weight but the embedding table (one row per token).
@@ -147,9 +148,9 @@ def test_accounting_of_the_llama3_8b_shape(bench):
     attention = 2 * 32 * 32 * 128 * 4096 * 4097
     assert gd.prefill_flops(shape, 1, 4096) == 2 * matmul * 4096 + 2 * 128256 * 4096 + attention
     smollm = gd.SHAPES["smollm2-135m"]
-    assert "lm_head.weight" not in gd.tensor_shapes(smollm)
+    assert "lm_head.weight" not in bench.model_shapes.tensor_shapes(smollm)
     assert gd.decode_weight_bytes(smollm) == 2 * sum(torch.Size(s).numel()
-                                                     for s in gd.tensor_shapes(smollm).values())
+                                                     for s in bench.model_shapes.tensor_shapes(smollm).values())
 
 
 def test_tables_show_failures_and_ratios(bench):

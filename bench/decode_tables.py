@@ -1,0 +1,104 @@
+"""Rows and tables of bench/gpu_decode.py: one row per (batch or prompt shape, implementation)."""
+
+import statistics
+from dataclasses import dataclass, field
+
+@dataclass
+class DecodeRow:
+    batch: int
+    impl: str                     # "metrale" or "peer"
+    floor_ms: float
+    step_ms: list[float] = field(default_factory=list)
+    # metrale: the engine's own forward_us per step; peer: host wall clock per step over the timed loop.
+    other_ms: list[float] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.step_ms)
+
+    @property
+    def p50_ms(self) -> float:
+        return statistics.median(self.step_ms)
+
+    @property
+    def mean_ms(self) -> float:
+        return statistics.fmean(self.step_ms)
+
+    @property
+    def other_p50_ms(self) -> float | None:
+        return statistics.median(self.other_ms) if self.other_ms else None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch / self.mean_ms * 1e3
+
+    @property
+    def times_floor(self) -> float:
+        return self.p50_ms / self.floor_ms
+
+
+@dataclass
+class PrefillRow:
+    num_seqs: int
+    seq_len: int
+    impl: str
+    flops: float
+    gemm_flops_per_s: float
+    step_ms: list[float] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.step_ms)
+
+    @property
+    def label(self) -> str:
+        return f"{self.num_seqs}x{self.seq_len}"
+
+    @property
+    def p50_ms(self) -> float:
+        return statistics.median(self.step_ms)
+
+    @property
+    def tflops(self) -> float:
+        return self.flops / (self.p50_ms / 1e3) / 1e12
+
+    @property
+    def fraction_of_gemm(self) -> float:
+        return self.flops / (self.p50_ms / 1e3) / self.gemm_flops_per_s
+
+
+def format_decode_table(rows: list[DecodeRow]) -> str:
+    peer = {r.batch: r for r in rows if r.impl == "peer" and r.ok}
+    lines = [f"{'batch':>5}  {'impl':<7}  {'p50 ms':>8}  {'mean ms':>8}  {'other ms':>8}  {'tokens/s':>9}  "
+             f"{'floor ms':>8}  {'x floor':>7}  {'x peer':>6}"]
+    for r in rows:
+        if not r.ok:
+            lines.append(f"{r.batch:>5}  {r.impl:<7}  {'-':>8}  {'-':>8}  {'-':>8}  {'-':>9}  {r.floor_ms:>8.3f}  "
+                         f"{'-':>7}  {'-':>6}  {r.note}")
+            continue
+        other = f"{r.other_p50_ms:.3f}" if r.other_p50_ms is not None else "-"
+        vs_peer = f"{r.p50_ms / peer[r.batch].p50_ms:.2f}" if r.impl != "peer" and r.batch in peer else "-"
+        lines.append(f"{r.batch:>5}  {r.impl:<7}  {r.p50_ms:>8.3f}  {r.mean_ms:>8.3f}  {other:>8}  "
+                     f"{r.tokens_per_s:>9.0f}  {r.floor_ms:>8.3f}  {r.times_floor:>7.2f}  {vs_peer:>6}"
+                     + (f"  {r.note}" if r.note else ""))
+    return "\n".join(lines)
+
+
+def format_prefill_table(rows: list[PrefillRow]) -> str:
+    peer = {r.label: r for r in rows if r.impl == "peer" and r.ok}
+    lines = [f"{'prompts':>8}  {'impl':<7}  {'p50 ms':>8}  {'tokens/s':>9}  {'TFLOP/s':>7}  {'x GEMM':>6}  "
+             f"{'x peer':>6}"]
+    for r in rows:
+        if not r.ok:
+            lines.append(f"{r.label:>8}  {r.impl:<7}  {'-':>8}  {'-':>9}  {'-':>7}  {'-':>6}  {'-':>6}  {r.note}")
+            continue
+        tokens_per_s = r.num_seqs * r.seq_len / r.p50_ms * 1e3
+        vs_peer = f"{r.p50_ms / peer[r.label].p50_ms:.2f}" if r.impl != "peer" and r.label in peer else "-"
+        lines.append(f"{r.label:>8}  {r.impl:<7}  {r.p50_ms:>8.2f}  {tokens_per_s:>9.0f}  {r.tflops:>7.1f}  "
+                     f"{r.fraction_of_gemm:>6.2f}  {vs_peer:>6}" + (f"  {r.note}" if r.note else ""))
+    return "\n".join(lines)
+
+
+# --- the engine ------------------------------------------------------------------------------------------------

@@ -1,0 +1,73 @@
+"""The hardware ceilings of DESIGN.md §6, measured in the same run as the figures: copy bandwidth and the bf16
+GEMM rate; and the line saying what the figures ran on."""
+
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+
+import torch
+
+from bench.peer_llama import DeviceTimer
+
+
+def copy_bandwidth(device: str, nbytes: int, repeats: int = 10) -> float:
+    """Bytes/s of a device-to-device copy of `nbytes`, counting bytes read + bytes written; median of repeats."""
+    source = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    target = torch.empty_like(source)
+    target.copy_(source)
+    timer = DeviceTimer(device)
+    for _ in range(repeats):
+        started = timer.start()
+        target.copy_(source)
+        timer.stop(started)
+    seconds = statistics.median(timer.elapsed_ms()) / 1e3
+    del source, target
+    return 2 * (nbytes // 2) * 2 / seconds
+
+
+def gemm_rate(device: str, n: int, repeats: int = 20, sets: int = 3) -> float:
+    """FLOP/s of an n x n x n bf16 torch.matmul on random inputs, rotating among `sets` input pairs; median."""
+    pairs = [(torch.randn(n, n, device=device, dtype=torch.bfloat16),
+              torch.randn(n, n, device=device, dtype=torch.bfloat16)) for _ in range(sets)]
+    out = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+    for a, b in pairs:
+        torch.matmul(a, b, out=out)
+    timer = DeviceTimer(device)
+    for i in range(repeats):
+        a, b = pairs[i % sets]
+        started = timer.start()
+        torch.matmul(a, b, out=out)
+        timer.stop(started)
+    seconds = statistics.median(timer.elapsed_ms()) / 1e3
+    del pairs, out
+    return 2 * n ** 3 / seconds
+
+
+def gpu_machine_line(name: str, device: str) -> str:
+    """What the figures ran on: GPU, driver, clocks, torch, CUDA, triton, CPU cores and the date."""
+    if torch.device(device).type != "cuda":
+        from bench.grpc_overhead import machine_line
+        return machine_line(name)
+    try:
+        query = "name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw"
+        smi = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20).stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        smi = f"{torch.cuda.get_device_name()} (nvidia-smi unavailable)"
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    return (f"# {name}: {smi}; torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton_version}, "
+            f"python {platform.python_version()}, {os.cpu_count()} CPU cores, {date}")
+
+
+def device_memory_gb(device: str) -> str:
+    if torch.device(device).type != "cuda":
+        return "n/a"
+    free, total = torch.cuda.mem_get_info()
+    return f"{(total - free) / 1e9:.1f} of {total / 1e9:.1f} GB in use"
