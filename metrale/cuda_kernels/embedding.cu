@@ -1,4 +1,4 @@
-// Row gathers: token embedding lookup (table[token_ids]) and x[rows] (sample rows, logits rows).
+// Row gathers x[rows]: the token embedding lookup (table[token_ids]), sample rows, logits rows.
 // A row is copied in units of 16, 4 or 2 bytes; the launcher picks the widest unit that divides the row
 // length, both row strides and both pointers. Rows are 64-bit offsets: vocab * hidden passes 2^31.
 #include "common.cuh"
@@ -20,20 +20,7 @@ __device__ __forceinline__ void copy_indexed_row(Unit* __restrict__ out, long lo
     }
 }
 
-// out [T, H] bf16, table [V, H] bf16, token_ids [T] int32; strides and units_per_row in 16-byte units.
-extern "C" __global__ void embedding_16b(uint4* out, long long out_stride, const uint4* table, long long table_stride,
-                                         const int* token_ids, int vocab_size, int units_per_row) {
-    copy_indexed_row(out, out_stride, table, table_stride, token_ids, vocab_size, units_per_row);
-}
-
-// As embedding_16b in 2-byte units (one bf16), for rows that are not 16-byte aligned.
-extern "C" __global__ void embedding_2b(unsigned short* out, long long out_stride, const unsigned short* table,
-                                        long long table_stride, const int* token_ids, int vocab_size,
-                                        int units_per_row) {
-    copy_indexed_row(out, out_stride, table, table_stride, token_ids, vocab_size, units_per_row);
-}
-
-// out [N, C], x [T, C] (bf16 or fp32), rows [N] int32; strides and units_per_row in units of the kernel's width.
+// out [N, C], x [T, C] (bf16, fp32 or anything of the unit's width), rows [N] int32; strides and units_per_row in units of the kernel's width.
 extern "C" __global__ void gather_rows_16b(uint4* out, long long out_stride, const uint4* x, long long x_stride,
                                            const int* rows, int num_x_rows, int units_per_row) {
     copy_indexed_row(out, out_stride, x, x_stride, rows, num_x_rows, units_per_row);

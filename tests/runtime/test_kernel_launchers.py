@@ -188,7 +188,7 @@ def test_embedding_launch(launches):
     embedding.embedding(lib, None, bf16(T, 4096), bf16(V, 4096), i32(T))
     embedding.embedding(lib, None, bf16(T, H), bf16(V, H, offset=2), i32(T))   # 2-byte aligned table: 2-byte copy
     embedding.embedding(lib, None, bf16(0, H), bf16(V, H), i32(0))              # no tokens: no launch
-    assert [(name, grid) for name, grid, _, _ in launches] == [("embedding_16b", (T, 2)), ("embedding_2b", (T, 1))]
+    assert [(name, grid) for name, grid, _, _ in launches] == [("gather_rows_16b", (T, 2)), ("gather_rows_2b", (T, 1))]
     assert launches[0][3][-2:] == [V, 4096 * 2 // 16]   # vocab bound, 16-byte units per row
 
 

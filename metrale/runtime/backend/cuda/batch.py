@@ -25,7 +25,6 @@ class CudaBatch:
     prefill_contexts: DeviceTensor  # [S] int32
     prefill_tables: DeviceTensor  # [S, max_blocks] int32
     num_tokens: int
-    num_samples: int
     num_decode: int
     num_prefill: int
     max_decode_context: int
@@ -62,7 +61,7 @@ def pack_batch(batch: ForwardBatch, region: DeviceTensor, max_blocks: int) -> Cu
         count = int(np.prod(shape))
         views[name] = DeviceTensor(region.ptr + offset * 4, shape if len(shape) else (0,), "int32")
         offset += count
-    return CudaBatch(**views, num_tokens=batch.num_tokens, num_samples=len(batch.sample_rows),
+    return CudaBatch(**views, num_tokens=batch.num_tokens,
                      num_decode=len(single), num_prefill=len(multi),
                      max_decode_context=max((batch.context_lens[i] for i in single), default=0),
                      max_prefill_query=max((batch.query_lens[i] for i in multi), default=0),

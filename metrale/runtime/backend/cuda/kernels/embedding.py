@@ -18,13 +18,8 @@ def embedding(lib, stream, out: DeviceTensor, table: DeviceTensor, token_ids: De
     require(len(table.shape) == 2 and len(out.shape) == 2, "embedding: out and table must be 2-D")
     require(out.shape == (token_ids.shape[0], table.shape[1]),
             f"embedding: out {out.shape} must be [T, H] = {(token_ids.shape[0], table.shape[1])}")
-    require(token_ids.ptr % 4 == 0, "embedding: token_ids must be 4-byte aligned")
-    num_tokens, hidden = out.shape
-    if num_tokens == 0 or hidden == 0:
-        return
-    unit = _copy_unit((out, table), hidden * 2, (16, 2))
-    kernel = lib.get(f"embedding_{unit}b", MODULE)
-    _launch_row_copy(stream, kernel, out, table, token_ids, table.shape[0], hidden * 2, unit)
+    # The lookup is a row gather of the table.
+    gather_rows(lib, stream, out, table, token_ids)
 
 
 def gather_rows(lib, stream, out: DeviceTensor, x: DeviceTensor, rows: DeviceTensor) -> None:
