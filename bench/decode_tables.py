@@ -6,10 +6,13 @@ from dataclasses import dataclass, field
 @dataclass
 class DecodeRow:
     batch: int
-    impl: str                     # "metrale" or "peer"
+    impl: str                     # "metrale", "grpc" (metrale through gRPC) or "peer"
     floor_ms: float
+    # metrale: device time per step (CUDA events from the forward's launch to the end of sampling; on the CPU,
+    # the engine's forward_us); grpc: the client's round trip; peer: CUDA events around each graph replay.
     step_ms: list[float] = field(default_factory=list)
-    # metrale: the engine's own forward_us per step; peer: host wall clock per step over the timed loop.
+    # metrale: host clock around Engine.step; grpc: the round trip less the worker's forward_us and queue_us;
+    # peer: host wall clock per step over the timed loop.
     other_ms: list[float] = field(default_factory=list)
     note: str = ""
 
@@ -100,5 +103,3 @@ def format_prefill_table(rows: list[PrefillRow]) -> str:
                      f"{r.fraction_of_gemm:>6.2f}  {vs_peer:>6}" + (f"  {r.note}" if r.note else ""))
     return "\n".join(lines)
 
-
-# --- the engine ------------------------------------------------------------------------------------------------

@@ -1,21 +1,46 @@
 #!/usr/bin/env bash
-# Everything GPU in one call on the lent H200: the gpu-marked tests (kernels against torch references,
-# models against transformers), the API tests with their workers on the CUDA backend, then the GPU
-# benchmarks (none yet); a short summary last.
-# Usage (from the repository root, with .whl carried): bash bench/gpu_check.sh
+# Everything GPU on the lent H200, in parts that each fit one 10-minute call; a short summary last.
+#   tests    the gpu-marked tests (kernels against torch references, models against transformers, graphs,
+#            the sampler) and the API tests with their workers on the CUDA backend          (~4 min)
+#   kernels  bench/gpu_attention.py and bench/gpu_skinny_gemm.py                             (~1 min)
+#   smollm2  bench/gpu_decode.py at the default model's shape, with the peer, gRPC and transformers (~2 min)
+#   llama    bench/gpu_decode.py at the Llama-3-8B shape, every batch, prefill, peer and gRPC (~7 min)
+# Usage (from the repository root, with .whl carried): bash bench/gpu_check.sh [tests|kernels|smollm2|llama]...
+# (default: tests). Logs and JSON land in $OUT (default /tmp/gpu-check).
 set -uo pipefail
 source scripts/device_env.sh || exit 1
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
+summary=()
 run_pytest() {  # name, pytest args...
   local name=$1; shift
   python3 -m pytest -q -p no:cacheprovider -o addopts="" --tb=short "$@" > "$OUT/$name.log" 2>&1
-  echo "$name: $(grep -E '[0-9]+ (passed|failed)' "$OUT/$name.log" | tail -1)"
-  grep -E '^(FAILED|ERROR)' "$OUT/$name.log" | cut -c1-160 | head -20
+  summary+=("$name: $(grep -E '[0-9]+ (passed|failed)' "$OUT/$name.log" | tail -1)")
+  summary+=("$(grep -E '^(FAILED|ERROR)' "$OUT/$name.log" | cut -c1-160 | head -20)")
 }
+run_bench() {  # name, module, args...
+  local name=$1; shift
+  python3 -m "$@" --json "$OUT/$name.json" > "$OUT/$name.txt" 2> "$OUT/$name.err" || summary+=("$name: FAILED (see $name.err)")
+  summary+=("== $name" "$(grep -v '^# \[' "$OUT/$name.txt")")
+}
+for part in "${@:-tests}"; do
+  case $part in
+    tests)
+      run_pytest kernels-and-models -m gpu tests/runtime
+      run_pytest api-on-cuda --worker-device cuda tests/service/test_forward_api.py tests/service/test_errors.py \
+        tests/service/test_concurrency.py tests/service/test_generate.py tests/service/test_faults.py \
+        tests/service/test_metrics.py ;;
+    kernels)
+      python3 -m bench.gpu_attention > "$OUT/attention.txt" 2>&1; summary+=("== attention" "$(cat "$OUT/attention.txt")")
+      python3 -m bench.gpu_skinny_gemm > "$OUT/skinny_gemm.txt" 2>&1
+      summary+=("== skinny gemm" "$(cat "$OUT/skinny_gemm.txt")") ;;
+    smollm2)
+      run_bench smollm2 bench.gpu_decode --shape smollm2-135m --batches 1,32 --prefill '' --hf-generate ;;
+    llama)
+      run_bench llama3-8b bench.gpu_decode --shape llama3-8b ;;
+    *) echo "unknown part $part"; exit 2 ;;
+  esac
+done
 echo "== summary"
-run_pytest kernels-and-models -m gpu tests/runtime
-run_pytest api-on-cuda --worker-device cuda tests/service/test_forward_api.py tests/service/test_errors.py \
-  tests/service/test_concurrency.py tests/service/test_generate.py tests/service/test_faults.py \
-  tests/service/test_metrics.py
+printf '%s\n' "${summary[@]}" | grep -v '^$'

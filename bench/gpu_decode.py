@@ -17,6 +17,7 @@ import traceback
 
 import torch
 
+from bench.grpc_client import decode_round_trips_in_subprocess
 from bench.peer_llama import DeviceTimer, build_peer, check_compiled_decode, peer_prefill, synchronize, \
     time_peer_decode
 from metrale.runtime.build import build_engine
@@ -24,6 +25,9 @@ from metrale.runtime.config import EngineConfig
 from metrale.runtime.kv_blocks import blocks_for
 from metrale.runtime.sampling import OutputOptions
 from metrale.runtime.step import DecodeLane, PrefillSlice, Step
+from metrale.service.config import WorkerConfig
+from metrale.service.in_process import InProcessWorker
+from metrale.service.server import WorkerServer
 from bench.decode_tables import DecodeRow, PrefillRow, format_decode_table, format_prefill_table
 from bench.gpu_ceilings import copy_bandwidth, device_memory_gb, gemm_rate, gpu_machine_line
 from bench.model_shapes import SHAPES, decode_weight_bytes, kv_bytes_per_token, prefill_flops, random_checkpoint, \
@@ -38,6 +42,9 @@ class EngineRunner:
         self.engine = engine
         self.max_batch_tokens = max_batch_tokens
         self.next_seq_id = 0
+        self.backend = engine.model.ops
+        if hasattr(self.backend, "time_steps"):
+            self.backend.time_steps(True)
 
     def new_ids(self, n: int) -> list[int]:
         ids = list(range(self.next_seq_id, self.next_seq_id + n))
@@ -60,8 +67,10 @@ class EngineRunner:
         return next_tokens
 
     def time_decode(self, next_tokens: dict[int, int], warmup: int, steps: int) -> tuple[list[float], list[float]]:
-        """warmup untimed, then `steps` timed decode steps of every sequence; returns (step ms, forward ms)."""
-        step_ms, forward_ms = [], []
+        """warmup untimed, then `steps` timed decode steps of every sequence; returns (device ms, host ms) per
+        step: the backend's events from the forward's launch to the end of sampling where it has them (else the
+        engine's forward_us), and the host clock around Engine.step."""
+        device_ms, host_ms = [], []
         for i in range(warmup + steps):
             step = Step(decode=tuple(DecodeLane(seq_id, token) for seq_id, token in next_tokens.items()))
             started = time.perf_counter()
@@ -69,9 +78,10 @@ class EngineRunner:
             elapsed_ms = (time.perf_counter() - started) * 1e3
             next_tokens = {o.seq_id: o.token for o in out.outputs}
             if i >= warmup:
-                step_ms.append(elapsed_ms)
-                forward_ms.append(out.forward_us / 1e3)
-        return step_ms, forward_ms
+                host_ms.append(elapsed_ms)
+                device = self.backend.last_device_ms() if hasattr(self.backend, "last_device_ms") else None
+                device_ms.append(device if device is not None else out.forward_us / 1e3)
+        return device_ms, host_ms
 
     def time_prefill(self, tokens: torch.Tensor, warmup: int, reps: int) -> list[float]:
         """One step prefilling every row of tokens [n, T] (n x T <= max_batch_tokens: one forward), released
@@ -172,6 +182,9 @@ def parse_args(argv):
     parser.add_argument("--peer-compile", default="reduce-overhead", choices=("reduce-overhead", "default", "none"),
                         help="how the peer's decode step is compiled")
     parser.add_argument("--skip-peer", action="store_true", help="measure the engine alone")
+    parser.add_argument("--skip-grpc", action="store_true", help="no decode through gRPC")
+    parser.add_argument("--hf-generate", action="store_true",
+                        help="also time transformers' eager generate at batch 1 (small shapes)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--time-budget", type=float, default=480.0,
                         help="seconds after which no new phase starts (the table still prints)")
@@ -251,19 +264,29 @@ def main(argv: list[str] | None = None) -> dict:
         f"device {device_memory_gb(device)}")
 
     peer = None
-    peer_prefill_len = round_up(max([check_tokens.shape[1]] + [length for _, length in cases]), 16)
+    check_steps = 2
+    # The check decodes check_steps tokens past its prompts: the peer's first caches must hold them too.
+    peer_prefill_len = round_up(max([check_tokens.shape[1] + check_steps] + [length for _, length in cases]), 16)
     peer_prefill_batch = max([check_tokens.shape[0]] + [n for n, _ in cases])
     if not args.skip_peer:
         peer, note = run.phase("peer build", build_peer, checkpoint.config, checkpoint.tensors, peer_prefill_batch,
                                peer_prefill_len, device, torch.bfloat16, args.peer_compile)
         log(f"peer: compile {args.peer_compile}; device {device_memory_gb(device)}")
+    hf_row = None
+    if args.hf_generate:
+        hf_row = DecodeRow(1, "hf-eager", 0.0)
+        hf_ms, hf_row.note = run.phase("transformers generate", time_hf_generate, checkpoint, device,
+                                       random_tokens(1, args.context, shape.vocab, args.seed + 3), args.steps)
+        hf_row.step_ms = [hf_ms] if hf_ms else []
+        if hf_ms:
+            log(f"transformers eager generate, batch 1: {hf_ms:.2f} ms per token")
     del checkpoint
     gc.collect()
 
     # Same model on both sides: the logits of two prompts' prefill and of two decode steps after it.
     if ours and peer:
         checked, _ = run.phase("check: engine vs peer logits", check_same_model, ours, peer,
-                               check_tokens.to(device), 2)
+                               check_tokens.to(device), check_steps)
         result["check"] = checked
         if checked:
             warn = "" if checked["relative_error"] < 5e-2 and checked["finite"] else "  WARNING: not the same model?"
@@ -301,6 +324,12 @@ def main(argv: list[str] | None = None) -> dict:
         if note:
             peer = None
         log(f"peer caches {max_batch} x {peer_decode_len} tokens; device {device_memory_gb(device)}")
+    worker = None
+    if ours and not args.skip_grpc:
+        # The engine behind a real WorkerServer on loopback; the client runs in a process of its own.
+        server_config = WorkerConfig(host="127.0.0.1", port=0, reflection=False, drain_timeout=5.0, engine=config)
+        worker, _ = run.phase("grpc worker", InProcessWorker,
+                              lambda: WorkerServer(ours.engine, built[1], None, server_config))
     mean_context = args.context + args.warmup + (args.steps + 1) / 2      # KV read per sequence, timed steps
     peer_failed = ""
     for batch in batches:
@@ -317,11 +346,23 @@ def main(argv: list[str] | None = None) -> dict:
             times, row.note = run.phase(f"decode batch {batch} metrale", ours_decode)
             if times:
                 row.step_ms, row.other_ms = times
-                log(f"batch {batch} metrale: p50 {row.p50_ms:.3f} ms ({row.times_floor:.2f}x floor {floor_ms:.3f}), "
-                    f"forward {row.other_p50_ms:.3f} ms")
+                log(f"batch {batch} metrale: device p50 {row.p50_ms:.3f} ms ({row.times_floor:.2f}x floor "
+                    f"{floor_ms:.3f}), host clock around the step {row.other_p50_ms:.3f} ms")
         else:
             row.note = "no engine"
         decode_rows.append(row)
+        if worker:
+            row = DecodeRow(batch, "grpc", floor_ms)
+            times, row.note = run.phase(f"decode batch {batch} grpc", decode_round_trips_in_subprocess,
+                                        worker.address, batch, args.context, args.steps, args.warmup, shape.vocab,
+                                        args.seed + 3)
+            if times:
+                row.step_ms = [t[0] for t in times]
+                row.other_ms = [t[0] - t[1] - t[2] for t in times]
+                log(f"batch {batch} grpc: round trip p50 {row.p50_ms:.3f} ms ({row.times_floor:.2f}x floor); "
+                    f"outside Engine.step (transport, dispatch, conversion) p50 {row.other_p50_ms:.3f} ms, queue "
+                    f"p50 {sorted(t[2] for t in times)[len(times) // 2]:.3f} ms")
+            decode_rows.append(row)
         if peer and peer_failed:
             decode_rows.append(DecodeRow(batch, "peer", floor_ms, note=f"skipped: the peer failed at {peer_failed}"))
         elif peer:
@@ -345,6 +386,8 @@ def main(argv: list[str] | None = None) -> dict:
             elif row.note.startswith("failed"):
                 peer_failed = f"batch {batch}"
             decode_rows.append(row)
+    if worker:
+        worker.stop()
     if peer and device == "cuda":
         from torch._dynamo.utils import counters
         inductor = dict(counters["inductor"])
@@ -356,6 +399,9 @@ def main(argv: list[str] | None = None) -> dict:
             f"recorded {result['peer_non_static_inputs_recorded']} (2 per recorded graph expected, tokens and "
             f"position; 2 + 2 x layers would mean the KV caches are copied in at every replay)")
 
+    if hf_row:
+        hf_row.floor_ms = next((r.floor_ms for r in decode_rows if r.batch == 1), float("nan"))
+        decode_rows.append(hf_row)
     result["decode"] = [dict(dataclasses.asdict(r), p50_ms=r.p50_ms if r.ok else None) for r in decode_rows]
     result["prefill"] = [dict(dataclasses.asdict(r), p50_ms=r.p50_ms if r.ok else None) for r in prefill_rows]
     result["elapsed_s"] = run.elapsed()
@@ -364,8 +410,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     print(f"# decode: {args.context}-token contexts, {args.steps} timed steps after {args.warmup} warm-up; floor = "
           f"(weights {weights / 1e9:.2f} GB + KV of the timed steps' mean context) / copy bandwidth "
-          f"{bandwidth / 1e12:.3f} TB/s; metrale: host clock around Engine.step (synchronous), other = its "
-          f"forward_us; peer: CUDA events around each graph replay, other = host wall per step; ratios of p50")
+          f"{bandwidth / 1e12:.3f} TB/s; metrale: device time (CUDA events from the upload of the step's inputs to the "
+          f"end of sampling), other = host clock around Engine.step; grpc: a client process's Decode round trip, other = its time outside Engine.step (round trip - forward_us - queue_us); peer: "
+          f"CUDA events around each graph replay, other = host wall per step; ratios of p50")
     print(format_decode_table(decode_rows))
     if prefill_rows:
         print(f"# prefill: model FLOPs (2 x params x tokens + causal attention, lm_head on last tokens) / p50 time, "
@@ -406,6 +453,36 @@ def check_same_model(ours: EngineRunner, peer, tokens: torch.Tensor, decode_step
         engine.release(ids)
     return {"relative_error": max(errors), "errors": errors, "same_argmax": same, "compared": n * len(errors),
             "prompts": n, "finite": finite}
+
+
+@torch.no_grad()
+def time_hf_generate(checkpoint, device: str, prompt: torch.Tensor, new_tokens: int) -> float:
+    """ms per generated token of Hugging Face transformers' eager generate (greedy, batch 1, bf16 on the GPU):
+    the time of new_tokens tokens less the time of one (the prefill), over new_tokens - 1."""
+    import transformers
+    config = transformers.AutoConfig.for_model(**checkpoint.config)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16).eval()
+    missing, unexpected = model.load_state_dict({k: v.to(torch.bfloat16) for k, v in checkpoint.tensors.items()},
+                                                strict=False)
+    if unexpected or any(not name.startswith("lm_head") for name in missing):
+        raise RuntimeError(f"the checkpoint does not fit transformers' model: missing {missing}, "
+                           f"unexpected {unexpected}")
+    if "lm_head.weight" in missing:
+        model.tie_weights()
+    ids = prompt.to(device)
+
+    def generate(n: int) -> float:
+        synchronize(device)
+        started = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, pad_token_id=0)
+        synchronize(device)
+        return time.perf_counter() - started
+    generate(2)                                         # warm-up
+    one = min(generate(1) for _ in range(2))
+    many = min(generate(new_tokens) for _ in range(2))
+    return (many - one) / (new_tokens - 1) * 1e3
 
 
 def chunks_of(tokens: torch.Tensor, size: int):

@@ -12,6 +12,7 @@ __device__ __forceinline__ unsigned int silu_mul_pair(unsigned int gate, unsigne
 // A flat grid over the T * I / 8 units of out, one unit per thread.
 extern "C" __global__ void silu_mul(uint4* out, long long out_stride, const uint4* gate_up, long long gate_up_stride,
                                     int num_tokens, int units_per_row) {
+    wait_for_previous_kernel();
     const long long unit = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (unit >= (long long)num_tokens * units_per_row) return;
     const long long row = unit / units_per_row;

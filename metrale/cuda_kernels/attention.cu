@@ -485,6 +485,7 @@ __device__ __forceinline__ void paged_prefill_attention(bf16* out, long long out
         long long plane_elems, const int* seq_rows, const int* context_lens, const int* block_tables,               \
         int max_blocks, float* partial_out, float* partial_lse, int group_size, int block_shift, float scale_log2, \
         int sliding_window, int partition_size) {                                                                   \
+        wait_for_previous_kernel();                                                                                  \
         paged_decode_attention<HEAD_DIM>(out, out_stride, q, q_stride, kv_cache, plane_elems, seq_rows,             \
                                          context_lens, block_tables, max_blocks, partial_out, partial_lse,          \
                                          group_size, block_shift, scale_log2, sliding_window, partition_size);      \
@@ -496,6 +497,7 @@ __device__ __forceinline__ void paged_prefill_attention(bf16* out, long long out
         long long plane_elems, const int* query_starts, const int* query_lens, const int* context_lens,            \
         const int* block_tables, int max_blocks, int num_kv_heads, int group_size, int block_shift,               \
         float scale_log2, int sliding_window) {                                                                     \
+        wait_for_previous_kernel();                                                                                  \
         paged_prefill_attention<HEAD_DIM>(out, out_stride, q, q_stride, kv_cache, plane_elems, query_starts,        \
                                           query_lens, context_lens, block_tables, max_blocks, num_kv_heads,         \
                                           group_size, block_shift, scale_log2, sliding_window);                     \
@@ -515,6 +517,7 @@ extern "C" __global__ void paged_decode_reduce(bf16* out, long long out_stride, 
                                                const int* context_lens, const float* partial_out,
                                                const float* partial_lse, int sliding_window, int partition_size,
                                                int num_splits) {
+    wait_for_previous_kernel();
     const int head = blockIdx.x, seq = blockIdx.y, num_heads = gridDim.x;
     const int head_dim = blockDim.x, d = threadIdx.x;
     const int context = context_lens[seq];

@@ -1,5 +1,19 @@
-// Shared device helpers: bf16 <-> float without cuda_bf16.h (NVRTC ships no CUDA headers), warp reductions.
+// Shared device helpers: bf16 <-> float without cuda_bf16.h (NVRTC ships no CUDA headers), warp reductions,
+// and the programmatic-dependent-launch handshake every kernel starts with.
 #pragma once
+
+// Programmatic dependent launch (sm_90 and later; kernels are launched with programmatic stream serialization
+// there, so a kernel may start while the one before it in the stream is still running). Every kernel calls this
+// first, in every CTA, before it touches global memory: it waits until the previous kernel has finished and its
+// writes are visible, then lets the next kernel start launching (its CTAs fill SMs as ours drain, and wait here
+// in turn). A CTA that returned without waiting would let its grid finish before its predecessor, and the next
+// kernel's wait would no longer cover the one before. On earlier architectures launches serialize as usual.
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
 
 typedef unsigned short bf16;   // raw bfloat16 bits
 

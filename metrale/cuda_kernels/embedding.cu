@@ -23,15 +23,18 @@ __device__ __forceinline__ void copy_indexed_row(Unit* __restrict__ out, long lo
 // out [N, C], x [T, C] (bf16, fp32 or anything of the unit's width), rows [N] int32; strides and units_per_row in units of the kernel's width.
 extern "C" __global__ void gather_rows_16b(uint4* out, long long out_stride, const uint4* x, long long x_stride,
                                            const int* rows, int num_x_rows, int units_per_row) {
+    wait_for_previous_kernel();
     copy_indexed_row(out, out_stride, x, x_stride, rows, num_x_rows, units_per_row);
 }
 
 extern "C" __global__ void gather_rows_4b(unsigned int* out, long long out_stride, const unsigned int* x,
                                           long long x_stride, const int* rows, int num_x_rows, int units_per_row) {
+    wait_for_previous_kernel();
     copy_indexed_row(out, out_stride, x, x_stride, rows, num_x_rows, units_per_row);
 }
 
 extern "C" __global__ void gather_rows_2b(unsigned short* out, long long out_stride, const unsigned short* x,
                                           long long x_stride, const int* rows, int num_x_rows, int units_per_row) {
+    wait_for_previous_kernel();
     copy_indexed_row(out, out_stride, x, x_stride, rows, num_x_rows, units_per_row);
 }

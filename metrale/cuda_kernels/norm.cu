@@ -34,6 +34,7 @@ __device__ __forceinline__ unsigned int scale_pair(unsigned int value, unsigned 
 extern "C" __global__ void rms_norm(bf16* out, long long out_stride, bf16* residual_out, long long residual_out_stride,
                                     const bf16* x, long long x_stride, const bf16* residual, long long residual_stride,
                                     const bf16* weight, int hidden, float eps) {
+    wait_for_previous_kernel();
     const long long row = blockIdx.x;
     const int units = hidden >> 3;
     const uint4* x_row = reinterpret_cast<const uint4*>(x + row * x_stride);
@@ -80,6 +81,7 @@ extern "C" __global__ void rms_norm(bf16* out, long long out_stride, bf16* resid
 // rows 4-byte aligned.
 extern "C" __global__ void head_rms_norm(bf16* x, long long x_stride, const bf16* weight, int num_rows, int num_heads,
                                          int head_dim, float eps) {
+    wait_for_previous_kernel();
     const long long item = (long long)blockIdx.x * HEAD_NORM_WARPS + (threadIdx.x >> 5);
     if (item >= (long long)num_rows * num_heads) return;
     const int lane = threadIdx.x & 31;

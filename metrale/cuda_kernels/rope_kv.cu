@@ -24,6 +24,7 @@ __device__ __forceinline__ void rotate_pair2(unsigned int& first, unsigned int& 
 extern "C" __global__ void rope_and_write_kv(bf16* qkv, long long qkv_stride, const float* cos, const float* sin,
                                              const int* positions, const int* slot_mapping, bf16* kv_cache,
                                              long long num_slots, int num_heads, int num_kv_heads, int head_dim) {
+    wait_for_previous_kernel();
     const long long token = blockIdx.x;
     const int groups_per_head = head_dim >> 3;
     const int item = blockIdx.y * blockDim.x + threadIdx.x;

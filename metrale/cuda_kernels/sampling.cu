@@ -749,6 +749,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(
         const float* logits, long long logits_stride, const float* processed, long long processed_stride,
         const SampleParams* params, int vocab_size, int* tokens, float* logprobs, int* top_ids,
         long long top_ids_stride, float* top_logprobs, long long top_logprobs_stride, int top_n) {
+    wait_for_previous_kernel();
     __shared__ SampleShared sh;
     const int row = blockIdx.x;
     if (threadIdx.x == 0) sh.params = params[row];
@@ -809,6 +810,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) apply_penalties(
         float* processed, long long processed_stride, const float* logits, long long logits_stride,
         const SampleParams* params, int vocab_size, const int* entry_offsets, const int* entries,
         const float* biases) {
+    wait_for_previous_kernel();
     const int row = blockIdx.x;
     const SampleParams p = params[row];
     if (!(p.flags & FLAG_PENALISED)) return;

@@ -15,7 +15,7 @@ class ForwardBatch:
     query_starts: list[int]      # [S] first row of each segment in T
     query_lens: list[int]        # [S] new tokens of each segment
     context_lens: list[int]      # [S] tokens each segment attends to, new ones included
-    block_tables: list[torch.Tensor]  # [S] int64 block ids covering context_lens
+    block_tables: list[list[int]]  # [S] block ids covering context_lens
     sample_rows: torch.Tensor    # [N] int64 rows of T whose hidden states become logits
 
     @property
@@ -40,11 +40,14 @@ def build_batch(segments: list[Segment], kv_block_size: int) -> ForwardBatch:
         span = range(seg.start, seg.start + n)
         token_ids.extend(seg.tokens)
         positions.extend(span)
-        slots.extend(seg.block_table[p // kv_block_size] * kv_block_size + p % kv_block_size for p in span)
+        if n == 1:
+            slots.append(seg.block_table[seg.start // kv_block_size] * kv_block_size + seg.start % kv_block_size)
+        else:
+            slots.extend(seg.block_table[p // kv_block_size] * kv_block_size + p % kv_block_size for p in span)
         starts.append(row)
         lens.append(n)
         contexts.append(seg.start + n)
-        tables.append(torch.tensor(seg.block_table[:blocks_for(seg.start + n, kv_block_size)], dtype=torch.int64))
+        tables.append(seg.block_table[:blocks_for(seg.start + n, kv_block_size)])
         if seg.samples:
             sample_rows.append(row + n - 1)
     as_long = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731

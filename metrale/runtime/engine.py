@@ -94,10 +94,12 @@ class Engine:
         for s in plan.new_sequences:
             seed = s.sampling.seed if s.sampling.seed is not None else random_seed()
             self.sequences.add(Sequence(s.seq_id, s.sampling, s.output, seed))
+        block_size = self.blocks.kv_block_size
         for seq_id, length in plan.final_lengths.items():
-            seq = self.sequences.get(seq_id)
-            seq.block_table.extend(self.blocks.allocate(blocks_for(length, self.blocks.kv_block_size)
-                                                        - len(seq.block_table)))
+            table = self.sequences.get(seq_id).block_table
+            missing = blocks_for(length, block_size) - len(table)
+            if missing > 0:
+                table.extend(self.blocks.allocate(missing))
         return snapshot
 
     def _restore(self, snapshot: dict, plan: Plan) -> None:
@@ -136,7 +138,9 @@ class Engine:
             sampled = [seq for c, seq in zip(chunks, sequences) if c.samples]
             if not sampled:
                 return []
-            rows = [SampleRow(s.sampling, s.output, s.seed, s.num_tokens, s.tokens, s.output_tokens) for s in sampled]
+            # The token lists go by reference; the generated tokens are sliced out only where penalties read them.
+            rows = [SampleRow(s.sampling, s.output, s.seed, s.num_tokens, s.tokens,
+                              s.output_tokens if s.sampling.has_penalties else ()) for s in sampled]
             result = ops.sample(logits, rows)
         return [SequenceOutput(seq.seq_id, result.tokens[i], result.logprobs[i], result.top_logprobs[i],
                                result.logits[i]) for i, seq in enumerate(sampled)]

@@ -42,14 +42,16 @@ class Plan:
 
 
 def plan_step(step: Step, sequences: SequenceTable, num_free_blocks: int, limits: Limits) -> Plan:
-    _check_decode(step, sequences, limits)
+    held = _check_decode(step, sequences, limits)
     _check_prefill(step, sequences, limits)
     rounds: list[list[Chunk]] = [[]]
     final_lengths = {}
-    for lane in step.decode:
-        start = sequences.get(lane.seq_id).num_tokens
+    needed = 0
+    for lane, seq in zip(step.decode, held):
+        start = len(seq.tokens)
         rounds[0].append(Chunk(lane.seq_id, (lane.token,), start, samples=True))
         final_lengths[lane.seq_id] = start + 1
+        needed += blocks_for(start + 1, limits.kv_block_size) - len(seq.block_table)
     for s in step.prefill:
         size = s.chunk_size or len(s.tokens)
         pieces = [s.tokens[i:i + size] for i in range(0, len(s.tokens), size)]
@@ -66,7 +68,8 @@ def plan_step(step: Step, sequences: SequenceTable, num_free_blocks: int, limits
     most_sequences = max(len(chunks) for chunks in rounds)
     if most_sequences > limits.max_seqs:
         raise BatchTooLarge(most_sequences, limits.max_seqs, "max_seqs")
-    needed = sum(blocks_for(n, limits.kv_block_size) - _blocks_held(sequences, i) for i, n in final_lengths.items())
+    needed += sum(blocks_for(s.chunk_start + len(s.tokens), limits.kv_block_size) - _blocks_held(sequences, s.seq_id)
+                  for s in step.prefill)
     if needed > num_free_blocks:
         raise OutOfKvBlocks(needed, num_free_blocks)
     return Plan(tuple(tuple(r) for r in rounds), tuple(s for s in step.prefill if s.chunk_start == 0), final_lengths)
@@ -77,18 +80,19 @@ def _blocks_held(sequences: SequenceTable, seq_id: int) -> int:
     return len(seq.block_table) if seq else 0
 
 
-def _check_decode(step: Step, sequences: SequenceTable, limits: Limits) -> None:
-    unknown = [lane.seq_id for lane in step.decode if lane.seq_id not in sequences]
-    if unknown:
-        raise UnknownSequence(unknown)
-    for lane in step.decode:
-        seq = sequences.get(lane.seq_id)
+def _check_decode(step: Step, sequences: SequenceTable, limits: Limits) -> list:
+    """The decode lanes' sequences, in order, once each is known to be able to take one more token."""
+    held = [sequences.get(lane.seq_id) for lane in step.decode]
+    if any(seq is None for seq in held):
+        raise UnknownSequence([lane.seq_id for lane, seq in zip(step.decode, held) if seq is None])
+    for lane, seq in zip(step.decode, held):
         if not seq.prompt_finished:
             raise FailedPrecondition(f"seq_id {lane.seq_id}: its prompt is not finished "
                                      f"(no slice with is_last_chunk=true yet); it cannot decode")
         if seq.num_tokens + 1 > limits.max_model_len:
             raise OutOfRange(f"seq_id {lane.seq_id}: holds {seq.num_tokens} tokens; one more passes "
                              f"max_model_len={limits.max_model_len}")
+    return held
 
 
 def _check_prefill(step: Step, sequences: SequenceTable, limits: Limits) -> None:

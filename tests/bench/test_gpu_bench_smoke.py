@@ -33,9 +33,10 @@ def test_gpu_decode_runs_every_phase_on_the_cpu(bench, tmp_path, capsys):
     result = bench.gpu_decode.main(tiny_run_args(tmp_path))
     assert result["errors"] == []
     decode = result["decode_rows"]
-    assert [(r.batch, r.impl) for r in decode] == [(1, "metrale"), (1, "peer"), (2, "metrale"), (2, "peer")]
+    assert [(r.batch, r.impl) for r in decode] == [(1, "metrale"), (1, "grpc"), (1, "peer"), (2, "metrale"),
+                                                   (2, "grpc"), (2, "peer")]
     assert all(r.ok and len(r.step_ms) == 2 and r.floor_ms > 0 and r.tokens_per_s > 0 for r in decode)
-    assert all(len(r.other_ms) == 2 for r in decode if r.impl == "metrale")   # forward_us of each step
+    assert all(len(r.other_ms) == 2 for r in decode if r.impl == "metrale")   # host clock of each step
     prefill = result["prefill_rows"]
     assert [(r.label, r.impl) for r in prefill] == [("1x16", "metrale"), ("1x16", "peer"), ("2x8", "metrale"),
                                                      ("2x8", "peer")]
@@ -45,11 +46,11 @@ def test_gpu_decode_runs_every_phase_on_the_cpu(bench, tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("# gpu_decode:") and "x floor" in out and "x GEMM" in out
     written = json.loads((tmp_path / "out.json").read_text())
-    assert len(written["decode"]) == 4 and written["copy_bandwidth_bytes_per_s"] > 0
+    assert len(written["decode"]) == 6 and written["copy_bandwidth_bytes_per_s"] > 0
 
 
 def test_gpu_decode_skip_peer_and_engine_config(bench, tmp_path):
-    result = bench.gpu_decode.main(tiny_run_args(tmp_path, "--skip-peer", "--prefill", "",
+    result = bench.gpu_decode.main(tiny_run_args(tmp_path, "--skip-peer", "--skip-grpc", "--prefill", "",
                                                  "--engine-config", '{"cuda_graph_batch_sizes": [1, 2]}'))
     assert [(r.batch, r.impl) for r in result["decode_rows"]] == [(1, "metrale"), (2, "metrale")]
     assert result["prefill_rows"] == []
@@ -167,3 +168,11 @@ def test_tables_show_failures_and_ratios(bench):
     lines = gd.format_prefill_table(prefill).splitlines()
     assert lines[1].split() == ["1x4096", "metrale", "2.00", "2048000", "500.0", "0.50", "-"]
     assert "skipped: time budget" in lines[2]
+
+
+def test_gpu_decode_times_transformers_generate(bench, tmp_path):
+    result = bench.gpu_decode.main(tiny_run_args(tmp_path, "--skip-peer", "--skip-grpc", "--prefill", "",
+                                                 "--batches", "1", "--hf-generate", "--steps", "3"))
+    assert result["errors"] == []
+    hf = [r for r in result["decode_rows"] if r.impl == "hf-eager"]
+    assert len(hf) == 1 and hf[0].ok and hf[0].p50_ms > 0 and hf[0].floor_ms > 0

@@ -247,3 +247,34 @@ def test_rope_and_write_kv_launch(launches):
     items = (HEADS + 2 * KV_HEADS) * HEAD_DIM // 8
     assert (name, grid, block) == ("rope_and_write_kv", (5, ceil_div(items, 128)), 128)
     assert args[1] == QKV_WIDTH and args[7:] == [NUM_BLOCKS * BLOCK_SIZE, HEADS, KV_HEADS, HEAD_DIM]
+
+
+@pytest.mark.parametrize("batch, max_context", [(1, 1), (1, 1024), (1, 8192), (8, 4096), (64, 1024),
+                                                (256, 1024), (8, 32768), (3, 100)])
+def test_decode_partition_covers_the_context(batch, max_context):
+    from metrale.runtime.backend.cuda.kernels.attention import KV_TILE, decode_partition
+    partition, splits = decode_partition(batch, 8, max_context, 396)
+    assert partition % KV_TILE == 0 and partition >= KV_TILE
+    assert (splits - 1) * partition < max_context <= splits * partition   # every key in one split, no empty split
+
+
+def test_decode_partition_follows_the_waves():
+    from metrale.runtime.backend.cuda.kernels.attention import KV_TILE, decode_partition
+    # batch 1: everything fits one wave, so one tile per split
+    assert decode_partition(1, 8, 1024, 396) == (KV_TILE, 1024 // KV_TILE)
+    # the sequences alone fill the device several times over: whole contexts, no reduce
+    assert decode_partition(256, 8, 1024, 396) == (1024, 1)
+    # in between, more splits than one but fewer than one per tile
+    partition, splits = decode_partition(64, 8, 4096, 396)
+    assert 1 < splits < 4096 // KV_TILE
+
+
+def test_every_kernel_waits_for_the_previous_one_first():
+    # Launched with programmatic stream serialization on sm_90+, a kernel may start before its predecessor has
+    # finished: its first statement must be the wait (common.cuh), in every kernel and every CTA.
+    for module, source in kernel_sources().items():
+        bodies = re.findall(r'extern "C" __global__ void[^{]*\{[\s\\]*([^;]*;)', source)
+        assert bodies, f"{module}.cu defines no kernel"
+        for first in bodies:
+            assert first.strip() == "wait_for_previous_kernel();", f"{module}.cu: a kernel starts with {first!r}"
+

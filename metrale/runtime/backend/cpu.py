@@ -147,9 +147,9 @@ class CpuBatch:
         # Padding points at block 0: read, then masked out.
         self.single_tables = torch.zeros((len(single), width), dtype=torch.int64)
         for row, i in enumerate(single):
-            self.single_tables[row, :len(batch.block_tables[i])] = batch.block_tables[i]
+            self.single_tables[row, :len(batch.block_tables[i])] = torch.tensor(batch.block_tables[i])
         self.multi_segments = [(batch.query_starts[i], batch.query_lens[i], batch.context_lens[i],
-                                batch.block_tables[i]) for i in multi]
+                                torch.tensor(batch.block_tables[i], dtype=torch.int64)) for i in multi]
         self._rope = None
         self._allowed = {}
 

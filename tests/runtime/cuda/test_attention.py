@@ -96,8 +96,8 @@ def run_decode(lib, stream, contexts, num_heads, num_kv_heads, head_dim, block_s
     rows = torch.randperm(num_rows)[:batch].to(torch.int32).to(DEVICE)
     q = query_buffer(num_rows, num_heads, num_kv_heads, head_dim, sharpness, DEVICE)
     out = torch.full((num_rows, num_heads * head_dim), NAN, dtype=torch.bfloat16, device=DEVICE)
-    workspace = torch.full((max(decode_workspace_elements(batch, num_heads, num_kv_heads, head_dim, max_context), 4),),
-                           NAN, dtype=torch.float32, device=DEVICE)
+    elements = decode_workspace_elements(lib, batch, num_heads, num_kv_heads, head_dim, max_context)
+    workspace = torch.full((max(elements, 4),), NAN, dtype=torch.float32, device=DEVICE)
     context_lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
     scale = head_dim ** -0.5
     torch.cuda.synchronize()
@@ -244,7 +244,7 @@ def test_reference_matches_cpu_backend(sliding_window):
     q = torch.randn(11, num_heads * head_dim)
     batch = ForwardBatch(torch.zeros(11, dtype=torch.int64), torch.zeros(11, dtype=torch.int64),
                          torch.zeros(11, dtype=torch.int64), starts, [n for n, _ in segments], contexts,
-                         [tables[s, :math.ceil(c / block_size)].long() for s, c in enumerate(contexts)],
+                         [tables[s, :math.ceil(c / block_size)].tolist() for s, c in enumerate(contexts)],
                          torch.zeros(0, dtype=torch.int64))
     backend = CpuBackend("float32")
     window = None if sliding_window < 0 else sliding_window

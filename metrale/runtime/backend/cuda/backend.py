@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from cuda.core import EventOptions
 
 from metrale.runtime.backend.cuda import kernels
 from metrale.runtime.backend.cuda.batch import CudaBatch, metadata_elements, pack_batch
@@ -24,6 +25,12 @@ from metrale.runtime.sampling import SampleResult
 GEMM_WORKSPACE_BYTES = 32 << 20
 # Penalty lists of one step (distinct history ids of the penalised rows, with counts and biases).
 PENALTY_BYTES = 64 << 20
+TIMED = EventOptions(timing_enabled=True)
+# Linears of at most this many rows with weights of at most this many elements run on the skinny-GEMM kernel:
+# on an H200 it beats cuBLASLt (with its split-K reduce) by 1.1-1.8x up to 4096 x 14336 at 1 to 8 rows, and
+# trails it by ~4% on 4096 x 28672 and the 128k-vocab lm_head, and at 16 rows (bench/gpu_skinny_gemm.py).
+SKINNY_MAX_M = 8
+SKINNY_MAX_WEIGHT = 64 << 20
 # The activation workspace holds this many layers' tensors at max_batch_tokens (see RingArena).
 WORKSPACE_LAYERS = 3
 
@@ -43,6 +50,7 @@ class CudaBackend:
         self._pending = []   # host arrays kept alive until the stream is synchronized
         self._prepared: CudaBatch | None = None
         self.graphs: DecodeGraphs | None = None
+        self._timing, self._round_events = False, (None, None)
 
     def plan(self, weight_bytes: int, shapes: MemoryShapes) -> None:
         """Places weights, workspaces and the metadata region; the KV pool takes what is left, later."""
@@ -55,6 +63,7 @@ class CudaBackend:
         sample_params = 4 * kernels.sampling.PARAM_WORDS * shapes.max_seqs
         sample_outputs = 4 * OUT_WORDS * shapes.max_seqs
         sizes = {"weights": weight_bytes, "workspace": workspace, "logits": logits, "processed": logits,
+
                  "metadata": metadata, "gemm": GEMM_WORKSPACE_BYTES, "sample_params": sample_params,
                  "sample_outputs": sample_outputs, "penalties": PENALTY_BYTES}
         aligned = {name: -(-size // ALIGNMENT) * ALIGNMENT for name, size in sizes.items()}
@@ -97,8 +106,25 @@ class CudaBackend:
         pool = Arena(self.cuda.allocate(pool_bytes), pool_bytes, "KV pool")
         return [pool.take(shape, "bfloat16") for _ in range(num_layers)]
 
+    def time_steps(self, enabled: bool) -> None:
+        """Benchmarks: events around each round's device work, from its inputs' upload (the forward's first
+        launch or graph replay comes next) to the end of sampling (the one copy back excluded); last_device_ms()
+        reads the latest round that sampled."""
+        self._timing = enabled
+        self._round_events = (None, None)
+
+    def last_device_ms(self) -> float | None:
+        started, sampled = self._round_events
+        return sampled - started if started is not None and sampled is not None else None
+
+    def mark_sampled(self) -> None:
+        """Called by the sampler once its last kernel is queued."""
+        if self._timing:
+            self._round_events = (self._round_events[0], self.cuda.stream.record(options=TIMED))
+
     def run_forward(self, forward, batch: ForwardBatch) -> DeviceTensor:
         """forward(batch) -> logits on the device. Decode steps replay a CUDA graph."""
+        self.cuda.ensure_current()
         size = self.graphs.bucket(batch) if self.graphs else None
         return self.graphs.run(forward, batch, size) if size else forward(batch)
 
@@ -127,15 +153,19 @@ class CudaBackend:
         finally:
             self._prepared = None
 
-    def prepare(self, batch: ForwardBatch) -> CudaBatch:
+    def prepare(self, batch: ForwardBatch, pad_to: int = 0) -> CudaBatch:
+        """The batch's metadata on the device (pad_to: a decode graph's padded lanes, see pack_batch)."""
         if self._prepared is not None:
             return self._prepared
-        if batch.num_tokens > self.shapes.max_batch_tokens or len(batch.sample_rows) > self.shapes.max_seqs:
+        lanes = max(pad_to, batch.num_tokens)
+        if lanes > self.shapes.max_batch_tokens or max(pad_to, len(batch.sample_rows)) > self.shapes.max_seqs:
             raise InvalidArgument("the forward is larger than the memory plan")
         self._ring.reset()
-        prepared = pack_batch(batch, self._metadata, self.shapes.max_blocks_per_seq)
+        prepared = pack_batch(batch, self._metadata, self.shapes.max_blocks_per_seq, pad_to)
         self.cuda.copy_to_device(DeviceTensor(self._metadata.ptr, prepared.host.shape, "int32"), prepared.host)
         self._pending.append(prepared.host)
+        if self._timing:
+            self._round_events = (self.cuda.stream.record(options=TIMED), None)
         return prepared
 
     def _new(self, rows: int, cols: int, dtype: str = "bfloat16") -> DeviceTensor:
@@ -159,8 +189,16 @@ class CudaBackend:
 
     def linear(self, x, weight, bias=None):
         out = self._new(x.shape[0], weight.shape[0])
-        self.gemm.linear(self.cuda.stream, out, x, weight, bias)
+        self._linear(out, x, weight, bias)
         return out
+
+    def _linear(self, out, x, weight, bias=None):
+        """Decode-sized linears on the skinny-GEMM kernel where it beats cuBLASLt, the rest on cuBLASLt."""
+        if (x.shape[0] <= SKINNY_MAX_M and weight.numel <= SKINNY_MAX_WEIGHT
+                and kernels.skinny_gemm.supports(x, weight, out, bias)):
+            kernels.skinny_gemm.skinny_linear(self.lib, self.cuda.stream, out, x, weight, bias)
+        else:
+            self.gemm.linear(self.cuda.stream, out, x, weight, bias)
 
     def rope_and_write_kv(self, q, k, v, rope: RopeTable, batch: CudaBatch, kv, head_dim):
         # q, k and v are column slices of one qkv buffer, which the kernel takes whole.
@@ -177,7 +215,7 @@ class CudaBackend:
         stream = self.cuda.stream
         if batch.num_decode:
             elements = kernels.attention.decode_workspace_elements(
-                batch.num_decode, num_heads, num_kv_heads, head_dim, batch.max_decode_context)
+                self.lib, batch.num_decode, num_heads, num_kv_heads, head_dim, batch.max_decode_context)
             workspace = self._ring.take((elements,), "float32") if elements else None
             kernels.attention.paged_decode_attention(
                 self.lib, stream, out, q, kv, batch.decode_rows, batch.decode_contexts, batch.decode_tables,
@@ -201,5 +239,5 @@ class CudaBackend:
 
     def logits(self, x, lm_head):
         out = self._logits.rows(0, x.shape[0])
-        self.gemm.linear(self.cuda.stream, out, x, lm_head)
+        self._linear(out, x, lm_head)
         return out

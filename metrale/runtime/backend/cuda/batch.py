@@ -1,6 +1,7 @@
 """A forward's metadata on the device: packed on the host into one int32 array, copied with one H2D copy
 into a fixed region (the same addresses every forward, for CUDA graphs)."""
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,40 +33,54 @@ class CudaBatch:
     host: np.ndarray              # kept alive until the forward is synchronized
 
 
-def pack_batch(batch: ForwardBatch, region: DeviceTensor, max_blocks: int) -> CudaBatch:
-    """Lays the batch out in `region` (int32, large enough: see metadata_elements)."""
-    single = [i for i, n in enumerate(batch.query_lens) if n == 1]
-    multi = [i for i, n in enumerate(batch.query_lens) if n != 1]
+def pack_batch(batch: ForwardBatch, region: DeviceTensor, max_blocks: int, pad_to: int = 0) -> CudaBatch:
+    """Lays the batch out in `region` (int32, large enough: see metadata_elements). pad_to: the batch is pure
+    decode (one token per segment, each sampled) and is padded to pad_to lanes that read and write nothing
+    (context 0, KV slot -1), every lane sampled, in order: the fixed shapes of a decode graph."""
+    lens = batch.query_lens
+    if pad_to:
+        single, multi, pad = list(range(len(lens))), [], pad_to - batch.num_tokens
+    else:
+        single = [i for i, n in enumerate(lens) if n == 1]
+        multi = [i for i, n in enumerate(lens) if n != 1]
+        pad = 0
 
-    def tables(indices):
-        out = np.zeros((len(indices), max_blocks), dtype=np.int32)
-        for row, i in enumerate(indices):
-            out[row, :len(batch.block_tables[i])] = batch.block_tables[i].numpy()
+    def tables(indices, rows):
+        out = np.zeros((rows, max_blocks), dtype=np.int32)
+        chosen = [batch.block_tables[i] for i in indices]
+        counts = np.fromiter(map(len, chosen), dtype=np.int64, count=len(chosen))
+        total = int(counts.sum())
+        if total:
+            flat = np.fromiter(itertools.chain.from_iterable(chosen), dtype=np.int32, count=total)
+            out[:len(chosen)][np.arange(max_blocks) < counts[:, None]] = flat   # row by row, in order
         return out
 
+    def padded(values, fill):
+        return np.concatenate([np.asarray(values, dtype=np.int32), np.full(pad, fill, dtype=np.int32)])
+
+    starts, contexts = batch.query_starts, batch.context_lens
     parts = {
-        "token_ids": batch.token_ids.numpy(), "positions": batch.positions.numpy(),
-        "slot_mapping": batch.slot_mapping.numpy(), "sample_rows": batch.sample_rows.numpy(),
-        "decode_rows": np.array([batch.query_starts[i] for i in single]),
-        "decode_contexts": np.array([batch.context_lens[i] for i in single]),
-        "decode_tables": tables(single),
-        "prefill_starts": np.array([batch.query_starts[i] for i in multi]),
-        "prefill_lens": np.array([batch.query_lens[i] for i in multi]),
-        "prefill_contexts": np.array([batch.context_lens[i] for i in multi]),
-        "prefill_tables": tables(multi),
+        "token_ids": padded(batch.token_ids.numpy(), 0), "positions": padded(batch.positions.numpy(), 0),
+        "slot_mapping": padded(batch.slot_mapping.numpy(), -1),
+        "sample_rows": np.arange(pad_to, dtype=np.int32) if pad_to else batch.sample_rows.numpy(),
+        "decode_rows": np.arange(pad_to, dtype=np.int32) if pad_to else [starts[i] for i in single],
+        "decode_contexts": padded([contexts[i] for i in single], 0),
+        "decode_tables": tables(single, len(single) + pad),
+        "prefill_starts": [starts[i] for i in multi],
+        "prefill_lens": [lens[i] for i in multi],
+        "prefill_contexts": [contexts[i] for i in multi],
+        "prefill_tables": tables(multi, len(multi)),
     }
-    host = np.concatenate([np.asarray(p, dtype=np.int32).ravel() for p in parts.values()]) if parts else None
+    arrays = [np.asarray(p, dtype=np.int32) for p in parts.values()]
+    host = np.concatenate([a.ravel() for a in arrays])
     views, offset = {}, 0
-    for name, part in parts.items():
-        shape = np.asarray(part).shape
-        count = int(np.prod(shape))
-        views[name] = DeviceTensor(region.ptr + offset * 4, shape if len(shape) else (0,), "int32")
-        offset += count
-    return CudaBatch(**views, num_tokens=batch.num_tokens,
-                     num_decode=len(single), num_prefill=len(multi),
-                     max_decode_context=max((batch.context_lens[i] for i in single), default=0),
-                     max_prefill_query=max((batch.query_lens[i] for i in multi), default=0),
-                     host=host[:offset] if offset else np.zeros(1, dtype=np.int32))
+    for name, array in zip(parts, arrays):
+        views[name] = DeviceTensor(region.ptr + offset * 4, array.shape, "int32")
+        offset += array.size
+    return CudaBatch(**views, num_tokens=batch.num_tokens + pad, num_decode=len(single) + pad,
+                     num_prefill=len(multi), max_decode_context=max((contexts[i] for i in single), default=0),
+                     max_prefill_query=max((lens[i] for i in multi), default=0),
+                     host=host if offset else np.zeros(1, dtype=np.int32))
 
 
 def metadata_elements(max_batch_tokens: int, max_seqs: int, max_blocks: int) -> int:

@@ -10,8 +10,9 @@ from importlib import resources
 from pathlib import Path
 
 from cuda.bindings import nvrtc
-from cuda.core import ObjectCode, Program, ProgramOptions
+from cuda.core import Device, ObjectCode, Program, ProgramOptions
 
+from metrale.runtime.backend.cuda.launch import use_programmatic_launch
 from metrale.runtime.errors import FailedPrecondition
 
 HEADER = "common.cuh"
@@ -78,12 +79,22 @@ class KernelLibrary:
     def __init__(self, arch: str, cache: KernelCache):
         self._kernels = {}
         self._modules = {}
+        self._resident = {}
         for name, source in kernel_sources().items():
             self._modules[name] = ObjectCode.from_cubin(cache.cubin(name, source, arch))
         self.arch = arch
+        use_programmatic_launch(int(arch[3:5]) >= 90 and os.environ.get("METRALE_PDL", "1") != "0")
 
     def get(self, kernel_name: str, module: str):
         key = (module, kernel_name)
         if key not in self._kernels:
             self._kernels[key] = self._modules[module].get_kernel(kernel_name)
         return self._kernels[key]
+
+    def resident_ctas(self, kernel_name: str, module: str, threads: int) -> int:
+        """CTAs of `threads` threads (static shared memory only) the whole device runs at once."""
+        key = (module, kernel_name, threads)
+        if key not in self._resident:
+            per_sm = self.get(kernel_name, module).occupancy.max_active_blocks_per_multiprocessor(threads, 0)
+            self._resident[key] = max(1, per_sm) * Device().properties.multiprocessor_count
+        return self._resident[key]

@@ -1,6 +1,8 @@
 """The device: cuda.core Device and stream, every driver call checked, host<->device copies, and the memory
 plan: one allocation carved into weights, KV pool, activation workspace and GEMM workspace."""
 
+import threading
+
 import numpy as np
 from cuda.bindings import driver
 from cuda.core import Device
@@ -34,6 +36,15 @@ class CudaDevice:
         self.arch = arch_of(self.device)
         self.stream = self.device.create_stream()
         self._buffers = []
+        self._current = threading.local()
+        self._current.done = True
+
+    def ensure_current(self) -> None:
+        """Makes the device's context current on this thread (once per thread): RPC lanes run steps on threads
+        of their own, and the driver needs a current context to create events and copy."""
+        if not getattr(self._current, "done", False):
+            self.device.set_current()
+            self._current.done = True
 
     @property
     def stream_handle(self) -> int:

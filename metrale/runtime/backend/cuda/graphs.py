@@ -14,18 +14,6 @@ from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.batch import ForwardBatch
 
 
-def pad_decode_batch(batch: ForwardBatch, size: int) -> ForwardBatch:
-    """The batch's one-token lanes, then size - B padding lanes; every lane samples, in order."""
-    pad = size - batch.num_tokens
-    zeros = torch.zeros(pad, dtype=torch.int64)
-    empty = torch.zeros(0, dtype=torch.int64)
-    return ForwardBatch(
-        token_ids=torch.cat([batch.token_ids, zeros]), positions=torch.cat([batch.positions, zeros]),
-        slot_mapping=torch.cat([batch.slot_mapping, torch.full((pad,), -1, dtype=torch.int64)]),
-        query_starts=list(range(size)), query_lens=[1] * size, context_lens=batch.context_lens + [0] * pad,
-        block_tables=batch.block_tables + [empty] * pad, sample_rows=torch.arange(size, dtype=torch.int64))
-
-
 class DecodeGraphs:
     def __init__(self, backend, batch_sizes: tuple[int, ...], max_context: int):
         self.backend = backend
@@ -42,11 +30,10 @@ class DecodeGraphs:
 
     def run(self, forward: Callable, batch: ForwardBatch, size: int) -> DeviceTensor:
         """Logits [B, vocab] of the batch's lanes, from the bucket's graph (captured on first use)."""
-        padded = pad_decode_batch(batch, size)
-        prepared = self.backend.prepare(padded)
+        prepared = self.backend.prepare(batch, pad_to=size)
         prepared.max_decode_context = self.max_context
         if size not in self._graphs:
-            self._graphs[size] = self._capture(forward, padded, prepared)
+            self._graphs[size] = self._capture(forward, batch, prepared)
         graph, logits = self._graphs[size]
         graph.launch(self.backend.cuda.stream)
         self.replays += 1
@@ -58,18 +45,18 @@ class DecodeGraphs:
                              torch.zeros(0, dtype=torch.int64), [], [], [], [], torch.zeros(0, dtype=torch.int64))
         for size in self.batch_sizes:
             if size not in self._graphs:
-                padded = pad_decode_batch(empty, size)
-                prepared = self.backend.prepare(padded)
+                prepared = self.backend.prepare(empty, pad_to=size)
                 prepared.max_decode_context = self.max_context
-                self._graphs[size] = self._capture(forward, padded, prepared)
+                self._graphs[size] = self._capture(forward, empty, prepared)
 
-    def _capture(self, forward: Callable, padded: ForwardBatch, prepared) -> tuple[object, DeviceTensor]:
+    def _capture(self, forward: Callable, batch: ForwardBatch, prepared) -> tuple[object, DeviceTensor]:
+        """The graph of forward(batch) over `prepared` (the batch padded to its bucket), and its logits."""
         stream = self.backend.cuda.stream
         stream.sync()
         builder = stream.create_graph_builder()
         builder.begin_building("thread_local")
         with self.backend.reuse_prepared(prepared):
-            logits = forward(padded)
+            logits = forward(batch)
         builder.end_building()
         graph = builder.complete()
         graph.upload(stream)

@@ -28,9 +28,20 @@ def kernel_arg(value):
     raise InvalidArgument(f"cannot pass {type(value).__name__} to a kernel")
 
 
+# Programmatic dependent launch: on sm_90 and later every kernel is launched with programmatic stream
+# serialization, so it can start while the kernel before it drains (each kernel begins with
+# wait_for_previous_kernel(), common.cuh). KernelLibrary turns it on for the device it loads kernels for.
+_programmatic = False
+
+
+def use_programmatic_launch(enabled: bool) -> None:
+    global _programmatic
+    _programmatic = enabled
+
+
 def launch_kernel(stream, kernel, grid, block, *args, shmem: int = 0) -> None:
     """grid/block: int or tuple; shmem: dynamic shared memory bytes."""
-    config = LaunchConfig(grid=grid, block=block, shmem_size=shmem)
+    config = LaunchConfig(grid=grid, block=block, shmem_size=shmem, programmatic_stream_serialization=_programmatic)
     launch(stream, config, kernel, *(kernel_arg(a) for a in args))
 
 

@@ -42,6 +42,7 @@ class DeviceSampler:
         top_logprobs = DeviceTensor(base + 8 * n + 4 * n * MAX_TOP_LOGPROBS, (n, MAX_TOP_LOGPROBS), "float32")
         kernels.sample_rows(lib, stream, logits, params, tokens, logprobs, top_ids, top_logprobs, top_n,
                             processed=processed)
+        self.backend.mark_sampled()
         host = cuda.copy_to_host(DeviceTensor(base, (n * OUT_WORDS,), "int32"))
         return self._result(host, logits, rows, top_n)
 

@@ -1,6 +1,7 @@
 """Launchers for cuda_kernels/attention.cu: causal attention over the paged KV cache, decode (split along the
 context, flash-decoding) and prefill (flash-attention-2), on tensor cores."""
 
+import functools
 import math
 
 import numpy as np
@@ -15,34 +16,53 @@ THREADS = 128                  # as in attention.cu: 4 warps
 KV_TILE = 64                   # as in attention.cu: keys per K/V tile
 PREFILL_ROWS = 64              # as in attention.cu: query rows per prefill CTA
 MAX_DECODE_GROUP = 16          # decode: a kv group's query heads fill the 16 rows of one mma tile
-MIN_PARTITION = 4 * KV_TILE    # decode: fewest keys per split, so a split streams several tiles
-# decode: CTAs to aim for, about 4 waves of 3 resident CTAs (head_dim 128) on 132 SMs. On an H200, 1600 was
-# the best of 800 / 1600 / 3200 / 6400 over batch 8 x 32768, 64 x 4096, 64 x 2000 and 256 x 1024.
-TARGET_CTAS = 1600
+# decode: a split's fixed cost (query load, pipeline fill, the warps' merge, the partial write) in the time of
+# one KV tile; fitted on an H200 to timings of 1 to 256 sequences x 1024 to 32768 keys (bench/gpu_attention.py).
+SPLIT_OVERHEAD_TILES = 6
 MAX_GRID_YZ = 65535
 LOG2_E = math.log2(math.e)
 
 
-def decode_partition(batch: int, num_kv_heads: int, max_context: int) -> tuple[int, int]:
-    """(keys per split, number of splits) of a decode launch: the context is split until there are about
-    TARGET_CTAS CTAs, in multiples of KV_TILE keys, at least MIN_PARTITION each."""
-    max_context = max(max_context, 1)
-    wanted = max(1, ceil_div(TARGET_CTAS, max(batch * num_kv_heads, 1)))
-    partition = max(MIN_PARTITION, KV_TILE * ceil_div(ceil_div(max_context, wanted), KV_TILE))
-    return partition, ceil_div(max_context, partition)
+@functools.lru_cache(maxsize=4096)
+def decode_partition(batch: int, num_kv_heads: int, max_context: int, resident_ctas: int) -> tuple[int, int]:
+    """(keys per split, number of splits) of a decode launch. CTAs run in waves of resident_ctas; a split
+    costs its tiles plus SPLIT_OVERHEAD_TILES. The choice minimizes waves x (tiles per split + overhead), the
+    fewest splits among equals: one tile per split when everything fits one wave (batch 1), whole contexts
+    per CTA when the sequences alone fill the device."""
+    tiles = ceil_div(max(max_context, 1), KV_TILE)
+    groups = max(batch * num_kv_heads, 1)
+    best = None
+    for per_split in range(tiles, 0, -1):
+        splits = ceil_div(tiles, per_split)
+        cost = ceil_div(groups * splits, resident_ctas) * (per_split + SPLIT_OVERHEAD_TILES)
+        if best is None or cost < best[0]:
+            best = (cost, per_split * KV_TILE, splits)
+    return best[1], best[2]
 
 
-def decode_workspace_elements(batch: int, num_heads: int, num_kv_heads: int, head_dim: int, max_context: int) -> int:
+def decode_splits(lib, batch: int, num_kv_heads: int, head_dim: int, max_context: int,
+                  partition: int | None = None) -> tuple[int, int]:
+    """(keys per split, splits): decode_partition's choice for this device, or `partition` keys (a multiple of
+    KV_TILE) when given."""
+    if partition is None:
+        slots = lib.resident_ctas(f"paged_decode_attention_hd{head_dim}", MODULE, THREADS)
+        return decode_partition(batch, num_kv_heads, max_context, slots)
+    require(partition > 0 and partition % KV_TILE == 0, f"decode partition {partition} must be a multiple of {KV_TILE}")
+    return partition, ceil_div(max(max_context, 1), partition)
+
+
+def decode_workspace_elements(lib, batch: int, num_heads: int, num_kv_heads: int, head_dim: int, max_context: int,
+                              partition: int | None = None) -> int:
     """float32 elements paged_decode_attention needs for these sizes (0 when the context is not split):
     each split's normalized output [B, num_heads, splits, head_dim] and log2-sum-exp [B, num_heads, splits]."""
-    _, splits = decode_partition(batch, num_kv_heads, max_context)
+    splits = decode_splits(lib, batch, num_kv_heads, head_dim, max_context, partition)[1]
     return 0 if splits == 1 else batch * num_heads * splits * (head_dim + 1)
 
 
 def paged_decode_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_cache: DeviceTensor,
                            seq_rows: DeviceTensor, context_lens: DeviceTensor, block_tables: DeviceTensor,
                            workspace: DeviceTensor | None, num_heads: int, num_kv_heads: int, head_dim: int,
-                           scale: float, sliding_window: int, max_context: int) -> None:
+                           scale: float, sliding_window: int, max_context: int, partition: int | None = None) -> None:
     """Attention of one query per sequence over its paged KV: for b < B, out[seq_rows[b]] (all heads) from
     q[seq_rows[b]] and keys 0 .. context_lens[b] - 1 (the last max(0, context - sliding_window) .. with a
     window) read through block_tables[b].
@@ -54,7 +74,7 @@ def paged_decode_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_c
     guarantees): 1 <= context_lens[b] <= max_context <= max_blocks * block_size, block ids in [0, num_blocks),
     seq_rows in [0, T). A sequence with context_lens[b] == 0 (a padding lane) leaves its row unwritten.
     The number of splits depends on B, num_kv_heads and max_context only, so a captured graph stays valid
-    for any contexts up to max_context."""
+    for any contexts up to max_context. partition: keys per split, overriding decode_partition (benchmarks)."""
     _check_common("paged_decode_attention", out, q, kv_cache, block_tables, num_heads, num_kv_heads, head_dim,
                   sliding_window)
     require(len(seq_rows.shape) == 1 and seq_rows.dtype == "int32",
@@ -72,8 +92,8 @@ def paged_decode_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_c
     require(batch <= MAX_GRID_YZ, f"paged_decode_attention: at most {MAX_GRID_YZ} sequences")
     if batch == 0 or max_context == 0:
         return
-    partition, splits = decode_partition(batch, num_kv_heads, max_context)
-    needed = decode_workspace_elements(batch, num_heads, num_kv_heads, head_dim, max_context)
+    partition, splits = decode_splits(lib, batch, num_kv_heads, head_dim, max_context, partition)
+    needed = decode_workspace_elements(lib, batch, num_heads, num_kv_heads, head_dim, max_context, partition)
     partial_out = partial_lse = np.uint64(0)
     if needed:
         require(workspace is not None and workspace.dtype == "float32" and workspace.numel >= needed,

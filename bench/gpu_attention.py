@@ -1,0 +1,167 @@
+"""The attention kernels alone on the GPU: paged decode attention as a fraction of copy bandwidth (the KV it
+must read / time), and prefill attention against torch's scaled_dot_product_attention (flash) measured in the
+same run, in causal TFLOP/s. Llama-3-8B heads: 32 query heads, 8 KV heads, head_dim 128, KV blocks of 16.
+
+Run from the repository root: python3 -m bench.gpu_attention [--sweep]
+"""
+
+import argparse
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from bench.gpu_ceilings import copy_bandwidth, gpu_machine_line
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+DECODE_CASES = ((1, 1024), (1, 4096), (1, 8192), (8, 4096), (32, 1024), (64, 1024), (64, 2000), (64, 4096),
+                (256, 1024), (8, 32768))
+PREFILL_LENGTHS = (4096, 16384)
+SWEEP = (64, 128, 256, 512, 1024, 2048)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="also time decode at each partition size in SWEEP")
+    parser.add_argument("--reps", type=int, default=20, help="launches per timed CUDA graph")
+    return parser.parse_args(argv)
+
+
+def paged_kv(batch: int, context: int, device: str = "cuda"):
+    """A random KV cache of batch sequences of `context` tokens each, blocks shuffled; (kv, tables)."""
+    per_seq = math.ceil(context / BLOCK)
+    num_blocks = batch * per_seq
+    kv = torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    tables = torch.randperm(num_blocks, device=device, dtype=torch.int32).view(batch, per_seq).contiguous()
+    return kv, tables
+
+
+def time_graph(stream, launch, reps: int, replays: int = 5) -> float:
+    """Seconds per launch(): `reps` calls captured into one CUDA graph on `stream`, replayed back to back."""
+    builder = stream.create_graph_builder()
+    builder.begin_building("thread_local")
+    for _ in range(reps):
+        launch()
+    builder.end_building()
+    graph = builder.complete()
+    graph.upload(stream)
+    return seconds_per_replay(graph, stream, replays) / reps
+
+
+def seconds_per_replay(graph, stream, replays: int, warmup: int = 1) -> float:
+    """A captured graph's device time: replays launched back to back after warmup ones, host clock between syncs."""
+    for _ in range(warmup):
+        graph.launch(stream)
+    stream.sync()
+    started = time.perf_counter()
+    for _ in range(replays):
+        graph.launch(stream)
+    stream.sync()
+    return (time.perf_counter() - started) / replays
+
+
+def decode_case(lib, stream, batch: int, context: int, reps: int, partition=None) -> float:
+    from metrale.runtime.backend.cuda.kernels.attention import decode_workspace_elements, paged_decode_attention
+    from metrale.runtime.backend.cuda.tensor import DeviceTensor as D
+    kv, tables = paged_kv(batch, context)
+    q = torch.randn(batch, HEADS * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    rows = torch.arange(batch, device="cuda", dtype=torch.int32)
+    contexts = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    elements = decode_workspace_elements(lib, batch, HEADS, KV_HEADS, HEAD_DIM, context, partition)
+    workspace = torch.empty(max(elements, 4), device="cuda", dtype=torch.float32)
+    torch.cuda.synchronize()
+    args = [D.from_torch(t) for t in (out, q, kv, rows, contexts, tables, workspace)]
+
+    def launch():
+        paged_decode_attention(lib, stream, *args[:6], args[6] if elements else None, HEADS, KV_HEADS, HEAD_DIM,
+                               HEAD_DIM ** -0.5, -1, context, partition)
+    seconds = time_graph(stream, launch, reps)
+    reference = F.scaled_dot_product_attention(
+        q.view(batch, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM).float(),
+        kv[0][tables.long()].view(batch, -1, KV_HEADS, HEAD_DIM)[:, :context].transpose(1, 2).float(),
+        kv[1][tables.long()].view(batch, -1, KV_HEADS, HEAD_DIM)[:, :context].transpose(1, 2).float(),
+        scale=HEAD_DIM ** -0.5) if batch * context <= 64 * 4096 else None
+    if reference is not None:
+        error = ((out.float().view_as(reference) - reference).norm() / reference.norm()).item()
+        assert error < 1e-2, f"decode {batch}x{context}: relative error {error:.2e}"
+    return seconds
+
+
+def prefill_case(lib, stream, length: int, reps: int) -> tuple[float, float, float]:
+    """(ours s, SDPA s, relative error of ours against SDPA) for one causal sequence of `length` tokens."""
+    from metrale.runtime.backend.cuda.kernels.attention import paged_prefill_attention
+    from metrale.runtime.backend.cuda.tensor import DeviceTensor as D
+    kv, tables = paged_kv(1, length)
+    q = torch.randn(length, HEADS * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    starts = torch.zeros(1, device="cuda", dtype=torch.int32)
+    lens = torch.full((1,), length, device="cuda", dtype=torch.int32)
+    torch.cuda.synchronize()
+    args = [D.from_torch(t) for t in (out, q, kv, starts, lens, lens, tables)]
+
+    def launch():
+        paged_prefill_attention(lib, stream, *args, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, -1, 1, length)
+    ours = time_graph(stream, launch, max(2, reps // 4))
+    # SDPA on the same K/V, gathered to [1, heads, T, hd] (as the peer holds them), GQA without repeats.
+    keys = kv[0][tables[0].long()].reshape(-1, KV_HEADS, HEAD_DIM)[:length].transpose(0, 1)[None].contiguous()
+    values = kv[1][tables[0].long()].reshape(-1, KV_HEADS, HEAD_DIM)[:length].transpose(0, 1)[None].contiguous()
+    queries = q.view(length, HEADS, HEAD_DIM).transpose(0, 1)[None].contiguous()
+
+    def sdpa():
+        return F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=True)
+    reference = sdpa()
+    for _ in range(3):
+        sdpa()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(reps):
+        sdpa()
+    torch.cuda.synchronize()
+    theirs = (time.perf_counter() - started) / reps
+    ours_out = out.view(length, HEADS, HEAD_DIM).transpose(0, 1)[None].float()
+    error = ((ours_out - reference.float()).norm() / reference.float().norm()).item()
+    return ours, theirs, error
+
+
+def kernel_library():
+    """(KernelLibrary, cuda.core stream) on device 0, kernels cached where the worker caches them."""
+    from cuda.core import Device
+
+    from metrale.runtime.backend.cuda.compiler import KernelCache, KernelLibrary
+    from metrale.runtime.backend.cuda.device import arch_of
+    from metrale.runtime.default_model import default_cache_dir
+    device = Device(0)
+    device.set_current()
+    return KernelLibrary(arch_of(device), KernelCache(default_cache_dir() / "kernels")), device.create_stream()
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    print(gpu_machine_line("gpu_attention", "cuda"), flush=True)
+    bandwidth = copy_bandwidth("cuda", 2 * 10**9)
+    lib, stream = kernel_library()
+    kv_token = 2 * KV_HEADS * HEAD_DIM * 2
+    print(f"# paged decode attention, {HEADS} heads / {KV_HEADS} KV heads, head_dim {HEAD_DIM}, blocks of {BLOCK}; "
+          f"fraction of copy bandwidth {bandwidth / 1e12:.2f} TB/s (KV bytes / time, attention and merge launches)")
+    partitions = (None,) + (SWEEP if args.sweep else ())
+    print(f"{'batch':>5} {'context':>7} " + " ".join(f"{'default' if p is None else p:>14}" for p in partitions))
+    for batch, context in DECODE_CASES:
+        cells = []
+        for partition in partitions:
+            seconds = decode_case(lib, stream, batch, context, args.reps, partition)
+            fraction = batch * context * kv_token / seconds / bandwidth
+            cells.append(f"{seconds * 1e6:7.1f}us {fraction:4.2f}")
+        print(f"{batch:5d} {context:7d} " + " ".join(f"{c:>14}" for c in cells), flush=True)
+    print("# prefill attention, one causal sequence; TFLOP/s = 2 * 2 * T^2 / 2 * heads * head_dim / time")
+    print(f"{'tokens':>7} {'ours ms':>8} {'ours TF/s':>9} {'sdpa ms':>8} {'sdpa TF/s':>9} {'ours/sdpa':>9} {'rel err':>8}")
+    for length in PREFILL_LENGTHS:
+        ours, theirs, error = prefill_case(lib, stream, length, args.reps)
+        flops = 2 * length * length * HEADS * HEAD_DIM
+        print(f"{length:7d} {ours * 1e3:8.3f} {flops / ours / 1e12:9.1f} {theirs * 1e3:8.3f} "
+              f"{flops / theirs / 1e12:9.1f} {flops / ours / (flops / theirs):9.2f} {error:8.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Where a step's time goes on the GPU: the engine's decode step split into host work and device work, the
+graph replay alone, the kernels of one step (torch.profiler/CUPTI, every device activity by name), and the host functions that cost the most (cProfile). Optionally one prefill step's kernels.
+
+Run from the repository root: python3 -m bench.gpu_profile [--shape smollm2-135m] [--batches 1,32]
+"""
+
+import argparse
+import cProfile
+import io
+import pstats
+
+import torch
+
+from bench.gpu_attention import seconds_per_replay
+from bench.gpu_ceilings import copy_bandwidth, gpu_machine_line
+from bench.gpu_decode import EngineRunner, log
+from bench.model_shapes import SHAPES, decode_weight_bytes, kv_bytes_per_token, random_checkpoint, random_tokens
+from metrale.runtime.build import build_engine
+from metrale.runtime.config import EngineConfig
+from metrale.runtime.kv_blocks import blocks_for
+from metrale.runtime.step import DecodeLane, PrefillSlice, Step
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
+    parser.add_argument("--batches", default="1,32", help="decode batch sizes, comma-separated")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=50, help="timed steps per measurement")
+    parser.add_argument("--prefill", default="", help="one prefill case NUMxLEN to profile too; '' for none")
+    parser.add_argument("--kernels", type=int, default=25, help="kernel rows to print")
+    parser.add_argument("--host-rows", type=int, default=25, help="cProfile rows to print")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    shape = SHAPES[args.shape]
+    batches = [int(b) for b in args.batches.split(",")]
+    prefill = tuple(int(x) for x in args.prefill.lower().split("x")) if args.prefill else None
+    print(gpu_machine_line("gpu_profile", "cuda"), flush=True)
+    bandwidth = copy_bandwidth("cuda", 2 * 10**9)
+    longest = args.context + 4 * args.steps + 8
+    block = EngineConfig.kv_block_size
+    kv_blocks = max(batches) * blocks_for(longest, block) + (prefill[0] * blocks_for(prefill[1], block)
+                                                            if prefill else 0) + 8
+    max_batch_tokens = max(8192, prefill[0] * prefill[1] if prefill else 0)
+    config = EngineConfig(device="cuda", kv_blocks=kv_blocks, max_batch_tokens=max_batch_tokens,
+                          max_model_len=max(longest, prefill[1] if prefill else 0),
+                          cuda_graph_batch_sizes=tuple(batches))
+    engine, _ = build_engine(random_checkpoint(shape, args.seed, "cuda"), config)
+    torch.cuda.empty_cache()
+    runner = EngineRunner(engine, max_batch_tokens)
+    backend = engine.model.ops
+    weights, kv_token = decode_weight_bytes(shape), kv_bytes_per_token(shape)
+    log(f"{args.shape}: copy bandwidth {bandwidth / 1e12:.2f} TB/s, weights {weights / 1e9:.3f} GB")
+
+    for batch in batches:
+        floor_ms = (weights + batch * args.context * kv_token) / bandwidth * 1e3
+        prompts = random_tokens(batch, args.context, shape.vocab, args.seed + 3)
+        first = runner.prefill(prompts)
+        step_ms, _ = runner.time_decode(first, 5, args.steps)
+        replay_ms = time_replays(backend, batch, args.steps)
+        print(f"## decode batch {batch}, {args.context} context: floor {floor_ms:.3f} ms")
+        print(f"engine.step (host clock)  p50 {median(step_ms):.3f} ms  ({median(step_ms) / floor_ms:.2f}x floor)")
+        print(f"graph replay alone        {replay_ms:.3f} ms  ({replay_ms / floor_ms:.2f}x floor); host and "
+              f"sampler: {median(step_ms) - replay_ms:.3f} ms")
+        lanes = tuple(DecodeLane(seq_id, token) for seq_id, token in first.items())
+        print(kernel_table(lambda: runner.engine.step(Step(decode=lanes)), args.kernels))
+        print(host_profile(runner, first, args.steps, args.host_rows))
+        runner.release_all()
+
+    if prefill:
+        n, length = prefill
+        tokens = random_tokens(n, length, shape.vocab, args.seed + 2)
+        slices = lambda: Step(prefill=tuple(PrefillSlice(i, tuple(row)) for i, row in
+                                            zip(runner.new_ids(n), tokens.tolist())))
+        runner.engine.step(slices())     # warm: cuBLASLt plans for these shapes
+        runner.release_all()
+        print(f"## prefill {n}x{length}")
+        print(kernel_table(lambda: runner.engine.step(slices()), args.kernels, after=runner.release_all))
+
+
+def median(values):
+    return sorted(values)[len(values) // 2]
+
+
+def time_replays(backend, batch: int, steps: int) -> float:
+    """ms per replay of the batch's decode graph, launched back to back (device time once the queue is full)."""
+    graph, _ = backend.graphs._graphs[batch]
+    return seconds_per_replay(graph, backend.cuda.stream, steps, warmup=3) * 1e3
+
+
+def kernel_table(run_step, rows: int, after=None) -> str:
+    """Device time per kernel name over 5 runs of run_step (CUPTI through torch.profiler), per step."""
+    from torch.profiler import ProfilerActivity, profile
+    reps = 5
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            run_step()
+            if after:
+                after()
+        torch.cuda.synchronize()
+    kernels = {}     # name -> (total us, count); every device activity (kernels and copies) of any library
+    for event in prof.profiler.kineto_results.events():
+        if event.device_type() != torch.autograd.DeviceType.CUDA:
+            continue
+        total, count = kernels.get(event.name(), (0.0, 0))
+        kernels[event.name()] = (total + event.duration_ns() / 1e3, count + 1)
+    busy = sum(t for t, _ in kernels.values()) / reps
+    lines = [f"kernels of one step: {busy / 1e3:.3f} ms busy in {sum(c for _, c in kernels.values()) // reps} "
+             f"launches", f"{'us/step':>9} {'calls':>6} {'us/call':>8}  kernel"]
+    for name, (total, count) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:rows]:
+        lines.append(f"{total / reps:9.1f} {count // reps:6d} {total / count:8.2f}  {name[:110]}")
+    return "\n".join(lines)
+
+
+def host_profile(runner: EngineRunner, first: dict, steps: int, rows: int) -> str:
+    """cProfile over `steps` decode steps: the host functions by own time."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    runner.time_decode(first, 0, steps)
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(rows)
+    text = out.getvalue()
+    return "host (cProfile, own time over all steps):\n" + text[text.find("ncalls"):]
+
+
+if __name__ == "__main__":
+    from bench.grpc_overhead import quiet_logs
+    quiet_logs()
+    main()

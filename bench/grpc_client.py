@@ -1,0 +1,95 @@
+"""A gateway's decode loop through gRPC, run in a process of its own (so the client does not share the worker's
+interpreter lock): prefill `batch` prompts, then decode, each step fed the tokens of the last, timed per round
+trip on the client. Used by bench/gpu_decode.py; run alone it prints JSON.
+
+python3 -m bench.grpc_client ADDRESS --batch 1 --context 1024 --steps 32 --warmup 5 --vocab 128256
+"""
+
+import argparse
+import json
+import multiprocessing
+import time
+
+import grpc
+import torch
+
+from metrale.service.in_process import CLIENT_OPTIONS
+from metrale.v1 import worker_pb2 as pb
+from metrale.v1 import worker_pb2_grpc
+
+
+def decode_round_trips(address: str, batch: int, context: int, steps: int, warmup: int, vocab: int,
+                       seed: int = 0, first_seq_id: int = 1 << 40, breakdown: list | None = None) -> list[float]:
+    """ms per Decode round trip for the timed steps; the sequences are released at the end. breakdown, if
+    given, receives (round trip ms, the worker's forward_us / 1e3, its queue_us / 1e3) per timed step."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, vocab, (batch, context), generator=generator).tolist()
+    ids = list(range(first_seq_id, first_seq_id + batch))
+    with grpc.insecure_channel(address, options=CLIENT_OPTIONS) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        tokens = {}
+        per_request = max(1, 8192 // context)
+        for start in range(0, batch, per_request):
+            slices = [pb.PrefillSlice(seq_id=i, tokens=p, is_last_chunk=True)
+                      for i, p in zip(ids[start:start + per_request], prompts[start:start + per_request])]
+            response = stub.Prefill(pb.PrefillRequest(slices=slices))
+            tokens.update(zip(response.seq_ids, response.tokens))
+        times = []
+        try:
+            for step in range(warmup + steps):
+                request = pb.DecodeRequest(seq_ids=ids, tokens=[tokens[i] for i in ids])
+                started = time.perf_counter()
+                response = stub.Decode(request)
+                elapsed = (time.perf_counter() - started) * 1e3
+                tokens = dict(zip(response.seq_ids, response.tokens))
+                if step >= warmup:
+                    times.append(elapsed)
+                    if breakdown is not None:
+                        breakdown.append((elapsed, response.forward_us / 1e3, response.queue_us / 1e3))
+        finally:
+            stub.Release(pb.ReleaseRequest(seq_ids=ids))
+    return times
+
+
+def _child(queue, args) -> None:
+    try:
+        breakdown = []
+        decode_round_trips(*args, breakdown=breakdown)
+        queue.put(("ok", breakdown))
+    except Exception as error:   # reported to the parent, which raises
+        queue.put(("error", repr(error)))
+
+
+def decode_round_trips_in_subprocess(address: str, batch: int, context: int, steps: int, warmup: int,
+                                     vocab: int, seed: int = 0, timeout: float = 300.0) -> list[tuple]:
+    """decode_round_trips in a fresh (spawned) process: (round trip, forward, queue) ms per timed step."""
+    context_ = multiprocessing.get_context("spawn")
+    queue = context_.Queue()
+    process = context_.Process(target=_child, args=(queue, (address, batch, context, steps, warmup, vocab, seed)))
+    process.start()
+    try:
+        status, value = queue.get(timeout=timeout)
+    finally:
+        process.join(10)
+        if process.is_alive():
+            process.kill()
+    if status != "ok":
+        raise RuntimeError(f"the gRPC client failed: {value}")
+    return value
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("address")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--vocab", type=int, required=True)
+    args = parser.parse_args()
+    print(json.dumps(decode_round_trips(args.address, args.batch, args.context, args.steps, args.warmup,
+                                        args.vocab)))
+
+
+if __name__ == "__main__":
+    main()

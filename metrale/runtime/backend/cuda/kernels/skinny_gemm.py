@@ -1,0 +1,71 @@
+"""Launcher for cuda_kernels/gemv.cu: the skinny GEMM of decode linears, out = x @ weight.T (+ bias), M <= 16."""
+
+import numpy as np
+
+from metrale.runtime.backend.cuda.launch import ceil_div, launch_kernel
+from metrale.runtime.backend.cuda.tensor import DeviceTensor
+from metrale.runtime.errors import InvalidArgument
+
+MODULE = "gemv"
+MAX_M = 16
+THREADS = 256            # as in gemv.cu: 8 warps
+TILE_ROWS = 16           # as in gemv.cu: weight rows per CTA
+OUT_DTYPES = ("bfloat16", "float32")
+# (M <= 8, out dtype) -> kernel: M <= 8 is one 8-token mma tile, M <= 16 two.
+KERNELS = {(True, "bfloat16"): "skinny_gemm_m8_bf16", (True, "float32"): "skinny_gemm_m8_f32",
+           (False, "bfloat16"): "skinny_gemm_m16_bf16", (False, "float32"): "skinny_gemm_m16_f32"}
+NULL = np.uint64(0)
+
+
+def unsupported_reason(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
+                       bias: DeviceTensor | None) -> str | None:
+    """Why skinny_linear cannot run this linear, or None. Plain comparisons; a message is formatted only on failure."""
+    if len(x.shape) != 2 or x.dtype != "bfloat16":
+        return f"x must be [M, K] bfloat16, not {x.shape} {x.dtype}"
+    if len(weight.shape) != 2 or weight.dtype != "bfloat16" or not weight.is_contiguous:
+        return f"weight must be a contiguous [N, K] bfloat16, not {weight.shape} {weight.dtype} stride {weight.stride}"
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > MAX_M:
+        return f"M = {m} is over {MAX_M}"
+    if weight.shape[1] != k or n == 0 or k == 0:
+        return f"x {x.shape} and weight {weight.shape} must agree on a non-zero K, with N > 0"
+    if k % 8:
+        return f"K = {k} must be a multiple of 8"
+    if out.shape != (m, n) or out.dtype not in OUT_DTYPES:
+        return f"out must be [{m}, {n}] in one of {OUT_DTYPES}, not {out.shape} {out.dtype}"
+    x_stride, out_stride = x.stride, out.stride
+    if x_stride < k or out_stride < n:
+        return f"a row stride is shorter than its row (x {x_stride} < {k} or out {out_stride} < {n})"
+    if (x.ptr | weight.ptr | 2 * x_stride) % 16:
+        return (f"x and weight must be 16-byte aligned (pointer and row stride): x {x.ptr:#x} stride {x_stride}, "
+                f"weight {weight.ptr:#x}")
+    if out.ptr % out.itemsize:
+        return f"out {out.ptr:#x} is not {out.itemsize}-byte aligned"
+    if bias is not None and (bias.shape != (n,) or bias.dtype != out.dtype or bias.ptr % bias.itemsize):
+        return (f"bias must be an aligned [{n}] {out.dtype} (out's dtype), not {bias.shape} {bias.dtype} "
+                f"at {bias.ptr:#x}")
+    return None
+
+
+def supports(x: DeviceTensor, weight: DeviceTensor, out: DeviceTensor, bias: DeviceTensor | None = None) -> bool:
+    """Whether skinny_linear takes this linear (M <= MAX_M, K % 8 == 0, alignment, dtypes); never raises."""
+    return unsupported_reason(out, x, weight, bias) is None
+
+
+def skinny_linear(lib, stream, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
+                  bias: DeviceTensor | None = None) -> None:
+    """out [M, N] = x [M, K] @ weight [N, K].T (+ bias [N]) in one launch, for M <= 16 (decode lanes).
+    x: bf16, may be a column slice (row stride a multiple of 8 elements); weight: bf16, contiguous; out: bf16 or
+    float32 (logits), may be a column slice; bias: out's dtype. x and weight 16-byte aligned; K % 8 == 0.
+    fp32 accumulation, rounded once to out's dtype (bias added before rounding). M == 0 launches nothing."""
+    problem = unsupported_reason(out, x, weight, bias)
+    if problem is not None:
+        raise InvalidArgument(f"skinny_linear: {problem}")
+    m, k = x.shape
+    if m == 0:
+        return
+    n = out.shape[1]
+    kernel = lib.get(KERNELS[m <= 8, out.dtype], MODULE)
+    launch_kernel(stream, kernel, ceil_div(n, TILE_ROWS), THREADS, out, np.int64(out.stride), x,
+                  np.int64(x.stride // 8), weight, bias if bias is not None else NULL, m, n, k // 8)
