@@ -2,9 +2,11 @@
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from metrale.runtime.kv_blocks import blocks_for
+from metrale.runtime.sequence import BlockTable
 
 
 @dataclass
@@ -15,7 +17,7 @@ class ForwardBatch:
     query_starts: list[int]      # [S] first row of each segment in T
     query_lens: list[int]        # [S] new tokens of each segment
     context_lens: list[int]      # [S] tokens each segment attends to, new ones included
-    block_tables: list[list[int]]  # [S] block ids covering context_lens
+    block_tables: list  # [S] int32 arrays (or lists) of the block ids covering context_lens
     sample_rows: torch.Tensor    # [N] int64 rows of T whose hidden states become logits
 
     @property
@@ -23,12 +25,12 @@ class ForwardBatch:
         return int(self.token_ids.shape[0])
 
 
-@dataclass
+@dataclass(slots=True)
 class Segment:
     """One sequence's part of a forward: new tokens appended after `start` cached ones."""
-    block_table: list[int]
+    block_table: BlockTable
     start: int
-    tokens: list[int]
+    tokens: tuple[int, ...] | list[int]
     samples: bool
 
 
@@ -37,17 +39,19 @@ def build_batch(segments: list[Segment], kv_block_size: int) -> ForwardBatch:
     for seg in segments:
         row = len(token_ids)
         n = len(seg.tokens)
-        span = range(seg.start, seg.start + n)
+        start, table = seg.start, seg.block_table
         token_ids.extend(seg.tokens)
-        positions.extend(span)
-        if n == 1:
-            slots.append(seg.block_table[seg.start // kv_block_size] * kv_block_size + seg.start % kv_block_size)
+        if n == 1:   # a decode lane: the common case, kept cheap
+            positions.append(start)
+            slots.append(table.slot(start, kv_block_size))
         else:
-            slots.extend(seg.block_table[p // kv_block_size] * kv_block_size + p % kv_block_size for p in span)
+            span = np.arange(start, start + n)
+            positions.extend(range(start, start + n))
+            slots.extend((table.array()[span // kv_block_size] * kv_block_size + span % kv_block_size).tolist())
         starts.append(row)
         lens.append(n)
-        contexts.append(seg.start + n)
-        tables.append(seg.block_table[:blocks_for(seg.start + n, kv_block_size)])
+        contexts.append(start + n)
+        tables.append(table.array(blocks_for(start + n, kv_block_size)))
         if seg.samples:
             sample_rows.append(row + n - 1)
     as_long = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731

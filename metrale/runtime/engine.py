@@ -78,7 +78,7 @@ class Engine:
                 if seq is None:
                     unknown.append(seq_id)
                     continue
-                self.blocks.free(seq.block_table)
+                self.blocks.free(seq.block_table.tolist())
                 freed += len(seq.block_table)
                 released.append(seq_id)
             return ReleaseResult(released, unknown, freed)
@@ -107,12 +107,11 @@ class Engine:
             seq = self.sequences.get(seq_id)
             if seq_id not in snapshot:
                 self.sequences.remove(seq_id)
-                self.blocks.free(seq.block_table)
+                self.blocks.free(seq.block_table.tolist())
                 continue
             num_tokens, num_blocks, finished, num_prompt = snapshot[seq_id]
             del seq.tokens[num_tokens:]
-            self.blocks.free(seq.block_table[num_blocks:])
-            del seq.block_table[num_blocks:]
+            self.blocks.free(seq.block_table.truncate(num_blocks))
             seq.prompt_finished, seq.num_prompt_tokens = finished, num_prompt
 
     def forward(self, batch):
@@ -121,7 +120,7 @@ class Engine:
 
     def _run_round(self, chunks: tuple[Chunk, ...], cancelled: Callable[[], bool]) -> list[SequenceOutput]:
         sequences = [self.sequences.get(c.seq_id) for c in chunks]
-        segments = [Segment(seq.block_table, c.start, list(c.tokens), c.samples) for c, seq in zip(chunks, sequences)]
+        segments = [Segment(seq.block_table, c.start, c.tokens, c.samples) for c, seq in zip(chunks, sequences)]
         batch = build_batch(segments, self.config.kv_block_size)
         ops = self.model.ops
         with self._forward_lock:

@@ -20,7 +20,7 @@ class Limits:
     max_seqs: int
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Chunk:
     """Tokens one sequence appends in one forward, starting at position `start`."""
     seq_id: int

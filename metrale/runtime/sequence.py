@@ -2,7 +2,51 @@
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from metrale.runtime.sampling import OutputOptions, SamplingParams
+
+
+class BlockTable:
+    """A sequence's KV block ids in order, as int32 in a numpy buffer that grows by doubling: a forward copies the
+    tables of its sequences as arrays, where converting ~70 Python ints per sequence at every step cost ~18 ns
+    each (0.3 ms at 256 sequences)."""
+
+    __slots__ = ("_ids", "_len")
+
+    def __init__(self, ids=()):
+        self._ids = np.zeros(max(16, len(ids)), dtype=np.int32)
+        self._len = 0
+        self.extend(ids)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def extend(self, ids) -> None:
+        end = self._len + len(ids)
+        if end > len(self._ids):
+            grown = np.zeros(max(end, 2 * len(self._ids)), dtype=np.int32)
+            grown[:self._len] = self._ids[:self._len]
+            self._ids = grown
+        self._ids[self._len:end] = ids
+        self._len = end
+
+    def truncate(self, length: int) -> list[int]:
+        """Keeps the first `length` blocks; returns the ones dropped."""
+        dropped = self._ids[length:self._len].tolist()
+        self._len = min(self._len, length)
+        return dropped
+
+    def array(self, length: int | None = None) -> np.ndarray:
+        """The first `length` (default: all) ids: a view, valid until the table changes."""
+        return self._ids[:self._len if length is None else length]
+
+    def slot(self, position: int, block_size: int) -> int:
+        """KV slot of the token at `position`."""
+        return int(self._ids[position // block_size]) * block_size + position % block_size
+
+    def tolist(self) -> list[int]:
+        return self._ids[:self._len].tolist()
 
 
 @dataclass
@@ -16,7 +60,7 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     prompt_finished: bool = False
     num_prompt_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
+    block_table: BlockTable = field(default_factory=BlockTable)
 
     @property
     def num_tokens(self) -> int:

@@ -20,7 +20,7 @@ class PrefillSlice:
     output: OutputOptions = OutputOptions()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class DecodeLane:
     seq_id: int
     # Appended to the sequence; its KV is computed and the next token sampled.
@@ -61,7 +61,7 @@ def check_token_ids(where: str, tokens, vocab_size: int) -> None:
         raise InvalidArgument(f"{where}: token id {bad[0]} is out of range, vocab_size is {vocab_size}")
 
 
-@dataclass
+@dataclass(slots=True)
 class SequenceOutput:
     seq_id: int
     token: int

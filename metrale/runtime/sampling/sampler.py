@@ -35,7 +35,7 @@ FIRST_HEAD = 128  # canonical-order tokens walked first: the choice is in them f
 NUM_BUCKETS = 4096  # s-buckets that narrow the walk on flat rows
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleRow:
     """One sequence's row of the logits."""
 

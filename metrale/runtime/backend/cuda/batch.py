@@ -1,7 +1,6 @@
 """A forward's metadata on the device: packed on the host into one int32 array, copied with one H2D copy
 into a fixed region (the same addresses every forward, for CUDA graphs)."""
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,7 +50,7 @@ def pack_batch(batch: ForwardBatch, region: DeviceTensor, max_blocks: int, pad_t
         counts = np.fromiter(map(len, chosen), dtype=np.int64, count=len(chosen))
         total = int(counts.sum())
         if total:
-            flat = np.fromiter(itertools.chain.from_iterable(chosen), dtype=np.int32, count=total)
+            flat = np.concatenate([np.asarray(t, dtype=np.int32) for t in chosen])
             out[:len(chosen)][np.arange(max_blocks) < counts[:, None]] = flat   # row by row, in order
         return out
 

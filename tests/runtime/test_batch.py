@@ -1,0 +1,80 @@
+"""A forward's flat inputs on the host: the block tables sequences keep, build_batch, and the CUDA backend's packing
+of a batch into its metadata region (pure numpy: no GPU needed)."""
+
+import numpy as np
+import pytest
+import torch
+
+from metrale.runtime.batch import Segment, build_batch
+from metrale.runtime.sequence import BlockTable
+
+BLOCK = 4
+
+
+def test_block_table_grows_truncates_and_maps_slots():
+    table = BlockTable([7, 3])
+    table.extend(list(range(100, 130)))          # past the initial capacity of 16
+    assert len(table) == 32 and table.tolist() == [7, 3] + list(range(100, 130))
+    assert table.slot(0, BLOCK) == 28 and table.slot(5, BLOCK) == 13 and table.slot(9, BLOCK) == 401
+    assert table.array(3).tolist() == [7, 3, 100]
+    assert table.truncate(2) == list(range(100, 130)) and table.tolist() == [7, 3]
+    table.extend([9])
+    assert table.tolist() == [7, 3, 9] and table.truncate(5) == [] and len(table) == 3
+
+
+def mixed_segments():
+    # a decode lane at position 9, a prompt chunk of 6 tokens after 2 cached ones (not sampled), a new prompt of 3
+    return [Segment(BlockTable([5, 8, 2]), 9, (11,), True),
+            Segment(BlockTable([1, 6]), 2, (20, 21, 22, 23, 24, 25), False),
+            Segment(BlockTable([4]), 0, (30, 31, 32), True)]
+
+
+def test_build_batch_flattens_segments():
+    batch = build_batch(mixed_segments(), BLOCK)
+    assert batch.token_ids.tolist() == [11, 20, 21, 22, 23, 24, 25, 30, 31, 32]
+    assert batch.positions.tolist() == [9, 2, 3, 4, 5, 6, 7, 0, 1, 2]
+    # slot = block_table[p // 4] * 4 + p % 4
+    assert batch.slot_mapping.tolist() == [2 * 4 + 1, 1 * 4 + 2, 1 * 4 + 3, 6 * 4, 6 * 4 + 1, 6 * 4 + 2, 6 * 4 + 3,
+                                           4 * 4, 4 * 4 + 1, 4 * 4 + 2]
+    assert batch.query_starts == [0, 1, 7] and batch.query_lens == [1, 6, 3] and batch.context_lens == [10, 8, 3]
+    assert [list(t) for t in batch.block_tables] == [[5, 8, 2], [1, 6], [4]]
+    assert batch.sample_rows.tolist() == [0, 9]
+    assert all(t.dtype == torch.int64 for t in (batch.token_ids, batch.positions, batch.slot_mapping))
+
+
+def test_pack_batch_lays_out_decode_and_prefill():
+    cuda_batch = pytest.importorskip("metrale.runtime.backend.cuda.batch")
+    from metrale.runtime.backend.cuda.tensor import DeviceTensor
+    region = DeviceTensor(1 << 32, (4096,), "int32")
+    packed = cuda_batch.pack_batch(build_batch(mixed_segments(), BLOCK), region, max_blocks=5)
+
+    def read(view):
+        offset = (view.ptr - region.ptr) // 4
+        return packed.host[offset:offset + view.numel].reshape(view.shape).tolist()
+    assert read(packed.token_ids) == [11, 20, 21, 22, 23, 24, 25, 30, 31, 32]
+    assert read(packed.decode_rows) == [0] and read(packed.decode_contexts) == [10]
+    assert read(packed.decode_tables) == [[5, 8, 2, 0, 0]]
+    assert read(packed.prefill_starts) == [1, 7] and read(packed.prefill_lens) == [6, 3]
+    assert read(packed.prefill_contexts) == [8, 3] and read(packed.prefill_tables) == [[1, 6, 0, 0, 0], [4, 0, 0, 0, 0]]
+    assert read(packed.sample_rows) == [0, 9]
+    assert (packed.num_tokens, packed.num_decode, packed.num_prefill) == (10, 1, 2)
+    assert packed.max_decode_context == 10 and packed.max_prefill_query == 6
+
+
+def test_pack_batch_pads_a_decode_batch_to_its_graph():
+    cuda_batch = pytest.importorskip("metrale.runtime.backend.cuda.batch")
+    from metrale.runtime.backend.cuda.tensor import DeviceTensor
+    region = DeviceTensor(1 << 32, (4096,), "int32")
+    lanes = [Segment(BlockTable([3, 9]), 6, (40,), True), Segment(BlockTable([7]), 2, (41,), True)]
+    packed = cuda_batch.pack_batch(build_batch(lanes, BLOCK), region, max_blocks=3, pad_to=4)
+
+    def read(view):
+        offset = (view.ptr - region.ptr) // 4
+        return packed.host[offset:offset + view.numel].reshape(view.shape).tolist()
+    # padding lanes: token 0 at position 0, KV slot -1 (written nowhere), context 0 (read nothing), all sampled
+    assert read(packed.token_ids) == [40, 41, 0, 0] and read(packed.positions) == [6, 2, 0, 0]
+    assert read(packed.slot_mapping) == [9 * 4 + 2, 7 * 4 + 2, -1, -1]
+    assert read(packed.decode_rows) == [0, 1, 2, 3] and read(packed.decode_contexts) == [7, 3, 0, 0]
+    assert read(packed.decode_tables) == [[3, 9, 0], [7, 0, 0], [0, 0, 0], [0, 0, 0]]
+    assert read(packed.sample_rows) == [0, 1, 2, 3] and packed.num_prefill == 0
+    assert (packed.num_tokens, packed.num_decode) == (4, 4) and np.asarray(packed.host).dtype == np.int32
