@@ -7,154 +7,28 @@ Run from the repository root: python3 -m bench.gpu_decode [--shape llama3-8b] [-
 
 import argparse
 import dataclasses
-import datetime
 import gc
 import json
 import os
 import sys
-import time
-import traceback
 
 import torch
 
+from bench.decode_tables import DecodeRow, PrefillRow, format_decode_table, format_prefill_table
+from bench.engine_runner import EngineRunner
+from bench.gpu_ceilings import copy_bandwidth, device_memory_gb, gemm_rate, gpu_machine_line
 from bench.grpc_client import decode_round_trips_in_subprocess
-from bench.peer_llama import DeviceTimer, build_peer, check_compiled_decode, peer_prefill, synchronize, \
-    time_peer_decode
+from bench.model_shapes import SHAPES, decode_weight_bytes, kv_bytes_per_token, prefill_flops, random_checkpoint, \
+    random_tokens
+from bench.peer_llama import build_peer, check_compiled_decode, peer_prefill, time_peer_decode
+from bench.phases import Run, log
+from bench.side_by_side import check_same_model, chunks_of, time_hf_generate, time_peer_prefill
 from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.kv_blocks import blocks_for
-from metrale.runtime.sampling import OutputOptions
-from metrale.runtime.step import DecodeLane, PrefillSlice, Step
 from metrale.service.config import WorkerConfig
 from metrale.service.in_process import InProcessWorker
 from metrale.service.server import WorkerServer
-from bench.decode_tables import DecodeRow, PrefillRow, format_decode_table, format_prefill_table
-from bench.gpu_ceilings import copy_bandwidth, device_memory_gb, gemm_rate, gpu_machine_line
-from bench.model_shapes import SHAPES, decode_weight_bytes, kv_bytes_per_token, prefill_flops, random_checkpoint, \
-    random_tokens
-
-
-class EngineRunner:
-    """Steps the engine through its Step API. Engine.step is synchronous (it copies the sampled tokens or logits
-    to the host), so the host clock around it is the step's time, host work included."""
-
-    def __init__(self, engine, max_batch_tokens: int):
-        self.engine = engine
-        self.max_batch_tokens = max_batch_tokens
-        self.next_seq_id = 0
-        self.backend = engine.model.ops
-        if hasattr(self.backend, "time_steps"):
-            self.backend.time_steps(True)
-
-    def new_ids(self, n: int) -> list[int]:
-        ids = list(range(self.next_seq_id, self.next_seq_id + n))
-        self.next_seq_id += n
-        return ids
-
-    def prefill(self, tokens: torch.Tensor) -> dict[int, int]:
-        """Prefills each row of tokens [n, T] as a new sequence, as many per step as max_batch_tokens allows
-        (a prompt longer than that in chunks); returns seq_id -> sampled next token."""
-        n, length = tokens.shape
-        per_step = max(1, self.max_batch_tokens // length)
-        chunk = 0 if length <= self.max_batch_tokens else self.max_batch_tokens
-        next_tokens = {}
-        rows = list(zip(self.new_ids(n), tokens.tolist()))
-        for start in range(0, n, per_step):
-            slices = tuple(PrefillSlice(seq_id, tuple(row), chunk_size=chunk) for seq_id, row in
-                           rows[start:start + per_step])
-            out = self.engine.step(Step(prefill=slices))
-            next_tokens.update({o.seq_id: o.token for o in out.outputs})
-        return next_tokens
-
-    def time_decode(self, next_tokens: dict[int, int], warmup: int, steps: int) -> tuple[list[float], list[float]]:
-        """warmup untimed, then `steps` timed decode steps of every sequence; returns (device ms, host ms) per
-        step: the backend's events from the forward's launch to the end of sampling where it has them (else the
-        engine's forward_us), and the host clock around Engine.step."""
-        device_ms, host_ms = [], []
-        for i in range(warmup + steps):
-            step = Step(decode=tuple(DecodeLane(seq_id, token) for seq_id, token in next_tokens.items()))
-            started = time.perf_counter()
-            out = self.engine.step(step)
-            elapsed_ms = (time.perf_counter() - started) * 1e3
-            next_tokens = {o.seq_id: o.token for o in out.outputs}
-            if i >= warmup:
-                host_ms.append(elapsed_ms)
-                device = self.backend.last_device_ms() if hasattr(self.backend, "last_device_ms") else None
-                device_ms.append(device if device is not None else out.forward_us / 1e3)
-        return device_ms, host_ms
-
-    def time_prefill(self, tokens: torch.Tensor, warmup: int, reps: int) -> list[float]:
-        """One step prefilling every row of tokens [n, T] (n x T <= max_batch_tokens: one forward), released
-        after each; returns the timed steps' ms."""
-        times = []
-        for i in range(warmup + reps):
-            ids = self.new_ids(tokens.shape[0])
-            step = Step(prefill=tuple(PrefillSlice(seq_id, tuple(row)) for seq_id, row in zip(ids, tokens.tolist())))
-            started = time.perf_counter()
-            self.engine.step(step)
-            elapsed_ms = (time.perf_counter() - started) * 1e3
-            self.engine.release(ids)
-            if i >= warmup:
-                times.append(elapsed_ms)
-        return times
-
-    def last_logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """[n, vocab] float32 logits of each prompt's last token (prompts released after)."""
-        ids = self.new_ids(tokens.shape[0])
-        step = Step(prefill=tuple(PrefillSlice(seq_id, tuple(row), output=OutputOptions(return_logits=True))
-                                  for seq_id, row in zip(ids, tokens.tolist())))
-        out = self.engine.step(step)
-        self.engine.release(ids)
-        by_id = {o.seq_id: o.logits for o in out.outputs}
-        return torch.stack([by_id[i].float() for i in ids])
-
-    def release_all(self) -> None:
-        self.engine.release(None)
-
-
-class Run:
-    """Phases in order, each caught: a failure is printed and noted in its rows, and the run goes on; a phase
-    that would start past the time budget is skipped, so the table still prints before an outer time limit."""
-
-    def __init__(self, budget_s: float, device: str):
-        self.started = time.perf_counter()
-        self.budget_s = budget_s
-        self.device = device
-        self.phases: dict[str, float] = {}
-        self.errors: list[str] = []
-        self.peak_bytes_in_use = 0    # device memory in use (torch's and the engine's), highest at a phase's end
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.started
-
-    def over_budget(self) -> bool:
-        return self.elapsed() > self.budget_s
-
-    def phase(self, name: str, fn, *args):
-        """fn(*args), timed; returns (result, note): note is '' or why there is no result."""
-        if self.over_budget():
-            log(f"skipped {name}: {self.elapsed():.0f} s passed the time budget of {self.budget_s:.0f} s")
-            return None, "skipped: time budget"
-        started = time.perf_counter()
-        try:
-            result = fn(*args)
-        except Exception as error:
-            traceback.print_exc()
-            note = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}"
-            self.errors.append(f"{name}: {note}")
-            log(f"{name} {note}")
-            return None, note
-        finally:
-            self.phases[name] = time.perf_counter() - started
-            if torch.device(self.device).type == "cuda":
-                free, total = torch.cuda.mem_get_info()
-                self.peak_bytes_in_use = max(self.peak_bytes_in_use, total - free)
-        log(f"{name}: {self.phases[name]:.1f} s")
-        return result, ""
-
-
-def log(message: str) -> None:
-    print(f"# [{datetime.datetime.now().strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 def parse_args(argv):
@@ -423,87 +297,6 @@ def main(argv: list[str] | None = None) -> dict:
           + (f"; ERRORS: {run.errors}" if run.errors else ""))
     result["decode_rows"], result["prefill_rows"] = decode_rows, prefill_rows
     return result
-
-
-def check_same_model(ours: EngineRunner, peer, tokens: torch.Tensor, decode_steps: int) -> dict:
-    """Prefills tokens [n, T] on both and decodes decode_steps steps, both fed the engine's tokens; the relative
-    error of the peer's (eager) logits against the engine's at each step."""
-    engine, n, length = ours.engine, tokens.shape[0], tokens.shape[1]
-    ids = ours.new_ids(n)
-    out = engine.step(Step(prefill=tuple(PrefillSlice(i, tuple(row), output=OutputOptions(return_logits=True))
-                                         for i, row in zip(ids, tokens.tolist()))))
-    peer.use_rows(n)
-    _, theirs = peer_prefill(peer, tokens, return_logits=True)
-    errors, same, finite = [], 0, True
-    try:
-        for step in range(decode_steps + 1):
-            mine = torch.stack([o.logits.float() for o in out.outputs])
-            theirs = theirs.float().cpu()
-            errors.append(((mine - theirs).norm() / mine.norm()).item())
-            same += int((mine.argmax(-1) == theirs.argmax(-1)).sum())
-            finite = finite and bool(torch.isfinite(mine).all() and torch.isfinite(theirs).all())
-            if step == decode_steps:
-                break
-            next_tokens = [o.token for o in out.outputs]
-            out = engine.step(Step(decode=tuple(DecodeLane(i, t) for i, t in zip(ids, next_tokens))))
-            position = torch.tensor([length + step], device=tokens.device)
-            with torch.no_grad():
-                theirs = peer.model(torch.tensor(next_tokens, device=tokens.device).view(n, 1), position, peer.caches)
-    finally:
-        engine.release(ids)
-    return {"relative_error": max(errors), "errors": errors, "same_argmax": same, "compared": n * len(errors),
-            "prompts": n, "finite": finite}
-
-
-@torch.no_grad()
-def time_hf_generate(checkpoint, device: str, prompt: torch.Tensor, new_tokens: int) -> float:
-    """ms per generated token of Hugging Face transformers' eager generate (greedy, batch 1, bf16 on the GPU):
-    the time of new_tokens tokens less the time of one (the prefill), over new_tokens - 1."""
-    import transformers
-    config = transformers.AutoConfig.for_model(**checkpoint.config)
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16).eval()
-    missing, unexpected = model.load_state_dict({k: v.to(torch.bfloat16) for k, v in checkpoint.tensors.items()},
-                                                strict=False)
-    if unexpected or any(not name.startswith("lm_head") for name in missing):
-        raise RuntimeError(f"the checkpoint does not fit transformers' model: missing {missing}, "
-                           f"unexpected {unexpected}")
-    if "lm_head.weight" in missing:
-        model.tie_weights()
-    ids = prompt.to(device)
-
-    def generate(n: int) -> float:
-        synchronize(device)
-        started = time.perf_counter()
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                       do_sample=False, pad_token_id=0)
-        synchronize(device)
-        return time.perf_counter() - started
-    generate(2)                                         # warm-up
-    one = min(generate(1) for _ in range(2))
-    many = min(generate(new_tokens) for _ in range(2))
-    return (many - one) / (new_tokens - 1) * 1e3
-
-
-def chunks_of(tokens: torch.Tensor, size: int):
-    """(row offset, rows) of at most `size` rows each."""
-    return [(start, tokens[start:start + size]) for start in range(0, tokens.shape[0], size)]
-
-
-def time_peer_prefill(peer, tokens: torch.Tensor, warmup: int, reps: int) -> list[float]:
-    """Eager prefill of every row of tokens [n, T] from position 0 into cache rows [0, n), greedy next token
-    included; device time per prefill (CUDA events)."""
-    device = tokens.device
-    peer.use_rows(tokens.shape[0])
-    for _ in range(warmup):
-        peer_prefill(peer, tokens)
-    synchronize(device)
-    timer = DeviceTimer(device)
-    for _ in range(reps):
-        started = timer.start()
-        peer_prefill(peer, tokens)
-        timer.stop(started)
-    return timer.elapsed_ms()
 
 
 def write_json(path: str | None, result: dict) -> None:

@@ -13,7 +13,8 @@ import torch
 
 from bench.gpu_attention import seconds_per_replay
 from bench.gpu_ceilings import copy_bandwidth, gpu_machine_line
-from bench.gpu_decode import EngineRunner, log
+from bench.engine_runner import EngineRunner
+from bench.phases import log
 from bench.model_shapes import SHAPES, decode_weight_bytes, kv_bytes_per_token, random_checkpoint, random_tokens
 from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig

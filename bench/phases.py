@@ -1,0 +1,52 @@
+"""A benchmark run as a sequence of phases, each timed and caught, under a time budget (bench/gpu_decode.py)."""
+
+import datetime
+import time
+import traceback
+
+import torch
+
+
+class Run:
+    """Phases in order, each caught: a failure is printed and noted in its rows, and the run goes on; a phase
+    that would start past the time budget is skipped, so the table still prints before an outer time limit."""
+
+    def __init__(self, budget_s: float, device: str):
+        self.started = time.perf_counter()
+        self.budget_s = budget_s
+        self.device = device
+        self.phases: dict[str, float] = {}
+        self.errors: list[str] = []
+        self.peak_bytes_in_use = 0    # device memory in use (torch's and the engine's), highest at a phase's end
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def over_budget(self) -> bool:
+        return self.elapsed() > self.budget_s
+
+    def phase(self, name: str, fn, *args):
+        """fn(*args), timed; returns (result, note): note is '' or why there is no result."""
+        if self.over_budget():
+            log(f"skipped {name}: {self.elapsed():.0f} s passed the time budget of {self.budget_s:.0f} s")
+            return None, "skipped: time budget"
+        started = time.perf_counter()
+        try:
+            result = fn(*args)
+        except Exception as error:
+            traceback.print_exc()
+            note = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}"
+            self.errors.append(f"{name}: {note}")
+            log(f"{name} {note}")
+            return None, note
+        finally:
+            self.phases[name] = time.perf_counter() - started
+            if torch.device(self.device).type == "cuda":
+                free, total = torch.cuda.mem_get_info()
+                self.peak_bytes_in_use = max(self.peak_bytes_in_use, total - free)
+        log(f"{name}: {self.phases[name]:.1f} s")
+        return result, ""
+
+
+def log(message: str) -> None:
+    print(f"# [{datetime.datetime.now().strftime('%H:%M:%S')}] {message}", flush=True)
