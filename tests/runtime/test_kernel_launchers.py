@@ -252,10 +252,28 @@ def test_rope_and_write_kv_launch(launches):
 @pytest.mark.parametrize("batch, max_context", [(1, 1), (1, 1024), (1, 8192), (8, 4096), (64, 1024),
                                                 (256, 1024), (8, 32768), (3, 100)])
 def test_decode_partition_covers_the_context(batch, max_context):
-    from metrale.runtime.backend.cuda.kernels.attention import KV_TILE, decode_partition
+    from metrale.runtime.backend.cuda.kernels.attention import CONTEXT_QUANTUM, KV_TILE, decode_partition
     partition, splits = decode_partition(batch, 8, max_context, 396)
+    planned = ceil_div(max_context, CONTEXT_QUANTUM) * CONTEXT_QUANTUM
     assert partition % KV_TILE == 0 and partition >= KV_TILE
-    assert (splits - 1) * partition < max_context <= splits * partition   # every key in one split, no empty split
+    # every key of the planned (rounded-up) context in one split, and no split past it
+    assert (splits - 1) * partition < planned <= splits * partition and max_context <= planned
+
+
+def test_decode_partition_search_matches_the_full_search():
+    # The search stops a few waves past one; the full search over every split size must find nothing cheaper.
+    from metrale.runtime.backend.cuda.kernels import attention
+    overhead, tile = attention.SPLIT_OVERHEAD_TILES, attention.KV_TILE
+
+    def cost(groups, tiles, resident, per_split):
+        return ceil_div(groups * ceil_div(tiles, per_split), resident) * (per_split + overhead)
+    for resident in (132, 396, 660):
+        for groups in (1, 8, 24, 64, 256, 1024, 4096):
+            for context in (64, 1024, 1232, 4096, 32768, 131072):
+                tiles = ceil_div(context, tile)
+                partition, splits = attention._partition(groups, 1, context, resident)
+                best = min(cost(groups, tiles, resident, p) for p in range(1, tiles + 1))
+                assert cost(groups, tiles, resident, partition // tile) == best, (resident, groups, context)
 
 
 def test_decode_partition_follows_the_waves():

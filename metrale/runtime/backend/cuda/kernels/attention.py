@@ -19,21 +19,33 @@ MAX_DECODE_GROUP = 16          # decode: a kv group's query heads fill the 16 ro
 # decode: a split's fixed cost (query load, pipeline fill, the warps' merge, the partial write) in the time of
 # one KV tile; fitted on an H200 to timings of 1 to 256 sequences x 1024 to 32768 keys (bench/gpu_attention.py).
 SPLIT_OVERHEAD_TILES = 6
+CONTEXT_QUANTUM = 4 * KV_TILE  # decode: max_context is planned in steps of this many keys
 MAX_GRID_YZ = 65535
 LOG2_E = math.log2(math.e)
 
 
-@functools.lru_cache(maxsize=4096)
 def decode_partition(batch: int, num_kv_heads: int, max_context: int, resident_ctas: int) -> tuple[int, int]:
     """(keys per split, number of splits) of a decode launch. CTAs run in waves of resident_ctas; a split
     costs its tiles plus SPLIT_OVERHEAD_TILES. The choice minimizes waves x (tiles per split + overhead), the
     fewest splits among equals: one tile per split when everything fits one wave (batch 1), whole contexts
-    per CTA when the sequences alone fill the device."""
-    tiles = ceil_div(max(max_context, 1), KV_TILE)
+    per CTA when the sequences alone fill the device. max_context is rounded up to CONTEXT_QUANTUM first, so
+    eager steps whose longest context grows token by token reuse one choice (splits past a context are empty)."""
+    return _partition(batch, num_kv_heads, ceil_div(max(max_context, 1), CONTEXT_QUANTUM) * CONTEXT_QUANTUM,
+                      resident_ctas)
+
+
+@functools.lru_cache(maxsize=4096)
+def _partition(batch: int, num_kv_heads: int, max_context: int, resident_ctas: int) -> tuple[int, int]:
+    tiles = ceil_div(max_context, KV_TILE)
     groups = max(batch * num_kv_heads, 1)
+    # Past one wave, every further split adds its overhead to some wave and saves less than that: the best
+    # count is at most a few waves' worth (checked against the full search in the tests).
+    most = min(tiles, 4 * ceil_div(resident_ctas, groups) + 16)
     best = None
-    for per_split in range(tiles, 0, -1):
-        splits = ceil_div(tiles, per_split)
+    for splits in range(1, most + 1):
+        per_split = ceil_div(tiles, splits)
+        if ceil_div(tiles, per_split) != splits:
+            continue   # the same partition as a smaller count
         cost = ceil_div(groups * splits, resident_ctas) * (per_split + SPLIT_OVERHEAD_TILES)
         if best is None or cost < best[0]:
             best = (cost, per_split * KV_TILE, splits)
