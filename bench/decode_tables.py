@@ -11,7 +11,8 @@ class DecodeRow:
     # metrale: device time per step (CUDA events from the forward's launch to the end of sampling; on the CPU,
     # the engine's forward_us); grpc: the client's round trip; peer: CUDA events around each graph replay.
     step_ms: list[float] = field(default_factory=list)
-    # metrale: host clock around Engine.step; grpc: the round trip less the worker's forward_us and queue_us;
+    # metrale: host clock around Engine.step; grpc: the round trip less the worker's forward_us (its forward rounds,
+    # planning excluded) and queue_us;
     # peer: host wall clock per step over the timed loop.
     other_ms: list[float] = field(default_factory=list)
     note: str = ""

@@ -234,7 +234,8 @@ def main(argv: list[str] | None = None) -> dict:
                 row.step_ms = [t[0] for t in times]
                 row.other_ms = [t[0] - t[1] - t[2] for t in times]
                 log(f"batch {batch} grpc: round trip p50 {row.p50_ms:.3f} ms ({row.times_floor:.2f}x floor); "
-                    f"outside Engine.step (transport, dispatch, conversion) p50 {row.other_p50_ms:.3f} ms, queue "
+                    f"outside the forward rounds (transport, dispatch, conversion, planning) p50 {row.other_p50_ms:.3f} "
+                    f"ms, queue "
                     f"p50 {sorted(t[2] for t in times)[len(times) // 2]:.3f} ms")
             decode_rows.append(row)
         if peer and peer_failed:
@@ -284,8 +285,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     print(f"# decode: {args.context}-token contexts, {args.steps} timed steps after {args.warmup} warm-up; floor = "
           f"(weights {weights / 1e9:.2f} GB + KV of the timed steps' mean context) / copy bandwidth "
-          f"{bandwidth / 1e12:.3f} TB/s; metrale: device time (CUDA events from the upload of the step's inputs to the "
-          f"end of sampling), other = host clock around Engine.step; grpc: a client process's Decode round trip, other = its time outside Engine.step (round trip - forward_us - queue_us); peer: "
+          f"{bandwidth / 1e12:.3f} TB/s; metrale: device time (CUDA events from the end of the step's input upload to the "
+          f"end of sampling), other = host clock around Engine.step; grpc: a client process's Decode round trip, other = round trip - forward_us - queue_us (transport, dispatch, conversion and the step's planning); peer: "
           f"CUDA events around each graph replay, other = host wall per step; ratios of p50")
     print(format_decode_table(decode_rows))
     if prefill_rows:

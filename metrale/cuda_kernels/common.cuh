@@ -6,8 +6,11 @@
 // there, so a kernel may start while the one before it in the stream is still running). Every kernel calls this
 // first, in every CTA, before it touches global memory: it waits until the previous kernel has finished and its
 // writes are visible, then lets the next kernel start launching (its CTAs fill SMs as ours drain, and wait here
-// in turn). A CTA that returned without waiting would let its grid finish before its predecessor, and the next
-// kernel's wait would no longer cover the one before. On earlier architectures launches serialize as usual.
+// in turn). A grid none of whose CTAs waited could finish before its predecessor, and the next kernel's wait would
+// no longer cover the one before: every CTA waiting is the simple sufficient rule. The wait orders ordinary
+// (coherent) loads only: data another kernel writes is never read through the non-coherent path (ld.global.nc,
+// __ldg, or const __restrict__ pointers the compiler may turn into those); weights, written by no kernel, may be.
+// On earlier architectures launches serialize as usual.
 __device__ __forceinline__ void wait_for_previous_kernel() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");

@@ -5,10 +5,11 @@
 
 // grid (num_rows, column chunks), block of threads striding over the units of one row.
 // An index outside [0, num_source_rows) yields a zero row instead of reading outside the source.
+// No __restrict__: it would let the compiler read source and indices, which the previous kernel writes, through the
+// non-coherent path, which programmatic dependent launch does not order (common.cuh).
 template <typename Unit>
-__device__ __forceinline__ void copy_indexed_row(Unit* __restrict__ out, long long out_stride,
-                                                 const Unit* __restrict__ source, long long source_stride,
-                                                 const int* __restrict__ indices, int num_source_rows,
+__device__ __forceinline__ void copy_indexed_row(Unit* out, long long out_stride, const Unit* source,
+                                                 long long source_stride, const int* indices, int num_source_rows,
                                                  int units_per_row) {
     const long long row = blockIdx.x;
     const int index = indices[row];

@@ -55,12 +55,14 @@ __device__ __forceinline__ uint4 load_weight(const uint4* pointer, bool valid) {
     return v;
 }
 
-// 16 bytes of x, or zeros where !valid: re-read by every CTA, so cached in L1.
+// 16 bytes of x, or zeros where !valid: re-read by every CTA, so cached in L1 (plain global loads are, on sm_80+).
+// Not .nc: x is the previous kernel's output, and programmatic dependent launch orders only coherent loads after
+// griddepcontrol.wait (common.cuh); the weight above is written by no kernel, so its .nc loads are safe.
 __device__ __forceinline__ uint4 load_activation(const uint4* pointer, bool valid) {
     uint4 v;
     asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
                  " mov.b32 %0, 0;\n mov.b32 %1, 0;\n mov.b32 %2, 0;\n mov.b32 %3, 0;\n"
-                 " @p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n}\n"
+                 " @p ld.global.v4.u32 {%0, %1, %2, %3}, [%4];\n}\n"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(pointer), "r"((int)valid));
     return v;
 }

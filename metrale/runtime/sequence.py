@@ -39,11 +39,18 @@ class BlockTable:
 
     def array(self, length: int | None = None) -> np.ndarray:
         """The first `length` (default: all) ids: a view, valid until the table changes."""
-        return self._ids[:self._len if length is None else length]
+        if length is None:
+            length = self._len
+        elif length > self._len:
+            raise IndexError(f"{length} blocks asked of a table of {self._len}")
+        return self._ids[:length]
 
     def slot(self, position: int, block_size: int) -> int:
         """KV slot of the token at `position`."""
-        return int(self._ids[position // block_size]) * block_size + position % block_size
+        index = position // block_size
+        if index >= self._len:     # the buffer past the table may hold freed ids: never hand them out
+            raise IndexError(f"position {position} is past the table's {self._len} blocks of {block_size}")
+        return int(self._ids[index]) * block_size + position % block_size
 
     def tolist(self) -> list[int]:
         return self._ids[:self._len].tolist()

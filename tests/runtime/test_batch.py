@@ -20,6 +20,11 @@ def test_block_table_grows_truncates_and_maps_slots():
     assert table.truncate(2) == list(range(100, 130)) and table.tolist() == [7, 3]
     table.extend([9])
     assert table.tolist() == [7, 3, 9] and table.truncate(5) == [] and len(table) == 3
+    table.truncate(1)
+    with pytest.raises(IndexError):
+        table.slot(4, BLOCK)           # block 1 was freed: its old id stays in the buffer, never handed out
+    with pytest.raises(IndexError):
+        table.array(2)
 
 
 def mixed_segments():

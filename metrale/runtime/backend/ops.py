@@ -30,6 +30,8 @@ class MemoryShapes:
     max_batch_tokens: int
     max_seqs: int
     max_blocks_per_seq: int
+    head_dim: int
+    kv_block_size: int
 
 
 class PreparedBatch(Protocol):

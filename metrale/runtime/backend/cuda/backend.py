@@ -27,8 +27,9 @@ GEMM_WORKSPACE_BYTES = 32 << 20
 PENALTY_BYTES = 64 << 20
 TIMED = EventOptions(timing_enabled=True)
 # Linears of at most this many rows with weights of at most this many elements run on the skinny-GEMM kernel:
-# on an H200 it beats cuBLASLt (with its split-K reduce) by 1.1-1.8x up to 4096 x 14336 at 1 to 8 rows, and
-# trails it by ~4% on 4096 x 28672 and the 128k-vocab lm_head, and at 16 rows (bench/gpu_skinny_gemm.py).
+# on an H200 (bench/gpu_skinny_gemm.py) it beats cuBLASLt by 1.1-1.3x on 6144 x 4096 and 4096 x 4096 and by
+# 1.5-1.9x on small matrices at 1 to 8 rows, is even on 4096 x 14336 (0.97-1.01x alone, and in a step cuBLASLt
+# adds a split-K reduce kernel there), and trails by ~4% on 4096 x 28672, the 128k-vocab lm_head and 16 rows.
 SKINNY_MAX_M = 8
 SKINNY_MAX_WEIGHT = 64 << 20
 # The activation workspace holds this many layers' tensors at max_batch_tokens (see RingArena).
@@ -62,7 +63,13 @@ class CudaBackend:
         metadata = 4 * metadata_elements(t, shapes.max_seqs, shapes.max_blocks_per_seq)
         sample_params = 4 * kernels.sampling.PARAM_WORDS * shapes.max_seqs
         sample_outputs = 4 * OUT_WORDS * shapes.max_seqs
+        # Decode attention's per-split partial outputs, for the largest batch and context (not in the ring: their
+        # size follows the split count, not max_batch_tokens).
+        decode_partials = 4 * kernels.attention.decode_workspace_bound(
+            self.lib, min(shapes.max_seqs, t), shapes.q_size // shapes.head_dim, shapes.kv_size // shapes.head_dim,
+            shapes.head_dim, shapes.max_blocks_per_seq * shapes.kv_block_size)
         sizes = {"weights": weight_bytes, "workspace": workspace, "logits": logits, "processed": logits,
+                 "decode_partials": decode_partials,
 
                  "metadata": metadata, "gemm": GEMM_WORKSPACE_BYTES, "sample_params": sample_params,
                  "sample_outputs": sample_outputs, "penalties": PENALTY_BYTES}
@@ -76,6 +83,7 @@ class CudaBackend:
         self._ring = RingArena(regions["workspace"].base, regions["workspace"].nbytes, "activation workspace")
         self._logits = regions["logits"].take((shapes.max_seqs, shapes.vocab), "float32")
         self._metadata = regions["metadata"].take((metadata // 4,), "int32")
+        self._decode_partials = regions["decode_partials"].take((max(1, decode_partials // 4),), "float32")
         self.gemm = CublasLt(regions["gemm"].take((GEMM_WORKSPACE_BYTES,), "uint8"))
         self.sampler = DeviceSampler(
             self, regions["sample_params"].take((shapes.max_seqs, kernels.sampling.PARAM_WORDS), "int32"),
@@ -107,9 +115,9 @@ class CudaBackend:
         return [pool.take(shape, "bfloat16") for _ in range(num_layers)]
 
     def time_steps(self, enabled: bool) -> None:
-        """Benchmarks: events around each round's device work, from its inputs' upload (the forward's first
-        launch or graph replay comes next) to the end of sampling (the one copy back excluded); last_device_ms()
-        reads the latest round that sampled."""
+        """Benchmarks: events around each round's device work, from the end of its inputs' upload (the forward's
+        first launch or graph replay comes next) to the end of sampling (the one copy back excluded);
+        last_device_ms() reads the latest round, None when it did not sample."""
         self._timing = enabled
         self._round_events = (None, None)
 
@@ -216,7 +224,7 @@ class CudaBackend:
         if batch.num_decode:
             elements = kernels.attention.decode_workspace_elements(
                 self.lib, batch.num_decode, num_heads, num_kv_heads, head_dim, batch.max_decode_context)
-            workspace = self._ring.take((elements,), "float32") if elements else None
+            workspace = self._decode_partials if elements else None
             kernels.attention.paged_decode_attention(
                 self.lib, stream, out, q, kv, batch.decode_rows, batch.decode_contexts, batch.decode_tables,
                 workspace, num_heads, num_kv_heads, head_dim, scale, window, batch.max_decode_context)

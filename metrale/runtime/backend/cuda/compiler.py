@@ -83,7 +83,7 @@ class KernelLibrary:
         for name, source in kernel_sources().items():
             self._modules[name] = ObjectCode.from_cubin(cache.cubin(name, source, arch))
         self.arch = arch
-        use_programmatic_launch(int(arch[3:5]) >= 90 and os.environ.get("METRALE_PDL", "1") != "0")
+        use_programmatic_launch(int(arch[3:].rstrip("af")) >= 90 and os.environ.get("METRALE_PDL", "1") != "0")
 
     def get(self, kernel_name: str, module: str):
         key = (module, kernel_name)

@@ -38,9 +38,7 @@ def decode_partition(batch: int, num_kv_heads: int, max_context: int, resident_c
 def _partition(batch: int, num_kv_heads: int, max_context: int, resident_ctas: int) -> tuple[int, int]:
     tiles = ceil_div(max_context, KV_TILE)
     groups = max(batch * num_kv_heads, 1)
-    # Past one wave, every further split adds its overhead to some wave and saves less than that: the best
-    # count is at most a few waves' worth (checked against the full search in the tests).
-    most = min(tiles, 4 * ceil_div(resident_ctas, groups) + 16)
+    most = min(tiles, max_splits(groups, resident_ctas))
     best = None
     for splits in range(1, most + 1):
         per_split = ceil_div(tiles, splits)
@@ -50,6 +48,24 @@ def _partition(batch: int, num_kv_heads: int, max_context: int, resident_ctas: i
         if best is None or cost < best[0]:
             best = (cost, per_split * KV_TILE, splits)
     return best[1], best[2]
+
+
+def max_splits(groups: int, resident_ctas: int) -> int:
+    """The most splits decode_partition considers for groups (sequence, kv head) pairs. Past one wave every
+    further split adds its overhead to some wave and saves less than that, so while the pairs alone do not fill
+    the device, a few waves' worth (the full search finds nothing better: tested); once they do, 8 (more would
+    only shave the rounding of waves, a few percent at most, and cost workspace)."""
+    return 4 * ceil_div(resident_ctas, groups) + 16 if groups < resident_ctas else 8
+
+
+def decode_workspace_bound(lib, max_batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                           max_context: int) -> int:
+    """float32 elements that cover decode_workspace_elements for every batch <= max_batch and context <=
+    max_context on this device: the memory plan's decode workspace."""
+    slots = lib.resident_ctas(f"paged_decode_attention_hd{head_dim}", MODULE, THREADS)
+    tiles = ceil_div(ceil_div(max(max_context, 1), CONTEXT_QUANTUM) * CONTEXT_QUANTUM, KV_TILE)
+    return max((b * num_heads * min(tiles, max_splits(b * num_kv_heads, slots)) * (head_dim + 1)
+                for b in range(1, max_batch + 1)), default=0)
 
 
 def decode_splits(lib, batch: int, num_kv_heads: int, head_dim: int, max_context: int,
