@@ -107,7 +107,8 @@ class GrpcDecoder:
 
     def __init__(self, stub, prompts: dict[int, tuple[int, ...]]):
         self.stub = stub
-        slices = [pb.PrefillSlice(seq_id=seq_id, tokens=tokens, is_last_chunk=True) for seq_id, tokens in prompts.items()]
+        slices = [pb.PrefillSlice(seq_id=seq_id, tokens=tokens, is_last_chunk=True)
+                  for seq_id, tokens in prompts.items()]
         response = stub.Prefill(pb.PrefillRequest(slices=slices))
         self.seq_ids, self.tokens = list(response.seq_ids), list(response.tokens)
 

@@ -167,7 +167,8 @@ def main(argv=None) -> None:
             cells.append(f"{seconds * 1e6:7.1f}us {fraction:4.2f}")
         print(f"{batch:5d} {context:7d} " + " ".join(f"{c:>14}" for c in cells), flush=True)
     print("# prefill attention, one causal sequence; TFLOP/s = 2 * 2 * T^2 / 2 * heads * head_dim / time")
-    print(f"{'tokens':>7} {'ours ms':>8} {'ours TF/s':>9} {'sdpa ms':>8} {'sdpa TF/s':>9} {'ours/sdpa':>9} {'rel err':>8}")
+    print(f"{'tokens':>7} {'ours ms':>8} {'ours TF/s':>9} {'sdpa ms':>8} {'sdpa TF/s':>9} {'ours/sdpa':>9} "
+          f"{'rel err':>8}")
     for length in PREFILL_LENGTHS:
         ours, theirs, error = prefill_case(lib, stream, length, args.reps)
         flops = 2 * length * length * HEADS * HEAD_DIM

@@ -170,24 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f"/{checked['compared']}, finite {checked['finite']}{warn}")
 
     # Prefill: model FLOP/s against the GEMM rate.
-    prefill_rows: list[PrefillRow] = []
-    for n, length in cases:
-        tokens = random_tokens(n, length, shape.vocab, args.seed + 2)
-        flops = prefill_flops(shape, n, length)
-        row = PrefillRow(n, length, "metrale", flops, gemm)
-        if ours:
-            times, row.note = run.phase(f"prefill {n}x{length} metrale", ours.time_prefill, tokens,
-                                        args.prefill_warmup, args.prefill_reps)
-            row.step_ms = times or []
-        else:
-            row.note = "no engine"
-        prefill_rows.append(row)
-        if peer:
-            row = PrefillRow(n, length, "peer", flops, gemm)
-            times, row.note = run.phase(f"prefill {n}x{length} peer", time_peer_prefill, peer, tokens.to(device),
-                                        args.prefill_warmup, args.prefill_reps)
-            row.step_ms = times or []
-            prefill_rows.append(row)
+    prefill_rows = measure_prefill(run, args, shape, cases, gemm, ours, peer, device)
 
     # Decode at each batch size, the engine then the peer, side by side.
     decode_rows: list[DecodeRow] = []
@@ -209,56 +192,14 @@ def main(argv: list[str] | None = None) -> dict:
     for batch in batches:
         floor_ms = (weights + batch * mean_context * kv_token) / bandwidth * 1e3
         prompts = random_tokens(batch, args.context, shape.vocab, args.seed + 3)
-        row = DecodeRow(batch, "metrale", floor_ms)
-        if ours:
-            def ours_decode():
-                try:
-                    first = ours.prefill(prompts)
-                    return ours.time_decode(first, args.warmup, args.steps)
-                finally:
-                    ours.release_all()
-            times, row.note = run.phase(f"decode batch {batch} metrale", ours_decode)
-            if times:
-                row.step_ms, row.other_ms = times
-                log(f"batch {batch} metrale: device p50 {row.p50_ms:.3f} ms ({row.times_floor:.2f}x floor "
-                    f"{floor_ms:.3f}), host clock around the step {row.other_p50_ms:.3f} ms")
-        else:
-            row.note = "no engine"
-        decode_rows.append(row)
+        decode_rows.append(decode_engine_row(run, args, ours, batch, prompts, floor_ms))
         if worker:
-            row = DecodeRow(batch, "grpc", floor_ms)
-            times, row.note = run.phase(f"decode batch {batch} grpc", decode_round_trips_in_subprocess,
-                                        worker.address, batch, args.context, args.steps, args.warmup, shape.vocab,
-                                        args.seed + 3)
-            if times:
-                row.step_ms = [t[0] for t in times]
-                row.other_ms = [t[0] - t[1] - t[2] for t in times]
-                log(f"batch {batch} grpc: round trip p50 {row.p50_ms:.3f} ms ({row.times_floor:.2f}x floor); "
-                    f"outside the forward rounds (transport, dispatch, conversion, planning) p50 {row.other_p50_ms:.3f} "
-                    f"ms, queue "
-                    f"p50 {sorted(t[2] for t in times)[len(times) // 2]:.3f} ms")
-            decode_rows.append(row)
+            decode_rows.append(decode_grpc_row(run, args, worker, shape, batch, floor_ms))
         if peer and peer_failed:
             decode_rows.append(DecodeRow(batch, "peer", floor_ms, note=f"skipped: the peer failed at {peer_failed}"))
         elif peer:
-            row = DecodeRow(batch, "peer", floor_ms)
-
-            def peer_decode():
-                peer.use_rows(batch)
-                first = torch.cat([peer_prefill(peer, chunk.to(device), offset) for offset, chunk in
-                                   chunks_of(prompts, max(1, max_batch_tokens // args.context))])
-                times = time_peer_decode(peer, first, args.context, args.warmup, args.steps)
-                return times, check_compiled_decode(peer, times.last_tokens, times.next_position)
-            measured, row.note = run.phase(f"decode batch {batch} peer", peer_decode)
-            if measured:
-                times, compiled_error = measured
-                row.step_ms, row.other_ms = times.step_ms, [times.wall_ms_per_step]
-                result.setdefault("peer_compiled_vs_eager", {})[batch] = compiled_error
-                if not compiled_error < 5e-2:
-                    row.note = f"compiled step differs from eager: relative error {compiled_error:.2e}"
-                log(f"batch {batch} peer: p50 {row.p50_ms:.3f} ms ({row.times_floor:.2f}x floor), wall "
-                    f"{times.wall_ms_per_step:.3f} ms/step; compiled vs eager logits {compiled_error:.2e}")
-            elif row.note.startswith("failed"):
+            row = decode_peer_row(run, args, peer, batch, prompts, floor_ms, max_batch_tokens, device, result)
+            if row.note.startswith("failed"):
                 peer_failed = f"batch {batch}"
             decode_rows.append(row)
     if worker:
@@ -285,9 +226,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     print(f"# decode: {args.context}-token contexts, {args.steps} timed steps after {args.warmup} warm-up; floor = "
           f"(weights {weights / 1e9:.2f} GB + KV of the timed steps' mean context) / copy bandwidth "
-          f"{bandwidth / 1e12:.3f} TB/s; metrale: device time (CUDA events from the end of the step's input upload to the "
-          f"end of sampling), other = host clock around Engine.step; grpc: a client process's Decode round trip, other = round trip - forward_us - queue_us (transport, dispatch, conversion and the step's planning); peer: "
-          f"CUDA events around each graph replay, other = host wall per step; ratios of p50")
+          f"{bandwidth / 1e12:.3f} TB/s; metrale: device time (CUDA events from the end of the step's input upload "
+          f"to the end of sampling), other = host clock around Engine.step; grpc: a client process's Decode round "
+          f"trip, other = round trip - forward_us - queue_us (transport, dispatch, conversion and the step's "
+          f"planning); peer: CUDA events around each graph replay, other = host wall per step; ratios of p50")
     print(format_decode_table(decode_rows))
     if prefill_rows:
         print(f"# prefill: model FLOPs (2 x params x tokens + causal attention, lm_head on last tokens) / p50 time, "
@@ -298,6 +240,88 @@ def main(argv: list[str] | None = None) -> dict:
           + (f"; ERRORS: {run.errors}" if run.errors else ""))
     result["decode_rows"], result["prefill_rows"] = decode_rows, prefill_rows
     return result
+
+
+def measure_prefill(run: Run, args, shape, cases, gemm: float, ours, peer, device: str) -> list[PrefillRow]:
+    """One prefill of every case on the engine, then on the peer: model FLOP/s against the GEMM rate."""
+    rows: list[PrefillRow] = []
+    for n, length in cases:
+        tokens = random_tokens(n, length, shape.vocab, args.seed + 2)
+        flops = prefill_flops(shape, n, length)
+        row = PrefillRow(n, length, "metrale", flops, gemm)
+        if ours:
+            times, row.note = run.phase(f"prefill {n}x{length} metrale", ours.time_prefill, tokens,
+                                        args.prefill_warmup, args.prefill_reps)
+            row.step_ms = times or []
+        else:
+            row.note = "no engine"
+        rows.append(row)
+        if peer:
+            row = PrefillRow(n, length, "peer", flops, gemm)
+            times, row.note = run.phase(f"prefill {n}x{length} peer", time_peer_prefill, peer, tokens.to(device),
+                                        args.prefill_warmup, args.prefill_reps)
+            row.step_ms = times or []
+            rows.append(row)
+    return rows
+
+
+def decode_engine_row(run: Run, args, ours, batch: int, prompts: torch.Tensor, floor_ms: float) -> DecodeRow:
+    """The engine decoding `batch` prompts: device time per step, and the host clock around each step."""
+    row = DecodeRow(batch, "metrale", floor_ms)
+    if not ours:
+        row.note = "no engine"
+        return row
+
+    def decode():
+        try:
+            first = ours.prefill(prompts)
+            return ours.time_decode(first, args.warmup, args.steps)
+        finally:
+            ours.release_all()
+    times, row.note = run.phase(f"decode batch {batch} metrale", decode)
+    if times:
+        row.step_ms, row.other_ms = times
+        log(f"batch {batch} metrale: device p50 {row.p50_ms:.3f} ms ({row.times_floor:.2f}x floor {floor_ms:.3f}), "
+            f"host clock around the step {row.other_p50_ms:.3f} ms")
+    return row
+
+
+def decode_grpc_row(run: Run, args, worker, shape, batch: int, floor_ms: float) -> DecodeRow:
+    """The same decode through the worker's gRPC API, from a client in a process of its own."""
+    row = DecodeRow(batch, "grpc", floor_ms)
+    times, row.note = run.phase(f"decode batch {batch} grpc", decode_round_trips_in_subprocess, worker.address,
+                                batch, args.context, args.steps, args.warmup, shape.vocab, args.seed + 3)
+    if times:
+        row.step_ms = [t[0] for t in times]
+        row.other_ms = [t[0] - t[1] - t[2] for t in times]
+        log(f"batch {batch} grpc: round trip p50 {row.p50_ms:.3f} ms ({row.times_floor:.2f}x floor); outside the "
+            f"forward rounds (transport, dispatch, conversion, planning) p50 {row.other_p50_ms:.3f} ms, queue p50 "
+            f"{sorted(t[2] for t in times)[len(times) // 2]:.3f} ms")
+    return row
+
+
+def decode_peer_row(run: Run, args, peer, batch: int, prompts: torch.Tensor, floor_ms: float,
+                    max_batch_tokens: int, device: str, result: dict) -> DecodeRow:
+    """The peer decoding the same prompts: CUDA events around each graph replay; its compiled step is checked
+    against its eager forward (result["peer_compiled_vs_eager"])."""
+    row = DecodeRow(batch, "peer", floor_ms)
+
+    def decode():
+        peer.use_rows(batch)
+        first = torch.cat([peer_prefill(peer, chunk.to(device), offset) for offset, chunk in
+                           chunks_of(prompts, max(1, max_batch_tokens // args.context))])
+        times = time_peer_decode(peer, first, args.context, args.warmup, args.steps)
+        return times, check_compiled_decode(peer, times.last_tokens, times.next_position)
+    measured, row.note = run.phase(f"decode batch {batch} peer", decode)
+    if measured:
+        times, compiled_error = measured
+        row.step_ms, row.other_ms = times.step_ms, [times.wall_ms_per_step]
+        result.setdefault("peer_compiled_vs_eager", {})[batch] = compiled_error
+        if not compiled_error < 5e-2:
+            row.note = f"compiled step differs from eager: relative error {compiled_error:.2e}"
+        log(f"batch {batch} peer: p50 {row.p50_ms:.3f} ms ({row.times_floor:.2f}x floor), wall "
+            f"{times.wall_ms_per_step:.3f} ms/step; compiled vs eager logits {compiled_error:.2e}")
+    return row
 
 
 def write_json(path: str | None, result: dict) -> None:

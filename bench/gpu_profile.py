@@ -1,5 +1,6 @@
 """Where a step's time goes on the GPU: the engine's decode step split into host work and device work, the
-graph replay alone, the kernels of one step (torch.profiler/CUPTI, every device activity by name), and the host functions that cost the most (cProfile). Optionally one prefill step's kernels.
+graph replay alone, the kernels of one step (torch.profiler/CUPTI, every device activity by name), and the host
+functions that cost the most (cProfile). Optionally one prefill step's kernels.
 
 Run from the repository root: python3 -m bench.gpu_profile [--shape smollm2-135m] [--batches 1,32]
 """
