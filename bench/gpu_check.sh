@@ -4,8 +4,9 @@
 #            the sampler) and the API tests with their workers on the CUDA backend          (~4 min)
 #   kernels  bench/gpu_attention.py and bench/gpu_skinny_gemm.py                             (~1 min)
 #   smollm2  bench/gpu_decode.py at the default model's shape, with the peer, gRPC and transformers (~2 min)
-#   llama    bench/gpu_decode.py at the Llama-3-8B shape, every batch, prefill, peer and gRPC (~7 min)
-# Usage (from the repository root, with .whl carried): bash bench/gpu_check.sh [tests|kernels|smollm2|llama]...
+#   llama    bench/gpu_decode.py at the Llama-3-8B shape, every batch, prefill, peer and gRPC (~4 min)
+#   profile  bench/gpu_profile.py at both shapes, batches 1 and 256: where a step's time goes (~2 min)
+# Usage (from the repository root, with .whl carried): bash bench/gpu_check.sh [tests|kernels|smollm2|llama|profile]...
 # (default: tests). Logs and JSON land in $OUT (default /tmp/gpu-check).
 set -uo pipefail
 source scripts/device_env.sh || exit 1
@@ -39,6 +40,11 @@ for part in "${@:-tests}"; do
       run_bench smollm2 bench.gpu_decode --shape smollm2-135m --batches 1,32 --prefill '' --hf-generate ;;
     llama)
       run_bench llama3-8b bench.gpu_decode --shape llama3-8b ;;
+    profile)
+      for shape in smollm2-135m llama3-8b; do
+        python3 -m bench.gpu_profile --shape "$shape" --batches 1,256 --steps 20 > "$OUT/profile-$shape.txt" 2>&1
+        summary+=("== profile $shape" "$(grep -A3 '^## ' "$OUT/profile-$shape.txt")")
+      done ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done
