@@ -3,8 +3,20 @@
 import statistics
 from dataclasses import dataclass, field
 
+class TimedRow:
+    """What a row with step_ms (and a note where there are none) says of its times."""
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.step_ms)
+
+    @property
+    def p50_ms(self) -> float:
+        return statistics.median(self.step_ms)
+
+
 @dataclass
-class DecodeRow:
+class DecodeRow(TimedRow):
     batch: int
     impl: str                     # "metrale", "grpc" (metrale through gRPC) or "peer"
     floor_ms: float
@@ -16,14 +28,6 @@ class DecodeRow:
     # peer: host wall clock per step over the timed loop.
     other_ms: list[float] = field(default_factory=list)
     note: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return bool(self.step_ms)
-
-    @property
-    def p50_ms(self) -> float:
-        return statistics.median(self.step_ms)
 
     @property
     def mean_ms(self) -> float:
@@ -43,7 +47,7 @@ class DecodeRow:
 
 
 @dataclass
-class PrefillRow:
+class PrefillRow(TimedRow):
     num_seqs: int
     seq_len: int
     impl: str
@@ -53,16 +57,8 @@ class PrefillRow:
     note: str = ""
 
     @property
-    def ok(self) -> bool:
-        return bool(self.step_ms)
-
-    @property
     def label(self) -> str:
         return f"{self.num_seqs}x{self.seq_len}"
-
-    @property
-    def p50_ms(self) -> float:
-        return statistics.median(self.step_ms)
 
     @property
     def tflops(self) -> float:

@@ -41,26 +41,43 @@ __device__ __forceinline__ unsigned int float2_to_bf16x2(float lo, float hi) {
     return r;
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
+// Reduction operators for warp_reduce / block_reduce. Max on floats is fmaxf: a NaN loses to any number.
+struct Sum {
+    template <typename T>
+    __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
+};
+struct Max {
+    __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+    template <typename T>
+    __device__ __forceinline__ T operator()(T a, T b) const { return a > b ? a : b; }
+};
+struct Min {
+    template <typename T>
+    __device__ __forceinline__ T operator()(T a, T b) const { return a < b ? a : b; }
+};
+
+// op over the 32 lanes of a warp; every lane gets the result.
+template <typename T, typename Op>
+__device__ __forceinline__ T warp_reduce(T v, Op op) {
 #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    for (int offset = 16; offset > 0; offset >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
     return v;
 }
 
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-    return v;
-}
-
-// Sum over a block of blockDim.x threads (a multiple of 32, at most 1024); every thread gets the total.
-__device__ __forceinline__ float block_sum(float v) {
-    __shared__ float partial[32];
+// op over a block of blockDim.x threads (a multiple of 32, at most 1024), `identity` standing in for the warps the
+// block lacks; every thread gets the result. Starts with a __syncthreads, so calls can follow each other.
+template <typename T, typename Op>
+__device__ __forceinline__ T block_reduce(T v, T identity, Op op) {
+    __shared__ T partial[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_sum(v);
+    v = warp_reduce(v, op);
     __syncthreads();
     if (lane == 0) partial[warp] = v;
     __syncthreads();
-    v = lane < (blockDim.x >> 5) ? partial[lane] : 0.f;
-    return warp_sum(v);
+    v = lane < (int)(blockDim.x >> 5) ? partial[lane] : identity;
+    return warp_reduce(v, op);
 }
+
+__device__ __forceinline__ float warp_sum(float v) { return warp_reduce(v, Sum()); }
+__device__ __forceinline__ float warp_max(float v) { return warp_reduce(v, Max()); }
+__device__ __forceinline__ float block_sum(float v) { return block_reduce(v, 0.f, Sum()); }

@@ -1,4 +1,4 @@
-"""attention.cu against a float64 reference (explicit gather through the block table, masked softmax).
+"""decode_attention.cu and prefill_attention.cu against a float64 reference (explicit gather through the block table, masked softmax).
 
 Every cache element no query may read is NaN (unassigned blocks, block 0 that pads the tables, slots past a
 context, keys before a sliding window), and so is every output row the kernels must not write: a read of the

@@ -222,12 +222,9 @@ class CudaBackend:
         window = -1 if sliding_window is None else sliding_window
         stream = self.cuda.stream
         if batch.num_decode:
-            elements = kernels.attention.decode_workspace_elements(
-                self.lib, batch.num_decode, num_heads, num_kv_heads, head_dim, batch.max_decode_context)
-            workspace = self._decode_partials if elements else None
             kernels.attention.paged_decode_attention(
                 self.lib, stream, out, q, kv, batch.decode_rows, batch.decode_contexts, batch.decode_tables,
-                workspace, num_heads, num_kv_heads, head_dim, scale, window, batch.max_decode_context)
+                self._decode_partials, num_heads, num_kv_heads, head_dim, scale, window, batch.max_decode_context)
         if batch.num_prefill:
             kernels.attention.paged_prefill_attention(
                 self.lib, stream, out, q, kv, batch.prefill_starts, batch.prefill_lens, batch.prefill_contexts,

@@ -1,11 +1,12 @@
 """NVRTC compilation of metrale/cuda_kernels/*.cu to cubin, with an on-disk cache.
 
 Always cubin, never PTX: the driver may be older than NVRTC and reject newer PTX. The cache key is the
-source (with the shared header), the options and the NVRTC version, so a second start compiles nothing.
+source (with its headers), the options and the NVRTC version, so a second start compiles nothing.
 """
 
 import hashlib
 import os
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -15,21 +16,30 @@ from cuda.core import Device, ObjectCode, Program, ProgramOptions
 from metrale.runtime.backend.cuda.launch import use_programmatic_launch
 from metrale.runtime.errors import FailedPrecondition
 
-HEADER = "common.cuh"
-# Each .cu is compiled with the shared header pasted in, so NVRTC needs no include path.
+# Each .cu is compiled with the headers it includes from cuda_kernels/ pasted in (each once, in include order),
+# so NVRTC needs no include path.
+INCLUDE = re.compile(r'^#include "(\w+\.cuh)"[ \t]*$', re.M)
 OPTIONS = {"std": "c++17", "lineinfo": True}
 
 
 def kernel_sources() -> dict[str, str]:
-    """name (file stem) -> CUDA C++ source of every .cu in metrale/cuda_kernels, with common.cuh inlined."""
+    """name (file stem) -> CUDA C++ source of every .cu in metrale/cuda_kernels, its .cuh includes inlined."""
     folder = resources.files("metrale") / "cuda_kernels"
-    header = (folder / HEADER).read_text()
     sources = {}
     for entry in sorted(folder.iterdir(), key=lambda e: e.name):
         if entry.name.endswith(".cu"):
-            text = entry.read_text().replace(f'#include "{HEADER}"', header)
-            sources[entry.name.removesuffix(".cu")] = text
+            sources[entry.name.removesuffix(".cu")] = _inline_headers(entry.read_text(), folder, set())
     return sources
+
+
+def _inline_headers(text: str, folder, seen: set[str]) -> str:
+    def paste(match):
+        name = match.group(1)
+        if name in seen:
+            return ""
+        seen.add(name)
+        return _inline_headers((folder / name).read_text(), folder, seen)
+    return INCLUDE.sub(paste, text)
 
 
 def nvrtc_version() -> str:

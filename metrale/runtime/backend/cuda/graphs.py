@@ -30,8 +30,7 @@ class DecodeGraphs:
 
     def run(self, forward: Callable, batch: ForwardBatch, size: int) -> DeviceTensor:
         """Logits [B, vocab] of the batch's lanes, from the bucket's graph (captured on first use)."""
-        prepared = self.backend.prepare(batch, pad_to=size)
-        prepared.max_decode_context = self.max_context
+        prepared = self._prepare(batch, size)
         if size not in self._graphs:
             self._graphs[size] = self._capture(forward, batch, prepared)
         graph, logits = self._graphs[size]
@@ -45,9 +44,14 @@ class DecodeGraphs:
                              torch.zeros(0, dtype=torch.int64), [], [], [], [], torch.zeros(0, dtype=torch.int64))
         for size in self.batch_sizes:
             if size not in self._graphs:
-                prepared = self.backend.prepare(empty, pad_to=size)
-                prepared.max_decode_context = self.max_context
-                self._graphs[size] = self._capture(forward, empty, prepared)
+                self._graphs[size] = self._capture(forward, empty, self._prepare(empty, size))
+
+    def _prepare(self, batch: ForwardBatch, size: int):
+        """The batch's metadata padded to `size` lanes, attention planned for max_context (not the lanes' own
+        contexts), so the captured launches fit every replay."""
+        prepared = self.backend.prepare(batch, pad_to=size)
+        prepared.max_decode_context = self.max_context
+        return prepared
 
     def _capture(self, forward: Callable, batch: ForwardBatch, prepared) -> tuple[object, DeviceTensor]:
         """The graph of forward(batch) over `prepared` (the batch padded to its bucket), and its logits."""

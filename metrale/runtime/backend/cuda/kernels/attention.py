@@ -1,5 +1,5 @@
-"""Launchers for cuda_kernels/attention.cu: causal attention over the paged KV cache, decode (split along the
-context, flash-decoding) and prefill (flash-attention-2), on tensor cores."""
+"""Launchers for cuda_kernels/decode_attention.cu (split along the context, flash-decoding) and
+prefill_attention.cu (flash-attention-2): causal attention over the paged KV cache, on tensor cores."""
 
 import functools
 import math
@@ -9,12 +9,12 @@ import numpy as np
 from metrale.runtime.backend.cuda.launch import ceil_div, launch_kernel, require, require_aligned
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 
-MODULE = "attention"
+DECODE_MODULE, PREFILL_MODULE = "decode_attention", "prefill_attention"
 HEAD_DIMS = (32, 64, 128)
 BLOCK_SIZES = (16, 32, 64)     # powers of two dividing KV_TILE
-THREADS = 128                  # as in attention.cu: 4 warps
-KV_TILE = 64                   # as in attention.cu: keys per K/V tile
-PREFILL_ROWS = 64              # as in attention.cu: query rows per prefill CTA
+THREADS = 128                  # as in attention_tiles.cuh: 4 warps
+KV_TILE = 64                   # as in attention_tiles.cuh: keys per K/V tile
+PREFILL_ROWS = 64              # as in attention_tiles.cuh: query rows per prefill CTA
 MAX_DECODE_GROUP = 16          # decode: a kv group's query heads fill the 16 rows of one mma tile
 # decode: a split's fixed cost (query load, pipeline fill, the warps' merge, the partial write) in the time of
 # one KV tile; fitted on an H200 to timings of 1 to 256 sequences x 1024 to 32768 keys (bench/gpu_attention.py).
@@ -62,7 +62,7 @@ def decode_workspace_bound(lib, max_batch: int, num_heads: int, num_kv_heads: in
                            max_context: int) -> int:
     """float32 elements that cover decode_workspace_elements for every batch <= max_batch and context <=
     max_context on this device: the memory plan's decode workspace."""
-    slots = lib.resident_ctas(f"paged_decode_attention_hd{head_dim}", MODULE, THREADS)
+    slots = lib.resident_ctas(f"paged_decode_attention_hd{head_dim}", DECODE_MODULE, THREADS)
     tiles = ceil_div(ceil_div(max(max_context, 1), CONTEXT_QUANTUM) * CONTEXT_QUANTUM, KV_TILE)
     return max((b * num_heads * min(tiles, max_splits(b * num_kv_heads, slots)) * (head_dim + 1)
                 for b in range(1, max_batch + 1)), default=0)
@@ -73,7 +73,7 @@ def decode_splits(lib, batch: int, num_kv_heads: int, head_dim: int, max_context
     """(keys per split, splits): decode_partition's choice for this device, or `partition` keys (a multiple of
     KV_TILE) when given."""
     if partition is None:
-        slots = lib.resident_ctas(f"paged_decode_attention_hd{head_dim}", MODULE, THREADS)
+        slots = lib.resident_ctas(f"paged_decode_attention_hd{head_dim}", DECODE_MODULE, THREADS)
         return decode_partition(batch, num_kv_heads, max_context, slots)
     require(partition > 0 and partition % KV_TILE == 0, f"decode partition {partition} must be a multiple of {KV_TILE}")
     return partition, ceil_div(max(max_context, 1), partition)
@@ -83,7 +83,11 @@ def decode_workspace_elements(lib, batch: int, num_heads: int, num_kv_heads: int
                               partition: int | None = None) -> int:
     """float32 elements paged_decode_attention needs for these sizes (0 when the context is not split):
     each split's normalized output [B, num_heads, splits, head_dim] and log2-sum-exp [B, num_heads, splits]."""
-    splits = decode_splits(lib, batch, num_kv_heads, head_dim, max_context, partition)[1]
+    return _partials_elements(batch, num_heads, head_dim,
+                              decode_splits(lib, batch, num_kv_heads, head_dim, max_context, partition)[1])
+
+
+def _partials_elements(batch: int, num_heads: int, head_dim: int, splits: int) -> int:
     return 0 if splits == 1 else batch * num_heads * splits * (head_dim + 1)
 
 
@@ -98,7 +102,7 @@ def paged_decode_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_c
     out, q [T, num_heads * head_dim] bf16 (q may be a column slice; rows not in seq_rows are not touched);
     kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] bf16; seq_rows, context_lens [B] int32;
     block_tables [B, max_blocks] int32; workspace float32 of at least decode_workspace_elements(...)
-    elements (None when that is 0); sliding_window -1 for none. Not checked on the device (the caller
+    elements (read only when that is > 0; may be None then); sliding_window -1 for none. Not checked on the device (the caller
     guarantees): 1 <= context_lens[b] <= max_context <= max_blocks * block_size, block ids in [0, num_blocks),
     seq_rows in [0, T). A sequence with context_lens[b] == 0 (a padding lane) leaves its row unwritten.
     The number of splits depends on B, num_kv_heads and max_context only, so a captured graph stays valid
@@ -121,7 +125,7 @@ def paged_decode_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_c
     if batch == 0 or max_context == 0:
         return
     partition, splits = decode_splits(lib, batch, num_kv_heads, head_dim, max_context, partition)
-    needed = decode_workspace_elements(lib, batch, num_heads, num_kv_heads, head_dim, max_context, partition)
+    needed = _partials_elements(batch, num_heads, head_dim, splits)
     partial_out = partial_lse = np.uint64(0)
     if needed:
         require(workspace is not None and workspace.dtype == "float32" and workspace.numel >= needed,
@@ -129,13 +133,13 @@ def paged_decode_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_c
         require(workspace.ptr % 16 == 0, "paged_decode_attention: workspace must be 16-byte aligned")
         partial_out = workspace
         partial_lse = np.uint64(workspace.ptr + batch * num_heads * splits * head_dim * 4)
-    kernel = lib.get(f"paged_decode_attention_hd{head_dim}", MODULE)
+    kernel = lib.get(f"paged_decode_attention_hd{head_dim}", DECODE_MODULE)
     launch_kernel(stream, kernel, (splits, num_kv_heads, batch), THREADS, out, np.int64(out.stride), q,
                   np.int64(q.stride), kv_cache, np.int64(kv_cache.numel // 2), seq_rows, context_lens, block_tables,
                   block_tables.shape[1], partial_out, partial_lse, num_heads // num_kv_heads,
                   block_size.bit_length() - 1, np.float32(scale * LOG2_E), sliding_window, partition)
     if splits > 1:
-        launch_kernel(stream, lib.get("paged_decode_reduce", MODULE), (num_heads, batch), head_dim, out,
+        launch_kernel(stream, lib.get("paged_decode_reduce", DECODE_MODULE), (num_heads, batch), head_dim, out,
                       np.int64(out.stride), seq_rows, context_lens, partial_out, partial_lse, sliding_window,
                       partition, splits)
 
@@ -167,7 +171,7 @@ def paged_prefill_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_
     if num_segments == 0 or max_query_len == 0:
         return
     block_size = kv_cache.shape[2]
-    kernel = lib.get(f"paged_prefill_attention_hd{head_dim}", MODULE)
+    kernel = lib.get(f"paged_prefill_attention_hd{head_dim}", PREFILL_MODULE)
     launch_kernel(stream, kernel, (ceil_div(max_query_len, PREFILL_ROWS), num_heads, num_segments), THREADS, out,
                   np.int64(out.stride), q, np.int64(q.stride), kv_cache, np.int64(kv_cache.numel // 2), query_starts,
                   query_lens, context_lens, block_tables, block_tables.shape[1], num_kv_heads,

@@ -14,7 +14,7 @@ from metrale.runtime.sampling.params import MAX_TOP_LOGPROBS
 from metrale.runtime.sampling.sampler import SampleRow
 
 MODULE = "sampling"
-THREADS = 1024                 # as SAMPLE_THREADS in sampling.cu: one block per row
+THREADS = 1024                 # as SAMPLE_THREADS in sampling_primitives.cuh: one block per row
 MAX_VOCAB = 1 << 20            # fixed-point masses (2^43 per token) stay below 2^63
 PARAM_WORDS = 16               # int32 words per row: struct SampleParams, 64 bytes
 ENTRY_WORDS = 5                # penalty entry: token id, output count, in history, first bias, number of biases
@@ -22,7 +22,7 @@ FLAG_GREEDY, FLAG_PENALISED, FLAG_LOGPROBS = 1, 2, 4
 TOP_P_OFF = 2.0
 NULL = np.uint64(0)
 
-# struct SampleParams of sampling.cu, little-endian
+# struct SampleParams of sampling_primitives.cuh, little-endian
 PARAMS_DTYPE = np.dtype({
     "names": ["top_p_limit", "temperature", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
               "top_k", "seed_lo", "seed_hi", "position_lo", "position_hi", "flags", "top_logprobs"],

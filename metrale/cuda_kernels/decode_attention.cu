@@ -1,0 +1,153 @@
+// Paged decode attention (flash-decoding): one query per sequence; the query heads of a kv group share each
+// K/V read; the context is split across CTAs (kernels/attention.py decode_partition) and the splits are
+// merged by paged_decode_reduce. Layouts and fragments: attention_tiles.cuh.
+#include "attention_tiles.cuh"
+
+namespace {
+
+// grid (num_splits, num_kv_heads, B), THREADS threads. CTA (split, kv_head, b) attends the group_size
+// (<= 16) query heads of kv_head, the 16 rows of one mma tile, over the keys of its split:
+// [split * partition_size, (split + 1) * partition_size) within the window. Each warp takes 16 keys of
+// every 64-key tile; the warps merge through shared memory at the end. A sequence whose keys lie in one
+// split is written to out here; otherwise each split writes its normalized output and log2-sum-exp to
+// partial_out [B, num_heads, num_splits, HEAD_DIM] and partial_lse [B, num_heads, num_splits] fp32.
+template <int HEAD_DIM>
+__device__ __forceinline__ void paged_decode_attention(bf16* out, long long out_stride, const bf16* q,
+                                                       long long q_stride, const bf16* kv_cache,
+                                                       long long plane_elems, const int* seq_rows,
+                                                       const int* context_lens, const int* block_tables,
+                                                       int max_blocks, float* partial_out, float* partial_lse,
+                                                       int group_size, int block_shift, float scale_log2,
+                                                       int sliding_window, int partition_size) {
+    using T = Tile<HEAD_DIM>;
+    __shared__ __align__(16) unsigned char shared[T::DECODE_BYTES];
+    bf16* k_tile = reinterpret_cast<bf16*>(shared);
+    bf16* v_tile = k_tile + T::ELEMS;
+    bf16* query_tile = v_tile + T::ELEMS;
+
+    const int split = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
+    const int num_splits = gridDim.x, num_kv_heads = gridDim.y;
+    const int context = context_lens[seq];
+    const int window_start = sliding_window > 0 ? max(0, context - sliding_window) : 0;
+    const int lo = max(window_start, split * partition_size);
+    const int hi = min(context, (split + 1) * partition_size);
+    if (lo >= hi) return;
+    const bool whole = window_start / partition_size == (context - 1) / partition_size;   // one split holds all keys
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int head0 = kv_head * group_size;
+    const long long row = seq_rows[seq];
+    load_query_tile<HEAD_DIM, DECODE_ROWS>(query_tile, q + row * q_stride + (long long)head0 * HEAD_DIM, HEAD_DIM,
+                                           group_size);
+    copy_async_commit();
+    const bf16* k_plane = kv_cache + kv_head * HEAD_DIM;
+    const int* block_table = block_tables + (long long)seq * max_blocks;
+
+    WarpAttention<HEAD_DIM> attention;
+    attention.start();
+    unsigned probs[1][4];
+    const int key0 = 16 * warp;   // this warp's keys in every tile
+    for_each_kv_tile<HEAD_DIM>(
+        k_tile, v_tile, k_plane, k_plane + plane_elems, block_table, block_shift, num_kv_heads * HEAD_DIM, lo, hi,
+        [] {},
+        [&](int tile, int phase) {
+            if (phase == 0) {
+                // decode needs no causal mask: every key of the split in [lo, hi) is seen by the one query
+                const bool edge = tile < lo || tile + KV_TILE > hi;
+                attention.template add_scores<16>(
+                    probs, [&](int kk, unsigned (&a)[4]) { load_query_fragment<HEAD_DIM>(a, query_tile, 0, kk); },
+                    k_tile, key0, scale_log2, edge, [&](int, int key) { return tile + key >= lo && tile + key < hi; });
+            } else {
+                attention.template add_values<16>(probs, v_tile, key0);
+            }
+        });
+    attention.finish();
+
+    // Merge the warps over the tiles' bytes: [warp][row][dim] accumulators, [warp][row] max and sum.
+    float* merge_acc = reinterpret_cast<float*>(shared);
+    float* merge_max = merge_acc + WARPS * DECODE_ROWS * HEAD_DIM;
+    float* merge_sum = merge_max + WARPS * DECODE_ROWS;
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int slot = warp * DECODE_ROWS + g + 8 * r;
+#pragma unroll
+        for (int n = 0; n < HEAD_DIM / 8; ++n)
+            *reinterpret_cast<float2*>(merge_acc + slot * HEAD_DIM + 8 * n + 2 * t) =
+                make_float2(attention.acc[n][2 * r], attention.acc[n][2 * r + 1]);
+        if (t == 0) {
+            merge_max[slot] = attention.row_max[r];
+            merge_sum[slot] = attention.row_sum[r];
+        }
+    }
+    __syncthreads();
+    const int num_heads = num_kv_heads * group_size;
+    for (int i = threadIdx.x; i < group_size * HEAD_DIM; i += THREADS) {
+        const int head_row = i / HEAD_DIM, d = i % HEAD_DIM;
+        // every row saw at least one key in some warp (lo < hi, and padded query rows are zero, not masked)
+        float m = negative_infinity();
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) m = fmaxf(m, merge_max[w * DECODE_ROWS + head_row]);
+        float sum = 0.f, o = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const int slot = w * DECODE_ROWS + head_row;
+            const float weight = fast_exp2(merge_max[slot] - m);
+            sum += weight * merge_sum[slot];
+            o += weight * merge_acc[slot * HEAD_DIM + d];
+        }
+        const int head = head0 + head_row;
+        if (whole) {
+            out[row * out_stride + (long long)head * HEAD_DIM + d] = float_to_bf16(o / sum);
+        } else {
+            const long long part = ((long long)seq * num_heads + head) * num_splits + split;
+            partial_out[part * HEAD_DIM + d] = o / sum;
+            if (d == 0) partial_lse[part] = m + log2f(sum);
+        }
+    }
+}
+
+}  // namespace
+
+#define DECODE_KERNEL(HEAD_DIM)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(THREADS) paged_decode_attention_hd##HEAD_DIM(                   \
+        bf16* out, long long out_stride, const bf16* q, long long q_stride, const bf16* kv_cache,                   \
+        long long plane_elems, const int* seq_rows, const int* context_lens, const int* block_tables,               \
+        int max_blocks, float* partial_out, float* partial_lse, int group_size, int block_shift, float scale_log2, \
+        int sliding_window, int partition_size) {                                                                   \
+        wait_for_previous_kernel();                                                                                  \
+        paged_decode_attention<HEAD_DIM>(out, out_stride, q, q_stride, kv_cache, plane_elems, seq_rows,             \
+                                         context_lens, block_tables, max_blocks, partial_out, partial_lse,          \
+                                         group_size, block_shift, scale_log2, sliding_window, partition_size);      \
+    }
+
+DECODE_KERNEL(32)
+DECODE_KERNEL(64)
+DECODE_KERNEL(128)
+
+// grid (num_heads, B), head_dim threads: the out row of each decode sequence whose keys span several
+// splits = the mean of the splits' partial outputs weighted by 2^lse. Splits are chosen as in
+// paged_decode_attention; a sequence with one split was written there.
+extern "C" __global__ void paged_decode_reduce(bf16* out, long long out_stride, const int* seq_rows,
+                                               const int* context_lens, const float* partial_out,
+                                               const float* partial_lse, int sliding_window, int partition_size,
+                                               int num_splits) {
+    wait_for_previous_kernel();
+    const int head = blockIdx.x, seq = blockIdx.y, num_heads = gridDim.x;
+    const int head_dim = blockDim.x, d = threadIdx.x;
+    const int context = context_lens[seq];
+    if (context <= 0) return;
+    const int window_start = sliding_window > 0 ? max(0, context - sliding_window) : 0;
+    const int first = window_start / partition_size, last = (context - 1) / partition_size;
+    if (first == last) return;
+    const long long base = ((long long)seq * num_heads + head) * num_splits;
+    float m = negative_infinity();
+    for (int s = first; s <= last; ++s) m = fmaxf(m, partial_lse[base + s]);
+    float sum = 0.f, o = 0.f;
+    for (int s = first; s <= last; ++s) {
+        const float weight = fast_exp2(partial_lse[base + s] - m);
+        sum += weight;
+        o += weight * partial_out[(base + s) * head_dim + d];
+    }
+    out[(long long)seq_rows[seq] * out_stride + (long long)head * head_dim + d] = float_to_bf16(o / sum);
+}

@@ -1,0 +1,416 @@
+// Finding a token in a row's canonical order (value descending, ties to the lower id) by its running count
+// or mass without sorting the vocabulary: first-level buckets, then narrowing windows of order keys, then a
+// sort of the last candidates or a count of tied ids (the method is described in sampling.cu).
+#pragma once
+#include "sampling_primitives.cuh"
+
+// ---- what a row is ranked and weighed by ----
+
+// The row the token is chosen from: order keys of x, mass of exp(s), s = (x - max) / temperature as the CPU.
+struct SampleKeys {
+    float max, temperature;
+    unsigned int min_key, max_key;  // of the row: every key lies in [min_key, max_key]
+    enum { has_mass = 1 };
+    __device__ __forceinline__ unsigned int key(float x) const { return order_key(x); }
+    __device__ __forceinline__ float weight(float x) const {
+        return expf(__fdiv_rn(__fsub_rn(x, max), temperature));
+    }
+    __device__ __forceinline__ u64 mass(float x) const { return __float2ull_rn(weight(x) * MASS_ONE_FLOAT); }
+    // the same from gap = max - x (x - max is -gap exactly)
+    __device__ __forceinline__ u64 mass_of_gap(float gap) const {
+        return __float2ull_rn(expf(__fdiv_rn(-gap, temperature)) * MASS_ONE_FLOAT);
+    }
+    __device__ __forceinline__ u64 mass_of_key(unsigned int k) const { return mass(key_value(k)); }
+};
+
+// The raw row for the top-n: order keys of log_softmax(x) = (x - max) - log_sum, as torch computes it; no mass.
+struct LogprobKeys {
+    float max, log_sum;
+    enum { has_mass = 0 };
+    __device__ __forceinline__ float logprob(float x) const { return __fsub_rn(__fsub_rn(x, max), log_sum); }
+    __device__ __forceinline__ unsigned int key(float x) const { return order_key(logprob(x)); }
+    __device__ __forceinline__ u64 mass(float) const { return 0ull; }
+    __device__ __forceinline__ u64 mass_of_key(unsigned int) const { return 0ull; }
+};
+
+// First-level bucket of x: d = max - x scaled to [0, SAMPLE_BUCKETS); monotone in x, bucket 0 holds the max.
+struct Buckets {
+    float max, scale;
+    __device__ __forceinline__ int of(float x) const { return of_gap(__fsub_rn(max, x)); }
+    __device__ __forceinline__ int of_gap(float gap) const {
+        // inf * 0 (x = -inf, scale 0) is NaN, and fminf takes the last bucket for it
+        return (int)fminf(__fmul_rn(gap, scale), (float)(SAMPLE_BUCKETS - 1));
+    }
+};
+
+struct Located {          // a token found by its running count or mass in canonical order
+    unsigned int key;     // order key of its value
+    int id;
+    u64 count, mass;      // running count and mass through it
+    u64 tie_end_mass;     // running mass through the last token tied with it
+};
+
+struct RowStats {           // block-wide results of one pass over a row
+    u64 best;               // rank key of the argmax (NaN first, then the lowest id)
+    unsigned int min_key;   // order key of the smallest number
+    float log_sum;          // where asked: log_softmax = (x - max) - log_sum; NaN until known
+};
+
+struct SampleShared {
+    SampleParams params;    // this row's; kept here rather than in registers across the passes
+    RowStats stats, raw_stats;
+    unsigned int bucket_count[SAMPLE_BUCKETS];  // after bucket_histogram: tokens in the buckets before each
+    u64 bucket_mass[SAMPLE_BUCKETS];            // likewise their mass
+    unsigned int refine_count[REFINE_BUCKETS];
+    u64 refine_mass[REFINE_BUCKETS];
+    u64 candidates[MAX_CANDIDATES];             // rank keys
+    unsigned int warp_hits[32];
+    unsigned int candidate_count, total_count;
+    u64 total_mass, above_count, above_mass;
+    Located located;
+    unsigned int window_lo, window_hi, key, nth_warp, nth_rank;
+    int bucket, digit, nth_id;
+};
+
+// The lowest id holding NaN in x, or n (second pass, for rows whose first pass saw a NaN).
+__device__ unsigned int first_nan(const float* x, int n) {
+    unsigned int first = (unsigned int)n;
+    for_each_value(x, n, [&](int i, float v) {
+        if (v != v) first = min(first, (unsigned int)i);
+    });
+    return block_min_u32(first);
+}
+
+// One pass over a row: argmax and smallest value into *stats (thread 0 writes; visible after the next
+// __syncthreads); returns this thread's largest value (-inf where it has none).
+__device__ float scan_row(const float* x, int n, RowStats* stats) {
+    // per thread: the first largest value in id order (each thread visits its ids in increasing order). best
+    // starts as NaN so that the first value is taken; a NaN value is only flagged (rows with NaN are redone).
+    float best = not_a_number(), smallest = positive_infinity();
+    unsigned int best_id = 0xffffffffu;
+    bool saw_nan = false;
+    for_each_value(x, n, [&](int i, float v) {
+        if (!(v <= best)) {
+            best = v;
+            best_id = (unsigned int)i;
+        }
+        smallest = fminf(smallest, v);
+        saw_nan |= v != v;
+    });
+    const float thread_max = best_id == 0xffffffffu ? -positive_infinity() : best;
+    const float row_max = block_max_float(thread_max);
+    unsigned int id = block_min_u32(thread_max == row_max ? best_id : 0xffffffffu);
+    unsigned int key = order_key(row_max);
+    if (__syncthreads_or(saw_nan)) {
+        key = KEY_NAN;
+        id = first_nan(x, n);
+    }
+    const unsigned int min_key = block_min_u32(order_key(smallest));
+    if (threadIdx.x == 0) {
+        stats->best = rank_key(key, (int)id);
+        stats->min_key = min_key;
+        stats->log_sum = not_a_number();
+    }
+    return thread_max;
+}
+
+// log(sum of exp(x - max)) over the row, Kahan-summed in float32 per thread, then in float64 over the block.
+__device__ float log_sum_exp(const float* x, int n, float max) {
+    float sum = 0.f, compensation = 0.f;
+    for_each_value(x, n, [&](int, float v) {
+        const float y = expf(__fsub_rn(v, max)) - compensation;
+        const float t = sum + y;
+        compensation = (t - sum) - y;
+        sum = t;
+    });
+    return (float)log(block_sum_double((double)sum - (double)compensation));
+}
+
+// Sorts keys[0, count) descending (count <= MAX_CANDIDATES), bitonic over the next power of two.
+__device__ void sort_descending(u64* keys, int count) {
+    int size = 1;
+    while (size < count) size <<= 1;
+    for (int i = count + threadIdx.x; i < size; i += blockDim.x) keys[i] = 0ull;
+    __syncthreads();
+    for (int k = 2; k <= size; k <<= 1) {
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            for (int i = threadIdx.x; i < size; i += blockDim.x) {
+                const int partner = i ^ j;
+                if (partner > i) {
+                    const u64 a = keys[i], b = keys[partner];
+                    if (((i & k) == 0) == (a < b)) {
+                        keys[i] = b;
+                        keys[partner] = a;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
+
+// The window's tokens, at most MAX_CANDIDATES, are in sh.candidates: sort them and find the crossing.
+template <typename Keys>
+__device__ void resolve_candidates(SampleShared& sh, const Keys keys, int count, u64 above_count, u64 above_mass,
+                                   int kind, u64 target) {
+    sort_descending(sh.candidates, count);
+    const int per = (count + blockDim.x - 1) / blockDim.x;
+    const int begin = min(count, (int)threadIdx.x * per), end = min(count, begin + per);
+    u64 own = 0ull, total;
+    for (int j = begin; j < end; ++j) own += keys.mass_of_key(rank_order_key(sh.candidates[j]));
+    const u64 before = above_mass + block_exclusive_scan(own, &total);
+    u64 mass = before;
+    for (int j = begin; j < end; ++j) {
+        const u64 rank = sh.candidates[j];
+        const u64 through = mass + keys.mass_of_key(rank_order_key(rank));
+        const bool crossing = kind == KIND_COUNT ? above_count + j == target : (mass <= target && target < through);
+        if (crossing) {
+            sh.located.key = rank_order_key(rank);
+            sh.located.id = rank_id(rank);
+            sh.located.count = above_count + j + 1;
+            sh.located.mass = through;
+        }
+        mass = through;
+    }
+    __syncthreads();
+    const unsigned int key = sh.located.key;
+    mass = before;
+    for (int j = begin; j < end; ++j) {
+        const unsigned int k = rank_order_key(sh.candidates[j]);
+        mass += keys.mass_of_key(k);
+        if (k == key && (j + 1 == count || rank_order_key(sh.candidates[j + 1]) != key)) sh.located.tie_end_mass = mass;
+    }
+    __syncthreads();
+}
+
+// Id of the index-th token (0-based, id order) whose key is `key`. Each warp counts a contiguous span of ids.
+template <typename Keys>
+__device__ int nth_id_with_key(SampleShared& sh, const float* x, int n, const Keys keys, unsigned int key,
+                               unsigned int index) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int span = ((n + warps - 1) / warps + 31) & ~31;
+    const int begin = min(n, warp * span), end = min(n, begin + span);
+    unsigned int hits = 0;
+    for (int base = begin; base < end; base += 32) {
+        const int i = base + lane;
+        hits += __popc(__ballot_sync(FULL_MASK, i < end && keys.key(x[i]) == key));
+    }
+    if (lane == 0) sh.warp_hits[warp] = hits;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned int rank = index;
+        int w = 0;
+        while (w < warps - 1 && rank >= sh.warp_hits[w]) rank -= sh.warp_hits[w++];
+        sh.nth_warp = w;
+        sh.nth_rank = rank;
+    }
+    __syncthreads();
+    if (warp == (int)sh.nth_warp) {
+        unsigned int rank = sh.nth_rank;
+        for (int base = begin; base < end; base += 32) {
+            const int i = base + lane;
+            unsigned int ballot = __ballot_sync(FULL_MASK, i < end && keys.key(x[i]) == key);
+            const unsigned int hits_here = __popc(ballot);
+            if (rank < hits_here) {
+                for (unsigned int skip = 0; skip < rank; ++skip) ballot &= ballot - 1;
+                if (lane == 0) sh.nth_id = base + __ffs(ballot) - 1;
+                break;
+            }
+            rank -= hits_here;
+        }
+    }
+    __syncthreads();
+    return sh.nth_id;
+}
+
+// More than MAX_CANDIDATES tokens share one value: equal masses, so the crossing is a rank in id order.
+template <typename Keys>
+__device__ void resolve_tie(SampleShared& sh, const float* x, int n, const Keys keys, unsigned int key,
+                            unsigned int count, u64 above_count, u64 above_mass, int kind, u64 target) {
+    const u64 mass = keys.mass_of_key(key);
+    const u64 index = kind == KIND_COUNT ? target - above_count : (target - above_mass) / mass;
+    const int id = nth_id_with_key(sh, x, n, keys, key, (unsigned int)index);
+    if (threadIdx.x == 0) {
+        sh.located.key = key;
+        sh.located.id = id;
+        sh.located.count = above_count + index + 1;
+        sh.located.mass = above_mass + (index + 1) * mass;
+        sh.located.tie_end_mass = above_mass + count * mass;
+    }
+    __syncthreads();
+}
+
+// The crossing lies among the tokens with keys in [lo, hi]; above_* are the count and mass of the tokens with
+// larger keys, above_(kind) <= target < above_(kind) + the window's. Narrows the window until it resolves.
+template <typename Keys>
+__device__ void refine(SampleShared& sh, const float* x, int n, const Keys keys, unsigned int lo, unsigned int hi,
+                       u64 above_count, u64 above_mass, int kind, u64 target) {
+    for (;;) {
+        const unsigned int range = hi - lo;
+        const int shift = range < REFINE_BUCKETS ? 0 : 32 - __clz(range) - REFINE_BITS;
+        for (int i = threadIdx.x; i < REFINE_BUCKETS; i += blockDim.x) {
+            sh.refine_count[i] = 0u;
+            sh.refine_mass[i] = 0ull;
+        }
+        if (threadIdx.x == 0) sh.candidate_count = 0u;
+        __syncthreads();
+        for_each_value(x, n, [&](int i, float v) {
+            const unsigned int k = keys.key(v);
+            if (k < lo || k > hi) return;
+            const unsigned int slot = atomicAdd(&sh.candidate_count, 1u);
+            if (slot < MAX_CANDIDATES) sh.candidates[slot] = rank_key(k, i);
+            const unsigned int digit = (hi - k) >> shift;   // 0: the largest keys
+            atomicAdd(&sh.refine_count[digit], 1u);
+            if (Keys::has_mass) {
+                const u64 w = keys.mass(v);
+                if (w) atomic_add_mass(&sh.refine_mass[digit], w);
+            }
+        });
+        __syncthreads();
+        const unsigned int count = sh.candidate_count;
+        if (count <= MAX_CANDIDATES) {
+            resolve_candidates(sh, keys, (int)count, above_count, above_mass, kind, target);
+            return;
+        }
+        if (lo == hi) {
+            resolve_tie(sh, x, n, keys, lo, count, above_count, above_mass, kind, target);
+            return;
+        }
+        if (threadIdx.x == 0) {
+            u64 c = above_count, m = above_mass;
+            int digit = 0;
+            for (; digit < REFINE_BUCKETS - 1; ++digit) {
+                const u64 c_next = c + sh.refine_count[digit], m_next = m + sh.refine_mass[digit];
+                if ((kind == KIND_COUNT ? c_next : m_next) > target) break;
+                c = c_next;
+                m = m_next;
+            }
+            sh.digit = digit;
+            sh.above_count = c;
+            sh.above_mass = m;
+        }
+        __syncthreads();
+        above_count = sh.above_count;
+        above_mass = sh.above_mass;
+        const long long top = (long long)hi - ((long long)sh.digit << shift);
+        const long long bottom = top - (1ll << shift) + 1;
+        hi = (unsigned int)top;
+        lo = bottom > (long long)lo ? (unsigned int)bottom : lo;
+    }
+}
+
+// The order keys [lo, hi] within [min_key, max_key] of the values in first-level bucket `bucket`, which is at most
+// the bucket of min_key (thread 0 only; a binary search).
+__device__ void bucket_window(const Buckets buckets, int bucket, unsigned int min_key, unsigned int max_key,
+                              unsigned int* lo_out, unsigned int* hi_out) {
+    unsigned int lo = min_key, hi = max_key;
+    while (lo < hi) {  // smallest key whose bucket is <= bucket
+        const unsigned int mid = lo + ((hi - lo) >> 1);
+        if (buckets.of(key_value(mid)) <= bucket) hi = mid; else lo = mid + 1;
+    }
+    *lo_out = lo;
+    lo = min_key;
+    hi = max_key;
+    while (lo < hi) {  // largest key whose bucket is >= bucket
+        const unsigned int mid = lo + ((hi - lo + 1) >> 1);
+        if (buckets.of(key_value(mid)) >= bucket) lo = mid; else hi = mid - 1;
+    }
+    *hi_out = lo;
+}
+
+// Counts (COUNTS; else left 0) and masses per first-level bucket, turned in place into the count and mass before
+// each bucket. RAW_SUM: also returns the sum of exp(x - max), the raw row's softmax sum (this row is the raw row).
+template <bool COUNTS, bool RAW_SUM>
+__device__ float bucket_histogram(SampleShared& sh, const float* x, int n, const SampleKeys keys,
+                                  const Buckets buckets) {
+    for (int b = threadIdx.x; b < SAMPLE_BUCKETS; b += blockDim.x) {
+        sh.bucket_count[b] = 0u;
+        sh.bucket_mass[b] = 0ull;
+    }
+    __syncthreads();
+    float raw_sum = 0.f, compensation = 0.f;  // Kahan
+    for_each_value(x, n, [&](int, float v) {
+        const float gap = __fsub_rn(keys.max, v);  // x - max = -gap exactly
+        const int b = buckets.of_gap(gap);
+        if (COUNTS) atomicAdd(&sh.bucket_count[b], 1u);
+        const u64 w = keys.mass_of_gap(gap);
+        if (w) atomic_add_mass(&sh.bucket_mass[b], w);
+        if (RAW_SUM) {
+            const float y = expf(-gap) - compensation;
+            const float t = raw_sum + y;
+            compensation = (t - raw_sum) - y;
+            raw_sum = t;
+        }
+    });
+    __syncthreads();
+    const int per = (SAMPLE_BUCKETS + blockDim.x - 1) / blockDim.x;
+    const int begin = min(SAMPLE_BUCKETS, (int)threadIdx.x * per), end = min(SAMPLE_BUCKETS, begin + per);
+    u64 own_count = 0ull, own_mass = 0ull, total_count, total_mass;
+    for (int b = begin; b < end; ++b) {
+        own_count += sh.bucket_count[b];
+        own_mass += sh.bucket_mass[b];
+    }
+    u64 count = block_exclusive_scan(own_count, &total_count);
+    u64 mass = block_exclusive_scan(own_mass, &total_mass);
+    for (int b = begin; b < end; ++b) {
+        const unsigned int c = sh.bucket_count[b];
+        const u64 m = sh.bucket_mass[b];
+        sh.bucket_count[b] = (unsigned int)count;
+        sh.bucket_mass[b] = mass;
+        count += c;
+        mass += m;
+    }
+    if (threadIdx.x == 0) {
+        sh.total_count = (unsigned int)total_count;
+        sh.total_mass = total_mass;
+    }
+    const float log_sum = RAW_SUM ? (float)log(block_sum_double((double)raw_sum - (double)compensation)) : 0.f;
+    __syncthreads();
+    return log_sum;
+}
+
+// The first token whose running count (KIND_COUNT) or mass (KIND_MASS) passes target < the row's total.
+__device__ void locate(SampleShared& sh, const float* x, int n, const SampleKeys keys, const Buckets buckets,
+                       int kind, u64 target) {
+    const int per = (SAMPLE_BUCKETS + blockDim.x - 1) / blockDim.x;
+    const int begin = min(SAMPLE_BUCKETS, (int)threadIdx.x * per), end = min(SAMPLE_BUCKETS, begin + per);
+    for (int b = begin; b < end; ++b) {
+        const bool last = b + 1 == SAMPLE_BUCKETS;
+        const u64 before = kind == KIND_COUNT ? (u64)sh.bucket_count[b] : sh.bucket_mass[b];
+        const u64 through = kind == KIND_COUNT ? (u64)(last ? sh.total_count : sh.bucket_count[b + 1])
+                                               : (last ? sh.total_mass : sh.bucket_mass[b + 1]);
+        if (before <= target && target < through) sh.bucket = b;
+    }
+    __syncthreads();
+    const int bucket = sh.bucket;
+    if (threadIdx.x == 0) bucket_window(buckets, bucket, keys.min_key, keys.max_key, &sh.window_lo, &sh.window_hi);
+    __syncthreads();
+    refine(sh, x, n, keys, sh.window_lo, sh.window_hi, sh.bucket_count[bucket], sh.bucket_mass[bucket], kind, target);
+}
+
+// Mass of the tokens with keys >= key: the buckets before key's bucket, plus one pass over that bucket.
+__device__ u64 mass_from_key(SampleShared& sh, const float* x, int n, const SampleKeys keys, const Buckets buckets,
+                             unsigned int key) {
+    const int bucket = buckets.of(key_value(key));
+    if (threadIdx.x == 0) bucket_window(buckets, bucket, keys.min_key, keys.max_key, &sh.window_lo, &sh.window_hi);
+    __syncthreads();
+    const unsigned int hi = sh.window_hi;
+    u64 own = 0ull, total;
+    for_each_value(x, n, [&](int, float v) {
+        const unsigned int k = order_key(v);
+        if (k >= key && k <= hi) own += keys.mass(v);
+    });
+    block_exclusive_scan(own, &total);
+    return sh.bucket_mass[bucket] + total;
+}
+
+// Smallest order key whose p = exp(s) / sum is > 0 and >= threshold (thread 0 only); p is monotone in x.
+__device__ unsigned int lowest_kept_key(const SampleKeys keys, float sum, float threshold) {
+    unsigned int lo = KEY_NEG_INF, hi = keys.max_key;
+    while (lo < hi) {
+        const unsigned int mid = lo + ((hi - lo) >> 1);
+        const float p = __fdiv_rn(keys.weight(key_value(mid)), sum);
+        if (p > 0.f && p >= threshold) hi = mid; else lo = mid + 1;
+    }
+    return lo;
+}
