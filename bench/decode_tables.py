@@ -18,7 +18,8 @@ class TimedRow:
 @dataclass
 class DecodeRow(TimedRow):
     batch: int
-    impl: str                     # "metrale", "grpc" (metrale through gRPC) or "peer"
+    # "metrale", "grpc" (metrale through gRPC, running ahead), "grpc-sync" (through gRPC, no run-ahead) or "peer"
+    impl: str
     floor_ms: float
     # metrale: device time per step (CUDA events from the forward's launch to the end of sampling; on the CPU,
     # the engine's forward_us); grpc: the client's round trip; peer: CUDA events around each graph replay.
@@ -71,16 +72,16 @@ class PrefillRow(TimedRow):
 
 def format_decode_table(rows: list[DecodeRow]) -> str:
     peer = {r.batch: r for r in rows if r.impl == "peer" and r.ok}
-    lines = [f"{'batch':>5}  {'impl':<7}  {'p50 ms':>8}  {'mean ms':>8}  {'other ms':>8}  {'tokens/s':>9}  "
+    lines = [f"{'batch':>5}  {'impl':<9}  {'p50 ms':>8}  {'mean ms':>8}  {'other ms':>8}  {'tokens/s':>9}  "
              f"{'floor ms':>8}  {'x floor':>7}  {'x peer':>6}"]
     for r in rows:
         if not r.ok:
-            lines.append(f"{r.batch:>5}  {r.impl:<7}  {'-':>8}  {'-':>8}  {'-':>8}  {'-':>9}  {r.floor_ms:>8.3f}  "
+            lines.append(f"{r.batch:>5}  {r.impl:<9}  {'-':>8}  {'-':>8}  {'-':>8}  {'-':>9}  {r.floor_ms:>8.3f}  "
                          f"{'-':>7}  {'-':>6}  {r.note}")
             continue
         other = f"{r.other_p50_ms:.3f}" if r.other_p50_ms is not None else "-"
         vs_peer = f"{r.p50_ms / peer[r.batch].p50_ms:.2f}" if r.impl != "peer" and r.batch in peer else "-"
-        lines.append(f"{r.batch:>5}  {r.impl:<7}  {r.p50_ms:>8.3f}  {r.mean_ms:>8.3f}  {other:>8}  "
+        lines.append(f"{r.batch:>5}  {r.impl:<9}  {r.p50_ms:>8.3f}  {r.mean_ms:>8.3f}  {other:>8}  "
                      f"{r.tokens_per_s:>9.0f}  {r.floor_ms:>8.3f}  {r.times_floor:>7.2f}  {vs_peer:>6}"
                      + (f"  {r.note}" if r.note else ""))
     return "\n".join(lines)
@@ -88,15 +89,15 @@ def format_decode_table(rows: list[DecodeRow]) -> str:
 
 def format_prefill_table(rows: list[PrefillRow]) -> str:
     peer = {r.label: r for r in rows if r.impl == "peer" and r.ok}
-    lines = [f"{'prompts':>8}  {'impl':<7}  {'p50 ms':>8}  {'tokens/s':>9}  {'TFLOP/s':>7}  {'x GEMM':>6}  "
+    lines = [f"{'prompts':>8}  {'impl':<9}  {'p50 ms':>8}  {'tokens/s':>9}  {'TFLOP/s':>7}  {'x GEMM':>6}  "
              f"{'x peer':>6}"]
     for r in rows:
         if not r.ok:
-            lines.append(f"{r.label:>8}  {r.impl:<7}  {'-':>8}  {'-':>9}  {'-':>7}  {'-':>6}  {'-':>6}  {r.note}")
+            lines.append(f"{r.label:>8}  {r.impl:<9}  {'-':>8}  {'-':>9}  {'-':>7}  {'-':>6}  {'-':>6}  {r.note}")
             continue
         tokens_per_s = r.num_seqs * r.seq_len / r.p50_ms * 1e3
         vs_peer = f"{r.p50_ms / peer[r.label].p50_ms:.2f}" if r.impl != "peer" and r.label in peer else "-"
-        lines.append(f"{r.label:>8}  {r.impl:<7}  {r.p50_ms:>8.2f}  {tokens_per_s:>9.0f}  {r.tflops:>7.1f}  "
+        lines.append(f"{r.label:>8}  {r.impl:<9}  {r.p50_ms:>8.2f}  {tokens_per_s:>9.0f}  {r.tflops:>7.1f}  "
                      f"{r.fraction_of_gemm:>6.2f}  {vs_peer:>6}" + (f"  {r.note}" if r.note else ""))
     return "\n".join(lines)
 

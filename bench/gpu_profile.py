@@ -92,9 +92,11 @@ def median(values):
 
 
 def time_replays(backend, batch: int, steps: int) -> float:
-    """ms per replay of the batch's decode graph, launched back to back (device time once the queue is full)."""
-    graph, _ = backend.graphs._graphs[batch]
-    return seconds_per_replay(graph, backend.cuda.stream, steps, warmup=3) * 1e3
+    """ms per replay of the batch's decode graph on this thread's lane (lane 0), launched back to back on the lane's
+    stream (device time once the queue is full)."""
+    lane = backend.lane
+    graph, _ = lane.graphs._graphs[batch]
+    return seconds_per_replay(graph, lane.stream, steps, warmup=3) * 1e3
 
 
 def kernel_table(run_step, rows: int, after=None) -> str:

@@ -3,6 +3,7 @@
 from metrale.runtime.build import ModelInfo
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.engine import EngineStats, ReleaseResult
+from metrale.runtime.run_ahead import RunAheadCounts
 from metrale.runtime.step import SequenceOutput, Step, StepOutput
 from metrale.service.config import WorkerConfig
 from metrale.service.server import WorkerServer
@@ -18,11 +19,15 @@ class StubEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
+        self.ahead_counts = RunAheadCounts()
+
+    def bind_lane(self, lane: int) -> None:
+        pass
 
     def stats(self) -> EngineStats:
         return EngineStats(num_kv_blocks=1, free_kv_blocks=1, live_sequences=0)
 
-    def step(self, step: Step, cancelled=None) -> StepOutput:
+    def step(self, step: Step, cancelled=None, run_ahead: bool = False) -> StepOutput:
         seq_ids = [lane.seq_id for lane in step.decode] + [s.seq_id for s in step.prefill if s.is_last_chunk]
         return StepOutput([SequenceOutput(seq_id, 0, 0.0) for seq_id in seq_ids], forward_us=0)
 

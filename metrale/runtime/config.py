@@ -6,6 +6,7 @@ from metrale.runtime.errors import InvalidArgument
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+RUN_AHEAD = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -24,10 +25,14 @@ class EngineConfig:
     max_model_len: int | None = None
     # Decode batch sizes captured as CUDA graphs at start (a decode step is padded to the next one); () = off.
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    # Run each lane's guessed next decode step while the gateway reads the last (run_ahead.py); auto: on cuda.
+    run_ahead: str = "auto"
 
     def __post_init__(self):
         if self.device not in DEVICES:
             raise InvalidArgument(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.run_ahead not in RUN_AHEAD:
+            raise InvalidArgument(f"run_ahead must be one of {RUN_AHEAD}, got {self.run_ahead!r}")
         if self.dtype not in DTYPES:
             raise InvalidArgument(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_block_size < 1 or self.kv_block_size & (self.kv_block_size - 1):

@@ -8,12 +8,13 @@ from typing import Callable
 
 from metrale.runtime.batch import Segment, build_batch
 from metrale.runtime.config import EngineConfig
-from metrale.runtime.errors import Cancelled, DeviceFault, WorkerError
+from metrale.runtime.errors import Cancelled, DeviceFault, OutOfKvBlocks, WorkerError
 from metrale.runtime.kv_blocks import KvBlockManager, blocks_for
 from metrale.runtime.planner import Chunk, Limits, Plan, plan_step
+from metrale.runtime.run_ahead import Ahead, RunAheadCounts
 from metrale.runtime.sampling import SampleRow, random_seed
 from metrale.runtime.sequence import Sequence, SequenceTable
-from metrale.runtime.step import SequenceOutput, Step, StepOutput
+from metrale.runtime.step import DecodeLane, SequenceOutput, Step, StepOutput
 
 
 @dataclass(frozen=True)
@@ -44,16 +45,29 @@ class Engine:
         self._lock = threading.Lock()
         # Held around each forward where the backend cannot run two at once.
         self._forward_lock = contextlib.nullcontext() if model.ops.concurrent_forwards else threading.Lock()
+        # Guessed next decode steps (run_ahead.py) by seq_id; each sequence is in at most one.
+        self.runs_ahead = config.run_ahead == "on" or (config.run_ahead == "auto" and model.ops.device == "cuda")
+        self._ahead: dict[int, Ahead] = {}
+        self.ahead_counts = RunAheadCounts()
 
-    def step(self, step: Step, cancelled: Callable[[], bool] = lambda: False) -> StepOutput:
-        """Runs the step, or changes nothing: on any error, or if cancelled() before its last commit."""
-        with self._lock:
-            plan = plan_step(step, self.sequences, self.blocks.num_free, self.limits)
-            snapshot = self._reserve(plan)
+    def step(self, step: Step, cancelled: Callable[[], bool] = lambda: False, run_ahead: bool = False
+             ) -> StepOutput:
+        """Runs the step, or changes nothing: on any error, or if cancelled() before its last commit.
+        run_ahead: where the engine runs ahead (run_ahead.py), the output carries the guessed next step, which the
+        caller must run or skip (run_ahead.follow_up) before its next step."""
+        taken = self._settle_ahead(step.seq_ids, step, cancelled)
+        output = taken.output if taken is not None else self._run(step, cancelled)
+        if run_ahead and self.runs_ahead:
+            output.ahead = self._reserve_ahead(step, output)
+        return output
+
+    def _run(self, step: Step, cancelled: Callable[[], bool]) -> StepOutput:
+        plan, snapshot = self._plan(step)
         started = time.perf_counter()
         try:
             outputs = [out for chunks in plan.rounds for out in self._run_round(chunks, cancelled)]
         except Exception as error:
+            self._quiesce()
             with self._lock:
                 self._restore(snapshot, plan)
             if isinstance(error, WorkerError):
@@ -64,14 +78,33 @@ class Engine:
         outputs.sort(key=lambda out: order[out.seq_id])
         return StepOutput(outputs, int((time.perf_counter() - started) * 1e6))
 
-    def stats(self) -> EngineStats:
+    def _plan(self, step: Step) -> tuple[Plan, dict]:
+        """Plans the step and takes its blocks; short of blocks while guesses hold some, undoes them and retries."""
         with self._lock:
-            return EngineStats(self.blocks.num_blocks, self.blocks.num_free, len(self.sequences))
+            try:
+                plan = plan_step(step, self.sequences, self.blocks.num_free, self.limits)
+                return plan, self._reserve(plan)
+            except OutOfKvBlocks:
+                if not self._ahead:
+                    raise
+                guessed = list(self._ahead)
+        self._settle_ahead(guessed)
+        with self._lock:
+            plan = plan_step(step, self.sequences, self.blocks.num_free, self.limits)
+            return plan, self._reserve(plan)
+
+    def stats(self) -> EngineStats:
+        """Blocks held by guessed steps count as free: any request may have them."""
+        with self._lock:
+            guessed = sum(ahead.blocks_taken for ahead in set(self._ahead.values()))
+            return EngineStats(self.blocks.num_blocks, self.blocks.num_free + guessed, len(self.sequences))
 
     def release(self, seq_ids: list[int] | None) -> ReleaseResult:
         """Frees the given sequences (None: all of them) and their blocks."""
         with self._lock:
             ids = self.sequences.ids() if seq_ids is None else seq_ids
+        self._settle_ahead(ids)
+        with self._lock:
             released, unknown, freed = [], [], 0
             for seq_id in ids:
                 seq = self.sequences.remove(seq_id)
@@ -82,6 +115,10 @@ class Engine:
                 freed += len(seq.block_table)
                 released.append(seq_id)
             return ReleaseResult(released, unknown, freed)
+
+    def bind_lane(self, lane: int) -> None:
+        """Run first on each device lane's thread: the backend binds the thread to the lane's stream."""
+        self.model.ops.bind_lane(lane)
 
     def live_seq_ids(self) -> list[int]:
         with self._lock:
@@ -114,11 +151,73 @@ class Engine:
             self.blocks.free(seq.block_table.truncate(num_blocks))
             seq.prompt_finished, seq.num_prompt_tokens = finished, num_prompt
 
+    def _reserve_ahead(self, step: Step, output: StepOutput) -> Ahead | None:
+        """Reserves the guessed next step of a pure decode step: the same lanes, each with its sampled token."""
+        if step.prefill or not step.decode:
+            return None
+        sampled = {out.seq_id: out.token for out in output.outputs}
+        guess = Step(decode=tuple(DecodeLane(lane.seq_id, sampled[lane.seq_id]) for lane in step.decode))
+        with self._lock:
+            if any(self.sequences.get(i).output.return_logits for i in sampled):
+                return None
+            try:
+                plan = plan_step(guess, self.sequences, self.blocks.num_free, self.limits)
+            except WorkerError:     # max_model_len, or no free block: no guess
+                return None
+            free = self.blocks.num_free
+            ahead = Ahead(guess.decode, plan, self._reserve(plan), free - self.blocks.num_free, self._run_guess)
+            for seq_id in sampled:
+                self._ahead[seq_id] = ahead
+        return ahead
+
+    def _run_guess(self, ahead: Ahead, on_queued: Callable[[], None]) -> StepOutput:
+        started = time.perf_counter()
+        try:
+            outputs = self._run_round(ahead.plan.rounds[0], lambda: False, on_queued)
+        except Exception:
+            self._quiesce()     # before whoever settles the guess gives its blocks back
+            raise
+        return StepOutput(outputs, int((time.perf_counter() - started) * 1e6))
+
+    def _quiesce(self) -> None:
+        """Waits for this lane's queued device work, so no kernel still writes the KV blocks an undo frees; a
+        device too broken to wait on is already reported by the error being handled."""
+        try:
+            self.model.ops.synchronize()
+        except Exception:
+            pass
+
+    def _settle_ahead(self, seq_ids: list[int], step: Step | None = None,
+                      cancelled: Callable[[], bool] = lambda: False) -> Ahead | None:
+        """Waits for the guesses on these sequences; returns the one that is exactly `step` (taken: its state
+        stays), and undoes every other one."""
+        with self._lock:
+            if not self._ahead:
+                return None
+            pending = list({id(a): a for i in seq_ids if (a := self._ahead.get(i)) is not None}.values())
+        for ahead in pending:
+            ahead.done.wait()
+        taken = None
+        with self._lock:
+            for ahead in pending:
+                if self._ahead.get(ahead.seq_ids[0]) is not ahead:     # settled by another lane meanwhile
+                    continue
+                for seq_id in ahead.seq_ids:
+                    del self._ahead[seq_id]
+                if step is not None and not step.prefill and ahead.matches(step.decode) and not cancelled():
+                    taken = ahead
+                    self.ahead_counts.taken += 1
+                else:
+                    self._restore(ahead.snapshot, ahead.plan)
+                    self.ahead_counts.undone += 1
+        return taken
+
     def forward(self, batch):
         """The model over one flat batch, logits on the device (the backend calls it, or captures it)."""
         return self.model.forward(batch, self.kv_cache)
 
-    def _run_round(self, chunks: tuple[Chunk, ...], cancelled: Callable[[], bool]) -> list[SequenceOutput]:
+    def _run_round(self, chunks: tuple[Chunk, ...], cancelled: Callable[[], bool],
+                   on_queued: Callable[[], None] | None = None) -> list[SequenceOutput]:
         sequences = [self.sequences.get(c.seq_id) for c in chunks]
         segments = [Segment(seq.block_table, c.start, c.tokens, c.samples) for c, seq in zip(chunks, sequences)]
         batch = build_batch(segments, self.config.kv_block_size)
@@ -140,6 +239,6 @@ class Engine:
             # The token lists go by reference; the generated tokens are sliced out only where penalties read them.
             rows = [SampleRow(s.sampling, s.output, s.seed, s.num_tokens, s.tokens,
                               s.output_tokens if s.sampling.has_penalties else ()) for s in sampled]
-            result = ops.sample(logits, rows)
+            result = ops.sample(logits, rows, on_queued)
         return [SequenceOutput(seq.seq_id, result.tokens[i], result.logprobs[i], result.top_logprobs[i],
                                result.logits[i]) for i, seq in enumerate(sampled)]

@@ -9,16 +9,22 @@ import time
 from concurrent.futures import Future
 from typing import Callable
 
+import structlog
+
 from metrale.runtime.errors import InvalidArgument, SequenceBusy
+
+log = structlog.get_logger()
 
 
 class DeviceLanes:
-    def __init__(self, num_lanes: int):
+    def __init__(self, num_lanes: int, on_thread_start: Callable[[int], None] = lambda lane: None):
+        """on_thread_start(lane) runs first on each lane's thread (the backend binds it to the lane's stream)."""
         self._queues = [queue.SimpleQueue() for _ in range(num_lanes)]
         self._claimed: set[int] = set()
         self._claim_lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._serve, args=(q,), name=f"device-lane-{i}", daemon=True)
-                         for i, q in enumerate(self._queues)]
+        self._on_thread_start = on_thread_start
+        self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"device-lane-{i}", daemon=True)
+                         for i in range(num_lanes)]
         for thread in self._threads:
             thread.start()
 
@@ -26,8 +32,11 @@ class DeviceLanes:
     def num_lanes(self) -> int:
         return len(self._queues)
 
-    def submit(self, lane: int, seq_ids: list[int], work: Callable[[], object]) -> Future:
-        """Runs work() on the lane's thread; the future's result is (work's result, queue_us)."""
+    def submit(self, lane: int, seq_ids: list[int], work: Callable[[], object],
+               after: Callable[[object, bool, Callable[[], None]], None] | None = None) -> Future:
+        """Runs work() on the lane's thread; the future's result is (work's result, queue_us). With `after`, the
+        lane then calls after(result, lane_idle, hand_over) before its next work (lane_idle: nothing else is
+        queued on the lane), and the result reaches the future when after calls hand_over() (or returns)."""
         self.check_lane(lane)
         claim = set(seq_ids)
         with self._claim_lock:
@@ -36,7 +45,7 @@ class DeviceLanes:
                 raise SequenceBusy(busy)
             self._claimed |= claim
         future: Future = Future()
-        self._queues[lane].put((future, work, claim, time.perf_counter()))
+        self._queues[lane].put((future, work, claim, time.perf_counter(), after))
         return future
 
     def check_lane(self, lane: int) -> None:
@@ -48,7 +57,7 @@ class DeviceLanes:
         only this lane's queued work can touch (a cancelled Generate's)."""
         self.check_lane(lane)
         future: Future = Future()
-        self._queues[lane].put((future, work, set(), time.perf_counter()))
+        self._queues[lane].put((future, work, set(), time.perf_counter(), None))
         return future
 
     def close(self) -> None:
@@ -57,21 +66,50 @@ class DeviceLanes:
         for thread in self._threads:
             thread.join()
 
-    def _serve(self, work_queue: queue.SimpleQueue) -> None:
+    def _serve(self, lane: int) -> None:
+        work_queue = self._queues[lane]
+        self._on_thread_start(lane)
         while (item := work_queue.get()) is not None:
-            future, work, claim, enqueued = item
-            result = error = None
-            running = future.set_running_or_notify_cancel()
-            if running:
-                queue_us = int((time.perf_counter() - enqueued) * 1e6)
-                try:
-                    result = (work(), queue_us)
-                except BaseException as caught:  # handed to the waiting handler
-                    error = caught
-            # Unclaim before the handler sees the result, so its next step on these sequences is accepted.
-            with self._claim_lock:
-                self._claimed -= claim
-            if running and error is not None:
-                future.set_exception(error)
-            elif running:
-                future.set_result(result)
+            future, work, claim, enqueued, after = item
+            answer = _Answer(future, claim, self._unclaim)
+            if not future.set_running_or_notify_cancel():
+                answer()
+                continue
+            queue_us = int((time.perf_counter() - enqueued) * 1e6)
+            try:
+                answer.result = (work(), queue_us)
+            except BaseException as caught:  # handed to the waiting handler
+                answer.error = caught
+            try:
+                if after is not None and answer.error is None:
+                    after(answer.result[0], work_queue.empty(), answer)
+            except Exception:   # keep the lane alive; the answer still goes out below
+                log.exception("lane_follow_up_failed", lane=lane)
+            finally:
+                answer()
+
+    def _unclaim(self, claim: set[int]) -> None:
+        with self._claim_lock:
+            self._claimed -= claim
+
+
+class _Answer:
+    """Hands one piece of work's outcome to its future, once: claims dropped first, so the handler's next step on
+    these sequences is accepted."""
+
+    def __init__(self, future: Future, claim: set[int], unclaim: Callable[[set[int]], None]):
+        self.future, self.claim, self.unclaim = future, claim, unclaim
+        self.result = self.error = None
+        self.sent = False
+
+    def __call__(self) -> None:
+        if self.sent:
+            return
+        self.sent = True
+        self.unclaim(self.claim)
+        if self.future.cancelled():
+            return
+        if self.error is not None:
+            self.future.set_exception(self.error)
+        else:
+            self.future.set_result(self.result)

@@ -75,3 +75,5 @@ class SequenceOutput:
 class StepOutput:
     outputs: list[SequenceOutput] = field(default_factory=list)
     forward_us: int = 0
+    # The guessed next step the engine reserved after this one (run_ahead.Ahead), for the lane to run.
+    ahead: object = None

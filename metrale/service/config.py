@@ -4,7 +4,7 @@ import argparse
 import os
 from dataclasses import dataclass, field, fields
 
-from metrale.runtime.config import DEVICES, DTYPES, EngineConfig
+from metrale.runtime.config import DEVICES, DTYPES, RUN_AHEAD, EngineConfig
 from metrale.runtime.errors import InvalidArgument
 
 
@@ -71,6 +71,8 @@ SERVE_FLAGS = [
     ("cuda-graph-batch-sizes", _int_tuple, "decode batch sizes captured as CUDA graphs, e.g. 1,2,4,8 ('' = off)",
      None),
     ("num-streams", int, "device streams (lanes) that run steps independently", None),
+    ("run-ahead", str, "run each lane's likely next decode step while the gateway reads the last one; "
+     "auto: on for cuda", RUN_AHEAD),
     ("max-message-mb", int, "largest gRPC message, either way", None),
     ("metrics-port", int, "Prometheus metrics port (off when unset)", None),
     ("drain-timeout", float, "seconds SIGTERM waits for in-flight RPCs", None),

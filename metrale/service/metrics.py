@@ -1,6 +1,7 @@
 """Prometheus metrics, on their own HTTP port (--metrics-port). One registry per server."""
 
 import prometheus_client as prom
+from prometheus_client.core import CounterMetricFamily
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
@@ -23,6 +24,7 @@ class WorkerMetrics:
         free.set_function(lambda: engine.stats().free_kv_blocks)
         used = prom.Gauge("metrale_kv_blocks_used", "KV blocks held by sequences.", registry=r)
         used.set_function(lambda: _blocks_used(engine.stats()))
+        r.register(RunAheadCollector(engine))
 
     def count_step(self, step) -> None:
         self.tokens.labels("decode").inc(len(step.decode))
@@ -31,6 +33,21 @@ class WorkerMetrics:
 
     def serve(self, host: str, port: int) -> None:
         prom.start_http_server(port, addr=host, registry=self.registry)
+
+
+class RunAheadCollector:
+    """The engine's run-ahead counts: guessed decode steps the next request took, and those undone."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        family = CounterMetricFamily("metrale_run_ahead_steps", "Guessed next decode steps, by outcome "
+                                     "(taken by the next request, or undone).", labels=["outcome"])
+        counts = self.engine.ahead_counts
+        family.add_metric(["taken"], counts.taken)
+        family.add_metric(["undone"], counts.undone)
+        yield family
 
 
 def _blocks_used(stats) -> int:

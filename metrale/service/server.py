@@ -28,7 +28,7 @@ class WorkerServer:
 
     def __init__(self, engine, info: ModelInfo, tokenizer, config: WorkerConfig):
         self.config = config
-        self.lanes = DeviceLanes(config.engine.num_streams)
+        self.lanes = DeviceLanes(config.engine.num_streams, on_thread_start=engine.bind_lane)
         self.state = ServingState()
         self.health = health.aio.HealthServicer()
         self.metrics = WorkerMetrics(engine)

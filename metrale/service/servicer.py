@@ -10,6 +10,7 @@ from metrale.runtime.build import VERSION, ModelInfo
 from metrale.runtime.engine import Engine
 from metrale.runtime.errors import Draining, FailedPrecondition, InvalidArgument, UnknownSequence
 from metrale.runtime.lanes import DeviceLanes
+from metrale.runtime.run_ahead import follow_up
 from metrale.runtime.step import Step, check_token_ids
 from metrale.service import convert
 from metrale.service.generate import generate_tokens
@@ -141,7 +142,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def run_step(self, stream: int, step: Step):
         """Runs one engine step on the stream's lane; returns (StepOutput, queue_us)."""
-        result = await self.run_on_lane(stream, step.seq_ids, lambda cancelled: self.engine.step(step, cancelled))
+        result = await self.run_on_lane(stream, step.seq_ids,
+                                        lambda cancelled: self.engine.step(step, cancelled, run_ahead=True),
+                                        after=follow_up)
         self.metrics.count_step(step)
         return result
 
@@ -149,12 +152,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """Frees sequences after the work already queued on the stream; not awaited, so it survives cancellation."""
         self.lanes.submit_in_order(stream, lambda: self.engine.release(seq_ids))
 
-    async def run_on_lane(self, stream: int, seq_ids: list[int], work):
+    async def run_on_lane(self, stream: int, seq_ids: list[int], work, after=None):
         """Runs work(cancelled) on the stream's device lane; returns (result, queue_us). If this handler is
         cancelled (client cancel, deadline), cancelled() turns true, and the engine undoes the step at its next
         round boundary."""
         cancel = threading.Event()
-        future = self.lanes.submit(stream, seq_ids, lambda: work(cancel.is_set))
+        future = self.lanes.submit(stream, seq_ids, lambda: work(cancel.is_set), after)
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:

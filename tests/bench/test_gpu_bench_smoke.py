@@ -33,8 +33,9 @@ def test_gpu_decode_runs_every_phase_on_the_cpu(bench, tmp_path, capsys):
     result = bench.gpu_decode.main(tiny_run_args(tmp_path))
     assert result["errors"] == []
     decode = result["decode_rows"]
-    assert [(r.batch, r.impl) for r in decode] == [(1, "metrale"), (1, "grpc"), (1, "peer"), (2, "metrale"),
-                                                   (2, "grpc"), (2, "peer")]
+    assert [(r.batch, r.impl) for r in decode] == [
+        (1, "metrale"), (1, "grpc"), (1, "grpc-sync"), (1, "peer"),
+        (2, "metrale"), (2, "grpc"), (2, "grpc-sync"), (2, "peer")]
     assert all(r.ok and len(r.step_ms) == 2 and r.floor_ms > 0 and r.tokens_per_s > 0 for r in decode)
     assert all(len(r.other_ms) == 2 for r in decode if r.impl == "metrale")   # host clock of each step
     prefill = result["prefill_rows"]
@@ -46,7 +47,7 @@ def test_gpu_decode_runs_every_phase_on_the_cpu(bench, tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("# gpu_decode:") and "x floor" in out and "x GEMM" in out
     written = json.loads((tmp_path / "out.json").read_text())
-    assert len(written["decode"]) == 6 and written["copy_bandwidth_bytes_per_s"] > 0
+    assert len(written["decode"]) == 8 and written["copy_bandwidth_bytes_per_s"] > 0
 
 
 def test_gpu_decode_skip_peer_and_engine_config(bench, tmp_path):

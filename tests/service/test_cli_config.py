@@ -29,6 +29,7 @@ NON_DEFAULT = {
     "max-seqs": ("64", "engine.max_seqs", 64),
     "max-model-len": ("100", "engine.max_model_len", 100),
     "num-streams": ("3", "engine.num_streams", 3),
+    "run-ahead": ("off", "engine.run_ahead", "off"),
     "cuda-graph-batch-sizes": ("1,4,16", "engine.cuda_graph_batch_sizes", (1, 4, 16)),
     "max-message-mb": ("8", "max_message_mb", 8),
     "metrics-port": ("9100", "metrics_port", 9100),
@@ -119,6 +120,7 @@ def test_empty_variable_is_unset_and_explicit_environ_ignores_os_environ(monkeyp
     ({"METRALE_REFLECTION": "maybe"}, ["METRALE_REFLECTION", "maybe"]),
     ({"METRALE_LOG_FORMAT": "xml"}, ["log_format", "xml"]),
     ({"METRALE_NUM_STREAMS": "0"}, ["num_streams", "0"]),
+    ({"METRALE_RUN_AHEAD": "sometimes"}, ["run_ahead", "sometimes"]),
     ({"METRALE_KV_MEMORY_FRACTION": "1.5"}, ["kv_memory_fraction", "1.5"]),
 ])
 def test_bad_environment_value_is_invalid_argument(environ, words):

@@ -50,3 +50,21 @@ def test_metrics_follow_the_requests(metered):
     stub.Release(pb.ReleaseRequest(all=True))
     m = scrape(port)
     assert m[("metrale_live_sequences", ())] == 0 and m[("metrale_kv_blocks_free", ())] == 32
+
+
+def test_run_ahead_counts(tiny_llama_dir):
+    port = free_port()
+    worker = start_worker(tiny_llama_dir, kv_blocks=32, metrics_port=port, run_ahead="on")
+    try:
+        stub = worker.stub
+        r = stub.Prefill(pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=1, tokens=[3, 4, 5], is_last_chunk=True)]))
+        for _ in range(3):      # the first answer is a prefill's: no guess; then two guesses taken
+            r = stub.Decode(pb.DecodeRequest(seq_ids=[1], tokens=[r.tokens[0]]))
+        stub.Decode(pb.DecodeRequest(seq_ids=[1], tokens=[(r.tokens[0] + 1) % 256]))    # undone
+        stub.Release(pb.ReleaseRequest(all=True))                                        # undone
+        m = scrape(port)
+        assert m[("metrale_run_ahead_steps_total", (("outcome", "taken"),))] == 2
+        assert m[("metrale_run_ahead_steps_total", (("outcome", "undone"),))] == 2
+        assert m[("metrale_kv_blocks_free", ())] == 32
+    finally:
+        worker.stop()

@@ -25,6 +25,12 @@ class CpuBackend:
     def plan(self, weight_bytes, shapes) -> None:
         """torch allocates as it goes on the CPU."""
 
+    def bind_lane(self, lane: int) -> None:
+        """The CPU ops keep no state per lane: nothing to bind."""
+
+    def synchronize(self) -> None:
+        """The CPU ops are done when they return."""
+
     def upload(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.dtype).contiguous()
 
@@ -101,7 +107,9 @@ class CpuBackend:
     def run_forward(self, forward, batch):
         return forward(batch)
 
-    def sample(self, logits, rows):
+    def sample(self, logits, rows, on_queued=None):
+        if on_queued is not None:   # the forward ran already: nothing is left to queue
+            on_queued()
         return sample(logits, rows)
 
 

@@ -32,6 +32,8 @@ class MemoryShapes:
     max_blocks_per_seq: int
     head_dim: int
     kv_block_size: int
+    # Stream lanes: a backend that runs forwards at once gives each its own workspaces.
+    lanes: int = 1
 
 
 class PreparedBatch(Protocol):
@@ -48,6 +50,15 @@ class Ops(Protocol):
 
     def plan(self, weight_bytes: int, shapes: MemoryShapes) -> None:
         """Places weights and workspaces before any upload; the KV pool comes after."""
+
+    def bind_lane(self, lane: int) -> None:
+        """Runs the calling thread's forwards on stream lane `lane` (< shapes.lanes) from now on: each device lane's
+        thread calls it once, at its start; a thread that never does runs on lane 0. A backend that keeps state per
+        lane raises InvalidArgument for a lane out of range."""
+
+    def synchronize(self) -> None:
+        """Waits for the work the calling thread's lane has queued: before a failed or cancelled step gives back
+        blocks its queued forward may still be writing, which another lane could take at once."""
 
     def upload(self, tensor: torch.Tensor) -> Tensor:
         """A weight in the backend's dtype and memory."""
@@ -102,6 +113,7 @@ class Ops(Protocol):
     def run_forward(self, forward: Callable[[ForwardBatch], Tensor], batch: ForwardBatch) -> Tensor:
         """forward(batch): logits [N, vocab] float32 in the backend's memory; a backend may replay a graph."""
 
-    def sample(self, logits: Tensor, rows: list) -> "SampleResult":
+    def sample(self, logits: Tensor, rows: list, on_queued: Callable[[], None] | None = None) -> "SampleResult":
         """The next token of each row (runtime/sampling's rule), its logprob, top-n and, where asked, the raw
-        logits row on the host."""
+        logits row on the host. on_queued() runs once the device work is queued, before the wait for it (a lane
+        hands over its last answer there, so the event loop's work overlaps the device's, not the host's)."""

@@ -7,6 +7,7 @@ source (with its headers), the options and the NVRTC version, so a second start 
 import hashlib
 import os
 import re
+import threading
 from importlib import resources
 from pathlib import Path
 
@@ -90,16 +91,23 @@ class KernelLibrary:
         self._kernels = {}
         self._modules = {}
         self._resident = {}
+        # A module is loaded into the context on its first get_kernel, and lanes launch from several threads.
+        self._load_lock = threading.Lock()
         for name, source in kernel_sources().items():
             self._modules[name] = ObjectCode.from_cubin(cache.cubin(name, source, arch))
         self.arch = arch
         use_programmatic_launch(int(arch[3:].rstrip("af")) >= 90 and os.environ.get("METRALE_PDL", "1") != "0")
 
     def get(self, kernel_name: str, module: str):
-        key = (module, kernel_name)
-        if key not in self._kernels:
-            self._kernels[key] = self._modules[module].get_kernel(kernel_name)
-        return self._kernels[key]
+        kernel = self._kernels.get((module, kernel_name))
+        return kernel if kernel is not None else self._load(kernel_name, module)
+
+    def _load(self, kernel_name: str, module: str):
+        with self._load_lock:
+            key = (module, kernel_name)
+            if key not in self._kernels:
+                self._kernels[key] = self._modules[module].get_kernel(kernel_name)
+            return self._kernels[key]
 
     def resident_ctas(self, kernel_name: str, module: str, threads: int) -> int:
         """CTAs of `threads` threads (static shared memory only) the whole device runs at once."""

@@ -1,5 +1,5 @@
-"""The device: cuda.core Device and stream, every driver call checked, host<->device copies, and the memory
-plan: one allocation carved into weights, KV pool, activation workspace and GEMM workspace."""
+"""The device: cuda.core Device and its setup stream, every driver call checked, host<->device copies on a given
+stream, and the arenas the memory plan carves its allocations with."""
 
 import threading
 
@@ -34,6 +34,7 @@ class CudaDevice:
         except Exception as error:
             raise FailedPrecondition(f"no usable CUDA device {index}: {error}") from None
         self.arch = arch_of(self.device)
+        # Allocations and weight uploads at start; forwards run on their lanes' streams (lane.py).
         self.stream = self.device.create_stream()
         self._buffers = []
         self._current = threading.local()
@@ -46,10 +47,6 @@ class CudaDevice:
             self.device.set_current()
             self._current.done = True
 
-    @property
-    def stream_handle(self) -> int:
-        return int(self.stream.handle)
-
     def free_memory(self) -> int:
         free, _ = check(driver.cuMemGetInfo())
         return int(free)
@@ -61,32 +58,29 @@ class CudaDevice:
         self._buffers.append(buffer)
         return int(buffer.handle)
 
-    def copy_to_device(self, dst: DeviceTensor, host: np.ndarray) -> None:
-        """Asynchronous on the stream; `host` must stay alive until the stream is synchronized."""
+    def copy_to_device(self, dst: DeviceTensor, host: np.ndarray, stream) -> None:
+        """Asynchronous on `stream` (a cuda.core Stream); `host` must stay alive until the stream is synchronized."""
         if host.nbytes != dst.nbytes or not dst.is_contiguous:
             raise DeviceFault(f"copy of {host.nbytes} bytes into a {dst.shape} {dst.dtype} tensor")
-        check(driver.cuMemcpyHtoDAsync(dst.ptr, host.ctypes.data, host.nbytes, self.stream_handle))
+        check(driver.cuMemcpyHtoDAsync(dst.ptr, host.ctypes.data, host.nbytes, int(stream.handle)))
 
-    def copy_to_host(self, src: DeviceTensor) -> np.ndarray:
-        """Synchronous: waits for the stream."""
+    def copy_to_host(self, src: DeviceTensor, stream) -> np.ndarray:
+        """Synchronous: queued on `stream` after its work, then waits for the stream."""
         host = np.empty(src.shape, dtype=DTYPES[src.dtype][1])
+        handle = int(stream.handle)
         if src.is_contiguous:
-            check(driver.cuMemcpyDtoHAsync(host.ctypes.data, src.ptr, host.nbytes, self.stream_handle))
+            check(driver.cuMemcpyDtoHAsync(host.ctypes.data, src.ptr, host.nbytes, handle))
         else:
             row_bytes = src.shape[-1] * src.itemsize
             for row in range(src.shape[0]):
                 check(driver.cuMemcpyDtoHAsync(host.ctypes.data + row * row_bytes,
-                                               src.ptr + row * src.stride * src.itemsize, row_bytes,
-                                               self.stream_handle))
-        self.synchronize()
+                                               src.ptr + row * src.stride * src.itemsize, row_bytes, handle))
+        stream.sync()
         return host
-
-    def synchronize(self) -> None:
-        self.stream.sync()
 
 
 class Arena:
-    """A bump allocator over one region: weights and the KV pool, placed once at start."""
+    """A bump allocator over one region: the weights, each lane's buffers and the KV pool, placed once at start."""
 
     def __init__(self, base: int, nbytes: int, name: str):
         self.base, self.nbytes, self.name = base, nbytes, name

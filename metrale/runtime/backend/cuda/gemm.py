@@ -1,5 +1,5 @@
 """Dense GEMMs on cuBLASLt: out = x @ weight.T (+ bias), on the caller's stream and workspace, with the matmul
-descriptor, the matrix layouts and the heuristic's algorithm built once per shape and cached.
+descriptor, the matrix layouts and the heuristic's algorithm built once per shape and cached for every lane.
 
 cuBLASLt is reached through nvmath-python's low-level bindings (`nvmath.bindings.cublasLt`: raw pointers in,
 statuses out). Neither package is loaded until a CublasLt is created, so this module imports anywhere.
@@ -8,6 +8,7 @@ libcublasLt.so.13 is found by `cuda.pathfinder` (the loader nvmath-python 1.x it
 CUDA_HOME). We load it ourselves first so a missing library is one FailedPrecondition naming the fix.
 """
 
+import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -150,8 +151,10 @@ class _Matmul:
 
 
 class CublasLt:
-    """A cuBLASLt handle, a workspace and the per-shape cache. Not thread-safe and not for concurrent streams:
-    calls in flight on two streams would share the workspace. One instance per stream lane."""
+    """A cuBLASLt handle, the per-shape cache and a default workspace, shared by every stream lane: each call takes
+    its stream and its lane's own workspace (calls in flight on two streams must not share one). cuBLASLt may be
+    called from several host threads on one handle; the lock guards what is ours to share: creating a shape's
+    descriptors, and a biased call's bias pointer, which sits in the shape's descriptor until the call is enqueued."""
 
     def __init__(self, workspace: DeviceTensor):
         require(workspace.dtype == "uint8" and len(workspace.shape) == 1 and workspace.nbytes > 0,
@@ -160,6 +163,7 @@ class CublasLt:
         self._lt = load_cublaslt()
         self.workspace = workspace
         self._matmuls: dict[LinearKey, _Matmul] = {}
+        self._lock = threading.Lock()
         self.plans_created = 0              # descriptor sets built: one per new LinearKey
         # Host scalars in fp32 (the scale type); POINTER_MODE_HOST reads them when a matmul is enqueued.
         self._alpha = np.ones(1, dtype=np.float32)
@@ -170,34 +174,56 @@ class CublasLt:
         # Addresses and sizes read by every call, computed once (numpy's .ctypes.data costs microseconds).
         self._alpha_address, self._beta_address = self._alpha.ctypes.data, self._beta.ctypes.data
         self._bias_pointer_address = self._bias_pointer.ctypes.data
-        self._workspace_address, self._workspace_bytes = workspace.ptr, workspace.nbytes
+        self._workspace_bytes = workspace.nbytes
         self.version = self._lt.get_version()   # e.g. 130100 for cuBLAS 13.1.0
         self._handle = self._call("cublasLtCreate", self._lt.create)
 
     def linear(self, stream, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
-               bias: DeviceTensor | None = None) -> None:
+               bias: DeviceTensor | None = None, workspace: DeviceTensor | None = None) -> None:
         """out [M, N] = x [M, K] @ weight [N, K].T (+ bias [N]) on `stream` (a cuda.core Stream).
         x, weight: bf16; out: bf16 or float32 (logits); bias: out's dtype. x and out may be column slices
-        (row-strided); every pointer and row stride 16-byte aligned. Accumulates in fp32."""
+        (row-strided); every pointer and row stride 16-byte aligned. Accumulates in fp32. workspace: the calling
+        lane's, at least as large as the one given at creation (the algorithms were chosen for that size); None:
+        that one."""
         if self._handle is None:
             raise FailedPrecondition("linear on a closed CublasLt")
         key = linear_key(out, x, weight, bias)
         if key.m == 0:
             return
-        matmul = self._matmuls.get(key)
-        if matmul is None:
-            matmul = self._matmuls[key] = self._create_matmul(GemmPlan.for_linear(key))
+        if workspace is None:
+            workspace = self.workspace
+        workspace_bytes = workspace.nbytes
+        if workspace_bytes < self._workspace_bytes:
+            raise InvalidArgument(f"linear: a {workspace_bytes}-byte workspace is smaller than the "
+                                  f"{self._workspace_bytes} bytes the algorithms were chosen for")
+        matmul = self._matmuls.get(key) or self._matmul_of(key)
         lt = self._lt
         try:
-            if bias is not None:
-                self._bias_pointer[0] = bias.ptr
-                lt.matmul_desc_set_attribute(matmul.desc, self._bias_pointer_attribute, self._bias_pointer_address, 8)
-            lt.matmul(self._handle, matmul.desc, self._alpha_address, weight.ptr, matmul.a_layout, x.ptr,
-                      matmul.b_layout, self._beta_address, out.ptr, matmul.d_layout, out.ptr, matmul.d_layout,
-                      matmul.algo, self._workspace_address, self._workspace_bytes, int(stream.handle))
+            if bias is None:
+                self._enqueue(stream, matmul, out, x, weight, workspace.ptr, workspace_bytes)
+            else:
+                with self._lock:    # another lane's biased call of this shape would move the pointer
+                    self._bias_pointer[0] = bias.ptr
+                    lt.matmul_desc_set_attribute(matmul.desc, self._bias_pointer_attribute,
+                                                 self._bias_pointer_address, 8)
+                    self._enqueue(stream, matmul, out, x, weight, workspace.ptr, workspace_bytes)
         except lt.cuBLASLtError as error:   # inlined _call: this is the hot path
             raise CublasLtError("cublasLtMatmul" if bias is None else "cublasLtMatmul (with bias)",
                                 self._status_name(error.status)) from None
+
+    def _enqueue(self, stream, matmul: _Matmul, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
+                 workspace_ptr: int, workspace_bytes: int) -> None:
+        self._lt.matmul(self._handle, matmul.desc, self._alpha_address, weight.ptr, matmul.a_layout, x.ptr,
+                        matmul.b_layout, self._beta_address, out.ptr, matmul.d_layout, out.ptr, matmul.d_layout,
+                        matmul.algo, workspace_ptr, workspace_bytes, int(stream.handle))
+
+    def _matmul_of(self, key: LinearKey) -> _Matmul:
+        """The shape's descriptors, built once: two lanes may meet a new shape at the same time."""
+        with self._lock:
+            matmul = self._matmuls.get(key)
+            if matmul is None:
+                matmul = self._matmuls[key] = self._create_matmul(GemmPlan.for_linear(key))
+            return matmul
 
     def close(self) -> None:
         """Destroys every cached descriptor and the handle; the workspace stays the caller's. Idempotent."""

@@ -1,4 +1,5 @@
-"""Decode steps as CUDA graphs: one graph per bucketed batch size, captured once, replayed with new inputs.
+"""Decode steps as CUDA graphs: one graph per stream lane and bucketed batch size, captured once, replayed with
+new inputs.
 
 A decode forward is a fixed sequence of launches once its shapes are fixed: the batch is padded to its
 bucket with lanes that read and write nothing (context 0, KV slot -1), the metadata is copied into the same
@@ -15,8 +16,10 @@ from metrale.runtime.batch import ForwardBatch
 
 
 class DecodeGraphs:
-    def __init__(self, backend, batch_sizes: tuple[int, ...], max_context: int):
-        self.backend = backend
+    """One stream lane's graphs: captured over its buffers, launched on its stream."""
+
+    def __init__(self, lane, batch_sizes: tuple[int, ...], max_context: int):
+        self.lane = lane
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.max_context = max_context
         self._graphs: dict[int, tuple[object, DeviceTensor]] = {}
@@ -34,12 +37,13 @@ class DecodeGraphs:
         if size not in self._graphs:
             self._graphs[size] = self._capture(forward, batch, prepared)
         graph, logits = self._graphs[size]
-        graph.launch(self.backend.cuda.stream)
+        graph.launch(self.lane.stream)
         self.replays += 1
         return logits.rows(0, batch.num_tokens)
 
     def capture_all(self, forward: Callable) -> None:
-        """Warm-up: every bucket captured with padding lanes only."""
+        """Warm-up, on a thread bound to this lane (forward's ops run on the calling thread's lane): every bucket
+        captured with padding lanes only."""
         empty = ForwardBatch(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
                              torch.zeros(0, dtype=torch.int64), [], [], [], [], torch.zeros(0, dtype=torch.int64))
         for size in self.batch_sizes:
@@ -49,17 +53,17 @@ class DecodeGraphs:
     def _prepare(self, batch: ForwardBatch, size: int):
         """The batch's metadata padded to `size` lanes, attention planned for max_context (not the lanes' own
         contexts), so the captured launches fit every replay."""
-        prepared = self.backend.prepare(batch, pad_to=size)
+        prepared = self.lane.prepare(batch, pad_to=size)
         prepared.max_decode_context = self.max_context
         return prepared
 
     def _capture(self, forward: Callable, batch: ForwardBatch, prepared) -> tuple[object, DeviceTensor]:
         """The graph of forward(batch) over `prepared` (the batch padded to its bucket), and its logits."""
-        stream = self.backend.cuda.stream
+        stream = self.lane.stream
         stream.sync()
         builder = stream.create_graph_builder()
         builder.begin_building("thread_local")
-        with self.backend.reuse_prepared(prepared):
+        with self.lane.reuse_prepared(prepared):
             logits = forward(batch)
         builder.end_building()
         graph = builder.complete()

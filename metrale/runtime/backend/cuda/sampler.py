@@ -1,5 +1,5 @@
-"""Sampling on the device: the sampler kernels over the logits region, one small copy back (tokens,
-logprobs, top-n), and full logits rows only for the sequences that asked."""
+"""Sampling on the device: the sampler kernels over a lane's logits, one small copy back (tokens, logprobs,
+top-n), and full logits rows only for the sequences that asked."""
 
 import math
 
@@ -16,19 +16,19 @@ OUT_WORDS = 2 + 2 * MAX_TOP_LOGPROBS
 
 
 class DeviceSampler:
-    def __init__(self, backend, params: DeviceTensor, penalties: DeviceTensor, processed: DeviceTensor,
+    def __init__(self, lane, params: DeviceTensor, penalties: DeviceTensor, processed: DeviceTensor,
                  outputs: DeviceTensor):
-        """params [max_seqs, PARAM_WORDS] int32; penalties: int32 scratch for the penalty lists; processed
-        [max_seqs, vocab] float32; outputs [max_seqs * OUT_WORDS] int32."""
-        self.backend, self.params, self.penalties = backend, params, penalties
+        """lane: the Lane whose stream it runs on; params [max_seqs, PARAM_WORDS] int32; penalties: int32 scratch
+        for the penalty lists; processed [max_seqs, vocab] float32; outputs [max_seqs * OUT_WORDS] int32."""
+        self.lane, self.params, self.penalties = lane, params, penalties
         self.processed, self.outputs = processed, outputs
 
-    def sample(self, logits: DeviceTensor, rows) -> SampleResult:
-        cuda, lib, stream = self.backend.cuda, self.backend.lib, self.backend.cuda.stream
+    def sample(self, logits: DeviceTensor, rows, on_queued=None) -> SampleResult:
+        lane, lib, stream = self.lane, self.lane.lib, self.lane.stream
         n = len(rows)
         host_params = kernels.pack_sampling_params(rows)
         params = DeviceTensor(self.params.ptr, host_params.shape, "int32")
-        cuda.copy_to_device(params, host_params)
+        lane.copy_to_device(params, host_params)
         processed = None
         if any(row.params.has_penalties for row in rows):
             processed = self.processed.rows(0, n)
@@ -42,8 +42,10 @@ class DeviceSampler:
         top_logprobs = DeviceTensor(base + 8 * n + 4 * n * MAX_TOP_LOGPROBS, (n, MAX_TOP_LOGPROBS), "float32")
         kernels.sample_rows(lib, stream, logits, params, tokens, logprobs, top_ids, top_logprobs, top_n,
                             processed=processed)
-        self.backend.mark_sampled()
-        host = cuda.copy_to_host(DeviceTensor(base, (n * OUT_WORDS,), "int32"))
+        lane.mark_sampled()
+        if on_queued is not None:
+            on_queued()
+        host = lane.copy_to_host(DeviceTensor(base, (n * OUT_WORDS,), "int32"))
         return self._result(host, logits, rows, top_n)
 
     def _upload_penalties(self, lists) -> tuple[DeviceTensor, DeviceTensor, DeviceTensor]:
@@ -54,11 +56,9 @@ class DeviceSampler:
         for part, dtype in zip(parts, ("int32", "int32", "float32")):
             tensor = DeviceTensor(self.penalties.ptr + 4 * offset, part.shape, dtype)
             if part.size:
-                self.backend.cuda.copy_to_device(DeviceTensor(tensor.ptr, part.shape, "int32"),
-                                                 np.ascontiguousarray(part))
+                self.lane.copy_to_device(DeviceTensor(tensor.ptr, part.shape, "int32"), np.ascontiguousarray(part))
             tensors.append(tensor)
             offset += part.size
-        self.backend.keep_alive(parts)
         return tuple(tensors)
 
     def _result(self, host: np.ndarray, logits: DeviceTensor, rows, top_n: int) -> SampleResult:
@@ -73,7 +73,7 @@ class DeviceSampler:
         for i, row in enumerate(rows):
             k = row.options.top_logprobs
             top.append((ids[i, :k].tolist(), values[i, :k].tolist()) if k else None)
-            raw.append(torch.from_numpy(self.backend.cuda.copy_to_host(logits.rows(i, i + 1))[0])
+            raw.append(torch.from_numpy(self.lane.copy_to_host(logits.rows(i, i + 1))[0])
                        if row.options.return_logits else None)
         logprobs = [lp if row.options.logprobs else math.nan for lp, row in zip(logprobs, rows)]
         return SampleResult(tokens, logprobs, top, raw)

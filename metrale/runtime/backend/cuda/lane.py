@@ -1,0 +1,140 @@
+"""A stream lane: one stream and every buffer a forward and its sampling write, so forwards on different lanes
+run at once on the device. The weights and the KV pool are shared: lanes never share a sequence, so the KV
+blocks they write are disjoint."""
+
+import contextlib
+import threading
+
+import numpy as np
+from cuda.core import EventOptions, StreamOptions
+
+from metrale.runtime.backend.cuda import kernels
+from metrale.runtime.backend.cuda.batch import CudaBatch, metadata_elements, pack_batch
+from metrale.runtime.backend.cuda.device import ALIGNMENT, Arena, CudaDevice, RingArena
+from metrale.runtime.backend.cuda.graphs import DecodeGraphs
+from metrale.runtime.backend.cuda.sampler import OUT_WORDS, DeviceSampler
+from metrale.runtime.backend.cuda.tensor import DTYPES, DeviceTensor
+from metrale.runtime.backend.ops import MemoryShapes
+from metrale.runtime.batch import ForwardBatch
+from metrale.runtime.errors import InvalidArgument
+
+GEMM_WORKSPACE_BYTES = 32 << 20
+# Penalty lists of one step (distinct history ids of the penalised rows, with counts and biases).
+PENALTY_BYTES = 64 << 20
+# The activation workspace holds this many layers' tensors at max_batch_tokens (see RingArena).
+WORKSPACE_LAYERS = 3
+TIMED = EventOptions(timing_enabled=True)
+
+Buffers = dict[str, tuple[tuple[int, ...], str]]
+
+
+def lane_buffers(lib, shapes: MemoryShapes) -> Buffers:
+    """name -> (shape, dtype) of every buffer one lane owns, sized by the engine's limits."""
+    t, seqs = shapes.max_batch_tokens, shapes.max_seqs
+    per_layer = 2 * t * (4 * shapes.hidden + 2 * shapes.q_size + 2 * shapes.kv_size + 3 * shapes.intermediate)
+    # Decode attention's per-split partial outputs, for the largest batch and context (not in the ring: their size
+    # follows the split count, not max_batch_tokens).
+    partials = kernels.attention.decode_workspace_bound(
+        lib, min(seqs, t), shapes.q_size // shapes.head_dim, shapes.kv_size // shapes.head_dim, shapes.head_dim,
+        shapes.max_blocks_per_seq * shapes.kv_block_size)
+    return {
+        "workspace": ((WORKSPACE_LAYERS * per_layer + 4 * t * shapes.hidden * 2,), "uint8"),
+        "logits": ((seqs, shapes.vocab), "float32"),
+        "processed": ((seqs, shapes.vocab), "float32"),
+        "metadata": ((metadata_elements(t, seqs, shapes.max_blocks_per_seq),), "int32"),
+        "decode_partials": ((max(1, partials),), "float32"),
+        "gemm_workspace": ((GEMM_WORKSPACE_BYTES,), "uint8"),
+        "sample_params": ((seqs, kernels.sampling.PARAM_WORDS), "int32"),
+        "sample_outputs": ((OUT_WORDS * seqs,), "int32"),
+        "penalties": ((PENALTY_BYTES // 4,), "int32"),
+    }
+
+
+def lane_bytes(buffers: Buffers) -> int:
+    """The size of one lane's region: every buffer ALIGNMENT-aligned, as Arena.take places them."""
+    return sum(-(-int(np.prod(shape)) * DTYPES[dtype][0] // ALIGNMENT) * ALIGNMENT for shape, dtype in buffers.values())
+
+
+class Lane:
+    """One lane's stream, buffers, sampler and decode graphs, and the host state of the forward in flight on it.
+    Used by one thread at a time: the thread bound to it (warm-up binds the main thread to each lane in turn)."""
+
+    def __init__(self, cuda: CudaDevice, lib, shapes: MemoryShapes, region: Arena, buffers: Buffers):
+        self.cuda, self.lib, self.shapes = cuda, lib, shapes
+        # Non-blocking: never implicitly ordered after the legacy default stream, nor after another lane.
+        self.stream = cuda.device.create_stream(options=StreamOptions(nonblocking=True))
+        taken = {name: region.take(shape, dtype) for name, (shape, dtype) in buffers.items()}
+        workspace = taken["workspace"]
+        self.ring = RingArena(workspace.ptr, workspace.nbytes, f"{region.name} activation workspace")
+        self.logits, self.metadata = taken["logits"], taken["metadata"]
+        self.decode_partials, self.gemm_workspace = taken["decode_partials"], taken["gemm_workspace"]
+        self.sampler = DeviceSampler(self, taken["sample_params"], taken["penalties"], taken["processed"],
+                                     taken["sample_outputs"])
+        self.graphs: DecodeGraphs | None = None
+        self._pending = []   # host arrays the stream's copies read, kept until the stream is synchronized
+        self._prepared: CudaBatch | None = None
+        self._timing, self._round_events = False, (None, None)
+
+    def new(self, rows: int, cols: int, dtype: str = "bfloat16") -> DeviceTensor:
+        """An activation tensor from the ring."""
+        return self.ring.take((rows, cols), dtype)
+
+    def prepare(self, batch: ForwardBatch, pad_to: int = 0) -> CudaBatch:
+        """The batch's metadata on the device (pad_to: a decode graph's padded lanes, see pack_batch); starts the
+        forward's ring over."""
+        if self._prepared is not None:
+            return self._prepared
+        rows = max(pad_to, batch.num_tokens)
+        if rows > self.shapes.max_batch_tokens or max(pad_to, len(batch.sample_rows)) > self.shapes.max_seqs:
+            raise InvalidArgument("the forward is larger than the memory plan")
+        self.ring.reset()
+        prepared = pack_batch(batch, self.metadata, self.shapes.max_blocks_per_seq, pad_to)
+        self.copy_to_device(DeviceTensor(self.metadata.ptr, prepared.host.shape, "int32"), prepared.host)
+        if self._timing:
+            self._round_events = (self.stream.record(options=TIMED), None)
+        return prepared
+
+    @contextlib.contextmanager
+    def reuse_prepared(self, prepared: CudaBatch):
+        """While capturing, the model's prepare() returns the batch already in place instead of copying."""
+        self._prepared = prepared
+        try:
+            yield
+        finally:
+            self._prepared = None
+
+    def copy_to_device(self, dst: DeviceTensor, host: np.ndarray) -> None:
+        """Asynchronous on the lane's stream; `host` is kept alive until the stream is synchronized."""
+        self.cuda.copy_to_device(dst, host, self.stream)
+        self._pending.append(host)
+
+    def copy_to_host(self, src: DeviceTensor) -> np.ndarray:
+        """Synchronous: waits for everything queued on the lane before it."""
+        host = self.cuda.copy_to_host(src, self.stream)
+        self._pending.clear()
+        return host
+
+    def synchronize(self) -> None:
+        """Waits for everything queued on the lane."""
+        self.stream.sync()
+        self._pending.clear()
+
+    def time_steps(self, enabled: bool) -> None:
+        self._timing = enabled
+        self._round_events = (None, None)
+
+    def mark_sampled(self) -> None:
+        """Called by the sampler once its last kernel is queued."""
+        if self._timing:
+            self._round_events = (self._round_events[0], self.stream.record(options=TIMED))
+
+    def last_device_ms(self) -> float | None:
+        started, sampled = self._round_events
+        return sampled - started if started is not None and sampled is not None else None
+
+
+class LaneBinding(threading.local):
+    """The calling thread's lane: lane 0 until the thread binds another (each device lane's thread does, once)."""
+
+    def __init__(self, lane: Lane):
+        self.lane = lane
