@@ -54,7 +54,7 @@ class Engine:
              ) -> StepOutput:
         """Runs the step, or changes nothing: on any error, or if cancelled() before its last commit.
         run_ahead: where the engine runs ahead (run_ahead.py), the output carries the guessed next step, which the
-        caller must run or skip (run_ahead.follow_up) before its next step."""
+        caller must run or skip (run_ahead.LanePacer) before its next step."""
         taken = self._settle_ahead(step.seq_ids, step, cancelled)
         output = taken.output if taken is not None else self._run(step, cancelled)
         if run_ahead and self.runs_ahead:

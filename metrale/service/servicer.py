@@ -10,7 +10,7 @@ from metrale.runtime.build import VERSION, ModelInfo
 from metrale.runtime.engine import Engine
 from metrale.runtime.errors import Draining, FailedPrecondition, InvalidArgument, UnknownSequence
 from metrale.runtime.lanes import DeviceLanes
-from metrale.runtime.run_ahead import follow_up
+from metrale.runtime.run_ahead import LanePacer
 from metrale.runtime.step import Step, check_token_ids
 from metrale.service import convert
 from metrale.service.generate import generate_tokens
@@ -56,6 +56,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.tokenizer = tokenizer
         self.state = state
         self._next_generate_id = RESERVED_SEQ_IDS
+        # Per stream: the order of a decode answer and the lane's guessed next step (run_ahead.py).
+        self.pacers = [LanePacer() for _ in range(lanes.num_lanes)]
 
     async def Info(self, request, context):
         i, c, stats = self.info, self.engine.config, self.engine.stats()
@@ -142,9 +144,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def run_step(self, stream: int, step: Step):
         """Runs one engine step on the stream's lane; returns (StepOutput, queue_us)."""
+        self.lanes.check_lane(stream)
+        pacer = self.pacers[stream]
+        pacer.request_arrived()
         result = await self.run_on_lane(stream, step.seq_ids,
                                         lambda cancelled: self.engine.step(step, cancelled, run_ahead=True),
-                                        after=follow_up)
+                                        after=pacer)
         self.metrics.count_step(step)
         return result
 

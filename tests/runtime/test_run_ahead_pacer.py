@@ -1,0 +1,53 @@
+"""LanePacer: a lane queues its guess before handing the answer over while the device step is the longer path,
+and hands the answer over first once the answer's round trip is the longer one."""
+
+import time
+
+from metrale.runtime.run_ahead import LanePacer
+from metrale.runtime.step import StepOutput
+
+
+class FakeGuess:
+    """Queues in no time, then 'runs on the device' for device_s."""
+
+    def __init__(self, device_s: float, events: list):
+        self.device_s, self.events = device_s, events
+
+    def run(self, on_queued):
+        self.events.append("queued")
+        on_queued()
+        time.sleep(self.device_s)
+
+    def skip(self):
+        self.events.append("skipped")
+
+
+def drive(pacer: LanePacer, device_s: float, round_trip_s: float, steps: int) -> list[list[str]]:
+    """Steps of one lane: each answer's next request arrives round_trip_s after the answer was handed over."""
+    orders = []
+    for _ in range(steps):
+        events = []
+        pacer(StepOutput(ahead=FakeGuess(device_s, events)), True, lambda: events.append("answer"))
+        orders.append(events)
+        time.sleep(max(0.0, round_trip_s - device_s) if events[0] == "queued" else round_trip_s)
+        pacer.request_arrived()
+    return orders
+
+
+def test_long_device_steps_queue_the_guess_first():
+    orders = drive(LanePacer(), device_s=0.02, round_trip_s=0.001, steps=4)
+    assert all(order[:2] == ["queued", "answer"] for order in orders)
+
+
+def test_long_round_trips_hand_the_answer_over_first():
+    pacer = LanePacer()
+    orders = drive(pacer, device_s=0.001, round_trip_s=0.03, steps=4)
+    assert orders[0][:2] == ["queued", "answer"]      # nothing measured yet
+    assert all(order[:2] == ["answer", "queued"] for order in orders[1:])
+    assert pacer.round_trip_s > pacer.device_s
+
+
+def test_queued_work_skips_the_guess_and_answers():
+    events = []
+    LanePacer()(StepOutput(ahead=FakeGuess(0.0, events)), False, lambda: events.append("answer"))
+    assert events == ["answer", "skipped"]
