@@ -20,6 +20,7 @@ class StubEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.ahead_counts = RunAheadCounts()
+        self.supports_beam = False
 
     def bind_lane(self, lane: int) -> None:
         pass

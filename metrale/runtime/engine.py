@@ -7,8 +7,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from metrale.runtime.batch import Segment, build_batch
+from metrale.runtime.beam.params import BeamRequest
+from metrale.runtime.beam.runner import BeamCall, BeamResult, BlockPool
 from metrale.runtime.config import EngineConfig
-from metrale.runtime.errors import Cancelled, DeviceFault, OutOfKvBlocks, WorkerError
+from metrale.runtime.errors import Cancelled, DeviceFault, FailedPrecondition, OutOfKvBlocks, WorkerError
 from metrale.runtime.kv_blocks import KvBlockManager, blocks_for
 from metrale.runtime.planner import Chunk, Limits, Plan, plan_step
 from metrale.runtime.run_ahead import Ahead, RunAheadCounts
@@ -115,6 +117,52 @@ class Engine:
                 freed += len(seq.block_table)
                 released.append(seq_id)
             return ReleaseResult(released, unknown, freed)
+
+    @property
+    def supports_beam(self) -> bool:
+        return self.model.ops.supports_beam
+
+    def beam_generate(self, requests: list[BeamRequest], eos_token_ids: tuple[int, ...], fill_token: int,
+                      cancelled: Callable[[], bool] = lambda: False) -> list[BeamResult]:
+        """Runs one BeamGenerate call (runtime/beam/): its KV blocks are reserved from the pool for the worst case
+        up front (OutOfKvBlocks if they are not free) and all given back at the end. No sequence is touched."""
+        if not self.supports_beam:
+            raise FailedPrecondition(f"beam search is not available on the {self.model.ops.device} backend yet "
+                                     f"(supports_beam=false)")
+        call = BeamCall(requests, self.limits, self.config.kv_block_size, self._beam_forward, self._copy_kv,
+                        eos_token_ids, fill_token)
+        pool = self._reserve_beam_blocks(call.blocks_needed())
+        try:
+            return call.run(pool, cancelled)
+        except WorkerError:
+            raise
+        except Exception as error:
+            raise DeviceFault(f"beam search failed on the device: {error!r}") from error
+        finally:
+            self._quiesce()
+            with self._lock:
+                self.blocks.free(pool.ids)
+
+    def _reserve_beam_blocks(self, needed: int) -> BlockPool:
+        """Short of blocks while guessed steps hold some, undoes them and tries again."""
+        for attempt in (0, 1):
+            with self._lock:
+                if needed <= self.blocks.num_free:
+                    return BlockPool(self.blocks.allocate(needed))
+                guessed = list(self._ahead)
+                if attempt or not guessed:
+                    raise OutOfKvBlocks(needed, self.blocks.num_free)
+            self._settle_ahead(guessed)
+
+    def _beam_forward(self, segments: list[Segment]):
+        """float32 logits [len(segments), vocab] of the segments' last tokens, on the host."""
+        ops = self.model.ops
+        batch = build_batch(segments, self.config.kv_block_size)
+        with self._forward_lock:
+            return ops.host_logits(ops.run_forward(self.forward, batch))
+
+    def _copy_kv(self, copies: list[tuple[int, int, int]]) -> None:
+        self.model.ops.copy_kv_prefixes(self.kv_cache, copies)
 
     def bind_lane(self, lane: int) -> None:
         """Run first on each device lane's thread: the backend binds the thread to the lane's stream."""

@@ -1,5 +1,7 @@
 """Protobuf messages to runtime objects and back."""
 
+from metrale.runtime.beam.params import BeamParams, BeamRequest
+from metrale.runtime.beam.runner import BeamResult
 from metrale.runtime.sampling import OutputOptions, SamplingParams
 from metrale.runtime.step import DecodeLane, PrefillSlice, Step, StepOutput
 from metrale.runtime.errors import InvalidArgument
@@ -55,3 +57,26 @@ def forward_response(out: StepOutput, queue_us: int) -> pb.ForwardResponse:
             data = o.logits.float().numpy().astype("<f4", copy=False).tobytes()
             response.logits.add(seq_id=o.seq_id, data=data)
     return response
+
+
+EARLY_STOPPING = {pb.EARLY_STOPPING_UNSPECIFIED: False, pb.EARLY_STOPPING_TRUE: True,
+                  pb.EARLY_STOPPING_FALSE: False, pb.EARLY_STOPPING_NEVER: "never"}
+
+
+def beam_requests_from_pb(m: pb.BeamGenerateRequest) -> list[BeamRequest]:
+    """Unset fields take transformers' defaults (length_penalty 1.0, early_stopping False, one sequence back)."""
+    return [BeamRequest(
+        request_id=r.request_id, prompt_tokens=tuple(r.prompt_tokens), src_tokens=tuple(r.src_tokens),
+        decoder_prefix=tuple(r.decoder_prefix),
+        params=BeamParams(num_beams=r.num_beams, max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens,
+                          length_penalty=r.length_penalty if r.HasField("length_penalty") else 1.0,
+                          early_stopping=EARLY_STOPPING.get(r.early_stopping, None),
+                          no_repeat_ngram_size=r.no_repeat_ngram_size,
+                          num_return_sequences=r.num_return_sequences or 1)) for r in m.requests]
+
+
+def beam_response(results: list[BeamResult]) -> pb.BeamGenerateResponse:
+    return pb.BeamGenerateResponse(results=[
+        pb.BeamResult(request_id=r.request_id, hypotheses=[pb.BeamHypothesis(tokens=tokens, score=score)
+                                                           for tokens, score in r.hypotheses])
+        for r in results])

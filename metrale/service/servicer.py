@@ -6,6 +6,7 @@ import threading
 
 import structlog
 
+from metrale.runtime.beam.params import check_requests
 from metrale.runtime.build import VERSION, ModelInfo
 from metrale.runtime.engine import Engine
 from metrale.runtime.errors import Draining, FailedPrecondition, InvalidArgument, UnknownSequence
@@ -65,7 +66,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             model_id=i.model_id, architecture=i.architecture, dtype=i.dtype, device=i.device,
             vocab_size=i.vocab_size, max_model_len=i.max_model_len, kv_block_size=c.kv_block_size,
             num_kv_blocks=stats.num_kv_blocks, free_kv_blocks=stats.free_kv_blocks,
-            is_mla=False, hc_mult=1, supports_beam=False, is_encoder_decoder=False, has_ssm=False,
+            is_mla=False, hc_mult=1, supports_beam=self.engine.supports_beam, is_encoder_decoder=False, has_ssm=False,
             eos_token_ids=list(i.eos_token_ids), bos_token_id=i.bos_token_id, pad_token_id=i.pad_token_id,
             num_streams=self.lanes.num_lanes, max_batch_tokens=c.max_batch_tokens, version=VERSION,
             live_sequences=stats.live_sequences)
@@ -80,7 +81,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return await self._forward(convert.step_from_mixed(request), request.stream)
 
     async def BeamGenerate(self, request, context):
-        raise FailedPrecondition(f"{self.info.architecture} does not support beam search here (supports_beam=false)")
+        if not self.engine.supports_beam:
+            raise FailedPrecondition(f"beam search is not available for {self.info.architecture} on the "
+                                     f"{self.info.device} backend yet (Info.supports_beam=false)")
+        requests = convert.beam_requests_from_pb(request)
+        structlog.contextvars.bind_contextvars(request_ids=[r.request_id for r in requests], stream=request.stream)
+        check_requests(requests, self.info.vocab_size, is_encoder_decoder=False)
+        eos, fill = self.info.eos_token_ids, self.info.pad_token_id or 0
+        with self.state.admitted():
+            results, _ = await self.run_on_lane(
+                request.stream, [], lambda cancelled: self.engine.beam_generate(requests, eos, fill, cancelled))
+        return convert.beam_response(results)
 
     async def Release(self, request, context):
         if request.all:

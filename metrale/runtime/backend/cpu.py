@@ -16,6 +16,7 @@ _DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bf
 class CpuBackend:
     device = "cpu"
     concurrent_forwards = True
+    supports_beam = True
 
     def __init__(self, dtype: str = "auto"):
         if dtype not in _DTYPES:
@@ -30,6 +31,14 @@ class CpuBackend:
 
     def synchronize(self) -> None:
         """The CPU ops are done when they return."""
+
+    def host_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.float()
+
+    def copy_kv_prefixes(self, kv_cache: list, copies: list[tuple[int, int, int]]) -> None:
+        for kv in kv_cache:      # [2, num_blocks, kv_block_size, num_kv_heads, head_dim]
+            for src, dst, n in copies:
+                kv[:, dst, :n] = kv[:, src, :n]
 
     def upload(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.dtype).contiguous()

@@ -56,6 +56,15 @@ class Ops(Protocol):
         thread calls it once, at its start; a thread that never does runs on lane 0. A backend that keeps state per
         lane raises InvalidArgument for a lane out of range."""
 
+    # Whether beam search runs here (BeamGenerate): it needs host_logits and copy_kv_prefixes.
+    supports_beam: bool
+
+    def host_logits(self, logits: Tensor) -> torch.Tensor:
+        """Logits rows as float32 on the host (beam search reads whole rows)."""
+
+    def copy_kv_prefixes(self, kv_cache: list, copies: list[tuple[int, int, int]]) -> None:
+        """For each (src block, dst block, n): the first n slots of src's K and V, in every layer, into dst."""
+
     def synchronize(self) -> None:
         """Waits for the work the calling thread's lane has queued: before a failed or cancelled step gives back
         blocks its queued forward may still be writing, which another lane could take at once."""

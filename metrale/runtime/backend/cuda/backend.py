@@ -35,6 +35,8 @@ class CudaBackend:
     dtype = torch.bfloat16
     # Each lane has its own stream and buffers; the weights are only read, and lanes never share a sequence.
     concurrent_forwards = True
+    # BeamGenerate on CUDA (a KV prefix copy and logits rows to the host, checked on the GPU) is not built yet.
+    supports_beam = False
 
     def __init__(self, cache_dir: Path, dtype: str = "auto"):
         if dtype not in ("auto", "bfloat16"):

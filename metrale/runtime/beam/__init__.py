@@ -1,0 +1,1 @@
+"""Beam search (BeamGenerate): the search itself, its parameters, and the runner over the KV pool."""

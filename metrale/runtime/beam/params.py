@@ -1,0 +1,77 @@
+"""A BeamGenerate request as the engine receives it, and the checks that need no model state."""
+
+import math
+from dataclasses import dataclass
+
+from metrale.runtime.errors import InvalidArgument
+from metrale.runtime.step import check_token_ids
+
+# Beams of one request; the beams of all requests of a call run in one forward per step.
+MAX_NUM_BEAMS = 32
+EARLY_STOPPING = (True, False, "never")
+
+
+@dataclass(frozen=True)
+class BeamParams:
+    num_beams: int = 1
+    max_new_tokens: int = 16
+    min_new_tokens: int = 0
+    length_penalty: float = 1.0
+    # As transformers' early_stopping: True, False or "never".
+    early_stopping: bool | str = False
+    no_repeat_ngram_size: int = 0
+    num_return_sequences: int = 1
+
+    def validate(self, where: str) -> None:
+        if not 1 <= self.num_beams <= MAX_NUM_BEAMS:
+            raise InvalidArgument(f"{where}: num_beams must be in [1, {MAX_NUM_BEAMS}], got {self.num_beams}")
+        if not 1 <= self.num_return_sequences <= self.num_beams:
+            raise InvalidArgument(f"{where}: num_return_sequences must be in [1, num_beams={self.num_beams}], "
+                                  f"got {self.num_return_sequences}")
+        if self.max_new_tokens < 1:
+            raise InvalidArgument(f"{where}: max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise InvalidArgument(f"{where}: min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                                  f"got {self.min_new_tokens}")
+        if not math.isfinite(self.length_penalty):
+            raise InvalidArgument(f"{where}: length_penalty must be finite, got {self.length_penalty}")
+        if self.early_stopping not in EARLY_STOPPING:
+            raise InvalidArgument(f"{where}: early_stopping must be TRUE, FALSE or NEVER")
+        if self.no_repeat_ngram_size < 0:
+            raise InvalidArgument(f"{where}: no_repeat_ngram_size must be >= 0, got {self.no_repeat_ngram_size}")
+
+
+@dataclass(frozen=True)
+class BeamRequest:
+    request_id: int
+    # A decoder-only model's prompt; the search continues it.
+    prompt_tokens: tuple[int, ...] = ()
+    # An encoder-decoder model's source sentence.
+    src_tokens: tuple[int, ...] = ()
+    # Tokens the decoder is given before the first searched one (e.g. a target-language token).
+    decoder_prefix: tuple[int, ...] = ()
+    params: BeamParams = BeamParams()
+
+    def check(self, vocab_size: int, is_encoder_decoder: bool) -> None:
+        """Checks what needs no sequence state; raises InvalidArgument."""
+        where = f"request_id {self.request_id}"
+        if is_encoder_decoder and not self.src_tokens:
+            raise InvalidArgument(f"{where}: src_tokens is empty; this model is an encoder-decoder")
+        if not is_encoder_decoder and self.src_tokens:
+            raise InvalidArgument(f"{where}: src_tokens given, but this model is decoder-only: send prompt_tokens")
+        if not is_encoder_decoder and not self.prompt_tokens + self.decoder_prefix:
+            raise InvalidArgument(f"{where}: prompt_tokens is empty")
+        for name in ("prompt_tokens", "src_tokens", "decoder_prefix"):
+            check_token_ids(f"{where} {name}", getattr(self, name), vocab_size)
+        self.params.validate(where)
+
+
+def check_requests(requests: list[BeamRequest], vocab_size: int, is_encoder_decoder: bool) -> None:
+    if not requests:
+        raise InvalidArgument("requests is empty")
+    seen: set[int] = set()
+    duplicates = sorted({r.request_id for r in requests if r.request_id in seen or seen.add(r.request_id)})
+    if duplicates:
+        raise InvalidArgument(f"request_id(s) {duplicates} appear more than once in one call")
+    for request in requests:
+        request.check(vocab_size, is_encoder_decoder)

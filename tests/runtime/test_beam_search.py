@@ -1,0 +1,78 @@
+"""Beam search on the engine (decoder-only, CPU, float32) against transformers' generate on the same checkpoint:
+the same hypotheses token for token and scores within 1e-4, for calls that batch requests of different prompt
+lengths, beam counts, length penalties, early_stopping modes, no_repeat_ngram_size and num_return_sequences; and
+every KV block back in the pool afterwards."""
+
+import collections
+import itertools
+
+import pytest
+import torch
+
+from metrale.runtime.beam.params import BeamParams, BeamRequest
+from metrale.runtime.build import build_engine
+from metrale.runtime.config import EngineConfig
+from metrale.runtime.errors import OutOfKvBlocks
+from metrale.runtime.loading import load_checkpoint
+from beam_reference import FILL, assert_same, reference_hypotheses
+from tiny_models import load_reference, write_tiny
+
+PROMPTS = [[5, 17, 99, 3, 42], [7, 8, 150, 33, 61, 2, 90, 14, 77, 101, 12], [250], [4, 66, 31, 9, 180, 44, 71] * 3]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    directory = write_tiny("llama_tied", tmp_path_factory.mktemp("beam") / "llama")
+    engine, _ = build_engine(load_checkpoint(directory), EngineConfig(device="cpu", kv_blocks=400, kv_block_size=4))
+    reference = load_reference(directory)
+    # A second EOS id: the token greedy search emits most, so hypotheses finish early and often.
+    greedy = reference.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                                pad_token_id=FILL)[0, len(PROMPTS[0]):].tolist()
+    eos = (2, collections.Counter(greedy).most_common(1)[0][0])
+    return engine, reference, eos
+
+
+CASES = list(itertools.product((0.0, 1.0, 2.0), (True, False, "never")))
+
+
+@pytest.mark.parametrize("length_penalty, early_stopping", CASES)
+def test_batched_calls_match_transformers(models, length_penalty, early_stopping):
+    engine, reference, eos = models
+    free = engine.blocks.num_free
+    requests = []
+    for i, (prompt, beams, ngram) in enumerate(zip(PROMPTS * 2, (1, 2, 4, 5, 5, 4, 2, 1), (0, 3) * 4)):
+        params = BeamParams(num_beams=beams, max_new_tokens=6 + 3 * i, min_new_tokens=2 * (i % 3),
+                            length_penalty=length_penalty, early_stopping=early_stopping, no_repeat_ngram_size=ngram,
+                            num_return_sequences=max(1, beams - i % 2))
+        requests.append(BeamRequest(100 + i, prompt_tokens=tuple(prompt), params=params))
+    results = engine.beam_generate(requests, eos, FILL)
+    assert [r.request_id for r in results] == [r.request_id for r in requests]
+    for request, result in zip(requests, results):
+        expected = reference_hypotheses(reference, list(request.prompt_tokens), request.params, eos)
+        assert_same(result.hypotheses, expected)
+    assert engine.blocks.num_free == free
+    # Some hypotheses finished early (an EOS) and some ran to max_new_tokens: both paths were exercised.
+    lengths = [(len(t), r.params.max_new_tokens) for r, res in zip(requests, results) for t, _ in res.hypotheses]
+    assert any(n < m for n, m in lengths) and any(n == m for n, m in lengths)
+
+
+def test_a_call_alone_or_batched_gives_the_same_hypotheses(models):
+    """The same tokens; scores equal up to float32 summation order (a batched GEMM adds in another order)."""
+    engine, _, eos = models
+    requests = [BeamRequest(i, prompt_tokens=tuple(p), params=BeamParams(num_beams=4, max_new_tokens=10,
+                                                                         num_return_sequences=2))
+                for i, p in enumerate(PROMPTS)]
+    together = engine.beam_generate(requests, eos, FILL)
+    alone = [engine.beam_generate([r], eos, FILL)[0] for r in requests]
+    for batched, single in zip(together, alone):
+        assert batched.request_id == single.request_id
+        assert_same(batched.hypotheses, single.hypotheses)
+
+
+def test_too_few_free_blocks_refuses_the_call_and_changes_nothing(models):
+    engine, _, eos = models
+    free = engine.blocks.num_free
+    huge = BeamRequest(1, prompt_tokens=tuple(PROMPTS[3]), params=BeamParams(num_beams=32, max_new_tokens=400))
+    with pytest.raises(OutOfKvBlocks):
+        engine.beam_generate([huge], eos, FILL)
+    assert engine.blocks.num_free == free

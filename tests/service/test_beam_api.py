@@ -1,0 +1,79 @@
+"""BeamGenerate through gRPC: transformers' hypotheses for a batch of requests, unset fields taking transformers'
+defaults, and each bad input refused with its status code while the pool and a live sequence stay as they were."""
+
+import grpc
+import pytest
+
+from metrale.runtime.beam.params import BeamParams
+from metrale.v1 import worker_pb2 as pb
+from beam_reference import assert_same, reference_hypotheses
+from tiny_models import load_reference
+
+
+@pytest.fixture(autouse=True)
+def beam_supported(stub):
+    if not stub.Info(pb.InfoRequest()).supports_beam:
+        pytest.skip("BeamGenerate is not built on this backend yet (Info.supports_beam=false)")
+
+
+def hypotheses(result) -> list[tuple[list[int], float]]:
+    return [(list(h.tokens), h.score) for h in result.hypotheses]
+
+
+def test_a_batch_of_requests_matches_transformers(stub, tiny_llama_dir):
+    reference = load_reference(tiny_llama_dir)
+    requests = [
+        pb.BeamRequest(request_id=7, prompt_tokens=[5, 17, 99, 3], num_beams=4, max_new_tokens=12,
+                       num_return_sequences=3, no_repeat_ngram_size=2),
+        pb.BeamRequest(request_id=3, prompt_tokens=[9] * 20, num_beams=2, max_new_tokens=8, length_penalty=0.0,
+                       early_stopping=pb.EARLY_STOPPING_NEVER, min_new_tokens=4),
+        pb.BeamRequest(request_id=11, prompt_tokens=[40, 41], num_beams=1, max_new_tokens=5),
+    ]
+    expected_params = [BeamParams(4, 12, no_repeat_ngram_size=2, num_return_sequences=3),
+                       BeamParams(2, 8, min_new_tokens=4, length_penalty=0.0, early_stopping="never"),
+                       BeamParams(1, 5)]
+    response = stub.BeamGenerate(pb.BeamGenerateRequest(requests=requests, stream=1))
+    assert [r.request_id for r in response.results] == [7, 3, 11]
+    for request, params, result in zip(requests, expected_params, response.results):
+        expected = reference_hypotheses(reference, list(request.prompt_tokens), params, (2,))
+        assert_same(hypotheses(result), expected)
+    info = stub.Info(pb.InfoRequest())
+    assert info.free_kv_blocks == info.num_kv_blocks
+
+
+def beam(**fields) -> pb.BeamRequest:
+    return pb.BeamRequest(**{"request_id": 1, "prompt_tokens": [5, 6, 7], "num_beams": 2, "max_new_tokens": 4,
+                             **fields})
+
+
+LOGPROBS = pb.OutputOptions(logprobs=True)
+BAD = [
+    (grpc.StatusCode.INVALID_ARGUMENT, [beam(num_beams=0)], "num_beams"),
+    (grpc.StatusCode.INVALID_ARGUMENT, [beam(num_beams=33)], "num_beams"),
+    (grpc.StatusCode.INVALID_ARGUMENT, [beam(num_return_sequences=3)], "num_return_sequences"),
+    (grpc.StatusCode.INVALID_ARGUMENT, [beam(prompt_tokens=[])], "prompt_tokens is empty"),
+    (grpc.StatusCode.INVALID_ARGUMENT, [beam(prompt_tokens=[5, 256])], "256"),
+    (grpc.StatusCode.INVALID_ARGUMENT, [beam(src_tokens=[5, 6])], "decoder-only"),
+    (grpc.StatusCode.INVALID_ARGUMENT, [beam(max_new_tokens=0)], "max_new_tokens"),
+    (grpc.StatusCode.INVALID_ARGUMENT, [beam(min_new_tokens=5)], "min_new_tokens"),
+    (grpc.StatusCode.INVALID_ARGUMENT, [beam(), beam(prompt_tokens=[8])], "more than once"),
+    (grpc.StatusCode.INVALID_ARGUMENT, [], "empty"),
+    (grpc.StatusCode.OUT_OF_RANGE, [beam(prompt_tokens=[5] * 90, max_new_tokens=7)], "max_model_len"),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, [beam(num_beams=32, max_new_tokens=90, prompt_tokens=[5])], "KV blocks"),
+]
+
+
+@pytest.mark.parametrize("code, requests, words", BAD, ids=[words for _, _, words in BAD])
+def test_bad_requests_change_nothing(stub, code, requests, words):
+    live = stub.Prefill(pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=5, tokens=[3, 4, 5], is_last_chunk=True, output=LOGPROBS)]))
+    free = stub.Info(pb.InfoRequest()).free_kv_blocks
+    with pytest.raises(grpc.RpcError) as error:
+        stub.BeamGenerate(pb.BeamGenerateRequest(requests=requests))
+    assert error.value.code() == code and words in error.value.details(), error.value.details()
+    assert stub.Info(pb.InfoRequest()).free_kv_blocks == free
+    # The live sequence goes on as a fresh twin does.
+    twin = stub.Prefill(pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=6, tokens=[3, 4, 5], is_last_chunk=True, output=LOGPROBS)]))
+    assert live.tokens == twin.tokens
+    ours = stub.Decode(pb.DecodeRequest(seq_ids=[5], tokens=[9]))
+    theirs = stub.Decode(pb.DecodeRequest(seq_ids=[6], tokens=[9]))
+    assert ours.tokens == theirs.tokens and ours.logprobs == theirs.logprobs
