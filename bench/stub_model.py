@@ -20,7 +20,7 @@ class StubEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.ahead_counts = RunAheadCounts()
-        self.supports_beam = False
+        self.supports_beam = self.is_encoder_decoder = False
 
     def bind_lane(self, lane: int) -> None:
         pass

@@ -40,3 +40,24 @@ def write_tiny(name: str, directory: Path, seed: int = 0, shard: bool = False, w
 
 def load_reference(directory: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+M2M100 = dict(vocab_size=256, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+              decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=96, max_position_embeddings=128,
+              scale_embedding=True, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+              dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+
+
+def write_tiny_m2m100(directory: Path, seed: int = 0, weight_std: float = 0.15, norm_std: float = 0.5) -> Path:
+    """A random M2M100 (NLLB's architecture) saved as safetensors, initialised as write_tiny does."""
+    torch.manual_seed(seed)
+    model = transformers.M2M100ForConditionalGeneration(transformers.M2M100Config(**M2M100)).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, weight_std if param.dim() > 1 else norm_std).add_(1.0 if param.dim() == 1 else 0.0)
+    model.save_pretrained(directory)
+    return directory
+
+
+def load_m2m100_reference(directory: Path):
+    return transformers.M2M100ForConditionalGeneration.from_pretrained(directory, dtype=torch.float32).eval()

@@ -19,6 +19,9 @@ class ForwardBatch:
     context_lens: list[int]      # [S] tokens each segment attends to, new ones included
     block_tables: list  # [S] int32 arrays (or lists) of the block ids covering context_lens
     sample_rows: torch.Tensor    # [N] int64 rows of T whose hidden states become logits
+    # Encoder-decoder models: the sources' encoder states (the model's Encoded) and each segment's span in them.
+    encoder: object = None
+    cross_spans: list | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -32,9 +35,11 @@ class Segment:
     start: int
     tokens: tuple[int, ...] | list[int]
     samples: bool
+    # Encoder-decoder models: (first row, length) of the segment's source in the encoder states.
+    cross: tuple[int, int] | None = None
 
 
-def build_batch(segments: list[Segment], kv_block_size: int) -> ForwardBatch:
+def build_batch(segments: list[Segment], kv_block_size: int, encoder=None) -> ForwardBatch:
     token_ids, positions, slots, starts, lens, contexts, tables, sample_rows = [], [], [], [], [], [], [], []
     for seg in segments:
         row = len(token_ids)
@@ -56,4 +61,4 @@ def build_batch(segments: list[Segment], kv_block_size: int) -> ForwardBatch:
             sample_rows.append(row + n - 1)
     as_long = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
     return ForwardBatch(as_long(token_ids), as_long(positions), as_long(slots), starts, lens, contexts, tables,
-                        as_long(sample_rows))
+                        as_long(sample_rows), encoder, [seg.cross for seg in segments] if encoder is not None else None)

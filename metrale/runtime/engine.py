@@ -8,7 +8,7 @@ from typing import Callable
 
 from metrale.runtime.batch import Segment, build_batch
 from metrale.runtime.beam.params import BeamRequest
-from metrale.runtime.beam.runner import BeamCall, BeamResult, BlockPool
+from metrale.runtime.beam.runner import BeamCall, BeamModel, BeamResult, BlockPool
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.errors import Cancelled, DeviceFault, FailedPrecondition, OutOfKvBlocks, WorkerError
 from metrale.runtime.kv_blocks import KvBlockManager, blocks_for
@@ -57,6 +57,9 @@ class Engine:
         """Runs the step, or changes nothing: on any error, or if cancelled() before its last commit.
         run_ahead: where the engine runs ahead (run_ahead.py), the output carries the guessed next step, which the
         caller must run or skip (run_ahead.LanePacer) before its next step."""
+        if self.is_encoder_decoder:
+            raise FailedPrecondition("Prefill, Decode and MixedForward are not built for encoder-decoder models yet; "
+                                     "use BeamGenerate")
         taken = self._settle_ahead(step.seq_ids, step, cancelled)
         output = taken.output if taken is not None else self._run(step, cancelled)
         if run_ahead and self.runs_ahead:
@@ -119,6 +122,10 @@ class Engine:
             return ReleaseResult(released, unknown, freed)
 
     @property
+    def is_encoder_decoder(self) -> bool:
+        return getattr(self.model.config, "is_encoder_decoder", False)
+
+    @property
     def supports_beam(self) -> bool:
         return self.model.ops.supports_beam
 
@@ -129,8 +136,12 @@ class Engine:
         if not self.supports_beam:
             raise FailedPrecondition(f"beam search is not available on the {self.model.ops.device} backend yet "
                                      f"(supports_beam=false)")
-        call = BeamCall(requests, self.limits, self.config.kv_block_size, self._beam_forward, self._copy_kv,
-                        eos_token_ids, fill_token)
+        config, encoder_decoder = self.model.config, self.is_encoder_decoder
+        model = BeamModel(self._beam_forward, self._copy_kv, eos_token_ids, fill_token,
+                          self.model.encode if encoder_decoder else None,
+                          config.decoder_start_token_id if encoder_decoder else None)
+        call = BeamCall(requests, self.limits, self.config.kv_block_size, model,
+                        config.max_position_embeddings if encoder_decoder else 0)
         pool = self._reserve_beam_blocks(call.blocks_needed())
         try:
             return call.run(pool, cancelled)
@@ -154,10 +165,10 @@ class Engine:
                     raise OutOfKvBlocks(needed, self.blocks.num_free)
             self._settle_ahead(guessed)
 
-    def _beam_forward(self, segments: list[Segment]):
+    def _beam_forward(self, segments: list[Segment], encoded=None):
         """float32 logits [len(segments), vocab] of the segments' last tokens, on the host."""
         ops = self.model.ops
-        batch = build_batch(segments, self.config.kv_block_size)
+        batch = build_batch(segments, self.config.kv_block_size, encoded)
         with self._forward_lock:
             return ops.host_logits(ops.run_forward(self.forward, batch))
 

@@ -66,7 +66,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             model_id=i.model_id, architecture=i.architecture, dtype=i.dtype, device=i.device,
             vocab_size=i.vocab_size, max_model_len=i.max_model_len, kv_block_size=c.kv_block_size,
             num_kv_blocks=stats.num_kv_blocks, free_kv_blocks=stats.free_kv_blocks,
-            is_mla=False, hc_mult=1, supports_beam=self.engine.supports_beam, is_encoder_decoder=False, has_ssm=False,
+            is_mla=False, hc_mult=1, supports_beam=self.engine.supports_beam,
+            is_encoder_decoder=self.engine.is_encoder_decoder, has_ssm=False,
             eos_token_ids=list(i.eos_token_ids), bos_token_id=i.bos_token_id, pad_token_id=i.pad_token_id,
             num_streams=self.lanes.num_lanes, max_batch_tokens=c.max_batch_tokens, version=VERSION,
             live_sequences=stats.live_sequences)
@@ -86,7 +87,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                      f"{self.info.device} backend yet (Info.supports_beam=false)")
         requests = convert.beam_requests_from_pb(request)
         structlog.contextvars.bind_contextvars(request_ids=[r.request_id for r in requests], stream=request.stream)
-        check_requests(requests, self.info.vocab_size, is_encoder_decoder=False)
+        check_requests(requests, self.info.vocab_size, self.engine.is_encoder_decoder)
         eos, fill = self.info.eos_token_ids, self.info.pad_token_id or 0
         with self.state.admitted():
             results, _ = await self.run_on_lane(

@@ -7,20 +7,23 @@ import pytest
 from metrale.runtime.beam.params import BeamParams
 from metrale.v1 import worker_pb2 as pb
 from beam_reference import assert_same, reference_hypotheses
-from tiny_models import load_reference
+from service_harness import start_worker
+from tiny_models import load_m2m100_reference, load_reference, write_tiny_m2m100
 
 
-@pytest.fixture(autouse=True)
-def beam_supported(stub):
+@pytest.fixture
+def llama(stub):
     if not stub.Info(pb.InfoRequest()).supports_beam:
         pytest.skip("BeamGenerate is not built on this backend yet (Info.supports_beam=false)")
+    return stub
 
 
 def hypotheses(result) -> list[tuple[list[int], float]]:
     return [(list(h.tokens), h.score) for h in result.hypotheses]
 
 
-def test_a_batch_of_requests_matches_transformers(stub, tiny_llama_dir):
+def test_a_batch_of_requests_matches_transformers(llama, tiny_llama_dir):
+    stub = llama
     reference = load_reference(tiny_llama_dir)
     requests = [
         pb.BeamRequest(request_id=7, prompt_tokens=[5, 17, 99, 3], num_beams=4, max_new_tokens=12,
@@ -64,7 +67,8 @@ BAD = [
 
 
 @pytest.mark.parametrize("code, requests, words", BAD, ids=[words for _, _, words in BAD])
-def test_bad_requests_change_nothing(stub, code, requests, words):
+def test_bad_requests_change_nothing(llama, code, requests, words):
+    stub = llama
     live = stub.Prefill(pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=5, tokens=[3, 4, 5], is_last_chunk=True, output=LOGPROBS)]))
     free = stub.Info(pb.InfoRequest()).free_kv_blocks
     with pytest.raises(grpc.RpcError) as error:
@@ -77,3 +81,40 @@ def test_bad_requests_change_nothing(stub, code, requests, words):
     ours = stub.Decode(pb.DecodeRequest(seq_ids=[5], tokens=[9]))
     theirs = stub.Decode(pb.DecodeRequest(seq_ids=[6], tokens=[9]))
     assert ours.tokens == theirs.tokens and ours.logprobs == theirs.logprobs
+
+
+@pytest.fixture(scope="module")
+def translator(tmp_path_factory):
+    """A worker serving a tiny random M2M100 (NLLB's architecture)."""
+    directory = write_tiny_m2m100(tmp_path_factory.mktemp("m2m100") / "m2m100")
+    running = start_worker(directory, max_model_len=64)
+    yield running, directory
+    running.stop()
+
+
+def test_an_encoder_decoder_translates_as_transformers_does(translator):
+    worker, directory = translator
+    info = worker.stub.Info(pb.InfoRequest())
+    if not info.supports_beam:
+        pytest.skip("BeamGenerate is not built on this backend yet (Info.supports_beam=false)")
+    assert info.is_encoder_decoder and info.architecture == "M2M100ForConditionalGeneration"
+    requests = [pb.BeamRequest(request_id=1, src_tokens=[5, 17, 99, 3, 2], decoder_prefix=[200], num_beams=4,
+                               max_new_tokens=10, num_return_sequences=2),
+                pb.BeamRequest(request_id=2, src_tokens=[7, 8, 2], num_beams=3, max_new_tokens=6)]
+    response = worker.stub.BeamGenerate(pb.BeamGenerateRequest(requests=requests))
+    reference = load_m2m100_reference(directory)
+    for request, result, params in zip(requests, response.results,
+                                       (BeamParams(4, 10, num_return_sequences=2), BeamParams(3, 6))):
+        expected = reference_hypotheses(reference, [2, *request.decoder_prefix], params, (2,),
+                                        source=list(request.src_tokens))
+        assert_same(hypotheses(result), expected)
+    # What is not built for encoder-decoders, or not meant for them, says so and changes nothing.
+    for call, request, code in [
+            (worker.stub.BeamGenerate, pb.BeamGenerateRequest(requests=[beam()]), grpc.StatusCode.INVALID_ARGUMENT),
+            (worker.stub.Prefill, pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=1, tokens=[5], is_last_chunk=True)]),
+             grpc.StatusCode.FAILED_PRECONDITION)]:
+        with pytest.raises(grpc.RpcError) as error:
+            call(request)
+        assert error.value.code() == code
+    info = worker.stub.Info(pb.InfoRequest())
+    assert info.free_kv_blocks == info.num_kv_blocks and info.live_sequences == 0

@@ -64,6 +64,26 @@ class CpuBackend:
             x = x + residual
         return _rms(x, weight, eps), x
 
+    def layer_norm(self, x, weight, bias, eps, residual=None):
+        if residual is not None:
+            x = x + residual
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps), x
+
+    def relu(self, x):
+        return F.relu(x)
+
+    def attend(self, q, k, v, segments, num_kv_heads, head_dim, scale):
+        out = torch.empty_like(q)
+        for q_start, q_len, kv_start, kv_len in segments:
+            queries = q[q_start:q_start + q_len].view(q_len, num_kv_heads, -1, head_dim)
+            keys = k[kv_start:kv_start + kv_len].view(kv_len, num_kv_heads, head_dim)
+            values = v[kv_start:kv_start + kv_len].view(kv_len, num_kv_heads, head_dim)
+            scores = torch.einsum("nkgd,ckd->kgnc", queries.float(), keys.float()) * scale
+            probs = torch.softmax(scores, dim=-1)
+            attended = torch.einsum("kgnc,ckd->nkgd", probs, values.float()).to(q.dtype)
+            out[q_start:q_start + q_len] = attended.reshape(q_len, -1)
+        return out
+
     def head_rms_norm(self, x, weight, eps, head_dim):
         return _rms(x.view(x.shape[0], -1, head_dim), weight, eps).view(x.shape)
 

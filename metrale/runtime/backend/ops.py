@@ -91,6 +91,18 @@ class Ops(Protocol):
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """residual = x + residual (or x); returns (rms_norm(residual) * weight, residual)."""
 
+    def layer_norm(self, x: Tensor, weight: Tensor, bias: Tensor, eps: float, residual: Tensor | None = None
+                   ) -> tuple[Tensor, Tensor]:
+        """As rms_norm, with LayerNorm (mean and variance, weight and bias): (norm(x + residual), x + residual)."""
+
+    def relu(self, x: Tensor) -> Tensor:
+        """max(x, 0), elementwise."""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, segments: list[tuple[int, int, int, int]], num_kv_heads: int,
+               head_dim: int, scale: float) -> Tensor:
+        """Attention without a mask over dense K/V (an encoder's self-attention, a decoder's cross-attention): for
+        each (q_start, q_len, kv_start, kv_len), rows q_start.. of q attend to rows kv_start.. of k and v."""
+
     def head_rms_norm(self, x: Tensor, weight: Tensor, eps: float, head_dim: int) -> Tensor:
         """RMSNorm over each head_dim slice of x [T, heads * head_dim] (Qwen3 q/k norm)."""
 

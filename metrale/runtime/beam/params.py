@@ -57,6 +57,9 @@ class BeamRequest:
         where = f"request_id {self.request_id}"
         if is_encoder_decoder and not self.src_tokens:
             raise InvalidArgument(f"{where}: src_tokens is empty; this model is an encoder-decoder")
+        if is_encoder_decoder and self.prompt_tokens:
+            raise InvalidArgument(f"{where}: prompt_tokens given, but this model is an encoder-decoder: send "
+                                  f"src_tokens, and decoder_prefix for the decoder's first tokens")
         if not is_encoder_decoder and self.src_tokens:
             raise InvalidArgument(f"{where}: src_tokens given, but this model is decoder-only: send prompt_tokens")
         if not is_encoder_decoder and not self.prompt_tokens + self.decoder_prefix:

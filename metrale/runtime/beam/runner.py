@@ -63,31 +63,51 @@ class _Search:
     search: BeamSearch
     # Each running beam's block ids (entries of one list may be shared with other beams).
     beams: list[list[int]]
+    # Encoder-decoder models: the request's source in the encoder states.
+    cross: tuple[int, int] | None = None
 
 
-def blocks_needed(request: BeamRequest, block_size: int) -> int:
+@dataclass(frozen=True)
+class BeamModel:
+    """What a call needs of the model, given by the engine. forward(segments, encoded): float32 logits rows on the
+    host; copy_kv(copies): (src block, dst block, tokens) KV copies; encode(sources): the encoder states, and
+    decoder_start the decoder's first token, for encoder-decoder models (None for decoder-only ones)."""
+    forward: Callable[[list[Segment], object], torch.Tensor]
+    copy_kv: Callable[[list], None]
+    eos_token_ids: tuple[int, ...]
+    fill_token: int
+    encode: Callable[[list[list[int]]], object] | None = None
+    decoder_start: int | None = None
+
+
+def decoder_prompt(request: BeamRequest, model: BeamModel) -> list[int]:
+    """The tokens before the first searched one: a decoder-only prompt and prefix, or an encoder-decoder's start
+    token and prefix (transformers' decoder_input_ids)."""
+    if model.decoder_start is not None:
+        return [model.decoder_start, *request.decoder_prefix]
+    return [*request.prompt_tokens, *request.decoder_prefix]
+
+
+def blocks_needed(prompt_len: int, params, block_size: int) -> int:
     """The most blocks a request's beams hold at once: the prompt's, then each beam's own from the prompt's last
     (possibly shared, partly filled) block to its last position."""
-    prompt = len(request.prompt_tokens) + len(request.decoder_prefix)
-    total = prompt + request.params.max_new_tokens
-    return blocks_for(prompt, block_size) + request.params.num_beams * (blocks_for(total, block_size)
-                                                                        - prompt // block_size)
+    total = prompt_len + params.max_new_tokens
+    return blocks_for(prompt_len, block_size) + params.num_beams * (blocks_for(total, block_size)
+                                                                    - prompt_len // block_size)
 
 
 class BeamCall:
-    """One call's beam searches, run by run() over a reservation of blocks. The engine gives the forward
-    (segments -> float32 logits rows on the host) and the KV copy (copies of (src block, dst block, tokens))."""
+    """One call's beam searches, run by run() over a reservation of blocks."""
 
-    def __init__(self, requests: list[BeamRequest], limits: Limits, block_size: int,
-                 forward: Callable[[list[Segment]], torch.Tensor], copy_kv: Callable[[list], None],
-                 eos_token_ids: tuple[int, ...], fill_token: int):
-        self.requests, self.limits, self.block_size = requests, limits, block_size
-        self.forward, self.copy_kv = forward, copy_kv
-        self.eos_token_ids, self.fill_token = eos_token_ids, fill_token
-        self._check_limits()
+    def __init__(self, requests: list[BeamRequest], limits: Limits, block_size: int, model: BeamModel,
+                 max_source_len: int):
+        self.requests, self.limits, self.block_size, self.model = requests, limits, block_size, model
+        self.prompts = [decoder_prompt(r, model) for r in requests]
+        self._check_limits(max_source_len)
 
     def run(self, pool: BlockPool, cancelled: Callable[[], bool]) -> list[BeamResult]:
-        searches, logits = self._prefill(pool)
+        encoded = self.model.encode([list(r.src_tokens) for r in self.requests]) if self.model.encode else None
+        searches, logits = self._prefill(pool, encoded)
         results: dict[int, BeamResult] = {}
         while searches:
             if cancelled():
@@ -104,48 +124,53 @@ class BeamCall:
                     running.append(s)
             searches = running
             if searches:
-                logits = self._decode(searches)
+                logits = self._decode(searches, encoded)
         return [results[r.request_id] for r in self.requests]
 
-    def _check_limits(self) -> None:
+    def _check_limits(self, max_source_len: int) -> None:
         limits = self.limits
-        for r in self.requests:
-            length = len(r.prompt_tokens) + len(r.decoder_prefix) + r.params.max_new_tokens
+        for r, prompt in zip(self.requests, self.prompts):
+            length = len(prompt) + r.params.max_new_tokens
             if length > limits.max_model_len:
                 raise OutOfRange(f"request_id {r.request_id}: prompt and max_new_tokens make {length} tokens, over "
                                  f"max_model_len={limits.max_model_len}")
-            prompt = len(r.prompt_tokens) + len(r.decoder_prefix)
-            if prompt > limits.max_batch_tokens:
-                raise BatchTooLarge(prompt, limits.max_batch_tokens)
+            if len(r.src_tokens) > max_source_len:
+                raise OutOfRange(f"request_id {r.request_id}: {len(r.src_tokens)} source tokens, over the encoder's "
+                                 f"{max_source_len} positions")
+            if len(prompt) > limits.max_batch_tokens:
+                raise BatchTooLarge(len(prompt), limits.max_batch_tokens)
+        sources = sum(len(r.src_tokens) for r in self.requests)
+        if sources > limits.max_batch_tokens:
+            raise BatchTooLarge(sources, limits.max_batch_tokens)
         beams = sum(r.params.num_beams for r in self.requests)
         if beams > min(limits.max_seqs, limits.max_batch_tokens):
             raise BatchTooLarge(beams, min(limits.max_seqs, limits.max_batch_tokens), "max_seqs")
 
     def blocks_needed(self) -> int:
-        return sum(blocks_needed(r, self.block_size) for r in self.requests)
+        return sum(blocks_needed(len(p), r.params, self.block_size) for r, p in zip(self.requests, self.prompts))
 
-    def _prefill(self, pool: BlockPool) -> tuple[list[_Search], list[torch.Tensor]]:
+    def _prefill(self, pool: BlockPool, encoded) -> tuple[list[_Search], list[torch.Tensor]]:
         """Every prompt once; each search starts with num_beams beams on the prompt's blocks and its last logits
         row repeated (transformers runs num_beams copies of the prompt: the same rows)."""
         searches, rows = [], []
-        pending: list[tuple[BeamRequest, list[int], list[int]]] = []
-        budget = self.limits.max_batch_tokens
+        pending: list[tuple[list[int], list[int], tuple[int, int] | None]] = []
+        budget, m = self.limits.max_batch_tokens, self.model
 
         def flush():
-            segments = [Segment(BlockTable(blocks), 0, prompt, True) for _, prompt, blocks in pending]
-            rows.extend(self.forward(segments))
+            segments = [Segment(BlockTable(blocks), 0, prompt, True, cross) for prompt, blocks, cross in pending]
+            rows.extend(m.forward(segments, encoded))
             pending.clear()
 
-        for r in self.requests:
-            prompt = list(r.prompt_tokens) + list(r.decoder_prefix)
-            if pending and sum(len(p) for _, p, _ in pending) + len(prompt) > budget:
+        for i, (r, prompt) in enumerate(zip(self.requests, self.prompts)):
+            if pending and sum(len(p) for p, _, _ in pending) + len(prompt) > budget:
                 flush()
             blocks = [pool.take() for _ in range(blocks_for(len(prompt), self.block_size))]
-            pending.append((r, prompt, blocks))
+            cross = encoded.spans[i] if encoded is not None else None
+            pending.append((prompt, blocks, cross))
             k = r.params.num_beams
             pool.share(blocks * (k - 1))
-            search = BeamSearch(r.params, prompt, self.eos_token_ids, self.fill_token)
-            searches.append(_Search(r, search, [blocks] * k))
+            search = BeamSearch(r.params, prompt, m.eos_token_ids, m.fill_token)
+            searches.append(_Search(r, search, [blocks] * k, cross))
         flush()
         return searches, [row[None].expand(s.search.num_beams, -1) for s, row in zip(searches, rows)]
 
@@ -169,17 +194,17 @@ class BeamCall:
                 pool.release([blocks[index]])
                 blocks[index] = own
         if copies:
-            self.copy_kv(copies)
+            self.model.copy_kv(copies)
         s.beams = children
 
-    def _decode(self, searches: list[_Search]) -> list[torch.Tensor]:
+    def _decode(self, searches: list[_Search], encoded) -> list[torch.Tensor]:
         segments = []
         for s in searches:
             position = s.search.cur_len - 1
             tokens = s.search.tokens()[:, -1].tolist()
-            segments.extend(Segment(BlockTable(blocks), position, (token,), True)
+            segments.extend(Segment(BlockTable(blocks), position, (token,), True, s.cross)
                             for blocks, token in zip(s.beams, tokens))
-        logits = self.forward(segments)
+        logits = self.model.forward(segments, encoded)
         out, start = [], 0
         for s in searches:
             out.append(logits[start:start + s.search.num_beams])

@@ -1,0 +1,200 @@
+"""M2M100 (NLLB-200's dense checkpoints) as an encoder-decoder against the backend ops.
+
+Both stacks are pre-norm Transformer layers with LayerNorm and biased projections, a ReLU feed-forward, and a
+final LayerNorm. Token embeddings are shared and scaled by sqrt(d_model) (scale_embedding); positions are
+fairseq's sinusoidal table, offset by the padding id, added to the embeddings. The decoder attends causally to
+its own paged KV (written by the rope-and-write-KV op with an identity rotation: this model has no rotary
+positions) and, without a mask, to the encoder states of its sequence through per-layer cross-attention K/V that
+are computed once per source (`encode`). The LM head is the shared embedding, unscaled.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from metrale.runtime.backend.ops import Ops, RopeTable
+from metrale.runtime.batch import ForwardBatch
+from metrale.runtime.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class M2M100Config:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_encoder_layers: int
+    num_layers: int              # decoder layers: the ones with paged KV
+    num_encoder_heads: int
+    num_heads: int
+    encoder_ffn: int
+    intermediate_size: int       # the decoder's feed-forward width
+    max_position_embeddings: int
+    scale_embedding: bool
+    pad_token_id: int
+    decoder_start_token_id: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    layer_norm_eps: float = 1e-5
+    is_encoder_decoder: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.num_heads
+
+
+def config_from_hf(hf: dict) -> M2M100Config:
+    if hf.get("activation_function", "relu") != "relu":
+        raise InvalidArgument(f"activation_function {hf['activation_function']!r} is not supported (relu is)")
+    eos = hf.get("eos_token_id")
+    eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    return M2M100Config(
+        architecture=hf["architectures"][0], vocab_size=hf["vocab_size"], hidden_size=hf["d_model"],
+        num_encoder_layers=hf["encoder_layers"], num_layers=hf["decoder_layers"],
+        num_encoder_heads=hf["encoder_attention_heads"], num_heads=hf["decoder_attention_heads"],
+        encoder_ffn=hf["encoder_ffn_dim"], intermediate_size=hf["decoder_ffn_dim"],
+        max_position_embeddings=hf["max_position_embeddings"], scale_embedding=hf.get("scale_embedding", False),
+        pad_token_id=hf["pad_token_id"], decoder_start_token_id=hf["decoder_start_token_id"], eos_token_ids=eos,
+        bos_token_id=hf.get("bos_token_id"))
+
+
+def sinusoidal_positions(num_positions: int, dim: int, padding_idx: int) -> torch.Tensor:
+    """fairseq's table as transformers builds it: [sin | cos] halves, the padding row zero."""
+    half = dim // 2
+    step = math.log(10000) / (half - 1)
+    freqs = torch.exp(torch.arange(half, dtype=torch.int64).float() * -step)
+    angles = torch.arange(num_positions, dtype=torch.int64).float().unsqueeze(1) * freqs.unsqueeze(0)
+    table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1).view(num_positions, -1)
+    if dim % 2:
+        table = torch.cat([table, torch.zeros(num_positions, 1)], dim=1)
+    table[padding_idx, :] = 0
+    return table
+
+
+def position_ids(tokens: torch.Tensor, start: int, padding_idx: int) -> torch.Tensor:
+    """transformers' positions for a run of tokens after `start` cached ones: padding tokens get the padding row,
+    the others count on from start past it."""
+    mask = tokens.ne(padding_idx).int()
+    return ((torch.cumsum(mask, dim=0).type_as(mask) + start) * mask).long() + padding_idx
+
+
+@dataclass
+class Encoded:
+    """The encoder's output for a batch of sources, as the decoder's cross-attention reads it."""
+    spans: list[tuple[int, int]]     # each source's (first row, length) in the packed states
+    keys: list                       # per decoder layer, [rows, hidden]
+    values: list
+
+
+class M2M100ForConditionalGeneration:
+    def __init__(self, config: M2M100Config, tensors: dict[str, torch.Tensor], ops: Ops, max_model_len: int):
+        self.config, self.ops = config, ops
+        c = config
+        self.weights = _load_weights(c, tensors, ops)
+        positions = sinusoidal_positions(c.max_position_embeddings + 2, c.hidden_size, c.pad_token_id)
+        self.positions = ops.upload(positions)
+        # An identity rotation: the paged-KV write of the rope op, with no rotary positions.
+        half = c.head_dim // 2
+        self.no_rope = RopeTable(ops.upload_float32(torch.ones(max_model_len, half)),
+                                 ops.upload_float32(torch.zeros(max_model_len, half)))
+
+    def encode(self, sources: list[list[int]]) -> Encoded:
+        """The encoder over every source at once, and each decoder layer's cross-attention K/V of its states."""
+        ops, c, w = self.ops, self.config, self.weights
+        spans, start = [], 0
+        for tokens in sources:
+            spans.append((start, len(tokens)))
+            start += len(tokens)
+        ids = torch.tensor([t for tokens in sources for t in tokens], dtype=torch.int64)
+        pos = torch.cat([position_ids(torch.tensor(tokens), 0, c.pad_token_id) for tokens in sources])
+        x, residual = ops.embedding(w["embed"], ids), ops.embedding(self.positions, pos)
+        segments = [(s, n, s, n) for s, n in spans]
+        head_dim = c.hidden_size // c.num_encoder_heads
+        for layer in w["encoder"]:
+            h, residual = ops.layer_norm(x, *layer["self_attn_layer_norm"], c.layer_norm_eps, residual)
+            q, k, v = _split(ops.linear(h, *layer["qkv"]), c.hidden_size)
+            o = ops.attend(q, k, v, segments, c.num_encoder_heads, head_dim, head_dim ** -0.5)
+            h = ops.linear(o, *layer["out"])
+            h, residual = ops.layer_norm(h, *layer["final_layer_norm"], c.layer_norm_eps, residual)
+            x = ops.linear(ops.relu(ops.linear(h, *layer["fc1"])), *layer["fc2"])
+        states, _ = ops.layer_norm(x, *w["encoder_norm"], c.layer_norm_eps, residual)
+        keys, values = [], []
+        for layer in w["decoder"]:
+            k, v = _split(ops.linear(states, *layer["cross_kv"]), c.hidden_size, parts=2)
+            keys.append(k)
+            values.append(v)
+        return Encoded(spans, keys, values)
+
+    def forward(self, batch: ForwardBatch, kv_cache: list) -> torch.Tensor:
+        """The decoder over every token of the batch; logits [N, vocab] of batch.sample_rows. batch.encoder holds
+        the Encoded states and batch.cross_spans each segment's span in them."""
+        ops, c, w = self.ops, self.config, self.weights
+        if batch.encoder is None:
+            raise InvalidArgument("an encoder-decoder forward needs its sources' encoder states")
+        meta = ops.prepare(batch)
+        x = ops.embedding(w["embed"], meta.token_ids)
+        pos = torch.cat([position_ids(batch.token_ids[s:s + n], context - n, c.pad_token_id)
+                         for s, n, context in zip(batch.query_starts, batch.query_lens, batch.context_lens)])
+        residual = ops.embedding(self.positions, pos)
+        cross = [(s, n, *span) for s, n, span in zip(batch.query_starts, batch.query_lens, batch.cross_spans)]
+        scale = c.head_dim ** -0.5
+        for i, (layer, kv) in enumerate(zip(w["decoder"], kv_cache)):
+            h, residual = ops.layer_norm(x, *layer["self_attn_layer_norm"], c.layer_norm_eps, residual)
+            q, k, v = _split(ops.linear(h, *layer["qkv"]), c.hidden_size)
+            q = ops.rope_and_write_kv(q, k, v, self.no_rope, meta, kv, c.head_dim)
+            o = ops.paged_attention(q, kv, meta, c.num_heads, c.head_dim, scale, None)
+            h = ops.linear(o, *layer["out"])
+            h, residual = ops.layer_norm(h, *layer["encoder_attn_layer_norm"], c.layer_norm_eps, residual)
+            q = ops.linear(h, *layer["cross_q"])
+            o = ops.attend(q, batch.encoder.keys[i], batch.encoder.values[i], cross, c.num_heads, c.head_dim, scale)
+            h = ops.linear(o, *layer["cross_out"])
+            h, residual = ops.layer_norm(h, *layer["final_layer_norm"], c.layer_norm_eps, residual)
+            x = ops.linear(ops.relu(ops.linear(h, *layer["fc1"])), *layer["fc2"])
+        rows = meta.sample_rows
+        x, _ = ops.layer_norm(ops.gather_rows(x, rows), *w["decoder_norm"], c.layer_norm_eps,
+                              ops.gather_rows(residual, rows))
+        return ops.logits(x, w["lm_head"])
+
+
+def _split(x, hidden: int, parts: int = 3):
+    return tuple(x[:, i * hidden:(i + 1) * hidden] for i in range(parts))
+
+
+def _load_weights(c: M2M100Config, tensors: dict[str, torch.Tensor], ops: Ops) -> dict:
+    def take(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise InvalidArgument(f"the checkpoint has no tensor {name!r} that {c.architecture} needs")
+        return tensors[name]
+
+    def pair(prefix: str) -> tuple:
+        return ops.upload(take(prefix + ".weight")), ops.upload(take(prefix + ".bias"))
+
+    def packed(prefix: str, names: tuple[str, ...]) -> tuple:
+        return (ops.upload(torch.cat([take(f"{prefix}.{n}.weight") for n in names])),
+                ops.upload(torch.cat([take(f"{prefix}.{n}.bias") for n in names])))
+
+    shared = take("model.shared.weight")
+    scale = math.sqrt(c.hidden_size) if c.scale_embedding else 1.0
+    weights = {"embed": ops.upload(shared * scale), "lm_head": ops.upload(shared),
+               "encoder_norm": pair("model.encoder.layer_norm"), "decoder_norm": pair("model.decoder.layer_norm"),
+               "encoder": [], "decoder": []}
+    qkv = ("q_proj", "k_proj", "v_proj")
+    for i in range(c.num_encoder_layers):
+        p = f"model.encoder.layers.{i}"
+        weights["encoder"].append({
+            "self_attn_layer_norm": pair(f"{p}.self_attn_layer_norm"), "qkv": packed(f"{p}.self_attn", qkv),
+            "out": pair(f"{p}.self_attn.out_proj"), "final_layer_norm": pair(f"{p}.final_layer_norm"),
+            "fc1": pair(f"{p}.fc1"), "fc2": pair(f"{p}.fc2")})
+    for i in range(c.num_layers):
+        p = f"model.decoder.layers.{i}"
+        weights["decoder"].append({
+            "self_attn_layer_norm": pair(f"{p}.self_attn_layer_norm"), "qkv": packed(f"{p}.self_attn", qkv),
+            "out": pair(f"{p}.self_attn.out_proj"), "encoder_attn_layer_norm": pair(f"{p}.encoder_attn_layer_norm"),
+            "cross_q": pair(f"{p}.encoder_attn.q_proj"), "cross_kv": packed(f"{p}.encoder_attn", ("k_proj", "v_proj")),
+            "cross_out": pair(f"{p}.encoder_attn.out_proj"), "final_layer_norm": pair(f"{p}.final_layer_norm"),
+            "fc1": pair(f"{p}.fc1"), "fc2": pair(f"{p}.fc2")})
+    return weights

@@ -1,0 +1,81 @@
+"""M2M100 (NLLB's architecture) on the CPU backend against transformers on the same tiny random checkpoint: the
+encoder and the teacher-forced decoder's logits, and beam search (BeamGenerate) over batched requests of
+different source lengths, decoder prefixes, beam counts, length penalties and early_stopping modes."""
+
+import collections
+import itertools
+
+import pytest
+import torch
+
+from metrale.runtime.batch import Segment, build_batch
+from metrale.runtime.beam.params import BeamParams, BeamRequest
+from metrale.runtime.build import build_engine
+from metrale.runtime.config import EngineConfig
+from metrale.runtime.errors import FailedPrecondition
+from metrale.runtime.loading import load_checkpoint
+from metrale.runtime.sequence import BlockTable
+from metrale.runtime.step import PrefillSlice, Step
+from beam_reference import FILL, assert_same, reference_hypotheses
+from tiny_models import load_m2m100_reference, write_tiny_m2m100
+
+SOURCES = [[5, 17, 99, 3, 42, 2], [7, 8, 150, 33, 61, 90, 14, 77, 101, 12, 2], [250, 2], [4, 66, 31] * 6 + [2]]
+START = 2
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    directory = write_tiny_m2m100(tmp_path_factory.mktemp("m2m100") / "m2m100")
+    engine, info = build_engine(load_checkpoint(directory), EngineConfig(device="cpu", kv_blocks=400,
+                                                                         kv_block_size=4))
+    reference = load_m2m100_reference(directory)
+    # A second EOS id that greedy search emits often, so hypotheses finish early.
+    greedy = reference.generate(torch.tensor([SOURCES[0]]), decoder_input_ids=torch.tensor([[START]]),
+                                max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=FILL,
+                                decoder_start_token_id=START)[0, 1:].tolist()
+    eos = (2, collections.Counter(greedy).most_common(1)[0][0])
+    return engine, info, reference, eos
+
+
+def test_logits_match_transformers(models):
+    engine, info, reference, _ = models
+    assert info.architecture == "M2M100ForConditionalGeneration"
+    decoder = [[START, 33, 61, 90, 14], [START, 44], [START, 9, 9, 1, 7]]   # a padding id (1) among them too
+    encoded = engine.model.encode(SOURCES[:3])
+    segments = [Segment(BlockTable([2 * i, 2 * i + 1]), 0, tokens, True, encoded.spans[i])
+                for i, tokens in enumerate(decoder)]      # blocks of 4 tokens
+    batch = build_batch(segments, engine.config.kv_block_size, encoded)
+    batch.sample_rows = torch.arange(batch.num_tokens)         # every row's logits, not only the last
+    ours = engine.forward(batch)
+    with torch.no_grad():
+        expected = torch.cat([reference(input_ids=torch.tensor([s]), decoder_input_ids=torch.tensor([d])).logits[0]
+                              for s, d in zip(SOURCES, decoder)])
+    assert torch.isfinite(ours).all()
+    assert (ours - expected).norm() / expected.norm() < 1e-5
+
+
+@pytest.mark.parametrize("length_penalty, early_stopping", list(itertools.product((0.0, 1.0, 2.0),
+                                                                                  (True, False, "never"))))
+def test_beam_search_matches_transformers(models, length_penalty, early_stopping):
+    engine, _, reference, eos = models
+    free = engine.blocks.num_free
+    requests = []
+    for i, (source, beams, prefix) in enumerate(zip(SOURCES * 2, (1, 2, 4, 5, 5, 4, 2, 1),
+                                                    ((), (200,), (), (201, 5)) * 2)):
+        params = BeamParams(num_beams=beams, max_new_tokens=5 + 3 * i, min_new_tokens=i % 3,
+                            length_penalty=length_penalty, early_stopping=early_stopping,
+                            no_repeat_ngram_size=3 * (i % 2), num_return_sequences=max(1, beams - i % 2))
+        requests.append(BeamRequest(i, src_tokens=tuple(source), decoder_prefix=prefix, params=params))
+    results = engine.beam_generate(requests, eos, FILL)
+    for request, result in zip(requests, results):
+        expected = reference_hypotheses(reference, [START, *request.decoder_prefix], request.params, eos,
+                                        source=list(request.src_tokens))
+        assert_same(result.hypotheses, expected)
+    assert engine.blocks.num_free == free
+
+
+def test_prefill_and_decode_say_they_are_not_built_for_encoder_decoders(models):
+    engine, _, _, _ = models
+    with pytest.raises(FailedPrecondition, match="BeamGenerate"):
+        engine.step(Step(prefill=(PrefillSlice(1, (5, 6)),)))
+    assert len(engine.sequences) == 0 and engine.blocks.num_free == engine.blocks.num_blocks
