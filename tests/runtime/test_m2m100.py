@@ -7,12 +7,13 @@ import itertools
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from metrale.runtime.batch import Segment, build_batch
 from metrale.runtime.beam.params import BeamParams, BeamRequest
 from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
-from metrale.runtime.errors import FailedPrecondition
+from metrale.runtime.errors import FailedPrecondition, InvalidArgument
 from metrale.runtime.loading import load_checkpoint
 from metrale.runtime.sequence import BlockTable
 from metrale.runtime.step import PrefillSlice, Step
@@ -79,3 +80,18 @@ def test_prefill_and_decode_say_they_are_not_built_for_encoder_decoders(models):
     with pytest.raises(FailedPrecondition, match="BeamGenerate"):
         engine.step(Step(prefill=(PrefillSlice(1, (5, 6)),)))
     assert len(engine.sequences) == 0 and engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_a_pytorch_model_bin_loads_as_the_safetensors_do(tmp_path):
+    """NLLB's checkpoints ship pytorch_model.bin: read with weights_only=True, and nothing but tensors."""
+    source = write_tiny_m2m100(tmp_path / "safetensors")
+    binary = tmp_path / "bin"
+    binary.mkdir()
+    (binary / "config.json").write_text((source / "config.json").read_text())
+    torch.save(load_file(str(source / "model.safetensors")), binary / "pytorch_model.bin")
+    from_bin, from_safetensors = load_checkpoint(binary).tensors, load_checkpoint(source).tensors
+    assert from_bin.keys() == from_safetensors.keys()
+    assert all(torch.equal(from_bin[name], from_safetensors[name]) for name in from_bin)
+    torch.save({"model.shared.weight": print}, binary / "pytorch_model.bin")
+    with pytest.raises(InvalidArgument, match="weights_only"):
+        load_checkpoint(binary)
