@@ -10,6 +10,7 @@ from metrale.runtime.batch import Segment, build_batch
 from metrale.runtime.beam.params import BeamRequest
 from metrale.runtime.beam.runner import BeamCall, BeamModel, BeamResult, BlockPool
 from metrale.runtime.config import EngineConfig
+from metrale.runtime.encoded import Encoded
 from metrale.runtime.errors import Cancelled, DeviceFault, FailedPrecondition, OutOfKvBlocks, WorkerError
 from metrale.runtime.kv_blocks import KvBlockManager, blocks_for
 from metrale.runtime.planner import Chunk, Limits, Plan, plan_step
@@ -43,7 +44,10 @@ class Engine:
         self.config = config
         self.sequences = SequenceTable()
         self.blocks = KvBlockManager(num_kv_blocks, config.kv_block_size)
-        self.limits = Limits(max_model_len, config.max_batch_tokens, config.kv_block_size, config.max_seqs)
+        encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
+        self.limits = Limits(max_model_len, config.max_batch_tokens, config.kv_block_size, config.max_seqs,
+                             model.config.decoder_start_token_id if encoder_decoder else None,
+                             model.config.max_position_embeddings if encoder_decoder else 0)
         self._lock = threading.Lock()
         # Held around each forward where the backend cannot run two at once.
         self._forward_lock = contextlib.nullcontext() if model.ops.concurrent_forwards else threading.Lock()
@@ -57,9 +61,6 @@ class Engine:
         """Runs the step, or changes nothing: on any error, or if cancelled() before its last commit.
         run_ahead: where the engine runs ahead (run_ahead.py), the output carries the guessed next step, which the
         caller must run or skip (run_ahead.LanePacer) before its next step."""
-        if self.is_encoder_decoder:
-            raise FailedPrecondition("Prefill, Decode and MixedForward are not built for encoder-decoder models yet; "
-                                     "use BeamGenerate")
         taken = self._settle_ahead(step.seq_ids, step, cancelled)
         output = taken.output if taken is not None else self._run(step, cancelled)
         if run_ahead and self.runs_ahead:
@@ -271,6 +272,15 @@ class Engine:
                     self.ahead_counts.undone += 1
         return taken
 
+    def _encoder_states(self, chunks: tuple[Chunk, ...], sequences: list[Sequence]) -> Encoded:
+        """Runs the encoder for the round's new sources (kept by their sequences), and packs every segment's."""
+        new = [(c, seq) for c, seq in zip(chunks, sequences) if c.source]
+        if new:
+            encoded = self.model.encode([list(c.source) for c, _ in new])
+            for (_, seq), part in zip(new, encoded.split()):
+                seq.encoded = part
+        return Encoded.merge([seq.encoded for seq in sequences])
+
     def forward(self, batch):
         """The model over one flat batch, logits on the device (the backend calls it, or captures it)."""
         return self.model.forward(batch, self.kv_cache)
@@ -278,8 +288,10 @@ class Engine:
     def _run_round(self, chunks: tuple[Chunk, ...], cancelled: Callable[[], bool],
                    on_queued: Callable[[], None] | None = None) -> list[SequenceOutput]:
         sequences = [self.sequences.get(c.seq_id) for c in chunks]
-        segments = [Segment(seq.block_table, c.start, c.tokens, c.samples) for c, seq in zip(chunks, sequences)]
-        batch = build_batch(segments, self.config.kv_block_size)
+        encoded = self._encoder_states(chunks, sequences) if self.is_encoder_decoder else None
+        segments = [Segment(seq.block_table, c.start, c.tokens, c.samples, encoded.spans[i] if encoded else None)
+                    for i, (c, seq) in enumerate(zip(chunks, sequences))]
+        batch = build_batch(segments, self.config.kv_block_size, encoded)
         ops = self.model.ops
         with self._forward_lock:
             # The logits live in the backend's memory until sampled: the lock covers both.

@@ -18,6 +18,10 @@ class Limits:
     max_batch_tokens: int
     kv_block_size: int
     max_seqs: int
+    # Encoder-decoder models: a prefill slice is the source, run by the encoder, and the decoder starts from this
+    # token; sources are at most max_source_len tokens.
+    decoder_start: int | None = None
+    max_source_len: int = 0
 
 
 @dataclass(slots=True)
@@ -29,6 +33,8 @@ class Chunk:
     # Its last token's logits are sampled: a decode lane, or the end of a prompt.
     samples: bool
     ends_prompt: bool = False
+    # Encoder-decoder models: the source the encoder runs before this (first) chunk.
+    source: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,11 @@ def plan_step(step: Step, sequences: SequenceTable, num_free_blocks: int, limits
         final_lengths[lane.seq_id] = start + 1
         needed += blocks_for(start + 1, limits.kv_block_size) - len(seq.block_table)
     for s in step.prefill:
+        if limits.decoder_start is not None:
+            rounds[0].append(Chunk(s.seq_id, (limits.decoder_start,), 0, samples=True, ends_prompt=True,
+                                   source=s.tokens))
+            final_lengths[s.seq_id] = 1
+            continue
         size = s.chunk_size or len(s.tokens)
         pieces = [s.tokens[i:i + size] for i in range(0, len(s.tokens), size)]
         for r, piece in enumerate(pieces):
@@ -62,13 +73,13 @@ def plan_step(step: Step, sequences: SequenceTable, num_free_blocks: int, limits
             rounds[r].append(Chunk(s.seq_id, piece, s.chunk_start + r * size, samples=last and s.is_last_chunk,
                                    ends_prompt=last and s.is_last_chunk))
         final_lengths[s.seq_id] = s.chunk_start + len(s.tokens)
-    biggest = max(sum(len(c.tokens) for c in chunks) for chunks in rounds)
+    biggest = max(sum(len(c.tokens) + len(c.source) for c in chunks) for chunks in rounds)
     if biggest > limits.max_batch_tokens:
         raise BatchTooLarge(biggest, limits.max_batch_tokens)
     most_sequences = max(len(chunks) for chunks in rounds)
     if most_sequences > limits.max_seqs:
         raise BatchTooLarge(most_sequences, limits.max_seqs, "max_seqs")
-    needed += sum(blocks_for(s.chunk_start + len(s.tokens), limits.kv_block_size) - _blocks_held(sequences, s.seq_id)
+    needed += sum(blocks_for(final_lengths[s.seq_id], limits.kv_block_size) - _blocks_held(sequences, s.seq_id)
                   for s in step.prefill)
     if needed > num_free_blocks:
         raise OutOfKvBlocks(needed, num_free_blocks)
@@ -96,6 +107,8 @@ def _check_decode(step: Step, sequences: SequenceTable, limits: Limits) -> list:
 
 
 def _check_prefill(step: Step, sequences: SequenceTable, limits: Limits) -> None:
+    if limits.decoder_start is not None:
+        _check_sources(step, limits)
     unknown = [s.seq_id for s in step.prefill if s.chunk_start > 0 and s.seq_id not in sequences]
     if unknown:
         raise UnknownSequence(unknown)
@@ -112,3 +125,14 @@ def _check_prefill(step: Step, sequences: SequenceTable, limits: Limits) -> None
         if s.chunk_start + len(s.tokens) > limits.max_model_len:
             raise OutOfRange(f"seq_id {s.seq_id}: {s.chunk_start + len(s.tokens)} tokens pass "
                              f"max_model_len={limits.max_model_len}")
+
+
+def _check_sources(step: Step, limits: Limits) -> None:
+    """An encoder-decoder's prefill slice is its whole source, in one slice: the encoder needs all of it."""
+    for s in step.prefill:
+        if s.chunk_start != 0 or not s.is_last_chunk or 0 < s.chunk_size < len(s.tokens):
+            raise FailedPrecondition(f"seq_id {s.seq_id}: this encoder-decoder model takes its source in one slice "
+                                     f"(chunk_start=0, is_last_chunk=true, no chunk_size below its length)")
+        if len(s.tokens) > limits.max_source_len:
+            raise OutOfRange(f"seq_id {s.seq_id}: a source of {len(s.tokens)} tokens passes the encoder's "
+                             f"{limits.max_source_len} positions")

@@ -68,6 +68,8 @@ class Sequence:
     prompt_finished: bool = False
     num_prompt_tokens: int = 0
     block_table: BlockTable = field(default_factory=BlockTable)
+    # Encoder-decoder models: the source's encoder states (runtime/encoded.py), set by its first forward.
+    encoded: object = None
 
     @property
     def num_tokens(self) -> int:

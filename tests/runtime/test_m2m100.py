@@ -1,6 +1,7 @@
 """M2M100 (NLLB's architecture) on the CPU backend against transformers on the same tiny random checkpoint: the
-encoder and the teacher-forced decoder's logits, and beam search (BeamGenerate) over batched requests of
-different source lengths, decoder prefixes, beam counts, length penalties and early_stopping modes."""
+encoder and the teacher-forced decoder's logits, a gateway's own Prefill/Decode loop, and beam search
+(BeamGenerate) over batched requests of different source lengths, decoder prefixes, beam counts, length
+penalties and early_stopping modes."""
 
 import collections
 import itertools
@@ -13,10 +14,11 @@ from metrale.runtime.batch import Segment, build_batch
 from metrale.runtime.beam.params import BeamParams, BeamRequest
 from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
-from metrale.runtime.errors import FailedPrecondition, InvalidArgument
+from metrale.runtime.errors import FailedPrecondition, InvalidArgument, OutOfRange
 from metrale.runtime.loading import load_checkpoint
 from metrale.runtime.sequence import BlockTable
-from metrale.runtime.step import PrefillSlice, Step
+from metrale.runtime.sampling import OutputOptions
+from metrale.runtime.step import DecodeLane, PrefillSlice, Step
 from beam_reference import FILL, assert_same, reference_hypotheses
 from tiny_models import load_m2m100_reference, write_tiny_m2m100
 
@@ -75,10 +77,43 @@ def test_beam_search_matches_transformers(models, length_penalty, early_stopping
     assert engine.blocks.num_free == free
 
 
-def test_prefill_and_decode_say_they_are_not_built_for_encoder_decoders(models):
+def test_prefill_and_decode_follow_transformers(models):
+    """The gateway's own loop: Prefill the source (the encoder runs; the decoder starts from its start token),
+    then Decode a forced target-language token and the greedy tokens after it, two sequences batched, each
+    step's logits against transformers' decoder over the same tokens."""
+    engine, _, reference, _ = models
+    logits = OutputOptions(return_logits=True)
+    sources = {1: SOURCES[1], 2: SOURCES[2]}
+    out = engine.step(Step(prefill=tuple(PrefillSlice(i, tuple(s), output=logits) for i, s in sources.items())))
+    decoded = {i: [START] for i in sources}
+    rows = {i: [o.logits] for i, o in zip(sources, out.outputs)}
+    next_tokens = {1: 200, 2: 201}                          # forced, as a target-language token would be
+    for _ in range(6):
+        out = engine.step(Step(decode=tuple(DecodeLane(i, next_tokens[i]) for i in sources)))
+        for o in out.outputs:
+            decoded[o.seq_id].append(next_tokens[o.seq_id])
+            rows[o.seq_id].append(o.logits)
+            next_tokens[o.seq_id] = o.token
+    for i, source in sources.items():
+        with torch.no_grad():
+            expected = reference(input_ids=torch.tensor([source]),
+                                 decoder_input_ids=torch.tensor([decoded[i]])).logits[0]
+        ours = torch.stack(rows[i])
+        assert (ours - expected).norm() / expected.norm() < 1e-5
+        assert [int(t) for t in ours[1:].argmax(-1)] == decoded[i][2:] + [next_tokens[i]]
+    engine.release(list(sources))
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("slice_, error", [
+    (PrefillSlice(1, (5, 6, 2), is_last_chunk=False), FailedPrecondition),
+    (PrefillSlice(1, (5, 6, 2), chunk_size=2), FailedPrecondition),
+    (PrefillSlice(1, (5,) * 129), OutOfRange),
+])
+def test_a_source_comes_whole_and_fits_the_encoder(models, slice_, error):
     engine, _, _, _ = models
-    with pytest.raises(FailedPrecondition, match="BeamGenerate"):
-        engine.step(Step(prefill=(PrefillSlice(1, (5, 6)),)))
+    with pytest.raises(error):
+        engine.step(Step(prefill=(slice_,)))
     assert len(engine.sequences) == 0 and engine.blocks.num_free == engine.blocks.num_blocks
 
 

@@ -66,17 +66,22 @@ BAD = [
 ]
 
 
+def prompt(seq_id: int) -> pb.PrefillRequest:
+    return pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=seq_id, tokens=[3, 4, 5], is_last_chunk=True,
+                                                     output=LOGPROBS)])
+
+
 @pytest.mark.parametrize("code, requests, words", BAD, ids=[words for _, _, words in BAD])
 def test_bad_requests_change_nothing(llama, code, requests, words):
     stub = llama
-    live = stub.Prefill(pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=5, tokens=[3, 4, 5], is_last_chunk=True, output=LOGPROBS)]))
+    live = stub.Prefill(prompt(5))
     free = stub.Info(pb.InfoRequest()).free_kv_blocks
     with pytest.raises(grpc.RpcError) as error:
         stub.BeamGenerate(pb.BeamGenerateRequest(requests=requests))
     assert error.value.code() == code and words in error.value.details(), error.value.details()
     assert stub.Info(pb.InfoRequest()).free_kv_blocks == free
     # The live sequence goes on as a fresh twin does.
-    twin = stub.Prefill(pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=6, tokens=[3, 4, 5], is_last_chunk=True, output=LOGPROBS)]))
+    twin = stub.Prefill(prompt(6))
     assert live.tokens == twin.tokens
     ours = stub.Decode(pb.DecodeRequest(seq_ids=[5], tokens=[9]))
     theirs = stub.Decode(pb.DecodeRequest(seq_ids=[6], tokens=[9]))
@@ -108,11 +113,11 @@ def test_an_encoder_decoder_translates_as_transformers_does(translator):
         expected = reference_hypotheses(reference, [2, *request.decoder_prefix], params, (2,),
                                         source=list(request.src_tokens))
         assert_same(hypotheses(result), expected)
-    # What is not built for encoder-decoders, or not meant for them, says so and changes nothing.
+    # What an encoder-decoder cannot take says so and changes nothing: a decoder-only prompt, a chunked source.
+    chunked = pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=1, tokens=[5], is_last_chunk=False)])
     for call, request, code in [
             (worker.stub.BeamGenerate, pb.BeamGenerateRequest(requests=[beam()]), grpc.StatusCode.INVALID_ARGUMENT),
-            (worker.stub.Prefill, pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=1, tokens=[5], is_last_chunk=True)]),
-             grpc.StatusCode.FAILED_PRECONDITION)]:
+            (worker.stub.Prefill, chunked, grpc.StatusCode.FAILED_PRECONDITION)]:
         with pytest.raises(grpc.RpcError) as error:
             call(request)
         assert error.value.code() == code

@@ -15,6 +15,7 @@ import torch
 
 from metrale.runtime.backend.ops import Ops, RopeTable
 from metrale.runtime.batch import ForwardBatch
+from metrale.runtime.encoded import Encoded
 from metrale.runtime.errors import InvalidArgument
 
 
@@ -80,14 +81,6 @@ def position_ids(tokens: torch.Tensor, start: int, padding_idx: int) -> torch.Te
     the others count on from start past it."""
     mask = tokens.ne(padding_idx).int()
     return ((torch.cumsum(mask, dim=0).type_as(mask) + start) * mask).long() + padding_idx
-
-
-@dataclass
-class Encoded:
-    """The encoder's output for a batch of sources, as the decoder's cross-attention reads it."""
-    spans: list[tuple[int, int]]     # each source's (first row, length) in the packed states
-    keys: list                       # per decoder layer, [rows, hidden]
-    values: list
 
 
 class M2M100ForConditionalGeneration:
