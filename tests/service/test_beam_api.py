@@ -3,6 +3,8 @@ defaults, and each bad input refused with its status code while the pool and a l
 
 import grpc
 import pytest
+import tokenizers
+import transformers
 
 from metrale.runtime.beam.params import BeamParams
 from metrale.v1 import worker_pb2 as pb
@@ -88,10 +90,28 @@ def test_bad_requests_change_nothing(llama, code, requests, words):
     assert ours.tokens == theirs.tokens and ours.logprobs == theirs.logprobs
 
 
+def nllb_style_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """NLLB's tokenizer.json layout in miniature: SentencePiece-style BPE (Metaspace), <s> <pad> </s> <unk> first,
+    language codes as added tokens, and a template that puts the source language first and </s> last."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3, "\u2581": 4}
+    vocab.update({c: 5 + i for i, c in enumerate(letters)})
+    vocab.update({"\u2581" + c: 31 + i for i, c in enumerate(letters)})
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, [("\u2581", c) for c in letters], unk_token="<unk>"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
+    backend.decoder = tokenizers.decoders.Metaspace()
+    backend.add_special_tokens(["<s>", "<pad>", "</s>", "<unk>", "eng_Latn", "fra_Latn"])
+    backend.post_processor = tokenizers.processors.TemplateProcessing(
+        single="eng_Latn $A </s>", special_tokens=[("eng_Latn", backend.token_to_id("eng_Latn")), ("</s>", 2)])
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                                pad_token="<pad>", unk_token="<unk>")
+
+
 @pytest.fixture(scope="module")
 def translator(tmp_path_factory):
-    """A worker serving a tiny random M2M100 (NLLB's architecture)."""
+    """A worker serving a tiny random M2M100 (NLLB's architecture) with an NLLB-style tokenizer.json."""
     directory = write_tiny_m2m100(tmp_path_factory.mktemp("m2m100") / "m2m100")
+    nllb_style_tokenizer().save_pretrained(directory)
     running = start_worker(directory, max_model_len=64)
     yield running, directory
     running.stop()
@@ -123,3 +143,15 @@ def test_an_encoder_decoder_translates_as_transformers_does(translator):
         assert error.value.code() == code
     info = worker.stub.Info(pb.InfoRequest())
     assert info.free_kv_blocks == info.num_kv_blocks and info.live_sequences == 0
+
+
+def test_an_encoder_decoder_tokenizes_with_its_tokenizer_json(translator):
+    worker, directory = translator
+    reference = transformers.PreTrainedTokenizerFast.from_pretrained(directory)
+    for text, special in [("hello world", True), ("a quick fox", False), ("", True)]:
+        ours = worker.stub.Tokenize(pb.TokenizeRequest(text=text, add_special_tokens=special)).tokens
+        assert list(ours) == reference(text, add_special_tokens=special)["input_ids"]
+    source = worker.stub.Tokenize(pb.TokenizeRequest(text="hello world", add_special_tokens=True)).tokens
+    assert source[0] == reference.convert_tokens_to_ids("eng_Latn") and source[-1] == 2
+    text = worker.stub.Detokenize(pb.DetokenizeRequest(tokens=source, skip_special_tokens=True)).text
+    assert text == reference.decode(list(source), skip_special_tokens=True) == "hello world"
