@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def bench(monkeypatch):
     # The scripts run as `python -m bench.<name>` from the repository root, which is not always on sys.path here.
     monkeypatch.syspath_prepend(str(ROOT))
+    import bench.beam_generate
     import bench.cpu_decode
     import bench.grpc_overhead
 
@@ -45,3 +46,15 @@ def test_cpu_decode_reports_engine_and_grpc_per_batch(bench, tmp_path, capsys):
     assert all(r.floor_ms > 0 and r.tokens_per_s > 0 for r in rows)
     out = capsys.readouterr().out
     assert "x floor" in out and "copy bandwidth" in out
+
+
+def test_beam_generate_reports_both_sides_and_agreement(bench, tmp_path, capsys):
+    result = bench.beam_generate.main(["--shape", "tiny", "--device", "cpu", "--batches", "1,3", "--reps", "1",
+                                       "--source-len", "6", "--new-tokens", "5", "--json", str(tmp_path / "out.json")])
+    rows = result["row_objects"]
+    assert [(r.batch, r.impl) for r in rows] == [(1, "metrale"), (1, "transformers"), (3, "metrale"),
+                                                 (3, "transformers")]
+    assert all(len(r.seconds) == 1 and r.seconds[0] > 0 for r in rows)
+    # float32 on the CPU: the same top hypothesis as transformers for every request.
+    assert result["agreement"] == {1: 1, 3: 3}
+    assert "sentences/s" in capsys.readouterr().out and (tmp_path / "out.json").exists()

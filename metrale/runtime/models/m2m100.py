@@ -130,8 +130,11 @@ class M2M100ForConditionalGeneration:
             raise InvalidArgument("an encoder-decoder forward needs its sources' encoder states")
         meta = ops.prepare(batch)
         x = ops.embedding(w["embed"], meta.token_ids)
-        pos = torch.cat([position_ids(batch.token_ids[s:s + n], context - n, c.pad_token_id)
-                         for s, n, context in zip(batch.query_starts, batch.query_lens, batch.context_lens)])
+        if bool((batch.token_ids == c.pad_token_id).any()):
+            pos = torch.cat([position_ids(batch.token_ids[s:s + n], context - n, c.pad_token_id)
+                             for s, n, context in zip(batch.query_starts, batch.query_lens, batch.context_lens)])
+        else:   # no padding token among them: each counts on from its position
+            pos = batch.positions + 1 + c.pad_token_id
         residual = ops.embedding(self.positions, pos)
         cross = [(s, n, *span) for s, n, span in zip(batch.query_starts, batch.query_lens, batch.cross_spans)]
         scale = c.head_dim ** -0.5

@@ -1,0 +1,154 @@
+"""BeamGenerate next to transformers' generate on an M2M100 (NLLB-200) shape with random weights, in one run:
+sentences/s and target tokens/s for batches of translation requests, and how many top hypotheses agree.
+
+Each request: a random source of --source-len tokens ending in </s>, a target-language token as decoder prefix,
+--beams beams and exactly --new-tokens new tokens (min_new_tokens = max_new_tokens), as issue 4's figure asks.
+
+python -m bench.beam_generate --shape nllb-600m --device cuda --batches 1,16,64     (the figure, on a GPU)
+python -m bench.beam_generate --shape tiny --device cpu --batches 1,4 --reps 1      (smoke test)
+"""
+
+import argparse
+import dataclasses
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+
+from bench.phases import log
+from metrale.runtime.beam.params import BeamParams, BeamRequest
+from metrale.runtime.build import build_engine
+from metrale.runtime.config import EngineConfig
+from metrale.runtime.loading import load_checkpoint
+
+SHAPES = {
+    "nllb-600m": dict(d_model=1024, encoder_layers=12, decoder_layers=12, encoder_attention_heads=16,
+                      decoder_attention_heads=16, encoder_ffn_dim=4096, decoder_ffn_dim=4096, vocab_size=256206),
+    "tiny": dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                 decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=256),
+}
+PAD, EOS, START = 1, 2, 2
+
+
+@dataclass
+class Row:
+    batch: int
+    impl: str
+    seconds: list[float] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def p50(self) -> float:
+        return statistics.median(self.seconds)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="nllb-600m", choices=sorted(SHAPES))
+    parser.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--source-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--beams", type=int, default=4)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+
+    config = transformers.M2M100Config(**SHAPES[args.shape], max_position_embeddings=1024, scale_embedding=True,
+                                       pad_token_id=PAD, bos_token_id=0, eos_token_id=EOS,
+                                       decoder_start_token_id=START, dropout=0.0, attention_dropout=0.0,
+                                       activation_dropout=0.0)
+    torch.manual_seed(0)
+    reference = transformers.M2M100ForConditionalGeneration(config).to(dtype).eval()
+    with tempfile.TemporaryDirectory() as directory:
+        reference.save_pretrained(directory)
+        engine, info = build_engine(load_checkpoint(Path(directory)), EngineConfig(device=args.device))
+    reference.to(args.device)
+    log(f"{args.shape}: {sum(p.numel() for p in reference.parameters()) / 1e6:.0f} M parameters, {dtype}, "
+        f"{args.device}; ours supports_beam={engine.supports_beam}")
+
+    rows, agreement = [], {}
+    generator = torch.Generator().manual_seed(1)
+    for batch in batches:
+        sources = torch.randint(4, config.vocab_size - 1, (batch, args.source_len), generator=generator)
+        sources[:, -1] = EOS
+        target_language = config.vocab_size - 1
+        params = BeamParams(num_beams=args.beams, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
+        requests = [BeamRequest(i, src_tokens=tuple(s.tolist()), decoder_prefix=(target_language,), params=params)
+                    for i, s in enumerate(sources)]
+        ours = Row(batch, "metrale")
+        if engine.supports_beam:
+            ours.seconds = timed(lambda: engine.beam_generate(requests, (EOS,), PAD), args.reps, args.device)
+            ours_top = [r.hypotheses[0][0] for r in engine.beam_generate(requests, (EOS,), PAD)]
+        else:
+            ours.note, ours_top = f"BeamGenerate is not built on {args.device} yet", None
+        theirs = Row(batch, "transformers")
+        decoder_input = torch.tensor([[START, target_language]] * batch, device=args.device)
+
+        def generate():
+            return reference.generate(sources.to(args.device), attention_mask=torch.ones_like(sources).to(args.device),
+                                      decoder_input_ids=decoder_input, num_beams=args.beams,
+                                      max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                                      do_sample=False, eos_token_id=EOS, pad_token_id=PAD)
+
+        with torch.no_grad():
+            theirs.seconds = timed(generate, args.reps, args.device)
+            their_top = generate()[:, 2:].tolist()
+        if ours_top is not None:
+            agreement[batch] = sum(a == b for a, b in zip(ours_top, their_top))
+        rows += [ours, theirs]
+        log(f"batch {batch}: ours {ours.p50 if ours.seconds else float('nan'):.3f} s, transformers "
+            f"{theirs.p50:.3f} s")
+
+    print(f"# beam_generate: {args.shape} ({dtype}, random weights) on {device_name(args.device)}; "
+          f"{args.source_len}-token sources, {args.beams} beams, exactly {args.new_tokens} new tokens; p50 of "
+          f"{args.reps} calls after a warm-up; {time.strftime('%Y-%m-%d %H:%M %Z')}")
+    print(format_table(rows, args.new_tokens, agreement))
+    result = {"args": vars(args), "rows": [dataclasses.asdict(r) for r in rows], "agreement": agreement}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return {**result, "row_objects": rows}
+
+
+def timed(call, reps: int, device: str) -> list[float]:
+    call()      # warm-up
+    seconds = []
+    for _ in range(reps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        call()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
+def format_table(rows: list[Row], new_tokens: int, agreement: dict) -> str:
+    lines = [f"{'batch':>5}  {'impl':<12}  {'p50 s':>8}  {'sentences/s':>11}  {'tokens/s':>9}  {'x transformers':>14}"
+             f"  {'same top':>8}"]
+    reference = {r.batch: r for r in rows if r.impl == "transformers"}
+    for r in rows:
+        if not r.seconds:
+            lines.append(f"{r.batch:>5}  {r.impl:<12}  {'-':>8}  {'-':>11}  {'-':>9}  {'-':>14}  {'-':>8}  {r.note}")
+            continue
+        speedup = reference[r.batch].p50 / r.p50 if r.impl != "transformers" else 1.0
+        same = f"{agreement[r.batch]}/{r.batch}" if r.impl != "transformers" and r.batch in agreement else "-"
+        lines.append(f"{r.batch:>5}  {r.impl:<12}  {r.p50:>8.3f}  {r.batch / r.p50:>11.1f}  "
+                     f"{r.batch * new_tokens / r.p50:>9.0f}  {speedup:>14.2f}  {same:>8}")
+    return "\n".join(lines)
+
+
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else "cpu"
+
+
+if __name__ == "__main__":
+    main()
