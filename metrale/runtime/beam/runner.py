@@ -15,7 +15,7 @@ import torch
 
 from metrale.runtime.batch import Segment, build_batch
 from metrale.runtime.beam.params import BeamRequest
-from metrale.runtime.beam.search import BeamSearch
+from metrale.runtime.beam.search import BeamGroup
 from metrale.runtime.errors import BatchTooLarge, Cancelled, OutOfRange
 from metrale.runtime.kv_blocks import blocks_for
 from metrale.runtime.planner import Limits
@@ -58,13 +58,19 @@ class BlockPool:
 
 
 @dataclass
-class _Search:
+class _Request:
     request: BeamRequest
-    search: BeamSearch
     # Each running beam's block ids (entries of one list may be shared with other beams).
     beams: list[list[int]]
     # Encoder-decoder models: the request's source in the encoder states.
     cross: tuple[int, int] | None = None
+
+
+@dataclass
+class _Group:
+    """The requests of one num_beams, searched together; members follow the search's rows."""
+    search: BeamGroup
+    members: list[_Request]
 
 
 @dataclass(frozen=True)
@@ -107,24 +113,32 @@ class BeamCall:
 
     def run(self, pool: BlockPool, cancelled: Callable[[], bool]) -> list[BeamResult]:
         encoded = self.model.encode([list(r.src_tokens) for r in self.requests]) if self.model.encode else None
-        searches, logits = self._prefill(pool, encoded)
+        groups, logits = self._prefill(pool, encoded)
         results: dict[int, BeamResult] = {}
-        while searches:
+        while groups:
             if cancelled():
                 raise Cancelled()
-            running = []
-            for s, rows in zip(searches, logits):
-                parents = s.search.step(rows)
-                if s.search.done:
-                    for blocks in s.beams:
-                        pool.release(blocks)
-                    results[s.request.request_id] = BeamResult(s.request.request_id, s.search.hypotheses())
-                else:
-                    self._fork(pool, s, parents.tolist())
-                    running.append(s)
-            searches = running
-            if searches:
-                logits = self._decode(searches, encoded)
+            searching = []
+            for group, rows in zip(groups, logits):
+                parents, done = group.search.step(rows)
+                going = []
+                for i, member in enumerate(group.members):
+                    if done[i]:
+                        for blocks in member.beams:
+                            pool.release(blocks)
+                        results[member.request.request_id] = BeamResult(member.request.request_id,
+                                                                        group.search.hypotheses(i))
+                    else:
+                        self._fork(pool, member, parents[i].tolist(), int(group.search.cur_len[i]) - 1)
+                        going.append(i)
+                if going:
+                    if len(going) < len(group.members):
+                        group.search.keep_rows(going)
+                        group.members = [group.members[i] for i in going]
+                    searching.append(group)
+            groups = searching
+            if groups:
+                logits = self._decode(groups, encoded)
         return [results[r.request_id] for r in self.requests]
 
     def _check_limits(self, max_source_len: int) -> None:
@@ -149,10 +163,11 @@ class BeamCall:
     def blocks_needed(self) -> int:
         return sum(blocks_needed(len(p), r.params, self.block_size) for r, p in zip(self.requests, self.prompts))
 
-    def _prefill(self, pool: BlockPool, encoded) -> tuple[list[_Search], list[torch.Tensor]]:
-        """Every prompt once; each search starts with num_beams beams on the prompt's blocks and its last logits
-        row repeated (transformers runs num_beams copies of the prompt: the same rows)."""
-        searches, rows = [], []
+    def _prefill(self, pool: BlockPool, encoded) -> tuple[list[_Group], list[torch.Tensor]]:
+        """Every prompt once; each request starts with num_beams beams on the prompt's blocks and its last logits
+        row repeated (transformers runs num_beams copies of the prompt: the same rows). Requests are grouped by
+        num_beams, in call order."""
+        members, rows = [], []
         pending: list[tuple[list[int], list[int], tuple[int, int] | None]] = []
         budget, m = self.limits.max_batch_tokens, self.model
 
@@ -167,22 +182,28 @@ class BeamCall:
             blocks = [pool.take() for _ in range(blocks_for(len(prompt), self.block_size))]
             cross = encoded.spans[i] if encoded is not None else None
             pending.append((prompt, blocks, cross))
-            k = r.params.num_beams
-            pool.share(blocks * (k - 1))
-            search = BeamSearch(r.params, prompt, m.eos_token_ids, m.fill_token)
-            searches.append(_Search(r, search, [blocks] * k, cross))
+            pool.share(blocks * (r.params.num_beams - 1))
+            members.append(_Request(r, [blocks] * r.params.num_beams, cross))
         flush()
-        return searches, [row[None].expand(s.search.num_beams, -1) for s, row in zip(searches, rows)]
+        by_beams: dict[int, list[int]] = {}
+        for i, r in enumerate(self.requests):
+            by_beams.setdefault(r.params.num_beams, []).append(i)
+        groups, logits = [], []
+        for k, indices in by_beams.items():
+            search = BeamGroup([self.requests[i].params for i in indices], [self.prompts[i] for i in indices],
+                               m.eos_token_ids, m.fill_token)
+            groups.append(_Group(search, [members[i] for i in indices]))
+            logits.append(torch.stack([rows[i] for i in indices])[:, None].expand(-1, k, -1))
+        return groups, logits
 
-    def _fork(self, pool: BlockPool, s: _Search, parents: list[int]) -> None:
+    def _fork(self, pool: BlockPool, member: _Request, parents: list[int], position: int) -> None:
         """The new running beams' blocks: each continues its parent's, and gets a block of its own where it writes
-        its new token (position cur_len - 1) into a block another beam also holds, or starts a new one."""
-        position = s.search.cur_len - 1
+        its new token (at `position`) into a block another beam also holds, or starts a new one."""
         index, offset = divmod(position, self.block_size)
-        children = [list(s.beams[p]) for p in parents]
+        children = [list(member.beams[p]) for p in parents]
         for blocks in children:
             pool.share(blocks)
-        for blocks in s.beams:
+        for blocks in member.beams:
             pool.release(blocks)
         copies = []
         for blocks in children:
@@ -195,18 +216,20 @@ class BeamCall:
                 blocks[index] = own
         if copies:
             self.model.copy_kv(copies)
-        s.beams = children
+        member.beams = children
 
-    def _decode(self, searches: list[_Search], encoded) -> list[torch.Tensor]:
+    def _decode(self, groups: list[_Group], encoded) -> list[torch.Tensor]:
+        """One forward over every running beam; logits [requests, beams, vocab] per group."""
         segments = []
-        for s in searches:
-            position = s.search.cur_len - 1
-            tokens = s.search.tokens()[:, -1].tolist()
-            segments.extend(Segment(BlockTable(blocks), position, (token,), True, s.cross)
-                            for blocks, token in zip(s.beams, tokens))
+        for group in groups:
+            tokens, positions = group.search.last_tokens().tolist(), (group.search.cur_len - 1).tolist()
+            for member, row, position in zip(group.members, tokens, positions):
+                segments.extend(Segment(BlockTable(blocks), position, (token,), True, member.cross)
+                                for blocks, token in zip(member.beams, row))
         logits = self.model.forward(segments, encoded)
         out, start = [], 0
-        for s in searches:
-            out.append(logits[start:start + s.search.num_beams])
-            start += s.search.num_beams
+        for group in groups:
+            n, k = len(group.members), group.search.num_beams
+            out.append(logits[start:start + n * k].view(n, k, -1))
+            start += n * k
         return out
