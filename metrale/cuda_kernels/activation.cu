@@ -1,4 +1,4 @@
-// Gated activations of the MLP: out = silu(gate) * up in fp32, rounded to bf16 once.
+// MLP activations: the gated out = silu(gate) * up in fp32, rounded to bf16 once; and ReLU (M2M100 / NLLB).
 #include "common.cuh"
 
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
@@ -21,4 +21,21 @@ extern "C" __global__ void silu_mul(uint4* out, long long out_stride, const uint
     const uint4 g = gate_row[column], u = gate_row[units_per_row + column];
     out[row * out_stride + column] = make_uint4(silu_mul_pair(g.x, u.x), silu_mul_pair(g.y, u.y),
                                                 silu_mul_pair(g.z, u.z), silu_mul_pair(g.w, u.w));
+}
+
+__device__ __forceinline__ unsigned int relu_pair(unsigned int x) {
+    const float2 v = bf16x2_to_float2(x);
+    return float2_to_bf16x2(fmaxf(v.x, 0.f), fmaxf(v.y, 0.f));
+}
+
+// out [T, I] = max(x, 0), bf16; row strides in 16-byte units, I % 8 == 0; one 16-byte unit per thread.
+extern "C" __global__ void relu(uint4* out, long long out_stride, const uint4* x, long long x_stride, int num_tokens,
+                                int units_per_row) {
+    wait_for_previous_kernel();
+    const long long unit = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (unit >= (long long)num_tokens * units_per_row) return;
+    const long long row = unit / units_per_row;
+    const int column = (int)(unit - row * units_per_row);
+    const uint4 v = x[row * x_stride + column];
+    out[row * out_stride + column] = make_uint4(relu_pair(v.x), relu_pair(v.y), relu_pair(v.z), relu_pair(v.w));
 }

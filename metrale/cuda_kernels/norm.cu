@@ -76,6 +76,66 @@ extern "C" __global__ void rms_norm(bf16* out, long long out_stride, bf16* resid
     }
 }
 
+// LayerNorm as torch computes it for bf16 (nn.LayerNorm in M2M100 / NLLB): mean and variance in fp32 over the
+// bf16 input, out = bf16((x - mean) * rstd * weight + bias) in fp32, rounded once. The residual add and the
+// layout are rms_norm's: one block per row, residual_out = bf16(x + residual) where a residual is given.
+extern "C" __global__ void layer_norm(bf16* out, long long out_stride, bf16* residual_out,
+                                      long long residual_out_stride, const bf16* x, long long x_stride,
+                                      const bf16* residual, long long residual_stride, const bf16* weight,
+                                      const bf16* bias, int hidden, float eps) {
+    wait_for_previous_kernel();
+    const long long row = blockIdx.x;
+    const int units = hidden >> 3;
+    const uint4* x_row = reinterpret_cast<const uint4*>(x + row * x_stride);
+    const uint4* residual_row = residual ? reinterpret_cast<const uint4*>(residual + row * residual_stride) : nullptr;
+    uint4* residual_out_row =
+        residual_out ? reinterpret_cast<uint4*>(residual_out + row * residual_out_stride) : nullptr;
+    float values[RMS_NORM_MAX_UNITS][8];
+    float sum = 0.f;
+#pragma unroll
+    for (int k = 0; k < RMS_NORM_MAX_UNITS; ++k) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i >= units) break;
+        uint4 v = x_row[i];
+        if (residual_row) {
+            float a[8], b[8];
+            unpack8(v, a);
+            unpack8(residual_row[i], b);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) a[j] += b[j];
+            v = pack8(a);
+        }
+        if (residual_out_row) residual_out_row[i] = v;
+        unpack8(v, values[k]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) sum += values[k][j];
+    }
+    const float mean = block_sum(sum) / (float)hidden;
+    float squares = 0.f;
+#pragma unroll
+    for (int k = 0; k < RMS_NORM_MAX_UNITS; ++k) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i >= units) break;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) squares += (values[k][j] - mean) * (values[k][j] - mean);
+    }
+    const float rstd = rsqrtf(block_sum(squares) / (float)hidden + eps);
+    const uint4* weight_units = reinterpret_cast<const uint4*>(weight);
+    const uint4* bias_units = reinterpret_cast<const uint4*>(bias);
+    uint4* out_row = reinterpret_cast<uint4*>(out + row * out_stride);
+#pragma unroll
+    for (int k = 0; k < RMS_NORM_MAX_UNITS; ++k) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i >= units) break;
+        float w[8], b[8], y[8];
+        unpack8(weight_units[i], w);
+        unpack8(bias_units[i], b);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) y[j] = (values[k][j] - mean) * rstd * w[j] + b[j];
+        out_row[i] = pack8(y);
+    }
+}
+
 // In place over x [T, num_heads * head_dim] bf16 (row stride in elements, may be a column slice of qkv),
 // weight [head_dim]; one warp per (row, head), blocks of HEAD_NORM_WARPS warps. head_dim even, <= 256;
 // rows 4-byte aligned.

@@ -1,4 +1,5 @@
-"""norm.cu against torch: RMSNorm with and without the fused residual add, and per-head RMSNorm (Qwen3 q/k)."""
+"""norm.cu against torch: RMSNorm and LayerNorm with and without the fused residual add, and per-head RMSNorm
+(Qwen3 q/k)."""
 
 import pytest
 import torch
@@ -6,7 +7,7 @@ import torch
 pytest.importorskip("cuda.core")
 
 from gpu_reference import TOLERANCE, relative_error  # noqa: E402
-from metrale.runtime.backend.cuda.kernels.norm import head_rms_norm, rms_norm  # noqa: E402
+from metrale.runtime.backend.cuda.kernels.norm import head_rms_norm, layer_norm, rms_norm  # noqa: E402
 from metrale.runtime.backend.cuda.tensor import DeviceTensor  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -110,3 +111,23 @@ def test_head_rms_norm_on_q_and_k_slices_of_qkv(kernel_library, stream, num_head
         assert relative_error(ours, reference_rms_norm(heads, weight, EPS)) < TOLERANCE[torch.bfloat16]
         assert relative_error(ours, transformers_rms_norm(heads, weight, EPS)) < 1e-3
     assert torch.equal(qkv[:, q_size + kv_size:], original[:, q_size + kv_size:])
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+@pytest.mark.parametrize("hidden", [24, 1024, 4096, 32768])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_layer_norm_matches_float64_and_torch(kernel_library, stream, num_tokens, hidden, with_residual):
+    x, weight = inputs(num_tokens, hidden)
+    x = x + 3     # a mean far from zero: the centring matters
+    bias = (0.5 * torch.randn(hidden, device=DEVICE)).bfloat16()
+    residual = (4 * torch.randn(num_tokens, hidden, device=DEVICE)).bfloat16() if with_residual else None
+    out, residual_out = poisoned(num_tokens, hidden), poisoned(num_tokens, hidden)
+    torch.cuda.synchronize()
+    layer_norm(kernel_library, stream, *wrap(out, x, weight, bias), 1e-5, *wrap(residual, residual_out))
+    stream.sync()
+    added = x + residual if with_residual else x
+    assert torch.equal(residual_out, added)
+    exact = torch.nn.functional.layer_norm(added.double(), (hidden,), weight.double(), bias.double(), 1e-5)
+    assert relative_error(out, exact) < TOLERANCE[torch.bfloat16]
+    ours_vs_torch = relative_error(out, torch.nn.functional.layer_norm(added, (hidden,), weight, bias, 1e-5))
+    assert ours_vs_torch < 1e-2

@@ -160,6 +160,19 @@ class CudaBackend:
         kernels.norm.rms_norm(self.lib, lane.stream, out, x, weight, eps, residual=residual, residual_out=residual_out)
         return out, residual_out
 
+    def layer_norm(self, x, weight, bias, eps, residual=None):
+        lane = self._bound.lane
+        out, residual_out = lane.new(*x.shape), lane.new(*x.shape)
+        kernels.norm.layer_norm(self.lib, lane.stream, out, x, weight, bias, eps, residual=residual,
+                                residual_out=residual_out)
+        return out, residual_out
+
+    def relu(self, x):
+        lane = self._bound.lane
+        out = lane.new(*x.shape)
+        kernels.activation.relu(self.lib, lane.stream, out, x)
+        return out
+
     def head_rms_norm(self, x, weight, eps, head_dim):
         kernels.norm.head_rms_norm(self.lib, self._bound.lane.stream, x, weight, eps, head_dim)
         return x

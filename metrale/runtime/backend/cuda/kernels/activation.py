@@ -1,4 +1,4 @@
-"""Launchers for cuda_kernels/activation.cu: the gated MLP activation."""
+"""Launchers for cuda_kernels/activation.cu: the gated MLP activation, and ReLU."""
 
 import numpy as np
 
@@ -26,3 +26,19 @@ def silu_mul(lib, stream, out: DeviceTensor, gate_up: DeviceTensor) -> None:
     kernel = lib.get("silu_mul", MODULE)
     launch_kernel(stream, kernel, ceil_div(num_tokens * units_per_row, BLOCK), BLOCK, out, np.int64(out.stride // 8),
                   gate_up, np.int64(gate_up.stride // 8), num_tokens, units_per_row)
+
+
+def relu(lib, stream, out: DeviceTensor, x: DeviceTensor) -> None:
+    """out [T, I] = max(x, 0), bf16. Needs I % 8 == 0 and 16-byte aligned rows (either may be strided)."""
+    require(out.dtype == "bfloat16" and x.dtype == "bfloat16", "relu: out and x must be bfloat16")
+    require(len(x.shape) == 2 and out.shape == x.shape, f"relu: out {out.shape} and x {x.shape} must be one [T, I]")
+    num_tokens, width = x.shape
+    require(width % 8 == 0, f"relu: I = {width} must be a multiple of 8")
+    require_aligned(out, 16, "relu: out")
+    require_aligned(x, 16, "relu: x")
+    units_per_row = width // 8
+    if num_tokens == 0 or units_per_row == 0:
+        return
+    kernel = lib.get("relu", MODULE)
+    launch_kernel(stream, kernel, ceil_div(num_tokens * units_per_row, BLOCK), BLOCK, out, np.int64(out.stride // 8),
+                  x, np.int64(x.stride // 8), num_tokens, units_per_row)

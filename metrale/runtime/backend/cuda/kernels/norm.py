@@ -1,4 +1,5 @@
-"""Launchers for cuda_kernels/norm.cu: RMSNorm with an optional fused residual add, and per-head RMSNorm."""
+"""Launchers for cuda_kernels/norm.cu: RMSNorm and LayerNorm with an optional fused residual add, and per-head
+RMSNorm."""
 
 import numpy as np
 
@@ -19,28 +20,42 @@ def rms_norm(lib, stream, out: DeviceTensor, x: DeviceTensor, weight: DeviceTens
     """out [T, H] = rms_norm(x [+ residual]) * weight [H], all bf16.
     With residual, residual_out = bf16(x + residual) (residual_out is required; it may be residual itself);
     without, residual_out (if given) = x. Needs H % 8 == 0, H <= 32768, 16-byte aligned rows."""
-    require(len(x.shape) == 2, f"rms_norm: x must be [T, H], not {x.shape}")
+    _launch_row_norm("rms_norm", lib, stream, out, x, (weight,), eps, residual, residual_out)
+
+
+def layer_norm(lib, stream, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor,
+               eps: float, residual: DeviceTensor | None = None, residual_out: DeviceTensor | None = None) -> None:
+    """out [T, H] = layer_norm(x [+ residual]) * weight [H] + bias [H], all bf16, fp32 statistics; the residual
+    add and the requirements are rms_norm's."""
+    _launch_row_norm("layer_norm", lib, stream, out, x, (weight, bias), eps, residual, residual_out)
+
+
+def _launch_row_norm(name: str, lib, stream, out, x, params: tuple, eps, residual, residual_out) -> None:
+    """One block per row of x; params: the [H] bf16 vectors the kernel takes after its row pointers."""
+    require(len(x.shape) == 2, f"{name}: x must be [T, H], not {x.shape}")
     num_tokens, hidden = x.shape
     rows = {"out": out, "x": x, "residual": residual, "residual_out": residual_out}
-    for name, tensor in rows.items():
+    for label, tensor in rows.items():
         if tensor is None:
             continue
-        require(tensor.dtype == "bfloat16", f"rms_norm: {name} must be bfloat16, not {tensor.dtype}")
-        require(tensor.shape == x.shape, f"rms_norm: {name} {tensor.shape} must have x's shape {x.shape}")
-        require_aligned(tensor, 16, f"rms_norm: {name}")
-    require(residual is None or residual_out is not None, "rms_norm: a residual add needs residual_out")
-    require(weight.dtype == "bfloat16" and weight.shape == (hidden,), f"rms_norm: weight must be [{hidden}] bfloat16")
-    require(weight.ptr % 16 == 0, "rms_norm: weight must be 16-byte aligned")
-    require(hidden % 8 == 0 and 0 < hidden <= MAX_HIDDEN, f"rms_norm: hidden {hidden} must be a multiple of 8, "
+        require(tensor.dtype == "bfloat16", f"{name}: {label} must be bfloat16, not {tensor.dtype}")
+        require(tensor.shape == x.shape, f"{name}: {label} {tensor.shape} must have x's shape {x.shape}")
+        require_aligned(tensor, 16, f"{name}: {label}")
+    require(residual is None or residual_out is not None, f"{name}: a residual add needs residual_out")
+    for param in params:
+        require(param.dtype == "bfloat16" and param.shape == (hidden,),
+                f"{name}: weight and bias must be [{hidden}] bfloat16")
+        require(param.ptr % 16 == 0, f"{name}: weight and bias must be 16-byte aligned")
+    require(hidden % 8 == 0 and 0 < hidden <= MAX_HIDDEN, f"{name}: hidden {hidden} must be a multiple of 8, "
                                                           f"at most {MAX_HIDDEN}")
     if num_tokens == 0:
         return
     units = hidden // 8
     # One 16-byte unit per thread up to hidden 8192, then up to RMS_NORM_MAX_UNITS per thread.
     block = min(MAX_BLOCK, 32 * ceil_div(units, 32))
-    kernel = lib.get("rms_norm", MODULE)
+    kernel = lib.get(name, MODULE)
     launch_kernel(stream, kernel, num_tokens, block, out, _stride(out), _pointer(residual_out), _stride(residual_out),
-                  x, _stride(x), _pointer(residual), _stride(residual), weight, hidden, float(eps))
+                  x, _stride(x), _pointer(residual), _stride(residual), *params, hidden, float(eps))
 
 
 def head_rms_norm(lib, stream, x: DeviceTensor, weight: DeviceTensor, eps: float, head_dim: int) -> None:
