@@ -19,9 +19,10 @@ class ForwardBatch:
     context_lens: list[int]      # [S] tokens each segment attends to, new ones included
     block_tables: list  # [S] int32 arrays (or lists) of the block ids covering context_lens
     sample_rows: torch.Tensor    # [N] int64 rows of T whose hidden states become logits
-    # Encoder-decoder models: the sources' encoder states (the model's Encoded) and each segment's span in them.
-    encoder: object = None
-    cross_spans: list | None = None
+    # False: each segment attends to all its context (cross-attention), not only up to its own positions.
+    causal: bool = True
+    # Encoder-decoder models: the same rows over their sources' cross-attention K/V blocks (build_batch sets it).
+    cross: "ForwardBatch | None" = None
 
     @property
     def num_tokens(self) -> int:
@@ -35,11 +36,11 @@ class Segment:
     start: int
     tokens: tuple[int, ...] | list[int]
     samples: bool
-    # Encoder-decoder models: (first row, length) of the segment's source in the encoder states.
-    cross: tuple[int, int] | None = None
+    # Encoder-decoder models: the blocks holding the segment's source's cross-attention K/V, and its length.
+    cross: tuple[BlockTable, int] | None = None
 
 
-def build_batch(segments: list[Segment], kv_block_size: int, encoder=None) -> ForwardBatch:
+def build_batch(segments: list[Segment], kv_block_size: int) -> ForwardBatch:
     token_ids, positions, slots, starts, lens, contexts, tables, sample_rows = [], [], [], [], [], [], [], []
     for seg in segments:
         row = len(token_ids)
@@ -60,5 +61,16 @@ def build_batch(segments: list[Segment], kv_block_size: int, encoder=None) -> Fo
         if seg.samples:
             sample_rows.append(row + n - 1)
     as_long = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
-    return ForwardBatch(as_long(token_ids), as_long(positions), as_long(slots), starts, lens, contexts, tables,
-                        as_long(sample_rows), encoder, [seg.cross for seg in segments] if encoder is not None else None)
+    batch = ForwardBatch(as_long(token_ids), as_long(positions), as_long(slots), starts, lens, contexts, tables,
+                         as_long(sample_rows))
+    if any(seg.cross is not None for seg in segments):
+        batch.cross = _cross_batch(batch, segments, kv_block_size)
+    return batch
+
+
+def _cross_batch(batch: ForwardBatch, segments: list[Segment], kv_block_size: int) -> ForwardBatch:
+    """The batch's rows as queries over their sources' cross-attention blocks: every source key, no KV written."""
+    lengths = [seg.cross[1] for seg in segments]
+    tables = [seg.cross[0].array(blocks_for(n, kv_block_size)) for seg, n in zip(segments, lengths)]
+    return ForwardBatch(batch.token_ids, batch.positions, torch.full_like(batch.slot_mapping, -1), batch.query_starts,
+                        batch.query_lens, lengths, tables, batch.sample_rows[:0], causal=False)

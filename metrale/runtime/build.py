@@ -41,6 +41,9 @@ def build_engine(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path |
         raise InvalidArgument(f"max_model_len={max_model_len} is over the model's max_position_embeddings="
                               f"{model_config.max_position_embeddings}")
     backend = create_backend(config.device, config.dtype, cache_dir or default_cache_dir())
+    if getattr(model_config, "is_encoder_decoder", False) and backend.device != "cpu":
+        raise InvalidArgument(f"{model_config.architecture} runs on the CPU backend so far (--device cpu); the CUDA "
+                              f"backend lacks its cross-attention (docs/encoder_decoder_cuda.md)")
     backend.plan(_weight_bytes(checkpoint, model_config, max_model_len), _memory_shapes(model_config, config,
                                                                                         max_model_len))
     model = family.model_class(model_config, checkpoint.tensors, backend, max_model_len)

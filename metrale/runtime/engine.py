@@ -10,13 +10,12 @@ from metrale.runtime.batch import Segment, build_batch
 from metrale.runtime.beam.params import BeamRequest
 from metrale.runtime.beam.runner import BeamCall, BeamModel, BeamResult, BlockPool
 from metrale.runtime.config import EngineConfig
-from metrale.runtime.encoded import Encoded
 from metrale.runtime.errors import Cancelled, DeviceFault, FailedPrecondition, OutOfKvBlocks, WorkerError
 from metrale.runtime.kv_blocks import KvBlockManager, blocks_for
 from metrale.runtime.planner import Chunk, Limits, Plan, plan_step
 from metrale.runtime.run_ahead import Ahead, RunAheadCounts
 from metrale.runtime.sampling import SampleRow, random_seed
-from metrale.runtime.sequence import Sequence, SequenceTable
+from metrale.runtime.sequence import BlockTable, Sequence, SequenceTable
 from metrale.runtime.step import DecodeLane, SequenceOutput, Step, StepOutput
 
 
@@ -117,8 +116,7 @@ class Engine:
                 if seq is None:
                     unknown.append(seq_id)
                     continue
-                self.blocks.free(seq.block_table.tolist())
-                freed += len(seq.block_table)
+                freed += self._free(seq)
                 released.append(seq_id)
             return ReleaseResult(released, unknown, freed)
 
@@ -139,7 +137,7 @@ class Engine:
                                      f"(supports_beam=false)")
         config, encoder_decoder = self.model.config, self.is_encoder_decoder
         model = BeamModel(self._beam_forward, self._copy_kv, eos_token_ids, fill_token,
-                          self.model.encode if encoder_decoder else None,
+                          self._beam_encode if encoder_decoder else None,
                           config.decoder_start_token_id if encoder_decoder else None)
         call = BeamCall(requests, self.limits, self.config.kv_block_size, model,
                         config.max_position_embeddings if encoder_decoder else 0)
@@ -166,10 +164,14 @@ class Engine:
                     raise OutOfKvBlocks(needed, self.blocks.num_free)
             self._settle_ahead(guessed)
 
-    def _beam_forward(self, segments: list[Segment], encoded=None):
+    def _beam_encode(self, segments: list[Segment]) -> None:
+        with self._forward_lock:
+            self.model.encode(build_batch(segments, self.config.kv_block_size), self.kv_cache)
+
+    def _beam_forward(self, segments: list[Segment]):
         """float32 logits [len(segments), vocab] of the segments' last tokens, on the host."""
         ops = self.model.ops
-        batch = build_batch(segments, self.config.kv_block_size, encoded)
+        batch = build_batch(segments, self.config.kv_block_size)
         with self._forward_lock:
             return ops.host_logits(ops.run_forward(self.forward, batch))
 
@@ -192,6 +194,9 @@ class Engine:
             seed = s.sampling.seed if s.sampling.seed is not None else random_seed()
             self.sequences.add(Sequence(s.seq_id, s.sampling, s.output, seed))
         block_size = self.blocks.kv_block_size
+        for seq_id, length in plan.sources.items():
+            seq = self.sequences.get(seq_id)
+            seq.cross_table, seq.source_len = BlockTable(self.blocks.allocate(blocks_for(length, block_size))), length
         for seq_id, length in plan.final_lengths.items():
             table = self.sequences.get(seq_id).block_table
             missing = blocks_for(length, block_size) - len(table)
@@ -199,12 +204,17 @@ class Engine:
                 table.extend(self.blocks.allocate(missing))
         return snapshot
 
+    def _free(self, seq: Sequence) -> int:
+        """Gives a removed sequence's blocks back (its cross blocks too); returns how many."""
+        blocks = seq.block_table.tolist() + (seq.cross_table.tolist() if seq.cross_table is not None else [])
+        self.blocks.free(blocks)
+        return len(blocks)
+
     def _restore(self, snapshot: dict, plan: Plan) -> None:
         for seq_id in plan.final_lengths:
             seq = self.sequences.get(seq_id)
             if seq_id not in snapshot:
-                self.sequences.remove(seq_id)
-                self.blocks.free(seq.block_table.tolist())
+                self._free(self.sequences.remove(seq_id))
                 continue
             num_tokens, num_blocks, finished, num_prompt = snapshot[seq_id]
             del seq.tokens[num_tokens:]
@@ -272,14 +282,11 @@ class Engine:
                     self.ahead_counts.undone += 1
         return taken
 
-    def _encoder_states(self, chunks: tuple[Chunk, ...], sequences: list[Sequence]) -> Encoded:
-        """Runs the encoder for the round's new sources (kept by their sequences), and packs every segment's."""
-        new = [(c, seq) for c, seq in zip(chunks, sequences) if c.source]
-        if new:
-            encoded = self.model.encode([list(c.source) for c, _ in new])
-            for (_, seq), part in zip(new, encoded.split()):
-                seq.encoded = part
-        return Encoded.merge([seq.encoded for seq in sequences])
+    def _encode(self, chunks: tuple[Chunk, ...], sequences: list[Sequence]) -> None:
+        """Runs the encoder over the round's new sources, writing their cross-attention K/V into their blocks."""
+        segments = [Segment(seq.cross_table, 0, c.source, False) for c, seq in zip(chunks, sequences) if c.source]
+        if segments:
+            self.model.encode(build_batch(segments, self.config.kv_block_size), self.kv_cache)
 
     def forward(self, batch):
         """The model over one flat batch, logits on the device (the backend calls it, or captures it)."""
@@ -288,12 +295,14 @@ class Engine:
     def _run_round(self, chunks: tuple[Chunk, ...], cancelled: Callable[[], bool],
                    on_queued: Callable[[], None] | None = None) -> list[SequenceOutput]:
         sequences = [self.sequences.get(c.seq_id) for c in chunks]
-        encoded = self._encoder_states(chunks, sequences) if self.is_encoder_decoder else None
-        segments = [Segment(seq.block_table, c.start, c.tokens, c.samples, encoded.spans[i] if encoded else None)
-                    for i, (c, seq) in enumerate(zip(chunks, sequences))]
-        batch = build_batch(segments, self.config.kv_block_size, encoded)
+        segments = [Segment(seq.block_table, c.start, c.tokens, c.samples,
+                            (seq.cross_table, seq.source_len) if seq.cross_table is not None else None)
+                    for c, seq in zip(chunks, sequences)]
+        batch = build_batch(segments, self.config.kv_block_size)
         ops = self.model.ops
         with self._forward_lock:
+            if self.is_encoder_decoder:
+                self._encode(chunks, sequences)
             # The logits live in the backend's memory until sampled: the lock covers both.
             logits = ops.run_forward(self.forward, batch)
             if cancelled():

@@ -3,7 +3,7 @@
 Nothing here changes state: a step that fails planning leaves every sequence and block as it was.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from metrale.runtime.errors import BatchTooLarge, FailedPrecondition, InvalidArgument, OutOfKvBlocks, OutOfRange, \
     UnknownSequence
@@ -45,13 +45,15 @@ class Plan:
     new_sequences: tuple[PrefillSlice, ...]
     # seq_id -> tokens it will hold after the step, for block reservation.
     final_lengths: dict
+    # Encoder-decoder models: seq_id -> the length of a new sequence's source, whose cross blocks it takes.
+    sources: dict = field(default_factory=dict)
 
 
 def plan_step(step: Step, sequences: SequenceTable, num_free_blocks: int, limits: Limits) -> Plan:
     held = _check_decode(step, sequences, limits)
     _check_prefill(step, sequences, limits)
     rounds: list[list[Chunk]] = [[]]
-    final_lengths = {}
+    final_lengths, sources = {}, {}
     needed = 0
     for lane, seq in zip(step.decode, held):
         start = len(seq.tokens)
@@ -63,6 +65,8 @@ def plan_step(step: Step, sequences: SequenceTable, num_free_blocks: int, limits
             rounds[0].append(Chunk(s.seq_id, (limits.decoder_start,), 0, samples=True, ends_prompt=True,
                                    source=s.tokens))
             final_lengths[s.seq_id] = 1
+            sources[s.seq_id] = len(s.tokens)
+            needed += blocks_for(len(s.tokens), limits.kv_block_size)
             continue
         size = s.chunk_size or len(s.tokens)
         pieces = [s.tokens[i:i + size] for i in range(0, len(s.tokens), size)]
@@ -83,7 +87,8 @@ def plan_step(step: Step, sequences: SequenceTable, num_free_blocks: int, limits
                   for s in step.prefill)
     if needed > num_free_blocks:
         raise OutOfKvBlocks(needed, num_free_blocks)
-    return Plan(tuple(tuple(r) for r in rounds), tuple(s for s in step.prefill if s.chunk_start == 0), final_lengths)
+    return Plan(tuple(tuple(r) for r in rounds), tuple(s for s in step.prefill if s.chunk_start == 0), final_lengths,
+                sources)
 
 
 def _blocks_held(sequences: SequenceTable, seq_id: int) -> int:

@@ -68,8 +68,10 @@ class Sequence:
     prompt_finished: bool = False
     num_prompt_tokens: int = 0
     block_table: BlockTable = field(default_factory=BlockTable)
-    # Encoder-decoder models: the source's encoder states (runtime/encoded.py), set by its first forward.
-    encoded: object = None
+    # Encoder-decoder models: the blocks holding the source's cross-attention K/V (every decoder layer), and its
+    # length; written once, by the sequence's first forward.
+    cross_table: BlockTable | None = None
+    source_len: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -44,10 +44,13 @@ def test_logits_match_transformers(models):
     engine, info, reference, _ = models
     assert info.architecture == "M2M100ForConditionalGeneration"
     decoder = [[START, 33, 61, 90, 14], [START, 44], [START, 9, 9, 1, 7]]   # a padding id (1) among them too
-    encoded = engine.model.encode(SOURCES[:3])
-    segments = [Segment(BlockTable([2 * i, 2 * i + 1]), 0, tokens, True, encoded.spans[i])
-                for i, tokens in enumerate(decoder)]      # blocks of 4 tokens
-    batch = build_batch(segments, engine.config.kv_block_size, encoded)
+    size, free = engine.config.kv_block_size, iter(range(engine.blocks.num_blocks))
+    cross = [BlockTable([next(free) for _ in range(-(-len(s) // size))]) for s in SOURCES[:3]]
+    engine.model.encode(build_batch([Segment(t, 0, s, False) for t, s in zip(cross, SOURCES)], size),
+                        engine.kv_cache)
+    segments = [Segment(BlockTable([next(free), next(free)]), 0, tokens, True, (table, len(source)))
+                for tokens, table, source in zip(decoder, cross, SOURCES)]
+    batch = build_batch(segments, size)
     batch.sample_rows = torch.arange(batch.num_tokens)         # every row's logits, not only the last
     ours = engine.forward(batch)
     with torch.no_grad():

@@ -100,6 +100,12 @@ class CpuBackend:
         flat[1, batch.slot_mapping] = v.view(k.shape)
         return q.reshape(q.shape[0], -1)
 
+    def write_kv(self, k, v, batch: "CpuBatch", kv):
+        num_blocks, block_size = kv.shape[1], kv.shape[2]
+        flat = kv.view(2, num_blocks * block_size, *kv.shape[3:])
+        flat[0, batch.slot_mapping] = k.view(k.shape[0], *kv.shape[3:])
+        flat[1, batch.slot_mapping] = v.view(k.shape[0], *kv.shape[3:])
+
     def paged_attention(self, q, kv, batch: "CpuBatch", num_kv_heads, head_dim, scale, sliding_window):
         out = torch.empty_like(q)
         if batch.single_rows.numel():
@@ -117,7 +123,7 @@ class CpuBackend:
             keys = kv[0, table].reshape(-1, num_kv_heads, head_dim)[:context]    # [C, kvh, hd]
             values = kv[1, table].reshape(-1, num_kv_heads, head_dim)[:context]
             queries = q[start:start + n].view(n, num_kv_heads, -1, head_dim)      # [n, kvh, g, hd]
-            out[start:start + n] = _attend(queries, keys, values, scale, sliding_window).reshape(n, -1)
+            out[start:start + n] = _attend(queries, keys, values, scale, sliding_window, batch.causal).reshape(n, -1)
         return out
 
     def silu_mul(self, gate_up):
@@ -167,12 +173,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return rotated.to(x.dtype)
 
 
-def _attend(q, k, v, scale, sliding_window):
-    """q [n, kvh, g, hd] are the last n positions of k/v [C, kvh, hd]; causal, optionally windowed."""
+def _attend(q, k, v, scale, sliding_window, causal=True):
+    """q [n, kvh, g, hd] are the last n positions of k/v [C, kvh, hd]; causal, optionally windowed (or, not causal,
+    every query sees every key)."""
     n, context = q.shape[0], k.shape[0]
     q_pos = torch.arange(context - n, context).unsqueeze(1)   # [n, 1]
     k_pos = torch.arange(context).unsqueeze(0)                # [1, C]
-    allowed = k_pos <= q_pos
+    allowed = k_pos <= q_pos if causal else torch.ones(n, context, dtype=torch.bool)
     if sliding_window is not None:
         allowed &= k_pos > q_pos - sliding_window
     scores = torch.einsum("nkgd,ckd->kgnc", q.float(), k.float()) * scale
@@ -187,6 +194,7 @@ class CpuBatch:
     def __init__(self, batch: ForwardBatch, single: list[int], multi: list[int]):
         self.token_ids, self.positions = batch.token_ids, batch.positions
         self.slot_mapping, self.sample_rows = batch.slot_mapping, batch.sample_rows
+        self.causal = batch.causal
         self.single_rows = torch.tensor([batch.query_starts[i] for i in single], dtype=torch.int64)
         contexts = [batch.context_lens[i] for i in single]
         self.single_context = max(contexts, default=0)

@@ -95,6 +95,10 @@ class Ops(Protocol):
                    ) -> tuple[Tensor, Tensor]:
         """As rms_norm, with LayerNorm (mean and variance, weight and bias): (norm(x + residual), x + residual)."""
 
+    def write_kv(self, k: Tensor, v: Tensor, batch: PreparedBatch, kv: Tensor) -> None:
+        """K and V rows [T, kv_heads * head_dim] into the paged cache at the batch's slots (no rotation): an
+        encoder-decoder's cross-attention K/V."""
+
     def relu(self, x: Tensor) -> Tensor:
         """max(x, 0), elementwise."""
 
@@ -116,7 +120,8 @@ class Ops(Protocol):
 
     def paged_attention(self, q: Tensor, kv: Tensor, batch: PreparedBatch, num_kv_heads: int, head_dim: int, scale: float,
                         sliding_window: int | None) -> Tensor:
-        """Causal attention of each segment's queries over its paged KV -> [T, heads * head_dim]."""
+        """Attention of each segment's queries over its paged KV -> [T, heads * head_dim]: causal, or where the
+        batch is not causal (a cross batch) over all of each segment's context."""
 
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         """[T, 2 * I] -> silu(gate) * up, [T, I]."""

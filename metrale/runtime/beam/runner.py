@@ -62,8 +62,14 @@ class _Request:
     request: BeamRequest
     # Each running beam's block ids (entries of one list may be shared with other beams).
     beams: list[list[int]]
-    # Encoder-decoder models: the request's source in the encoder states.
-    cross: tuple[int, int] | None = None
+    # Encoder-decoder models: the blocks of the request's source's cross-attention K/V (shared by its beams, never
+    # written after the encoder pass), and the source's length.
+    cross_blocks: list[int] | None = None
+    source_len: int = 0
+
+    @property
+    def cross(self) -> tuple[BlockTable, int] | None:
+        return None if self.cross_blocks is None else (BlockTable(self.cross_blocks), self.source_len)
 
 
 @dataclass
@@ -75,14 +81,15 @@ class _Group:
 
 @dataclass(frozen=True)
 class BeamModel:
-    """What a call needs of the model, given by the engine. forward(segments, encoded): float32 logits rows on the
-    host; copy_kv(copies): (src block, dst block, tokens) KV copies; encode(sources): the encoder states, and
-    decoder_start the decoder's first token, for encoder-decoder models (None for decoder-only ones)."""
-    forward: Callable[[list[Segment], object], torch.Tensor]
+    """What a call needs of the model, given by the engine. forward(segments): float32 logits rows on the host;
+    copy_kv(copies): (src block, dst block, tokens) KV copies; encode(segments): the encoder over source segments,
+    writing their cross-attention K/V into the segments' blocks, and decoder_start the decoder's first token, for
+    encoder-decoder models (None for decoder-only ones)."""
+    forward: Callable[[list[Segment]], torch.Tensor]
     copy_kv: Callable[[list], None]
     eos_token_ids: tuple[int, ...]
     fill_token: int
-    encode: Callable[[list[list[int]]], object] | None = None
+    encode: Callable[[list[Segment]], None] | None = None
     decoder_start: int | None = None
 
 
@@ -94,12 +101,13 @@ def decoder_prompt(request: BeamRequest, model: BeamModel) -> list[int]:
     return [*request.prompt_tokens, *request.decoder_prefix]
 
 
-def blocks_needed(prompt_len: int, params, block_size: int) -> int:
-    """The most blocks a request's beams hold at once: the prompt's, then each beam's own from the prompt's last
-    (possibly shared, partly filled) block to its last position."""
+def blocks_needed(request: BeamRequest, prompt_len: int, block_size: int) -> int:
+    """The most blocks a request holds at once: its source's cross blocks, the prompt's, then each beam's own from
+    the prompt's last (possibly shared, partly filled) block to its last position."""
+    params, source = request.params, len(request.src_tokens)
     total = prompt_len + params.max_new_tokens
-    return blocks_for(prompt_len, block_size) + params.num_beams * (blocks_for(total, block_size)
-                                                                    - prompt_len // block_size)
+    return (blocks_for(source, block_size) + blocks_for(prompt_len, block_size)
+            + params.num_beams * (blocks_for(total, block_size) - prompt_len // block_size))
 
 
 class BeamCall:
@@ -112,8 +120,7 @@ class BeamCall:
         self._check_limits(max_source_len)
 
     def run(self, pool: BlockPool, cancelled: Callable[[], bool]) -> list[BeamResult]:
-        encoded = self.model.encode([list(r.src_tokens) for r in self.requests]) if self.model.encode else None
-        groups, logits = self._prefill(pool, encoded)
+        groups, logits = self._prefill(pool, self._encode(pool))
         results: dict[int, BeamResult] = {}
         while groups:
             if cancelled():
@@ -124,7 +131,7 @@ class BeamCall:
                 going = []
                 for i, member in enumerate(group.members):
                     if done[i]:
-                        for blocks in member.beams:
+                        for blocks in member.beams + ([member.cross_blocks] if member.cross_blocks else []):
                             pool.release(blocks)
                         results[member.request.request_id] = BeamResult(member.request.request_id,
                                                                         group.search.hypotheses(i))
@@ -138,7 +145,7 @@ class BeamCall:
                     searching.append(group)
             groups = searching
             if groups:
-                logits = self._decode(groups, encoded)
+                logits = self._decode(groups)
         return [results[r.request_id] for r in self.requests]
 
     def _check_limits(self, max_source_len: int) -> None:
@@ -161,29 +168,38 @@ class BeamCall:
             raise BatchTooLarge(beams, min(limits.max_seqs, limits.max_batch_tokens), "max_seqs")
 
     def blocks_needed(self) -> int:
-        return sum(blocks_needed(len(p), r.params, self.block_size) for r, p in zip(self.requests, self.prompts))
+        return sum(blocks_needed(r, len(p), self.block_size) for r, p in zip(self.requests, self.prompts))
 
-    def _prefill(self, pool: BlockPool, encoded) -> tuple[list[_Group], list[torch.Tensor]]:
+    def _encode(self, pool: BlockPool) -> list[list[int] | None]:
+        """Encoder-decoder models: every source through the encoder at once, its cross-attention K/V into blocks
+        of its own; the blocks of each request (None for decoder-only models)."""
+        if self.model.encode is None:
+            return [None] * len(self.requests)
+        cross = [[pool.take() for _ in range(blocks_for(len(r.src_tokens), self.block_size))] for r in self.requests]
+        self.model.encode([Segment(BlockTable(blocks), 0, r.src_tokens, False)
+                           for r, blocks in zip(self.requests, cross)])
+        return cross
+
+    def _prefill(self, pool: BlockPool, cross: list[list[int] | None]) -> tuple[list[_Group], list[torch.Tensor]]:
         """Every prompt once; each request starts with num_beams beams on the prompt's blocks and its last logits
         row repeated (transformers runs num_beams copies of the prompt: the same rows). Requests are grouped by
         num_beams, in call order."""
         members, rows = [], []
-        pending: list[tuple[list[int], list[int], tuple[int, int] | None]] = []
+        pending: list[tuple[list[int], list[int], _Request]] = []
         budget, m = self.limits.max_batch_tokens, self.model
 
         def flush():
-            segments = [Segment(BlockTable(blocks), 0, prompt, True, cross) for prompt, blocks, cross in pending]
-            rows.extend(m.forward(segments, encoded))
+            rows.extend(m.forward([Segment(BlockTable(blocks), 0, prompt, True, member.cross)
+                                   for prompt, blocks, member in pending]))
             pending.clear()
 
-        for i, (r, prompt) in enumerate(zip(self.requests, self.prompts)):
+        for r, prompt, cross_blocks in zip(self.requests, self.prompts, cross):
             if pending and sum(len(p) for p, _, _ in pending) + len(prompt) > budget:
                 flush()
             blocks = [pool.take() for _ in range(blocks_for(len(prompt), self.block_size))]
-            cross = encoded.spans[i] if encoded is not None else None
-            pending.append((prompt, blocks, cross))
             pool.share(blocks * (r.params.num_beams - 1))
-            members.append(_Request(r, [blocks] * r.params.num_beams, cross))
+            members.append(_Request(r, [blocks] * r.params.num_beams, cross_blocks, len(r.src_tokens)))
+            pending.append((prompt, blocks, members[-1]))
         flush()
         by_beams: dict[int, list[int]] = {}
         for i, r in enumerate(self.requests):
@@ -218,15 +234,16 @@ class BeamCall:
             self.model.copy_kv(copies)
         member.beams = children
 
-    def _decode(self, groups: list[_Group], encoded) -> list[torch.Tensor]:
+    def _decode(self, groups: list[_Group]) -> list[torch.Tensor]:
         """One forward over every running beam; logits [requests, beams, vocab] per group."""
         segments = []
         for group in groups:
             tokens, positions = group.search.last_tokens().tolist(), (group.search.cur_len - 1).tolist()
             for member, row, position in zip(group.members, tokens, positions):
-                segments.extend(Segment(BlockTable(blocks), position, (token,), True, member.cross)
+                cross = member.cross
+                segments.extend(Segment(BlockTable(blocks), position, (token,), True, cross)
                                 for blocks, token in zip(member.beams, row))
-        logits = self.model.forward(segments, encoded)
+        logits = self.model.forward(segments)
         out, start = [], 0
         for group in groups:
             n, k = len(group.members), group.search.num_beams

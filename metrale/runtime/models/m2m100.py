@@ -4,8 +4,8 @@ Both stacks are pre-norm Transformer layers with LayerNorm and biased projection
 final LayerNorm. Token embeddings are shared and scaled by sqrt(d_model) (scale_embedding); positions are
 fairseq's sinusoidal table, offset by the padding id, added to the embeddings. The decoder attends causally to
 its own paged KV (written by the rope-and-write-KV op with an identity rotation: this model has no rotary
-positions) and, without a mask, to the encoder states of its sequence through per-layer cross-attention K/V that
-are computed once per source (`encode`). The LM head is the shared embedding, unscaled.
+positions) and, without a mask, to its source through per-layer cross-attention K/V that `encode` computes once
+per source and writes into the source's own blocks of the same paged pool (a sequence's cross table). The LM head is the shared embedding, unscaled.
 """
 
 import math
@@ -15,7 +15,6 @@ import torch
 
 from metrale.runtime.backend.ops import Ops, RopeTable
 from metrale.runtime.batch import ForwardBatch
-from metrale.runtime.encoded import Encoded
 from metrale.runtime.errors import InvalidArgument
 
 
@@ -95,17 +94,14 @@ class M2M100ForConditionalGeneration:
         self.no_rope = RopeTable(ops.upload_float32(torch.ones(max_model_len, half)),
                                  ops.upload_float32(torch.zeros(max_model_len, half)))
 
-    def encode(self, sources: list[list[int]]) -> Encoded:
-        """The encoder over every source at once, and each decoder layer's cross-attention K/V of its states."""
+    def encode(self, batch: ForwardBatch, kv_cache: list) -> None:
+        """The encoder over every source of the batch (one segment each, from position 0); each decoder layer's
+        cross-attention K/V of its states go into the paged cache at the batch's slots (the sources' cross
+        blocks), where the decoder's cross-attention reads them."""
         ops, c, w = self.ops, self.config, self.weights
-        spans, start = [], 0
-        for tokens in sources:
-            spans.append((start, len(tokens)))
-            start += len(tokens)
-        ids = torch.tensor([t for tokens in sources for t in tokens], dtype=torch.int64)
-        pos = torch.cat([position_ids(torch.tensor(tokens), 0, c.pad_token_id) for tokens in sources])
-        x, residual = ops.embedding(w["embed"], ids), ops.embedding(self.positions, pos)
-        segments = [(s, n, s, n) for s, n in spans]
+        meta = ops.prepare(batch)
+        x, residual = ops.embedding(w["embed"], meta.token_ids), ops.embedding(self.positions, self._positions(batch))
+        segments = [(s, n, s, n) for s, n in zip(batch.query_starts, batch.query_lens)]
         head_dim = c.hidden_size // c.num_encoder_heads
         for layer in w["encoder"]:
             h, residual = ops.layer_norm(x, *layer["self_attn_layer_norm"], c.layer_norm_eps, residual)
@@ -115,30 +111,20 @@ class M2M100ForConditionalGeneration:
             h, residual = ops.layer_norm(h, *layer["final_layer_norm"], c.layer_norm_eps, residual)
             x = ops.linear(ops.relu(ops.linear(h, *layer["fc1"])), *layer["fc2"])
         states, _ = ops.layer_norm(x, *w["encoder_norm"], c.layer_norm_eps, residual)
-        keys, values = [], []
-        for layer in w["decoder"]:
+        for layer, kv in zip(w["decoder"], kv_cache):
             k, v = _split(ops.linear(states, *layer["cross_kv"]), c.hidden_size, parts=2)
-            keys.append(k)
-            values.append(v)
-        return Encoded(spans, keys, values)
+            ops.write_kv(k, v, meta, kv)
 
     def forward(self, batch: ForwardBatch, kv_cache: list) -> torch.Tensor:
-        """The decoder over every token of the batch; logits [N, vocab] of batch.sample_rows. batch.encoder holds
-        the Encoded states and batch.cross_spans each segment's span in them."""
+        """The decoder over every token of the batch; logits [N, vocab] of batch.sample_rows. batch.cross holds
+        the same rows over their sources' cross-attention blocks, written by encode()."""
         ops, c, w = self.ops, self.config, self.weights
-        if batch.encoder is None:
-            raise InvalidArgument("an encoder-decoder forward needs its sources' encoder states")
-        meta = ops.prepare(batch)
-        x = ops.embedding(w["embed"], meta.token_ids)
-        if bool((batch.token_ids == c.pad_token_id).any()):
-            pos = torch.cat([position_ids(batch.token_ids[s:s + n], context - n, c.pad_token_id)
-                             for s, n, context in zip(batch.query_starts, batch.query_lens, batch.context_lens)])
-        else:   # no padding token among them: each counts on from its position
-            pos = batch.positions + 1 + c.pad_token_id
-        residual = ops.embedding(self.positions, pos)
-        cross = [(s, n, *span) for s, n, span in zip(batch.query_starts, batch.query_lens, batch.cross_spans)]
+        if batch.cross is None:
+            raise InvalidArgument("an encoder-decoder forward needs its sources' cross-attention blocks")
+        meta, cross = ops.prepare(batch), ops.prepare(batch.cross)
+        x, residual = ops.embedding(w["embed"], meta.token_ids), ops.embedding(self.positions, self._positions(batch))
         scale = c.head_dim ** -0.5
-        for i, (layer, kv) in enumerate(zip(w["decoder"], kv_cache)):
+        for layer, kv in zip(w["decoder"], kv_cache):
             h, residual = ops.layer_norm(x, *layer["self_attn_layer_norm"], c.layer_norm_eps, residual)
             q, k, v = _split(ops.linear(h, *layer["qkv"]), c.hidden_size)
             q = ops.rope_and_write_kv(q, k, v, self.no_rope, meta, kv, c.head_dim)
@@ -146,7 +132,7 @@ class M2M100ForConditionalGeneration:
             h = ops.linear(o, *layer["out"])
             h, residual = ops.layer_norm(h, *layer["encoder_attn_layer_norm"], c.layer_norm_eps, residual)
             q = ops.linear(h, *layer["cross_q"])
-            o = ops.attend(q, batch.encoder.keys[i], batch.encoder.values[i], cross, c.num_heads, c.head_dim, scale)
+            o = ops.paged_attention(q, kv, cross, c.num_heads, c.head_dim, scale, None)
             h = ops.linear(o, *layer["cross_out"])
             h, residual = ops.layer_norm(h, *layer["final_layer_norm"], c.layer_norm_eps, residual)
             x = ops.linear(ops.relu(ops.linear(h, *layer["fc1"])), *layer["fc2"])
@@ -154,6 +140,14 @@ class M2M100ForConditionalGeneration:
         x, _ = ops.layer_norm(ops.gather_rows(x, rows), *w["decoder_norm"], c.layer_norm_eps,
                               ops.gather_rows(residual, rows))
         return ops.logits(x, w["lm_head"])
+
+    def _positions(self, batch: ForwardBatch) -> torch.Tensor:
+        """Rows of the sinusoidal table for the batch's tokens (transformers' padding-aware position ids)."""
+        pad = self.config.pad_token_id
+        if bool((batch.token_ids == pad).any()):
+            return torch.cat([position_ids(batch.token_ids[s:s + n], context - n, pad)
+                              for s, n, context in zip(batch.query_starts, batch.query_lens, batch.context_lens)])
+        return batch.positions + 1 + pad     # no padding token among them: each counts on from its position
 
 
 def _split(x, hidden: int, parts: int = 3):
