@@ -14,7 +14,7 @@ from metrale.runtime.batch import Segment, build_batch
 from metrale.runtime.beam.params import BeamParams, BeamRequest
 from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
-from metrale.runtime.errors import FailedPrecondition, InvalidArgument, OutOfRange
+from metrale.runtime.errors import FailedPrecondition, InvalidArgument, OutOfKvBlocks, OutOfRange
 from metrale.runtime.loading import load_checkpoint
 from metrale.runtime.sequence import BlockTable
 from metrale.runtime.sampling import OutputOptions
@@ -133,3 +133,21 @@ def test_a_pytorch_model_bin_loads_as_the_safetensors_do(tmp_path):
     torch.save({"model.shared.weight": print}, binary / "pytorch_model.bin")
     with pytest.raises(InvalidArgument, match="weights_only"):
         load_checkpoint(binary)
+
+
+def test_sources_short_of_blocks_change_nothing(models):
+    """A source takes blocks for its cross-attention K/V: slices whose sources need more than the pool has are
+    refused whole, and a live sequence decodes on as before."""
+    engine, _, _, _ = models
+    live = engine.step(Step(prefill=(PrefillSlice(1, tuple(SOURCES[0])),))).outputs[0].token
+    free = engine.blocks.num_free
+    too_many = tuple(PrefillSlice(10 + i, (5,) * 128) for i in range(free // 32 + 1))   # 32 blocks of 4 each
+    with pytest.raises(OutOfKvBlocks):
+        engine.step(Step(prefill=too_many))
+    assert engine.blocks.num_free == free and set(engine.sequences.ids()) == {1}
+    after = engine.step(Step(decode=(DecodeLane(1, live),))).outputs[0].token
+    engine.release([1])
+    engine.step(Step(prefill=(PrefillSlice(2, tuple(SOURCES[0])),)))
+    assert engine.step(Step(decode=(DecodeLane(2, live),))).outputs[0].token == after
+    engine.release([2])
+    assert engine.blocks.num_free == engine.blocks.num_blocks

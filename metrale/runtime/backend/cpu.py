@@ -72,18 +72,6 @@ class CpuBackend:
     def relu(self, x):
         return F.relu(x)
 
-    def attend(self, q, k, v, segments, num_kv_heads, head_dim, scale):
-        out = torch.empty_like(q)
-        for q_start, q_len, kv_start, kv_len in _merge_adjacent(segments):
-            queries = q[q_start:q_start + q_len].view(q_len, num_kv_heads, -1, head_dim)
-            keys = k[kv_start:kv_start + kv_len].view(kv_len, num_kv_heads, head_dim)
-            values = v[kv_start:kv_start + kv_len].view(kv_len, num_kv_heads, head_dim)
-            scores = torch.einsum("nkgd,ckd->kgnc", queries.float(), keys.float()) * scale
-            probs = torch.softmax(scores, dim=-1)
-            attended = torch.einsum("kgnc,ckd->nkgd", probs, values.float()).to(q.dtype)
-            out[q_start:q_start + q_len] = attended.reshape(q_len, -1)
-        return out
-
     def head_rms_norm(self, x, weight, eps, head_dim):
         return _rms(x.view(x.shape[0], -1, head_dim), weight, eps).view(x.shape)
 
@@ -153,17 +141,6 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
-
-
-def _merge_adjacent(segments):
-    """Consecutive query runs over the same K/V rows (a request's beams over its source) as one run."""
-    merged = []
-    for segment in segments:
-        if merged and merged[-1][2:] == segment[2:] and merged[-1][0] + merged[-1][1] == segment[0]:
-            merged[-1] = (merged[-1][0], merged[-1][1] + segment[1], *segment[2:])
-        else:
-            merged.append(tuple(segment))
-    return merged
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -102,11 +102,6 @@ class Ops(Protocol):
     def relu(self, x: Tensor) -> Tensor:
         """max(x, 0), elementwise."""
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, segments: list[tuple[int, int, int, int]], num_kv_heads: int,
-               head_dim: int, scale: float) -> Tensor:
-        """Attention without a mask over dense K/V (an encoder's self-attention, a decoder's cross-attention): for
-        each (q_start, q_len, kv_start, kv_len), rows q_start.. of q attend to rows kv_start.. of k and v."""
-
     def head_rms_norm(self, x: Tensor, weight: Tensor, eps: float, head_dim: int) -> Tensor:
         """RMSNorm over each head_dim slice of x [T, heads * head_dim] (Qwen3 q/k norm)."""
 

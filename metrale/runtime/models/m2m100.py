@@ -95,18 +95,22 @@ class M2M100ForConditionalGeneration:
                                  ops.upload_float32(torch.zeros(max_model_len, half)))
 
     def encode(self, batch: ForwardBatch, kv_cache: list) -> None:
-        """The encoder over every source of the batch (one segment each, from position 0); each decoder layer's
-        cross-attention K/V of its states go into the paged cache at the batch's slots (the sources' cross
-        blocks), where the decoder's cross-attention reads them."""
+        """The encoder over every source of the batch (one segment each, from position 0, over the source's cross
+        blocks); each decoder layer's cross-attention K/V of its states go into those blocks, where the decoder's
+        cross-attention reads them. Until then the blocks serve the encoder: layer i keeps its self-attention K/V
+        in them (in decoder layer i's cache, modulo the decoder's depth) and attends over them without the
+        causal limit, so the encoder needs no attention op of its own and no memory beyond the blocks."""
         ops, c, w = self.ops, self.config, self.weights
+        batch.causal = False
         meta = ops.prepare(batch)
         x, residual = ops.embedding(w["embed"], meta.token_ids), ops.embedding(self.positions, self._positions(batch))
-        segments = [(s, n, s, n) for s, n in zip(batch.query_starts, batch.query_lens)]
         head_dim = c.hidden_size // c.num_encoder_heads
-        for layer in w["encoder"]:
+        for i, layer in enumerate(w["encoder"]):
             h, residual = ops.layer_norm(x, *layer["self_attn_layer_norm"], c.layer_norm_eps, residual)
             q, k, v = _split(ops.linear(h, *layer["qkv"]), c.hidden_size)
-            o = ops.attend(q, k, v, segments, c.num_encoder_heads, head_dim, head_dim ** -0.5)
+            scratch = kv_cache[i % len(kv_cache)]
+            ops.write_kv(k, v, meta, scratch)
+            o = ops.paged_attention(q, scratch, meta, c.num_encoder_heads, head_dim, head_dim ** -0.5, None)
             h = ops.linear(o, *layer["out"])
             h, residual = ops.layer_norm(h, *layer["final_layer_norm"], c.layer_norm_eps, residual)
             x = ops.linear(ops.relu(ops.linear(h, *layer["fc1"])), *layer["fc2"])
