@@ -6,7 +6,8 @@
 #   smollm2  bench/gpu_decode.py at the default model's shape, with the peer, gRPC and transformers (~2 min)
 #   llama    bench/gpu_decode.py at the Llama-3-8B shape, every batch, prefill, peer and gRPC (~4 min)
 #   profile  bench/gpu_profile.py at both shapes, batches 1 and 256: where a step's time goes (~2 min)
-# Usage (from the repository root, with .whl carried): bash bench/gpu_check.sh [tests|kernels|smollm2|llama|profile]...
+#   beam     bench/beam_generate.py at the NLLB-200-600M shape, batches 1, 16 and 64, next to transformers
+# Usage (from the repository root, with .whl carried): bash bench/gpu_check.sh [tests|kernels|smollm2|llama|profile|beam]...
 # (default: tests). Logs and JSON land in $OUT (default /tmp/gpu-check).
 set -uo pipefail
 source scripts/device_env.sh || exit 1
@@ -40,6 +41,10 @@ for part in "${@:-tests}"; do
       run_bench smollm2 bench.gpu_decode --shape smollm2-135m --batches 1,32 --prefill '' --hf-generate ;;
     llama)
       run_bench llama3-8b bench.gpu_decode --shape llama3-8b ;;
+    beam)
+      python3 -m bench.beam_generate --shape nllb-600m --device cuda --batches 1,16,64 --json "$OUT/beam.json" \
+        > "$OUT/beam.txt" 2> "$OUT/beam.err" || summary+=("beam: FAILED (see beam.err)")
+      summary+=("== beam" "$(grep -v '^# \[' "$OUT/beam.txt")") ;;
     profile)
       for shape in smollm2-135m llama3-8b; do
         python3 -m bench.gpu_profile --shape "$shape" --batches 1,256 --steps 20 > "$OUT/profile-$shape.txt" 2>&1
