@@ -53,6 +53,8 @@ class Engine:
         # Guessed next decode steps (run_ahead.py) by seq_id; each sequence is in at most one.
         self.runs_ahead = config.run_ahead == "on" or (config.run_ahead == "auto" and model.ops.device == "cuda")
         self._ahead: dict[int, Ahead] = {}
+        # Requests waiting for blocks that guesses hold: no new guess is made meanwhile.
+        self._blocks_wanted = 0
         self.ahead_counts = RunAheadCounts()
 
     def step(self, step: Step, cancelled: Callable[[], bool] = lambda: False, run_ahead: bool = False
@@ -84,19 +86,38 @@ class Engine:
         return StepOutput(outputs, int((time.perf_counter() - started) * 1e6))
 
     def _plan(self, step: Step) -> tuple[Plan, dict]:
-        """Plans the step and takes its blocks; short of blocks while guesses hold some, undoes them and retries."""
+        """Plans the step and takes its blocks."""
+        def take():
+            plan = plan_step(step, self.sequences, self.blocks.num_free, self.limits)
+            return plan, self._reserve(plan)
+
+        return self._taking_blocks(take)
+
+    def _taking_blocks(self, take: Callable[[], object]):
+        """take() under the state lock. Where it is short of blocks while guesses hold some, no new guess is made
+        until it is done, and the held ones are undone, until take() succeeds or no guess holds a block: blocks
+        held by guesses are free for any request, as Info says."""
         with self._lock:
             try:
-                plan = plan_step(step, self.sequences, self.blocks.num_free, self.limits)
-                return plan, self._reserve(plan)
+                return take()
             except OutOfKvBlocks:
                 if not self._ahead:
                     raise
-                guessed = list(self._ahead)
-        self._settle_ahead(guessed)
-        with self._lock:
-            plan = plan_step(step, self.sequences, self.blocks.num_free, self.limits)
-            return plan, self._reserve(plan)
+                self._blocks_wanted += 1
+        try:
+            while True:
+                with self._lock:
+                    guessed = list(self._ahead)
+                self._settle_ahead(guessed)
+                with self._lock:
+                    try:
+                        return take()
+                    except OutOfKvBlocks:
+                        if not self._ahead:
+                            raise
+        finally:
+            with self._lock:
+                self._blocks_wanted -= 1
 
     def stats(self) -> EngineStats:
         """Blocks held by guessed steps count as free: any request may have them."""
@@ -154,15 +175,7 @@ class Engine:
                 self.blocks.free(pool.ids)
 
     def _reserve_beam_blocks(self, needed: int) -> BlockPool:
-        """Short of blocks while guessed steps hold some, undoes them and tries again."""
-        for attempt in (0, 1):
-            with self._lock:
-                if needed <= self.blocks.num_free:
-                    return BlockPool(self.blocks.allocate(needed))
-                guessed = list(self._ahead)
-                if attempt or not guessed:
-                    raise OutOfKvBlocks(needed, self.blocks.num_free)
-            self._settle_ahead(guessed)
+        return self._taking_blocks(lambda: BlockPool(self.blocks.allocate(needed)))
 
     def _beam_encode(self, segments: list[Segment]) -> None:
         with self._forward_lock:
@@ -228,7 +241,7 @@ class Engine:
         sampled = {out.seq_id: out.token for out in output.outputs}
         guess = Step(decode=tuple(DecodeLane(lane.seq_id, sampled[lane.seq_id]) for lane in step.decode))
         with self._lock:
-            if any(self.sequences.get(i).output.return_logits for i in sampled):
+            if self._blocks_wanted or any(self.sequences.get(i).output.return_logits for i in sampled):
                 return None
             try:
                 plan = plan_step(guess, self.sequences, self.blocks.num_free, self.limits)

@@ -127,7 +127,7 @@ def _check_prefill(step: Step, sequences: SequenceTable, limits: Limits) -> None
         if seq is not None and s.chunk_start != seq.num_tokens:
             raise InvalidArgument(f"seq_id {s.seq_id}: chunk_start={s.chunk_start} but the sequence holds "
                                   f"{seq.num_tokens} tokens; the next chunk must start there")
-        if s.chunk_start + len(s.tokens) > limits.max_model_len:
+        if limits.decoder_start is None and s.chunk_start + len(s.tokens) > limits.max_model_len:
             raise OutOfRange(f"seq_id {s.seq_id}: {s.chunk_start + len(s.tokens)} tokens pass "
                              f"max_model_len={limits.max_model_len}")
 

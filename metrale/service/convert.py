@@ -1,5 +1,7 @@
 """Protobuf messages to runtime objects and back."""
 
+import numpy as np
+
 from metrale.runtime.beam.params import BeamParams, BeamRequest
 from metrale.runtime.beam.runner import BeamResult
 from metrale.runtime.sampling import OutputOptions, SamplingParams
@@ -69,7 +71,7 @@ def beam_requests_from_pb(m: pb.BeamGenerateRequest) -> list[BeamRequest]:
         request_id=r.request_id, prompt_tokens=tuple(r.prompt_tokens), src_tokens=tuple(r.src_tokens),
         decoder_prefix=tuple(r.decoder_prefix),
         params=BeamParams(num_beams=r.num_beams, max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens,
-                          length_penalty=r.length_penalty if r.HasField("length_penalty") else 1.0,
+                          length_penalty=_decimal(r.length_penalty) if r.HasField("length_penalty") else 1.0,
                           early_stopping=EARLY_STOPPING.get(r.early_stopping, None),
                           no_repeat_ngram_size=r.no_repeat_ngram_size,
                           num_return_sequences=r.num_return_sequences or 1)) for r in m.requests]
@@ -80,3 +82,9 @@ def beam_response(results: list[BeamResult]) -> pb.BeamGenerateResponse:
         pb.BeamResult(request_id=r.request_id, hypotheses=[pb.BeamHypothesis(tokens=tokens, score=score)
                                                            for tokens, score in r.hypotheses])
         for r in results])
+
+
+def _decimal(value: float) -> float:
+    """A float field's value as the decimal the client wrote: 0.6 travels as the float32 0.6000000238..., and the
+    search divides by length ** length_penalty in double, as transformers does with the Python float 0.6."""
+    return float(str(np.float32(value)))

@@ -34,7 +34,8 @@ async def generate_tokens(request: pb.GenerateRequest, seq_id: int, servicer):
     step = Step(prefill=(first,))
     step.check(servicer.info.vocab_size)
     stream = request.stream
-    room = servicer.info.max_model_len - len(first.tokens)
+    # The tokens the sequence may still take: an encoder-decoder's decoder holds its start token, not the source.
+    room = servicer.info.max_model_len - (1 if servicer.engine.is_encoder_decoder else len(first.tokens))
     generated, emitted = [], ""
     try:
         for index in range(request.max_new_tokens):

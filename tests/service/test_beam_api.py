@@ -155,3 +155,20 @@ def test_an_encoder_decoder_tokenizes_with_its_tokenizer_json(translator):
     assert source[0] == reference.convert_tokens_to_ids("eng_Latn") and source[-1] == 2
     text = worker.stub.Detokenize(pb.DetokenizeRequest(tokens=source, skip_special_tokens=True)).text
     assert text == reference.decode(list(source), skip_special_tokens=True) == "hello world"
+
+
+def test_length_penalty_arrives_as_the_client_wrote_it():
+    """A proto float carries 0.6 as 0.6000000238...; the search must see the 0.6 transformers divides by."""
+    from metrale.service.convert import beam_requests_from_pb
+
+    requests = beam_requests_from_pb(pb.BeamGenerateRequest(requests=[beam(length_penalty=0.6), beam(request_id=2)]))
+    assert [r.params.length_penalty for r in requests] == [0.6, 1.0]
+
+
+def test_generate_on_an_encoder_decoder_counts_decoder_tokens(translator):
+    """max_model_len bounds the decoder's tokens, not the source's: a 60-token source still gets 10 new tokens
+    under max_model_len 64 (found in review: Generate counted the source)."""
+    worker, _ = translator
+    request = pb.GenerateRequest(prompt_tokens=[5] * 59 + [2], max_new_tokens=10, ignore_eos=True)
+    messages = list(worker.stub.Generate(request))
+    assert len(messages) == 10 and messages[-1].finish_reason == "length"

@@ -50,6 +50,10 @@ class M2M100Config:
 def config_from_hf(hf: dict) -> M2M100Config:
     if hf.get("activation_function", "relu") != "relu":
         raise InvalidArgument(f"activation_function {hf['activation_function']!r} is not supported (relu is)")
+    if hf["encoder_attention_heads"] != hf["decoder_attention_heads"]:
+        # The encoder keeps its K/V in the decoder's cache blocks as scratch (encode), in the decoder's layout.
+        raise InvalidArgument(f"encoder_attention_heads={hf['encoder_attention_heads']} differs from "
+                              f"decoder_attention_heads={hf['decoder_attention_heads']}: not supported")
     eos = hf.get("eos_token_id")
     eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
     return M2M100Config(
