@@ -97,27 +97,22 @@ class Engine:
         """take() under the state lock. Where it is short of blocks while guesses hold some, no new guess is made
         until it is done, and the held ones are undone, until take() succeeds or no guess holds a block: blocks
         held by guesses are free for any request, as Info says."""
-        with self._lock:
-            try:
-                return take()
-            except OutOfKvBlocks:
-                if not self._ahead:
-                    raise
-                self._blocks_wanted += 1
+        waiting = False
         try:
             while True:
-                with self._lock:
-                    guessed = list(self._ahead)
-                self._settle_ahead(guessed)
                 with self._lock:
                     try:
                         return take()
                     except OutOfKvBlocks:
                         if not self._ahead:
                             raise
+                        self._blocks_wanted += not waiting
+                        waiting, guessed = True, list(self._ahead)
+                self._settle_ahead(guessed)
         finally:
-            with self._lock:
-                self._blocks_wanted -= 1
+            if waiting:
+                with self._lock:
+                    self._blocks_wanted -= 1
 
     def stats(self) -> EngineStats:
         """Blocks held by guessed steps count as free: any request may have them."""
