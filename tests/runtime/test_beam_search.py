@@ -12,7 +12,7 @@ import torch
 from metrale.runtime.beam.params import BeamParams, BeamRequest
 from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
-from metrale.runtime.errors import OutOfKvBlocks
+from metrale.runtime.errors import Cancelled, OutOfKvBlocks
 from metrale.runtime.loading import load_checkpoint
 from beam_reference import FILL, assert_same, reference_hypotheses
 from tiny_models import load_reference, write_tiny
@@ -75,4 +75,16 @@ def test_too_few_free_blocks_refuses_the_call_and_changes_nothing(models):
     huge = BeamRequest(1, prompt_tokens=tuple(PROMPTS[3]), params=BeamParams(num_beams=32, max_new_tokens=400))
     with pytest.raises(OutOfKvBlocks):
         engine.beam_generate([huge], eos, FILL)
+    assert engine.blocks.num_free == free
+
+
+def test_a_call_cancelled_mid_search_gives_every_block_back(models):
+    engine, _, eos = models
+    free = engine.blocks.num_free
+    checks = iter(range(100))
+    requests = [BeamRequest(i, prompt_tokens=tuple(p), params=BeamParams(num_beams=4, max_new_tokens=30,
+                                                                         min_new_tokens=30))
+                for i, p in enumerate(PROMPTS)]
+    with pytest.raises(Cancelled):
+        engine.beam_generate(requests, eos, FILL, cancelled=lambda: next(checks) == 5)   # before the 6th step
     assert engine.blocks.num_free == free

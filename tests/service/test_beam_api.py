@@ -1,6 +1,9 @@
 """BeamGenerate through gRPC: transformers' hypotheses for a batch of requests, unset fields taking transformers'
 defaults, and each bad input refused with its status code while the pool and a live sequence stay as they were."""
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import grpc
 import pytest
 import tokenizers
@@ -172,3 +175,41 @@ def test_generate_on_an_encoder_decoder_counts_decoder_tokens(translator):
     request = pb.GenerateRequest(prompt_tokens=[5] * 59 + [2], max_new_tokens=10, ignore_eos=True)
     messages = list(worker.stub.Generate(request))
     assert len(messages) == 10 and messages[-1].finish_reason == "length"
+
+
+def test_a_cancelled_call_gives_every_block_back(llama):
+    stub = llama
+    free = stub.Info(pb.InfoRequest()).free_kv_blocks
+    long_call = pb.BeamGenerateRequest(requests=[beam(request_id=i, num_beams=4, max_new_tokens=90,
+                                                      min_new_tokens=90) for i in range(2)])
+    started = time.monotonic()
+    stub.BeamGenerate(long_call)
+    whole = time.monotonic() - started
+    with pytest.raises(grpc.RpcError) as error:      # cancelled half way, by its deadline
+        stub.BeamGenerate(long_call, timeout=whole / 2)
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 30
+    while stub.Info(pb.InfoRequest()).free_kv_blocks != free and time.monotonic() < deadline:
+        time.sleep(0.05)     # the lane notices the cancel at its next step
+    assert stub.Info(pb.InfoRequest()).free_kv_blocks == free
+
+
+def test_beam_search_beside_decoding_on_another_stream(llama, tiny_llama_dir):
+    """A BeamGenerate call on stream 1 while a client decodes on stream 0: both get what they get alone."""
+    stub = llama
+    call = pb.BeamGenerateRequest(requests=[beam(request_id=i, prompt_tokens=[5 + i, 6, 7], num_beams=3,
+                                                 max_new_tokens=12) for i in range(3)], stream=1)
+
+    def decode_alone(seq_id):
+        r = stub.Prefill(pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=seq_id, tokens=[9, 8, 7],
+                                                                    is_last_chunk=True)]))
+        tokens = [r.tokens[0]]
+        for _ in range(12):
+            tokens.append(stub.Decode(pb.DecodeRequest(seq_ids=[seq_id], tokens=[tokens[-1]])).tokens[0])
+        return tokens
+
+    beams_alone, decoded_alone = stub.BeamGenerate(call), decode_alone(20)
+    with ThreadPoolExecutor(2) as pool:
+        beams = pool.submit(stub.BeamGenerate, call)
+        decoded = pool.submit(decode_alone, 21)
+        assert beams.result() == beams_alone and decoded.result() == decoded_alone
