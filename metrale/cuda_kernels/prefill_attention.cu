@@ -7,7 +7,8 @@ namespace {
 // grid (ceil(max_query_len / PREFILL_ROWS), num_heads, num_segments), THREADS threads. CTA (tile, head, s)
 // attends query rows [tile * 64, tile * 64 + 64) of segment s (warp w: rows 16w .. 16w + 15) for one head,
 // over keys from the window start of its first row to its last row's position. Tiles run last first, so
-// the longest CTAs of a causal segment start earliest.
+// the longest CTAs of a causal segment start earliest. Not causal (an encoder's self-attention, a decoder's
+// cross-attention over its source's blocks): every row sees every key of the segment's context.
 template <int HEAD_DIM>
 __device__ __forceinline__ void paged_prefill_attention(bf16* out, long long out_stride, const bf16* q,
                                                         long long q_stride, const bf16* kv_cache,
@@ -15,7 +16,7 @@ __device__ __forceinline__ void paged_prefill_attention(bf16* out, long long out
                                                         const int* query_lens, const int* context_lens,
                                                         const int* block_tables, int max_blocks, int num_kv_heads,
                                                         int group_size, int block_shift, float scale_log2,
-                                                        int sliding_window) {
+                                                        int sliding_window, int causal) {
     using T = Tile<HEAD_DIM>;
     __shared__ __align__(16) unsigned char shared[T::KV_BYTES];
     bf16* k_tile = reinterpret_cast<bf16*>(shared);
@@ -26,8 +27,10 @@ __device__ __forceinline__ void paged_prefill_attention(bf16* out, long long out
     const int row0 = query_tile * PREFILL_ROWS;
     if (row0 >= query_len) return;
     const int rows = min(PREFILL_ROWS, query_len - row0);
-    const int first_position = context_lens[segment] - query_len + row0;
-    const int last_position = first_position + rows - 1;
+    // The last key the CTA's first and last rows see (not causal: the context's last, for every row).
+    const int context = context_lens[segment];
+    const int first_position = causal ? context - query_len + row0 : context - 1;
+    const int last_position = causal ? first_position + rows - 1 : context - 1;
     const int lo = sliding_window > 0 ? max(0, first_position - sliding_window + 1) : 0;
     const int hi = last_position + 1;
 
@@ -43,7 +46,8 @@ __device__ __forceinline__ void paged_prefill_attention(bf16* out, long long out
     // positions of this lane's rows; padding rows past the segment take the last row's
     int position[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) position[r] = min(first_position + 16 * warp + (lane >> 2) + 8 * r, last_position);
+    for (int r = 0; r < 2; ++r)
+        position[r] = causal ? min(first_position + 16 * warp + (lane >> 2) + 8 * r, last_position) : last_position;
 
     unsigned query[HEAD_DIM / 16][4];
     WarpAttention<HEAD_DIM> attention;
@@ -98,11 +102,11 @@ __device__ __forceinline__ void paged_prefill_attention(bf16* out, long long out
         bf16* out, long long out_stride, const bf16* q, long long q_stride, const bf16* kv_cache,                   \
         long long plane_elems, const int* query_starts, const int* query_lens, const int* context_lens,            \
         const int* block_tables, int max_blocks, int num_kv_heads, int group_size, int block_shift,               \
-        float scale_log2, int sliding_window) {                                                                     \
+        float scale_log2, int sliding_window, int causal) {                                                         \
         wait_for_previous_kernel();                                                                                  \
         paged_prefill_attention<HEAD_DIM>(out, out_stride, q, q_stride, kv_cache, plane_elems, query_starts,        \
                                           query_lens, context_lens, block_tables, max_blocks, num_kv_heads,         \
-                                          group_size, block_shift, scale_log2, sliding_window);                     \
+                                          group_size, block_shift, scale_log2, sliding_window, causal);             \
     }
 
 PREFILL_KERNEL(32)

@@ -158,11 +158,13 @@ def test_decode_peaked_scores(kernel_library, stream):
     run_decode(kernel_library, stream, [1, 77, 3000], 32, 4, 128, 16, -1, sharpness=6.0)
 
 
-def run_prefill(lib, stream, segments, num_heads, num_kv_heads, head_dim, block_size, sliding_window, sharpness=1.0):
-    """segments: (query_len, context_len) each; segments sit in T in order with one unowned row between them."""
+def run_prefill(lib, stream, segments, num_heads, num_kv_heads, head_dim, block_size, sliding_window, sharpness=1.0,
+                causal=True):
+    """segments: (query_len, context_len) each; segments sit in T in order with one unowned row between them.
+    causal=False: every query sees all of its segment's context (then query_len may pass context_len)."""
     query_lens = [n for n, _ in segments]
     contexts = [c for _, c in segments]
-    first_read = [window_start(c - n, sliding_window) for n, c in segments]
+    first_read = [window_start(c - n, sliding_window) if causal else 0 for n, c in segments]
     kv, tables, sequences = paged_cache(contexts, first_read, block_size, num_kv_heads, head_dim, DEVICE)
     starts, row = [], 1
     for n in query_lens:
@@ -180,13 +182,14 @@ def run_prefill(lib, stream, segments, num_heads, num_kv_heads, head_dim, block_
                             DeviceTensor.from_torch(kv), DeviceTensor.from_torch(starts_device),
                             DeviceTensor.from_torch(lens_device), DeviceTensor.from_torch(contexts_device),
                             DeviceTensor.from_torch(tables), num_heads, num_kv_heads, head_dim, scale, sliding_window,
-                            len(segments), max(query_lens))
+                            len(segments), max(query_lens), causal)
     stream.sync()
     ours, reference = [], []
     untouched = torch.ones(num_rows, dtype=torch.bool, device=DEVICE)
     for s, (n, context) in enumerate(segments):
         rows = slice(starts[s], starts[s] + n)
-        positions = torch.arange(context - n, context, device=DEVICE)
+        positions = (torch.arange(context - n, context, device=DEVICE) if causal
+                     else torch.full((n,), context - 1, device=DEVICE))
         reference.append(reference_attention(q[rows].view(n, num_heads, head_dim), sequences[s], positions, scale,
                                              sliding_window))
         ours.append(out[rows].view(n, num_heads, head_dim))
@@ -224,6 +227,15 @@ def test_prefill(kernel_library, stream, segments, num_heads, num_kv_heads, head
 def test_prefill_block_sizes_and_windows(kernel_library, stream, head_dim, block_size, sliding_window):
     run_prefill(kernel_library, stream, [(300, 300), (17, 500), (128, 193)], 8, 2, head_dim, block_size,
                 sliding_window)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_not_causal(kernel_library, stream, head_dim):
+    # An encoder's self-attention and a decoder's cross-attention over its source: rows see the whole context,
+    # and a segment may have more rows than keys (a decoder prompt over a short source).
+    run_prefill(kernel_library, stream, [(1, 37), (5, 3), (70, 200), (64, 64), (130, 129)], 16, 16, head_dim, 16, -1,
+                causal=False)
 
 
 @pytest.mark.gpu

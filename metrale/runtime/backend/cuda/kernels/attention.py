@@ -147,11 +147,12 @@ def paged_decode_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_c
 def paged_prefill_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_cache: DeviceTensor,
                             query_starts: DeviceTensor, query_lens: DeviceTensor, context_lens: DeviceTensor,
                             block_tables: DeviceTensor, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                            sliding_window: int, num_segments: int, max_query_len: int) -> None:
+                            sliding_window: int, num_segments: int, max_query_len: int, causal: bool = True) -> None:
     """Causal attention of each segment's queries over its paged KV: segment s owns rows
     query_starts[s] .. + query_lens[s] of q and out, the queries at the last query_lens[s] positions of its
     context_lens[s] keys (earlier chunks and the new tokens, all already in kv_cache), read through
-    block_tables[s]; sliding_window -1 for none.
+    block_tables[s]; sliding_window -1 for none. causal=False: every query sees all context_lens[s] keys (an
+    encoder's self-attention, a decoder's cross-attention), with no sliding window and any query_lens[s].
 
     out, q [T, num_heads * head_dim] bf16 (q may be a column slice; rows outside the segments are not
     touched); kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] bf16; query_starts, query_lens,
@@ -168,6 +169,7 @@ def paged_prefill_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_
     require(num_segments <= MAX_GRID_YZ and num_heads <= MAX_GRID_YZ,
             f"paged_prefill_attention: at most {MAX_GRID_YZ} segments and heads")
     require(max_query_len >= 0, "paged_prefill_attention: max_query_len must be >= 0")
+    require(causal or sliding_window == -1, "paged_prefill_attention: a sliding window needs causal attention")
     if num_segments == 0 or max_query_len == 0:
         return
     block_size = kv_cache.shape[2]
@@ -175,7 +177,8 @@ def paged_prefill_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_
     launch_kernel(stream, kernel, (ceil_div(max_query_len, PREFILL_ROWS), num_heads, num_segments), THREADS, out,
                   np.int64(out.stride), q, np.int64(q.stride), kv_cache, np.int64(kv_cache.numel // 2), query_starts,
                   query_lens, context_lens, block_tables, block_tables.shape[1], num_kv_heads,
-                  num_heads // num_kv_heads, block_size.bit_length() - 1, np.float32(scale * LOG2_E), sliding_window)
+                  num_heads // num_kv_heads, block_size.bit_length() - 1, np.float32(scale * LOG2_E), sliding_window,
+                  int(causal))
 
 
 def _check_common(name: str, out: DeviceTensor, q: DeviceTensor, kv_cache: DeviceTensor, block_tables: DeviceTensor,
