@@ -1,4 +1,5 @@
-// Rotary embedding of q and k (rotate-half layout) fused with the write of k and v into the paged KV cache.
+// Rotary embedding of q and k (rotate-half layout) fused with the write of k and v into the paged KV cache; the
+// write alone (an encoder-decoder's cross-attention K/V); and copies of block prefixes (beam search).
 //
 // qkv [T, (num_heads + 2 * num_kv_heads) * head_dim] bf16, row stride in elements: per token, q heads, then k
 //   heads, then v heads, each head_dim contiguous. After the call q and k in qkv are rotated, v is unchanged.
@@ -58,4 +59,39 @@ extern "C" __global__ void rope_and_write_kv(bf16* qkv, long long qkv_stride, co
     bf16* dst = kv_cache + (plane * num_slots + slot) * slot_elements + (long long)kv_head * head_dim;
     *reinterpret_cast<uint2*>(dst + 4 * group) = a;
     *reinterpret_cast<uint2*>(dst + half + 4 * group) = b;
+}
+
+// k, v [T, num_kv_heads * head_dim] bf16 (row strides in elements, multiples of 8) into kv_cache at slot_mapping,
+// as rope_and_write_kv writes them, without rotation. grid (T, ceil(units / blockDim.x)), units = 2 * width / 8:
+// one 16-byte unit of k or of v per thread.
+extern "C" __global__ void write_kv(const bf16* k, long long k_stride, const bf16* v, long long v_stride,
+                                    const int* slot_mapping, bf16* kv_cache, long long num_slots, int width) {
+    wait_for_previous_kernel();
+    const long long token = blockIdx.x;
+    const int units = width >> 3;
+    const int item = blockIdx.y * blockDim.x + threadIdx.x;
+    if (item >= 2 * units) return;
+    const int slot = slot_mapping[token];
+    if (slot < 0) return;
+    const int plane = item >= units, unit = item - plane * units;
+    const bf16* row = plane ? v + token * v_stride : k + token * k_stride;
+    bf16* dst = kv_cache + (plane * num_slots + slot) * (long long)width;
+    reinterpret_cast<uint4*>(dst)[unit] = reinterpret_cast<const uint4*>(row)[unit];
+}
+
+// For each copy (src block, dst block, n) of copies [num_copies, 3] int32 and each layer: the first n slots of
+// block src, k and v planes, into block dst. Layer l's cache starts layer_stride elements after layer l - 1's;
+// each is [2, num_blocks, block_size, num_kv_heads, head_dim]. grid (num_copies, num_layers, 2): one (copy,
+// layer, plane) per CTA, 16-byte units; slot_elements % 8 == 0.
+extern "C" __global__ void copy_kv_prefixes(bf16* kv_cache, long long layer_stride, long long plane_elements,
+                                            int block_size, int slot_elements, const int* copies) {
+    wait_for_previous_kernel();
+    const int* copy = copies + 3 * blockIdx.x;
+    const int src = copy[0], dst = copy[1], n = copy[2];
+    const long long base = blockIdx.y * layer_stride + blockIdx.z * plane_elements;
+    const long long block_elements = (long long)block_size * slot_elements;
+    const uint4* from = reinterpret_cast<const uint4*>(kv_cache + base + src * block_elements);
+    uint4* to = reinterpret_cast<uint4*>(kv_cache + base + dst * block_elements);
+    const int units = (n * slot_elements) >> 3;
+    for (int i = threadIdx.x; i < units; i += blockDim.x) to[i] = from[i];
 }

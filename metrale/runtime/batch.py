@@ -19,9 +19,8 @@ class ForwardBatch:
     context_lens: list[int]      # [S] tokens each segment attends to, new ones included
     block_tables: list  # [S] int32 arrays (or lists) of the block ids covering context_lens
     sample_rows: torch.Tensor    # [N] int64 rows of T whose hidden states become logits
-    # False: each segment attends to all its context (cross-attention), not only up to its own positions.
-    causal: bool = True
-    # Encoder-decoder models: the same rows over their sources' cross-attention K/V blocks (build_batch sets it).
+    # Encoder-decoder models: the same rows over their sources' cross-attention K/V blocks (build_batch sets it;
+    # the model attends over it without the causal limit).
     cross: "ForwardBatch | None" = None
 
     @property
@@ -73,4 +72,4 @@ def _cross_batch(batch: ForwardBatch, segments: list[Segment], kv_block_size: in
     lengths = [seg.cross[1] for seg in segments]
     tables = [seg.cross[0].array(blocks_for(n, kv_block_size)) for seg, n in zip(segments, lengths)]
     return ForwardBatch(batch.token_ids, batch.positions, torch.full_like(batch.slot_mapping, -1), batch.query_starts,
-                        batch.query_lens, lengths, tables, batch.sample_rows[:0], causal=False)
+                        batch.query_lens, lengths, tables, batch.sample_rows[:0])

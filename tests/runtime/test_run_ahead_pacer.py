@@ -1,6 +1,7 @@
 """LanePacer: a lane queues its guess before handing the answer over while the device step is the longer path,
 and hands the answer over first once the answer's round trip is the longer one."""
 
+import threading
 import time
 
 from metrale.runtime.run_ahead import LanePacer
@@ -23,14 +24,20 @@ class FakeGuess:
 
 
 def drive(pacer: LanePacer, device_s: float, round_trip_s: float, steps: int) -> list[list[str]]:
-    """Steps of one lane: each answer's next request arrives round_trip_s after the answer was handed over."""
+    """Steps of one lane: each answer's next request arrives round_trip_s after the answer was handed over (on
+    another thread, as the event loop's), and the lane takes it once its guess is done."""
     orders = []
     for _ in range(steps):
-        events = []
-        pacer(StepOutput(ahead=FakeGuess(device_s, events)), True, lambda: events.append("answer"))
+        events, arrived = [], threading.Event()
+
+        def answer():
+            events.append("answer")
+            timer = threading.Timer(round_trip_s, lambda: (pacer.request_arrived(), arrived.set()))
+            timer.start()
+
+        pacer(StepOutput(ahead=FakeGuess(device_s, events)), True, answer)
         orders.append(events)
-        time.sleep(max(0.0, round_trip_s - device_s) if events[0] == "queued" else round_trip_s)
-        pacer.request_arrived()
+        arrived.wait()
     return orders
 
 

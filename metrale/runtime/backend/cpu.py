@@ -53,7 +53,7 @@ class CpuBackend:
         shape = (2, num_blocks, kv_block_size, num_kv_heads, head_dim)
         return [torch.zeros(shape, dtype=self.dtype) for _ in range(num_layers)]
 
-    def prepare(self, batch: ForwardBatch) -> "CpuBatch":
+    def prepare(self, batch: ForwardBatch, cross: bool = False) -> "CpuBatch":
         return CpuBatch.from_batch(batch)
 
     def embedding(self, table, token_ids):
@@ -94,7 +94,7 @@ class CpuBackend:
         flat[0, batch.slot_mapping] = k.view(k.shape[0], *kv.shape[3:])
         flat[1, batch.slot_mapping] = v.view(k.shape[0], *kv.shape[3:])
 
-    def paged_attention(self, q, kv, batch: "CpuBatch", num_kv_heads, head_dim, scale, sliding_window):
+    def paged_attention(self, q, kv, batch: "CpuBatch", num_kv_heads, head_dim, scale, sliding_window, causal=True):
         out = torch.empty_like(q)
         if batch.single_rows.numel():
             # Every one-token segment at once, over KV padded to the longest context.
@@ -111,7 +111,7 @@ class CpuBackend:
             keys = kv[0, table].reshape(-1, num_kv_heads, head_dim)[:context]    # [C, kvh, hd]
             values = kv[1, table].reshape(-1, num_kv_heads, head_dim)[:context]
             queries = q[start:start + n].view(n, num_kv_heads, -1, head_dim)      # [n, kvh, g, hd]
-            out[start:start + n] = _attend(queries, keys, values, scale, sliding_window, batch.causal).reshape(n, -1)
+            out[start:start + n] = _attend(queries, keys, values, scale, sliding_window, causal).reshape(n, -1)
         return out
 
     def silu_mul(self, gate_up):
@@ -171,7 +171,6 @@ class CpuBatch:
     def __init__(self, batch: ForwardBatch, single: list[int], multi: list[int]):
         self.token_ids, self.positions = batch.token_ids, batch.positions
         self.slot_mapping, self.sample_rows = batch.slot_mapping, batch.sample_rows
-        self.causal = batch.causal
         self.single_rows = torch.tensor([batch.query_starts[i] for i in single], dtype=torch.int64)
         contexts = [batch.context_lens[i] for i in single]
         self.single_context = max(contexts, default=0)

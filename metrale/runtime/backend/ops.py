@@ -82,8 +82,9 @@ class Ops(Protocol):
                           head_dim: int) -> list[Tensor]:
         """One KV tensor per layer, [2, num_blocks, kv_block_size, num_kv_heads, head_dim]."""
 
-    def prepare(self, batch: ForwardBatch) -> PreparedBatch:
-        """Moves a batch's metadata to the device once per forward."""
+    def prepare(self, batch: ForwardBatch, cross: bool = False) -> PreparedBatch:
+        """Moves a batch's metadata to the device once per forward; cross=True: a forward's second batch (its
+        ForwardBatch.cross), kept beside the first."""
 
     def embedding(self, table: Tensor, token_ids: Tensor) -> Tensor:
         """[T] -> [T, hidden]."""
@@ -114,9 +115,9 @@ class Ops(Protocol):
         slots; returns rotated q [T, heads * head_dim]."""
 
     def paged_attention(self, q: Tensor, kv: Tensor, batch: PreparedBatch, num_kv_heads: int, head_dim: int, scale: float,
-                        sliding_window: int | None) -> Tensor:
-        """Attention of each segment's queries over its paged KV -> [T, heads * head_dim]: causal, or where the
-        batch is not causal (a cross batch) over all of each segment's context."""
+                        sliding_window: int | None, causal: bool = True) -> Tensor:
+        """Attention of each segment's queries over its paged KV -> [T, heads * head_dim]: causal, or (causal=False:
+        an encoder's self-attention, a decoder's cross-attention) over all of each segment's context."""
 
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         """[T, 2 * I] -> silu(gate) * up, [T, I]."""

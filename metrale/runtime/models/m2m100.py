@@ -105,7 +105,6 @@ class M2M100ForConditionalGeneration:
         in them (in decoder layer i's cache, modulo the decoder's depth) and attends over them without the
         causal limit, so the encoder needs no attention op of its own and no memory beyond the blocks."""
         ops, c, w = self.ops, self.config, self.weights
-        batch.causal = False
         meta = ops.prepare(batch)
         x, residual = ops.embedding(w["embed"], meta.token_ids), ops.embedding(self.positions, self._positions(batch))
         head_dim = c.hidden_size // c.num_encoder_heads
@@ -114,7 +113,8 @@ class M2M100ForConditionalGeneration:
             q, k, v = _split(ops.linear(h, *layer["qkv"]), c.hidden_size)
             scratch = kv_cache[i % len(kv_cache)]
             ops.write_kv(k, v, meta, scratch)
-            o = ops.paged_attention(q, scratch, meta, c.num_encoder_heads, head_dim, head_dim ** -0.5, None)
+            o = ops.paged_attention(q, scratch, meta, c.num_encoder_heads, head_dim, head_dim ** -0.5, None,
+                                    causal=False)
             h = ops.linear(o, *layer["out"])
             h, residual = ops.layer_norm(h, *layer["final_layer_norm"], c.layer_norm_eps, residual)
             x = ops.linear(ops.relu(ops.linear(h, *layer["fc1"])), *layer["fc2"])
@@ -129,7 +129,7 @@ class M2M100ForConditionalGeneration:
         ops, c, w = self.ops, self.config, self.weights
         if batch.cross is None:
             raise InvalidArgument("an encoder-decoder forward needs its sources' cross-attention blocks")
-        meta, cross = ops.prepare(batch), ops.prepare(batch.cross)
+        meta, cross = ops.prepare(batch), ops.prepare(batch.cross, cross=True)
         x, residual = ops.embedding(w["embed"], meta.token_ids), ops.embedding(self.positions, self._positions(batch))
         scale = c.head_dim ** -0.5
         for layer, kv in zip(w["decoder"], kv_cache):
@@ -140,7 +140,7 @@ class M2M100ForConditionalGeneration:
             h = ops.linear(o, *layer["out"])
             h, residual = ops.layer_norm(h, *layer["encoder_attn_layer_norm"], c.layer_norm_eps, residual)
             q = ops.linear(h, *layer["cross_q"])
-            o = ops.paged_attention(q, kv, cross, c.num_heads, c.head_dim, scale, None)
+            o = ops.paged_attention(q, kv, cross, c.num_heads, c.head_dim, scale, None, causal=False)
             h = ops.linear(o, *layer["cross_out"])
             h, residual = ops.layer_norm(h, *layer["final_layer_norm"], c.layer_norm_eps, residual)
             x = ops.linear(ops.relu(ops.linear(h, *layer["fc1"])), *layer["fc2"])

@@ -1,4 +1,5 @@
-"""rope_kv.cu against a float64 torch reference: q and k rotated in qkv, k and v written to their paged KV slots."""
+"""rope_kv.cu against a float64 torch reference: q and k rotated in qkv, k and v written to their paged KV slots;
+the write alone, and copies of block prefixes (exact: they only move bytes)."""
 
 import pytest
 import torch
@@ -6,7 +7,7 @@ import torch
 pytest.importorskip("cuda.core")
 
 from gpu_reference import TOLERANCE, relative_error  # noqa: E402
-from metrale.runtime.backend.cuda.kernels.rope_kv import rope_and_write_kv  # noqa: E402
+from metrale.runtime.backend.cuda.kernels.rope_kv import copy_kv_prefixes, rope_and_write_kv, write_kv  # noqa: E402
 from metrale.runtime.backend.cuda.tensor import DeviceTensor  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -80,3 +81,37 @@ def test_rope_and_write_kv(kernel_library, stream, num_heads, num_kv_heads, head
     unwritten = torch.ones(num_slots, dtype=torch.bool, device=DEVICE)
     unwritten[written_slots] = False
     assert flat[:, unwritten].isnan().all()
+
+
+def test_write_kv_puts_each_row_in_its_slot(kernel_library, stream):
+    num_blocks, block_size, kv_heads, head_dim, tokens = 9, 16, 4, 64, 37
+    kv = torch.full((2, num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    kv_wide = torch.randn(tokens, 3 * kv_heads * head_dim, device=DEVICE).bfloat16()    # [q | k | v] columns
+    k, v = kv_wide[:, kv_heads * head_dim:2 * kv_heads * head_dim], kv_wide[:, 2 * kv_heads * head_dim:]
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens].int()
+    slots[5] = -1                                     # a padding token: writes nothing
+    torch.cuda.synchronize()
+    write_kv(kernel_library, stream, *(DeviceTensor.from_torch(t) for t in (k, v, slots, kv)))
+    stream.sync()
+    flat = kv.view(2, -1, kv_heads, head_dim)
+    written = slots >= 0
+    assert torch.equal(flat[0, slots[written].long()], k[written].view(-1, kv_heads, head_dim))
+    assert torch.equal(flat[1, slots[written].long()], v[written].view(-1, kv_heads, head_dim))
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool, device=DEVICE)
+    untouched[slots[written].long()] = False
+    assert flat[:, untouched].isnan().all()
+
+
+def test_copy_kv_prefixes_in_every_layer(kernel_library, stream):
+    layers, num_blocks, block_size, kv_heads, head_dim = 3, 12, 16, 2, 64
+    pool = torch.randn(layers, 2, num_blocks, block_size, kv_heads, head_dim, device=DEVICE).bfloat16()
+    before = pool.clone()
+    copies = torch.tensor([[1, 7, 5], [2, 8, 16], [1, 9, 1]], dtype=torch.int32, device=DEVICE)
+    torch.cuda.synchronize()
+    copy_kv_prefixes(kernel_library, stream, [DeviceTensor.from_torch(pool[i]) for i in range(layers)],
+                     DeviceTensor.from_torch(copies), 3)
+    stream.sync()
+    expected = before.clone()
+    for src, dst, n in copies.tolist():
+        expected[:, :, dst, :n] = before[:, :, src, :n]
+    assert torch.equal(pool, expected)

@@ -35,7 +35,7 @@ class CudaBackend:
     dtype = torch.bfloat16
     # Each lane has its own stream and buffers; the weights are only read, and lanes never share a sequence.
     concurrent_forwards = True
-    # BeamGenerate on CUDA (a KV prefix copy and logits rows to the host, checked on the GPU) is not built yet.
+    # BeamGenerate on CUDA: its ops (host_logits, copy_kv_prefixes) are written but not yet checked on a GPU.
     supports_beam = False
 
     def __init__(self, cache_dir: Path, dtype: str = "auto"):
@@ -144,8 +144,23 @@ class CudaBackend:
     def sample(self, logits: DeviceTensor, rows, on_queued=None) -> SampleResult:
         return self._bound.lane.sampler.sample(logits, rows, on_queued)
 
-    def prepare(self, batch: ForwardBatch) -> CudaBatch:
-        return self._bound.lane.prepare(batch)
+    def prepare(self, batch: ForwardBatch, cross: bool = False) -> CudaBatch:
+        return self._bound.lane.prepare(batch, cross=cross)
+
+    def write_kv(self, k, v, batch: CudaBatch, kv):
+        kernels.rope_kv.write_kv(self.lib, self._bound.lane.stream, k, v, batch.slot_mapping, kv)
+
+    def host_logits(self, logits: DeviceTensor) -> torch.Tensor:
+        return torch.from_numpy(self._bound.lane.copy_to_host(logits))
+
+    def copy_kv_prefixes(self, kv_cache: list, copies: list[tuple[int, int, int]]) -> None:
+        lane = self._bound.lane
+        host = np.asarray(copies, dtype=np.int32).reshape(-1, 3)
+        if len(host) > lane.kv_copies.shape[0]:
+            raise InvalidArgument(f"{len(host)} KV copies in one step, over the lane's {lane.kv_copies.shape[0]}")
+        rows = DeviceTensor(lane.kv_copies.ptr, host.shape, "int32")
+        lane.copy_to_device(rows, host)
+        kernels.rope_kv.copy_kv_prefixes(self.lib, lane.stream, kv_cache, rows, len(host))
 
     def embedding(self, table, token_ids):
         lane = self._bound.lane
@@ -199,7 +214,7 @@ class CudaBackend:
                                           batch.slot_mapping, kv, num_heads, num_kv_heads, head_dim)
         return q
 
-    def paged_attention(self, q, kv, batch: CudaBatch, num_kv_heads, head_dim, scale, sliding_window):
+    def paged_attention(self, q, kv, batch: CudaBatch, num_kv_heads, head_dim, scale, sliding_window, causal=True):
         lane = self._bound.lane
         out = lane.new(q.shape[0], q.shape[1])
         num_heads = q.shape[1] // head_dim
@@ -212,7 +227,7 @@ class CudaBackend:
             kernels.attention.paged_prefill_attention(
                 self.lib, lane.stream, out, q, kv, batch.prefill_starts, batch.prefill_lens, batch.prefill_contexts,
                 batch.prefill_tables, num_heads, num_kv_heads, head_dim, scale, window, batch.num_prefill,
-                batch.max_prefill_query)
+                batch.max_prefill_query, causal)
         return out
 
     def silu_mul(self, gate_up):

@@ -29,6 +29,8 @@ class DecodeGraphs:
         """The graph size a forward fits, or None: not a pure decode step, or larger than every bucket."""
         if any(n != 1 for n in batch.query_lens) or len(batch.sample_rows) != batch.num_tokens:
             return None
+        if batch.cross is not None:      # an encoder-decoder's step: a second batch the graphs do not capture
+            return None
         return next((size for size in self.batch_sizes if size >= batch.num_tokens), None)
 
     def run(self, forward: Callable, batch: ForwardBatch, size: int) -> DeviceTensor:

@@ -42,6 +42,10 @@ def lane_buffers(lib, shapes: MemoryShapes) -> Buffers:
         "logits": ((seqs, shapes.vocab), "float32"),
         "processed": ((seqs, shapes.vocab), "float32"),
         "metadata": ((metadata_elements(t, seqs, shapes.max_blocks_per_seq),), "int32"),
+        # A forward's second batch (an encoder-decoder's cross-attention rows), beside the first.
+        "cross_metadata": ((metadata_elements(t, seqs, shapes.max_blocks_per_seq),), "int32"),
+        # Beam search's KV prefix copies of one step: (src block, dst block, slots), at most one per beam.
+        "kv_copies": ((seqs, 3), "int32"),
         "decode_partials": ((max(1, partials),), "float32"),
         "gemm_workspace": ((GEMM_WORKSPACE_BYTES,), "uint8"),
         "sample_params": ((seqs, kernels.sampling.PARAM_WORDS), "int32"),
@@ -66,7 +70,8 @@ class Lane:
         taken = {name: region.take(shape, dtype) for name, (shape, dtype) in buffers.items()}
         workspace = taken["workspace"]
         self.ring = RingArena(workspace.ptr, workspace.nbytes, f"{region.name} activation workspace")
-        self.logits, self.metadata = taken["logits"], taken["metadata"]
+        self.logits, self.metadata, self.cross_metadata = taken["logits"], taken["metadata"], taken["cross_metadata"]
+        self.kv_copies = taken["kv_copies"]
         self.decode_partials, self.gemm_workspace = taken["decode_partials"], taken["gemm_workspace"]
         self.sampler = DeviceSampler(self, taken["sample_params"], taken["penalties"], taken["processed"],
                                      taken["sample_outputs"])
@@ -79,17 +84,20 @@ class Lane:
         """An activation tensor from the ring."""
         return self.ring.take((rows, cols), dtype)
 
-    def prepare(self, batch: ForwardBatch, pad_to: int = 0) -> CudaBatch:
+    def prepare(self, batch: ForwardBatch, pad_to: int = 0, cross: bool = False) -> CudaBatch:
         """The batch's metadata on the device (pad_to: a decode graph's padded lanes, see pack_batch); starts the
-        forward's ring over."""
-        if self._prepared is not None:
+        forward's ring over. cross=True: the forward's second batch, in its own region; the ring goes on."""
+        if self._prepared is not None and not cross:
             return self._prepared
         rows = max(pad_to, batch.num_tokens)
         if rows > self.shapes.max_batch_tokens or max(pad_to, len(batch.sample_rows)) > self.shapes.max_seqs:
             raise InvalidArgument("the forward is larger than the memory plan")
+        region = self.cross_metadata if cross else self.metadata
+        prepared = pack_batch(batch, region, self.shapes.max_blocks_per_seq, pad_to)
+        self.copy_to_device(DeviceTensor(region.ptr, prepared.host.shape, "int32"), prepared.host)
+        if cross:
+            return prepared
         self.ring.reset()
-        prepared = pack_batch(batch, self.metadata, self.shapes.max_blocks_per_seq, pad_to)
-        self.copy_to_device(DeviceTensor(self.metadata.ptr, prepared.host.shape, "int32"), prepared.host)
         if self._timing:
             self._round_events = (self.stream.record(options=TIMED), None)
         return prepared

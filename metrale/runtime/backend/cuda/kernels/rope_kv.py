@@ -1,4 +1,5 @@
-"""Launcher for cuda_kernels/rope_kv.cu: rotary embedding of q and k fused with the paged KV cache write."""
+"""Launchers for cuda_kernels/rope_kv.cu: rotary embedding of q and k fused with the paged KV cache write; the
+write alone; copies of block prefixes."""
 
 import numpy as np
 
@@ -47,3 +48,48 @@ def rope_and_write_kv(lib, stream, qkv: DeviceTensor, cos: DeviceTensor, sin: De
     kernel = lib.get("rope_and_write_kv", MODULE)
     launch_kernel(stream, kernel, (num_tokens, ceil_div(items, BLOCK)), BLOCK, qkv, np.int64(qkv.stride), cos, sin,
                   positions, slot_mapping, kv_cache, np.int64(num_slots), num_heads, num_kv_heads, head_dim)
+
+
+def write_kv(lib, stream, k: DeviceTensor, v: DeviceTensor, slot_mapping: DeviceTensor, kv_cache: DeviceTensor) -> None:
+    """k, v [T, num_kv_heads * head_dim] bf16 (may be column slices) into
+    kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] at slot_mapping [T] int32 (slot < 0: no write),
+    unrotated. Needs 16-byte aligned rows and a width that is a multiple of 8."""
+    require(len(kv_cache.shape) == 5 and kv_cache.shape[0] == 2 and kv_cache.dtype == "bfloat16",
+            f"write_kv: kv_cache must be [2, num_blocks, block_size, kv_heads, head_dim] bfloat16, not {kv_cache.shape}")
+    require(kv_cache.is_contiguous and kv_cache.ptr % 16 == 0, "write_kv: kv_cache must be contiguous, 16-byte aligned")
+    width = kv_cache.shape[3] * kv_cache.shape[4]
+    require(width % 8 == 0, f"write_kv: kv_heads * head_dim = {width} must be a multiple of 8")
+    for name, rows in (("k", k), ("v", v)):
+        require(rows.dtype == "bfloat16" and len(rows.shape) == 2 and rows.shape == (k.shape[0], width),
+                f"write_kv: {name} must be [T, {width}] bfloat16, not {rows.shape} {rows.dtype}")
+        require_aligned(rows, 16, f"write_kv: {name}")
+    require(slot_mapping.dtype == "int32" and slot_mapping.shape == (k.shape[0],),
+            f"write_kv: slot_mapping must be [{k.shape[0]}] int32")
+    if k.shape[0] == 0:
+        return
+    units = 2 * width // 8
+    kernel = lib.get("write_kv", MODULE)
+    launch_kernel(stream, kernel, (k.shape[0], ceil_div(units, BLOCK)), BLOCK, k, np.int64(k.stride), v,
+                  np.int64(v.stride), slot_mapping, kv_cache, np.int64(kv_cache.shape[1] * kv_cache.shape[2]), width)
+
+
+def copy_kv_prefixes(lib, stream, kv_cache: list[DeviceTensor], copies: DeviceTensor, num_copies: int) -> None:
+    """For each (src block, dst block, n) row of copies [>= num_copies, 3] int32 and every layer of kv_cache (each
+    [2, num_blocks, block_size, kv_heads, head_dim] bf16, at equal strides from the first): the first n slots of
+    src's K and V into dst. Not checked on the device: block ids in range, n <= block_size."""
+    require(bool(kv_cache), "copy_kv_prefixes: no layers")
+    first = kv_cache[0]
+    require(all(layer.shape == first.shape and layer.dtype == "bfloat16" and layer.is_contiguous for layer in kv_cache),
+            "copy_kv_prefixes: every layer must be one contiguous bfloat16 shape")
+    stride = (kv_cache[1].ptr - first.ptr) // 2 if len(kv_cache) > 1 else 0
+    require(all(layer.ptr == first.ptr + 2 * stride * i for i, layer in enumerate(kv_cache)),
+            "copy_kv_prefixes: layers must lie at equal strides")
+    require(copies.dtype == "int32" and len(copies.shape) == 2 and copies.shape[1] == 3
+            and copies.shape[0] >= num_copies, "copy_kv_prefixes: copies must be [>= num_copies, 3] int32")
+    slot_elements = first.shape[3] * first.shape[4]
+    require(slot_elements % 8 == 0 and first.ptr % 16 == 0, "copy_kv_prefixes: slots must be 16-byte units")
+    if num_copies == 0:
+        return
+    kernel = lib.get("copy_kv_prefixes", MODULE)
+    launch_kernel(stream, kernel, (num_copies, len(kv_cache), 2), BLOCK, first, np.int64(stride),
+                  np.int64(first.numel // 2), first.shape[2], slot_elements, copies)
