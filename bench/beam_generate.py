@@ -11,7 +11,6 @@ python -m bench.beam_generate --shape tiny --device cpu --batches 1,4 --reps 1  
 import argparse
 import dataclasses
 import json
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from bench.decode_tables import TimedRow
 from bench.phases import log
 from metrale.runtime.beam.params import BeamParams, BeamRequest
 from metrale.runtime.build import build_engine
@@ -37,15 +37,16 @@ PAD, EOS, START = 1, 2, 2
 
 
 @dataclass
-class Row:
+class Row(TimedRow):
     batch: int
     impl: str
-    seconds: list[float] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)     # ms per call
     note: str = ""
 
     @property
     def p50(self) -> float:
-        return statistics.median(self.seconds)
+        """Seconds per call."""
+        return self.p50_ms / 1e3
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
                     for i, s in enumerate(sources)]
         ours = Row(batch, "metrale")
         if not missing:
-            ours.seconds = timed(lambda: engine.beam_generate(requests, (EOS,), PAD), args.reps, args.device)
+            ours.step_ms = timed(lambda: engine.beam_generate(requests, (EOS,), PAD), args.reps, args.device)
             ours_top = [r.hypotheses[0][0] for r in engine.beam_generate(requests, (EOS,), PAD)]
         else:
             ours.note, ours_top = missing, None
@@ -106,12 +107,12 @@ def main(argv: list[str] | None = None) -> dict:
                                       do_sample=False, eos_token_id=EOS, pad_token_id=PAD)
 
         with torch.no_grad():
-            theirs.seconds = timed(generate, args.reps, args.device)
+            theirs.step_ms = timed(generate, args.reps, args.device)
             their_top = generate()[:, 2:].tolist()
         if ours_top is not None:
             agreement[batch] = sum(a == b for a, b in zip(ours_top, their_top))
         rows += [ours, theirs]
-        log(f"batch {batch}: ours {ours.p50 if ours.seconds else float('nan'):.3f} s, transformers "
+        log(f"batch {batch}: ours {ours.p50 if ours.ok else float('nan'):.3f} s, transformers "
             f"{theirs.p50:.3f} s")
 
     print(f"# beam_generate: {args.shape} ({dtype}, random weights) on {device_name(args.device)}; "
@@ -125,8 +126,9 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def timed(call, reps: int, device: str) -> list[float]:
+    """ms per call, after a warm-up call."""
     call()      # warm-up
-    seconds = []
+    times = []
     for _ in range(reps):
         if device == "cuda":
             torch.cuda.synchronize()
@@ -134,8 +136,8 @@ def timed(call, reps: int, device: str) -> list[float]:
         call()
         if device == "cuda":
             torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - started)
-    return seconds
+        times.append((time.perf_counter() - started) * 1e3)
+    return times
 
 
 def format_table(rows: list[Row], new_tokens: int, agreement: dict) -> str:
@@ -143,7 +145,7 @@ def format_table(rows: list[Row], new_tokens: int, agreement: dict) -> str:
              f"  {'same top':>8}"]
     reference = {r.batch: r for r in rows if r.impl == "transformers"}
     for r in rows:
-        if not r.seconds:
+        if not r.ok:
             lines.append(f"{r.batch:>5}  {r.impl:<12}  {'-':>8}  {'-':>11}  {'-':>9}  {'-':>14}  {'-':>8}  {r.note}")
             continue
         speedup = reference[r.batch].p50 / r.p50 if r.impl != "transformers" else 1.0

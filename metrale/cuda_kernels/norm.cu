@@ -20,6 +20,23 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
                       float2_to_bf16x2(f[6], f[7]));
 }
 
+// Unit i of a row: x's, plus residual's where given (rounded to bf16 as a bf16 torch add), also stored to
+// residual_out where given.
+__device__ __forceinline__ uint4 load_unit(const uint4* x_row, const uint4* residual_row, uint4* residual_out_row,
+                                           int i) {
+    uint4 v = x_row[i];
+    if (residual_row) {
+        float a[8], b[8];
+        unpack8(v, a);
+        unpack8(residual_row[i], b);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) a[j] += b[j];
+        v = pack8(a);
+    }
+    if (residual_out_row) residual_out_row[i] = v;
+    return v;
+}
+
 // bf16(weight * bf16(value * inv_rms)), two at a time.
 __device__ __forceinline__ unsigned int scale_pair(unsigned int value, unsigned int weight, float inv_rms) {
     const float2 v = bf16x2_to_float2(value), w = bf16x2_to_float2(weight);
@@ -47,16 +64,7 @@ extern "C" __global__ void rms_norm(bf16* out, long long out_stride, bf16* resid
     for (int k = 0; k < RMS_NORM_MAX_UNITS; ++k) {
         const int i = threadIdx.x + k * blockDim.x;
         if (i >= units) break;
-        uint4 v = x_row[i];
-        if (residual_row) {
-            float a[8], b[8];
-            unpack8(v, a);
-            unpack8(residual_row[i], b);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) a[j] += b[j];
-            v = pack8(a);
-        }
-        if (residual_out_row) residual_out_row[i] = v;
+        const uint4 v = load_unit(x_row, residual_row, residual_out_row, i);
         float f[8];
         unpack8(v, f);
 #pragma unroll
@@ -96,17 +104,7 @@ extern "C" __global__ void layer_norm(bf16* out, long long out_stride, bf16* res
     for (int k = 0; k < RMS_NORM_MAX_UNITS; ++k) {
         const int i = threadIdx.x + k * blockDim.x;
         if (i >= units) break;
-        uint4 v = x_row[i];
-        if (residual_row) {
-            float a[8], b[8];
-            unpack8(v, a);
-            unpack8(residual_row[i], b);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) a[j] += b[j];
-            v = pack8(a);
-        }
-        if (residual_out_row) residual_out_row[i] = v;
-        unpack8(v, values[k]);
+        unpack8(load_unit(x_row, residual_row, residual_out_row, i), values[k]);
 #pragma unroll
         for (int j = 0; j < 8; ++j) sum += values[k][j];
     }

@@ -8,7 +8,7 @@ from typing import Callable
 
 from metrale.runtime.batch import Segment, build_batch
 from metrale.runtime.beam.params import BeamRequest
-from metrale.runtime.beam.runner import BeamCall, BeamModel, BeamResult, BlockPool
+from metrale.runtime.beam.runner import BeamCall, BeamModel, BeamResult
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.errors import Cancelled, DeviceFault, FailedPrecondition, OutOfKvBlocks, WorkerError
 from metrale.runtime.kv_blocks import KvBlockManager, blocks_for
@@ -169,8 +169,10 @@ class Engine:
             with self._lock:
                 self.blocks.free(pool.ids)
 
-    def _reserve_beam_blocks(self, needed: int) -> BlockPool:
-        return self._taking_blocks(lambda: BlockPool(self.blocks.allocate(needed)))
+    def _reserve_beam_blocks(self, needed: int) -> KvBlockManager:
+        """The call's own pool: a reservation out of the engine's, whose blocks its beams share by reference."""
+        return self._taking_blocks(lambda: KvBlockManager(needed, self.config.kv_block_size,
+                                                          self.blocks.allocate(needed)))
 
     def _beam_encode(self, segments: list[Segment]) -> None:
         with self._forward_lock:

@@ -54,7 +54,7 @@ def test_beam_generate_reports_both_sides_and_agreement(bench, tmp_path, capsys)
     rows = result["row_objects"]
     assert [(r.batch, r.impl) for r in rows] == [(1, "metrale"), (1, "transformers"), (3, "metrale"),
                                                  (3, "transformers")]
-    assert all(len(r.seconds) == 1 and r.seconds[0] > 0 for r in rows)
+    assert all(len(r.step_ms) == 1 and r.step_ms[0] > 0 for r in rows)
     # float32 on the CPU: the same top hypothesis as transformers for every request.
     assert result["agreement"] == {1: 1, 3: 3}
     assert "sentences/s" in capsys.readouterr().out and (tmp_path / "out.json").exists()

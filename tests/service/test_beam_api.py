@@ -10,16 +10,23 @@ import tokenizers
 import transformers
 
 from metrale.runtime.beam.params import BeamParams
+from metrale.runtime.errors import InvalidArgument
 from metrale.v1 import worker_pb2 as pb
 from beam_reference import assert_same, reference_hypotheses
 from service_harness import start_worker
 from tiny_models import load_m2m100_reference, load_reference, write_tiny_m2m100
 
 
+# Where these tests skip: the CUDA backend (--worker-device cuda), whose beam-search and encoder-decoder ops are
+# written but stay off until checked on a GPU; there BeamGenerate answers FAILED_PRECONDITION (test_errors.py).
+NOT_ON_THIS_BACKEND = ("BeamGenerate and encoder-decoders stay off on the CUDA backend until its ops are checked on "
+                       "a GPU (docs/encoder_decoder_cuda.md); test_errors.py checks its FAILED_PRECONDITION")
+
+
 @pytest.fixture
 def llama(stub):
     if not stub.Info(pb.InfoRequest()).supports_beam:
-        pytest.skip("BeamGenerate is not built on this backend yet (Info.supports_beam=false)")
+        pytest.skip(NOT_ON_THIS_BACKEND)
     return stub
 
 
@@ -115,7 +122,11 @@ def translator(tmp_path_factory):
     """A worker serving a tiny random M2M100 (NLLB's architecture) with an NLLB-style tokenizer.json."""
     directory = write_tiny_m2m100(tmp_path_factory.mktemp("m2m100") / "m2m100")
     nllb_style_tokenizer().save_pretrained(directory)
-    running = start_worker(directory, max_model_len=64)
+    try:
+        running = start_worker(directory, max_model_len=64)
+    except InvalidArgument as refused:          # the CUDA backend: refused at load, by name
+        assert "CPU backend" in str(refused)
+        pytest.skip(NOT_ON_THIS_BACKEND)
     yield running, directory
     running.stop()
 
@@ -123,9 +134,7 @@ def translator(tmp_path_factory):
 def test_an_encoder_decoder_translates_as_transformers_does(translator):
     worker, directory = translator
     info = worker.stub.Info(pb.InfoRequest())
-    if not info.supports_beam:
-        pytest.skip("BeamGenerate is not built on this backend yet (Info.supports_beam=false)")
-    assert info.is_encoder_decoder and info.architecture == "M2M100ForConditionalGeneration"
+    assert info.supports_beam and info.is_encoder_decoder and info.architecture == "M2M100ForConditionalGeneration"
     requests = [pb.BeamRequest(request_id=1, src_tokens=[5, 17, 99, 3, 2], decoder_prefix=[200], num_beams=4,
                                max_new_tokens=10, num_return_sequences=2),
                 pb.BeamRequest(request_id=2, src_tokens=[7, 8, 2], num_beams=3, max_new_tokens=6)]

@@ -17,7 +17,7 @@ from metrale.runtime.batch import Segment, build_batch
 from metrale.runtime.beam.params import BeamRequest
 from metrale.runtime.beam.search import BeamGroup
 from metrale.runtime.errors import BatchTooLarge, Cancelled, OutOfRange
-from metrale.runtime.kv_blocks import blocks_for
+from metrale.runtime.kv_blocks import KvBlockManager, blocks_for
 from metrale.runtime.planner import Limits
 from metrale.runtime.sequence import BlockTable
 
@@ -27,34 +27,6 @@ class BeamResult:
     request_id: int
     # (generated tokens, score), best first.
     hypotheses: list[tuple[list[int], float]]
-
-
-class BlockPool:
-    """The blocks reserved for one call, with reference counts."""
-
-    def __init__(self, ids: list[int]):
-        self.ids = ids
-        self._free = list(reversed(ids))
-        self._refs: dict[int, int] = {}
-
-    def take(self) -> int:
-        block = self._free.pop()
-        self._refs[block] = 1
-        return block
-
-    def share(self, blocks: list[int]) -> None:
-        for block in blocks:
-            self._refs[block] += 1
-
-    def release(self, blocks: list[int]) -> None:
-        for block in blocks:
-            self._refs[block] -= 1
-            if not self._refs[block]:
-                del self._refs[block]
-                self._free.append(block)
-
-    def is_shared(self, block: int) -> bool:
-        return self._refs[block] > 1
 
 
 @dataclass
@@ -119,7 +91,7 @@ class BeamCall:
         self.prompts = [decoder_prompt(r, model) for r in requests]
         self._check_limits(max_source_len)
 
-    def run(self, pool: BlockPool, cancelled: Callable[[], bool]) -> list[BeamResult]:
+    def run(self, pool: KvBlockManager, cancelled: Callable[[], bool]) -> list[BeamResult]:
         groups, logits = self._prefill(pool, self._encode(pool))
         results: dict[int, BeamResult] = {}
         while groups:
@@ -132,7 +104,7 @@ class BeamCall:
                 for i, member in enumerate(group.members):
                     if done[i]:
                         for blocks in member.beams + ([member.cross_blocks] if member.cross_blocks else []):
-                            pool.release(blocks)
+                            pool.free(blocks)
                         results[member.request.request_id] = BeamResult(member.request.request_id,
                                                                         group.search.hypotheses(i))
                     else:
@@ -170,17 +142,17 @@ class BeamCall:
     def blocks_needed(self) -> int:
         return sum(blocks_needed(r, len(p), self.block_size) for r, p in zip(self.requests, self.prompts))
 
-    def _encode(self, pool: BlockPool) -> list[list[int] | None]:
+    def _encode(self, pool: KvBlockManager) -> list[list[int] | None]:
         """Encoder-decoder models: every source through the encoder at once, its cross-attention K/V into blocks
         of its own; the blocks of each request (None for decoder-only models)."""
         if self.model.encode is None:
             return [None] * len(self.requests)
-        cross = [[pool.take() for _ in range(blocks_for(len(r.src_tokens), self.block_size))] for r in self.requests]
+        cross = [pool.allocate(blocks_for(len(r.src_tokens), self.block_size)) for r in self.requests]
         self.model.encode([Segment(BlockTable(blocks), 0, r.src_tokens, False)
                            for r, blocks in zip(self.requests, cross)])
         return cross
 
-    def _prefill(self, pool: BlockPool, cross: list[list[int] | None]) -> tuple[list[_Group], list[torch.Tensor]]:
+    def _prefill(self, pool: KvBlockManager, cross: list[list[int] | None]) -> tuple[list[_Group], list[torch.Tensor]]:
         """Every prompt once; each request starts with num_beams beams on the prompt's blocks and its last logits
         row repeated (transformers runs num_beams copies of the prompt: the same rows). Requests are grouped by
         num_beams, in call order."""
@@ -196,7 +168,7 @@ class BeamCall:
         for r, prompt, cross_blocks in zip(self.requests, self.prompts, cross):
             if pending and sum(len(p) for p, _, _ in pending) + len(prompt) > budget:
                 flush()
-            blocks = [pool.take() for _ in range(blocks_for(len(prompt), self.block_size))]
+            blocks = pool.allocate(blocks_for(len(prompt), self.block_size))
             pool.share(blocks * (r.params.num_beams - 1))
             members.append(_Request(r, [blocks] * r.params.num_beams, cross_blocks, len(r.src_tokens)))
             pending.append((prompt, blocks, members[-1]))
@@ -212,7 +184,7 @@ class BeamCall:
             logits.append(torch.stack([rows[i] for i in indices])[:, None].expand(-1, k, -1))
         return groups, logits
 
-    def _fork(self, pool: BlockPool, member: _Request, parents: list[int], position: int) -> None:
+    def _fork(self, pool: KvBlockManager, member: _Request, parents: list[int], position: int) -> None:
         """The new running beams' blocks: each continues its parent's, and gets a block of its own where it writes
         its new token (at `position`) into a block another beam also holds, or starts a new one."""
         index, offset = divmod(position, self.block_size)
@@ -220,15 +192,15 @@ class BeamCall:
         for blocks in children:
             pool.share(blocks)
         for blocks in member.beams:
-            pool.release(blocks)
+            pool.free(blocks)
         copies = []
         for blocks in children:
             if offset == 0:
-                blocks.append(pool.take())
+                blocks.extend(pool.allocate(1))
             elif pool.is_shared(blocks[index]):
-                own = pool.take()
+                own = pool.allocate(1)[0]
                 copies.append((blocks[index], own, offset))
-                pool.release([blocks[index]])
+                pool.free([blocks[index]])
                 blocks[index] = own
         if copies:
             self.model.copy_kv(copies)
