@@ -9,8 +9,11 @@ python -m bench.beam_generate --shape tiny --device cpu --batches 1,4 --reps 1  
 """
 
 import argparse
+import cProfile
 import dataclasses
+import io
 import json
+import pstats
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -24,7 +27,6 @@ from bench.phases import log
 from metrale.runtime.beam.params import BeamParams, BeamRequest
 from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
-from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.loading import load_checkpoint
 
 SHAPES = {
@@ -59,6 +61,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--beams", type=int, default=4)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profile", type=int, default=0,
+                        help="print where the host's time goes (cProfile, top N by own time) in one call per batch")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -69,18 +73,12 @@ def main(argv: list[str] | None = None) -> dict:
                                        activation_dropout=0.0)
     torch.manual_seed(0)
     reference = transformers.M2M100ForConditionalGeneration(config).to(dtype).eval()
-    engine, missing = None, ""
     with tempfile.TemporaryDirectory() as directory:
         reference.save_pretrained(directory)
-        try:
-            engine, _ = build_engine(load_checkpoint(Path(directory)), EngineConfig(device=args.device))
-        except InvalidArgument as error:     # an encoder-decoder on a backend that cannot run one yet
-            missing = str(error)
-    if engine is not None and not engine.supports_beam:
-        missing = f"BeamGenerate is not built on {args.device} yet"
+        engine, _ = build_engine(load_checkpoint(Path(directory)), EngineConfig(device=args.device))
     reference.to(args.device)
     log(f"{args.shape}: {sum(p.numel() for p in reference.parameters()) / 1e6:.0f} M parameters, {dtype}, "
-        f"{args.device}; ours: {missing or 'ready'}")
+        f"{args.device}")
 
     rows, agreement = [], {}
     generator = torch.Generator().manual_seed(1)
@@ -92,11 +90,10 @@ def main(argv: list[str] | None = None) -> dict:
         requests = [BeamRequest(i, src_tokens=tuple(s.tolist()), decoder_prefix=(target_language,), params=params)
                     for i, s in enumerate(sources)]
         ours = Row(batch, "metrale")
-        if not missing:
-            ours.step_ms = timed(lambda: engine.beam_generate(requests, (EOS,), PAD), args.reps, args.device)
-            ours_top = [r.hypotheses[0][0] for r in engine.beam_generate(requests, (EOS,), PAD)]
-        else:
-            ours.note, ours_top = missing, None
+        ours.step_ms = timed(lambda: engine.beam_generate(requests, (EOS,), PAD), args.reps, args.device)
+        ours_top = [r.hypotheses[0][0] for r in engine.beam_generate(requests, (EOS,), PAD)]
+        if args.profile:
+            profile_call(lambda: engine.beam_generate(requests, (EOS,), PAD), args.profile, f"batch {batch}")
         theirs = Row(batch, "transformers")
         decoder_input = torch.tensor([[START, target_language]] * batch, device=args.device)
 
@@ -109,10 +106,9 @@ def main(argv: list[str] | None = None) -> dict:
         with torch.no_grad():
             theirs.step_ms = timed(generate, args.reps, args.device)
             their_top = generate()[:, 2:].tolist()
-        if ours_top is not None:
-            agreement[batch] = sum(a == b for a, b in zip(ours_top, their_top))
+        agreement[batch] = sum(a == b for a, b in zip(ours_top, their_top))
         rows += [ours, theirs]
-        log(f"batch {batch}: ours {ours.p50 if ours.ok else float('nan'):.3f} s, transformers "
+        log(f"batch {batch}: ours {ours.p50:.3f} s, transformers "
             f"{theirs.p50:.3f} s")
 
     print(f"# beam_generate: {args.shape} ({dtype}, random weights) on {device_name(args.device)}; "
@@ -138,6 +134,14 @@ def timed(call, reps: int, device: str) -> list[float]:
             torch.cuda.synchronize()
         times.append((time.perf_counter() - started) * 1e3)
     return times
+
+
+def profile_call(call, top: int, title: str) -> None:
+    profiler = cProfile.Profile()
+    profiler.runcall(call)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    log(f"profile, {title}:\n" + "\n".join(line for line in text.getvalue().splitlines() if line.strip()))
 
 
 def format_table(rows: list[Row], new_tokens: int, agreement: dict) -> str:

@@ -32,7 +32,7 @@ for part in "${@:-tests}"; do
       run_pytest kernels-and-models -m gpu tests/runtime
       run_pytest api-on-cuda --worker-device cuda tests/service/test_forward_api.py tests/service/test_errors.py \
         tests/service/test_concurrency.py tests/service/test_generate.py tests/service/test_faults.py \
-        tests/service/test_metrics.py tests/service/test_run_ahead.py ;;
+        tests/service/test_metrics.py tests/service/test_run_ahead.py tests/service/test_beam_api.py ;;
     kernels)
       python3 -m bench.gpu_attention > "$OUT/attention.txt" 2>&1; summary+=("== attention" "$(cat "$OUT/attention.txt")")
       python3 -m bench.gpu_skinny_gemm > "$OUT/skinny_gemm.txt" 2>&1

@@ -1,4 +1,5 @@
-// Row gathers x[rows]: the token embedding lookup (table[token_ids]), sample rows, logits rows.
+// Row gathers x[rows]: the token embedding lookup (table[token_ids]), sample rows, logits rows; and fairseq's
+// position ids of decode rows (the rows of M2M100's position table they gather).
 // A row is copied in units of 16, 4 or 2 bytes; the launcher picks the widest unit that divides the row
 // length, both row strides and both pointers. Rows are 64-bit offsets: vocab * hidden passes 2^31.
 #include "common.cuh"
@@ -38,4 +39,13 @@ extern "C" __global__ void gather_rows_2b(unsigned short* out, long long out_str
                                           long long x_stride, const int* rows, int num_x_rows, int units_per_row) {
     wait_for_previous_kernel();
     copy_indexed_row(out, out_stride, x, x_stride, rows, num_x_rows, units_per_row);
+}
+
+// ids [T] int32: fairseq's position ids (M2M100's sinusoidal table) of one-token segments, as transformers counts
+// them from the cached length: padding_idx where the token is padding_idx, else position + 1 + padding_idx.
+extern "C" __global__ void fairseq_position_ids(int* ids, const int* token_ids, const int* positions, int num_tokens,
+                                                int padding_idx) {
+    wait_for_previous_kernel();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < num_tokens) ids[i] = token_ids[i] == padding_idx ? padding_idx : positions[i] + 1 + padding_idx;
 }

@@ -79,42 +79,6 @@ __device__ int sample_token(SampleShared& sh, const float* x, int n, bool raw_lo
     return sh.located.id;
 }
 
-// The n best (logprob, id) of the raw row, ties to the lower id, into ids[0, n) and values[0, n).
-__device__ void top_logprobs_of(SampleShared& sh, const float* raw, int n, const LogprobKeys keys, float thread_max,
-                                int count, int* ids, float* values) {
-    // every one of the `count` best is at least the count-th largest of the warps' (or threads') maxima: each of
-    // those is a token's value (-inf where a warp has none, below every token)
-    const int warps = blockDim.x >> 5;
-    int groups = blockDim.x;
-    if (count <= warps) {
-        groups = warps;
-        const float warp_best = warp_max(thread_max);
-        if ((threadIdx.x & 31) == 0) sh.candidates[threadIdx.x >> 5] = rank_key(keys.key(warp_best), threadIdx.x >> 5);
-    } else {
-        sh.candidates[threadIdx.x] = rank_key(keys.key(thread_max), threadIdx.x);
-    }
-    sort_descending(sh.candidates, groups);
-    const unsigned int floor_key = rank_order_key(sh.candidates[count - 1]);
-    refine(sh, raw, n, keys, floor_key, keys.key(keys.max), 0ull, 0ull, KIND_COUNT, (u64)(count - 1));
-    const u64 last = rank_key(sh.located.key, sh.located.id);
-    if (threadIdx.x == 0) sh.candidate_count = 0u;
-    __syncthreads();
-    for_each_value(raw, n, [&](int i, float v) {
-        const u64 rank = rank_key(keys.key(v), i);
-        if (rank >= last) {
-            const unsigned int slot = atomicAdd(&sh.candidate_count, 1u);
-            if (slot < MAX_CANDIDATES) sh.candidates[slot] = rank;
-        }
-    });
-    __syncthreads();
-    sort_descending(sh.candidates, count);
-    if ((int)threadIdx.x < count) {
-        const u64 rank = sh.candidates[threadIdx.x];
-        ids[threadIdx.x] = rank_id(rank);
-        values[threadIdx.x] = key_value(rank_order_key(rank));
-    }
-}
-
 // logits, processed [N, V] float32 (row strides in elements); processed is read for rows with FLAG_PENALISED.
 // tokens [N] int32 (-1: the row has NaN or no finite maximum), logprobs [N] float32 (NaN where not asked);
 // top_ids, top_logprobs [N, >= top_n] (may be null with top_n 0): the row's n best, then -1 / NaN up to top_n.

@@ -1,6 +1,6 @@
 // Finding a token in a row's canonical order (value descending, ties to the lower id) by its running count
 // or mass without sorting the vocabulary: first-level buckets, then narrowing windows of order keys, then a
-// sort of the last candidates or a count of tied ids (the method is described in sampling.cu).
+// sort of the last candidates or a count of tied ids (the method is described in sampling.cu); and a row's n best.
 #pragma once
 #include "sampling_rows.cuh"
 
@@ -291,4 +291,40 @@ __device__ unsigned int lowest_kept_key(const SampleKeys keys, float sum, float 
         if (p > 0.f && p >= threshold) hi = mid; else lo = mid + 1;
     }
     return lo;
+}
+
+// The n best (logprob, id) of the raw row, ties to the lower id, into ids[0, n) and values[0, n).
+__device__ void top_logprobs_of(SampleShared& sh, const float* raw, int n, const LogprobKeys keys, float thread_max,
+                                int count, int* ids, float* values) {
+    // every one of the `count` best is at least the count-th largest of the warps' (or threads') maxima: each of
+    // those is a token's value (-inf where a warp has none, below every token)
+    const int warps = blockDim.x >> 5;
+    int groups = blockDim.x;
+    if (count <= warps) {
+        groups = warps;
+        const float warp_best = warp_max(thread_max);
+        if ((threadIdx.x & 31) == 0) sh.candidates[threadIdx.x >> 5] = rank_key(keys.key(warp_best), threadIdx.x >> 5);
+    } else {
+        sh.candidates[threadIdx.x] = rank_key(keys.key(thread_max), threadIdx.x);
+    }
+    sort_descending(sh.candidates, groups);
+    const unsigned int floor_key = rank_order_key(sh.candidates[count - 1]);
+    refine(sh, raw, n, keys, floor_key, keys.key(keys.max), 0ull, 0ull, KIND_COUNT, (u64)(count - 1));
+    const u64 last = rank_key(sh.located.key, sh.located.id);
+    if (threadIdx.x == 0) sh.candidate_count = 0u;
+    __syncthreads();
+    for_each_value(raw, n, [&](int i, float v) {
+        const u64 rank = rank_key(keys.key(v), i);
+        if (rank >= last) {
+            const unsigned int slot = atomicAdd(&sh.candidate_count, 1u);
+            if (slot < MAX_CANDIDATES) sh.candidates[slot] = rank;
+        }
+    });
+    __syncthreads();
+    sort_descending(sh.candidates, count);
+    if ((int)threadIdx.x < count) {
+        const u64 rank = sh.candidates[threadIdx.x];
+        ids[threadIdx.x] = rank_id(rank);
+        values[threadIdx.x] = key_value(rank_order_key(rank));
+    }
 }

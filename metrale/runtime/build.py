@@ -41,17 +41,14 @@ def build_engine(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path |
         raise InvalidArgument(f"max_model_len={max_model_len} is over the model's max_position_embeddings="
                               f"{model_config.max_position_embeddings}")
     backend = create_backend(config.device, config.dtype, cache_dir or default_cache_dir())
-    if getattr(model_config, "is_encoder_decoder", False) and backend.device != "cpu":
-        raise InvalidArgument(f"{model_config.architecture} runs on the CPU backend so far (--device cpu); the CUDA "
-                              f"backend lacks its cross-attention (docs/encoder_decoder_cuda.md)")
-    backend.plan(_weight_bytes(checkpoint, model_config, max_model_len), _memory_shapes(model_config, config,
-                                                                                        max_model_len))
+    backend.plan(_weight_bytes(checkpoint, model_config, max_model_len, family.model_class),
+                 _memory_shapes(model_config, config, max_model_len))
     model = family.model_class(model_config, checkpoint.tensors, backend, max_model_len)
     num_blocks = config.kv_blocks or _blocks_that_fit(backend, model_config, config)
     kv_cache = backend.allocate_kv_cache(model_config.num_layers, num_blocks, config.kv_block_size,
                                          model_config.num_kv_heads, model_config.head_dim)
     engine = Engine(model, kv_cache, num_blocks, config, max_model_len)
-    backend.warm_up(engine.forward, config.cuda_graph_batch_sizes, max_model_len)
+    backend.warm_up(engine.forward, config.cuda_graph_batch_sizes, max_model_len, engine.limits.max_source_len)
     tokenizer = checkpoint.tokenizer
     eos = model_config.eos_token_ids or tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
     info = ModelInfo(model_id=checkpoint.source, architecture=model_config.architecture,
@@ -62,10 +59,12 @@ def build_engine(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path |
     return engine, info
 
 
-def _weight_bytes(checkpoint: Checkpoint, c, max_model_len: int) -> int:
-    """An upper bound: every checkpoint tensor in bf16 and rope tables in float32, each 256-byte aligned."""
+def _weight_bytes(checkpoint: Checkpoint, c, max_model_len: int, model_class: type) -> int:
+    """An upper bound: every checkpoint tensor in bf16, rope tables in float32, each 256-byte aligned, and what the
+    model uploads beside its checkpoint's tensors (model_class.extra_weight_bytes, where it has one)."""
     tensors = sum(2 * t.numel() + 256 for t in checkpoint.tensors.values())
-    return tensors + 2 * (4 * max_model_len * c.head_dim // 2 + 256)
+    extra = getattr(model_class, "extra_weight_bytes", lambda config: 0)(c)
+    return tensors + 2 * (4 * max_model_len * c.head_dim // 2 + 256) + extra
 
 
 def _memory_shapes(c, config: EngineConfig, max_model_len: int) -> MemoryShapes:

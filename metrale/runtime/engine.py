@@ -46,7 +46,8 @@ class Engine:
         encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
         self.limits = Limits(max_model_len, config.max_batch_tokens, config.kv_block_size, config.max_seqs,
                              model.config.decoder_start_token_id if encoder_decoder else None,
-                             model.config.max_position_embeddings if encoder_decoder else 0)
+                             # a source's cross-attention K/V take blocks as a sequence's self-attention K/V do
+                             min(model.config.max_position_embeddings, max_model_len) if encoder_decoder else 0)
         self._lock = threading.Lock()
         # Held around each forward where the backend cannot run two at once.
         self._forward_lock = contextlib.nullcontext() if model.ops.concurrent_forwards else threading.Lock()
@@ -155,8 +156,7 @@ class Engine:
         model = BeamModel(self._beam_forward, self._copy_kv, eos_token_ids, fill_token,
                           self._beam_encode if encoder_decoder else None,
                           config.decoder_start_token_id if encoder_decoder else None)
-        call = BeamCall(requests, self.limits, self.config.kv_block_size, model,
-                        config.max_position_embeddings if encoder_decoder else 0)
+        call = BeamCall(requests, self.limits, self.config.kv_block_size, model)
         pool = self._reserve_beam_blocks(call.blocks_needed())
         try:
             return call.run(pool, cancelled)
@@ -178,12 +178,12 @@ class Engine:
         with self._forward_lock:
             self.model.encode(build_batch(segments, self.config.kv_block_size), self.kv_cache)
 
-    def _beam_forward(self, segments: list[Segment]):
-        """float32 logits [len(segments), vocab] of the segments' last tokens, on the host."""
+    def _beam_forward(self, segments: list[Segment], banned: list[list[int]], count: int):
+        """The segments' last tokens' beam candidates (Ops.beam_candidates), on the host."""
         ops = self.model.ops
         batch = build_batch(segments, self.config.kv_block_size)
         with self._forward_lock:
-            return ops.host_logits(ops.run_forward(self.forward, batch))
+            return ops.beam_candidates(ops.run_forward(self.forward, batch), banned, count)
 
     def _copy_kv(self, copies: list[tuple[int, int, int]]) -> None:
         self.model.ops.copy_kv_prefixes(self.kv_cache, copies)

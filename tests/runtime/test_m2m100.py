@@ -17,9 +17,9 @@ from metrale.runtime.config import EngineConfig
 from metrale.runtime.errors import FailedPrecondition, InvalidArgument, OutOfKvBlocks, OutOfRange
 from metrale.runtime.loading import load_checkpoint
 from metrale.runtime.sequence import BlockTable
-from metrale.runtime.sampling import OutputOptions
 from metrale.runtime.step import DecodeLane, PrefillSlice, Step
 from beam_reference import FILL, assert_same, reference_hypotheses
+from gateway_loop import forced_then_greedy
 from tiny_models import load_m2m100_reference, write_tiny_m2m100
 
 SOURCES = [[5, 17, 99, 3, 42, 2], [7, 8, 150, 33, 61, 90, 14, 77, 101, 12, 2], [250, 2], [4, 66, 31] * 6 + [2]]
@@ -85,18 +85,8 @@ def test_prefill_and_decode_follow_transformers(models):
     then Decode a forced target-language token and the greedy tokens after it, two sequences batched, each
     step's logits against transformers' decoder over the same tokens."""
     engine, _, reference, _ = models
-    logits = OutputOptions(return_logits=True)
     sources = {1: SOURCES[1], 2: SOURCES[2]}
-    out = engine.step(Step(prefill=tuple(PrefillSlice(i, tuple(s), output=logits) for i, s in sources.items())))
-    decoded = {i: [START] for i in sources}
-    rows = {i: [o.logits] for i, o in zip(sources, out.outputs)}
-    next_tokens = {1: 200, 2: 201}                          # forced, as a target-language token would be
-    for _ in range(6):
-        out = engine.step(Step(decode=tuple(DecodeLane(i, next_tokens[i]) for i in sources)))
-        for o in out.outputs:
-            decoded[o.seq_id].append(next_tokens[o.seq_id])
-            rows[o.seq_id].append(o.logits)
-            next_tokens[o.seq_id] = o.token
+    decoded, rows, next_tokens = forced_then_greedy(engine, sources, {1: 200, 2: 201}, 6, START)
     for i, source in sources.items():
         with torch.no_grad():
             expected = reference(input_ids=torch.tensor([source]),

@@ -10,23 +10,15 @@ import tokenizers
 import transformers
 
 from metrale.runtime.beam.params import BeamParams
-from metrale.runtime.errors import InvalidArgument
 from metrale.v1 import worker_pb2 as pb
-from beam_reference import assert_same, reference_hypotheses
-from service_harness import start_worker
-from tiny_models import load_m2m100_reference, load_reference, write_tiny_m2m100
-
-
-# Where these tests skip: the CUDA backend (--worker-device cuda), whose beam-search and encoder-decoder ops are
-# written but stay off until checked on a GPU; there BeamGenerate answers FAILED_PRECONDITION (test_errors.py).
-NOT_ON_THIS_BACKEND = ("BeamGenerate and encoder-decoders stay off on the CUDA backend until its ops are checked on "
-                       "a GPU (docs/encoder_decoder_cuda.md); test_errors.py checks its FAILED_PRECONDITION")
+from beam_reference import check_hypotheses, load_references
+from service_harness import WORKER_DEVICE, start_worker
+from tiny_models import write_tiny_m2m100
 
 
 @pytest.fixture
 def llama(stub):
-    if not stub.Info(pb.InfoRequest()).supports_beam:
-        pytest.skip(NOT_ON_THIS_BACKEND)
+    assert stub.Info(pb.InfoRequest()).supports_beam
     return stub
 
 
@@ -36,7 +28,7 @@ def hypotheses(result) -> list[tuple[list[int], float]]:
 
 def test_a_batch_of_requests_matches_transformers(llama, tiny_llama_dir):
     stub = llama
-    reference = load_reference(tiny_llama_dir)
+    references = load_references(tiny_llama_dir, WORKER_DEVICE["device"])
     requests = [
         pb.BeamRequest(request_id=7, prompt_tokens=[5, 17, 99, 3], num_beams=4, max_new_tokens=12,
                        num_return_sequences=3, no_repeat_ngram_size=2),
@@ -50,8 +42,7 @@ def test_a_batch_of_requests_matches_transformers(llama, tiny_llama_dir):
     response = stub.BeamGenerate(pb.BeamGenerateRequest(requests=requests, stream=1))
     assert [r.request_id for r in response.results] == [7, 3, 11]
     for request, params, result in zip(requests, expected_params, response.results):
-        expected = reference_hypotheses(reference, list(request.prompt_tokens), params, (2,))
-        assert_same(hypotheses(result), expected)
+        check_hypotheses(hypotheses(result), references, list(request.prompt_tokens), params, (2,))
     info = stub.Info(pb.InfoRequest())
     assert info.free_kv_blocks == info.num_kv_blocks
 
@@ -122,11 +113,7 @@ def translator(tmp_path_factory):
     """A worker serving a tiny random M2M100 (NLLB's architecture) with an NLLB-style tokenizer.json."""
     directory = write_tiny_m2m100(tmp_path_factory.mktemp("m2m100") / "m2m100")
     nllb_style_tokenizer().save_pretrained(directory)
-    try:
-        running = start_worker(directory, max_model_len=64)
-    except InvalidArgument as refused:          # the CUDA backend: refused at load, by name
-        assert "CPU backend" in str(refused)
-        pytest.skip(NOT_ON_THIS_BACKEND)
+    running = start_worker(directory, max_model_len=64)
     yield running, directory
     running.stop()
 
@@ -139,12 +126,11 @@ def test_an_encoder_decoder_translates_as_transformers_does(translator):
                                max_new_tokens=10, num_return_sequences=2),
                 pb.BeamRequest(request_id=2, src_tokens=[7, 8, 2], num_beams=3, max_new_tokens=6)]
     response = worker.stub.BeamGenerate(pb.BeamGenerateRequest(requests=requests))
-    reference = load_m2m100_reference(directory)
+    references = load_references(directory, WORKER_DEVICE["device"], encoder_decoder=True)
     for request, result, params in zip(requests, response.results,
                                        (BeamParams(4, 10, num_return_sequences=2), BeamParams(3, 6))):
-        expected = reference_hypotheses(reference, [2, *request.decoder_prefix], params, (2,),
-                                        source=list(request.src_tokens))
-        assert_same(hypotheses(result), expected)
+        check_hypotheses(hypotheses(result), references, [2, *request.decoder_prefix], params, (2,),
+                         source=list(request.src_tokens))
     # What an encoder-decoder cannot take says so and changes nothing: a decoder-only prompt, a chunked source.
     chunked = pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=1, tokens=[5], is_last_chunk=False)])
     for call, request, code in [

@@ -181,9 +181,7 @@ def test_second_concurrent_step_on_a_sequence_is_aborted(stub):
     assert ours.tokens == theirs.tokens
 
 
-def test_models_without_beam_or_tokenizer_say_so(stub):
-    if not stub.Info(pb.InfoRequest()).supports_beam:    # the CUDA backend, so far
-        expect(grpc.StatusCode.FAILED_PRECONDITION, stub.BeamGenerate, pb.BeamGenerateRequest(), "beam")
+def test_models_without_a_tokenizer_say_so(stub):
     expect(grpc.StatusCode.FAILED_PRECONDITION, stub.Tokenize, pb.TokenizeRequest(text="hi"), "tokenizer")
     expect(grpc.StatusCode.NOT_FOUND, stub.NormalizeSsmStates, pb.NormalizeSsmStatesRequest(seq_ids=[4242]), "4242")
     assert not stub.PrefillTailSplit(pb.PrefillTailSplitRequest(tokens=[1, 2, 3])).HasField("split")

@@ -1,5 +1,6 @@
 """The CPU backend: the ops of ops.py in plain torch. Development, CI and the embedded default model."""
 
+import math
 import os
 
 import torch
@@ -32,8 +33,15 @@ class CpuBackend:
     def synchronize(self) -> None:
         """The CPU ops are done when they return."""
 
-    def host_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits.float()
+    def beam_candidates(self, logits: torch.Tensor, banned: list[list[int]], count: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        log_probs = torch.log_softmax(logits.float(), dim=-1)
+        vocab = log_probs.shape[-1]
+        for row, ids in enumerate(banned):
+            inside = [i for i in ids if 0 <= i < vocab]
+            if inside:
+                log_probs[row, inside] = -math.inf
+        return torch.topk(log_probs, k=min(count, vocab), dim=-1)
 
     def copy_kv_prefixes(self, kv_cache: list, copies: list[tuple[int, int, int]]) -> None:
         for kv in kv_cache:      # [2, num_blocks, kv_block_size, num_kv_heads, head_dim]
@@ -55,6 +63,12 @@ class CpuBackend:
 
     def prepare(self, batch: ForwardBatch, cross: bool = False) -> "CpuBatch":
         return CpuBatch.from_batch(batch)
+
+    def device_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids
+
+    def fairseq_position_ids(self, batch: "CpuBatch", padding_idx: int) -> torch.Tensor:
+        return torch.where(batch.token_ids == padding_idx, padding_idx, batch.positions + 1 + padding_idx)
 
     def embedding(self, table, token_ids):
         return F.embedding(token_ids, table)
@@ -124,7 +138,7 @@ class CpuBackend:
     def logits(self, x, lm_head):
         return F.linear(x, lm_head).float()
 
-    def warm_up(self, forward, graph_batch_sizes, max_context) -> None:
+    def warm_up(self, forward, graph_batch_sizes, max_context, max_source_len=0) -> None:
         """Nothing to capture on the CPU."""
 
     def run_forward(self, forward, batch):

@@ -56,11 +56,14 @@ class Ops(Protocol):
         thread calls it once, at its start; a thread that never does runs on lane 0. A backend that keeps state per
         lane raises InvalidArgument for a lane out of range."""
 
-    # Whether beam search runs here (BeamGenerate): it needs host_logits and copy_kv_prefixes.
+    # Whether beam search runs here (BeamGenerate): it needs beam_candidates and copy_kv_prefixes.
     supports_beam: bool
 
-    def host_logits(self, logits: Tensor) -> torch.Tensor:
-        """Logits rows as float32 on the host (beam search reads whole rows)."""
+    def beam_candidates(self, logits: Tensor, banned: list[list[int]], count: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Beam search's candidates, on the host: for each logits row, log_softmax in float32, its banned ids
+        (transformers' processors) at -inf, then the `count` best: values [N, count] float32 and ids [N, count]
+        int64, best first. The logits may be overwritten."""
 
     def copy_kv_prefixes(self, kv_cache: list, copies: list[tuple[int, int, int]]) -> None:
         """For each (src block, dst block, n): the first n slots of src's K and V, in every layer, into dst."""
@@ -100,6 +103,14 @@ class Ops(Protocol):
         """K and V rows [T, kv_heads * head_dim] into the paged cache at the batch's slots (no rotation): an
         encoder-decoder's cross-attention K/V."""
 
+    def device_ids(self, ids: torch.Tensor) -> Tensor:
+        """Host int64 ids [T] as an index tensor of this forward for embedding() (a model's own position ids)."""
+
+    def fairseq_position_ids(self, batch: PreparedBatch, padding_idx: int) -> Tensor:
+        """For a batch of one-token segments, M2M100's position ids as transformers counts them from the cached
+        length: padding_idx where the token is padding_idx, else position + 1 + padding_idx. From the batch's
+        own metadata, so a decode graph can capture it."""
+
     def relu(self, x: Tensor) -> Tensor:
         """max(x, 0), elementwise."""
 
@@ -129,8 +140,10 @@ class Ops(Protocol):
         """x [N, hidden] @ lm_head[vocab, hidden].T -> [N, vocab] float32."""
 
     def warm_up(self, forward: Callable[[ForwardBatch], Tensor], graph_batch_sizes: tuple[int, ...],
-                max_context: int) -> None:
-        """Done once the KV pool exists: capture what will be replayed (decode graphs), compile what is lazy."""
+                max_context: int, max_source_len: int = 0) -> None:
+        """Done once the KV pool exists: capture what will be replayed (decode graphs), compile what is lazy.
+        max_source_len > 0: an encoder-decoder, whose every decode step has a cross-attention batch over sources
+        of up to that many tokens."""
 
     def run_forward(self, forward: Callable[[ForwardBatch], Tensor], batch: ForwardBatch) -> Tensor:
         """forward(batch): logits [N, vocab] float32 in the backend's memory; a backend may replay a graph."""

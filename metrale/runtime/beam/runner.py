@@ -8,15 +8,16 @@ the end, whatever happens. Beams share the blocks of their common prefix by refe
 partly filled last block each append a token to it, all but one get a copy of the block's filled part first.
 """
 
+import collections
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from metrale.runtime.batch import Segment, build_batch
-from metrale.runtime.beam.params import BeamRequest
+from metrale.runtime.batch import Segment
+from metrale.runtime.beam.params import MAX_CANDIDATES, BeamRequest
 from metrale.runtime.beam.search import BeamGroup
-from metrale.runtime.errors import BatchTooLarge, Cancelled, OutOfRange
+from metrale.runtime.errors import BatchTooLarge, Cancelled, InvalidArgument, OutOfRange
 from metrale.runtime.kv_blocks import KvBlockManager, blocks_for
 from metrale.runtime.planner import Limits
 from metrale.runtime.sequence import BlockTable
@@ -39,9 +40,9 @@ class _Request:
     cross_blocks: list[int] | None = None
     source_len: int = 0
 
-    @property
-    def cross(self) -> tuple[BlockTable, int] | None:
-        return None if self.cross_blocks is None else (BlockTable(self.cross_blocks), self.source_len)
+    def __post_init__(self):
+        # What each of its beams' segments carries (built once: the blocks never change).
+        self.cross = None if self.cross_blocks is None else (BlockTable(self.cross_blocks), self.source_len)
 
 
 @dataclass
@@ -53,11 +54,11 @@ class _Group:
 
 @dataclass(frozen=True)
 class BeamModel:
-    """What a call needs of the model, given by the engine. forward(segments): float32 logits rows on the host;
-    copy_kv(copies): (src block, dst block, tokens) KV copies; encode(segments): the encoder over source segments,
+    """What a call needs of the model, given by the engine. forward(segments, banned, count): the segments' last
+    rows' beam candidates on the host (Ops.beam_candidates: values and ids [len(segments), count]); copy_kv(copies): (src block, dst block, tokens) KV copies; encode(segments): the encoder over source segments,
     writing their cross-attention K/V into the segments' blocks, and decoder_start the decoder's first token, for
     encoder-decoder models (None for decoder-only ones)."""
-    forward: Callable[[list[Segment]], torch.Tensor]
+    forward: Callable[[list[Segment], list[list[int]], int], tuple[torch.Tensor, torch.Tensor]]
     copy_kv: Callable[[list], None]
     eos_token_ids: tuple[int, ...]
     fill_token: int
@@ -85,22 +86,21 @@ def blocks_needed(request: BeamRequest, prompt_len: int, block_size: int) -> int
 class BeamCall:
     """One call's beam searches, run by run() over a reservation of blocks."""
 
-    def __init__(self, requests: list[BeamRequest], limits: Limits, block_size: int, model: BeamModel,
-                 max_source_len: int):
+    def __init__(self, requests: list[BeamRequest], limits: Limits, block_size: int, model: BeamModel):
         self.requests, self.limits, self.block_size, self.model = requests, limits, block_size, model
         self.prompts = [decoder_prompt(r, model) for r in requests]
-        self._check_limits(max_source_len)
+        self._check_limits(limits.max_source_len)
 
     def run(self, pool: KvBlockManager, cancelled: Callable[[], bool]) -> list[BeamResult]:
-        groups, logits = self._prefill(pool, self._encode(pool))
+        groups, candidates = self._prefill(pool, self._encode(pool))
         results: dict[int, BeamResult] = {}
         while groups:
             if cancelled():
                 raise Cancelled()
             searching = []
-            for group, rows in zip(groups, logits):
-                parents, done = group.search.step(rows)
-                going = []
+            for group, (values, ids) in zip(groups, candidates):
+                parents, done = group.search.step(values, ids)
+                positions, going = (group.search.cur_len - 1).tolist(), []
                 for i, member in enumerate(group.members):
                     if done[i]:
                         for blocks in member.beams + ([member.cross_blocks] if member.cross_blocks else []):
@@ -108,7 +108,7 @@ class BeamCall:
                         results[member.request.request_id] = BeamResult(member.request.request_id,
                                                                         group.search.hypotheses(i))
                     else:
-                        self._fork(pool, member, parents[i].tolist(), int(group.search.cur_len[i]) - 1)
+                        self._fork(pool, member, parents[i].tolist(), positions[i])
                         going.append(i)
                 if going:
                     if len(going) < len(group.members):
@@ -117,7 +117,7 @@ class BeamCall:
                     searching.append(group)
             groups = searching
             if groups:
-                logits = self._decode(groups)
+                candidates = self._decode(groups)
         return [results[r.request_id] for r in self.requests]
 
     def _check_limits(self, max_source_len: int) -> None:
@@ -132,6 +132,12 @@ class BeamCall:
                                  f"{max_source_len} positions")
             if len(prompt) > limits.max_batch_tokens:
                 raise BatchTooLarge(len(prompt), limits.max_batch_tokens)
+        for r in self.requests:
+            keep = max(2, 1 + len(self.model.eos_token_ids)) * r.params.num_beams
+            if keep > MAX_CANDIDATES:
+                raise InvalidArgument(f"request_id {r.request_id}: num_beams={r.params.num_beams} with "
+                                      f"{len(self.model.eos_token_ids)} EOS ids keeps {keep} continuations a step, "
+                                      f"over {MAX_CANDIDATES}")
         sources = sum(len(r.src_tokens) for r in self.requests)
         if sources > limits.max_batch_tokens:
             raise BatchTooLarge(sources, limits.max_batch_tokens)
@@ -152,47 +158,56 @@ class BeamCall:
                            for r, blocks in zip(self.requests, cross)])
         return cross
 
-    def _prefill(self, pool: KvBlockManager, cross: list[list[int] | None]) -> tuple[list[_Group], list[torch.Tensor]]:
-        """Every prompt once; each request starts with num_beams beams on the prompt's blocks and its last logits
-        row repeated (transformers runs num_beams copies of the prompt: the same rows). Requests are grouped by
-        num_beams, in call order."""
-        members, rows = [], []
-        pending: list[tuple[list[int], list[int], _Request]] = []
-        budget, m = self.limits.max_batch_tokens, self.model
+    def _prefill(self, pool: KvBlockManager, cross: list[list[int] | None]) -> tuple[list[_Group], list]:
+        """Every prompt once; each request starts with num_beams beams on the prompt's blocks and its last row's
+        candidates repeated (transformers runs num_beams copies of the prompt: the same rows). Requests are
+        grouped by num_beams, in call order."""
+        by_beams: dict[int, list[int]] = {}
+        for i, r in enumerate(self.requests):
+            by_beams.setdefault(r.params.num_beams, []).append(i)
+        m, members = self.model, []
+        searches = [(BeamGroup([self.requests[i].params for i in indices], [self.prompts[i] for i in indices],
+                               m.eos_token_ids, m.fill_token), indices) for indices in by_beams.values()]
+        # Every beam of a request holds the same tokens at the start: its first beam's bans are all of theirs.
+        banned = [None] * len(self.requests)
+        for search, indices in searches:
+            for i, beams in zip(indices, search.banned_tokens()):
+                banned[i] = beams[0]
+        count = max(search.keep for search, _ in searches)
+        values, ids, pending = [], [], []
 
         def flush():
-            rows.extend(m.forward([Segment(BlockTable(blocks), 0, prompt, True, member.cross)
-                                   for prompt, blocks, member in pending]))
+            v, t = m.forward([Segment(BlockTable(blocks), 0, prompt, True, member.cross)
+                              for prompt, blocks, member, _ in pending], [b for _, _, _, b in pending], count)
+            values.extend(v)
+            ids.extend(t)
             pending.clear()
 
-        for r, prompt, cross_blocks in zip(self.requests, self.prompts, cross):
-            if pending and sum(len(p) for p, _, _ in pending) + len(prompt) > budget:
+        for r, prompt, cross_blocks, bans in zip(self.requests, self.prompts, cross, banned):
+            if pending and sum(len(p) for p, _, _, _ in pending) + len(prompt) > self.limits.max_batch_tokens:
                 flush()
             blocks = pool.allocate(blocks_for(len(prompt), self.block_size))
             pool.share(blocks * (r.params.num_beams - 1))
             members.append(_Request(r, [blocks] * r.params.num_beams, cross_blocks, len(r.src_tokens)))
-            pending.append((prompt, blocks, members[-1]))
+            pending.append((prompt, blocks, members[-1], bans))
         flush()
-        by_beams: dict[int, list[int]] = {}
-        for i, r in enumerate(self.requests):
-            by_beams.setdefault(r.params.num_beams, []).append(i)
-        groups, logits = [], []
-        for k, indices in by_beams.items():
-            search = BeamGroup([self.requests[i].params for i in indices], [self.prompts[i] for i in indices],
-                               m.eos_token_ids, m.fill_token)
-            groups.append(_Group(search, [members[i] for i in indices]))
-            logits.append(torch.stack([rows[i] for i in indices])[:, None].expand(-1, k, -1))
-        return groups, logits
+        groups = [_Group(search, [members[i] for i in indices]) for search, indices in searches]
+        candidates = [tuple(torch.stack([rows[i] for i in indices])[:, None].expand(-1, search.num_beams, -1)
+                            for rows in (values, ids)) for search, indices in searches]
+        return groups, candidates
 
     def _fork(self, pool: KvBlockManager, member: _Request, parents: list[int], position: int) -> None:
         """The new running beams' blocks: each continues its parent's, and gets a block of its own where it writes
         its new token (at `position`) into a block another beam also holds, or starts a new one."""
         index, offset = divmod(position, self.block_size)
         children = [list(member.beams[p]) for p in parents]
-        for blocks in children:
-            pool.share(blocks)
-        for blocks in member.beams:
-            pool.free(blocks)
+        # Each beam's blocks gain a holder per child beyond the first, or lose the beam's hold if it has none.
+        counts = collections.Counter(parents)
+        for p, blocks in enumerate(member.beams):
+            if p not in counts:
+                pool.free(blocks)
+            elif counts[p] > 1:
+                pool.share(blocks * (counts[p] - 1))
         copies = []
         for blocks in children:
             if offset == 0:
@@ -206,19 +221,20 @@ class BeamCall:
             self.model.copy_kv(copies)
         member.beams = children
 
-    def _decode(self, groups: list[_Group]) -> list[torch.Tensor]:
-        """One forward over every running beam; logits [requests, beams, vocab] per group."""
-        segments = []
+    def _decode(self, groups: list[_Group]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One forward over every running beam; candidates (values, ids) [requests, beams, count] per group."""
+        segments, banned = [], []
         for group in groups:
             tokens, positions = group.search.last_tokens().tolist(), (group.search.cur_len - 1).tolist()
-            for member, row, position in zip(group.members, tokens, positions):
+            for member, row, position, bans in zip(group.members, tokens, positions, group.search.banned_tokens()):
                 cross = member.cross
                 segments.extend(Segment(BlockTable(blocks), position, (token,), True, cross)
                                 for blocks, token in zip(member.beams, row))
-        logits = self.model.forward(segments)
+                banned.extend(bans)
+        values, ids = self.model.forward(segments, banned, max(group.search.keep for group in groups))
         out, start = [], 0
         for group in groups:
             n, k = len(group.members), group.search.num_beams
-            out.append(logits[start:start + n * k].view(n, k, -1))
+            out.append((values[start:start + n * k].view(n, k, -1), ids[start:start + n * k].view(n, k, -1)))
             start += n * k
         return out

@@ -3,20 +3,24 @@
 `generate(num_beams=...)` returns for each request.
 
 Per step, from the running beams' logits: log-softmax, the logits processors (no_repeat_ngram_size,
-min_new_tokens), add each beam's running score, keep the best max(2, 1 + #eos) x num_beams continuations
-over all beams; the best num_beams of those that did not stop (EOS or max_length) run on, and those that did
+min_new_tokens: banned_tokens() lists what they set to -inf), add each beam's running score, keep the best
+max(2, 1 + #eos) x num_beams continuations over all beams; the best num_beams of those that did not stop (EOS
+or max_length) run on, and those that did
 stop among the first num_beams compete with the finished hypotheses, scored with the length penalty. A request's
 search ends when no running beam can improve on its finished ones (transformers' heuristic, which depends on
 early_stopping), when early_stopping is TRUE and num_beams hypotheses are finished, or when every continuation
 stopped; it then leaves the group (in transformers its hypotheses stop changing at that point).
+
+The vocabulary-wide part, log-softmax, the bans and each beam's own best `keep` continuations, is the backend's
+(Ops.beam_candidates, on the device where there is one): the best `keep` over all of a request's beams are among
+its beams' own best `keep` each, and a running score added to a beam's candidates keeps their order. So step()
+takes those candidates, and adds the running scores to the same float32 log-probabilities transformers does.
 
 Requests run as rows of [requests, beams, ...] tensors: the arithmetic is transformers' elementwise and
 per-row (float32, the -1e9 offsets, length penalties computed in double and applied in float32, top-k over a
 row), so equal logits give equal scores, bit for bit, whatever else is in the group. num_beams=1 is greedy search,
 as in transformers.
 """
-
-import math
 
 import torch
 
@@ -64,18 +68,18 @@ class BeamGroup:
         """[requests, beams] each running beam's newest token."""
         return self.running.gather(2, (self.cur_len - 1)[:, None, None].expand(-1, self.num_beams, 1))[..., 0]
 
-    def step(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits [requests, beams, vocab] of the running beams' last tokens. Returns, for each request's new
-        running beams, the index of the beam each continues ([requests, beams]; their tokens: last_tokens()),
-        and which requests' searches ended ([requests] bool)."""
+    def step(self, values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """values, ids [requests, beams, >= keep]: each running beam's best continuations (Ops.beam_candidates
+        over its logits with banned_tokens() banned), best first. Returns, for each request's new running beams,
+        the index of the beam each continues ([requests, beams]; their tokens: last_tokens()), and which
+        requests' searches ended ([requests] bool)."""
         if self.num_beams == 1:
-            return self._greedy_step(logits)
+            return self._greedy_step(values[:, :, 0], ids[:, :, 0])
         rows, k, cur = len(self.params), self.num_beams, self.cur_len
-        log_probs = self._process(torch.log_softmax(logits.float(), dim=-1))
-        vocab = log_probs.shape[-1]
-        log_probs = (log_probs + self.running_scores[:, :, None]).reshape(rows, -1)
-        top_log_probs, top_indices = torch.topk(log_probs, k=self.keep)
-        top_beams, top_ids = top_indices // vocab, top_indices % vocab
+        scores = (values[:, :, :self.keep] + self.running_scores[:, :, None]).reshape(rows, -1)
+        top_log_probs, top_indices = torch.topk(scores, k=self.keep)
+        top_beams = top_indices // self.keep
+        top_ids = ids[:, :, :self.keep].reshape(rows, -1).gather(1, top_indices)
         top_sequences = self.running.gather(1, top_beams[:, :, None].expand(-1, -1, self.running.shape[2])).clone()
         top_sequences.scatter_(2, cur[:, None, None].expand(-1, self.keep, 1), top_ids[:, :, None])
         stops = torch.isin(top_ids, self.eos) | (cur + 1 >= self.max_length)[:, None]
@@ -122,12 +126,31 @@ class BeamGroup:
                      "finished", "improvable"):
             setattr(self, name, getattr(self, name)[index])
 
-    def _greedy_step(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def banned_tokens(self) -> list[list[list[int]]]:
+        """[requests][beams] the ids transformers' NoRepeatNGramLogitsProcessor and MinNewTokensLengthLogitsProcessor
+        set to -inf in each running beam's next log-probabilities."""
+        if all(p.no_repeat_ngram_size == 0 and self.steps >= p.min_new_tokens for p in self.params):
+            return [[[] for _ in range(self.num_beams)] for _ in self.params]
+        out = []
+        for row, p in enumerate(self.params):
+            n, cur = p.no_repeat_ngram_size, int(self.cur_len[row])
+            beams = [[] for _ in range(self.num_beams)]
+            if n > 0 and cur >= n:
+                tokens = self.running[row, :, :cur]
+                windows = tokens.unfold(dimension=1, size=n, step=1)       # [beams, windows, n]
+                matches = (windows[..., :-1] == tokens[:, None, cur + 1 - n:]).all(dim=-1)
+                beams = [windows[b, :, -1][matches[b]].tolist() for b in range(self.num_beams)]
+            if self.steps < p.min_new_tokens:
+                for banned in beams:
+                    banned.extend(self.eos.tolist())
+            out.append(beams)
+        return out
+
+    def _greedy_step(self, log_probs: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """num_beams=1 is greedy search, as in transformers' generate: the best token after the processors, until
-        EOS or max_new_tokens. Its score is its tokens' summed log-probability over length ** length_penalty."""
-        log_probs = torch.log_softmax(logits.float(), dim=-1)             # [requests, 1, vocab]
-        tokens = torch.argmax(self._process(log_probs), dim=-1)            # [requests, 1]
-        self.running_scores += log_probs.gather(2, tokens[:, :, None])[..., 0]
+        EOS or max_new_tokens. Its score is its tokens' summed log-probability over length ** length_penalty.
+        log_probs, tokens [requests, 1]: each request's best candidate."""
+        self.running_scores += log_probs
         self.running.scatter_(2, self.cur_len[:, None, None], tokens[:, :, None])
         self.steps += 1
         done = torch.isin(tokens[:, 0], self.eos) | (self.cur_len >= self.max_length)
@@ -135,30 +158,12 @@ class BeamGroup:
         self.scores = self._penalized(self.running_scores, [self.steps] * len(self.params))
         return torch.zeros_like(tokens), done
 
-    def _process(self, log_probs: torch.Tensor) -> torch.Tensor:
-        """transformers' NoRepeatNGramLogitsProcessor and MinNewTokensLengthLogitsProcessor, in that order, per
-        request (log_probs [requests, beams, vocab])."""
-        vocab = log_probs.shape[-1]
-        for row, p in enumerate(self.params):
-            n, cur = p.no_repeat_ngram_size, int(self.cur_len[row])
-            if n > 0 and cur >= n:
-                tokens = self.running[row, :, :cur]
-                prefix = tokens[:, cur + 1 - n:]
-                windows = tokens.unfold(dimension=1, size=n, step=1)
-                matches = (windows[..., :-1] == prefix.unsqueeze(1)).all(dim=-1)
-                banned = log_probs.new_zeros((tokens.shape[0], vocab + 1), dtype=torch.bool)
-                banned.scatter_(1, torch.where(matches, windows[..., -1].clamp(max=vocab), vocab), True)
-                log_probs[row] = log_probs[row].masked_fill(banned[:, :vocab], -math.inf)
-        short = torch.tensor([self.steps < p.min_new_tokens for p in self.params])
-        if short.any() and self.eos.numel():
-            is_eos = torch.isin(torch.arange(vocab), self.eos)
-            log_probs = torch.where(short[:, None, None] & is_eos, -math.inf, log_probs)
-        return log_probs
-
     def _penalized(self, values: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        """values [requests, n] / length ** length_penalty, row by row with the divisor a Python float, exactly as
-        transformers divides (a float32 tensor by a double scalar)."""
-        return torch.stack([row / (length ** p.length_penalty) for row, length, p in zip(values, lengths, self.params)])
+        """values [requests, n] / length ** length_penalty, as transformers divides (a float32 tensor by a double
+        scalar, which torch rounds to float32 first): each row's divisor a Python float, then float32."""
+        divisors = torch.tensor([length ** p.length_penalty for length, p in zip(lengths, self.params)],
+                                dtype=torch.float64).to(values.dtype)
+        return values / divisors[:, None]
 
     def _can_improve(self) -> torch.Tensor:
         """transformers' early-stop heuristic, per request: could the best running beam still beat the worst

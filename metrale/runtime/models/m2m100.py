@@ -98,6 +98,12 @@ class M2M100ForConditionalGeneration:
         self.no_rope = RopeTable(ops.upload_float32(torch.ones(max_model_len, half)),
                                  ops.upload_float32(torch.zeros(max_model_len, half)))
 
+    @staticmethod
+    def extra_weight_bytes(c: M2M100Config) -> int:
+        """Beside the checkpoint's tensors: the shared embedding a second time (scaled for the input, unscaled as
+        the LM head) and the sinusoidal position table, in bf16, 256-byte aligned."""
+        return 2 * c.vocab_size * c.hidden_size + 2 * (c.max_position_embeddings + 2) * c.hidden_size + 512
+
     def encode(self, batch: ForwardBatch, kv_cache: list) -> None:
         """The encoder over every source of the batch (one segment each, from position 0, over the source's cross
         blocks); each decoder layer's cross-attention K/V of its states go into those blocks, where the decoder's
@@ -106,7 +112,8 @@ class M2M100ForConditionalGeneration:
         causal limit, so the encoder needs no attention op of its own and no memory beyond the blocks."""
         ops, c, w = self.ops, self.config, self.weights
         meta = ops.prepare(batch)
-        x, residual = ops.embedding(w["embed"], meta.token_ids), ops.embedding(self.positions, self._positions(batch))
+        x = ops.embedding(w["embed"], meta.token_ids)
+        residual = ops.embedding(self.positions, ops.device_ids(self._positions(batch)))
         head_dim = c.hidden_size // c.num_encoder_heads
         for i, layer in enumerate(w["encoder"]):
             h, residual = ops.layer_norm(x, *layer["self_attn_layer_norm"], c.layer_norm_eps, residual)
@@ -130,7 +137,11 @@ class M2M100ForConditionalGeneration:
         if batch.cross is None:
             raise InvalidArgument("an encoder-decoder forward needs its sources' cross-attention blocks")
         meta, cross = ops.prepare(batch), ops.prepare(batch.cross, cross=True)
-        x, residual = ops.embedding(w["embed"], meta.token_ids), ops.embedding(self.positions, self._positions(batch))
+        if all(n == 1 for n in batch.query_lens):     # decode rows: from the device metadata (a graph captures it)
+            positions = ops.fairseq_position_ids(meta, c.pad_token_id)
+        else:
+            positions = ops.device_ids(self._positions(batch))
+        x, residual = ops.embedding(w["embed"], meta.token_ids), ops.embedding(self.positions, positions)
         scale = c.head_dim ** -0.5
         for layer, kv in zip(w["decoder"], kv_cache):
             h, residual = ops.layer_norm(x, *layer["self_attn_layer_norm"], c.layer_norm_eps, residual)

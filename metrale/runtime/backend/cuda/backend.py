@@ -35,8 +35,7 @@ class CudaBackend:
     dtype = torch.bfloat16
     # Each lane has its own stream and buffers; the weights are only read, and lanes never share a sequence.
     concurrent_forwards = True
-    # BeamGenerate on CUDA: its ops (host_logits, copy_kv_prefixes) are written but not yet checked on a GPU.
-    supports_beam = False
+    supports_beam = True
 
     def __init__(self, cache_dir: Path, dtype: str = "auto"):
         if dtype not in ("auto", "bfloat16"):
@@ -114,7 +113,7 @@ class CudaBackend:
     def last_device_ms(self) -> float | None:
         return self._bound.lane.last_device_ms()
 
-    def warm_up(self, forward, batch_sizes: tuple[int, ...], max_context: int) -> None:
+    def warm_up(self, forward, batch_sizes: tuple[int, ...], max_context: int, max_source_len: int = 0) -> None:
         """Captures every lane's decode buckets now, each over that lane's buffers and stream, so serving never
         captures. The calling thread is bound to each lane in turn: forward's ops run on the caller's lane."""
         usable = tuple(b for b in batch_sizes if b <= min(self.shapes.max_seqs, self.shapes.max_batch_tokens))
@@ -124,7 +123,7 @@ class CudaBackend:
         try:
             for lane in self.lanes:
                 self._bound.lane = lane
-                lane.graphs = DecodeGraphs(lane, usable, max_context)
+                lane.graphs = DecodeGraphs(lane, usable, max_context, max_source_len)
                 lane.graphs.capture_all(forward)
         finally:
             self._bound.lane = caller
@@ -150,8 +149,22 @@ class CudaBackend:
     def write_kv(self, k, v, batch: CudaBatch, kv):
         kernels.rope_kv.write_kv(self.lib, self._bound.lane.stream, k, v, batch.slot_mapping, kv)
 
-    def host_logits(self, logits: DeviceTensor) -> torch.Tensor:
-        return torch.from_numpy(self._bound.lane.copy_to_host(logits))
+    def beam_candidates(self, logits: DeviceTensor, banned: list[list[int]], count: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._bound.lane.beam_candidates(logits, banned, count)
+
+    def fairseq_position_ids(self, batch: CudaBatch, padding_idx: int) -> DeviceTensor:
+        lane = self._bound.lane
+        out = lane.ring.take((batch.num_tokens,), "int32")
+        kernels.embedding.fairseq_position_ids(self.lib, lane.stream, out, batch.token_ids, batch.positions,
+                                               padding_idx)
+        return out
+
+    def device_ids(self, ids: torch.Tensor) -> DeviceTensor:
+        lane = self._bound.lane
+        out = lane.ring.take((ids.shape[0],), "int32")
+        lane.copy_to_device(out, ids.numpy().astype(np.int32))
+        return out
 
     def copy_kv_prefixes(self, kv_cache: list, copies: list[tuple[int, int, int]]) -> None:
         lane = self._bound.lane

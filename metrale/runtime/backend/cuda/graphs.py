@@ -4,9 +4,11 @@ new inputs.
 A decode forward is a fixed sequence of launches once its shapes are fixed: the batch is padded to its
 bucket with lanes that read and write nothing (context 0, KV slot -1), the metadata is copied into the same
 region with the same layout, the activation workspace is reset to the same addresses, and attention is
-planned for max_model_len so its split count does not depend on the lanes' contexts.
+planned for max_model_len so its split count does not depend on the lanes' contexts. An encoder-decoder's
+graphs hold its cross-attention batch too, padded alike in its own region and planned for the longest source.
 """
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -18,10 +20,11 @@ from metrale.runtime.batch import ForwardBatch
 class DecodeGraphs:
     """One stream lane's graphs: captured over its buffers, launched on its stream."""
 
-    def __init__(self, lane, batch_sizes: tuple[int, ...], max_context: int):
+    def __init__(self, lane, batch_sizes: tuple[int, ...], max_context: int, max_source_len: int = 0):
+        """max_source_len > 0: an encoder-decoder's graphs, each step with its cross-attention batch."""
         self.lane = lane
         self.batch_sizes = tuple(sorted(batch_sizes))
-        self.max_context = max_context
+        self.max_context, self.max_source_len = max_context, max_source_len
         self._graphs: dict[int, tuple[object, DeviceTensor]] = {}
         self.replays = 0
 
@@ -29,7 +32,7 @@ class DecodeGraphs:
         """The graph size a forward fits, or None: not a pure decode step, or larger than every bucket."""
         if any(n != 1 for n in batch.query_lens) or len(batch.sample_rows) != batch.num_tokens:
             return None
-        if batch.cross is not None:      # an encoder-decoder's step: a second batch the graphs do not capture
+        if (batch.cross is not None) != (self.max_source_len > 0):
             return None
         return next((size for size in self.batch_sizes if size >= batch.num_tokens), None)
 
@@ -48,16 +51,22 @@ class DecodeGraphs:
         captured with padding lanes only."""
         empty = ForwardBatch(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
                              torch.zeros(0, dtype=torch.int64), [], [], [], [], torch.zeros(0, dtype=torch.int64))
+        if self.max_source_len:
+            empty.cross = dataclasses.replace(empty)
         for size in self.batch_sizes:
             if size not in self._graphs:
                 self._graphs[size] = self._capture(forward, empty, self._prepare(empty, size))
 
-    def _prepare(self, batch: ForwardBatch, size: int):
-        """The batch's metadata padded to `size` lanes, attention planned for max_context (not the lanes' own
-        contexts), so the captured launches fit every replay."""
+    def _prepare(self, batch: ForwardBatch, size: int) -> tuple:
+        """The batch's metadata (and its cross batch's) padded to `size` lanes, attention planned for max_context
+        and max_source_len (not the lanes' own contexts), so the captured launches fit every replay."""
         prepared = self.lane.prepare(batch, pad_to=size)
         prepared.max_decode_context = self.max_context
-        return prepared
+        if batch.cross is None:
+            return prepared, None
+        cross = self.lane.prepare(batch.cross, pad_to=size, cross=True)
+        cross.max_decode_context = self.max_source_len
+        return prepared, cross
 
     def _capture(self, forward: Callable, batch: ForwardBatch, prepared) -> tuple[object, DeviceTensor]:
         """The graph of forward(batch) over `prepared` (the batch padded to its bucket), and its logits."""
@@ -65,7 +74,7 @@ class DecodeGraphs:
         stream.sync()
         builder = stream.create_graph_builder()
         builder.begin_building("thread_local")
-        with self.lane.reuse_prepared(prepared):
+        with self.lane.reuse_prepared(*prepared):
             logits = forward(batch)
         builder.end_building()
         graph = builder.complete()

@@ -6,6 +6,7 @@ import contextlib
 import threading
 
 import numpy as np
+import torch
 from cuda.core import EventOptions, StreamOptions
 
 from metrale.runtime.backend.cuda import kernels
@@ -39,7 +40,9 @@ def lane_buffers(lib, shapes: MemoryShapes) -> Buffers:
         shapes.max_blocks_per_seq * shapes.kv_block_size)
     return {
         "workspace": ((WORKSPACE_LAYERS * per_layer + 4 * t * shapes.hidden * 2,), "uint8"),
-        "logits": ((seqs, shapes.vocab), "float32"),
+        # Rows padded to 16 bytes: the LM head's GEMM output needs an aligned row stride (NLLB's vocabulary is
+        # 256206).
+        "logits": ((seqs, -(-shapes.vocab // 4) * 4), "float32"),
         "processed": ((seqs, shapes.vocab), "float32"),
         "metadata": ((metadata_elements(t, seqs, shapes.max_blocks_per_seq),), "int32"),
         # A forward's second batch (an encoder-decoder's cross-attention rows), beside the first.
@@ -51,6 +54,8 @@ def lane_buffers(lib, shapes: MemoryShapes) -> Buffers:
         "sample_params": ((seqs, kernels.sampling.PARAM_WORDS), "int32"),
         "sample_outputs": ((OUT_WORDS * seqs,), "int32"),
         "penalties": ((PENALTY_BYTES // 4,), "int32"),
+        # Beam search's candidates of one step: ids then values, MAX_COUNT of each per row at most.
+        "beam_candidates": ((seqs, 2 * kernels.beam.MAX_COUNT), "int32"),
     }
 
 
@@ -70,14 +75,17 @@ class Lane:
         taken = {name: region.take(shape, dtype) for name, (shape, dtype) in buffers.items()}
         workspace = taken["workspace"]
         self.ring = RingArena(workspace.ptr, workspace.nbytes, f"{region.name} activation workspace")
-        self.logits, self.metadata, self.cross_metadata = taken["logits"], taken["metadata"], taken["cross_metadata"]
+        self.logits = taken["logits"].columns(0, shapes.vocab)
+        self.metadata, self.cross_metadata = taken["metadata"], taken["cross_metadata"]
         self.kv_copies = taken["kv_copies"]
         self.decode_partials, self.gemm_workspace = taken["decode_partials"], taken["gemm_workspace"]
         self.sampler = DeviceSampler(self, taken["sample_params"], taken["penalties"], taken["processed"],
                                      taken["sample_outputs"])
+        self.candidates, self.penalties = taken["beam_candidates"], taken["penalties"]
         self.graphs: DecodeGraphs | None = None
         self._pending = []   # host arrays the stream's copies read, kept until the stream is synchronized
         self._prepared: CudaBatch | None = None
+        self._prepared_cross: CudaBatch | None = None
         self._timing, self._round_events = False, (None, None)
 
     def new(self, rows: int, cols: int, dtype: str = "bfloat16") -> DeviceTensor:
@@ -87,8 +95,8 @@ class Lane:
     def prepare(self, batch: ForwardBatch, pad_to: int = 0, cross: bool = False) -> CudaBatch:
         """The batch's metadata on the device (pad_to: a decode graph's padded lanes, see pack_batch); starts the
         forward's ring over. cross=True: the forward's second batch, in its own region; the ring goes on."""
-        if self._prepared is not None and not cross:
-            return self._prepared
+        if self._prepared is not None:      # capturing: the batch already in place
+            return self._prepared_cross if cross else self._prepared
         rows = max(pad_to, batch.num_tokens)
         if rows > self.shapes.max_batch_tokens or max(pad_to, len(batch.sample_rows)) > self.shapes.max_seqs:
             raise InvalidArgument("the forward is larger than the memory plan")
@@ -102,14 +110,33 @@ class Lane:
             self._round_events = (self.stream.record(options=TIMED), None)
         return prepared
 
+    def beam_candidates(self, logits: DeviceTensor, banned: list[list[int]], count: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ops.beam_candidates: the kernel over the lane's logits, then one copy back of [N, count] ids and
+        values. The banned ids go through the penalties region (the sampler does not run in a beam step)."""
+        n = logits.shape[0]
+        host = kernels.beam.pack_banned(banned)
+        if host.size > self.penalties.numel:
+            raise InvalidArgument(f"{host.size - n - 1} banned ids in one beam step overflow their region")
+        self.copy_to_device(DeviceTensor(self.penalties.ptr, host.shape, "int32"), host)
+        offsets = DeviceTensor(self.penalties.ptr, (n + 1,), "int32")
+        banned_ids = DeviceTensor(self.penalties.ptr + 4 * (n + 1), (host.size - n - 1,), "int32")
+        ids = DeviceTensor(self.candidates.ptr, (n, count), "int32")
+        values = DeviceTensor(self.candidates.ptr + 4 * n * count, (n, count), "float32")
+        kernels.beam.beam_candidates(self.lib, self.stream, logits, offsets, banned_ids, ids, values)
+        out = self.copy_to_host(DeviceTensor(self.candidates.ptr, (2 * n * count,), "int32"))
+        return (torch.from_numpy(out[n * count:].view(np.float32).reshape(n, count).copy()),
+                torch.from_numpy(out[:n * count].reshape(n, count).astype(np.int64)))
+
     @contextlib.contextmanager
-    def reuse_prepared(self, prepared: CudaBatch):
-        """While capturing, the model's prepare() returns the batch already in place instead of copying."""
-        self._prepared = prepared
+    def reuse_prepared(self, prepared: CudaBatch, cross: CudaBatch | None = None):
+        """While capturing, the model's prepare() returns the batch (and its cross batch) already in place instead
+        of copying."""
+        self._prepared, self._prepared_cross = prepared, cross
         try:
             yield
         finally:
-            self._prepared = None
+            self._prepared = self._prepared_cross = None
 
     def copy_to_device(self, dst: DeviceTensor, host: np.ndarray) -> None:
         """Asynchronous on the lane's stream; `host` is kept alive until the stream is synchronized."""

@@ -1,4 +1,4 @@
-"""Launchers for cuda_kernels/embedding.cu: token embedding lookup and row gathers."""
+"""Launchers for cuda_kernels/embedding.cu: token embedding lookup, row gathers, M2M100's decode position ids."""
 
 import numpy as np
 
@@ -58,3 +58,17 @@ def _launch_row_copy(stream, kernel, out: DeviceTensor, source: DeviceTensor, in
     source_stride = source.stride * source.itemsize // unit
     launch_kernel(stream, kernel, (out.shape[0], chunks), BLOCK, out, np.int64(out_stride), source,
                   np.int64(source_stride), indices, num_source_rows, units_per_row)
+
+
+def fairseq_position_ids(lib, stream, ids: DeviceTensor, token_ids: DeviceTensor, positions: DeviceTensor,
+                         padding_idx: int) -> None:
+    """ids [T] int32 = padding_idx where token_ids [T] is padding_idx, else positions [T] + 1 + padding_idx:
+    M2M100's position ids of one-token segments (as transformers counts them from the cached length)."""
+    for name, tensor in (("ids", ids), ("token_ids", token_ids), ("positions", positions)):
+        require(tensor.dtype == "int32" and tensor.shape == token_ids.shape and len(tensor.shape) == 1,
+                f"fairseq_position_ids: {name} must be [T] int32 like token_ids, not {tensor.shape} {tensor.dtype}")
+    if token_ids.shape[0] == 0:
+        return
+    kernel = lib.get("fairseq_position_ids", MODULE)
+    launch_kernel(stream, kernel, ceil_div(token_ids.shape[0], BLOCK), BLOCK, ids, token_ids, positions,
+                  token_ids.shape[0], padding_idx)

@@ -1,0 +1,45 @@
+"""Launcher for cuda_kernels/beam.cu: each running beam's best continuations after transformers' processors, so a
+beam search step copies back a few candidates per beam instead of its vocabulary-wide logits row."""
+
+import numpy as np
+
+from metrale.runtime.backend.cuda.kernels.sampling import MAX_VOCAB, THREADS
+from metrale.runtime.backend.cuda.launch import launch_kernel, require
+from metrale.runtime.backend.cuda.tensor import DeviceTensor
+
+MODULE = "beam"
+MAX_COUNT = THREADS            # top_logprobs_of ranks at most one candidate per thread
+
+
+def pack_banned(banned: list[list[int]]) -> np.ndarray:
+    """[N + 1 + E] int32: the offsets of each row's banned ids, then the ids, as beam_candidates reads them."""
+    offsets = np.cumsum([0] + [len(ids) for ids in banned], dtype=np.int64)
+    flat = [i for ids in banned for i in ids]
+    return np.concatenate([offsets, np.asarray(flat, dtype=np.int64)]).astype(np.int32)
+
+
+def beam_candidates(lib, stream, logits: DeviceTensor, banned_offsets: DeviceTensor, banned: DeviceTensor,
+                    ids_out: DeviceTensor, values_out: DeviceTensor) -> None:
+    """ids_out [N, count] int32 and values_out [N, count] float32: the best `count` of each row of logits [N, V]
+    float32 by log_softmax, with the row's banned ids at -inf, best first, ties to the lower id; ids -1 and NaN for a
+    row with NaN or no finite maximum. logits is overwritten at the banned ids. banned_offsets [N + 1] int32 and
+    banned [E] int32 (pack_banned)."""
+    require(logits.dtype == "float32" and len(logits.shape) == 2, "beam_candidates: logits must be [N, V] float32")
+    num_rows, vocab_size = logits.shape
+    require(0 < vocab_size <= MAX_VOCAB, f"beam_candidates: vocabulary {vocab_size} must be in [1, {MAX_VOCAB}]")
+    require(logits.ptr % 4 == 0, "beam_candidates: logits must be 4-byte aligned")
+    require(ids_out.dtype == "int32" and values_out.dtype == "float32" and ids_out.is_contiguous
+            and values_out.is_contiguous and len(ids_out.shape) == 2 and ids_out.shape == values_out.shape
+            and ids_out.shape[0] == num_rows, f"beam_candidates: ids_out and values_out must be [{num_rows}, count] "
+                                              f"int32 and float32, contiguous")
+    count = ids_out.shape[1]
+    require(0 < count <= min(MAX_COUNT, vocab_size), f"beam_candidates: count {count} must be in "
+                                                     f"[1, {min(MAX_COUNT, vocab_size)}]")
+    require(banned_offsets.dtype == "int32" and banned_offsets.shape == (num_rows + 1,),
+            f"beam_candidates: banned_offsets must be [{num_rows + 1}] int32, not {banned_offsets.shape}")
+    require(banned.dtype == "int32" and len(banned.shape) == 1, "beam_candidates: banned must be [E] int32")
+    if num_rows == 0:
+        return
+    kernel = lib.get("beam_candidates", MODULE)
+    launch_kernel(stream, kernel, num_rows, THREADS, logits, np.int64(logits.stride), vocab_size, banned_offsets,
+                  banned if banned.numel else np.uint64(0), count, ids_out, values_out)

@@ -1,0 +1,84 @@
+"""beam.cu against a float64 torch reference: each row's best `count` of log_softmax with its banned ids at -inf,
+best first and ties to the lower id; a row with NaN gives ids -1. Outputs are poisoned before the launch."""
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("cuda.core")
+
+from metrale.runtime.backend.cuda.kernels.beam import beam_candidates, pack_banned  # noqa: E402
+from metrale.runtime.backend.cuda.tensor import DeviceTensor  # noqa: E402
+from metrale.runtime.errors import InvalidArgument  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+POISON = 12345.0
+
+
+def reference(logits: torch.Tensor, banned: list[list[int]], count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 values and ids [N, count]: value descending, then id ascending."""
+    log_probs = torch.log_softmax(logits.double(), dim=-1)
+    vocab = logits.shape[1]
+    for row, ids in enumerate(banned):
+        inside = [i for i in ids if 0 <= i < vocab]
+        log_probs[row, inside] = -float("inf")
+    order = torch.stack([torch.from_numpy(np.lexsort((np.arange(vocab), -row.numpy()))) for row in log_probs])
+    ids = order[:, :count]
+    return log_probs.gather(1, ids), ids
+
+
+def run(kernel_library, stream, logits: torch.Tensor, banned: list[list[int]], count: int):
+    n = logits.shape[0]
+    device_logits = logits.cuda().contiguous()
+    packed = torch.from_numpy(pack_banned(banned)).cuda()
+    ids = torch.full((n, count), -7, dtype=torch.int32, device="cuda")
+    values = torch.full((n, count), POISON, dtype=torch.float32, device="cuda")
+    torch.cuda.synchronize()
+    beam_candidates(kernel_library, stream, DeviceTensor.from_torch(device_logits),
+                    DeviceTensor(packed.data_ptr(), (n + 1,), "int32"),
+                    DeviceTensor(packed.data_ptr() + 4 * (n + 1), (packed.numel() - n - 1,), "int32"),
+                    DeviceTensor.from_torch(ids), DeviceTensor.from_torch(values))
+    stream.sync()
+    return values.cpu(), ids.cpu().long(), device_logits.cpu()
+
+
+@pytest.mark.parametrize("vocab, count", [(1000, 1), (1000, 8), (1023, 96), (256206, 12), (256206, 128),
+                                          (32000, 1024)])
+def test_candidates_match_float64(kernel_library, stream, vocab, count):
+    generator = torch.Generator().manual_seed(vocab + count)
+    logits = torch.randn(6, vocab, generator=generator) * 3.0
+    top = logits.argmax(dim=1)
+    banned = [[], [int(top[1])],                                       # the maximum itself
+              torch.randint(0, vocab, (50,), generator=generator).tolist() + [-1, vocab, vocab + 5],
+              [3, 3, 3, 9],                                            # duplicates
+              torch.topk(logits[4], 40).indices.tolist(),               # the whole head
+              [2, 1000000]]
+    values, ids, written = run(kernel_library, stream, logits, banned, count)
+    want_values, want_ids = reference(logits, banned, count)
+    assert (values - want_values).abs().max() < 2e-5
+    full = torch.log_softmax(logits.double(), dim=-1)
+    for row, bans in enumerate(banned):
+        full[row, [i for i in bans if 0 <= i < vocab]] = -float("inf")
+    # The same ids, except where two values are within float32 rounding of each other (then either order).
+    mismatch = ids != want_ids
+    assert ((full.gather(1, ids) - want_values).abs()[mismatch] < 1e-5).all()
+    assert all(not (set(ids[row].tolist()) & {i for i in bans if 0 <= i < vocab}) for row, bans in enumerate(banned))
+    # logits are scratch: overwritten at the banned ids, untouched elsewhere
+    untouched = written != -float("inf")
+    assert torch.equal(written[untouched], logits[untouched])
+
+
+def test_ties_go_to_the_lower_id_and_nan_rows_give_no_candidate(kernel_library, stream):
+    logits = torch.randn(3, 4096, generator=torch.Generator().manual_seed(3))
+    logits[0, [4000, 17, 2500, 900]] = 9.0                          # a four-way tie at the top
+    logits[1, 5] = float("nan")
+    logits[2] = -float("inf")
+    values, ids, _ = run(kernel_library, stream, logits, [[], [], []], 6)
+    assert ids[0, :4].tolist() == [17, 900, 2500, 4000]
+    assert ids[1].tolist() == [-1] * 6 and ids[2].tolist() == [-1] * 6
+    assert torch.isnan(values[1:]).all()
+
+
+def test_launcher_refuses_a_count_over_the_vocabulary(kernel_library, stream):
+    with pytest.raises(InvalidArgument, match="count"):
+        run(kernel_library, stream, torch.randn(2, 16), [[], []], 17)

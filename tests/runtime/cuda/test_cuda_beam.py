@@ -1,0 +1,163 @@
+"""Encoder-decoder M2M100 and beam search on the CUDA backend (bf16) against transformers on the GPU, same
+checkpoint: the encoder and teacher-forced decoder's logits, a gateway's own Prefill/Decode loop, and
+BeamGenerate on M2M100 and on a decoder-only Llama.
+
+Beam search in bf16 follows transformers token for token only where transformers' own bf16 run does: a request
+whose bf16 hypotheses differ from its float32 ones is decided by bf16 rounding (a tie at this precision). On every
+other request ours must give the same tokens, with scores within 1e-2 or within transformers' own bf16 error
+(beam_reference.check_hypotheses)."""
+
+import collections
+import itertools
+
+import pytest
+import torch
+
+from metrale.runtime.batch import Segment, build_batch
+from metrale.runtime.beam.params import BeamParams, BeamRequest
+from metrale.runtime.build import build_engine
+from metrale.runtime.config import EngineConfig
+from metrale.runtime.loading import load_checkpoint
+from metrale.runtime.sequence import BlockTable
+from beam_reference import FILL, check_hypotheses
+from gateway_loop import forced_then_greedy
+from tiny_models import write_tiny, write_tiny_m2m100
+
+from gpu_reference import relative_error
+
+pytestmark = pytest.mark.gpu
+SOURCES = [[5, 17, 99, 3, 42, 2], [7, 8, 150, 33, 61, 90, 14, 77, 101, 12, 2], [250, 2], [4, 66, 31] * 6 + [2]]
+PROMPTS = [[5, 17, 99, 3, 42], [7, 8, 150, 33, 61, 2, 90, 14, 77, 101, 12], [250], [4, 66, 31, 9, 180, 44, 71] * 3]
+START = 2
+# Weights at a trained model's scale (bf16 rounding stays bf16-sized), the LM head's logits spread enough that
+# beam search has decisions clearer than bf16 noise.
+WEIGHTS = dict(weight_std=0.08, norm_std=0.1)
+
+
+def engine_on_cuda(directory, tmp_path):
+    return build_engine(load_checkpoint(directory), EngineConfig(device="cuda", kv_blocks=512, kv_block_size=16,
+                                                                 max_batch_tokens=512, max_seqs=64),
+                        cache_dir=tmp_path / "cache")
+
+
+@pytest.fixture(scope="module")
+def m2m100(tmp_path_factory):
+    import transformers
+
+    directory = write_tiny_m2m100(tmp_path_factory.mktemp("m2m100") / "m2m100", **WEIGHTS)
+    engine, info = engine_on_cuda(directory, tmp_path_factory.mktemp("m2m100-cache"))
+    load = transformers.M2M100ForConditionalGeneration.from_pretrained
+    return (engine, info, load(directory, dtype=torch.float32).cuda().eval(),
+            load(directory, dtype=torch.bfloat16).cuda().eval())
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    import transformers
+
+    directory = write_tiny("llama_tied", tmp_path_factory.mktemp("beam-llama") / "llama", **WEIGHTS)
+    engine, info = engine_on_cuda(directory, tmp_path_factory.mktemp("llama-cache"))
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    return (engine, info, load(directory, dtype=torch.float32).cuda().eval(),
+            load(directory, dtype=torch.bfloat16).cuda().eval())
+
+
+def test_m2m100_logits_match_transformers(m2m100):
+    engine, info, reference, reference_bf16 = m2m100
+    assert info.architecture == "M2M100ForConditionalGeneration" and engine.supports_beam
+    decoder = [[START, 33, 61, 90, 14], [START, 44], [START, 9, 9, 1, 7]]   # a padding id (1) among them too
+    size, free = engine.config.kv_block_size, iter(range(engine.blocks.num_blocks))
+    cross = [BlockTable([next(free) for _ in range(-(-len(s) // size))]) for s in SOURCES[:3]]
+    engine.model.encode(build_batch([Segment(t, 0, s, False) for t, s in zip(cross, SOURCES)], size),
+                        engine.kv_cache)
+    segments = [Segment(BlockTable([next(free)]), 0, tokens, True, (table, len(source)))
+                for tokens, table, source in zip(decoder, cross, SOURCES)]
+    batch = build_batch(segments, size)
+    batch.sample_rows = torch.arange(batch.num_tokens)         # every row's logits, not only the last
+    ops = engine.model.ops
+    ours = torch.from_numpy(ops.lane.copy_to_host(ops.run_forward(engine.forward, batch)))
+    errors, theirs = [], []
+    with torch.no_grad():
+        for (s, d), start in zip(zip(SOURCES, decoder), batch.query_starts):
+            inputs = dict(input_ids=torch.tensor([s], device="cuda"), decoder_input_ids=torch.tensor([d], device="cuda"))
+            expected = reference(**inputs).logits[0].float().cpu()
+            errors.append(relative_error(ours[start:start + len(d)], expected))
+            theirs.append(relative_error(reference_bf16(**inputs).logits[0].float().cpu(), expected))
+    print(f"m2m100: relative error ours {max(errors):.2e}, transformers bf16 {max(theirs):.2e}")
+    assert max(errors) < max(1e-2, 1.25 * max(theirs)), (errors, theirs)
+
+
+def test_m2m100_prefill_and_decode_follow_transformers(m2m100):
+    """The gateway's own loop on CUDA: Prefill the source (the encoder runs), Decode a forced token and the
+    greedy ones after it; each step's logits against transformers' decoder over the same tokens."""
+    engine, _, reference, _ = m2m100
+    sources = {1: SOURCES[1], 2: SOURCES[3]}
+    decoded, rows, _ = forced_then_greedy(engine, sources, {1: 200, 2: 201}, 8, START)
+    for i, source in sources.items():
+        with torch.no_grad():
+            expected = reference(input_ids=torch.tensor([source], device="cuda"),
+                                 decoder_input_ids=torch.tensor([decoded[i]], device="cuda")).logits[0].float().cpu()
+        assert relative_error(torch.stack(rows[i]), expected) < 2e-2
+    engine.release(list(sources))
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def beam_requests(inputs, encoder_decoder: bool, length_penalty, early_stopping) -> list[BeamRequest]:
+    requests = []
+    for i, (tokens, beams) in enumerate(zip(inputs * 2, (1, 2, 4, 5, 5, 4, 2, 1))):
+        params = BeamParams(num_beams=beams, max_new_tokens=6 + 3 * i, min_new_tokens=i % 3,
+                            length_penalty=length_penalty, early_stopping=early_stopping,
+                            no_repeat_ngram_size=3 * (i % 2), num_return_sequences=max(1, beams - i % 2))
+        if encoder_decoder:
+            requests.append(BeamRequest(i, src_tokens=tuple(tokens), decoder_prefix=((), (200,))[i % 2],
+                                        params=params))
+        else:
+            requests.append(BeamRequest(i, prompt_tokens=tuple(tokens), params=params))
+    return requests
+
+
+def compare_beams(engine, references, requests, eos, encoder_decoder: bool) -> tuple[int, int]:
+    """Ours against transformers (check_hypotheses); returns (requests compared, requests in all)."""
+    free = engine.blocks.num_free
+    results = engine.beam_generate(requests, eos, FILL)
+    assert engine.blocks.num_free == free
+    compared = 0
+    for request, result in zip(requests, results):
+        if encoder_decoder:
+            prompt, source = [START, *request.decoder_prefix], list(request.src_tokens)
+        else:
+            prompt, source = list(request.prompt_tokens), None
+        compared += check_hypotheses(result.hypotheses, references, prompt, request.params, eos, source)
+    return compared, len(requests)
+
+
+def frequent_token(reference, tokens, **inputs) -> int:
+    """A second EOS id: the token greedy search emits most, so hypotheses finish early."""
+    out = reference.generate(torch.tensor([tokens], device="cuda"), max_new_tokens=24, do_sample=False,
+                             eos_token_id=None, pad_token_id=FILL, **inputs)[0, -24:].tolist()
+    return collections.Counter(out).most_common(1)[0][0]
+
+
+CASES = list(itertools.product((0.0, 1.0, 2.0), (True, False, "never")))
+
+
+@pytest.mark.parametrize("length_penalty, early_stopping", CASES)
+def test_m2m100_beam_search_follows_transformers(m2m100, length_penalty, early_stopping):
+    engine, _, reference, reference_bf16 = m2m100
+    eos = (2, frequent_token(reference, SOURCES[0], decoder_input_ids=torch.tensor([[START]], device="cuda"),
+                             decoder_start_token_id=START))
+    compared, total = compare_beams(engine, (reference, reference_bf16),
+                                    beam_requests(SOURCES, True, length_penalty, early_stopping), eos, True)
+    print(f"m2m100 lp={length_penalty} early_stopping={early_stopping}: {compared}/{total} requests compared")
+    assert compared >= total // 2
+
+
+@pytest.mark.parametrize("length_penalty, early_stopping", CASES)
+def test_llama_beam_search_follows_transformers(llama, length_penalty, early_stopping):
+    engine, _, reference, reference_bf16 = llama
+    eos = (2, frequent_token(reference, PROMPTS[0]))
+    compared, total = compare_beams(engine, (reference, reference_bf16),
+                                    beam_requests(PROMPTS, False, length_penalty, early_stopping), eos, False)
+    print(f"llama lp={length_penalty} early_stopping={early_stopping}: {compared}/{total} requests compared")
+    assert compared >= total // 2
+
