@@ -23,6 +23,7 @@ import torch
 import transformers
 
 from bench.decode_tables import TimedRow
+from bench.gpu_ceilings import copy_bandwidth
 from bench.phases import log
 from metrale.runtime.beam.params import BeamParams, BeamRequest
 from metrale.runtime.build import build_engine
@@ -80,7 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
     log(f"{args.shape}: {sum(p.numel() for p in reference.parameters()) / 1e6:.0f} M parameters, {dtype}, "
         f"{args.device}")
 
-    rows, agreement = [], {}
+    bandwidth = copy_bandwidth(args.device, 1 << 30) if args.device == "cuda" else None
+    rows, agreement, floors = [], {}, {}
     generator = torch.Generator().manual_seed(1)
     for batch in batches:
         sources = torch.randint(4, config.vocab_size - 1, (batch, args.source_len), generator=generator)
@@ -107,15 +109,19 @@ def main(argv: list[str] | None = None) -> dict:
             theirs.step_ms = timed(generate, args.reps, args.device)
             their_top = generate()[:, 2:].tolist()
         agreement[batch] = sum(a == b for a, b in zip(ours_top, their_top))
+        if bandwidth:
+            floors[batch] = floor_bytes(reference, batch, args) / bandwidth
         rows += [ours, theirs]
         log(f"batch {batch}: ours {ours.p50:.3f} s, transformers "
             f"{theirs.p50:.3f} s")
 
     print(f"# beam_generate: {args.shape} ({dtype}, random weights) on {device_name(args.device)}; "
           f"{args.source_len}-token sources, {args.beams} beams, exactly {args.new_tokens} new tokens; p50 of "
-          f"{args.reps} calls after a warm-up; {time.strftime('%Y-%m-%d %H:%M %Z')}")
-    print(format_table(rows, args.new_tokens, agreement))
-    result = {"args": vars(args), "rows": [dataclasses.asdict(r) for r in rows], "agreement": agreement}
+          f"{args.reps} calls after a warm-up; {time.strftime('%Y-%m-%d %H:%M %Z')}"
+          + (f"; copy bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth else ""))
+    print(format_table(rows, args.new_tokens, agreement, floors))
+    result = {"args": vars(args), "rows": [dataclasses.asdict(r) for r in rows], "agreement": agreement,
+              "floor_s": floors}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return {**result, "row_objects": rows}
@@ -144,18 +150,37 @@ def profile_call(call, top: int, title: str) -> None:
     log(f"profile, {title}:\n" + "\n".join(line for line in text.getvalue().splitlines() if line.strip()))
 
 
-def format_table(rows: list[Row], new_tokens: int, agreement: dict) -> str:
+def floor_bytes(model, batch: int, args) -> int:
+    """The bytes a call must read at least (DESIGN.md §6): the encoder's weights and the cross-attention K/V
+    projections once, then per new token the rest of the decoder's weights, the LM head (the shared embedding) and
+    each beam's self- and cross-attention K/V."""
+    c = model.config
+    size = {name: p.numel() * p.element_size() for name, p in model.named_parameters()}
+    once = [name for name in size if name.startswith("model.encoder.") or ".encoder_attn.k_proj." in name
+            or ".encoder_attn.v_proj." in name]
+    encoder = sum(size[name] for name in once)
+    decoder = sum(n for name, n in size.items() if name.startswith("model.decoder.") and name not in once)
+    decoder += size["model.shared.weight"]
+    kv_per_token = 2 * c.decoder_layers * c.d_model * 2                  # K and V, bf16, every decoder layer
+    rows = batch * args.beams
+    kv = sum(rows * kv_per_token * (2 + step + args.source_len) for step in range(args.new_tokens))
+    return encoder + args.new_tokens * decoder + kv
+
+
+def format_table(rows: list[Row], new_tokens: int, agreement: dict, floors: dict) -> str:
     lines = [f"{'batch':>5}  {'impl':<12}  {'p50 s':>8}  {'sentences/s':>11}  {'tokens/s':>9}  {'x transformers':>14}"
-             f"  {'same top':>8}"]
+             f"  {'x floor':>7}  {'same top':>8}"]
     reference = {r.batch: r for r in rows if r.impl == "transformers"}
     for r in rows:
         if not r.ok:
-            lines.append(f"{r.batch:>5}  {r.impl:<12}  {'-':>8}  {'-':>11}  {'-':>9}  {'-':>14}  {'-':>8}  {r.note}")
+            lines.append(f"{r.batch:>5}  {r.impl:<12}  {'-':>8}  {'-':>11}  {'-':>9}  {'-':>14}  {'-':>7}  {'-':>8}  "
+                         f"{r.note}")
             continue
         speedup = reference[r.batch].p50 / r.p50 if r.impl != "transformers" else 1.0
         same = f"{agreement[r.batch]}/{r.batch}" if r.impl != "transformers" and r.batch in agreement else "-"
+        floor = f"{r.p50 / floors[r.batch]:.1f}" if r.batch in floors else "-"
         lines.append(f"{r.batch:>5}  {r.impl:<12}  {r.p50:>8.3f}  {r.batch / r.p50:>11.1f}  "
-                     f"{r.batch * new_tokens / r.p50:>9.0f}  {speedup:>14.2f}  {same:>8}")
+                     f"{r.batch * new_tokens / r.p50:>9.0f}  {speedup:>14.2f}  {floor:>7}  {same:>8}")
     return "\n".join(lines)
 
 

@@ -63,13 +63,29 @@ def build_batch(segments: list[Segment], kv_block_size: int) -> ForwardBatch:
     batch = ForwardBatch(as_long(token_ids), as_long(positions), as_long(slots), starts, lens, contexts, tables,
                          as_long(sample_rows))
     if any(seg.cross is not None for seg in segments):
-        batch.cross = _cross_batch(batch, segments, kv_block_size)
+        batch.cross = _cross_batch(batch, [seg.cross for seg in segments], kv_block_size)
     return batch
 
 
-def _cross_batch(batch: ForwardBatch, segments: list[Segment], kv_block_size: int) -> ForwardBatch:
+def build_decode_batch(tokens: list[int], positions: list[int], tables: list[list[int]], kv_block_size: int,
+                       crosses: list[tuple[BlockTable, int]] | None = None) -> ForwardBatch:
+    """build_batch for segments of one new token each, all sampled (a beam search step), from plain lists: each
+    segment's token, its position and the block ids covering it; crosses as Segment.cross, per segment."""
+    arrays = [np.asarray(t, dtype=np.int32) for t in tables]
+    index, offset = np.divmod(np.asarray(positions, dtype=np.int64), kv_block_size)
+    slots = np.fromiter((a[i] for a, i in zip(arrays, index.tolist())), dtype=np.int64, count=len(arrays))
+    rows = torch.arange(len(tokens))
+    batch = ForwardBatch(torch.tensor(tokens, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
+                         torch.from_numpy(slots * kv_block_size + offset), rows.tolist(), [1] * len(tokens),
+                         [p + 1 for p in positions], arrays, rows)
+    if crosses is not None:
+        batch.cross = _cross_batch(batch, crosses, kv_block_size)
+    return batch
+
+
+def _cross_batch(batch: ForwardBatch, crosses: list[tuple[BlockTable, int]], kv_block_size: int) -> ForwardBatch:
     """The batch's rows as queries over their sources' cross-attention blocks: every source key, no KV written."""
-    lengths = [seg.cross[1] for seg in segments]
-    tables = [seg.cross[0].array(blocks_for(n, kv_block_size)) for seg, n in zip(segments, lengths)]
+    lengths = [n for _, n in crosses]
+    tables = [table.array(blocks_for(n, kv_block_size)) for table, n in crosses]
     return ForwardBatch(batch.token_ids, batch.positions, torch.full_like(batch.slot_mapping, -1), batch.query_starts,
                         batch.query_lens, lengths, tables, batch.sample_rows[:0])

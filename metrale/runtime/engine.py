@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from metrale.runtime.batch import Segment, build_batch
+from metrale.runtime.batch import ForwardBatch, Segment, build_batch
 from metrale.runtime.beam.params import BeamRequest
 from metrale.runtime.beam.runner import BeamCall, BeamModel, BeamResult
 from metrale.runtime.config import EngineConfig
@@ -178,10 +178,9 @@ class Engine:
         with self._forward_lock:
             self.model.encode(build_batch(segments, self.config.kv_block_size), self.kv_cache)
 
-    def _beam_forward(self, segments: list[Segment], banned: list[list[int]], count: int):
-        """The segments' last tokens' beam candidates (Ops.beam_candidates), on the host."""
+    def _beam_forward(self, batch: ForwardBatch, banned: list[list[int]], count: int):
+        """The batch's sampled rows' beam candidates (Ops.beam_candidates), on the host."""
         ops = self.model.ops
-        batch = build_batch(segments, self.config.kv_block_size)
         with self._forward_lock:
             return ops.beam_candidates(ops.run_forward(self.forward, batch), banned, count)
 

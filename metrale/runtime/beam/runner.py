@@ -8,13 +8,12 @@ the end, whatever happens. Beams share the blocks of their common prefix by refe
 partly filled last block each append a token to it, all but one get a copy of the block's filled part first.
 """
 
-import collections
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from metrale.runtime.batch import Segment
+from metrale.runtime.batch import ForwardBatch, Segment, build_batch, build_decode_batch
 from metrale.runtime.beam.params import MAX_CANDIDATES, BeamRequest
 from metrale.runtime.beam.search import BeamGroup
 from metrale.runtime.errors import BatchTooLarge, Cancelled, InvalidArgument, OutOfRange
@@ -54,11 +53,12 @@ class _Group:
 
 @dataclass(frozen=True)
 class BeamModel:
-    """What a call needs of the model, given by the engine. forward(segments, banned, count): the segments' last
-    rows' beam candidates on the host (Ops.beam_candidates: values and ids [len(segments), count]); copy_kv(copies): (src block, dst block, tokens) KV copies; encode(segments): the encoder over source segments,
+    """What a call needs of the model, given by the engine. forward(batch, banned, count): the batch's sampled
+    rows' beam candidates on the host (Ops.beam_candidates: values and ids [rows, count]);
+    copy_kv(copies): (src block, dst block, tokens) KV copies; encode(segments): the encoder over source segments,
     writing their cross-attention K/V into the segments' blocks, and decoder_start the decoder's first token, for
     encoder-decoder models (None for decoder-only ones)."""
-    forward: Callable[[list[Segment], list[list[int]], int], tuple[torch.Tensor, torch.Tensor]]
+    forward: Callable[[ForwardBatch, list[list[int]], int], tuple[torch.Tensor, torch.Tensor]]
     copy_kv: Callable[[list], None]
     eos_token_ids: tuple[int, ...]
     fill_token: int
@@ -97,7 +97,7 @@ class BeamCall:
         while groups:
             if cancelled():
                 raise Cancelled()
-            searching = []
+            searching, copies = [], []
             for group, (values, ids) in zip(groups, candidates):
                 parents, done = group.search.step(values, ids)
                 positions, going = (group.search.cur_len - 1).tolist(), []
@@ -108,7 +108,7 @@ class BeamCall:
                         results[member.request.request_id] = BeamResult(member.request.request_id,
                                                                         group.search.hypotheses(i))
                     else:
-                        self._fork(pool, member, parents[i].tolist(), positions[i])
+                        copies += self._fork(pool, member, parents[i].tolist(), positions[i])
                         going.append(i)
                 if going:
                     if len(going) < len(group.members):
@@ -116,6 +116,8 @@ class BeamCall:
                         group.members = [group.members[i] for i in going]
                     searching.append(group)
             groups = searching
+            if copies:              # one copy of every step's diverging partial blocks, before the next forward
+                self.model.copy_kv(copies)
             if groups:
                 candidates = self._decode(groups)
         return [results[r.request_id] for r in self.requests]
@@ -177,8 +179,9 @@ class BeamCall:
         values, ids, pending = [], [], []
 
         def flush():
-            v, t = m.forward([Segment(BlockTable(blocks), 0, prompt, True, member.cross)
-                              for prompt, blocks, member, _ in pending], [b for _, _, _, b in pending], count)
+            segments = [Segment(BlockTable(blocks), 0, prompt, True, member.cross)
+                        for prompt, blocks, member, _ in pending]
+            v, t = m.forward(build_batch(segments, self.block_size), [b for _, _, _, b in pending], count)
             values.extend(v)
             ids.extend(t)
             pending.clear()
@@ -196,18 +199,21 @@ class BeamCall:
                             for rows in (values, ids)) for search, indices in searches]
         return groups, candidates
 
-    def _fork(self, pool: KvBlockManager, member: _Request, parents: list[int], position: int) -> None:
+    def _fork(self, pool: KvBlockManager, member: _Request, parents: list[int], position: int) -> list:
         """The new running beams' blocks: each continues its parent's, and gets a block of its own where it writes
-        its new token (at `position`) into a block another beam also holds, or starts a new one."""
+        its new token (at `position`) into a block another beam also holds, or starts a new one. Returns the KV
+        copies that makes (src block, dst block, filled slots): a source stays held by another beam."""
         index, offset = divmod(position, self.block_size)
         children = [list(member.beams[p]) for p in parents]
         # Each beam's blocks gain a holder per child beyond the first, or lose the beam's hold if it has none.
-        counts = collections.Counter(parents)
-        for p, blocks in enumerate(member.beams):
-            if p not in counts:
+        counts = [0] * len(member.beams)
+        for p in parents:
+            counts[p] += 1
+        for blocks, count in zip(member.beams, counts):
+            if count == 0:
                 pool.free(blocks)
-            elif counts[p] > 1:
-                pool.share(blocks * (counts[p] - 1))
+            elif count > 1:
+                pool.share(blocks * (count - 1))
         copies = []
         for blocks in children:
             if offset == 0:
@@ -217,21 +223,24 @@ class BeamCall:
                 copies.append((blocks[index], own, offset))
                 pool.free([blocks[index]])
                 blocks[index] = own
-        if copies:
-            self.model.copy_kv(copies)
         member.beams = children
+        return copies
 
     def _decode(self, groups: list[_Group]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One forward over every running beam; candidates (values, ids) [requests, beams, count] per group."""
-        segments, banned = [], []
+        tokens, positions, tables, crosses, banned = [], [], [], [], []
         for group in groups:
-            tokens, positions = group.search.last_tokens().tolist(), (group.search.cur_len - 1).tolist()
-            for member, row, position, bans in zip(group.members, tokens, positions, group.search.banned_tokens()):
-                cross = member.cross
-                segments.extend(Segment(BlockTable(blocks), position, (token,), True, cross)
-                                for blocks, token in zip(member.beams, row))
-                banned.extend(bans)
-        values, ids = self.model.forward(segments, banned, max(group.search.keep for group in groups))
+            k = group.search.num_beams
+            tokens += group.search.last_tokens().view(-1).tolist()
+            for member, position, bans in zip(group.members, (group.search.cur_len - 1).tolist(),
+                                              group.search.banned_tokens()):
+                positions += [position] * k
+                tables += member.beams
+                crosses += [member.cross] * k
+                banned += bans
+        batch = build_decode_batch(tokens, positions, tables, self.block_size,
+                                   crosses if self.model.encode is not None else None)
+        values, ids = self.model.forward(batch, banned, max(group.search.keep for group in groups))
         out, start = [], 0
         for group in groups:
             n, k = len(group.members), group.search.num_beams

@@ -129,21 +129,17 @@ class BeamGroup:
     def banned_tokens(self) -> list[list[list[int]]]:
         """[requests][beams] the ids transformers' NoRepeatNGramLogitsProcessor and MinNewTokensLengthLogitsProcessor
         set to -inf in each running beam's next log-probabilities."""
-        if all(p.no_repeat_ngram_size == 0 and self.steps >= p.min_new_tokens for p in self.params):
-            return [[[] for _ in range(self.num_beams)] for _ in self.params]
+        eos, k = self.eos.tolist(), self.num_beams
         out = []
-        for row, p in enumerate(self.params):
-            n, cur = p.no_repeat_ngram_size, int(self.cur_len[row])
-            beams = [[] for _ in range(self.num_beams)]
+        for row, (p, cur) in enumerate(zip(self.params, self.cur_len.tolist())):
+            short, n = self.steps < p.min_new_tokens, p.no_repeat_ngram_size
             if n > 0 and cur >= n:
                 tokens = self.running[row, :, :cur]
                 windows = tokens.unfold(dimension=1, size=n, step=1)       # [beams, windows, n]
                 matches = (windows[..., :-1] == tokens[:, None, cur + 1 - n:]).all(dim=-1)
-                beams = [windows[b, :, -1][matches[b]].tolist() for b in range(self.num_beams)]
-            if self.steps < p.min_new_tokens:
-                for banned in beams:
-                    banned.extend(self.eos.tolist())
-            out.append(beams)
+                out.append([windows[b, :, -1][matches[b]].tolist() + (eos if short else []) for b in range(k)])
+            else:
+                out.append([eos[:] if short else [] for _ in range(k)])
         return out
 
     def _greedy_step(self, log_probs: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
