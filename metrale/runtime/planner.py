@@ -139,5 +139,5 @@ def _check_sources(step: Step, limits: Limits) -> None:
             raise FailedPrecondition(f"seq_id {s.seq_id}: this encoder-decoder model takes its source in one slice "
                                      f"(chunk_start=0, is_last_chunk=true, no chunk_size below its length)")
         if len(s.tokens) > limits.max_source_len:
-            raise OutOfRange(f"seq_id {s.seq_id}: a source of {len(s.tokens)} tokens passes the encoder's "
-                             f"{limits.max_source_len} positions")
+            raise OutOfRange(f"seq_id {s.seq_id}: a source of {len(s.tokens)} tokens passes the "
+                             f"{limits.max_source_len} the encoder takes (its positions, and max_model_len)")

@@ -89,7 +89,7 @@ class BeamCall:
     def __init__(self, requests: list[BeamRequest], limits: Limits, block_size: int, model: BeamModel):
         self.requests, self.limits, self.block_size, self.model = requests, limits, block_size, model
         self.prompts = [decoder_prompt(r, model) for r in requests]
-        self._check_limits(limits.max_source_len)
+        self._check_limits()
 
     def run(self, pool: KvBlockManager, cancelled: Callable[[], bool]) -> list[BeamResult]:
         groups, candidates = self._prefill(pool, self._encode(pool))
@@ -122,8 +122,8 @@ class BeamCall:
                 candidates = self._decode(groups)
         return [results[r.request_id] for r in self.requests]
 
-    def _check_limits(self, max_source_len: int) -> None:
-        limits = self.limits
+    def _check_limits(self) -> None:
+        limits, max_source_len = self.limits, self.limits.max_source_len
         for r, prompt in zip(self.requests, self.prompts):
             length = len(prompt) + r.params.max_new_tokens
             if length > limits.max_model_len:
