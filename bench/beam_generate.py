@@ -24,6 +24,7 @@ import transformers
 
 from bench.decode_tables import TimedRow
 from bench.gpu_ceilings import copy_bandwidth
+from bench.gpu_profile import kernel_table
 from bench.phases import log
 from metrale.runtime.beam.params import BeamParams, BeamRequest
 from metrale.runtime.build import build_engine
@@ -64,6 +65,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", type=int, default=0,
                         help="print where the host's time goes (cProfile, top N by own time) in one call per batch")
+    parser.add_argument("--kernels", type=int, default=0,
+                        help="print the device's busiest N kernels and copies of one call per batch (CUPTI)")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -96,6 +99,9 @@ def main(argv: list[str] | None = None) -> dict:
         ours_top = [r.hypotheses[0][0] for r in engine.beam_generate(requests, (EOS,), PAD)]
         if args.profile:
             profile_call(lambda: engine.beam_generate(requests, (EOS,), PAD), args.profile, f"batch {batch}")
+        if args.kernels:
+            log(f"device, one call of batch {batch} ({args.new_tokens} steps):\n"
+                + kernel_table(lambda: engine.beam_generate(requests, (EOS,), PAD), args.kernels))
         theirs = Row(batch, "transformers")
         decoder_input = torch.tensor([[START, target_language]] * batch, device=args.device)
 

@@ -100,7 +100,7 @@ def time_replays(backend, batch: int, steps: int) -> float:
 
 
 def kernel_table(run_step, rows: int, after=None) -> str:
-    """Device time per kernel name over 5 runs of run_step (CUPTI through torch.profiler), per step."""
+    """Device time per kernel name over 5 runs of run_step (CUPTI through torch.profiler), per run."""
     from torch.profiler import ProfilerActivity, profile
     reps = 5
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
