@@ -14,6 +14,7 @@ def bench(monkeypatch):
     # The scripts run as `python -m bench.<name>` from the repository root, which is not always on sys.path here.
     monkeypatch.syspath_prepend(str(ROOT))
     import bench.beam_generate
+    import bench.beam_host
     import bench.cpu_decode
     import bench.grpc_overhead
 
@@ -58,3 +59,9 @@ def test_beam_generate_reports_both_sides_and_agreement(bench, tmp_path, capsys)
     # float32 on the CPU: the same top hypothesis as transformers for every request.
     assert result["agreement"] == {1: 1, 3: 3}
     assert "sentences/s" in capsys.readouterr().out and (tmp_path / "out.json").exists()
+
+
+def test_beam_host_times_the_loop_without_a_model(bench, capsys):
+    rows = bench.beam_host.main(["--batches", "1,3", "--reps", "2", "--new-tokens", "4", "--source-len", "5"])
+    assert [r.batch for r in rows] == [1, 3] and all(len(r.step_ms) == 2 and r.p50 > 0 for r in rows)
+    assert "host ms a step" in capsys.readouterr().out
