@@ -59,7 +59,7 @@ class InstantModel:
         pass
 
     def beam_model(self) -> BeamModel:
-        return BeamModel(self.forward, lambda copies: None, (EOS,), PAD, self.encode, START)
+        return BeamModel(self.forward, lambda copies: None, (EOS,), PAD, VOCAB, self.encode, START)
 
 
 def run_call(requests, model: BeamModel) -> None:

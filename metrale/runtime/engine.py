@@ -153,7 +153,7 @@ class Engine:
             raise FailedPrecondition(f"beam search is not available on the {self.model.ops.device} backend yet "
                                      f"(supports_beam=false)")
         config, encoder_decoder = self.model.config, self.is_encoder_decoder
-        model = BeamModel(self._beam_forward, self._copy_kv, eos_token_ids, fill_token,
+        model = BeamModel(self._beam_forward, self._copy_kv, eos_token_ids, fill_token, config.vocab_size,
                           self._beam_encode if encoder_decoder else None,
                           config.decoder_start_token_id if encoder_decoder else None)
         call = BeamCall(requests, self.limits, self.config.kv_block_size, model)

@@ -12,7 +12,7 @@ import torch
 from metrale.runtime.beam.params import BeamParams, BeamRequest
 from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
-from metrale.runtime.errors import Cancelled, OutOfKvBlocks
+from metrale.runtime.errors import Cancelled, DeviceFault, InvalidArgument, OutOfKvBlocks
 from metrale.runtime.loading import load_checkpoint
 from beam_reference import FILL, assert_same, reference_hypotheses
 from tiny_models import load_reference, write_tiny
@@ -87,4 +87,33 @@ def test_a_call_cancelled_mid_search_gives_every_block_back(models):
                 for i, p in enumerate(PROMPTS)]
     with pytest.raises(Cancelled):
         engine.beam_generate(requests, eos, FILL, cancelled=lambda: next(checks) == 5)   # before the 6th step
+    assert engine.blocks.num_free == free
+
+
+def test_more_continuations_than_the_vocabulary_is_refused(models):
+    """keep = max(2, 1 + #EOS) x num_beams candidates per beam must exist: 32 beams and 8 EOS ids keep 288, over
+    the tiny vocabulary's 256."""
+    engine, _, _ = models
+    free = engine.blocks.num_free
+    request = BeamRequest(1, prompt_tokens=tuple(PROMPTS[0]), params=BeamParams(num_beams=32, max_new_tokens=4))
+    with pytest.raises(InvalidArgument, match="vocabulary"):
+        engine.beam_generate([request], tuple(range(2, 10)), FILL)
+    assert engine.blocks.num_free == free
+
+
+def test_non_finite_logits_end_the_call_with_a_device_fault_and_every_block_back(models, monkeypatch):
+    engine, _, eos = models
+    free = engine.blocks.num_free
+    forward = engine.forward
+    calls = iter(range(100))
+
+    def poisoned(batch):
+        logits = forward(batch)
+        return logits.fill_(float("nan")) if next(calls) == 3 else logits     # the third decode step's logits
+
+    monkeypatch.setattr(engine, "forward", poisoned)
+    request = BeamRequest(1, prompt_tokens=tuple(PROMPTS[1]), params=BeamParams(num_beams=4, max_new_tokens=10,
+                                                                                 min_new_tokens=10))
+    with pytest.raises(DeviceFault, match="finite"):
+        engine.beam_generate([request], eos, FILL)
     assert engine.blocks.num_free == free

@@ -41,8 +41,9 @@ def test_a_batch_of_requests_matches_transformers(llama, tiny_llama_dir):
                        BeamParams(1, 5)]
     response = stub.BeamGenerate(pb.BeamGenerateRequest(requests=requests, stream=1))
     assert [r.request_id for r in response.results] == [7, 3, 11]
-    for request, params, result in zip(requests, expected_params, response.results):
-        check_hypotheses(hypotheses(result), references, list(request.prompt_tokens), params, (2,))
+    compared = [check_hypotheses(hypotheses(result), references, list(request.prompt_tokens), params, (2,))
+                for request, params, result in zip(requests, expected_params, response.results)]
+    assert any(compared)        # on CUDA, requests bf16 rounding decides are not compared: not all of them
     info = stub.Info(pb.InfoRequest())
     assert info.free_kv_blocks == info.num_kv_blocks
 
@@ -127,10 +128,11 @@ def test_an_encoder_decoder_translates_as_transformers_does(translator):
                 pb.BeamRequest(request_id=2, src_tokens=[7, 8, 2], num_beams=3, max_new_tokens=6)]
     response = worker.stub.BeamGenerate(pb.BeamGenerateRequest(requests=requests))
     references = load_references(directory, WORKER_DEVICE["device"], encoder_decoder=True)
-    for request, result, params in zip(requests, response.results,
-                                       (BeamParams(4, 10, num_return_sequences=2), BeamParams(3, 6))):
-        check_hypotheses(hypotheses(result), references, [2, *request.decoder_prefix], params, (2,),
-                         source=list(request.src_tokens))
+    compared = [check_hypotheses(hypotheses(result), references, [2, *request.decoder_prefix], params, (2,),
+                                 source=list(request.src_tokens))
+                for request, result, params in zip(requests, response.results,
+                                                   (BeamParams(4, 10, num_return_sequences=2), BeamParams(3, 6)))]
+    assert any(compared)
     # What an encoder-decoder cannot take says so and changes nothing: a decoder-only prompt, a chunked source.
     chunked = pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=1, tokens=[5], is_last_chunk=False)])
     for call, request, code in [

@@ -9,8 +9,8 @@ from metrale.runtime.step import check_token_ids
 # Beams of one request; the beams of all requests of a call run in one forward per step.
 MAX_NUM_BEAMS = 32
 # Continuations a step keeps per request, max(2, 1 + number of EOS ids) * num_beams (as transformers), at most:
-# each beam's own best that many come back from the backend (Ops.beam_candidates).
-MAX_CANDIDATES = 1024
+# each beam's own best that many come back from the backend (Ops.beam_candidates; the CUDA kernel's limit).
+MAX_KEEP = 1024
 EARLY_STOPPING = (True, False, "never")
 
 

@@ -14,9 +14,9 @@ from typing import Callable
 import torch
 
 from metrale.runtime.batch import ForwardBatch, Segment, build_batch, build_decode_batch
-from metrale.runtime.beam.params import MAX_CANDIDATES, BeamRequest
+from metrale.runtime.beam.params import MAX_KEEP, BeamRequest
 from metrale.runtime.beam.search import BeamGroup
-from metrale.runtime.errors import BatchTooLarge, Cancelled, InvalidArgument, OutOfRange
+from metrale.runtime.errors import BatchTooLarge, Cancelled, DeviceFault, InvalidArgument, OutOfRange
 from metrale.runtime.kv_blocks import KvBlockManager, blocks_for
 from metrale.runtime.planner import Limits
 from metrale.runtime.sequence import BlockTable
@@ -62,6 +62,7 @@ class BeamModel:
     copy_kv: Callable[[list], None]
     eos_token_ids: tuple[int, ...]
     fill_token: int
+    vocab_size: int
     encode: Callable[[list[Segment]], None] | None = None
     decoder_start: int | None = None
 
@@ -134,12 +135,14 @@ class BeamCall:
                                  f"{max_source_len} positions")
             if len(prompt) > limits.max_batch_tokens:
                 raise BatchTooLarge(len(prompt), limits.max_batch_tokens)
+        # Each beam's best `keep` come back from the backend: no more than its vocabulary has.
+        most = min(MAX_KEEP, self.model.vocab_size)
         for r in self.requests:
             keep = max(2, 1 + len(self.model.eos_token_ids)) * r.params.num_beams
-            if keep > MAX_CANDIDATES:
+            if keep > most:
                 raise InvalidArgument(f"request_id {r.request_id}: num_beams={r.params.num_beams} with "
                                       f"{len(self.model.eos_token_ids)} EOS ids keeps {keep} continuations a step, "
-                                      f"over {MAX_CANDIDATES}")
+                                      f"over {most} (at most {MAX_KEEP}, and the vocabulary's size)")
         sources = sum(len(r.src_tokens) for r in self.requests)
         if sources > limits.max_batch_tokens:
             raise BatchTooLarge(sources, limits.max_batch_tokens)
@@ -181,7 +184,7 @@ class BeamCall:
         def flush():
             segments = [Segment(BlockTable(blocks), 0, prompt, True, member.cross)
                         for prompt, blocks, member, _ in pending]
-            v, t = m.forward(build_batch(segments, self.block_size), [b for _, _, _, b in pending], count)
+            v, t = _finite(*m.forward(build_batch(segments, self.block_size), [b for _, _, _, b in pending], count))
             values.extend(v)
             ids.extend(t)
             pending.clear()
@@ -240,10 +243,18 @@ class BeamCall:
                 banned += bans
         batch = build_decode_batch(tokens, positions, tables, self.block_size,
                                    crosses if self.model.encode is not None else None)
-        values, ids = self.model.forward(batch, banned, max(group.search.keep for group in groups))
+        values, ids = _finite(*self.model.forward(batch, banned, max(group.search.keep for group in groups)))
         out, start = [], 0
         for group in groups:
             n, k = len(group.members), group.search.num_beams
             out.append((values[start:start + n * k].view(n, k, -1), ids[start:start + n * k].view(n, k, -1)))
             start += n * k
         return out
+
+
+def _finite(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's candidates, refused where a logits row had NaN or no finite maximum (the backend's id -1, or NaN
+    log-probabilities): there is nothing to rank, as the sampler finds nothing to sample."""
+    if bool((ids < 0).any()) or bool(torch.isnan(values).any()):
+        raise DeviceFault("a logits row has no finite maximum (NaN or +inf logits): no beam to continue")
+    return values, ids

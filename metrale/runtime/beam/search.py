@@ -5,8 +5,8 @@
 Per step, from the running beams' logits: log-softmax, the logits processors (no_repeat_ngram_size,
 min_new_tokens: banned_tokens() lists what they set to -inf), add each beam's running score, keep the best
 max(2, 1 + #eos) x num_beams continuations over all beams; the best num_beams of those that did not stop (EOS
-or max_length) run on, and those that did
-stop among the first num_beams compete with the finished hypotheses, scored with the length penalty. A request's
+or max_length) run on, and those that did stop among the first num_beams compete with the finished hypotheses,
+scored with the length penalty. A request's
 search ends when no running beam can improve on its finished ones (transformers' heuristic, which depends on
 early_stopping), when early_stopping is TRUE and num_beams hypotheses are finished, or when every continuation
 stopped; it then leaves the group (in transformers its hypotheses stop changing at that point).
@@ -137,7 +137,9 @@ class BeamGroup:
                 tokens = self.running[row, :, :cur]
                 windows = tokens.unfold(dimension=1, size=n, step=1)       # [beams, windows, n]
                 matches = (windows[..., :-1] == tokens[:, None, cur + 1 - n:]).all(dim=-1)
-                out.append([windows[b, :, -1][matches[b]].tolist() + (eos if short else []) for b in range(k)])
+                # each id once: a repeated n-gram bans the same continuation once per window it matches
+                out.append([sorted(set(windows[b, :, -1][matches[b]].tolist() + (eos if short else [])))
+                            for b in range(k)])
             else:
                 out.append([eos[:] if short else [] for _ in range(k)])
         return out

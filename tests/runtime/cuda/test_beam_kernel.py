@@ -28,8 +28,11 @@ def reference(logits: torch.Tensor, banned: list[list[int]], count: int) -> tupl
 
 
 def run(kernel_library, stream, logits: torch.Tensor, banned: list[list[int]], count: int):
-    n = logits.shape[0]
-    device_logits = logits.cuda().contiguous()
+    n, vocab = logits.shape
+    # A column view of wider rows, as the lane's logits are (rows padded for the LM head's GEMM).
+    wide = torch.full((n, vocab + 3), 7.0, device="cuda")
+    wide[:, :vocab] = logits.cuda()
+    device_logits = wide[:, :vocab]
     packed = torch.from_numpy(pack_banned(banned)).cuda()
     ids = torch.full((n, count), -7, dtype=torch.int32, device="cuda")
     values = torch.full((n, count), POISON, dtype=torch.float32, device="cuda")
@@ -39,6 +42,7 @@ def run(kernel_library, stream, logits: torch.Tensor, banned: list[list[int]], c
                     DeviceTensor(packed.data_ptr() + 4 * (n + 1), (packed.numel() - n - 1,), "int32"),
                     DeviceTensor.from_torch(ids), DeviceTensor.from_torch(values))
     stream.sync()
+    assert (wide[:, vocab:] == 7.0).all()           # nothing written past the row
     return values.cpu(), ids.cpu().long(), device_logits.cpu()
 
 
@@ -63,9 +67,11 @@ def test_candidates_match_float64(kernel_library, stream, vocab, count):
     mismatch = ids != want_ids
     assert ((full.gather(1, ids) - want_values).abs()[mismatch] < 1e-5).all()
     assert all(not (set(ids[row].tolist()) & {i for i in bans if 0 <= i < vocab}) for row, bans in enumerate(banned))
-    # logits are scratch: overwritten at the banned ids, untouched elsewhere
-    untouched = written != -float("inf")
-    assert torch.equal(written[untouched], logits[untouched])
+    # logits are scratch: -inf at the banned ids, untouched elsewhere
+    expected = logits.clone()
+    for row, bans in enumerate(banned):
+        expected[row, [i for i in bans if 0 <= i < vocab]] = -float("inf")
+    assert torch.equal(written, expected)
 
 
 def test_ties_go_to_the_lower_id_and_nan_rows_give_no_candidate(kernel_library, stream):

@@ -92,7 +92,9 @@ def test_m2m100_prefill_and_decode_follow_transformers(m2m100):
     greedy ones after it; each step's logits against transformers' decoder over the same tokens."""
     engine, _, reference, _ = m2m100
     sources = {1: SOURCES[1], 2: SOURCES[3]}
+    replays = engine.model.ops.lane.graphs.replays
     decoded, rows, _ = forced_then_greedy(engine, sources, {1: 200, 2: 201}, 8, START)
+    assert engine.model.ops.lane.graphs.replays == replays + 8        # each Decode a graph with its cross batch
     for i, source in sources.items():
         with torch.no_grad():
             expected = reference(input_ids=torch.tensor([source], device="cuda"),

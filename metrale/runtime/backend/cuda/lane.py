@@ -17,7 +17,7 @@ from metrale.runtime.backend.cuda.sampler import OUT_WORDS, DeviceSampler
 from metrale.runtime.backend.cuda.tensor import DTYPES, DeviceTensor
 from metrale.runtime.backend.ops import MemoryShapes
 from metrale.runtime.batch import ForwardBatch
-from metrale.runtime.errors import InvalidArgument
+from metrale.runtime.errors import DeviceFault, InvalidArgument
 
 GEMM_WORKSPACE_BYTES = 32 << 20
 # Penalty lists of one step (distinct history ids of the penalised rows, with counts and biases).
@@ -117,7 +117,7 @@ class Lane:
         n = logits.shape[0]
         host = kernels.beam.pack_banned(banned)
         if host.size > self.penalties.numel:
-            raise InvalidArgument(f"{host.size - n - 1} banned ids in one beam step overflow their region")
+            raise DeviceFault(f"{host.size - n - 1} banned ids in one beam step overflow their region")
         self.copy_to_device(DeviceTensor(self.penalties.ptr, host.shape, "int32"), host)
         offsets = DeviceTensor(self.penalties.ptr, (n + 1,), "int32")
         banned_ids = DeviceTensor(self.penalties.ptr + 4 * (n + 1), (host.size - n - 1,), "int32")
