@@ -9,11 +9,8 @@ python -m bench.beam_generate --shape tiny --device cpu --batches 1,4 --reps 1  
 """
 
 import argparse
-import cProfile
 import dataclasses
-import io
 import json
-import pstats
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -25,7 +22,7 @@ import transformers
 from bench.decode_tables import TimedRow
 from bench.gpu_ceilings import copy_bandwidth
 from bench.gpu_profile import kernel_table
-from bench.phases import log
+from bench.phases import host_profile, log
 from metrale.runtime.beam.params import BeamParams, BeamRequest
 from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
@@ -98,7 +95,8 @@ def main(argv: list[str] | None = None) -> dict:
         ours.step_ms = timed(lambda: engine.beam_generate(requests, (EOS,), PAD), args.reps, args.device)
         ours_top = [r.hypotheses[0][0] for r in engine.beam_generate(requests, (EOS,), PAD)]
         if args.profile:
-            profile_call(lambda: engine.beam_generate(requests, (EOS,), PAD), args.profile, f"batch {batch}")
+            log(f"profile, batch {batch}:\n"
+                + host_profile(lambda: engine.beam_generate(requests, (EOS,), PAD), args.profile))
         if args.kernels:
             log(f"device, one call of batch {batch} ({args.new_tokens} steps):\n"
                 + kernel_table(lambda: engine.beam_generate(requests, (EOS,), PAD), args.kernels))
@@ -146,14 +144,6 @@ def timed(call, reps: int, device: str) -> list[float]:
             torch.cuda.synchronize()
         times.append((time.perf_counter() - started) * 1e3)
     return times
-
-
-def profile_call(call, top: int, title: str) -> None:
-    profiler = cProfile.Profile()
-    profiler.runcall(call)
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
-    log(f"profile, {title}:\n" + "\n".join(line for line in text.getvalue().splitlines() if line.strip()))
 
 
 def floor_bytes(model, batch: int, args) -> int:

@@ -7,9 +7,6 @@ python -m bench.beam_host --batches 1,16,64     (NLLB's shape: 32-token sources,
 """
 
 import argparse
-import cProfile
-import io
-import pstats
 import statistics
 import time
 from dataclasses import dataclass
@@ -17,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.grpc_overhead import machine_line
-from bench.phases import log
+from bench.phases import host_profile, log
 from metrale.runtime.backend.cuda.batch import metadata_elements, pack_batch
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.beam.params import BeamParams, BeamRequest
@@ -92,11 +89,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
             times.append((time.perf_counter() - started) * 1e3 / args.new_tokens)
         rows.append(Row(batch, times))
         if args.profile:
-            profiler = cProfile.Profile()
-            profiler.runcall(run_call, requests, model)
-            text = io.StringIO()
-            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.profile)
-            log(f"profile, batch {batch}:\n" + text.getvalue()[text.getvalue().find("ncalls"):])
+            log(f"profile, batch {batch}:\n" + host_profile(lambda: run_call(requests, model), args.profile))
     print(f"# beam_host: {args.source_len}-token sources, {args.beams} beams, {args.new_tokens} new tokens, "
           f"vocabulary {VOCAB}; p50 of {args.reps} calls after a warm-up")
     print(f"{'requests':>8}  {'beams':>5}  {'host ms a step':>14}")

@@ -6,16 +6,13 @@ Run from the repository root: python3 -m bench.gpu_profile [--shape smollm2-135m
 """
 
 import argparse
-import cProfile
-import io
-import pstats
 
 import torch
 
 from bench.gpu_attention import seconds_per_replay
 from bench.gpu_ceilings import copy_bandwidth, gpu_machine_line
 from bench.engine_runner import EngineRunner
-from bench.phases import log
+from bench.phases import host_profile, log
 from bench.model_shapes import SHAPES, decode_weight_bytes, kv_bytes_per_token, random_checkpoint, random_tokens
 from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
@@ -73,7 +70,7 @@ def main(argv=None) -> None:
               f"and gaps in the step: {device - replay_ms:.3f} ms")
         lanes = tuple(DecodeLane(seq_id, token) for seq_id, token in first.items())
         print(kernel_table(lambda: runner.engine.step(Step(decode=lanes)), args.kernels))
-        print(host_profile(runner, first, args.steps, args.host_rows))
+        print(decode_profile(runner, first, args.steps, args.host_rows))
         runner.release_all()
 
     if prefill:
@@ -123,16 +120,10 @@ def kernel_table(run_step, rows: int, after=None) -> str:
     return "\n".join(lines)
 
 
-def host_profile(runner: EngineRunner, first: dict, steps: int, rows: int) -> str:
+def decode_profile(runner: EngineRunner, first: dict, steps: int, rows: int) -> str:
     """cProfile over `steps` decode steps: the host functions by own time."""
-    profiler = cProfile.Profile()
-    profiler.enable()
-    runner.time_decode(first, 0, steps)
-    profiler.disable()
-    out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(rows)
-    text = out.getvalue()
-    return "host (cProfile, own time over all steps):\n" + text[text.find("ncalls"):]
+    return ("host (cProfile, own time over all steps):\n"
+            + host_profile(lambda: runner.time_decode(first, 0, steps), rows))
 
 
 if __name__ == "__main__":

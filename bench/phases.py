@@ -1,6 +1,10 @@
-"""A benchmark run as a sequence of phases, each timed and caught, under a time budget (bench/gpu_decode.py)."""
+"""A benchmark run as a sequence of phases, each timed and caught, under a time budget (bench/gpu_decode.py); the
+benches' log line and host profile."""
 
+import cProfile
 import datetime
+import io
+import pstats
 import time
 import traceback
 
@@ -50,3 +54,13 @@ class Run:
 
 def log(message: str) -> None:
     print(f"# [{datetime.datetime.now().strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def host_profile(call, rows: int) -> str:
+    """call() under cProfile: the `rows` host functions with the most own time, as pstats prints them."""
+    profiler = cProfile.Profile()
+    profiler.runcall(call)
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(rows)
+    text = out.getvalue()
+    return text[text.find("ncalls"):].rstrip()

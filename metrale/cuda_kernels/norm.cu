@@ -20,22 +20,35 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
                       float2_to_bf16x2(f[6], f[7]));
 }
 
-// Unit i of a row: x's, plus residual's where given (rounded to bf16 as a bf16 torch add), also stored to
-// residual_out where given.
-__device__ __forceinline__ uint4 load_unit(const uint4* x_row, const uint4* residual_row, uint4* residual_out_row,
-                                           int i) {
-    uint4 v = x_row[i];
-    if (residual_row) {
-        float a[8], b[8];
-        unpack8(v, a);
-        unpack8(residual_row[i], b);
+// One row of a norm's input, in 16-byte units: x's, plus residual's where given (rounded to bf16 as a bf16 torch
+// add), the sum also stored to residual_out where given (both may be null).
+struct ResidualRow {
+    const uint4* x;
+    const uint4* residual;
+    uint4* residual_out;
+
+    __device__ __forceinline__ ResidualRow(long long row, const bf16* x_base, long long x_stride,
+                                           const bf16* residual_base, long long residual_stride,
+                                           bf16* residual_out_base, long long residual_out_stride)
+        : x(reinterpret_cast<const uint4*>(x_base + row * x_stride)),
+          residual(residual_base ? reinterpret_cast<const uint4*>(residual_base + row * residual_stride) : nullptr),
+          residual_out(residual_out_base ? reinterpret_cast<uint4*>(residual_out_base + row * residual_out_stride)
+                                         : nullptr) {}
+
+    __device__ __forceinline__ uint4 load(int i) const {
+        uint4 v = x[i];
+        if (residual) {
+            float a[8], b[8];
+            unpack8(v, a);
+            unpack8(residual[i], b);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) a[j] += b[j];
-        v = pack8(a);
+            for (int j = 0; j < 8; ++j) a[j] += b[j];
+            v = pack8(a);
+        }
+        if (residual_out) residual_out[i] = v;
+        return v;
     }
-    if (residual_out_row) residual_out_row[i] = v;
-    return v;
-}
+};
 
 // bf16(weight * bf16(value * inv_rms)), two at a time.
 __device__ __forceinline__ unsigned int scale_pair(unsigned int value, unsigned int weight, float inv_rms) {
@@ -54,17 +67,14 @@ extern "C" __global__ void rms_norm(bf16* out, long long out_stride, bf16* resid
     wait_for_previous_kernel();
     const long long row = blockIdx.x;
     const int units = hidden >> 3;
-    const uint4* x_row = reinterpret_cast<const uint4*>(x + row * x_stride);
-    const uint4* residual_row = residual ? reinterpret_cast<const uint4*>(residual + row * residual_stride) : nullptr;
-    uint4* residual_out_row =
-        residual_out ? reinterpret_cast<uint4*>(residual_out + row * residual_out_stride) : nullptr;
+    const ResidualRow input(row, x, x_stride, residual, residual_stride, residual_out, residual_out_stride);
     uint4 values[RMS_NORM_MAX_UNITS];
     float sum_squares = 0.f;
 #pragma unroll
     for (int k = 0; k < RMS_NORM_MAX_UNITS; ++k) {
         const int i = threadIdx.x + k * blockDim.x;
         if (i >= units) break;
-        const uint4 v = load_unit(x_row, residual_row, residual_out_row, i);
+        const uint4 v = input.load(i);
         float f[8];
         unpack8(v, f);
 #pragma unroll
@@ -94,17 +104,14 @@ extern "C" __global__ void layer_norm(bf16* out, long long out_stride, bf16* res
     wait_for_previous_kernel();
     const long long row = blockIdx.x;
     const int units = hidden >> 3;
-    const uint4* x_row = reinterpret_cast<const uint4*>(x + row * x_stride);
-    const uint4* residual_row = residual ? reinterpret_cast<const uint4*>(residual + row * residual_stride) : nullptr;
-    uint4* residual_out_row =
-        residual_out ? reinterpret_cast<uint4*>(residual_out + row * residual_out_stride) : nullptr;
+    const ResidualRow input(row, x, x_stride, residual, residual_stride, residual_out, residual_out_stride);
     float values[RMS_NORM_MAX_UNITS][8];
     float sum = 0.f;
 #pragma unroll
     for (int k = 0; k < RMS_NORM_MAX_UNITS; ++k) {
         const int i = threadIdx.x + k * blockDim.x;
         if (i >= units) break;
-        unpack8(load_unit(x_row, residual_row, residual_out_row, i), values[k]);
+        unpack8(input.load(i), values[k]);
 #pragma unroll
         for (int j = 0; j < 8; ++j) sum += values[k][j];
     }

@@ -33,7 +33,8 @@ def run(kernel_library, stream, logits: torch.Tensor, banned: list[list[int]], c
     wide = torch.full((n, vocab + 3), 7.0, device="cuda")
     wide[:, :vocab] = logits.cuda()
     device_logits = wide[:, :vocab]
-    packed = torch.from_numpy(pack_banned(banned)).cuda()
+    offsets, ids_flat = pack_banned(banned)
+    packed = torch.from_numpy(np.concatenate([offsets, ids_flat])).cuda()
     ids = torch.full((n, count), -7, dtype=torch.int32, device="cuda")
     values = torch.full((n, count), POISON, dtype=torch.float32, device="cuda")
     torch.cuda.synchronize()

@@ -20,8 +20,8 @@ from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.errors import DeviceFault, InvalidArgument
 
 GEMM_WORKSPACE_BYTES = 32 << 20
-# Penalty lists of one step (distinct history ids of the penalised rows, with counts and biases).
-PENALTY_BYTES = 64 << 20
+# A step's small per-row lists (the sampler's penalty entries and biases, a beam step's banned ids).
+LISTS_BYTES = 64 << 20
 # The activation workspace holds this many layers' tensors at max_batch_tokens (see RingArena).
 WORKSPACE_LAYERS = 3
 TIMED = EventOptions(timing_enabled=True)
@@ -53,7 +53,7 @@ def lane_buffers(lib, shapes: MemoryShapes) -> Buffers:
         "gemm_workspace": ((GEMM_WORKSPACE_BYTES,), "uint8"),
         "sample_params": ((seqs, kernels.sampling.PARAM_WORDS), "int32"),
         "sample_outputs": ((OUT_WORDS * seqs,), "int32"),
-        "penalties": ((PENALTY_BYTES // 4,), "int32"),
+        "lists": ((LISTS_BYTES // 4,), "int32"),
         # Beam search's candidates of one step: ids then values, MAX_COUNT of each per row at most.
         "beam_candidates": ((seqs, 2 * kernels.beam.MAX_COUNT), "int32"),
     }
@@ -79,9 +79,9 @@ class Lane:
         self.metadata, self.cross_metadata = taken["metadata"], taken["cross_metadata"]
         self.kv_copies = taken["kv_copies"]
         self.decode_partials, self.gemm_workspace = taken["decode_partials"], taken["gemm_workspace"]
-        self.sampler = DeviceSampler(self, taken["sample_params"], taken["penalties"], taken["processed"],
+        self.sampler = DeviceSampler(self, taken["sample_params"], taken["processed"],
                                      taken["sample_outputs"])
-        self.candidates, self.penalties = taken["beam_candidates"], taken["penalties"]
+        self.candidates, self.lists = taken["beam_candidates"], taken["lists"]
         self.graphs: DecodeGraphs | None = None
         self._pending = []   # host arrays the stream's copies read, kept until the stream is synchronized
         self._prepared: CudaBatch | None = None
@@ -113,20 +113,29 @@ class Lane:
     def beam_candidates(self, logits: DeviceTensor, banned: list[list[int]], count: int
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """Ops.beam_candidates: the kernel over the lane's logits, then one copy back of [N, count] ids and
-        values. The banned ids go through the penalties region (the sampler does not run in a beam step)."""
+        values."""
         n = logits.shape[0]
-        host = kernels.beam.pack_banned(banned)
-        if host.size > self.penalties.numel:
-            raise DeviceFault(f"{host.size - n - 1} banned ids in one beam step overflow their region")
-        self.copy_to_device(DeviceTensor(self.penalties.ptr, host.shape, "int32"), host)
-        offsets = DeviceTensor(self.penalties.ptr, (n + 1,), "int32")
-        banned_ids = DeviceTensor(self.penalties.ptr + 4 * (n + 1), (host.size - n - 1,), "int32")
+        offsets, banned_ids = self.upload_lists(kernels.beam.pack_banned(banned), "a beam step's banned ids")
         ids = DeviceTensor(self.candidates.ptr, (n, count), "int32")
         values = DeviceTensor(self.candidates.ptr + 4 * n * count, (n, count), "float32")
         kernels.beam.beam_candidates(self.lib, self.stream, logits, offsets, banned_ids, ids, values)
         out = self.copy_to_host(DeviceTensor(self.candidates.ptr, (2 * n * count,), "int32"))
         return (torch.from_numpy(out[n * count:].view(np.float32).reshape(n, count).copy()),
                 torch.from_numpy(out[:n * count].reshape(n, count).astype(np.int64)))
+
+    def upload_lists(self, parts: list[np.ndarray], what: str) -> list[DeviceTensor]:
+        """int32 or float32 arrays back to back in the lane's lists region, in one copy; their device views."""
+        host = np.concatenate([np.ascontiguousarray(p, dtype=p.dtype).reshape(-1).view(np.int32) for p in parts])
+        if host.size > self.lists.numel:
+            raise DeviceFault(f"{what} ({host.size} words) overflow their region; lower max_model_len")
+        if host.size:
+            self.copy_to_device(DeviceTensor(self.lists.ptr, host.shape, "int32"), host)
+        tensors, offset = [], 0
+        for part in parts:
+            dtype = "float32" if part.dtype == np.float32 else "int32"
+            tensors.append(DeviceTensor(self.lists.ptr + 4 * offset, part.shape, dtype))
+            offset += part.size
+        return tensors
 
     @contextlib.contextmanager
     def reuse_prepared(self, prepared: CudaBatch, cross: CudaBatch | None = None):

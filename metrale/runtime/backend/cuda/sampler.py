@@ -16,11 +16,10 @@ OUT_WORDS = 2 + 2 * MAX_TOP_LOGPROBS
 
 
 class DeviceSampler:
-    def __init__(self, lane, params: DeviceTensor, penalties: DeviceTensor, processed: DeviceTensor,
-                 outputs: DeviceTensor):
-        """lane: the Lane whose stream it runs on; params [max_seqs, PARAM_WORDS] int32; penalties: int32 scratch
-        for the penalty lists; processed [max_seqs, vocab] float32; outputs [max_seqs * OUT_WORDS] int32."""
-        self.lane, self.params, self.penalties = lane, params, penalties
+    def __init__(self, lane, params: DeviceTensor, processed: DeviceTensor, outputs: DeviceTensor):
+        """lane: the Lane whose stream it runs on (its lists region takes the penalty lists); params
+        [max_seqs, PARAM_WORDS] int32; processed [max_seqs, vocab] float32; outputs [max_seqs * OUT_WORDS] int32."""
+        self.lane, self.params = lane, params
         self.processed, self.outputs = processed, outputs
 
     def sample(self, logits: DeviceTensor, rows, on_queued=None) -> SampleResult:
@@ -32,7 +31,9 @@ class DeviceSampler:
         processed = None
         if any(row.params.has_penalties for row in rows):
             processed = self.processed.rows(0, n)
-            offsets, entries, biases = self._upload_penalties(kernels.pack_penalties(rows, logits.shape[1]))
+            lists = kernels.pack_penalties(rows, logits.shape[1])
+            offsets, entries, biases = lane.upload_lists([lists.entry_offsets, lists.entries, lists.biases],
+                                                         "the penalty lists")
             kernels.apply_penalties(lib, stream, processed, logits, params, offsets, entries, biases)
         top_n = max(row.options.top_logprobs for row in rows)
         base = self.outputs.ptr
@@ -47,19 +48,6 @@ class DeviceSampler:
             on_queued()
         host = lane.copy_to_host(DeviceTensor(base, (n * OUT_WORDS,), "int32"))
         return self._result(host, logits, rows, top_n)
-
-    def _upload_penalties(self, lists) -> tuple[DeviceTensor, DeviceTensor, DeviceTensor]:
-        words = lists.entry_offsets.size + lists.entries.size + lists.biases.size
-        if words > self.penalties.numel:
-            raise DeviceFault(f"the penalty lists ({words} words) overflow their region; lower max_model_len")
-        parts, tensors, offset = [lists.entry_offsets, lists.entries, lists.biases.view(np.int32)], [], 0
-        for part, dtype in zip(parts, ("int32", "int32", "float32")):
-            tensor = DeviceTensor(self.penalties.ptr + 4 * offset, part.shape, dtype)
-            if part.size:
-                self.lane.copy_to_device(DeviceTensor(tensor.ptr, part.shape, "int32"), np.ascontiguousarray(part))
-            tensors.append(tensor)
-            offset += part.size
-        return tuple(tensors)
 
     def _result(self, host: np.ndarray, logits: DeviceTensor, rows, top_n: int) -> SampleResult:
         n = len(rows)

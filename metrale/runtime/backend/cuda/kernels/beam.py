@@ -11,11 +11,10 @@ MODULE = "beam"
 MAX_COUNT = THREADS            # top_logprobs_of ranks at most one candidate per thread
 
 
-def pack_banned(banned: list[list[int]]) -> np.ndarray:
-    """[N + 1 + E] int32: the offsets of each row's banned ids, then the ids, as beam_candidates reads them."""
-    offsets = np.cumsum([0] + [len(ids) for ids in banned], dtype=np.int64)
-    flat = [i for ids in banned for i in ids]
-    return np.concatenate([offsets, np.asarray(flat, dtype=np.int64)]).astype(np.int32)
+def pack_banned(banned: list[list[int]]) -> list[np.ndarray]:
+    """[N + 1] int32 offsets of each row's banned ids, and the ids [E] int32, as beam_candidates reads them."""
+    offsets = np.cumsum([0] + [len(ids) for ids in banned]).astype(np.int32)
+    return [offsets, np.asarray([i for ids in banned for i in ids], dtype=np.int32)]
 
 
 def beam_candidates(lib, stream, logits: DeviceTensor, banned_offsets: DeviceTensor, banned: DeviceTensor,
