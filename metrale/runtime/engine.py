@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from metrale.runtime.batch import ForwardBatch, Segment, build_batch
+from metrale.runtime.beam.on_device import DeviceSearch, LockedSearch, OnDeviceSearch
 from metrale.runtime.beam.params import BeamRequest
 from metrale.runtime.beam.runner import BeamCall, BeamModel, BeamResult
 from metrale.runtime.config import EngineConfig
@@ -155,7 +156,7 @@ class Engine:
         config, encoder_decoder = self.model.config, self.is_encoder_decoder
         model = BeamModel(self._beam_forward, self._copy_kv, eos_token_ids, fill_token, config.vocab_size,
                           self._beam_encode if encoder_decoder else None,
-                          config.decoder_start_token_id if encoder_decoder else None)
+                          config.decoder_start_token_id if encoder_decoder else None, self._beam_search_on_device)
         call = BeamCall(requests, self.limits, self.config.kv_block_size, model)
         pool = self._reserve_beam_blocks(call.blocks_needed())
         try:
@@ -183,6 +184,11 @@ class Engine:
         ops = self.model.ops
         with self._forward_lock:
             return ops.beam_candidates(ops.run_forward(self.forward, batch), banned, count)
+
+    def _beam_search_on_device(self, search: DeviceSearch) -> OnDeviceSearch | None:
+        with self._forward_lock:
+            found = self.model.ops.device_beam_search(search, self.forward, self.kv_cache)
+        return None if found is None else LockedSearch(found, self._forward_lock)
 
     def _copy_kv(self, copies: list[tuple[int, int, int]]) -> None:
         self.model.ops.copy_kv_prefixes(self.kv_cache, copies)

@@ -42,6 +42,11 @@ class KvBlockManager:
     def is_shared(self, block: int) -> bool:
         return block in self._shares
 
+    def holders(self) -> tuple[list[int], dict[int, int]]:
+        """The free blocks (allocate() takes from the end first) and each handed-out block's holders."""
+        free = set(self._free)
+        return list(self._free), {b: 1 + self._shares.get(b, 0) for b in self.ids if b not in free}
+
     def free(self, blocks: list[int]) -> None:
         for block in reversed(blocks):
             shares = self._shares.get(block)

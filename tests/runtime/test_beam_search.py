@@ -117,3 +117,41 @@ def test_non_finite_logits_end_the_call_with_a_device_fault_and_every_block_back
     with pytest.raises(DeviceFault, match="finite"):
         engine.beam_generate([request], eos, FILL)
     assert engine.blocks.num_free == free
+
+
+def test_the_prompt_pass_hands_over_a_device_search(models, monkeypatch):
+    """What a device search step starts from (runtime/beam/on_device.py), built on the CPU engine: each request's
+    beams on its prompt's blocks (as many holders as beams), every reserved block free or held, the length
+    penalty divisors as BeamGroup computes them, the prompt's candidates once per beam, and the state's arrays
+    laid out (the CUDA backend's state_arrays) without a device."""
+    from metrale.runtime.backend.cuda.beam_search import state_arrays
+
+    engine, _, eos = models
+    requests = [BeamRequest(i, prompt_tokens=tuple(p), params=BeamParams(num_beams=k, max_new_tokens=5 + i,
+                                                                         length_penalty=lp))
+                for i, (p, k, lp) in enumerate(zip(PROMPTS, (3, 1, 3, 2), (1.0, 0.5, 2.0, -1.0)))]
+    seen = []
+    monkeypatch.setattr(engine.model.ops, "device_beam_search", lambda search, *_: seen.append(search))
+    free = engine.blocks.num_free
+    engine.beam_generate(requests, eos, FILL)             # stepped on the host: the CPU backend returns None
+    assert engine.blocks.num_free == free and len(seen) == 1
+    search = seen[0]
+    order = [0, 2, 1, 3]                                  # grouped by num_beams, in call order
+    assert search.num_beams.tolist() == [3, 3, 1, 2] and search.beam_base.tolist() == [0, 3, 6, 7]
+    assert search.prompts == [PROMPTS[i] for i in order]
+    assert search.max_length.tolist() == [len(PROMPTS[i]) + 5 + i for i in order]
+    size = search.block_size
+    for r, i in enumerate(order):
+        beams = search.tables[search.beam_base[r]:search.beam_base[r] + search.num_beams[r]]
+        assert all(t == beams[0] for t in beams) and len(beams[0]) == -(-len(PROMPTS[i]) // size)
+        assert all(search.holders[b] == search.num_beams[r] for b in beams[0])
+        lp = requests[i].params.length_penalty
+        assert search.divisors[r, 1:6 + i].tolist() == [torch.tensor(float(n) ** lp).float().item()
+                                                        for n in range(1, 6 + i)]
+        rows = search.cand_ids[search.beam_base[r]:search.beam_base[r] + search.num_beams[r]]
+        assert (rows == rows[0]).all()
+    held = set(int(b) for b in search.holders.nonzero()[0])
+    assert held.isdisjoint(search.free.tolist()) and len(held) + len(search.free) == len(search.block_ids)
+    arrays = state_arrays(search, max_blocks=64)
+    assert arrays["running"].shape == (2, 9, search.max_len) and arrays["done"].shape == (5,)
+    assert arrays["running"][1, 4, :len(PROMPTS[2])].tolist() == PROMPTS[2]

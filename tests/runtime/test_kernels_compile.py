@@ -9,7 +9,7 @@ SOURCES = kernel_sources()
 
 
 def test_every_kernel_family_is_there():
-    assert {"embedding", "norm", "activation", "rope_kv", "decode_attention", "prefill_attention", "sampling", "beam",
+    assert {"embedding", "norm", "activation", "rope_kv", "decode_attention", "prefill_attention", "sampling", "beam", "beam_step",
             "gemv"} <= set(SOURCES)
 
 

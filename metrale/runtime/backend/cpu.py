@@ -43,6 +43,9 @@ class CpuBackend:
                 log_probs[row, inside] = -math.inf
         return torch.topk(log_probs, k=min(count, vocab), dim=-1)
 
+    def device_beam_search(self, search, forward, kv_cache) -> None:
+        return None      # the host steps the search (BeamGroup)
+
     def copy_kv_prefixes(self, kv_cache: list, copies: list[tuple[int, int, int]]) -> None:
         for kv in kv_cache:      # [2, num_blocks, kv_block_size, num_kv_heads, head_dim]
             for src, dst, n in copies:

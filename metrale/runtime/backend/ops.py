@@ -6,6 +6,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from metrale.runtime.batch import ForwardBatch
+from metrale.runtime.beam.on_device import DeviceSearch, OnDeviceSearch
 from metrale.runtime.sampling import SampleResult
 
 # A backend's tensor type: torch.Tensor on the CPU backend, a device buffer view on CUDA.
@@ -67,6 +68,12 @@ class Ops(Protocol):
 
     def copy_kv_prefixes(self, kv_cache: list, copies: list[tuple[int, int, int]]) -> None:
         """For each (src block, dst block, n): the first n slots of src's K and V, in every layer, into dst."""
+
+    def device_beam_search(self, search: "DeviceSearch", forward: Callable[[ForwardBatch], Tensor], kv_cache: list
+                           ) -> "OnDeviceSearch | None":
+        """A beam search whose steps run on the device from where the prompt pass left it (runtime/beam/
+        on_device.py), on the calling thread's lane; None where the backend has no such step or the search does
+        not fit its state region: the host steps it."""
 
     def synchronize(self) -> None:
         """Waits for the work the calling thread's lane has queued: before a failed or cancelled step gives back

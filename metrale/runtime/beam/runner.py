@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from metrale.runtime.batch import ForwardBatch, Segment, build_batch, build_decode_batch
+from metrale.runtime.beam.on_device import DeviceSearch, OnDeviceSearch, device_search, fits_on_device, run_on_device
 from metrale.runtime.beam.params import MAX_KEEP, BeamRequest
 from metrale.runtime.beam.search import BeamGroup
 from metrale.runtime.errors import BatchTooLarge, Cancelled, DeviceFault, InvalidArgument, OutOfRange
@@ -65,6 +66,9 @@ class BeamModel:
     vocab_size: int
     encode: Callable[[list[Segment]], None] | None = None
     decoder_start: int | None = None
+    # Backends with a device search step (Ops.device_beam_search): the search from where the prompt pass left it,
+    # or None where it must be stepped on the host.
+    search_on_device: Callable[[DeviceSearch], OnDeviceSearch | None] | None = None
 
 
 def decoder_prompt(request: BeamRequest, model: BeamModel) -> list[int]:
@@ -94,6 +98,12 @@ class BeamCall:
 
     def run(self, pool: KvBlockManager, cancelled: Callable[[], bool]) -> list[BeamResult]:
         groups, candidates = self._prefill(pool, self._encode(pool))
+        if self.model.search_on_device is not None and fits_on_device(groups):
+            search, members = device_search(groups, candidates, pool, self.block_size, self.model.encode is not None)
+            on_device = self.model.search_on_device(search)
+            if on_device is not None:
+                found = run_on_device(on_device, members, cancelled)
+                return [BeamResult(r.request_id, found[r.request_id]) for r in self.requests]
         results: dict[int, BeamResult] = {}
         while groups:
             if cancelled():

@@ -94,7 +94,8 @@ def test_m2m100_prefill_and_decode_follow_transformers(m2m100):
     sources = {1: SOURCES[1], 2: SOURCES[3]}
     replays = engine.model.ops.lane.graphs.replays
     decoded, rows, _ = forced_then_greedy(engine, sources, {1: 200, 2: 201}, 8, START)
-    assert engine.model.ops.lane.graphs.replays == replays + 8        # each Decode a graph with its cross batch
+    # the prefill's decoder rows (one start token each, after the encoder) and each Decode: a graph with its cross batch
+    assert engine.model.ops.lane.graphs.replays == replays + 9
     for i, source in sources.items():
         with torch.no_grad():
             expected = reference(input_ids=torch.tensor([source], device="cuda"),
@@ -163,3 +164,29 @@ def test_llama_beam_search_follows_transformers(llama, length_penalty, early_sto
     print(f"llama lp={length_penalty} early_stopping={early_stopping}: {compared}/{total} requests compared")
     assert compared >= total // 2
 
+
+
+@pytest.mark.parametrize("model", ["m2m100", "llama"])
+@pytest.mark.parametrize("length_penalty, early_stopping", [(1.0, False), (2.0, "never"), (0.0, True)])
+def test_device_search_step_matches_the_host_step(request, monkeypatch, model, length_penalty, early_stopping):
+    """The search stepped on the device (beam_step.cu) against the same search stepped on the host (BeamGroup) over
+    the same engine: the same hypotheses, scores within float32 rounding; every block given back either way."""
+    engine, _, reference, _ = request.getfixturevalue(model)
+    encoder_decoder = model == "m2m100"
+    inputs = SOURCES if encoder_decoder else PROMPTS
+    eos = (2, frequent_token(reference, inputs[0], **(dict(decoder_input_ids=torch.tensor([[START]], device="cuda"),
+                                                          decoder_start_token_id=START) if encoder_decoder else {})))
+    requests = beam_requests(inputs, encoder_decoder, length_penalty, early_stopping)
+    free, ops = engine.blocks.num_free, engine.model.ops
+    searches = []
+    original = ops.device_beam_search
+    monkeypatch.setattr(ops, "device_beam_search", lambda *a: searches.append(original(*a)) or searches[-1])
+    on_device = engine.beam_generate(requests, eos, FILL)
+    assert len(searches) == 1 and searches[0] is not None and searches[0].generated > 1    # it did run there
+    monkeypatch.setattr(ops, "device_beam_search", lambda *a: None)
+    on_host = engine.beam_generate(requests, eos, FILL)
+    assert engine.blocks.num_free == free
+    for ours, theirs in zip(on_device, on_host):
+        assert [t for t, _ in ours.hypotheses] == [t for t, _ in theirs.hypotheses], ours.request_id
+        assert torch.allclose(torch.tensor([s for _, s in ours.hypotheses]),
+                              torch.tensor([s for _, s in theirs.hypotheses]), rtol=1e-6, atol=1e-6)

@@ -10,6 +10,7 @@ import torch
 
 from metrale.runtime.backend.cuda import kernels
 from metrale.runtime.backend.cuda.batch import CudaBatch
+from metrale.runtime.backend.cuda.beam_search import DeviceBeamSearch, state_bytes
 from metrale.runtime.backend.cuda.compiler import KernelCache, KernelLibrary
 from metrale.runtime.backend.cuda.device import ALIGNMENT, Arena, CudaDevice
 from metrale.runtime.backend.cuda.gemm import CublasLt
@@ -18,6 +19,7 @@ from metrale.runtime.backend.cuda.lane import Lane, LaneBinding, lane_buffers, l
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.backend.ops import MemoryShapes, RopeTable
 from metrale.runtime.batch import ForwardBatch
+from metrale.runtime.beam.on_device import DeviceSearch
 from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.sampling import SampleResult
 
@@ -152,6 +154,12 @@ class CudaBackend:
     def beam_candidates(self, logits: DeviceTensor, banned: list[list[int]], count: int
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._bound.lane.beam_candidates(logits, banned, count)
+
+    def device_beam_search(self, search: DeviceSearch, forward, kv_cache: list) -> DeviceBeamSearch | None:
+        lane = self._bound.lane
+        if state_bytes(search, self.shapes.max_blocks_per_seq) > lane.beam_state.nbytes:
+            return None
+        return DeviceBeamSearch(lane, search, forward, kv_cache, lane.beam_state)
 
     def fairseq_position_ids(self, batch: CudaBatch, padding_idx: int) -> DeviceTensor:
         lane = self._bound.lane

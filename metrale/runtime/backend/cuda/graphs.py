@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from metrale.runtime.backend.cuda.batch import pack_batch
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.batch import ForwardBatch
 
@@ -26,6 +27,7 @@ class DecodeGraphs:
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.max_context, self.max_source_len = max_context, max_source_len
         self._graphs: dict[int, tuple[object, DeviceTensor]] = {}
+        self._layouts: dict[int, tuple] = {}
         self.replays = 0
 
     def bucket(self, batch: ForwardBatch) -> int | None:
@@ -49,13 +51,38 @@ class DecodeGraphs:
     def capture_all(self, forward: Callable) -> None:
         """Warm-up, on a thread bound to this lane (forward's ops run on the calling thread's lane): every bucket
         captured with padding lanes only."""
-        empty = ForwardBatch(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
-                             torch.zeros(0, dtype=torch.int64), [], [], [], [], torch.zeros(0, dtype=torch.int64))
-        if self.max_source_len:
-            empty.cross = dataclasses.replace(empty)
         for size in self.batch_sizes:
-            if size not in self._graphs:
-                self._graphs[size] = self._capture(forward, empty, self._prepare(empty, size))
+            self._captured(forward, size)
+
+    def size_for(self, rows: int) -> int | None:
+        """The smallest bucket of at least `rows` decode rows, or None."""
+        return next((size for size in self.batch_sizes if size >= rows), None)
+
+    def layout(self, size: int) -> tuple:
+        """The metadata views (and cross views) a bucket's graph reads, for a caller that writes them on the
+        device (the beam search step) and then calls replay()."""
+        if size in self._layouts:
+            return self._layouts[size]
+        empty = empty_decode_batch(self.max_source_len > 0)
+        max_blocks = self.lane.shapes.max_blocks_per_seq
+        prepared = pack_batch(empty, self.lane.metadata, max_blocks, pad_to=size)
+        cross = (pack_batch(empty.cross, self.lane.cross_metadata, max_blocks, pad_to=size)
+                 if self.max_source_len else None)
+        self._layouts[size] = prepared, cross
+        return prepared, cross
+
+    def replay(self, forward: Callable, size: int) -> DeviceTensor:
+        """The bucket's graph over the metadata already in place (layout()); logits [size, vocab]."""
+        graph, logits = self._captured(forward, size)
+        graph.launch(self.lane.stream)
+        self.replays += 1
+        return logits
+
+    def _captured(self, forward: Callable, size: int) -> tuple[object, DeviceTensor]:
+        if size not in self._graphs:
+            empty = empty_decode_batch(self.max_source_len > 0)
+            self._graphs[size] = self._capture(forward, empty, self._prepare(empty, size))
+        return self._graphs[size]
 
     def _prepare(self, batch: ForwardBatch, size: int) -> tuple:
         """The batch's metadata (and its cross batch's) padded to `size` lanes, attention planned for max_context
@@ -80,3 +107,13 @@ class DecodeGraphs:
         graph = builder.complete()
         graph.upload(stream)
         return graph, logits
+
+
+def empty_decode_batch(encoder_decoder: bool) -> ForwardBatch:
+    """A batch of no rows (padded to a bucket, every row padding), with an empty cross batch for encoder-decoders:
+    what a graph is captured over, and what a forward over metadata written on the device is given."""
+    empty = ForwardBatch(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
+                         torch.zeros(0, dtype=torch.int64), [], [], [], [], torch.zeros(0, dtype=torch.int64))
+    if encoder_decoder:
+        empty.cross = dataclasses.replace(empty)
+    return empty

@@ -22,6 +22,8 @@ from metrale.runtime.errors import DeviceFault, InvalidArgument
 GEMM_WORKSPACE_BYTES = 32 << 20
 # A step's small per-row lists (the sampler's penalty entries and biases, a beam step's banned ids).
 LISTS_BYTES = 64 << 20
+# A BeamGenerate call's search state on the device (beam_search.py); a call that needs more steps on the host.
+BEAM_STATE_BYTES = 32 << 20
 # The activation workspace holds this many layers' tensors at max_batch_tokens (see RingArena).
 WORKSPACE_LAYERS = 3
 TIMED = EventOptions(timing_enabled=True)
@@ -56,6 +58,7 @@ def lane_buffers(lib, shapes: MemoryShapes) -> Buffers:
         "lists": ((LISTS_BYTES // 4,), "int32"),
         # Beam search's candidates of one step: ids then values, MAX_COUNT of each per row at most.
         "beam_candidates": ((seqs, 2 * kernels.beam.MAX_COUNT), "int32"),
+        "beam_state": ((BEAM_STATE_BYTES,), "uint8"),
     }
 
 
@@ -82,6 +85,7 @@ class Lane:
         self.sampler = DeviceSampler(self, taken["sample_params"], taken["processed"],
                                      taken["sample_outputs"])
         self.candidates, self.lists = taken["beam_candidates"], taken["lists"]
+        self.beam_state = taken["beam_state"]
         self.graphs: DecodeGraphs | None = None
         self._pending = []   # host arrays the stream's copies read, kept until the stream is synchronized
         self._prepared: CudaBatch | None = None

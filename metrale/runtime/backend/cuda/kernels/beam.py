@@ -42,3 +42,17 @@ def beam_candidates(lib, stream, logits: DeviceTensor, banned_offsets: DeviceTen
     kernel = lib.get("beam_candidates", MODULE)
     launch_kernel(stream, kernel, num_rows, THREADS, logits, np.int64(logits.stride), vocab_size, banned_offsets,
                   banned if banned.numel else np.uint64(0), count, ids_out, values_out)
+
+
+def beam_state_candidates(lib, stream, logits: DeviceTensor, state: int, num_rows: int, parity: int,
+                          generated: int) -> None:
+    """The device search's candidates (beam_step.cu's state at address `state`, its keep_stride best per beam),
+    from rows [0, num_rows) of logits [>= num_rows, V] float32, with each beam's bans computed from its tokens."""
+    require(logits.dtype == "float32" and len(logits.shape) == 2 and logits.shape[0] >= num_rows,
+            "beam_state_candidates: logits must be [>= rows, V] float32")
+    require(0 < logits.shape[1] <= MAX_VOCAB, f"beam_state_candidates: vocabulary must be in [1, {MAX_VOCAB}]")
+    if num_rows == 0:
+        return
+    kernel = lib.get("beam_state_candidates", MODULE)
+    launch_kernel(stream, kernel, num_rows, THREADS, logits, np.int64(logits.stride), logits.shape[1],
+                  np.uint64(state), parity, generated)

@@ -1,0 +1,174 @@
+"""A BeamGenerate call's search on the device (runtime/beam/on_device.py): its state laid out in the lane's beam
+state region (cuda_kernels/beam_state.cuh), and a step as kernel launches: select, fork, the KV copies, then the
+next decode forward (a graph replay where a bucket fits) with its metadata and candidates written by kernels
+from the state. The host reads one done flag per request a step, and the hypotheses once at the end."""
+
+import numpy as np
+
+from metrale.runtime.backend.cuda import kernels
+from metrale.runtime.backend.cuda.batch import pack_batch
+from metrale.runtime.backend.cuda.device import ALIGNMENT, Arena
+from metrale.runtime.backend.cuda.graphs import empty_decode_batch
+from metrale.runtime.backend.cuda.tensor import DeviceTensor
+from metrale.runtime.beam.on_device import DeviceSearch
+from metrale.runtime.errors import DeviceFault
+
+# beam_state.cuh's BeamState, field by field (8 bytes each): sizes, then arrays (name, dtype, shape of the search).
+SIZES = ("num_requests", "total_beams", "max_len", "table_width", "keep_stride", "num_eos", "block_size",
+         "max_blocks", "divisor_stride")
+ARRAYS = ("num_beams", "beam_base", "prompt_len", "max_length", "min_new", "ngram", "early_stopping", "best_length",
+          "source_len", "cross_tables", "divisors", "eos", "done", "improvable", "result_parity", "fault",
+          "beam_request", "running", "running_scores", "tables", "sequences", "scores", "lengths", "finished",
+          "parents", "cand_ids", "cand_values", "copies", "block_ids", "holders", "free_stack", "free_top",
+          "rows_beam", "active")
+FLOAT_ARRAYS = {"divisors", "running_scores", "scores", "cand_values"}
+NEG = -1.0e9
+
+
+def state_arrays(s: DeviceSearch, max_blocks: int) -> dict[str, np.ndarray]:
+    """Every array of the state at the start of the search (both halves of the double-buffered ones)."""
+    R, TB, L, W = len(s.num_beams), len(s.tables), s.max_len, s.table_width
+    beam_request = np.repeat(np.arange(R, dtype=np.int32), s.num_beams)
+    running = np.zeros((2, TB, L), dtype=np.int32)
+    for beam, r in enumerate(beam_request):
+        running[:, beam, :s.prompt_len[r]] = s.prompts[r]
+    running_scores = np.full((2, TB), NEG, dtype=np.float32)
+    running_scores[:, s.beam_base] = 0.0
+    tables = np.zeros((2, TB, W), dtype=np.int32)
+    for beam, table in enumerate(s.tables):
+        tables[:, beam, :len(table)] = table
+    cross = np.zeros((R, max_blocks), dtype=np.int32)
+    for r, table in enumerate(s.cross_tables):
+        cross[r, :len(table)] = table
+    free_stack = np.zeros(len(s.block_ids), dtype=np.int32)
+    free_stack[:len(s.free)] = s.free
+    zeros = lambda *shape: np.zeros(shape, dtype=np.int32)
+    return {
+        "num_beams": s.num_beams, "beam_base": s.beam_base, "prompt_len": s.prompt_len, "max_length": s.max_length,
+        "min_new": s.min_new, "ngram": s.ngram, "early_stopping": s.early_stopping, "best_length": s.best_length,
+        "source_len": s.source_len, "cross_tables": cross, "divisors": s.divisors, "eos": s.eos,
+        # done, then the fault flag: one copy back a step reads both
+        "done": zeros(R + 1), "improvable": np.ones(R, dtype=np.int32), "result_parity": zeros(R),
+        "beam_request": beam_request, "running": running, "running_scores": running_scores, "tables": tables,
+        "sequences": running.copy(), "scores": np.full((2, TB), NEG, dtype=np.float32), "lengths": zeros(2, TB),
+        "finished": zeros(2, TB), "parents": zeros(TB), "cand_ids": s.cand_ids, "cand_values": s.cand_values,
+        "copies": zeros(TB, 3), "block_ids": s.block_ids, "holders": s.holders, "free_stack": free_stack,
+        "free_top": np.array([len(s.free)], dtype=np.int32), "rows_beam": np.arange(TB, dtype=np.int32),
+        "active": np.arange(R, dtype=np.int32),
+    }
+
+
+class DeviceBeamSearch:
+    """OnDeviceSearch on one lane. forward(batch): the model's decode forward (its ops read the lane's prepared
+    metadata); kv_cache: the pool's layers, for the KV copies."""
+
+    def __init__(self, lane, search: DeviceSearch, forward, kv_cache: list, region: DeviceTensor):
+        self.lane, self.lib, self.forward, self.kv_cache = lane, lane.lib, forward, kv_cache
+        self.search = search
+        arrays = state_arrays(search, lane.shapes.max_blocks_per_seq)
+        arena = Arena(region.ptr, region.nbytes, "beam state")
+        header = arena.take((len(SIZES) + len(ARRAYS),), "int64")
+        self.views = {name: arena.take(a.shape, "float32" if name in FLOAT_ARRAYS else "int32")
+                      for name, a in arrays.items()}
+        sizes = dict(num_requests=len(search.num_beams), total_beams=len(search.tables), max_len=search.max_len,
+                     table_width=search.table_width, keep_stride=search.cand_ids.shape[1], num_eos=len(search.eos),
+                     block_size=search.block_size, max_blocks=lane.shapes.max_blocks_per_seq,
+                     divisor_stride=search.divisors.shape[1])
+        pointers = {name: view.ptr for name, view in self.views.items()}
+        pointers["fault"] = pointers["done"] + 4 * sizes["num_requests"]
+        fields = [sizes[n] for n in SIZES] + [pointers[n] for n in ARRAYS]
+        self.state = header.ptr
+        self.copy(header, np.array(fields, dtype=np.uint64).view(np.int64))
+        for name, array in arrays.items():
+            self.copy(self.views[name], array)
+        self.parity, self.generated = 0, 0
+        self.num_requests, self.total_beams = sizes["num_requests"], sizes["total_beams"]
+        self.active = list(range(self.num_requests))
+        self.rows = self.total_beams
+        self.searching = True
+        self._results: dict[str, np.ndarray] | None = None
+
+    def copy(self, dst: DeviceTensor, host: np.ndarray) -> None:
+        """host (4- or 8-byte elements) into dst's first bytes, queued on the lane."""
+        host = np.ascontiguousarray(host).reshape(-1)
+        if not host.size:
+            return
+        words = host.view(np.int32 if host.itemsize == 4 else np.int64)
+        self.lane.copy_to_device(DeviceTensor(dst.ptr, words.shape, "int32" if host.itemsize == 4 else "int64"), words)
+
+    def step(self) -> None:
+        """One search step: select, fork and copy; then, while requests search, the next forward and its
+        candidates."""
+        lane, lib, stream = self.lane, self.lib, self.lane.stream
+        kernels.beam_step.beam_select(lib, stream, self.state, len(self.active), self.parity, self.generated)
+        kernels.beam_step.beam_fork(lib, stream, self.state, len(self.active), self.parity, self.generated)
+        kernels.rope_kv.copy_kv_prefixes(lib, stream, self.kv_cache, self.views["copies"], self.total_beams)
+        self.parity, self.generated = 1 - self.parity, self.generated + 1
+        flags = lane.copy_to_host(self.views["done"])
+        if flags[self.num_requests]:
+            raise DeviceFault("a logits row has no finite maximum (NaN or +inf logits), or the call's KV blocks "
+                              "ran out: no beam to continue")
+        active = [r for r in self.active if not flags[r]]
+        if not active:
+            self.searching = False
+            return
+        if len(active) < len(self.active):
+            self._leave(active)
+        logits = self._forward()
+        kernels.beam.beam_state_candidates(lib, stream, logits, self.state, self.rows, self.parity, self.generated)
+
+    def _leave(self, active: list[int]) -> None:
+        """Ended requests leave the forward: the rows are the searching requests' beams."""
+        s = self.search
+        rows = np.concatenate([np.arange(s.beam_base[r], s.beam_base[r] + s.num_beams[r]) for r in active])
+        self.active, self.rows = active, len(rows)
+        self.copy(self.views["rows_beam"], rows.astype(np.int32))
+        self.copy(self.views["active"], np.asarray(active, dtype=np.int32))
+
+    def _forward(self) -> DeviceTensor:
+        """The decode forward over the rows: its graph when a bucket fits, else run directly; logits [rows, V]."""
+        lane, graphs = self.lane, self.lane.graphs
+        size = graphs.size_for(self.rows) if graphs else None
+        if size:
+            batch, cross = graphs.layout(size)
+        else:
+            batch, cross = self._layout(self.rows)
+        kernels.beam_step.beam_metadata(self.lib, lane.stream, self.state, self.parity, self.generated, self.rows,
+                                        batch, cross)
+        if size:
+            return graphs.replay(self.forward, size).rows(0, self.rows)
+        lane.ring.reset()
+        with lane.reuse_prepared(batch, cross):
+            return self.forward(empty_decode_batch(self.search.encoder_decoder))
+
+    def _layout(self, rows: int):
+        """pack_batch's views for `rows` padded decode rows in the lane's metadata regions, attention planned for
+        the longest context and source."""
+        lane, empty = self.lane, empty_decode_batch(self.search.encoder_decoder)
+        batch = pack_batch(empty, lane.metadata, lane.shapes.max_blocks_per_seq, pad_to=rows)
+        batch.max_decode_context = self.search.max_len
+        if not self.search.encoder_decoder:
+            return batch, None
+        cross = pack_batch(empty.cross, lane.cross_metadata, lane.shapes.max_blocks_per_seq, pad_to=rows)
+        cross.max_decode_context = int(self.search.source_len.max())
+        return batch, cross
+
+    def hypotheses(self, request: int, count: int) -> list[tuple[list[int], float]]:
+        if self._results is None:
+            self._results = {name: self.lane.copy_to_host(self.views[name])
+                             for name in ("sequences", "scores", "lengths", "result_parity")}
+        res, s = self._results, self.search
+        half, start = int(res["result_parity"][request]), int(s.prompt_len[request])
+        L, TB, base = s.max_len, self.total_beams, int(s.beam_base[request])
+        sequences = res["sequences"].reshape(2, TB, L)[half]
+        scores = res["scores"].view(np.float32).reshape(2, TB)[half]
+        lengths = res["lengths"].reshape(2, TB)[half]
+        return [(sequences[base + i, start:start + int(lengths[base + i])].tolist(), float(scores[base + i]))
+                for i in range(count)]
+
+
+def state_bytes(search: DeviceSearch, max_blocks: int) -> int:
+    """The beam state region a search needs (each array aligned as Arena places it, and the header)."""
+    arrays = state_arrays(search, max_blocks)
+    header = 8 * (len(SIZES) + len(ARRAYS))
+    return sum(-(-n // ALIGNMENT) * ALIGNMENT for n in [header] + [a.nbytes for a in arrays.values()])

@@ -1,0 +1,38 @@
+"""Launchers for cuda_kernels/beam_step.cu: a beam search step's select, fork and next-forward metadata, over a
+call's state on the device (runtime/backend/cuda/beam_search.py lays it out; `state` is its address)."""
+
+import numpy as np
+
+from metrale.runtime.backend.cuda.launch import ceil_div, launch_kernel, require
+
+MODULE = "beam_step"
+SELECT_THREADS = 256
+FORK_THREADS = 1024
+METADATA_THREADS = 128
+
+
+def beam_select(lib, stream, state: int, num_active: int, parity: int, generated: int) -> None:
+    """Each searching request's next running beams, parents and finished hypotheses (one block per request)."""
+    if num_active:
+        launch_kernel(stream, lib.get("beam_select", MODULE), num_active, SELECT_THREADS, np.uint64(state), parity,
+                      generated)
+
+
+def beam_fork(lib, stream, state: int, num_active: int, parity: int, generated: int) -> None:
+    """The new running beams' block tables, block holders, and the step's KV copies (one block)."""
+    launch_kernel(stream, lib.get("beam_fork", MODULE), 1, FORK_THREADS, np.uint64(state), parity, generated,
+                  num_active)
+
+
+def beam_metadata(lib, stream, state: int, parity: int, generated: int, num_rows: int, batch, cross=None) -> None:
+    """The next decode forward's metadata into batch (a CudaBatch of batch.num_tokens >= num_rows padded decode
+    rows, pack_batch's views) and cross (its cross-attention batch, encoder-decoders)."""
+    rows = batch.num_tokens
+    require(num_rows <= rows and batch.num_prefill == 0 and batch.num_decode == rows,
+            "beam_metadata: the batch must be `rows` padded decode rows")
+    views = [batch.token_ids, batch.positions, batch.slot_mapping, batch.sample_rows, batch.decode_rows,
+             batch.decode_contexts, batch.decode_tables]
+    cross_views = ([cross.token_ids, cross.positions, cross.slot_mapping, cross.sample_rows, cross.decode_rows,
+                    cross.decode_contexts, cross.decode_tables] if cross is not None else [np.uint64(0)] * 7)
+    launch_kernel(stream, lib.get("beam_metadata", MODULE), ceil_div(rows, METADATA_THREADS), METADATA_THREADS,
+                  np.uint64(state), parity, generated, num_rows, rows, *views, *cross_views)

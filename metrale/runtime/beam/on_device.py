@@ -1,0 +1,140 @@
+"""A call's search steps on the device, for backends that have them (Ops.device_beam_search): each step the
+backend selects every request's next beams, forks their KV blocks and runs the next decode forward and its
+candidates without the host; the host launches the step and reads one done flag per request.
+
+The search is the one BeamGroup does (search.py), kernel for kernel: the same float32 arithmetic in the same
+order, so the hypotheses are the same. The prompt pass (encoder and prefill) is the runner's, as on the host; what
+it leaves (each request's beams on its prompt's blocks, their first candidates, the reservation's free blocks and
+holders) is handed over as one DeviceSearch.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import numpy as np
+import torch
+
+from metrale.runtime.errors import Cancelled
+from metrale.runtime.kv_blocks import KvBlockManager, blocks_for
+
+# The device step's limits (beam_step.cu): a request's candidates (num_beams x keep) and the continuations it keeps.
+MAX_CANDIDATES = 4096
+MAX_KEEP = 256
+EARLY_STOPPING_CODES = {False: 0, True: 1, "never": 2}
+
+
+@dataclass
+class DeviceSearch:
+    """Where a call's search starts, as arrays: per request (R, in the order of `requests`), per beam (TB: request
+    r's beams at beam_base[r] ..), per reserved block (B)."""
+    num_beams: np.ndarray        # [R] int32
+    beam_base: np.ndarray
+    prompt_len: np.ndarray
+    max_length: np.ndarray
+    min_new: np.ndarray
+    ngram: np.ndarray
+    early_stopping: np.ndarray   # EARLY_STOPPING_CODES
+    best_length: np.ndarray      # the can-improve test's length, -1: the steps so far
+    source_len: np.ndarray
+    prompts: list[list[int]]
+    divisors: np.ndarray         # [R, longest max_new_tokens + 1] float32: length ** length_penalty, by length
+    eos: np.ndarray              # int32
+    cross_tables: list[list[int]]  # [R] pool ids (empty lists for decoder-only models)
+    tables: list[list[int]]      # [TB] indices into block_ids
+    block_ids: np.ndarray        # [B] pool ids
+    holders: np.ndarray          # [B] int32
+    free: np.ndarray             # indices into block_ids, the next one taken last
+    cand_values: np.ndarray      # [TB, keep_stride] float32: the prompt's candidates, repeated for each beam
+    cand_ids: np.ndarray         # [TB, keep_stride] int32
+    block_size: int
+    max_len: int                 # the longest prompt_len + max_new_tokens
+    table_width: int             # blocks_for(max_len)
+    encoder_decoder: bool
+
+
+class OnDeviceSearch(Protocol):
+    searching: bool              # some request has not ended
+
+    def step(self) -> None: ...
+
+    def hypotheses(self, request: int, count: int) -> list[tuple[list[int], float]]: ...
+
+
+class LockedSearch:
+    """A search whose steps hold a lock (the engine's forward lock: a step's launches are one forward's)."""
+
+    def __init__(self, search: OnDeviceSearch, lock):
+        self.search, self.lock = search, lock
+
+    @property
+    def searching(self) -> bool:
+        return self.search.searching
+
+    def step(self) -> None:
+        with self.lock:
+            self.search.step()
+
+    def hypotheses(self, request: int, count: int) -> list[tuple[list[int], float]]:
+        with self.lock:
+            return self.search.hypotheses(request, count)
+
+
+def fits_on_device(groups) -> bool:
+    return all(g.search.keep <= MAX_KEEP and g.search.keep * g.search.num_beams <= MAX_CANDIDATES for g in groups)
+
+
+def device_search(groups, candidates, pool: KvBlockManager, block_size: int, encoder_decoder: bool
+                  ) -> tuple[DeviceSearch, list]:
+    """The DeviceSearch the runner's prompt pass leaves, and its requests (the groups' members, in order)."""
+    members = [m for g in groups for m in g.members]
+    searches = [(g.search, i) for g in groups for i in range(len(g.members))]
+    k = np.array([s.num_beams for s, _ in searches], dtype=np.int32)
+    params = [s.params[i] for s, i in searches]
+    prompt_len = np.array([int(s.prompt_len[i]) for s, i in searches], dtype=np.int32)
+    max_new = np.array([p.max_new_tokens for p in params], dtype=np.int32)
+    max_len = int((prompt_len + max_new).max())
+    local = {block: i for i, block in enumerate(pool.ids)}
+    free, holders = pool.holders()
+    keep_stride = max(c[0].shape[2] for c in candidates)
+    values = torch.cat([c[0].reshape(-1, c[0].shape[2]) for c in candidates]).numpy().astype(np.float32)
+    ids = torch.cat([c[1].reshape(-1, c[1].shape[2]) for c in candidates]).numpy().astype(np.int32)
+    divisors = np.ones((len(params), int(max_new.max()) + 1), dtype=np.float32)
+    for row, p in enumerate(params):
+        lengths = np.arange(1, p.max_new_tokens + 1)
+        divisors[row, 1:p.max_new_tokens + 1] = torch.tensor([float(n) ** p.length_penalty for n in lengths],
+                                                              dtype=torch.float64).to(torch.float32).numpy()
+    search = DeviceSearch(
+        num_beams=k, beam_base=np.concatenate([[0], np.cumsum(k)[:-1]]).astype(np.int32), prompt_len=prompt_len,
+        max_length=prompt_len + max_new, min_new=np.array([p.min_new_tokens for p in params], dtype=np.int32),
+        ngram=np.array([p.no_repeat_ngram_size for p in params], dtype=np.int32),
+        early_stopping=np.array([EARLY_STOPPING_CODES[p.early_stopping] for p in params], dtype=np.int32),
+        best_length=np.array([p.max_new_tokens if p.early_stopping == "never" and p.length_penalty > 0.0 else -1
+                              for p in params], dtype=np.int32),
+        source_len=np.array([m.source_len for m in members], dtype=np.int32),
+        prompts=[s.running[i, 0, :int(s.prompt_len[i])].tolist() for s, i in searches],
+        divisors=divisors, eos=searches[0][0].eos.numpy().astype(np.int32),
+        cross_tables=[list(m.cross_blocks or []) for m in members],
+        tables=[[local[b] for b in beam] for m in members for beam in m.beams],
+        block_ids=np.asarray(pool.ids, dtype=np.int32),
+        holders=np.array([holders.get(b, 0) for b in pool.ids], dtype=np.int32),
+        free=np.array([local[b] for b in free], dtype=np.int32),
+        cand_values=_padded(values, keep_stride), cand_ids=_padded(ids, keep_stride), block_size=block_size,
+        max_len=max_len, table_width=blocks_for(max_len, block_size), encoder_decoder=encoder_decoder)
+    return search, members
+
+
+def run_on_device(search: OnDeviceSearch, members: list, cancelled: Callable[[], bool]) -> dict:
+    """Steps until every request's search ended; request_id -> its hypotheses."""
+    while search.searching:
+        if cancelled():
+            raise Cancelled()
+        search.step()
+    return {m.request.request_id: search.hypotheses(i, m.request.params.num_return_sequences)
+            for i, m in enumerate(members)}
+
+
+def _padded(rows: np.ndarray, width: int) -> np.ndarray:
+    out = np.zeros((rows.shape[0], width), dtype=rows.dtype)
+    out[:, :rows.shape[1]] = rows
+    return np.ascontiguousarray(out)
+
