@@ -107,17 +107,34 @@ def kernel_table(run_step, rows: int, after=None) -> str:
                 after()
         torch.cuda.synchronize()
     kernels = {}     # name -> (total us, count); every device activity (kernels and copies) of any library
+    spans = []
     for event in prof.profiler.kineto_results.events():
         if event.device_type() != torch.autograd.DeviceType.CUDA:
             continue
         total, count = kernels.get(event.name(), (0.0, 0))
         kernels[event.name()] = (total + event.duration_ns() / 1e3, count + 1)
+        spans.append((event.start_ns(), event.start_ns() + event.duration_ns(), event.name()))
     busy = sum(t for t, _ in kernels.values()) / reps
+    idle = idle_before(spans)
     lines = [f"kernels of one step: {busy / 1e3:.3f} ms busy in {sum(c for _, c in kernels.values()) // reps} "
-             f"launches", f"{'us/step':>9} {'calls':>6} {'us/call':>8}  kernel"]
+             f"launches (durations overlap where a kernel waits for the one before, PDL); the device idle "
+             f"{sum(idle.values()) / reps / 1e6:.3f} ms between them",
+             f"{'us/step':>9} {'calls':>6} {'us/call':>8} {'idle us':>8}  kernel (idle: gaps before it)"]
     for name, (total, count) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:rows]:
-        lines.append(f"{total / reps:9.1f} {count // reps:6d} {total / count:8.2f}  {name[:110]}")
+        lines.append(f"{total / reps:9.1f} {count // reps:6d} {total / count:8.2f} {idle.get(name, 0) / reps / 1e3:8.1f}"
+                     f"  {name[:110]}")
     return "\n".join(lines)
+
+
+def idle_before(spans: list[tuple[int, int, str]]) -> dict[str, float]:
+    """ns the device ran nothing before each kernel name started (from the end of everything before it), summed;
+    the first activity's wait is not counted."""
+    idle, covered = {}, None
+    for start, end, name in sorted(spans):
+        if covered is not None and start > covered:
+            idle[name] = idle.get(name, 0) + start - covered
+        covered = end if covered is None else max(covered, end)
+    return idle
 
 
 def decode_profile(runner: EngineRunner, first: dict, steps: int, rows: int) -> str:

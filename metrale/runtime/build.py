@@ -4,7 +4,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from metrale.runtime.backend import create_backend
-from metrale.runtime.backend.ops import MemoryShapes
+from metrale.runtime.backend.ops import LM_HEAD_PADDING_ROWS, MemoryShapes
 from metrale.runtime.default_model import default_cache_dir
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.engine import Engine
@@ -61,9 +61,10 @@ def build_engine(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path |
 
 def _weight_bytes(checkpoint: Checkpoint, c, max_model_len: int, model_class: type) -> int:
     """An upper bound: every checkpoint tensor in bf16, rope tables in float32, each 256-byte aligned, and what the
-    model uploads beside its checkpoint's tensors (model_class.extra_weight_bytes, where it has one)."""
+    model uploads beside its checkpoint's tensors (model_class.extra_weight_bytes, where it has one, and the LM head's
+    padding rows)."""
     tensors = sum(2 * t.numel() + 256 for t in checkpoint.tensors.values())
-    extra = getattr(model_class, "extra_weight_bytes", lambda config: 0)(c)
+    extra = getattr(model_class, "extra_weight_bytes", lambda config: 0)(c) + 2 * LM_HEAD_PADDING_ROWS * c.hidden_size
     return tensors + 2 * (4 * max_model_len * c.head_dim // 2 + 256) + extra
 
 

@@ -54,6 +54,9 @@ class CpuBackend:
     def upload(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.dtype).contiguous()
 
+    def upload_lm_head(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.upload(tensor)
+
     def upload_float32(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.float().contiguous()
 

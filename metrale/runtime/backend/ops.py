@@ -9,6 +9,9 @@ from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.beam.on_device import DeviceSearch, OnDeviceSearch
 from metrale.runtime.sampling import SampleResult
 
+# Rows upload_lm_head may add to the LM head (the weight budget counts them).
+LM_HEAD_PADDING_ROWS = 64
+
 # A backend's tensor type: torch.Tensor on the CPU backend, a device buffer view on CUDA.
 Tensor = Any
 
@@ -81,6 +84,10 @@ class Ops(Protocol):
 
     def upload(self, tensor: torch.Tensor) -> Tensor:
         """A weight in the backend's dtype and memory."""
+
+    def upload_lm_head(self, tensor: torch.Tensor) -> Tensor:
+        """upload() for the LM head [vocab, hidden] (logits() multiplies by it): a backend may pad its rows (at most
+        LM_HEAD_PADDING_ROWS more, zeros) for its GEMM; logits() still returns [N, vocab]."""
 
     def upload_float32(self, tensor: torch.Tensor) -> Tensor:
         """A float32 table (rope cos/sin) in the backend's memory."""

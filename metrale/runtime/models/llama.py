@@ -111,8 +111,10 @@ def _load_weights(c: DecoderConfig, tensors: dict[str, torch.Tensor], ops: Ops) 
             raise InvalidArgument(f"the checkpoint has no tensor {name!r} that {c.architecture} needs")
         return tensors[name]
 
-    embed = ops.upload(take("model.embed_tokens.weight"))
-    lm_head = embed if c.tie_word_embeddings else ops.upload(take("lm_head.weight"))
+    if c.tie_word_embeddings:       # one table, laid out as the LM head wants it (its ids index the same rows)
+        embed = lm_head = ops.upload_lm_head(take("model.embed_tokens.weight"))
+    else:
+        embed, lm_head = ops.upload(take("model.embed_tokens.weight")), ops.upload_lm_head(take("lm_head.weight"))
     layers = []
     for i in range(c.num_layers):
         prefix = f"model.layers.{i}."

@@ -188,7 +188,7 @@ def _load_weights(c: M2M100Config, tensors: dict[str, torch.Tensor], ops: Ops) -
 
     shared = take("model.shared.weight")
     scale = math.sqrt(c.hidden_size) if c.scale_embedding else 1.0
-    weights = {"embed": ops.upload(shared * scale), "lm_head": ops.upload(shared),
+    weights = {"embed": ops.upload(shared * scale), "lm_head": ops.upload_lm_head(shared),
                "encoder_norm": pair("model.encoder.layer_norm"), "decoder_norm": pair("model.decoder.layer_norm"),
                "encoder": [], "decoder": []}
     qkv = ("q_proj", "k_proj", "v_proj")

@@ -15,7 +15,7 @@ from metrale.runtime.backend.cuda.compiler import KernelCache, KernelLibrary
 from metrale.runtime.backend.cuda.device import ALIGNMENT, Arena, CudaDevice
 from metrale.runtime.backend.cuda.gemm import CublasLt
 from metrale.runtime.backend.cuda.graphs import DecodeGraphs
-from metrale.runtime.backend.cuda.lane import Lane, LaneBinding, lane_buffers, lane_bytes
+from metrale.runtime.backend.cuda.lane import Lane, LaneBinding, lane_buffers, lane_bytes, padded_vocab
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.backend.ops import MemoryShapes, RopeTable
 from metrale.runtime.batch import ForwardBatch
@@ -84,6 +84,10 @@ class CudaBackend:
 
     def upload(self, tensor: torch.Tensor) -> DeviceTensor:
         return self._upload(tensor.to(torch.bfloat16), "bfloat16")
+
+    def upload_lm_head(self, tensor: torch.Tensor) -> DeviceTensor:
+        rows = padded_vocab(tensor.shape[0])
+        return self.upload(torch.nn.functional.pad(tensor, (0, 0, 0, rows - tensor.shape[0])))
 
     def upload_float32(self, tensor: torch.Tensor) -> DeviceTensor:
         return self._upload(tensor.float(), "float32")
@@ -265,6 +269,6 @@ class CudaBackend:
 
     def logits(self, x, lm_head):
         lane = self._bound.lane
-        out = lane.logits.rows(0, x.shape[0])
+        out = lane.logits.rows(0, x.shape[0]).columns(0, lm_head.shape[0])
         self._linear(lane, out, x, lm_head)
-        return out
+        return out.columns(0, self.shapes.vocab)

@@ -15,7 +15,7 @@ from metrale.runtime.backend.cuda.device import ALIGNMENT, Arena, CudaDevice, Ri
 from metrale.runtime.backend.cuda.graphs import DecodeGraphs
 from metrale.runtime.backend.cuda.sampler import OUT_WORDS, DeviceSampler
 from metrale.runtime.backend.cuda.tensor import DTYPES, DeviceTensor
-from metrale.runtime.backend.ops import MemoryShapes
+from metrale.runtime.backend.ops import LM_HEAD_PADDING_ROWS, MemoryShapes
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.errors import DeviceFault, InvalidArgument
 
@@ -42,9 +42,8 @@ def lane_buffers(lib, shapes: MemoryShapes) -> Buffers:
         shapes.max_blocks_per_seq * shapes.kv_block_size)
     return {
         "workspace": ((WORKSPACE_LAYERS * per_layer + 4 * t * shapes.hidden * 2,), "uint8"),
-        # Rows padded to 16 bytes: the LM head's GEMM output needs an aligned row stride (NLLB's vocabulary is
-        # 256206).
-        "logits": ((seqs, -(-shapes.vocab // 4) * 4), "float32"),
+        # As wide as the LM head's padded rows (padded_vocab): the GEMM writes them all.
+        "logits": ((seqs, padded_vocab(shapes.vocab)), "float32"),
         "processed": ((seqs, shapes.vocab), "float32"),
         "metadata": ((metadata_elements(t, seqs, shapes.max_blocks_per_seq),), "int32"),
         # A forward's second batch (an encoder-decoder's cross-attention rows), beside the first.
@@ -60,6 +59,12 @@ def lane_buffers(lib, shapes: MemoryShapes) -> Buffers:
         "beam_candidates": ((seqs, 2 * kernels.beam.MAX_COUNT), "int32"),
         "beam_state": ((BEAM_STATE_BYTES,), "uint8"),
     }
+
+
+def padded_vocab(vocab: int) -> int:
+    """The LM head's rows on this backend: a multiple of 64, so cuBLASLt picks its aligned kernels for the logits
+    GEMM (NLLB's 256206 rows ran on an unaligned sm80 kernel at half the copy rate)."""
+    return -(-vocab // LM_HEAD_PADDING_ROWS) * LM_HEAD_PADDING_ROWS
 
 
 def lane_bytes(buffers: Buffers) -> int:
@@ -78,7 +83,7 @@ class Lane:
         taken = {name: region.take(shape, dtype) for name, (shape, dtype) in buffers.items()}
         workspace = taken["workspace"]
         self.ring = RingArena(workspace.ptr, workspace.nbytes, f"{region.name} activation workspace")
-        self.logits = taken["logits"].columns(0, shapes.vocab)
+        self.logits = taken["logits"]     # [max_seqs, padded_vocab]; logits() hands out the vocab columns
         self.metadata, self.cross_metadata = taken["metadata"], taken["cross_metadata"]
         self.kv_copies = taken["kv_copies"]
         self.decode_partials, self.gemm_workspace = taken["decode_partials"], taken["gemm_workspace"]
