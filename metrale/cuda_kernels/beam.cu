@@ -55,41 +55,145 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) beam_candidates(
     });
 }
 
-// The device search's candidates (beam_step.cu): row i of logits is beam state.rows_beam[i]; its candidates go to
-// the beam's row of state.cand_ids / cand_values (state.keep_stride of them), its bans computed here from the
-// beam's running tokens at `parity`, `generated` tokens into the search: EOS while generated < min_new_tokens,
-// and each token that would repeat one of its n-grams (transformers' NoRepeatNGramLogitsProcessor: every earlier
-// window of n - 1 tokens equal to the last n - 1 bans the token that followed it). Rows of requests whose search
-// ended are skipped.
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) beam_state_candidates(
-        float* logits, long long stride, int vocab_size, const BeamState* state, int parity, int generated) {
-    wait_for_previous_kernel();
-    __shared__ SampleShared sh;
-    const BeamState& s = *state;
-    const int beam = s.rows_beam[blockIdx.x], r = s.beam_request[beam], n = vocab_size;
-    if (s.done[r]) return;
+// The device search's candidates (beam_step.cu), each logits row split in `gridDim.y` parts so that a few rows
+// still fill the GPU: beam_state_parts takes each part's maximum, its sum of exp(x - maximum) and its best `count`
+// after the bans, and beam_state_merge the row's log-sum-exp and its best `count` of those, as log-probabilities.
+// Row i of logits is beam state.rows_beam[i]; its candidates go to the beam's row of state.cand_ids / cand_values
+// (state.keep_stride of them); rows of requests whose search ended are skipped.
+
+// The bans of beam `beam` of request r, `generated` tokens into the search, over ids [begin, begin + n) of its
+// row (x points at begin): EOS while generated < min_new_tokens, and each token that would repeat one of its
+// n-grams (transformers' NoRepeatNGramLogitsProcessor: every earlier window of n - 1 tokens equal to the last n - 1
+// bans the token that followed it), tokens read at `parity`. Returns whether it could ban any (every thread alike).
+__device__ bool ban_state_tokens(const BeamState& s, int beam, int r, int parity, int generated, float* x, int begin,
+                                 int n) {
     const int cur = s.prompt_len[r] + generated, size = s.ngram[r];
     const bool short_of_min = generated < s.min_new[r];
     const int* tokens = s.running + ((long long)parity * s.total_beams + beam) * s.max_len;
-    const long long out = (long long)beam * s.keep_stride;
-    row_candidates(sh, logits + blockIdx.x * stride, n, (int)s.keep_stride, s.cand_ids + out, s.cand_values + out,
-                   [&](float* x) {
-        if (short_of_min) {
-            for (int j = threadIdx.x; j < s.num_eos; j += blockDim.x) {
-                const int id = s.eos[j];
-                if (id >= 0 && id < n) x[id] = -positive_infinity();
-            }
+    if (short_of_min) {
+        for (int j = threadIdx.x; j < s.num_eos; j += blockDim.x) {
+            const int id = s.eos[j] - begin;
+            if (id >= 0 && id < n) x[id] = -positive_infinity();
         }
-        const bool ngrams = size > 0 && cur >= size;
-        if (ngrams) {
-            const int* last = tokens + cur - size + 1;    // the beam's last n - 1 tokens
-            for (int w = threadIdx.x; w <= cur - size; w += blockDim.x) {
-                bool match = true;
-                for (int t = 0; t < size - 1 && match; ++t) match = tokens[w + t] == last[t];
-                const int id = tokens[w + size - 1];
-                if (match && id >= 0 && id < n) x[id] = -positive_infinity();
-            }
+    }
+    const bool ngrams = size > 0 && cur >= size;
+    if (ngrams) {
+        const int* last = tokens + cur - size + 1;    // the beam's last n - 1 tokens
+        for (int w = threadIdx.x; w <= cur - size; w += blockDim.x) {
+            bool match = true;
+            for (int t = 0; t < size - 1 && match; ++t) match = tokens[w + t] == last[t];
+            const int id = tokens[w + size - 1] - begin;
+            if (match && id >= 0 && id < n) x[id] = -positive_infinity();
         }
-        return short_of_min || ngrams;
-    });
+    }
+    return short_of_min || ngrams;
+}
+
+// Grid (rows, parts); part p of a row holds ids [p * part_size, ...). Per part: part_max (NaN where the part has
+// NaN or +inf, -inf where it is all -inf), part_sum (sum of exp(x - part_max) over the raw values, float64), and
+// part_ids (count per part, row ids; -1 where the part is all -inf): its best `count` after the bans, ties to the
+// lower id. The bans are written into the logits row, as beam_candidates does.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) beam_state_parts(
+        float* logits, long long stride, int vocab_size, const BeamState* state, int parity, int generated,
+        int part_size, int count, float* part_max, double* part_sum, int* part_ids, float* part_values) {
+    wait_for_previous_kernel();
+    __shared__ SampleShared sh;
+    const BeamState& s = *state;
+    const int beam = s.rows_beam[blockIdx.x], r = s.beam_request[beam];
+    if (s.done[r]) return;
+    const int begin = blockIdx.y * part_size, n = min(part_size, vocab_size - begin);
+    const int part = blockIdx.x * gridDim.y + blockIdx.y;
+    float* x = logits + blockIdx.x * stride + begin;
+    int* ids = part_ids + (long long)part * count;
+    float thread_max = scan_row(x, n, &sh.stats);
+    __syncthreads();
+    const unsigned int max_key = rank_order_key(sh.stats.best);
+    if (!(max_key > KEY_NEG_INF && max_key < KEY_POS_INF)) {   // NaN or +inf (the row has no finite maximum), or
+        for (int j = threadIdx.x; j < count; j += blockDim.x) ids[j] = -1;      // all -inf (nothing here)
+        if (threadIdx.x == 0) {
+            part_max[part] = max_key == KEY_NEG_INF ? -positive_infinity() : not_a_number();
+            part_sum[part] = 0.0;
+        }
+        return;
+    }
+    LogprobKeys keys;
+    keys.max = key_value(max_key);
+    keys.log_sum = 0.f;                   // ranks by x - max: the row's order
+    const double sum = sum_exp(x, n, keys.max);
+    if (ban_state_tokens(s, beam, r, parity, generated, x, begin, n)) {
+        __syncthreads();
+        thread_max = scan_row(x, n, &sh.stats);
+        __syncthreads();
+    }
+    const int here = min(count, n);       // the last part may hold fewer ids than count
+    top_logprobs_of(sh, x, n, keys, thread_max, here, ids, part_values + (long long)part * count);
+    if ((int)threadIdx.x < here) ids[threadIdx.x] += begin;       // the thread that wrote it
+    for (int j = here + (int)threadIdx.x; j < count; j += blockDim.x) ids[j] = -1;
+    if (threadIdx.x == 0) {
+        part_max[part] = keys.max;
+        part_sum[part] = sum;
+    }
+}
+
+#define MERGE_THREADS 256
+#define MAX_MERGED 1024
+
+// One block per row: the row's maximum and log-sum-exp from its parts', and its best `count` of the parts' best
+// (parts * count <= MAX_MERGED) as log-probabilities ((x - max) - log_sum, as beam_candidates); ids -1 and NaN
+// values for a row with NaN or no finite maximum.
+extern "C" __global__ void __launch_bounds__(MERGE_THREADS) beam_state_merge(
+        const float* logits, long long stride, const BeamState* state, int parts, int count, const float* part_max,
+        const double* part_sum, const int* part_ids) {
+    wait_for_previous_kernel();
+    const BeamState& s = *state;
+    const int beam = s.rows_beam[blockIdx.x], r = s.beam_request[beam];
+    if (s.done[r]) return;
+    __shared__ u64 ranks[MAX_MERGED];
+    __shared__ LogprobKeys keys;
+    __shared__ int bad;
+    const float* x = logits + blockIdx.x * stride;
+    const int first = blockIdx.x * parts, total = parts * count;
+    int* ids = s.cand_ids + (long long)beam * s.keep_stride;
+    float* values = s.cand_values + (long long)beam * s.keep_stride;
+    if (threadIdx.x == 0) {
+        float max = -positive_infinity();
+        bool nan = false;
+        for (int p = 0; p < parts; ++p) {
+            const float m = part_max[first + p];
+            nan |= m != m;
+            if (m == m) max = fmaxf(max, m);
+        }
+        double sum = 0.0;
+        for (int p = 0; p < parts; ++p) {
+            const float m = part_max[first + p];
+            if (m == m && m > -positive_infinity()) sum += part_sum[first + p] * exp((double)m - (double)max);
+        }
+        bad = nan || !(max > -positive_infinity());
+        keys.max = max;
+        keys.log_sum = (float)log(sum);
+    }
+    __syncthreads();
+    if (bad) {
+        for (int j = threadIdx.x; j < count; j += blockDim.x) {
+            ids[j] = -1;
+            values[j] = not_a_number();
+        }
+        return;
+    }
+    for (int j = threadIdx.x; j < count; j += blockDim.x) ids[j] = -1;   // stays -1 past the parts' ids (a fault)
+    for (int i = threadIdx.x; i < total; i += blockDim.x) {
+        const int id = part_ids[(long long)first * count + i];
+        ranks[i] = id < 0 ? 0ull : rank_key(keys.key(x[id]), id);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < total; i += blockDim.x) {
+        const u64 own = ranks[i];
+        if (own == 0ull) continue;
+        int rank = 0;
+        for (int j = 0; j < total; ++j) rank += ranks[j] > own;
+        if (rank < count) {
+            ids[rank] = rank_id(own);
+            values[rank] = keys.logprob(x[rank_id(own)]);
+        }
+    }
 }

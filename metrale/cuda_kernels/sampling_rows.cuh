@@ -114,8 +114,8 @@ __device__ float scan_row(const float* x, int n, RowStats* stats) {
     return thread_max;
 }
 
-// log(sum of exp(x - max)) over the row, Kahan-summed in float32 per thread, then in float64 over the block.
-__device__ float log_sum_exp(const float* x, int n, float max) {
+// The sum of exp(x - max) over the row, Kahan-summed in float32 per thread, then in float64 over the block.
+__device__ double sum_exp(const float* x, int n, float max) {
     float sum = 0.f, compensation = 0.f;
     for_each_value(x, n, [&](int, float v) {
         const float y = expf(__fsub_rn(v, max)) - compensation;
@@ -123,5 +123,10 @@ __device__ float log_sum_exp(const float* x, int n, float max) {
         compensation = (t - sum) - y;
         sum = t;
     });
-    return (float)log(block_sum_double((double)sum - (double)compensation));
+    return block_sum_double((double)sum - (double)compensation);
+}
+
+// log(sum of exp(x - max)) over the row, Kahan-summed in float32 per thread, then in float64 over the block.
+__device__ float log_sum_exp(const float* x, int n, float max) {
+    return (float)log(sum_exp(x, n, max));
 }

@@ -1,7 +1,13 @@
 """A BeamGenerate call's search on the device (runtime/beam/on_device.py): its state laid out in the lane's beam
 state region (cuda_kernels/beam_state.cuh), and a step as kernel launches: select, fork, the KV copies, then the
 next decode forward (a graph replay where a bucket fits) with its metadata and candidates written by kernels
-from the state. The host reads one done flag per request a step, and the hypotheses once at the end."""
+from the state. The host reads the hypotheses once at the end.
+
+The host runs a step ahead of the device: each step's done flags come back asynchronously, and the host reads
+them one step later, after queueing the next step. So the device never waits for the host's launches (a graph
+launch takes ~0.1 ms of host time), and a request that ended runs one more step as padding (its rows read and
+write nothing) before it leaves the forward. A request that reaches max_new_tokens is known to end without its
+flag, so the last step queues no forward."""
 
 import numpy as np
 
@@ -84,9 +90,12 @@ class DeviceBeamSearch:
         self.parity, self.generated = 0, 0
         self.num_requests, self.total_beams = sizes["num_requests"], sizes["total_beams"]
         self.active = list(range(self.num_requests))
-        self.rows = self.total_beams
+        self.max_new = (search.max_length - search.prompt_len).tolist()
+        self.rows, self._going = self.total_beams, self.num_requests
         self.searching = True
         self._results: dict[str, np.ndarray] | None = None
+        self._flags = None            # the last step's (event, pinned done flags), read after the next is queued
+        self.scratch = {name: arena.take(shape, dtype) for name, (shape, dtype) in scratch(self.total_beams).items()}
 
     def copy(self, dst: DeviceTensor, host: np.ndarray) -> None:
         """host (4- or 8-byte elements) into dst's first bytes, queued on the lane."""
@@ -97,33 +106,47 @@ class DeviceBeamSearch:
         self.lane.copy_to_device(DeviceTensor(dst.ptr, words.shape, "int32" if host.itemsize == 4 else "int64"), words)
 
     def step(self) -> None:
-        """One search step: select, fork and copy; then, while requests search, the next forward and its
+        """One search step: select, fork and copy; then, while requests may search on, the next forward and its
         candidates."""
         lane, lib, stream = self.lane, self.lib, self.lane.stream
         kernels.beam_step.beam_select(lib, stream, self.state, len(self.active), self.parity, self.generated)
         kernels.beam_step.beam_fork(lib, stream, self.state, len(self.active), self.parity, self.generated)
         kernels.rope_kv.copy_kv_prefixes(lib, stream, self.kv_cache, self.views["copies"], self.total_beams)
+        flags = lane.beam_flags[self.generated % 2, :self.num_requests + 1]
+        lane.cuda.copy_to_host_async(self.views["done"], flags, stream)
+        last, self._flags = self._flags, (stream.record(), flags)
         self.parity, self.generated = 1 - self.parity, self.generated + 1
-        flags = lane.copy_to_host(self.views["done"])
-        if flags[self.num_requests]:
-            raise DeviceFault("a logits row has no finite maximum (NaN or +inf logits), or the call's KV blocks "
-                              "ran out: no beam to continue")
-        active = [r for r in self.active if not flags[r]]
-        if not active:
+        # Requests that may search on: not known to have ended (the step before's flags), not at max_new_tokens.
+        known = self._read(last) if last else np.zeros(self.num_requests + 1, dtype=np.int32)
+        going = [r for r in self.active if not known[r] and self.generated < self.max_new[r]]
+        if not going:
+            self._read(self._flags)         # this step's faults
             self.searching = False
             return
-        if len(active) < len(self.active):
-            self._leave(active)
+        self._leave([r for r in self.active if not known[r]], going)
         logits = self._forward()
-        kernels.beam.beam_state_candidates(lib, stream, logits, self.state, self.rows, self.parity, self.generated)
+        kernels.beam.beam_state_candidates(lib, stream, logits, self.state, self.rows, self.parity, self.generated,
+                                           self.search.cand_ids.shape[1], self.scratch)
 
-    def _leave(self, active: list[int]) -> None:
-        """Ended requests leave the forward: the rows are the searching requests' beams."""
+    def _read(self, flags) -> np.ndarray:
+        event, done = flags
+        event.sync()
+        if done[self.num_requests]:
+            raise DeviceFault("a logits row has no finite maximum (NaN or +inf logits), or the call's KV blocks "
+                              "ran out: no beam to continue")
+        return done
+
+    def _leave(self, active: list[int], going: list[int]) -> None:
+        """Requests known to have ended leave the search's lists, and those that will have (max_new_tokens) the
+        forward's rows."""
         s = self.search
-        rows = np.concatenate([np.arange(s.beam_base[r], s.beam_base[r] + s.num_beams[r]) for r in active])
-        self.active, self.rows = active, len(rows)
-        self.copy(self.views["rows_beam"], rows.astype(np.int32))
-        self.copy(self.views["active"], np.asarray(active, dtype=np.int32))
+        if len(active) < len(self.active):
+            self.active = active
+            self.copy(self.views["active"], np.asarray(active, dtype=np.int32))
+        rows = np.concatenate([np.arange(s.beam_base[r], s.beam_base[r] + s.num_beams[r]) for r in going])
+        if len(rows) != self.rows or len(going) != self._going:
+            self.rows, self._going = len(rows), len(going)
+            self.copy(self.views["rows_beam"], rows.astype(np.int32))
 
     def _forward(self) -> DeviceTensor:
         """The decode forward over the rows: its graph when a bucket fits, else run directly; logits [rows, V]."""
@@ -169,6 +192,14 @@ class DeviceBeamSearch:
 
 def state_bytes(search: DeviceSearch, max_blocks: int) -> int:
     """The beam state region a search needs (each array aligned as Arena places it, and the header)."""
-    arrays = state_arrays(search, max_blocks)
-    header = 8 * (len(SIZES) + len(ARRAYS))
-    return sum(-(-n // ALIGNMENT) * ALIGNMENT for n in [header] + [a.nbytes for a in arrays.values()])
+    arrays = [a.nbytes for a in state_arrays(search, max_blocks).values()]
+    parts = [4 * int(np.prod(shape)) * (2 if dtype == "int64" else 1)
+             for shape, dtype in scratch(len(search.tables)).values()]
+    return sum(-(-n // ALIGNMENT) * ALIGNMENT for n in [8 * (len(SIZES) + len(ARRAYS))] + arrays + parts)
+
+
+def scratch(total_beams: int) -> dict[str, tuple[tuple[int], str]]:
+    """The split candidates' scratch (kernels.beam.beam_state_candidates), for every beam a row."""
+    parts, merged = total_beams * kernels.beam.MAX_PARTS, total_beams * kernels.beam.MAX_MERGED
+    return {"part_max": ((parts,), "float32"), "part_sum": ((parts,), "int64"), "part_ids": ((merged,), "int32"),
+            "part_values": ((merged,), "float32")}

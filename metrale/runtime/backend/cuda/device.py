@@ -1,6 +1,7 @@
 """The device: cuda.core Device and its setup stream, every driver call checked, host<->device copies on a given
 stream, and the arenas the memory plan carves its allocations with."""
 
+import ctypes
 import threading
 
 import numpy as np
@@ -63,6 +64,21 @@ class CudaDevice:
         if host.nbytes != dst.nbytes or not dst.is_contiguous:
             raise DeviceFault(f"copy of {host.nbytes} bytes into a {dst.shape} {dst.dtype} tensor")
         check(driver.cuMemcpyHtoDAsync(dst.ptr, host.ctypes.data, host.nbytes, int(stream.handle)))
+
+    def pinned(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        """A page-locked host array, for copies back that the host reads later (copy_to_host_async); it lives as
+        long as the process."""
+        nbytes = max(1, int(np.prod(shape))) * DTYPES[dtype][0]
+        pointer = int(check(driver.cuMemAllocHost(nbytes)))
+        buffer = (ctypes.c_char * nbytes).from_address(pointer)
+        return np.frombuffer(buffer, dtype=DTYPES[dtype][1], count=int(np.prod(shape))).reshape(shape)
+
+    def copy_to_host_async(self, src: DeviceTensor, host: np.ndarray, stream) -> None:
+        """src into `host` (pinned(), contiguous) when the stream gets there: read it after an event recorded on
+        the stream after this has completed."""
+        if host.nbytes != src.nbytes or not src.is_contiguous or not host.flags.c_contiguous:
+            raise DeviceFault(f"copy of a {src.shape} {src.dtype} tensor into {host.nbytes} bytes")
+        check(driver.cuMemcpyDtoHAsync(host.ctypes.data, src.ptr, host.nbytes, int(stream.handle)))
 
     def copy_to_host(self, src: DeviceTensor, stream) -> np.ndarray:
         """Synchronous: queued on `stream` after its work, then waits for the stream."""

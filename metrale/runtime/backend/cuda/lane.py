@@ -91,6 +91,8 @@ class Lane:
                                      taken["sample_outputs"])
         self.candidates, self.lists = taken["beam_candidates"], taken["lists"]
         self.beam_state = taken["beam_state"]
+        # A beam search step's done flags (and fault flag), copied back while the next step runs: two steps' worth.
+        self.beam_flags = cuda.pinned((2, shapes.max_seqs + 1), "int32")
         self.graphs: DecodeGraphs | None = None
         self._pending = []   # host arrays the stream's copies read, kept until the stream is synchronized
         self._prepared: CudaBatch | None = None

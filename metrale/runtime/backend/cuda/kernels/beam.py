@@ -9,6 +9,7 @@ from metrale.runtime.backend.cuda.tensor import DeviceTensor
 
 MODULE = "beam"
 MAX_COUNT = THREADS            # top_logprobs_of ranks at most one candidate per thread
+MERGE_THREADS = 256
 
 
 def pack_banned(banned: list[list[int]]) -> list[np.ndarray]:
@@ -44,15 +45,45 @@ def beam_candidates(lib, stream, logits: DeviceTensor, banned_offsets: DeviceTen
                   banned if banned.numel else np.uint64(0), count, ids_out, values_out)
 
 
-def beam_state_candidates(lib, stream, logits: DeviceTensor, state: int, num_rows: int, parity: int,
-                          generated: int) -> None:
-    """The device search's candidates (beam_step.cu's state at address `state`, its keep_stride best per beam),
-    from rows [0, num_rows) of logits [>= num_rows, V] float32, with each beam's bans computed from its tokens."""
-    require(logits.dtype == "float32" and len(logits.shape) == 2 and logits.shape[0] >= num_rows,
-            "beam_state_candidates: logits must be [>= rows, V] float32")
-    require(0 < logits.shape[1] <= MAX_VOCAB, f"beam_state_candidates: vocabulary must be in [1, {MAX_VOCAB}]")
+
+# The device search's split rows (beam.cu's beam_state_parts and beam_state_merge): enough parts per row to give
+# the GPU about TARGET_BLOCKS blocks, at most MAX_PARTS, whose best `count` all fit the merge (MAX_MERGED).
+TARGET_BLOCKS = 256
+MAX_PARTS = 16
+MAX_MERGED = 1024
+
+
+def row_parts(rows: int, vocab_size: int, count: int) -> tuple[int, int]:
+    """(parts, ids per part) for splitting `rows` logits rows: every part 16-byte aligned and holding >= count ids."""
+    parts = max(1, min(TARGET_BLOCKS // max(rows, 1), MAX_PARTS, MAX_MERGED // count, vocab_size // count))
+    size = -(-vocab_size // parts)
+    size = -(-size // 4) * 4
+    if size < count:                    # a tiny vocabulary: one part
+        return 1, vocab_size
+    return -(-vocab_size // size), size
+
+
+def beam_state_candidates(lib, stream, logits: DeviceTensor, state: int, num_rows: int, parity: int, generated: int,
+                          count: int, scratch: dict[str, DeviceTensor]) -> None:
+    """The device search's candidates (beam_step.cu's state at address `state`: `count` = its keep_stride best
+    per beam), from rows [0, num_rows) of logits [>= num_rows, V] float32, each beam's bans computed from its tokens.
+    scratch: part_max [>= rows * MAX_PARTS] float32, part_sum (float64, as int64), part_ids and part_values
+    [>= rows * MAX_MERGED] int32 and float32."""
+    require(logits.dtype == "float32" and len(logits.shape) == 2 and logits.shape[0] >= num_rows
+            and logits.ptr % 16 == 0 and logits.stride % 4 == 0,
+            "beam_state_candidates: logits must be [>= rows, V] float32, rows 16-byte aligned")
+    vocab_size = logits.shape[1]
+    require(0 < vocab_size <= MAX_VOCAB, f"beam_state_candidates: vocabulary must be in [1, {MAX_VOCAB}]")
+    require(0 < count <= min(MAX_COUNT, vocab_size), f"beam_state_candidates: count {count} must be in "
+                                                     f"[1, {min(MAX_COUNT, vocab_size)}]")
+    require(scratch["part_max"].numel >= num_rows * MAX_PARTS and scratch["part_ids"].numel >= num_rows * MAX_MERGED,
+            "beam_state_candidates: scratch too small")
     if num_rows == 0:
         return
-    kernel = lib.get("beam_state_candidates", MODULE)
-    launch_kernel(stream, kernel, num_rows, THREADS, logits, np.int64(logits.stride), logits.shape[1],
-                  np.uint64(state), parity, generated)
+    parts, size = row_parts(num_rows, vocab_size, count)
+    launch_kernel(stream, lib.get("beam_state_parts", MODULE), (num_rows, parts), THREADS, logits,
+                  np.int64(logits.stride), vocab_size, np.uint64(state), parity, generated, size, count,
+                  scratch["part_max"], scratch["part_sum"], scratch["part_ids"], scratch["part_values"])
+    launch_kernel(stream, lib.get("beam_state_merge", MODULE), num_rows, MERGE_THREADS, logits,
+                  np.int64(logits.stride), np.uint64(state), parts, count, scratch["part_max"], scratch["part_sum"],
+                  scratch["part_ids"])
