@@ -89,3 +89,76 @@ def test_ties_go_to_the_lower_id_and_nan_rows_give_no_candidate(kernel_library, 
 def test_launcher_refuses_a_count_over_the_vocabulary(kernel_library, stream):
     with pytest.raises(InvalidArgument, match="count"):
         run(kernel_library, stream, torch.randn(2, 16), [[], []], 17)
+
+
+class _Lane:
+    """What DeviceBeamSearch lays its state out with: the kernels, the memory plan's table width, and copies."""
+
+    def __init__(self, lib, stream):
+        from types import SimpleNamespace
+        self.lib, self.stream, self.graphs = lib, stream, None
+        self.shapes = SimpleNamespace(max_blocks_per_seq=4)
+        self._kept = []
+
+    def copy_to_device(self, dst, host):
+        from cuda.bindings import driver
+        self._kept.append(host)
+        driver.cuMemcpyHtoDAsync(dst.ptr, host.ctypes.data, host.nbytes, int(self.stream.handle))
+
+    def copy_to_host(self, src):
+        from cuda.bindings import driver
+        host = np.empty(src.shape, dtype=np.float32 if src.dtype == "float32" else np.int32)
+        driver.cuMemcpyDtoHAsync(host.ctypes.data, src.ptr, host.nbytes, int(self.stream.handle))
+        self.stream.sync()
+        return host
+
+
+def state_bans(prompt: list[int], ngram: int, short: bool, eos: tuple[int, ...]) -> list[int]:
+    """transformers' processors at the first searched token: EOS while short of min_new_tokens, and the tokens
+    that would repeat an n-gram of the prompt."""
+    banned = set(eos) if short else set()
+    if ngram and len(prompt) >= ngram:
+        last = prompt[len(prompt) - ngram + 1:]
+        banned |= {prompt[w + ngram - 1] for w in range(len(prompt) - ngram + 1) if prompt[w:w + ngram - 1] == last}
+    return sorted(banned)
+
+
+@pytest.mark.parametrize("count", [8, 16, 40])         # the two-pass kernel (<= 16), and top_logprobs_of's
+def test_device_search_candidates_match_float64(kernel_library, stream, count):
+    """beam_state_parts(_fast) and beam_state_merge, the device search's candidates, against float64: NLLB's
+    vocabulary split across blocks, bans computed on the device from each beam's tokens."""
+    from metrale.runtime.backend.cuda.beam_search import DeviceBeamSearch
+    from metrale.runtime.backend.cuda.kernels.beam import beam_state_candidates
+    from metrale.runtime.beam.on_device import DeviceSearch
+
+    vocab, eos = 256206, (2, 7)
+    prompts = [[5, 9, 11, 5, 9, 40, 5, 9], [3, 3, 3, 3], [100, 200, 2, 7]]
+    beams, ngram, min_new = [4, 2, 1], [3, 2, 0], [5, 0, 3]
+    R, TB = len(prompts), sum(beams)
+    i32 = lambda values: np.asarray(values, dtype=np.int32)
+    search = DeviceSearch(
+        num_beams=i32(beams), beam_base=i32([0, 4, 6]), prompt_len=i32([len(p) for p in prompts]),
+        max_length=i32([len(p) + 8 for p in prompts]), min_new=i32(min_new), ngram=i32(ngram),
+        early_stopping=i32([0] * R), best_length=i32([-1] * R), source_len=i32([0] * R), prompts=prompts,
+        divisors=np.ones((R, 9), dtype=np.float32), eos=i32(eos), cross_tables=[[]] * R, tables=[[0]] * TB,
+        block_ids=i32(range(8)), holders=i32([1] + [0] * 7), free=i32(range(7, 0, -1)),
+        cand_values=np.full((TB, count), POISON, dtype=np.float32), cand_ids=np.full((TB, count), -7, dtype=np.int32),
+        block_size=16, max_len=16, table_width=1, encoder_decoder=False)
+    region = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
+    lane = _Lane(kernel_library, stream)
+    state = DeviceBeamSearch(lane, search, forward=None, kv_cache=[], region=DeviceTensor.from_torch(region))
+    logits = torch.randn(TB, vocab, generator=torch.Generator().manual_seed(count)) * 3.0
+    logits[0, 2] = 40.0                                     # a banned EOS as the row's maximum
+    wide = torch.zeros(TB, 256256, device="cuda")           # rows padded as the LM head's are
+    wide[:, :vocab] = logits.cuda()
+    device_logits = wide[:, :vocab]
+    torch.cuda.synchronize()
+    beam_state_candidates(kernel_library, stream, DeviceTensor.from_torch(device_logits), state.state, TB, 0, 0,
+                          count, state.scratch)
+    ids = torch.from_numpy(lane.copy_to_host(state.views["cand_ids"])).long()
+    values = torch.from_numpy(lane.copy_to_host(state.views["cand_values"]))
+    banned = [state_bans(p, n, m > 0, eos) for p, n, m, k in zip(prompts, ngram, min_new, beams) for _ in range(k)]
+    assert banned[0] == [2, 7, 11, 40] and banned[4] == [3]
+    want_values, want_ids = reference(logits, banned, count)
+    assert (values - want_values).abs().max() < 2e-5
+    assert torch.equal(ids, want_ids)                   # random logits: no two within rounding of each other

@@ -153,13 +153,14 @@ class DeviceBeamSearch:
         lane, graphs = self.lane, self.lane.graphs
         size = graphs.size_for(self.rows) if graphs else None
         if size:
+            graphs.capture(self.forward, size)
             batch, cross = graphs.layout(size)
         else:
             batch, cross = self._layout(self.rows)
         kernels.beam_step.beam_metadata(self.lib, lane.stream, self.state, self.parity, self.generated, self.rows,
                                         batch, cross)
         if size:
-            return graphs.replay(self.forward, size).rows(0, self.rows)
+            return graphs.replay(size).rows(0, self.rows)
         lane.ring.reset()
         with lane.reuse_prepared(batch, cross):
             return self.forward(empty_decode_batch(self.search.encoder_decoder))

@@ -71,9 +71,14 @@ class DecodeGraphs:
         self._layouts[size] = prepared, cross
         return prepared, cross
 
-    def replay(self, forward: Callable, size: int) -> DeviceTensor:
-        """The bucket's graph over the metadata already in place (layout()); logits [size, vocab]."""
-        graph, logits = self._captured(forward, size)
+    def capture(self, forward: Callable, size: int) -> None:
+        """The bucket's graph, captured now if it is not yet: before a caller writes the metadata replay() reads
+        (capturing lays padding metadata over the region)."""
+        self._captured(forward, size)
+
+    def replay(self, size: int) -> DeviceTensor:
+        """The bucket's graph (capture()) over the metadata already in place (layout()); logits [size, vocab]."""
+        graph, logits = self._graphs[size]
         graph.launch(self.lane.stream)
         self.replays += 1
         return logits
