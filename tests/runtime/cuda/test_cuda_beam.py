@@ -190,3 +190,31 @@ def test_device_search_step_matches_the_host_step(request, monkeypatch, model, l
         assert [t for t, _ in ours.hypotheses] == [t for t, _ in theirs.hypotheses], ours.request_id
         assert torch.allclose(torch.tensor([s for _, s in ours.hypotheses]),
                               torch.tensor([s for _, s in theirs.hypotheses]), rtol=1e-6, atol=1e-6)
+
+
+def test_non_finite_logits_mid_search_end_the_device_call_with_a_fault(tmp_path, monkeypatch):
+    """Logits that turn NaN while the search runs on the device (the LM head poisoned once the prompt pass is
+    done): the select kernel raises the fault flag, the call ends with DEVICE_FAULT, and every block comes back."""
+    from cuda.bindings import driver
+
+    from metrale.runtime.errors import DeviceFault
+
+    engine, _ = engine_on_cuda(write_tiny("llama_tied", tmp_path / "llama", **WEIGHTS), tmp_path / "cache")
+    ops, started = engine.model.ops, []
+    original = ops.device_beam_search
+
+    def poisoned(*args):
+        search = original(*args)
+        head = engine.model.weights["lm_head"]
+        driver.cuMemsetD32(head.ptr, 0x7FC07FC0, head.nbytes // 4)       # bf16 NaN, two to a word
+        driver.cuCtxSynchronize()
+        started.append(search)
+        return search
+
+    monkeypatch.setattr(ops, "device_beam_search", poisoned)
+    free = engine.blocks.num_free
+    request = BeamRequest(1, prompt_tokens=tuple(PROMPTS[1]), params=BeamParams(num_beams=4, max_new_tokens=10,
+                                                                                 min_new_tokens=10))
+    with pytest.raises(DeviceFault, match="finite"):
+        engine.beam_generate([request], (2,), FILL)
+    assert started and started[0] is not None and engine.blocks.num_free == free
