@@ -19,6 +19,12 @@ class WorkerConfig:
     # Seconds SIGTERM waits for in-flight RPCs before the process exits.
     drain_timeout: float = 30.0
     reflection: bool = True
+    # TLS: PEM files of the server's certificate and key; with a client CA, clients must show a certificate it
+    # signed (mutual TLS). auth_tokens_file: bearer tokens, one per line (the health service stays open).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    auth_tokens_file: str | None = None
     log_format: str = "auto"
     cache_dir: str | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -77,6 +83,11 @@ SERVE_FLAGS = [
     ("metrics-port", int, "Prometheus metrics port (off when unset)", None),
     ("drain-timeout", float, "seconds SIGTERM waits for in-flight RPCs", None),
     ("reflection", _bool, "serve gRPC server reflection", None),
+    ("tls-cert", str, "PEM certificate (chain) of the server: serve TLS (with --tls-key)", None),
+    ("tls-key", str, "PEM private key of --tls-cert", None),
+    ("tls-client-ca", str, "PEM CA bundle: clients must present a certificate it signed (mutual TLS)", None),
+    ("auth-tokens-file", str, "bearer tokens, one per line: every call but health needs "
+     "'authorization: Bearer <token>'", None),
     ("log-format", str, "auto: JSON unless stdout is a terminal", ("auto", "json", "console")),
     ("cache-dir", str, "where the default model and kernel cache live; default ~/.cache/metrale", None),
 ]

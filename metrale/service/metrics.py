@@ -31,6 +31,10 @@ class WorkerMetrics:
         self.tokens.labels("prefill").inc(sum(len(s.tokens) for s in step.prefill))
         self.step_sequences.observe(len(step.decode) + len(step.prefill))
 
+    def count_unauthenticated(self, method: str) -> None:
+        """A call the token check refused (it never reaches the RPC's handler)."""
+        self.rpc_errors.labels(method.rsplit("/", 1)[-1], "UNAUTHENTICATED").inc()
+
     def serve(self, host: str, port: int) -> None:
         prom.start_http_server(port, addr=host, registry=self.registry)
 

@@ -14,6 +14,7 @@ from metrale.runtime.lanes import DeviceLanes
 from metrale.runtime.loading import Checkpoint
 from metrale.service.config import WorkerConfig
 from metrale.service.metrics import WorkerMetrics
+from metrale.service.security import TokenAuthInterceptor, read_tokens, server_credentials
 from metrale.service.servicer import ServingState, WorkerServicer
 from metrale.service.status import StatusInterceptor
 from metrale.v1 import worker_pb2, worker_pb2_grpc
@@ -35,13 +36,20 @@ class WorkerServer:
         self.servicer = WorkerServicer(engine, self.lanes, info, tokenizer, self.state, self.metrics)
         options = [("grpc.max_receive_message_length", config.max_message_bytes),
                    ("grpc.max_send_message_length", config.max_message_bytes)]
-        self.server = grpc.aio.server(interceptors=[StatusInterceptor(self._on_device_fault, self.metrics)], options=options)
+        interceptors = [StatusInterceptor(self._on_device_fault, self.metrics)]
+        if config.auth_tokens_file:
+            interceptors.insert(0, TokenAuthInterceptor(read_tokens(config.auth_tokens_file),
+                                                        self.metrics.count_unauthenticated))
+        self.server = grpc.aio.server(interceptors=interceptors, options=options)
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if config.reflection:
             names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
             reflection.enable_server_reflection(names, self.server)
-        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+        address = f"{config.host}:{config.port}"
+        self.port = (self.server.add_secure_port(address, credentials) if credentials
+                     else self.server.add_insecure_port(address))
         self._stopped = asyncio.Event()
         self._fault_task = None
 

@@ -37,6 +37,10 @@ NON_DEFAULT = {
     "reflection": ("false", "reflection", False),
     "log-format": ("console", "log_format", "console"),
     "cache-dir": ("/var/cache/metrale", "cache_dir", "/var/cache/metrale"),
+    "tls-cert": ("/etc/metrale/tls/tls.crt", "tls_cert", "/etc/metrale/tls/tls.crt"),
+    "tls-key": ("/etc/metrale/tls/tls.key", "tls_key", "/etc/metrale/tls/tls.key"),
+    "tls-client-ca": ("/etc/metrale/tls/ca.crt", "tls_client_ca", "/etc/metrale/tls/ca.crt"),
+    "auth-tokens-file": ("/etc/metrale/auth/tokens", "auth_tokens_file", "/etc/metrale/auth/tokens"),
 }
 # DESIGN.md section 3b: `serve` takes at least these.
 DESIGN_FLAGS = {"model", "device", "dtype", "host", "port", "kv-blocks", "kv-memory-fraction", "kv-block-size",

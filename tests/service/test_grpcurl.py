@@ -31,8 +31,8 @@ def grpcurl_binary() -> str:
 
 
 def grpcurl(address: str, *args: str, data: dict | None = None, flags: tuple[str, ...] = (),
-            check: bool = True) -> subprocess.CompletedProcess:
-    command = [grpcurl_binary(), "-plaintext", "-max-time", "30", *flags]
+            check: bool = True, plaintext: bool = True) -> subprocess.CompletedProcess:
+    command = [grpcurl_binary(), *(["-plaintext"] if plaintext else []), "-max-time", "30", *flags]
     if data is not None:
         command += ["-d", json.dumps(data)]
     command += [address, *args]
