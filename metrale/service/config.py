@@ -16,6 +16,8 @@ class WorkerConfig:
     port: int = 50051
     max_message_mb: int = 64
     metrics_port: int | None = None
+    # A plaintext port serving only grpc.health.v1 (kubelet's gRPC probes speak neither TLS nor tokens).
+    health_port: int | None = None
     # Seconds SIGTERM waits for in-flight RPCs before the process exits.
     drain_timeout: float = 30.0
     reflection: bool = True
@@ -36,6 +38,8 @@ class WorkerConfig:
             raise InvalidArgument(f"max_message_mb must be >= 1, got {self.max_message_mb}")
         if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
             raise InvalidArgument(f"metrics_port must be in [1, 65535], got {self.metrics_port}")
+        if self.health_port is not None and not 0 <= self.health_port < 65536:
+            raise InvalidArgument(f"health_port must be in [0, 65535], got {self.health_port}")
         if not self.drain_timeout >= 0:
             raise InvalidArgument(f"drain_timeout must be >= 0 seconds, got {self.drain_timeout}")
         if self.log_format not in ("auto", "json", "console"):
@@ -81,6 +85,8 @@ SERVE_FLAGS = [
      "auto: on for cuda", RUN_AHEAD),
     ("max-message-mb", int, "largest gRPC message, either way", None),
     ("metrics-port", int, "Prometheus metrics port (off when unset)", None),
+    ("health-port", int, "a plaintext port serving only grpc.health.v1, for probes when the main port has TLS "
+     "(off when unset)", None),
     ("drain-timeout", float, "seconds SIGTERM waits for in-flight RPCs", None),
     ("reflection", _bool, "serve gRPC server reflection", None),
     ("tls-cert", str, "PEM certificate (chain) of the server: serve TLS (with --tls-key)", None),

@@ -50,6 +50,11 @@ class WorkerServer:
         address = f"{config.host}:{config.port}"
         self.port = (self.server.add_secure_port(address, credentials) if credentials
                      else self.server.add_insecure_port(address))
+        self.health_server, self.health_port = None, None
+        if config.health_port is not None:      # plaintext, health only: for probes that cannot speak TLS
+            self.health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_port = self.health_server.add_insecure_port(f"{config.host}:{config.health_port}")
         self._stopped = asyncio.Event()
         self._fault_task = None
 
@@ -62,6 +67,8 @@ class WorkerServer:
         if self.config.metrics_port:
             self.metrics.serve(self.config.host, self.config.metrics_port)
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("serving", port=self.port, model=self.servicer.info.model_id, device=self.servicer.info.device,
                  kv_blocks=self.servicer.engine.stats().num_kv_blocks)
@@ -80,6 +87,8 @@ class WorkerServer:
         except asyncio.TimeoutError:
             log.warning("drain_timeout", in_flight=self.state.in_flight)
         await self.server.stop(grace=1.0)
+        if self.health_server is not None:
+            await self.health_server.stop(grace=0)
         await asyncio.to_thread(self.lanes.close)
         self._stopped.set()
         log.info("stopped")

@@ -33,6 +33,7 @@ NON_DEFAULT = {
     "cuda-graph-batch-sizes": ("1,4,16", "engine.cuda_graph_batch_sizes", (1, 4, 16)),
     "max-message-mb": ("8", "max_message_mb", 8),
     "metrics-port": ("9100", "metrics_port", 9100),
+    "health-port": ("9101", "health_port", 9101),
     "drain-timeout": ("2.5", "drain_timeout", 2.5),
     "reflection": ("false", "reflection", False),
     "log-format": ("console", "log_format", "console"),

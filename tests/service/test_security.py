@@ -148,3 +148,17 @@ def test_grpcurl_reaches_it_with_tls_and_a_token(tls_worker, pki):
     refused = grpcurl(address, "metrale.v1.Worker/Info", flags=("-cacert", pki.files["ca.crt"]), plaintext=False,
                       check=False)
     assert refused.returncode != 0 and "Unauthenticated" in refused.stderr
+
+
+def test_the_health_port_answers_probes_in_plaintext_and_serves_nothing_else(tiny_llama_dir, pki):
+    worker = start_worker(tiny_llama_dir, max_model_len=96, worker=dict(
+        tls_cert=pki.files["server.crt"], tls_key=pki.files["server.key"], health_port=0))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{worker.server.health_port}") as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="metrale.v1.Worker"),
+                                                         timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            assert code_of(lambda: stub.Info(pb.InfoRequest(), timeout=5)) == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        worker.stop()
