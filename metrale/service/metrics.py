@@ -25,6 +25,7 @@ class WorkerMetrics:
         used = prom.Gauge("metrale_kv_blocks_used", "KV blocks held by sequences.", registry=r)
         used.set_function(lambda: _blocks_used(engine.stats()))
         r.register(RunAheadCollector(engine))
+        r.register(BackendCollector(engine.model.ops))
 
     def count_step(self, step) -> None:
         self.tokens.labels("decode").inc(len(step.decode))
@@ -52,6 +53,24 @@ class RunAheadCollector:
         family.add_metric(["taken"], counts.taken)
         family.add_metric(["undone"], counts.undone)
         yield family
+
+
+class BackendCollector:
+    """The backend's own counts: the compiled-kernel cache's lookups at start, and decode graph replays."""
+
+    def __init__(self, ops):
+        self.ops = ops
+
+    def collect(self):
+        counts = self.ops.counters()
+        lookups = CounterMetricFamily("metrale_kernel_cache_lookups", "Compiled kernels looked up in the kernel "
+                                      "cache at start, by result (hit, or miss: compiled and added).",
+                                      labels=["result"])
+        lookups.add_metric(["hit"], counts["kernel_cache_hits"])
+        lookups.add_metric(["miss"], counts["kernel_cache_misses"])
+        yield lookups
+        yield CounterMetricFamily("metrale_graph_replays", "Decode steps run as a CUDA graph replay.",
+                                  value=counts["graph_replays"])
 
 
 def _blocks_used(stats) -> int:

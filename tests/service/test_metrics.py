@@ -68,3 +68,21 @@ def test_run_ahead_counts(tiny_llama_dir):
         assert m[("metrale_kv_blocks_free", ())] == 32
     finally:
         worker.stop()
+
+
+def test_the_readme_lists_every_metric_with_its_help_text(metered):
+    """README's metrics table and the registry: the same names (counters with _total), types and help texts."""
+    import re
+    from pathlib import Path
+
+    worker, _ = metered
+    readme = Path(__file__).resolve().parents[2].joinpath("README.md").read_text()
+    section = readme[readme.index("## Metrics"):readme.index("## Layout")]
+    rows = {}
+    for name, kind, help_text in re.findall(r"^\| `([a-z_]+)(?:\{[a-z,]*\})?` \| (\w+) \| (.+?) \|$", section, re.M):
+        rows[name] = (kind, help_text)
+    registry = {}
+    for family in worker.server.metrics.registry.collect():
+        name = family.name + ("_total" if family.type == "counter" else "")
+        registry[name] = (family.type, family.documentation)
+    assert rows == registry

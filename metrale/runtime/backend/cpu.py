@@ -43,6 +43,9 @@ class CpuBackend:
                 log_probs[row, inside] = -math.inf
         return torch.topk(log_probs, k=min(count, vocab), dim=-1)
 
+    def counters(self) -> dict[str, int]:
+        return {"kernel_cache_hits": 0, "kernel_cache_misses": 0, "graph_replays": 0}
+
     def device_beam_search(self, search, forward, kv_cache) -> None:
         return None      # the host steps the search (BeamGroup)
 

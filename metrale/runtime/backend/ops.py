@@ -78,6 +78,11 @@ class Ops(Protocol):
         on_device.py), on the calling thread's lane; None where the backend has no such step or the search does
         not fit its state region: the host steps it."""
 
+    def counters(self) -> dict[str, int]:
+        """Cumulative counts for the metrics: kernel_cache_hits and kernel_cache_misses (compiled kernels found in,
+        or added to, the cache at start) and graph_replays (decode steps replayed as CUDA graphs); 0 where the
+        backend has none."""
+
     def synchronize(self) -> None:
         """Waits for the work the calling thread's lane has queued: before a failed or cancelled step gives back
         blocks its queued forward may still be writing, which another lane could take at once."""

@@ -159,6 +159,10 @@ class CudaBackend:
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._bound.lane.beam_candidates(logits, banned, count)
 
+    def counters(self) -> dict[str, int]:
+        return {"kernel_cache_hits": self.lib.cache.hits, "kernel_cache_misses": self.lib.cache.misses,
+                "graph_replays": sum(lane.graphs.replays for lane in self.lanes if lane.graphs is not None)}
+
     def device_beam_search(self, search: DeviceSearch, forward, kv_cache: list) -> DeviceBeamSearch | None:
         lane = self._bound.lane
         if state_bytes(search, self.shapes.max_blocks_per_seq) > lane.beam_state.nbytes:

@@ -93,6 +93,7 @@ class KernelLibrary:
         self._resident = {}
         # A module is loaded into the context on its first get_kernel, and lanes launch from several threads.
         self._load_lock = threading.Lock()
+        self.cache = cache
         for name, source in kernel_sources().items():
             self._modules[name] = ObjectCode.from_cubin(cache.cubin(name, source, arch))
         self.arch = arch
