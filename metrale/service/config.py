@@ -15,6 +15,13 @@ class WorkerConfig:
     host: str = "0.0.0.0"
     port: int = 50051
     max_message_mb: int = 64
+    # RPCs in flight at once; one more gets RESOURCE_EXHAUSTED (None: no limit).
+    max_concurrent_rpcs: int | None = None
+    # HTTP/2 keepalive: the server pings an idle connection every keepalive_time seconds and drops it if no answer
+    # comes within keepalive_timeout; clients may ping no more often than keepalive_min_client_ping seconds.
+    keepalive_time: float = 60.0
+    keepalive_timeout: float = 20.0
+    keepalive_min_client_ping: float = 10.0
     metrics_port: int | None = None
     # A plaintext port serving only grpc.health.v1 (kubelet's gRPC probes speak neither TLS nor tokens).
     health_port: int | None = None
@@ -36,6 +43,11 @@ class WorkerConfig:
             raise InvalidArgument(f"port must be in [0, 65535], got {self.port}")
         if self.max_message_mb < 1:
             raise InvalidArgument(f"max_message_mb must be >= 1, got {self.max_message_mb}")
+        if self.max_concurrent_rpcs is not None and self.max_concurrent_rpcs < 1:
+            raise InvalidArgument(f"max_concurrent_rpcs must be >= 1, got {self.max_concurrent_rpcs}")
+        for name in ("keepalive_time", "keepalive_timeout", "keepalive_min_client_ping"):
+            if not getattr(self, name) > 0:
+                raise InvalidArgument(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
             raise InvalidArgument(f"metrics_port must be in [1, 65535], got {self.metrics_port}")
         if self.health_port is not None and not 0 <= self.health_port < 65536:
@@ -84,6 +96,12 @@ SERVE_FLAGS = [
     ("run-ahead", str, "run each lane's likely next decode step while the gateway reads the last one; "
      "auto: on for cuda", RUN_AHEAD),
     ("max-message-mb", int, "largest gRPC message, either way", None),
+    ("max-concurrent-rpcs", int, "RPCs in flight at once; more get RESOURCE_EXHAUSTED (unset: no limit)", None),
+    ("keepalive-time", float, "seconds between the server's keepalive pings on an idle connection", None),
+    ("keepalive-timeout", float, "seconds a keepalive ping may go unanswered before the connection is closed",
+     None),
+    ("keepalive-min-client-ping", float, "least seconds between a client's keepalive pings; faster pingers are "
+     "disconnected", None),
     ("metrics-port", int, "Prometheus metrics port (off when unset)", None),
     ("health-port", int, "a plaintext port serving only grpc.health.v1, for probes when the main port has TLS "
      "(off when unset)", None),

@@ -34,13 +34,13 @@ class WorkerServer:
         self.health = health.aio.HealthServicer()
         self.metrics = WorkerMetrics(engine)
         self.servicer = WorkerServicer(engine, self.lanes, info, tokenizer, self.state, self.metrics)
-        options = [("grpc.max_receive_message_length", config.max_message_bytes),
-                   ("grpc.max_send_message_length", config.max_message_bytes)]
+        self.options = server_options(config)
         interceptors = [StatusInterceptor(self._on_device_fault, self.metrics)]
         if config.auth_tokens_file:
             interceptors.insert(0, TokenAuthInterceptor(read_tokens(config.auth_tokens_file),
                                                         self.metrics.count_unauthenticated))
-        self.server = grpc.aio.server(interceptors=interceptors, options=options)
+        self.server = grpc.aio.server(interceptors=interceptors, options=self.options,
+                                      maximum_concurrent_rpcs=config.max_concurrent_rpcs)
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if config.reflection:
@@ -104,6 +104,18 @@ class WorkerServer:
         log.error("device_fault: reporting NOT_SERVING")
         self._fault_task = asyncio.get_running_loop().create_task(
             self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
+
+
+def server_options(config: WorkerConfig) -> list[tuple[str, int]]:
+    """The gRPC core options of the worker's port: message sizes and HTTP/2 keepalive."""
+    ms = lambda seconds: int(seconds * 1000)
+    return [("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.keepalive_time_ms", ms(config.keepalive_time)),
+            ("grpc.keepalive_timeout_ms", ms(config.keepalive_timeout)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", ms(config.keepalive_min_client_ping)),
+            ("grpc.http2.max_pings_without_data", 0)]
 
 
 async def serve(checkpoint: Checkpoint, config: WorkerConfig) -> None:
