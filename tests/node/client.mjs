@@ -1,0 +1,38 @@
+// A gateway's loop in Node.js against a running worker: Info, Prefill (a sequence created with its prompt, the first
+// token sampled), three Decodes (each feeding back the token just sampled), Release. Prints one JSON line with what
+// it got. Usage: node client.mjs ADDRESS PROTO_FILE SEQ_ID TOKEN,TOKEN,...
+import grpc from "@grpc/grpc-js";
+import protoLoader from "@grpc/proto-loader";
+
+const [address, protoFile, seqId, prompt] = process.argv.slice(2);
+const definition = protoLoader.loadSync(protoFile, { keepCase: true, longs: String, enums: String, defaults: true });
+const { Worker } = grpc.loadPackageDefinition(definition).metrale.v1;
+const client = new Worker(address, grpc.credentials.createInsecure());
+
+function call(method, request) {
+  return new Promise((resolve, reject) => {
+    client[method](request, { deadline: Date.now() + 30000 }, (error, reply) => (error ? reject(error) : resolve(reply)));
+  });
+}
+
+try {
+  const info = await call("Info", {});
+  const tokens = [];
+  let reply = await call("Prefill", {
+    slices: [{ seq_id: seqId, tokens: prompt.split(",").map(Number), chunk_start: 0, is_last_chunk: true }],
+  });
+  tokens.push(reply.tokens[0]);
+  for (let i = 0; i < 3; i++) {
+    reply = await call("Decode", { seq_ids: [seqId], tokens: [tokens[tokens.length - 1]] });
+    tokens.push(reply.tokens[0]);
+  }
+  const released = await call("Release", { seq_ids: [seqId] });
+  console.log(JSON.stringify({
+    vocab_size: info.vocab_size, architecture: info.architecture, tokens, released: released.released_seq_ids,
+  }));
+} catch (error) {
+  console.error(`${error.code} ${error.details}`);
+  process.exitCode = 1;
+} finally {
+  client.close();
+}
