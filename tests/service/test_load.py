@@ -1,0 +1,279 @@
+"""Load and faults against a real worker process on loopback, bounded in time.
+
+64 clients for 60 s mix prefills, decodes, mixed steps and releases on sequences of their own, sprinkled with
+invalid requests (which must change nothing: the sequence they hit goes on and is checked), client cancellations
+and expired deadlines (on throwaway sequences, since a cancelled step may or may not have committed). At the end
+every checked sequence's tokens equal a sequential replay on the idle worker, no KV block is held, the worker's
+memory is flat, it still answers, and the metrics scraped during the run moved with what the clients did. Then
+SIGTERM under load: the worker drains and exits 0 within its drain timeout.
+"""
+
+import random
+import re
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+
+from metrale.v1 import worker_pb2 as pb
+from metrale.v1 import worker_pb2_grpc
+from test_metrics import free_port
+from worker_process import WorkerProcess
+
+CLIENTS = 64
+LOAD_SECONDS = 60.0
+VOCAB = 256
+CALL_TIMEOUT = 60.0
+# Statuses a valid request may meet under this load: none (every sequence is its client's own).
+VALID_OK = {grpc.StatusCode.OK}
+
+
+@dataclass
+class Record:
+    """A checked sequence: its prompt, the tokens fed to it by Decode/MixedForward, and every token it returned."""
+    prompt: list[int]
+    fed: list[int] = field(default_factory=list)
+    outputs: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Tally:
+    records: list = field(default_factory=list)
+    failures: list = field(default_factory=list)
+    decode_tokens: int = 0          # decode lanes of requests answered OK
+    prefill_tokens: int = 0
+    uncertain_decode_tokens: int = 0    # lanes of cancelled or expired requests (may or may not have run)
+    uncertain_prefill_tokens: int = 0
+    invalid: dict = field(default_factory=dict)   # (rpc, code) -> count
+    cancelled: int = 0
+    expired: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, **counts):
+        with self.lock:
+            for name, value in counts.items():
+                setattr(self, name, getattr(self, name) + value)
+
+
+class Client(threading.Thread):
+    def __init__(self, index: int, address: str, stop_at: float, tally: Tally):
+        super().__init__(name=f"client-{index}", daemon=True)
+        self.index, self.stop_at, self.tally = index, stop_at, tally
+        self.channel = grpc.insecure_channel(address)
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self.rng = random.Random(index)
+        self.next_id = index * 1_000_000 + 1
+
+    def new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id
+
+    def run(self):
+        try:
+            while time.monotonic() < self.stop_at:
+                if self.rng.random() < 0.1:
+                    self.throwaway()
+                else:
+                    self.sequence()
+        except Exception as error:        # anything unexpected fails the test with its story
+            self.tally.failures.append(f"{self.name}: {error!r}")
+        finally:
+            self.channel.close()
+
+    def prompt(self) -> list[int]:
+        return [self.rng.randrange(3, VOCAB) for _ in range(self.rng.randint(1, 24))]
+
+    def prefill(self, seq_id: int, prompt: list[int]) -> int:
+        reply = self.stub.Prefill(pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=seq_id, tokens=prompt,
+                                                                            is_last_chunk=True)]),
+                                  timeout=CALL_TIMEOUT)
+        self.tally.add(prefill_tokens=len(prompt))
+        return reply.tokens[0]
+
+    def refused(self, rpc: str, call, expected: grpc.StatusCode):
+        try:
+            call()
+        except grpc.RpcError as error:
+            if error.code() != expected:
+                raise AssertionError(f"{rpc}: {error.code()} where {expected} was due: {error.details()}")
+            with self.tally.lock:
+                self.tally.invalid[(rpc, expected.name)] = self.tally.invalid.get((rpc, expected.name), 0) + 1
+            return
+        raise AssertionError(f"{rpc}: an invalid request was answered OK")
+
+    def sequence(self):
+        seq_id = self.new_id()
+        record = Record(self.prompt())
+        token = self.prefill(seq_id, record.prompt)
+        record.outputs.append(token)
+        others = []
+        for _ in range(self.rng.randint(2, 6)):
+            roll = self.rng.random()
+            if roll < 0.06:         # a token past the vocabulary, on this live sequence: nothing may change
+                self.refused("Decode", lambda: self.stub.Decode(pb.DecodeRequest(seq_ids=[seq_id], tokens=[VOCAB + 5]),
+                                                                timeout=CALL_TIMEOUT),
+                             grpc.StatusCode.INVALID_ARGUMENT)
+            elif roll < 0.1:        # a live sequence and an unknown one in one step: NOT_FOUND, nothing runs
+                self.refused("Decode", lambda: self.stub.Decode(
+                    pb.DecodeRequest(seq_ids=[seq_id, seq_id + 500_000], tokens=[token, 5]), timeout=CALL_TIMEOUT),
+                    grpc.StatusCode.NOT_FOUND)
+            if roll > 0.8:          # a mixed step: this sequence's decode and a new sequence's prompt
+                other, other_prompt = self.new_id(), self.prompt()
+                reply = self.stub.MixedForward(pb.MixedForwardRequest(
+                    decode=pb.DecodeRequest(seq_ids=[seq_id], tokens=[token]),
+                    prefill=pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=other, tokens=other_prompt,
+                                                                      is_last_chunk=True)])), timeout=CALL_TIMEOUT)
+                self.tally.add(decode_tokens=1, prefill_tokens=len(other_prompt))
+                outputs = dict(zip(reply.seq_ids, reply.tokens))
+                others.append(Record(other_prompt, outputs=[outputs[other]]))
+                record.fed.append(token)
+                token = outputs[seq_id]
+                self.stub.Release(pb.ReleaseRequest(seq_ids=[other]), timeout=CALL_TIMEOUT)
+            else:
+                reply = self.stub.Decode(pb.DecodeRequest(seq_ids=[seq_id], tokens=[token]), timeout=CALL_TIMEOUT)
+                self.tally.add(decode_tokens=1)
+                record.fed.append(token)
+                token = reply.tokens[0]
+            record.outputs.append(token)
+        self.stub.Release(pb.ReleaseRequest(seq_ids=[seq_id]), timeout=CALL_TIMEOUT)
+        with self.tally.lock:
+            self.tally.records += [record, *others]
+
+    def throwaway(self):
+        """A sequence for a cancelled or expired Decode: afterwards it is released, whatever state it is in."""
+        seq_id = self.new_id()
+        token = self.prefill(seq_id, self.prompt())
+        request = pb.DecodeRequest(seq_ids=[seq_id], tokens=[token])
+        if self.rng.random() < 0.5:
+            future = self.stub.Decode.future(request, timeout=CALL_TIMEOUT)
+            time.sleep(self.rng.random() * 0.004)
+            if future.cancel():
+                self.tally.add(cancelled=1, uncertain_decode_tokens=1)
+            else:
+                self.settle(future.exception(), 1)
+        else:
+            try:
+                self.stub.Decode(request, timeout=self.rng.choice([0.0005, 0.002, 0.01]))
+                self.tally.add(decode_tokens=1)
+            except grpc.RpcError as error:
+                if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise
+                self.tally.add(expired=1, uncertain_decode_tokens=1)
+        for _ in range(200):        # the cancelled step may still hold the sequence: ABORTED until it ends
+            try:
+                self.stub.Release(pb.ReleaseRequest(seq_ids=[seq_id]), timeout=CALL_TIMEOUT)
+                return
+            except grpc.RpcError as error:
+                if error.code() != grpc.StatusCode.ABORTED:
+                    raise
+                time.sleep(0.01)
+        raise AssertionError(f"seq {seq_id} stayed busy after its cancelled step")
+
+    def settle(self, error, lanes: int):
+        if error is None:
+            self.tally.add(decode_tokens=lanes)
+        elif error.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+            self.tally.add(cancelled=1, uncertain_decode_tokens=lanes)
+        else:
+            raise AssertionError(f"Decode: {error.code()}: {error.details()}")
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {match[0]: float(match[1]) for match in re.findall(r"^([a-z_]+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
+
+
+def rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return int(next(line.split()[1] for line in status if line.startswith("VmRSS:")))
+
+
+def replay(stub, record: Record, seq_id: int) -> list[int]:
+    outputs = [stub.Prefill(pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=seq_id, tokens=record.prompt,
+                                                                      is_last_chunk=True)])).tokens[0]]
+    for token in record.fed:
+        outputs.append(stub.Decode(pb.DecodeRequest(seq_ids=[seq_id], tokens=[token])).tokens[0])
+    stub.Release(pb.ReleaseRequest(seq_ids=[seq_id]))
+    return outputs
+
+
+def run_load(address: str, seconds: float, clients: int) -> tuple[Tally, list[Client]]:
+    tally = Tally()
+    stop_at = time.monotonic() + seconds
+    threads = [Client(i, address, stop_at, tally) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    return tally, threads
+
+
+@pytest.fixture
+def loaded_worker(tiny_llama_dir, tmp_path):
+    metrics_port = free_port()
+    worker = WorkerProcess(tiny_llama_dir, tmp_path / "worker.log",
+                           args=("--kv-blocks", "512", "--max-model-len", "64", "--metrics-port", str(metrics_port),
+                                 "--drain-timeout", "20"))
+    worker.start()
+    yield worker, metrics_port
+    if worker.process.poll() is None:
+        worker.stop()
+
+
+def test_64_clients_for_60_seconds(loaded_worker):
+    worker, metrics_port = loaded_worker
+    stub = worker.stub
+    total_blocks = stub.Info(pb.InfoRequest()).num_kv_blocks
+    tally, threads = run_load(worker.address, LOAD_SECONDS, CLIENTS)
+    time.sleep(LOAD_SECONDS * 0.2)
+    rss_early = rss_kb(worker.process.pid)
+    during = scrape(metrics_port)
+    time.sleep(LOAD_SECONDS * 0.5)
+    later = scrape(metrics_port)
+    for thread in threads:
+        thread.join(LOAD_SECONDS + 120)
+    assert not any(t.is_alive() for t in threads), "a client hung"
+    assert not tally.failures, tally.failures[:5]
+    end = scrape(metrics_port)
+    rss_late = rss_kb(worker.process.pid)
+    print(f"load: {len(tally.records)} sequences checked, {tally.decode_tokens} decode tokens, "
+          f"{sum(tally.invalid.values())} invalid, {tally.cancelled} cancelled, {tally.expired} expired; "
+          f"RSS {rss_early // 1024} -> {rss_late // 1024} MB")
+    assert len(tally.records) > CLIENTS and tally.cancelled + tally.expired > 0 and tally.invalid
+
+    # Nothing held, the worker answers, memory flat.
+    info = stub.Info(pb.InfoRequest(), timeout=10)
+    assert info.free_kv_blocks == total_blocks
+    assert end["metrale_live_sequences"] == 0 and end["metrale_kv_blocks_used"] == 0
+    assert rss_late - rss_early < 96 * 1024, (rss_early, rss_late)
+
+    # The counters moved while the clients ran, and end where the clients' own counts put them.
+    decode = 'metrale_tokens_total{kind="decode"}'
+    prefill = 'metrale_tokens_total{kind="prefill"}'
+    assert 0 < during[decode] < later[decode] <= end[decode]
+    assert tally.decode_tokens <= end[decode] <= tally.decode_tokens + tally.uncertain_decode_tokens
+    assert end[prefill] == tally.prefill_tokens
+    for (rpc, code), count in tally.invalid.items():
+        assert end[f'metrale_rpc_errors_total{{code="{code}",rpc="{rpc}"}}'] == count
+
+    # Every checked sequence, replayed alone on the idle worker, gives the same tokens.
+    mismatched = [(r.prompt, r.fed, r.outputs, got) for i, r in enumerate(tally.records)
+                  if (got := replay(stub, r, 9_000_000_000 + i)) != r.outputs]
+    assert not mismatched, mismatched[:3]
+    assert stub.Info(pb.InfoRequest(), timeout=10).free_kv_blocks == total_blocks
+
+
+def test_sigterm_under_load_drains_and_exits_0(loaded_worker):
+    worker, _ = loaded_worker
+    tally, threads = run_load(worker.address, 30.0, 16)
+    time.sleep(3.0)
+    started = time.monotonic()
+    code = worker.stop()                # SIGTERM, then wait for the exit
+    took = time.monotonic() - started
+    for thread in threads:
+        thread.join(30)
+    assert code == 0 and took < 20 + 5, (code, took)
+    # the clients saw their work done, or refused as the worker drained and went: nothing else
+    unexpected = [f for f in tally.failures if not re.search(r"UNAVAILABLE|CANCELLED|DEADLINE_EXCEEDED", f)]
+    assert not unexpected, unexpected[:5]
