@@ -86,7 +86,8 @@ def test_renders_lints_and_validates(chart, values_file):
     assert pod["terminationGracePeriodSeconds"] > config.drain_timeout
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert worker[probe]["grpc"]["port"] == config.health_port        # plaintext health port
-    assert worker["startupProbe"]["grpc"]["service"] == "metrale.v1.Worker"
+    assert all(worker[p]["grpc"]["service"] == "metrale.v1.Worker"
+               for p in ("startupProbe", "readinessProbe", "livenessProbe"))
     mounts = {m["name"]: m["mountPath"] for m in worker["volumeMounts"]}
     assert mounts["kernel-cache"] == "/cache" and "emptyDir" in next(
         v for v in pod["volumes"] if v["name"] == "kernel-cache")
