@@ -266,7 +266,7 @@ def test_64_clients_for_60_seconds(loaded_worker):
 
 def test_sigterm_under_load_drains_and_exits_0(loaded_worker):
     worker, _ = loaded_worker
-    tally, threads = run_load(worker.address, 30.0, 16)
+    tally, threads = run_load(worker.address, 30.0, CLIENTS)
     time.sleep(3.0)
     started = time.monotonic()
     code = worker.stop()                # SIGTERM, then wait for the exit
