@@ -28,6 +28,9 @@ class StubEngine:
     def stats(self) -> EngineStats:
         return EngineStats(num_kv_blocks=1, free_kv_blocks=1, live_sequences=0)
 
+    def backend_counters(self) -> dict[str, int]:
+        return {"kernel_cache_hits": 0, "kernel_cache_misses": 0, "graph_replays": 0}
+
     def step(self, step: Step, cancelled=None, run_ahead: bool = False) -> StepOutput:
         seq_ids = [lane.seq_id for lane in step.decode] + [s.seq_id for s in step.prefill if s.is_last_chunk]
         return StepOutput([SequenceOutput(seq_id, 0, 0.0) for seq_id in seq_ids], forward_us=0)

@@ -116,6 +116,10 @@ class Engine:
                 with self._lock:
                     self._blocks_wanted -= 1
 
+    def backend_counters(self) -> dict[str, int]:
+        """The backend's cumulative counts for the metrics (Ops.counters)."""
+        return self.model.ops.counters()
+
     def stats(self) -> EngineStats:
         """Blocks held by guessed steps count as free: any request may have them."""
         with self._lock:

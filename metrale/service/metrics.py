@@ -25,7 +25,7 @@ class WorkerMetrics:
         used = prom.Gauge("metrale_kv_blocks_used", "KV blocks held by sequences.", registry=r)
         used.set_function(lambda: _blocks_used(engine.stats()))
         r.register(RunAheadCollector(engine))
-        r.register(BackendCollector(engine.model.ops))
+        r.register(BackendCollector(engine))
 
     def count_step(self, step) -> None:
         self.tokens.labels("decode").inc(len(step.decode))
@@ -58,11 +58,11 @@ class RunAheadCollector:
 class BackendCollector:
     """The backend's own counts: the compiled-kernel cache's lookups at start, and decode graph replays."""
 
-    def __init__(self, ops):
-        self.ops = ops
+    def __init__(self, engine):
+        self.engine = engine
 
     def collect(self):
-        counts = self.ops.counters()
+        counts = self.engine.backend_counters()
         lookups = CounterMetricFamily("metrale_kernel_cache_lookups", "Compiled kernels looked up in the kernel "
                                       "cache at start, by result (hit, or miss: compiled and added).",
                                       labels=["result"])
