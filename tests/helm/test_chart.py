@@ -171,24 +171,17 @@ def test_every_worker_flag_is_reachable_from_values(chart):
             config.keepalive_min_client_ping) == (128, 30.0, 7.5, 5.0)
 
 
-BAD_VALUES = {
-    "a string for a number": {"replicaCount": "two"},
-    "an unknown top-level key": {"replicas": 2},
-    "an unknown worker flag": {"worker": {"kv-blok-size": 32}},
-    "a flag of the wrong type": {"worker": {"kv-blocks": "many"}},
-    "a choice the worker lacks": {"worker": {"device": "tpu"}},
-    "a port out of range": {"grpcPort": 70000},
-    "TLS without its secret": {"tls": {"enabled": True}},
-    "tokens without their secret": {"auth": {"enabled": True}},
-    "an unknown model source": {"model": {"source": "s3", "path": "/m"}},
-    "a negative GPU count": {"gpu": {"count": -1, "resourceName": "nvidia.com/gpu"}},
-}
+# Values files the schema must refuse, one mistake each (their first line says which).
+BAD_VALUES_FILES = sorted((Path(__file__).parent / "bad-values").glob("*.yaml"))
 
 
-@pytest.mark.parametrize("case", sorted(BAD_VALUES))
-def test_the_schema_refuses_bad_values(chart, case):
+@pytest.mark.parametrize("values_file", BAD_VALUES_FILES, ids=lambda p: p.stem)
+def test_the_schema_refuses_bad_values_files(chart, values_file):
+    assert len(BAD_VALUES_FILES) >= 10
     with pytest.raises(helm.HelmValuesError):
-        chart.validate_schema(BAD_VALUES[case])
+        chart.validate_schema(values_of(values_file))
+    with pytest.raises(helm.HelmError):              # and an install would stop there too
+        chart.render(values_of(values_file), name="mw", namespace="serving")
 
 
 @pytest.mark.parametrize("values, message", [
