@@ -3,8 +3,8 @@
 // beam_base[r] .. + num_beams[r]) and its reserved KV blocks. Arrays marked [2, ...] are double-buffered: a step
 // reads the half at `parity` and writes the other, since beams continue other beams.
 //
-// The host writes this struct once per call (runtime/backend/cuda/beam_search.py, STATE_FIELDS: the same fields in
-// the same order, each 8 bytes).
+// The host writes this struct once per call (runtime/backend/cuda/beam_search.py, SIZES then ARRAYS: the same fields
+// in the same order, each 8 bytes).
 #pragma once
 
 struct BeamState {

@@ -200,11 +200,12 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) beam_select(const B
     }
 }
 
+// A free block, or -1 when the stack is empty (the top is put back, so later pushes stay in bounds).
 __device__ __forceinline__ int pop_block(const BeamState& s) {
     const int top = atomicSub(s.free_top, 1) - 1;
     if (top < 0) {
-        *s.fault = 1;
-        return 0;
+        atomicAdd(s.free_top, 1);
+        return -1;
     }
     const int block = s.free_stack[top];
     s.holders[block] = 1;
@@ -253,10 +254,18 @@ extern "C" __global__ void __launch_bounds__(1024) beam_fork(const BeamState* st
             const int* from = s.tables + (half(s, parity) + base + s.parents[base + j]) * W;
             int* table = s.tables + (half(s, next) + base + j) * W;
             for (int e = 0; e < filled; ++e) table[e] = from[e];
+            const bool needs_block = offset == 0 || s.holders[table[index]] > 1;
+            const int own = needs_block ? pop_block(s) : 0;
+            if (own < 0) {      // the reservation ran dry (it is sized so it cannot): the request writes nothing more
+                *s.fault = 1;
+                s.done[r] = 1;
+                s.result_parity[r] = next;
+                break;
+            }
             if (offset == 0) {
-                table[index] = pop_block(s);
-            } else if (s.holders[table[index]] > 1) {
-                const int shared = table[index], own = pop_block(s);
+                table[index] = own;
+            } else if (needs_block) {
+                const int shared = table[index];
                 --s.holders[shared];
                 table[index] = own;
                 int* copy = s.copies + 3 * (base + j);

@@ -3,7 +3,8 @@ backend selects every request's next beams, forks their KV blocks and runs the n
 candidates without the host; the host launches the step and reads one done flag per request.
 
 The search is the one BeamGroup does (search.py), kernel for kernel: the same float32 arithmetic in the same
-order, so the hypotheses are the same. The prompt pass (encoder and prefill) is the runner's, as on the host; what
+order. The candidates' log-sum-exp is summed per part of the row and combined in float64, so a log-probability
+can differ from the host path's in its last bit (docs/beam_on_device.md, Exactness). The prompt pass (encoder and prefill) is the runner's, as on the host; what
 it leaves (each request's beams on its prompt's blocks, their first candidates, the reservation's free blocks and
 holders) is handed over as one DeviceSearch.
 """
@@ -20,6 +21,7 @@ from metrale.runtime.kv_blocks import KvBlockManager, blocks_for
 # The device step's limits (beam_step.cu): a request's candidates (num_beams x keep) and the continuations it keeps.
 MAX_CANDIDATES = 4096
 MAX_KEEP = 256
+MAX_BEAMS = 32                 # beam_step.cu's per-request arrays (MAX_SELECT_BEAMS)
 EARLY_STOPPING_CODES = {False: 0, True: 1, "never": 2}
 
 
@@ -80,7 +82,8 @@ class LockedSearch:
 
 
 def fits_on_device(groups) -> bool:
-    return all(g.search.keep <= MAX_KEEP and g.search.keep * g.search.num_beams <= MAX_CANDIDATES for g in groups)
+    return all(g.search.num_beams <= MAX_BEAMS and g.search.keep <= MAX_KEEP
+               and g.search.keep * g.search.num_beams <= MAX_CANDIDATES for g in groups)
 
 
 def device_search(groups, candidates, pool: KvBlockManager, block_size: int, encoder_decoder: bool

@@ -54,7 +54,8 @@ MAX_MERGED = 1024
 
 
 def row_parts(rows: int, vocab_size: int, count: int) -> tuple[int, int]:
-    """(parts, ids per part) for splitting `rows` logits rows: every part 16-byte aligned and holding >= count ids."""
+    """(parts, ids per part) for splitting `rows` logits rows: every part 16-byte aligned, and all but the last
+    holding >= count ids (the kernel takes fewer from a short last part)."""
     parts = max(1, min(TARGET_BLOCKS // max(rows, 1), MAX_PARTS, MAX_MERGED // count, vocab_size // count))
     size = -(-vocab_size // parts)
     size = -(-size // 4) * 4
