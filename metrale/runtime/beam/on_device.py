@@ -4,8 +4,8 @@ candidates without the host; the host launches the step and reads one done flag 
 
 The search is the one BeamGroup does (search.py), kernel for kernel: the same float32 arithmetic in the same
 order. The candidates' log-sum-exp is summed per part of the row and combined in float64, so a log-probability
-can differ from the host path's in its last bit (docs/beam_on_device.md, Exactness). The prompt pass (encoder and prefill) is the runner's, as on the host; what
-it leaves (each request's beams on its prompt's blocks, their first candidates, the reservation's free blocks and
+can differ from the host path's in its last bit (docs/beam_on_device.md, Exactness). The prompt pass (encoder
+and prefill) is the runner's, as on the host; what it leaves (each request's beams on its prompt's blocks, their first candidates, the reservation's free blocks and
 holders) is handed over as one DeviceSearch.
 """
 
@@ -98,7 +98,7 @@ def device_search(groups, candidates, pool: KvBlockManager, block_size: int, enc
     max_len = int((prompt_len + max_new).max())
     local = {block: i for i, block in enumerate(pool.ids)}
     free, holders = pool.holders()
-    keep_stride = max(c[0].shape[2] for c in candidates)
+    # The prompt pass asked every group for the same count of candidates: the device's keep_stride.
     values = torch.cat([c[0].reshape(-1, c[0].shape[2]) for c in candidates]).numpy().astype(np.float32)
     ids = torch.cat([c[1].reshape(-1, c[1].shape[2]) for c in candidates]).numpy().astype(np.int32)
     divisors = np.ones((len(params), int(max_new.max()) + 1), dtype=np.float32)
@@ -121,7 +121,7 @@ def device_search(groups, candidates, pool: KvBlockManager, block_size: int, enc
         block_ids=np.asarray(pool.ids, dtype=np.int32),
         holders=np.array([holders.get(b, 0) for b in pool.ids], dtype=np.int32),
         free=np.array([local[b] for b in free], dtype=np.int32),
-        cand_values=_padded(values, keep_stride), cand_ids=_padded(ids, keep_stride), block_size=block_size,
+        cand_values=np.ascontiguousarray(values), cand_ids=np.ascontiguousarray(ids), block_size=block_size,
         max_len=max_len, table_width=blocks_for(max_len, block_size), encoder_decoder=encoder_decoder)
     return search, members
 
@@ -134,10 +134,4 @@ def run_on_device(search: OnDeviceSearch, members: list, cancelled: Callable[[],
         search.step()
     return {m.request.request_id: search.hypotheses(i, m.request.params.num_return_sequences)
             for i, m in enumerate(members)}
-
-
-def _padded(rows: np.ndarray, width: int) -> np.ndarray:
-    out = np.zeros((rows.shape[0], width), dtype=rows.dtype)
-    out[:, :rows.shape[1]] = rows
-    return np.ascontiguousarray(out)
 

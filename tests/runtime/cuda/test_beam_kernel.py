@@ -127,7 +127,7 @@ def state_bans(prompt: list[int], ngram: int, short: bool, eos: tuple[int, ...])
 def test_device_search_candidates_match_float64(kernel_library, stream, count):
     """beam_state_parts(_fast) and beam_state_merge, the device search's candidates, against float64: NLLB's
     vocabulary split across blocks, bans computed on the device from each beam's tokens."""
-    from metrale.runtime.backend.cuda.beam_search import DeviceBeamSearch
+    from metrale.runtime.backend.cuda.beam_search import DeviceBeamSearch, state_arrays
     from metrale.runtime.backend.cuda.kernels.beam import beam_state_candidates
     from metrale.runtime.beam.on_device import DeviceSearch
 
@@ -146,7 +146,8 @@ def test_device_search_candidates_match_float64(kernel_library, stream, count):
         block_size=16, max_len=16, table_width=1, encoder_decoder=False)
     region = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
     lane = _Lane(kernel_library, stream)
-    state = DeviceBeamSearch(lane, search, forward=None, kv_cache=[], region=DeviceTensor.from_torch(region))
+    state = DeviceBeamSearch(lane, search, state_arrays(search, lane.shapes.max_blocks_per_seq), forward=None,
+                             kv_cache=[], region=DeviceTensor.from_torch(region))
     logits = torch.randn(TB, vocab, generator=torch.Generator().manual_seed(count)) * 3.0
     logits[0, 2] = 40.0                                     # a banned EOS as the row's maximum
     wide = torch.zeros(TB, 256256, device="cuda")           # rows padded as the LM head's are

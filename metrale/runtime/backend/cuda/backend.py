@@ -10,7 +10,7 @@ import torch
 
 from metrale.runtime.backend.cuda import kernels
 from metrale.runtime.backend.cuda.batch import CudaBatch
-from metrale.runtime.backend.cuda.beam_search import DeviceBeamSearch, state_bytes
+from metrale.runtime.backend.cuda.beam_search import DeviceBeamSearch, state_arrays, state_bytes
 from metrale.runtime.backend.cuda.compiler import KernelCache, KernelLibrary
 from metrale.runtime.backend.cuda.device import ALIGNMENT, Arena, CudaDevice
 from metrale.runtime.backend.cuda.gemm import CublasLt
@@ -165,9 +165,10 @@ class CudaBackend:
 
     def device_beam_search(self, search: DeviceSearch, forward, kv_cache: list) -> DeviceBeamSearch | None:
         lane = self._bound.lane
-        if state_bytes(search, self.shapes.max_blocks_per_seq) > lane.beam_state.nbytes:
+        arrays = state_arrays(search, self.shapes.max_blocks_per_seq)
+        if state_bytes(arrays, len(search.tables)) > lane.beam_state.nbytes:
             return None
-        return DeviceBeamSearch(lane, search, forward, kv_cache, lane.beam_state)
+        return DeviceBeamSearch(lane, search, arrays, forward, kv_cache, lane.beam_state)
 
     def fairseq_position_ids(self, batch: CudaBatch, padding_idx: int) -> DeviceTensor:
         lane = self._bound.lane

@@ -68,10 +68,11 @@ class DeviceBeamSearch:
     """OnDeviceSearch on one lane. forward(batch): the model's decode forward (its ops read the lane's prepared
     metadata); kv_cache: the pool's layers, for the KV copies."""
 
-    def __init__(self, lane, search: DeviceSearch, forward, kv_cache: list, region: DeviceTensor):
+    def __init__(self, lane, search: DeviceSearch, arrays: dict[str, np.ndarray], forward, kv_cache: list,
+                 region: DeviceTensor):
+        """arrays: state_arrays(search, ...), which state_bytes() sized the region for."""
         self.lane, self.lib, self.forward, self.kv_cache = lane, lane.lib, forward, kv_cache
         self.search = search
-        arrays = state_arrays(search, lane.shapes.max_blocks_per_seq)
         arena = Arena(region.ptr, region.nbytes, "beam state")
         header = arena.take((len(SIZES) + len(ARRAYS),), "int64")
         self.views = {name: arena.take(a.shape, "float32" if name in FLOAT_ARRAYS else "int32")
@@ -91,7 +92,7 @@ class DeviceBeamSearch:
         self.num_requests, self.total_beams = sizes["num_requests"], sizes["total_beams"]
         self.active = list(range(self.num_requests))
         self.max_new = (search.max_length - search.prompt_len).tolist()
-        self.rows, self._going = self.total_beams, self.num_requests
+        self.rows, self._going = self.total_beams, self.num_requests     # forward rows, and their requests
         self.searching = True
         self._results: dict[str, np.ndarray] | None = None
         self._flags = None            # the last step's (event, pinned done flags), read after the next is queued
@@ -143,8 +144,8 @@ class DeviceBeamSearch:
         if len(active) < len(self.active):
             self.active = active
             self.copy(self.views["active"], np.asarray(active, dtype=np.int32))
-        rows = np.concatenate([np.arange(s.beam_base[r], s.beam_base[r] + s.num_beams[r]) for r in going])
-        if len(rows) != self.rows or len(going) != self._going:
+        if len(going) != self._going:           # requests only ever leave
+            rows = np.concatenate([np.arange(s.beam_base[r], s.beam_base[r] + s.num_beams[r]) for r in going])
             self.rows, self._going = len(rows), len(going)
             self.copy(self.views["rows_beam"], rows.astype(np.int32))
 
@@ -191,12 +192,11 @@ class DeviceBeamSearch:
                 for i in range(count)]
 
 
-def state_bytes(search: DeviceSearch, max_blocks: int) -> int:
-    """The beam state region a search needs (each array aligned as Arena places it, and the header)."""
-    arrays = [a.nbytes for a in state_arrays(search, max_blocks).values()]
-    parts = [4 * int(np.prod(shape)) * (2 if dtype == "int64" else 1)
-             for shape, dtype in scratch(len(search.tables)).values()]
-    return sum(-(-n // ALIGNMENT) * ALIGNMENT for n in [8 * (len(SIZES) + len(ARRAYS))] + arrays + parts)
+def state_bytes(arrays: dict[str, np.ndarray], total_beams: int) -> int:
+    """The beam state region state_arrays' arrays need (each aligned as Arena places it, the header, the scratch)."""
+    parts = [4 * int(np.prod(shape)) * (2 if dtype == "int64" else 1) for shape, dtype in scratch(total_beams).values()]
+    sizes = [8 * (len(SIZES) + len(ARRAYS))] + [a.nbytes for a in arrays.values()] + parts
+    return sum(-(-n // ALIGNMENT) * ALIGNMENT for n in sizes)
 
 
 def scratch(total_beams: int) -> dict[str, tuple[tuple[int], str]]:

@@ -45,7 +45,6 @@ def beam_candidates(lib, stream, logits: DeviceTensor, banned_offsets: DeviceTen
                   banned if banned.numel else np.uint64(0), count, ids_out, values_out)
 
 
-
 # The device search's split rows (beam.cu's beam_state_parts and beam_state_merge): enough parts per row to give
 # the GPU about TARGET_BLOCKS blocks, at most MAX_PARTS, whose best `count` all fit the merge (MAX_MERGED).
 TARGET_BLOCKS = 256
