@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from metrale.runtime.backend.cuda.gemm import (CUBLAS_OP_T, CUBLASLT_EPILOGUE_BIAS, CUBLASLT_EPILOGUE_DEFAULT, CublasLt,
+from metrale.runtime.backend.cuda.gemm import (CUBLAS_OP_T, CUBLASLT_EPILOGUE_BIAS, CUBLASLT_EPILOGUE_DEFAULT,
+                                               CUBLASLT_EPILOGUE_RELU, CUBLASLT_EPILOGUE_RELU_BIAS, CublasLt,
                                                GemmPlan, MatrixLayout, linear_key)
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.errors import FailedPrecondition, InvalidArgument
@@ -57,6 +58,17 @@ def test_column_major_plan_computes_linear(m, n, k, x_pad, out_pad, with_bias):
     assert plan.epilogue == (CUBLASLT_EPILOGUE_BIAS if with_bias else CUBLASLT_EPILOGUE_DEFAULT)
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_relu_is_its_own_plan_and_epilogue(with_bias):
+    out, x, weight = tensor((7, 48)), tensor((7, 32)), tensor((48, 32))
+    bias = tensor((48,)) if with_bias else None
+    plain, relu = linear_key(out, x, weight, bias), linear_key(out, x, weight, bias, relu=True)
+    assert plain != relu and relu.relu and not plain.relu
+    assert GemmPlan.for_linear(relu).epilogue == (CUBLASLT_EPILOGUE_RELU_BIAS if with_bias else CUBLASLT_EPILOGUE_RELU)
+    assert GemmPlan.for_linear(relu).epilogue & CUBLASLT_EPILOGUE_BIAS == GemmPlan.for_linear(plain).epilogue & \
+        CUBLASLT_EPILOGUE_BIAS
+
+
 def test_key_ignores_pointers_and_sees_strides_dtype_and_bias():
     out, x, weight, bias = operands()
     moved = [DeviceTensor(t.ptr + 4096, t.shape, t.dtype, t.row_stride) for t in (out, x, weight, bias)]
@@ -65,7 +77,7 @@ def test_key_ignores_pointers_and_sees_strides_dtype_and_bias():
     assert linear_key(*operands(out_dtype="float32")) != linear_key(*operands())
     wide_x = tensor((7, 576), ptr=BASE * 16, row_stride=640)
     assert linear_key(out, wide_x, weight, bias).x_stride == 640
-    assert linear_key(out, x, weight, bias) == (7, 1536, 576, 576, 1536, "bfloat16", True)
+    assert linear_key(out, x, weight, bias) == (7, 1536, 576, 576, 1536, "bfloat16", True, False)
 
 
 @pytest.mark.parametrize("change,message", [

@@ -101,6 +101,9 @@ class CpuBackend:
     def linear(self, x, weight, bias=None):
         return F.linear(x, weight, bias)
 
+    def linear_relu(self, x, weight, bias=None):
+        return F.relu(F.linear(x, weight, bias))
+
     def rope_and_write_kv(self, q, k, v, rope: RopeTable, batch: "CpuBatch", kv, head_dim):
         cos, sin = batch.rope_at_positions(rope)
         q = _rotate(q.view(q.shape[0], -1, head_dim), cos, sin)

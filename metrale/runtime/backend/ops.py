@@ -139,6 +139,10 @@ class Ops(Protocol):
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         """x [T, in] @ weight[out, in].T (+ bias) -> [T, out]."""
 
+    def linear_relu(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        """relu(linear(x, weight, bias)): one GEMM with the activation in its epilogue where the backend can (the
+        same values: rounding to bf16 commutes with max(., 0))."""
+
     def rope_and_write_kv(self, q: Tensor, k: Tensor, v: Tensor, rope: RopeTable, batch: PreparedBatch, kv: Tensor,
                           head_dim: int) -> Tensor:
         """Rotates q and k (rotate-half layout) at the batch positions, writes k and v into kv at the batch

@@ -124,7 +124,7 @@ class M2M100ForConditionalGeneration:
                                     causal=False)
             h = ops.linear(o, *layer["out"])
             h, residual = ops.layer_norm(h, *layer["final_layer_norm"], c.layer_norm_eps, residual)
-            x = ops.linear(ops.relu(ops.linear(h, *layer["fc1"])), *layer["fc2"])
+            x = ops.linear(ops.linear_relu(h, *layer["fc1"]), *layer["fc2"])
         states, _ = ops.layer_norm(x, *w["encoder_norm"], c.layer_norm_eps, residual)
         for layer, kv in zip(w["decoder"], kv_cache):
             k, v = _split(ops.linear(states, *layer["cross_kv"]), c.hidden_size, parts=2)
@@ -154,7 +154,7 @@ class M2M100ForConditionalGeneration:
             o = ops.paged_attention(q, kv, cross, c.num_heads, c.head_dim, scale, None, causal=False)
             h = ops.linear(o, *layer["cross_out"])
             h, residual = ops.layer_norm(h, *layer["final_layer_norm"], c.layer_norm_eps, residual)
-            x = ops.linear(ops.relu(ops.linear(h, *layer["fc1"])), *layer["fc2"])
+            x = ops.linear(ops.linear_relu(h, *layer["fc1"]), *layer["fc2"])
         rows = meta.sample_rows
         x, _ = ops.layer_norm(ops.gather_rows(x, rows), *w["decoder_norm"], c.layer_norm_eps,
                               ops.gather_rows(residual, rows))

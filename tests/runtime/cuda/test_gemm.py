@@ -66,6 +66,26 @@ def test_linear_matches_float64(cublaslt, stream, m, n, k, with_bias, out_dtype)
     assert error < TOLERANCE[out.dtype], f"relative error {error:.2e}"
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("m", [1, 64, 300])
+def test_relu_epilogue_equals_relu_of_the_linear(cublaslt, stream, m, with_bias):
+    # M2M100's fc1 at 64 rows (a beam step).
+    n, k = 4096, 1024
+    x, weight, bias = random_linear(m, n, k, seed=m + 5, with_bias=with_bias)
+    plain = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    fused = torch.full_like(plain, float("nan"))
+    run_linear(cublaslt, stream, plain, x, weight, bias)
+    torch.cuda.synchronize()
+    cublaslt.linear(stream, DeviceTensor.from_torch(fused), DeviceTensor.from_torch(x), DeviceTensor.from_torch(weight),
+                    DeviceTensor.from_torch(bias) if bias is not None else None, relu=True)
+    stream.sync()
+    assert (fused >= 0).all() and (fused == 0).any() and (fused > 0).any()
+    error = relative_error(fused, reference(x, weight, bias).clamp(min=0))
+    assert error < TOLERANCE[fused.dtype], f"relative error {error:.2e}"
+    # cuBLASLt may take another algorithm for the epilogue: the sums may round differently, no more.
+    assert relative_error(fused, torch.relu(plain).double()) < TOLERANCE[fused.dtype]
+
+
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("m", [1, 300])
 def test_linear_reads_and_writes_column_slices(cublaslt, stream, m, out_dtype):

@@ -228,13 +228,22 @@ class CudaBackend:
         self._linear(lane, out, x, weight, bias)
         return out
 
-    def _linear(self, lane: Lane, out, x, weight, bias=None):
-        """Decode-sized linears on the skinny-GEMM kernel where it beats cuBLASLt, the rest on cuBLASLt."""
+    def linear_relu(self, x, weight, bias=None):
+        lane = self._bound.lane
+        out = lane.new(x.shape[0], weight.shape[0])
+        self._linear(lane, out, x, weight, bias, relu=True)
+        return out
+
+    def _linear(self, lane: Lane, out, x, weight, bias=None, relu: bool = False):
+        """Decode-sized linears on the skinny-GEMM kernel where it beats cuBLASLt (then a relu kernel where asked),
+        the rest on cuBLASLt (the relu in its epilogue)."""
         if (x.shape[0] <= SKINNY_MAX_M and weight.numel <= SKINNY_MAX_WEIGHT
                 and kernels.skinny_gemm.supports(x, weight, out, bias)):
             kernels.skinny_gemm.skinny_linear(self.lib, lane.stream, out, x, weight, bias)
+            if relu:
+                kernels.activation.relu(self.lib, lane.stream, out, out)
         else:
-            self.gemm.linear(lane.stream, out, x, weight, bias, lane.gemm_workspace)
+            self.gemm.linear(lane.stream, out, x, weight, bias, lane.gemm_workspace, relu=relu)
 
     def rope_and_write_kv(self, q, k, v, rope: RopeTable, batch: CudaBatch, kv, head_dim):
         # q, k and v are column slices of one qkv buffer, which the kernel takes whole.

@@ -22,7 +22,8 @@ from metrale.runtime.errors import DeviceFault, FailedPrecondition, InvalidArgum
 CUDA_DATA_TYPE = {"bfloat16": 14, "float32": 0}
 CUBLAS_COMPUTE_32F = 68
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
-CUBLASLT_EPILOGUE_DEFAULT, CUBLASLT_EPILOGUE_BIAS = 1, 4
+CUBLASLT_EPILOGUE_DEFAULT, CUBLASLT_EPILOGUE_RELU, CUBLASLT_EPILOGUE_BIAS = 1, 2, 4
+CUBLASLT_EPILOGUE_RELU_BIAS = CUBLASLT_EPILOGUE_RELU | CUBLASLT_EPILOGUE_BIAS
 OUT_DTYPES = ("bfloat16", "float32")
 # Every pointer and row stride is checked to this alignment, and the heuristic is told so: its default
 # assumption is 256 bytes, and an algorithm picked under it may misbehave on a row view that is only 16-aligned.
@@ -47,6 +48,7 @@ class LinearKey(NamedTuple):
     out_stride: int   # elements between rows of out
     out_dtype: str    # 'bfloat16' or 'float32' (logits)
     has_bias: bool
+    relu: bool = False   # max(., 0) in the epilogue, after the bias
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,8 @@ class GemmPlan:
         B = x,      read as [K, M] ld x_stride (OP_N)        -> [K, M]
         D = out,    read as [N, M] ld out_stride             (C = D, beta = 0: never read)
     m = N, n = M, k = K: the "TN" GEMM, the layout cuBLASLt's fastest bf16 kernels take. The BIAS epilogue adds
-    a vector as long as D's rows (N), broadcast over D's columns (tokens): bias[N], as nn.Linear adds it."""
+    a vector as long as D's rows (N), broadcast over D's columns (tokens): bias[N], as nn.Linear adds it; the
+    RELU epilogues then take max(., 0) before D is rounded to its type."""
     a: MatrixLayout
     b: MatrixLayout
     d: MatrixLayout
@@ -82,10 +85,15 @@ class GemmPlan:
                    b=MatrixLayout("bfloat16", key.k, key.m, key.x_stride),
                    d=MatrixLayout(key.out_dtype, key.n, key.m, key.out_stride),
                    transa=CUBLAS_OP_T, transb=CUBLAS_OP_N,
-                   epilogue=CUBLASLT_EPILOGUE_BIAS if key.has_bias else CUBLASLT_EPILOGUE_DEFAULT)
+                   epilogue=_EPILOGUES[key.has_bias, key.relu])
 
 
-def linear_key(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None) -> LinearKey:
+_EPILOGUES = {(False, False): CUBLASLT_EPILOGUE_DEFAULT, (True, False): CUBLASLT_EPILOGUE_BIAS,
+              (False, True): CUBLASLT_EPILOGUE_RELU, (True, True): CUBLASLT_EPILOGUE_RELU_BIAS}
+
+
+def linear_key(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None,
+               relu: bool = False) -> LinearKey:
     """Checks a linear's operands (shapes, dtypes, 16-byte alignment) and returns its cache key.
     On the hot path of every prefill linear: plain comparisons, and a message is formatted only on failure."""
     if len(x.shape) != 2 or x.dtype != "bfloat16":
@@ -117,7 +125,7 @@ def linear_key(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, bias: D
                                   f"{bias.dtype}")
         if bias.ptr % ALIGNMENT:
             raise InvalidArgument(f"linear: bias must be {ALIGNMENT}-byte aligned, not {bias.ptr:#x}")
-    return LinearKey(m, n, k, x_stride, out_stride, out.dtype, bias is not None)
+    return LinearKey(m, n, k, x_stride, out_stride, out.dtype, bias is not None, relu)
 
 
 def load_cublaslt():
@@ -179,15 +187,16 @@ class CublasLt:
         self._handle = self._call("cublasLtCreate", self._lt.create)
 
     def linear(self, stream, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
-               bias: DeviceTensor | None = None, workspace: DeviceTensor | None = None) -> None:
-        """out [M, N] = x [M, K] @ weight [N, K].T (+ bias [N]) on `stream` (a cuda.core Stream).
+               bias: DeviceTensor | None = None, workspace: DeviceTensor | None = None, relu: bool = False) -> None:
+        """out [M, N] = x [M, K] @ weight [N, K].T (+ bias [N]), then max(., 0) if relu, on `stream` (a cuda.core
+        Stream).
         x, weight: bf16; out: bf16 or float32 (logits); bias: out's dtype. x and out may be column slices
         (row-strided); every pointer and row stride 16-byte aligned. Accumulates in fp32. workspace: the calling
         lane's, at least as large as the one given at creation (the algorithms were chosen for that size); None:
         that one."""
         if self._handle is None:
             raise FailedPrecondition("linear on a closed CublasLt")
-        key = linear_key(out, x, weight, bias)
+        key = linear_key(out, x, weight, bias, relu)
         if key.m == 0:
             return
         if workspace is None:
@@ -254,7 +263,7 @@ class CublasLt:
             self._set_desc(desc, attr.TRANSA, plan.transa)
             self._set_desc(desc, attr.TRANSB, plan.transb)
             self._set_desc(desc, attr.EPILOGUE, plan.epilogue)
-            if plan.epilogue == CUBLASLT_EPILOGUE_BIAS:
+            if plan.epilogue & CUBLASLT_EPILOGUE_BIAS:
                 self._set_desc(desc, attr.BIAS_DATA_TYPE, CUDA_DATA_TYPE[plan.d.dtype])   # = out's: see linear_key
                 # The heuristic reads the bias pointer only for its alignment: address ALIGNMENT stands for every
                 # bias linear_key accepts. linear() sets the real one before each call.

@@ -8,7 +8,9 @@ planned for max_model_len so its split count does not depend on the lanes' conte
 graphs hold its cross-attention batch too, padded alike in its own region and planned for the longest source.
 """
 
+import contextlib
 import dataclasses
+import gc
 from typing import Callable
 
 import torch
@@ -105,13 +107,29 @@ class DecodeGraphs:
         stream = self.lane.stream
         stream.sync()
         builder = stream.create_graph_builder()
-        builder.begin_building("thread_local")
-        with self.lane.reuse_prepared(*prepared):
-            logits = forward(batch)
-        builder.end_building()
+        with _no_collection():
+            builder.begin_building("thread_local")
+            with self.lane.reuse_prepared(*prepared):
+                logits = forward(batch)
+            builder.end_building()
         graph = builder.complete()
         graph.upload(stream)
         return graph, logits
+
+
+@contextlib.contextmanager
+def _no_collection():
+    """No cyclic garbage collection while a graph is captured: a device buffer that the collector frees frees
+    its memory on a stream (cuMemFreeAsync), which the capture forbids and which would invalidate it. What is
+    garbage already goes first."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def empty_decode_batch(encoder_decoder: bool) -> ForwardBatch:
