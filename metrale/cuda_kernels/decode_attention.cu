@@ -107,7 +107,126 @@ __device__ __forceinline__ void paged_decode_attention(bf16* out, long long out_
     }
 }
 
+// Multi-head attention (one query head per kv head): a warp per head, on CUDA cores. An mma tile would fill one of
+// its 16 rows. grid (num_splits, ceil(num_heads / MHA_WARPS), B), MHA_WARPS warps. The split's keys go 32 at a
+// time: lane l scores key base + l against the query (in shared memory, fp32, times scale_log2), the warp keeps
+// the running max and sum (online softmax), then adds each key's value row (lane l holds dims l * DIMS ..) weighted
+// by its probability. Output, partials and the merge of splits exactly as paged_decode_attention's.
+constexpr int MHA_WARPS = 4;
+
+template <int HEAD_DIM>
+__device__ __forceinline__ void paged_decode_attention_mha(bf16* out, long long out_stride, const bf16* q,
+                                                           long long q_stride, const bf16* kv_cache,
+                                                           long long plane_elems, const int* seq_rows,
+                                                           const int* context_lens, const int* block_tables,
+                                                           int max_blocks, float* partial_out, float* partial_lse,
+                                                           int num_heads, int block_shift, float scale_log2,
+                                                           int sliding_window, int partition_size) {
+    constexpr int DIMS = HEAD_DIM / 32;     // output dims per lane
+    __shared__ __align__(16) float query[MHA_WARPS][HEAD_DIM];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int head = blockIdx.y * MHA_WARPS + warp, split = blockIdx.x, seq = blockIdx.z;
+    if (head >= num_heads) return;
+    const int num_splits = gridDim.x;
+    const int context = context_lens[seq];
+    const int window_start = sliding_window > 0 ? max(0, context - sliding_window) : 0;
+    const int lo = max(window_start, split * partition_size);
+    const int hi = min(context, (split + 1) * partition_size);
+    if (lo >= hi) return;
+    const bool whole = window_start / partition_size == (context - 1) / partition_size;
+
+    const long long row = seq_rows[seq];
+    const bf16* query_row = q + row * q_stride + (long long)head * HEAD_DIM;
+    for (int d = lane; d < HEAD_DIM; d += 32) query[warp][d] = bf16_to_float(query_row[d]) * scale_log2;
+    __syncwarp();
+    const long long slot_elems = (long long)num_heads * HEAD_DIM;     // one token's K (or V) of every head
+    const bf16* k_plane = kv_cache + (long long)head * HEAD_DIM;
+    const bf16* v_plane = k_plane + plane_elems;
+    const int* block_table = block_tables + (long long)seq * max_blocks;
+    const int block_mask = (1 << block_shift) - 1;
+
+    float running_max = negative_infinity(), sum = 0.f, acc[DIMS];
+#pragma unroll
+    for (int i = 0; i < DIMS; ++i) acc[i] = 0.f;
+    for (int base = lo; base < hi; base += 32) {
+        const int key = base + lane;
+        float score = negative_infinity();
+        long long slot = 0;
+        if (key < hi) {
+            slot = ((long long)block_table[key >> block_shift] << block_shift) + (key & block_mask);
+            const uint4* k = reinterpret_cast<const uint4*>(k_plane + slot * slot_elems);
+            const float4* qv = reinterpret_cast<const float4*>(query[warp]);
+            float dot = 0.f;
+#pragma unroll
+            for (int c = 0; c < HEAD_DIM / 8; ++c) {
+                const uint4 u = k[c];
+                const float4 q0 = qv[2 * c], q1 = qv[2 * c + 1];
+                const float2 a = bf16x2_to_float2(u.x), b = bf16x2_to_float2(u.y);
+                const float2 e = bf16x2_to_float2(u.z), f = bf16x2_to_float2(u.w);
+                dot += q0.x * a.x + q0.y * a.y + q0.z * b.x + q0.w * b.y + q1.x * e.x + q1.y * e.y + q1.z * f.x +
+                       q1.w * f.y;
+            }
+            score = dot;
+        }
+        const float new_max = fmaxf(running_max, warp_max(score));    // finite: key lo < hi is in the first chunk
+        const float rescale = fast_exp2(running_max - new_max);
+        const float p = fast_exp2(score - new_max);                    // 0 past hi
+        sum = sum * rescale + warp_sum(p);
+#pragma unroll
+        for (int i = 0; i < DIMS; ++i) acc[i] *= rescale;
+        running_max = new_max;
+        const int keys = min(32, hi - base);
+#pragma unroll 4
+        for (int j = 0; j < keys; ++j) {
+            const float weight = __shfl_sync(0xffffffffu, p, j);
+            const long long slot_j = __shfl_sync(0xffffffffu, slot, j);
+            const bf16* v = v_plane + slot_j * slot_elems + lane * DIMS;
+            if constexpr (DIMS == 1) {
+                acc[0] += weight * bf16_to_float(v[0]);
+            } else if constexpr (DIMS == 2) {
+                const float2 x = bf16x2_to_float2(*reinterpret_cast<const unsigned*>(v));
+                acc[0] += weight * x.x;
+                acc[1] += weight * x.y;
+            } else {
+                const uint2 u = *reinterpret_cast<const uint2*>(v);
+                const float2 x = bf16x2_to_float2(u.x), y = bf16x2_to_float2(u.y);
+                acc[0] += weight * x.x;
+                acc[1] += weight * x.y;
+                acc[2] += weight * y.x;
+                acc[3] += weight * y.y;
+            }
+        }
+    }
+    const int d0 = lane * DIMS;
+    if (whole) {
+        bf16* o = out + row * out_stride + (long long)head * HEAD_DIM + d0;
+#pragma unroll
+        for (int i = 0; i < DIMS; ++i) o[i] = float_to_bf16(acc[i] / sum);
+    } else {
+        const long long part = ((long long)seq * num_heads + head) * num_splits + split;
+#pragma unroll
+        for (int i = 0; i < DIMS; ++i) partial_out[part * HEAD_DIM + d0 + i] = acc[i] / sum;
+        if (lane == 0) partial_lse[part] = running_max + log2f(sum);
+    }
+}
+
 }  // namespace
+
+#define MHA_KERNEL(HEAD_DIM)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(MHA_WARPS * 32) paged_decode_attention_mha_hd##HEAD_DIM(         \
+        bf16* out, long long out_stride, const bf16* q, long long q_stride, const bf16* kv_cache,                   \
+        long long plane_elems, const int* seq_rows, const int* context_lens, const int* block_tables,               \
+        int max_blocks, float* partial_out, float* partial_lse, int num_heads, int block_shift, float scale_log2,   \
+        int sliding_window, int partition_size) {                                                                   \
+        wait_for_previous_kernel();                                                                                  \
+        paged_decode_attention_mha<HEAD_DIM>(out, out_stride, q, q_stride, kv_cache, plane_elems, seq_rows,         \
+                                             context_lens, block_tables, max_blocks, partial_out, partial_lse,      \
+                                             num_heads, block_shift, scale_log2, sliding_window, partition_size);   \
+    }
+
+MHA_KERNEL(32)
+MHA_KERNEL(64)
+MHA_KERNEL(128)
 
 #define DECODE_KERNEL(HEAD_DIM)                                                                                     \
     extern "C" __global__ void __launch_bounds__(THREADS) paged_decode_attention_hd##HEAD_DIM(                   \

@@ -9,7 +9,7 @@ from typing import Callable
 from metrale.runtime.batch import ForwardBatch, Segment, build_batch
 from metrale.runtime.beam.on_device import DeviceSearch, LockedSearch, OnDeviceSearch
 from metrale.runtime.beam.params import BeamRequest
-from metrale.runtime.beam.runner import BeamCall, BeamModel, BeamResult
+from metrale.runtime.beam.runner import SHORT_PROMPT, BeamCall, BeamModel, BeamResult
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.errors import Cancelled, DeviceFault, FailedPrecondition, OutOfKvBlocks, WorkerError
 from metrale.runtime.kv_blocks import KvBlockManager, blocks_for
@@ -160,7 +160,8 @@ class Engine:
         config, encoder_decoder = self.model.config, self.is_encoder_decoder
         model = BeamModel(self._beam_forward, self._copy_kv, eos_token_ids, fill_token, config.vocab_size,
                           self._beam_encode if encoder_decoder else None,
-                          config.decoder_start_token_id if encoder_decoder else None, self._beam_search_on_device)
+                          config.decoder_start_token_id if encoder_decoder else None, self._beam_search_on_device,
+                          SHORT_PROMPT if self.model.ops.decode_graphs else 0)
         call = BeamCall(requests, self.limits, self.config.kv_block_size, model)
         pool = self._reserve_beam_blocks(call.blocks_needed())
         try:

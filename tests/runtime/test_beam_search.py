@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from metrale.runtime.beam.params import BeamParams, BeamRequest
+from metrale.runtime.beam.runner import SHORT_PROMPT
 from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.errors import Cancelled, DeviceFault, InvalidArgument, OutOfKvBlocks
@@ -67,6 +68,30 @@ def test_a_call_alone_or_batched_gives_the_same_hypotheses(models):
     for batched, single in zip(together, alone):
         assert batched.request_id == single.request_id
         assert_same(batched.hypotheses, single.hypotheses)
+
+
+@pytest.mark.parametrize("length_penalty, early_stopping", [(1.0, True), (2.0, "never")])
+def test_short_prompts_a_token_a_forward_match_transformers(models, monkeypatch, length_penalty, early_stopping):
+    """Where decode forwards replay graphs, prompts of at most SHORT_PROMPT tokens run as decode steps, a token a
+    forward, each prompt ending at its own length: the same hypotheses as transformers, and no forward over more
+    than one token of a prompt."""
+    engine, reference, eos = models
+    monkeypatch.setattr(engine.model.ops, "decode_graphs", True)
+    query_lens, forward = [], engine.model.forward
+    monkeypatch.setattr(engine.model, "forward", lambda batch, kv: query_lens.append(max(batch.query_lens))
+                        or forward(batch, kv))
+    free = engine.blocks.num_free
+    prompts = [[5, 17, 99, 3], [250], [7, 8], [4, 66, 31]][:SHORT_PROMPT]
+    requests = [BeamRequest(i, prompt_tokens=tuple(p), params=BeamParams(
+        num_beams=beams, max_new_tokens=8, min_new_tokens=i, length_penalty=length_penalty,
+        early_stopping=early_stopping, no_repeat_ngram_size=ngram, num_return_sequences=max(1, beams - 1)))
+        for i, (p, beams, ngram) in enumerate(zip(prompts, (4, 2, 5, 1), (0, 3, 0, 3)))]
+    results = engine.beam_generate(requests, eos, FILL)
+    for request, result in zip(requests, results):
+        assert_same(result.hypotheses, reference_hypotheses(reference, list(request.prompt_tokens), request.params,
+                                                             eos))
+    assert query_lens and max(query_lens) == 1
+    assert engine.blocks.num_free == free
 
 
 def test_too_few_free_blocks_refuses_the_call_and_changes_nothing(models):

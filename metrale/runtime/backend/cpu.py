@@ -18,6 +18,7 @@ class CpuBackend:
     device = "cpu"
     concurrent_forwards = True
     supports_beam = True
+    decode_graphs = False
 
     def __init__(self, dtype: str = "auto"):
         if dtype not in _DTYPES:

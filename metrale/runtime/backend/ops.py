@@ -62,6 +62,8 @@ class Ops(Protocol):
 
     # Whether beam search runs here (BeamGenerate): it needs beam_candidates and copy_kv_prefixes.
     supports_beam: bool
+    # Whether decode forwards replay CUDA graphs (a decode step costs the host one launch, not one per kernel).
+    decode_graphs: bool
 
     def beam_candidates(self, logits: Tensor, banned: list[list[int]], count: int
                         ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,6 +23,11 @@ from metrale.runtime.planner import Limits
 from metrale.runtime.sequence import BlockTable
 
 
+# The longest prompts a backend with decode graphs runs a token a forward (BeamModel.short_prompt): an NLLB
+# prompt is the decoder start token and the target language's.
+SHORT_PROMPT = 4
+
+
 @dataclass
 class BeamResult:
     request_id: int
@@ -69,6 +74,9 @@ class BeamModel:
     # Backends with a device search step (Ops.device_beam_search): the search from where the prompt pass left it,
     # or None where it must be stepped on the host.
     search_on_device: Callable[[DeviceSearch], OnDeviceSearch | None] | None = None
+    # Calls whose prompts are all at most this long run them a token a forward (decode steps, which replay graphs
+    # where the backend has them: cheaper than one prefill forward's launches for a few tokens); 0: never.
+    short_prompt: int = 0
 
 
 def decoder_prompt(request: BeamRequest, model: BeamModel) -> list[int]:
@@ -190,17 +198,19 @@ class BeamCall:
                 banned[i] = beams[0]
         count = max(search.keep for search, _ in searches)
         values, ids, pending = [], [], []
+        by_token = max(len(p) for p in self.prompts) <= m.short_prompt
 
         def flush():
-            segments = [Segment(BlockTable(blocks), 0, prompt, True, member.cross)
-                        for prompt, blocks, member, _ in pending]
-            v, t = _finite(*m.forward(build_batch(segments, self.block_size), [b for _, _, _, b in pending], count))
-            values.extend(v)
-            ids.extend(t)
+            forward = self._forward_by_token if by_token else self._forward_whole
+            for v, t in forward(pending, count):
+                values.append(v)
+                ids.append(t)
             pending.clear()
 
         for r, prompt, cross_blocks, bans in zip(self.requests, self.prompts, cross, banned):
-            if pending and sum(len(p) for p, _, _, _ in pending) + len(prompt) > self.limits.max_batch_tokens:
+            # Token by token, a forward has a row per request (at most max_seqs, which the call was checked for).
+            if (pending and not by_token
+                    and sum(len(p) for p, _, _, _ in pending) + len(prompt) > self.limits.max_batch_tokens):
                 flush()
             blocks = pool.allocate(blocks_for(len(prompt), self.block_size))
             pool.share(blocks * (r.params.num_beams - 1))
@@ -211,6 +221,28 @@ class BeamCall:
         candidates = [tuple(torch.stack([rows[i] for i in indices])[:, None].expand(-1, search.num_beams, -1)
                             for rows in (values, ids)) for search, indices in searches]
         return groups, candidates
+
+    def _forward_whole(self, pending: list, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The pending prompts (prompt, blocks, member, bans) in one prefill forward: each one's last row's
+        candidates."""
+        segments = [Segment(BlockTable(blocks), 0, prompt, True, member.cross) for prompt, blocks, member, _ in pending]
+        v, t = _finite(*self.model.forward(build_batch(segments, self.block_size), [b for *_, b in pending], count))
+        return list(zip(v, t))
+
+    def _forward_by_token(self, pending: list, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The pending prompts a token a forward, as decode steps (a graph replay each, where the backend has
+        them): the candidates of each prompt's last token. A prompt ends at its own length; the others go on."""
+        found: list = [None] * len(pending)
+        for j in range(max(len(prompt) for prompt, *_ in pending)):
+            live = [i for i, (prompt, *_) in enumerate(pending) if len(prompt) > j]
+            segments = [Segment(BlockTable(pending[i][1]), j, [pending[i][0][j]], True, pending[i][2].cross)
+                        for i in live]
+            v, t = self.model.forward(build_batch(segments, self.block_size), [pending[i][3] for i in live], count)
+            last = [row for row, i in enumerate(live) if len(pending[i][0]) == j + 1]
+            v, t = _finite(v[last], t[last])
+            for row, value, token in zip(last, v, t):
+                found[live[row]] = (value, token)
+        return found
 
     def _fork(self, pool: KvBlockManager, member: _Request, parents: list[int], position: int) -> list:
         """The new running beams' blocks: each continues its parent's, and gets a block of its own where it writes

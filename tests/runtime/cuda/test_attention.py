@@ -138,24 +138,32 @@ def test_decode(kernel_library, stream, batch, num_heads, num_kv_heads, head_dim
     run_decode(kernel_library, stream, DECODE_BATCHES[batch], num_heads, num_kv_heads, head_dim, 16, sliding_window)
 
 
+# Grouped heads take the mma kernel; one query head per kv head (multi-head, M2M100) the warp-per-head kernel.
+KERNELS = {"grouped": (12, 4), "mha": (6, 6)}
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("heads", KERNELS)
 @pytest.mark.parametrize("head_dim, block_size", [(32, 16), (64, 32), (128, 64)])
 @pytest.mark.parametrize("sliding_window", [-1, 1, 100])
-def test_decode_block_sizes_and_windows(kernel_library, stream, head_dim, block_size, sliding_window):
-    run_decode(kernel_library, stream, [1, 2, 63, 64, 65, 300, 2049], 12, 4, head_dim, block_size, sliding_window)
+def test_decode_block_sizes_and_windows(kernel_library, stream, heads, head_dim, block_size, sliding_window):
+    run_decode(kernel_library, stream, [1, 2, 31, 32, 33, 63, 64, 65, 300, 2049], *KERNELS[heads], head_dim,
+               block_size, sliding_window)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("heads", KERNELS)
 @pytest.mark.parametrize("max_context", [8192, 65536])
-def test_decode_captured_max_context(kernel_library, stream, max_context):
+def test_decode_captured_max_context(kernel_library, stream, heads, max_context):
     # A graph captured for max_context runs shorter contexts: splits past a context write nothing.
-    run_decode(kernel_library, stream, [3, 900, 5000], 32, 8, 128, 16, -1, max_context=max_context)
+    run_decode(kernel_library, stream, [3, 900, 5000], *KERNELS[heads], 128, 16, -1, max_context=max_context)
 
 
 @pytest.mark.gpu
-def test_decode_peaked_scores(kernel_library, stream):
+@pytest.mark.parametrize("heads", KERNELS)
+def test_decode_peaked_scores(kernel_library, stream, heads):
     # Scores spread over +-100: the running max must rescale, never overflow.
-    run_decode(kernel_library, stream, [1, 77, 3000], 32, 4, 128, 16, -1, sharpness=6.0)
+    run_decode(kernel_library, stream, [1, 77, 3000], *KERNELS[heads], 128, 16, -1, sharpness=6.0)
 
 
 def run_prefill(lib, stream, segments, num_heads, num_kv_heads, head_dim, block_size, sliding_window, sharpness=1.0,

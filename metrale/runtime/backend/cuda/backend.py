@@ -5,6 +5,7 @@ No torch on this path: torch only hands over checkpoint tensors at load time."""
 
 from pathlib import Path
 
+import math
 import numpy as np
 import torch
 
@@ -104,7 +105,7 @@ class CudaBackend:
 
     def allocate_kv_cache(self, num_layers, num_blocks, kv_block_size, num_kv_heads, head_dim):
         shape = (2, num_blocks, kv_block_size, num_kv_heads, head_dim)
-        layer_bytes = int(np.prod(shape)) * 2
+        layer_bytes = math.prod(shape) * 2
         pool_bytes = num_layers * -(-layer_bytes // ALIGNMENT) * ALIGNMENT
         pool = Arena(self.cuda.allocate(pool_bytes), pool_bytes, "KV pool")
         return [pool.take(shape, "bfloat16") for _ in range(num_layers)]
@@ -133,6 +134,10 @@ class CudaBackend:
                 lane.graphs.capture_all(forward)
         finally:
             self._bound.lane = caller
+
+    @property
+    def decode_graphs(self) -> bool:
+        return self._bound.lane.graphs is not None
 
     def run_forward(self, forward, batch: ForwardBatch) -> DeviceTensor:
         """forward(batch) -> logits on the device. Decode steps replay a CUDA graph. A forward that samples

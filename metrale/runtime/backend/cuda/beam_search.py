@@ -9,6 +9,7 @@ launch takes ~0.1 ms of host time), and a request that ended runs one more step 
 write nothing) before it leaves the forward. A request that reaches max_new_tokens is known to end without its
 flag, so the last step queues no forward."""
 
+import math
 import numpy as np
 
 from metrale.runtime.backend.cuda import kernels
@@ -85,9 +86,8 @@ class DeviceBeamSearch:
         pointers["fault"] = pointers["done"] + 4 * sizes["num_requests"]
         fields = [sizes[n] for n in SIZES] + [pointers[n] for n in ARRAYS]
         self.state = header.ptr
-        self.copy(header, np.array(fields, dtype=np.uint64).view(np.int64))
-        for name, array in arrays.items():
-            self.copy(self.views[name], array)
+        self._upload(region, arena.used, [(header, np.array(fields, dtype=np.uint64).view(np.int64))]
+                     + [(self.views[name], array) for name, array in arrays.items()])
         self.parity, self.generated = 0, 0
         self.num_requests, self.total_beams = sizes["num_requests"], sizes["total_beams"]
         self.active = list(range(self.num_requests))
@@ -97,6 +97,16 @@ class DeviceBeamSearch:
         self._results: dict[str, np.ndarray] | None = None
         self._flags = None            # the last step's (event, pinned done flags), read after the next is queued
         self.scratch = {name: arena.take(shape, dtype) for name, (shape, dtype) in scratch(self.total_beams).items()}
+
+    def _upload(self, region: DeviceTensor, used: int, parts: list[tuple[DeviceTensor, np.ndarray]]) -> None:
+        """The header and every array, laid out in one host buffer as the arena placed them: one copy."""
+        image = np.zeros(-(-used // 4), dtype=np.int32)
+        raw = image.view(np.uint8)
+        for view, array in parts:
+            data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+            offset = view.ptr - region.ptr
+            raw[offset:offset + data.size] = data
+        self.lane.copy_to_device(DeviceTensor(region.ptr, image.shape, "int32"), image)
 
     def copy(self, dst: DeviceTensor, host: np.ndarray) -> None:
         """host (4- or 8-byte elements) into dst's first bytes, queued on the lane."""
@@ -194,7 +204,7 @@ class DeviceBeamSearch:
 
 def state_bytes(arrays: dict[str, np.ndarray], total_beams: int) -> int:
     """The beam state region state_arrays' arrays need (each aligned as Arena places it, the header, the scratch)."""
-    parts = [4 * int(np.prod(shape)) * (2 if dtype == "int64" else 1) for shape, dtype in scratch(total_beams).values()]
+    parts = [4 * math.prod(shape) * (2 if dtype == "int64" else 1) for shape, dtype in scratch(total_beams).values()]
     sizes = [8 * (len(SIZES) + len(ARRAYS))] + [a.nbytes for a in arrays.values()] + parts
     return sum(-(-n // ALIGNMENT) * ALIGNMENT for n in sizes)
 

@@ -2,6 +2,7 @@
 stream, and the arenas the memory plan carves its allocations with."""
 
 import ctypes
+import math
 import threading
 
 import numpy as np
@@ -68,10 +69,10 @@ class CudaDevice:
     def pinned(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
         """A page-locked host array, for copies back that the host reads later (copy_to_host_async); it lives as
         long as the process."""
-        nbytes = max(1, int(np.prod(shape))) * DTYPES[dtype][0]
+        nbytes = max(1, math.prod(shape)) * DTYPES[dtype][0]
         pointer = int(check(driver.cuMemAllocHost(nbytes)))
         buffer = (ctypes.c_char * nbytes).from_address(pointer)
-        return np.frombuffer(buffer, dtype=DTYPES[dtype][1], count=int(np.prod(shape))).reshape(shape)
+        return np.frombuffer(buffer, dtype=DTYPES[dtype][1], count=math.prod(shape)).reshape(shape)
 
     def copy_to_host_async(self, src: DeviceTensor, host: np.ndarray, stream) -> None:
         """src into `host` (pinned(), contiguous) when the stream gets there: read it after an event recorded on
@@ -103,7 +104,7 @@ class Arena:
         self.used = 0
 
     def take(self, shape: tuple[int, ...], dtype: str) -> DeviceTensor:
-        size = int(np.prod(shape)) * DTYPES[dtype][0]
+        size = math.prod(shape) * DTYPES[dtype][0]
         start = -(-self.used // ALIGNMENT) * ALIGNMENT
         if start + size > self.nbytes:
             raise FailedPrecondition(f"the {self.name} region ({self.nbytes} bytes) is too small: "
@@ -119,7 +120,7 @@ class RingArena(Arena):
     layer's tensors die within the next layer."""
 
     def take(self, shape: tuple[int, ...], dtype: str) -> DeviceTensor:
-        size = -(-int(np.prod(shape)) * DTYPES[dtype][0] // ALIGNMENT) * ALIGNMENT
+        size = -(-math.prod(shape) * DTYPES[dtype][0] // ALIGNMENT) * ALIGNMENT
         if size > self.nbytes:
             raise FailedPrecondition(f"a {shape} {dtype} tensor does not fit the activation workspace "
                                      f"({self.nbytes} bytes); lower max_batch_tokens")

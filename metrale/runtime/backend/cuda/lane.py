@@ -3,6 +3,7 @@ run at once on the device. The weights and the KV pool are shared: lanes never s
 blocks they write are disjoint."""
 
 import contextlib
+import math
 import threading
 
 import numpy as np
@@ -69,7 +70,7 @@ def padded_vocab(vocab: int) -> int:
 
 def lane_bytes(buffers: Buffers) -> int:
     """The size of one lane's region: every buffer ALIGNMENT-aligned, as Arena.take places them."""
-    return sum(-(-int(np.prod(shape)) * DTYPES[dtype][0] // ALIGNMENT) * ALIGNMENT for shape, dtype in buffers.values())
+    return sum(-(-math.prod(shape) * DTYPES[dtype][0] // ALIGNMENT) * ALIGNMENT for shape, dtype in buffers.values())
 
 
 class Lane:

@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass
 
+import math
 import numpy as np
 
 from metrale.runtime.errors import InvalidArgument
@@ -51,7 +52,7 @@ class DeviceTensor:
     def view(self, *shape: int) -> "DeviceTensor":
         if not self.is_contiguous:
             raise InvalidArgument("view of a strided tensor")
-        if int(np.prod(shape)) != self.numel:
+        if math.prod(shape) != self.numel:
             raise InvalidArgument(f"cannot view {self.shape} as {shape}")
         return DeviceTensor(self.ptr, tuple(shape), self.dtype)
 

@@ -16,6 +16,7 @@ THREADS = 128                  # as in attention_tiles.cuh: 4 warps
 KV_TILE = 64                   # as in attention_tiles.cuh: keys per K/V tile
 PREFILL_ROWS = 64              # as in attention_tiles.cuh: query rows per prefill CTA
 MAX_DECODE_GROUP = 16          # decode: a kv group's query heads fill the 16 rows of one mma tile
+MHA_WARPS = 4                  # as in decode_attention.cu: heads (a warp each) per multi-head decode CTA
 # decode: a split's fixed cost (query load, pipeline fill, the warps' merge, the partial write) in the time of
 # one KV tile; fitted on an H200 to timings of 1 to 256 sequences x 1024 to 32768 keys (bench/gpu_attention.py).
 SPLIT_OVERHEAD_TILES = 6
@@ -133,11 +134,16 @@ def paged_decode_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_c
         require(workspace.ptr % 16 == 0, "paged_decode_attention: workspace must be 16-byte aligned")
         partial_out = workspace
         partial_lse = np.uint64(workspace.ptr + batch * num_heads * splits * head_dim * 4)
-    kernel = lib.get(f"paged_decode_attention_hd{head_dim}", DECODE_MODULE)
-    launch_kernel(stream, kernel, (splits, num_kv_heads, batch), THREADS, out, np.int64(out.stride), q,
-                  np.int64(q.stride), kv_cache, np.int64(kv_cache.numel // 2), seq_rows, context_lens, block_tables,
-                  block_tables.shape[1], partial_out, partial_lse, num_heads // num_kv_heads,
-                  block_size.bit_length() - 1, np.float32(scale * LOG2_E), sliding_window, partition)
+    if num_heads == num_kv_heads:   # a warp per head: an mma tile would fill one row in 16
+        kernel, grid, block, heads = (lib.get(f"paged_decode_attention_mha_hd{head_dim}", DECODE_MODULE),
+                                      (splits, ceil_div(num_heads, MHA_WARPS), batch), 32 * MHA_WARPS, num_heads)
+    else:                           # the group's query heads share each K/V tile: the rows of one mma tile
+        kernel, grid, block, heads = (lib.get(f"paged_decode_attention_hd{head_dim}", DECODE_MODULE),
+                                      (splits, num_kv_heads, batch), THREADS, num_heads // num_kv_heads)
+    launch_kernel(stream, kernel, grid, block, out, np.int64(out.stride), q, np.int64(q.stride), kv_cache,
+                  np.int64(kv_cache.numel // 2), seq_rows, context_lens, block_tables, block_tables.shape[1],
+                  partial_out, partial_lse, heads, block_size.bit_length() - 1, np.float32(scale * LOG2_E),
+                  sliding_window, partition)
     if splits > 1:
         launch_kernel(stream, lib.get("paged_decode_reduce", DECODE_MODULE), (num_heads, batch), head_dim, out,
                       np.int64(out.stride), seq_rows, context_lens, partial_out, partial_lse, sliding_window,
