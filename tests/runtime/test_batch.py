@@ -83,3 +83,25 @@ def test_pack_batch_pads_a_decode_batch_to_its_graph():
     assert read(packed.decode_tables) == [[3, 9, 0], [7, 0, 0], [0, 0, 0], [0, 0, 0]]
     assert read(packed.sample_rows) == [0, 1, 2, 3] and packed.num_prefill == 0
     assert (packed.num_tokens, packed.num_decode) == (4, 4) and np.asarray(packed.host).dtype == np.int32
+
+
+def test_pack_batch_pads_an_encoder_pass_to_its_graph():
+    cuda_batch = pytest.importorskip("metrale.runtime.backend.cuda.batch")
+    from metrale.runtime.backend.cuda.tensor import DeviceTensor
+    region = DeviceTensor(1 << 32, (4096,), "int32")
+    sources = [Segment(BlockTable([3]), 0, (40, 41, 42), False), Segment(BlockTable([7, 8]), 0, (50,), False)]
+    padding = cuda_batch.PrefillPadding(tokens=8, segments=4, max_query=64)
+    packed = cuda_batch.pack_batch(build_batch(sources, BLOCK), region, max_blocks=3, prefill=padding)
+
+    def read(view):
+        offset = (view.ptr - region.ptr) // 4
+        return packed.host[offset:offset + view.numel].reshape(view.shape).tolist()
+    # padding rows: token 0 at position 0, KV slot -1; padding segments: no rows, no context; the one-token
+    # source goes to the prefill kernel with the others
+    assert read(packed.token_ids) == [40, 41, 42, 50, 0, 0, 0, 0] and read(packed.positions) == [0, 1, 2, 0, 0, 0, 0, 0]
+    assert read(packed.slot_mapping) == [12, 13, 14, 28, -1, -1, -1, -1]
+    assert read(packed.prefill_starts) == [0, 3, 0, 0] and read(packed.prefill_lens) == [3, 1, 0, 0]
+    assert read(packed.prefill_contexts) == [3, 1, 0, 0]
+    assert read(packed.prefill_tables) == [[3, 0, 0], [7, 0, 0], [0, 0, 0], [0, 0, 0]]
+    assert read(packed.sample_rows) == [] and read(packed.decode_rows) == [] and read(packed.decode_contexts) == []
+    assert (packed.num_tokens, packed.num_decode, packed.num_prefill, packed.max_prefill_query) == (8, 0, 4, 64)

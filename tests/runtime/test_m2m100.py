@@ -60,6 +60,28 @@ def test_logits_match_transformers(models):
     assert (ours - expected).norm() / expected.norm() < 1e-5
 
 
+def test_sources_with_padding_ids_encode_as_transformers(models):
+    """transformers counts a source's positions past its padding ids (1) only: such a batch takes its positions
+    from the host, the others from the device metadata (which a CUDA graph can replay)."""
+    engine, _, reference, _ = models
+    sources = [[5, 1, 17, 99, 2], [1, 1, 8, 2], [250, 2]]
+    decoder = [[START, 33, 61], [START, 44], [START, 9]]
+    size, free = engine.config.kv_block_size, iter(range(engine.blocks.num_blocks))
+    cross = [BlockTable([next(free) for _ in range(-(-len(s) // size))]) for s in sources]
+    for group in ([0, 1], [2]):     # with padding ids; without
+        engine.model.encode(build_batch([Segment(cross[i], 0, sources[i], False) for i in group], size),
+                            engine.kv_cache)
+    segments = [Segment(BlockTable([next(free)]), 0, tokens, True, (table, len(source)))
+                for tokens, table, source in zip(decoder, cross, sources)]
+    batch = build_batch(segments, size)
+    batch.sample_rows = torch.arange(batch.num_tokens)
+    ours = engine.forward(batch)
+    with torch.no_grad():
+        expected = torch.cat([reference(input_ids=torch.tensor([s]), decoder_input_ids=torch.tensor([d])).logits[0]
+                              for s, d in zip(sources, decoder)])
+    assert (ours - expected).norm() / expected.norm() < 1e-5
+
+
 @pytest.mark.parametrize("length_penalty, early_stopping", list(itertools.product((0.0, 1.0, 2.0),
                                                                                   (True, False, "never"))))
 def test_beam_search_matches_transformers(models, length_penalty, early_stopping):

@@ -157,6 +157,9 @@ class CpuBackend:
     def run_forward(self, forward, batch):
         return forward(batch)
 
+    def run_encoder(self, encode, batch):
+        encode(batch)
+
     def sample(self, logits, rows, on_queued=None):
         if on_queued is not None:   # the forward ran already: nothing is left to queue
             on_queued()

@@ -173,6 +173,10 @@ class Ops(Protocol):
     def run_forward(self, forward: Callable[[ForwardBatch], Tensor], batch: ForwardBatch) -> Tensor:
         """forward(batch): logits [N, vocab] float32 in the backend's memory; a backend may replay a graph."""
 
+    def run_encoder(self, encode: Callable[[ForwardBatch], None], batch: ForwardBatch) -> None:
+        """encode(batch): an encoder-decoder's encoder pass, whose launches read the batch only through prepare()
+        (so a backend may replay a graph captured for the batch's padded shape)."""
+
     def sample(self, logits: Tensor, rows: list, on_queued: Callable[[], None] | None = None) -> "SampleResult":
         """The next token of each row (runtime/sampling's rule), its logprob, top-n and, where asked, the raw
         logits row on the host. on_queued() runs once the device work is queued, before the wait for it (a lane

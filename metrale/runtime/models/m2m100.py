@@ -109,11 +109,21 @@ class M2M100ForConditionalGeneration:
         blocks); each decoder layer's cross-attention K/V of its states go into those blocks, where the decoder's
         cross-attention reads them. Until then the blocks serve the encoder: layer i keeps its self-attention K/V
         in them (in decoder layer i's cache, modulo the decoder's depth) and attends over them without the
-        causal limit, so the encoder needs no attention op of its own and no memory beyond the blocks."""
+        causal limit, so the encoder needs no attention op of its own and no memory beyond the blocks.
+        Sources without a padding id take their positions from the device metadata, so the backend may replay the
+        pass as a graph (Ops.run_encoder); transformers' positions past a padding id are counted on the host."""
+        if bool((batch.token_ids == self.config.pad_token_id).any()):
+            self._encode(batch, kv_cache, host_positions=True)
+        else:
+            self.ops.run_encoder(lambda b: self._encode(b, kv_cache, host_positions=False), batch)
+
+    def _encode(self, batch: ForwardBatch, kv_cache: list, host_positions: bool) -> None:
         ops, c, w = self.ops, self.config, self.weights
         meta = ops.prepare(batch)
         x = ops.embedding(w["embed"], meta.token_ids)
-        residual = ops.embedding(self.positions, ops.device_ids(self._positions(batch)))
+        positions = (ops.device_ids(self._positions(batch)) if host_positions
+                     else ops.fairseq_position_ids(meta, c.pad_token_id))
+        residual = ops.embedding(self.positions, positions)
         head_dim = c.hidden_size // c.num_encoder_heads
         for i, layer in enumerate(w["encoder"]):
             h, residual = ops.layer_norm(x, *layer["self_attn_layer_norm"], c.layer_norm_eps, residual)

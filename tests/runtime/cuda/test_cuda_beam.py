@@ -87,6 +87,42 @@ def test_m2m100_logits_match_transformers(m2m100):
     assert max(errors) < max(1e-2, 1.25 * max(theirs)), (errors, theirs)
 
 
+def cross_kv(engine, layer: int, tables, sources) -> torch.Tensor:
+    """The K and V one decoder layer's cache holds for each source's tokens, as float32 bit patterns (int32),
+    source after source."""
+    kv = engine.kv_cache[layer]
+    bits = torch.from_numpy(engine.model.ops.lane.copy_to_host(kv).astype("int32") << 16).reshape(kv.shape)
+    return torch.cat([bits[:, table.array()].flatten(1, 2)[:, :len(source)] for table, source in zip(tables, sources)],
+                     dim=1)
+
+
+def test_m2m100_encoder_replays_a_graph_per_padded_shape(m2m100):
+    """Two batches of one padded shape (64 rows, 4 sources, 64-row sources): the first captures the encoder's
+    graph, the second replays it over its own metadata; each writes the cross-attention K/V the eager pass writes
+    (within bf16 rounding: cuBLASLt may take other kernels for 64 rows) and nothing past its sources."""
+    engine, _, _, _ = m2m100
+    ops, size = engine.model.ops, engine.config.kv_block_size
+    graphs = ops.lane.encoder_graphs
+    free = iter(range(engine.blocks.num_blocks - 1, 0, -1))      # blocks no other test of the module holds
+    untouched = BlockTable([next(free)])
+    before = cross_kv(engine, 0, [untouched], [[0] * size])
+    for sources in (SOURCES[:3], [[9, 8, 7, 2], [5] * 20 + [2], [3, 2]]):
+        tables, eager = ([BlockTable([next(free) for _ in range(-(-len(s) // size))]) for s in sources]
+                         for _ in range(2))
+        assert graphs.padding(build_batch([Segment(t, 0, s, False) for t, s in zip(tables, sources)], size)) == (
+            64, 4, 64)
+        replays = graphs.replays
+        engine.model.encode(build_batch([Segment(t, 0, s, False) for t, s in zip(tables, sources)], size),
+                            engine.kv_cache)
+        assert graphs.replays == replays + 1
+        engine.model._encode(build_batch([Segment(t, 0, s, False) for t, s in zip(eager, sources)], size),
+                             engine.kv_cache, host_positions=False)
+        for layer in (0, len(engine.kv_cache) - 1):
+            ours, expected = (cross_kv(engine, layer, t, sources).view(torch.float32) for t in (tables, eager))
+            assert relative_error(ours, expected) < 1e-2
+    assert torch.equal(cross_kv(engine, 0, [untouched], [[0] * size]), before)
+
+
 def test_m2m100_prefill_and_decode_follow_transformers(m2m100):
     """The gateway's own loop on CUDA: Prefill the source (the encoder runs), Decode a forced token and the
     greedy ones after it; each step's logits against transformers' decoder over the same tokens."""

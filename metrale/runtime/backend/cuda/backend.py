@@ -15,7 +15,7 @@ from metrale.runtime.backend.cuda.beam_search import DeviceBeamSearch, state_arr
 from metrale.runtime.backend.cuda.compiler import KernelCache, KernelLibrary
 from metrale.runtime.backend.cuda.device import ALIGNMENT, Arena, CudaDevice
 from metrale.runtime.backend.cuda.gemm import CublasLt
-from metrale.runtime.backend.cuda.graphs import DecodeGraphs
+from metrale.runtime.backend.cuda.graphs import DecodeGraphs, EncoderGraphs
 from metrale.runtime.backend.cuda.lane import Lane, LaneBinding, lane_buffers, lane_bytes, padded_vocab
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.backend.ops import MemoryShapes, RopeTable
@@ -132,6 +132,8 @@ class CudaBackend:
                 self._bound.lane = lane
                 lane.graphs = DecodeGraphs(lane, usable, max_context, max_source_len)
                 lane.graphs.capture_all(forward)
+                if max_source_len:      # captured as their shapes come
+                    lane.encoder_graphs = EncoderGraphs(lane)
         finally:
             self._bound.lane = caller
 
@@ -150,6 +152,14 @@ class CudaBackend:
         if not len(batch.sample_rows):
             lane.synchronize()
         return logits
+
+    def run_encoder(self, encode, batch: ForwardBatch) -> None:
+        lane = self._bound.lane
+        self.cuda.ensure_current()
+        if lane.encoder_graphs is None:
+            encode(batch)
+        else:
+            lane.encoder_graphs.run(encode, batch)
 
     def sample(self, logits: DeviceTensor, rows, on_queued=None) -> SampleResult:
         return self._bound.lane.sampler.sample(logits, rows, on_queued)
