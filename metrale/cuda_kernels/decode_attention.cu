@@ -5,6 +5,19 @@
 
 namespace {
 
+// The keys [lo, hi) split `split` of a decode sequence attends within its window; whole: one split holds them all
+// (the sequence's row is written directly, paged_decode_reduce skips it).
+struct DecodeKeys {
+    int lo, hi;
+    bool whole;
+};
+
+__device__ __forceinline__ DecodeKeys decode_keys(int context, int sliding_window, int split, int partition_size) {
+    const int window_start = sliding_window > 0 ? max(0, context - sliding_window) : 0;
+    return {max(window_start, split * partition_size), min(context, (split + 1) * partition_size),
+            window_start / partition_size == (context - 1) / partition_size};
+}
+
 // grid (num_splits, num_kv_heads, B), THREADS threads. CTA (split, kv_head, b) attends the group_size
 // (<= 16) query heads of kv_head, the 16 rows of one mma tile, over the keys of its split:
 // [split * partition_size, (split + 1) * partition_size) within the window. Each warp takes 16 keys of
@@ -27,12 +40,10 @@ __device__ __forceinline__ void paged_decode_attention(bf16* out, long long out_
 
     const int split = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
     const int num_splits = gridDim.x, num_kv_heads = gridDim.y;
-    const int context = context_lens[seq];
-    const int window_start = sliding_window > 0 ? max(0, context - sliding_window) : 0;
-    const int lo = max(window_start, split * partition_size);
-    const int hi = min(context, (split + 1) * partition_size);
+    const DecodeKeys keys = decode_keys(context_lens[seq], sliding_window, split, partition_size);
+    const int lo = keys.lo, hi = keys.hi;
     if (lo >= hi) return;
-    const bool whole = window_start / partition_size == (context - 1) / partition_size;   // one split holds all keys
+    const bool whole = keys.whole;
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int head0 = kv_head * group_size;
@@ -128,12 +139,10 @@ __device__ __forceinline__ void paged_decode_attention_mha(bf16* out, long long 
     const int head = blockIdx.y * MHA_WARPS + warp, split = blockIdx.x, seq = blockIdx.z;
     if (head >= num_heads) return;
     const int num_splits = gridDim.x;
-    const int context = context_lens[seq];
-    const int window_start = sliding_window > 0 ? max(0, context - sliding_window) : 0;
-    const int lo = max(window_start, split * partition_size);
-    const int hi = min(context, (split + 1) * partition_size);
+    const DecodeKeys keys = decode_keys(context_lens[seq], sliding_window, split, partition_size);
+    const int lo = keys.lo, hi = keys.hi;
     if (lo >= hi) return;
-    const bool whole = window_start / partition_size == (context - 1) / partition_size;
+    const bool whole = keys.whole;
 
     const long long row = seq_rows[seq];
     const bf16* query_row = q + row * q_stride + (long long)head * HEAD_DIM;
@@ -212,37 +221,26 @@ __device__ __forceinline__ void paged_decode_attention_mha(bf16* out, long long 
 
 }  // namespace
 
-#define MHA_KERNEL(HEAD_DIM)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(MHA_WARPS * 32) paged_decode_attention_mha_hd##HEAD_DIM(         \
+// The extern "C" entry points: NAME##_hd##HEAD_DIM runs NAME<HEAD_DIM> in BLOCK threads. heads: the grouped kernel's
+// group size, the multi-head kernel's num_heads.
+#define DECODE_ENTRY(NAME, BLOCK, HEAD_DIM)                                                                  \
+    extern "C" __global__ void __launch_bounds__(BLOCK) NAME##_hd##HEAD_DIM(                                     \
         bf16* out, long long out_stride, const bf16* q, long long q_stride, const bf16* kv_cache,                   \
         long long plane_elems, const int* seq_rows, const int* context_lens, const int* block_tables,               \
-        int max_blocks, float* partial_out, float* partial_lse, int num_heads, int block_shift, float scale_log2,   \
+        int max_blocks, float* partial_out, float* partial_lse, int heads, int block_shift, float scale_log2,       \
         int sliding_window, int partition_size) {                                                                   \
         wait_for_previous_kernel();                                                                                  \
-        paged_decode_attention_mha<HEAD_DIM>(out, out_stride, q, q_stride, kv_cache, plane_elems, seq_rows,         \
-                                             context_lens, block_tables, max_blocks, partial_out, partial_lse,      \
-                                             num_heads, block_shift, scale_log2, sliding_window, partition_size);   \
+        NAME<HEAD_DIM>(out, out_stride, q, q_stride, kv_cache, plane_elems, seq_rows, context_lens, block_tables,   \
+                       max_blocks, partial_out, partial_lse, heads, block_shift, scale_log2, sliding_window,       \
+                       partition_size);                                                                              \
     }
 
-MHA_KERNEL(32)
-MHA_KERNEL(64)
-MHA_KERNEL(128)
-
-#define DECODE_KERNEL(HEAD_DIM)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(THREADS) paged_decode_attention_hd##HEAD_DIM(                   \
-        bf16* out, long long out_stride, const bf16* q, long long q_stride, const bf16* kv_cache,                   \
-        long long plane_elems, const int* seq_rows, const int* context_lens, const int* block_tables,               \
-        int max_blocks, float* partial_out, float* partial_lse, int group_size, int block_shift, float scale_log2, \
-        int sliding_window, int partition_size) {                                                                   \
-        wait_for_previous_kernel();                                                                                  \
-        paged_decode_attention<HEAD_DIM>(out, out_stride, q, q_stride, kv_cache, plane_elems, seq_rows,             \
-                                         context_lens, block_tables, max_blocks, partial_out, partial_lse,          \
-                                         group_size, block_shift, scale_log2, sliding_window, partition_size);      \
-    }
-
-DECODE_KERNEL(32)
-DECODE_KERNEL(64)
-DECODE_KERNEL(128)
+DECODE_ENTRY(paged_decode_attention, THREADS, 32)
+DECODE_ENTRY(paged_decode_attention, THREADS, 64)
+DECODE_ENTRY(paged_decode_attention, THREADS, 128)
+DECODE_ENTRY(paged_decode_attention_mha, MHA_WARPS * 32, 32)
+DECODE_ENTRY(paged_decode_attention_mha, MHA_WARPS * 32, 64)
+DECODE_ENTRY(paged_decode_attention_mha, MHA_WARPS * 32, 128)
 
 // grid (num_heads, B), head_dim threads: the out row of each decode sequence whose keys span several
 // splits = the mean of the splits' partial outputs weighted by 2^lse. Splits are chosen as in

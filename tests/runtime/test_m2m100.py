@@ -102,6 +102,29 @@ def test_beam_search_matches_transformers(models, length_penalty, early_stopping
     assert engine.blocks.num_free == free
 
 
+def test_short_prompts_a_token_a_forward_match_transformers(models, monkeypatch):
+    """Where decode forwards replay graphs, NLLB-style prompts (start token and a prefix) run a token a forward; a
+    prompt holding the padding id (1), whose later positions transformers counts past it, runs in one forward.
+    Both as transformers' generate."""
+    engine, _, reference, eos = models
+    monkeypatch.setattr(engine.model.ops, "decode_graphs", True)
+    query_lens, forward = [], engine.model.forward
+    monkeypatch.setattr(engine.model, "forward", lambda batch, kv: query_lens.append(max(batch.query_lens))
+                        or forward(batch, kv))
+    free = engine.blocks.num_free
+    for prefixes, longest in ((((200,), (), (201, 5)), 1), (((1, 7), (200,)), 3)):
+        query_lens.clear()
+        requests = [BeamRequest(i, src_tokens=tuple(source), decoder_prefix=prefix,
+                                params=BeamParams(num_beams=2 + i, max_new_tokens=6, num_return_sequences=2))
+                    for i, (source, prefix) in enumerate(zip(SOURCES, prefixes))]
+        for request, result in zip(requests, engine.beam_generate(requests, eos, FILL)):
+            expected = reference_hypotheses(reference, [START, *request.decoder_prefix], request.params, eos,
+                                            source=list(request.src_tokens))
+            assert_same(result.hypotheses, expected)
+        assert max(query_lens) == longest
+    assert engine.blocks.num_free == free
+
+
 def test_prefill_and_decode_follow_transformers(models):
     """The gateway's own loop: Prefill the source (the encoder runs; the decoder starts from its start token),
     then Decode a forced target-language token and the greedy tokens after it, two sequences batched, each

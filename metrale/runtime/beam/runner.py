@@ -77,6 +77,8 @@ class BeamModel:
     # Calls whose prompts are all at most this long run them a token a forward (decode steps, which replay graphs
     # where the backend has them: cheaper than one prefill forward's launches for a few tokens); 0: never.
     short_prompt: int = 0
+    # A model whose positions skip this id (M2M100): a prompt holding it runs in one forward, as transformers does.
+    position_padding_id: int | None = None
 
 
 def decoder_prompt(request: BeamRequest, model: BeamModel) -> list[int]:
@@ -198,7 +200,8 @@ class BeamCall:
                 banned[i] = beams[0]
         count = max(search.keep for search, _ in searches)
         values, ids, pending = [], [], []
-        by_token = max(len(p) for p in self.prompts) <= m.short_prompt
+        by_token = (max(len(p) for p in self.prompts) <= m.short_prompt
+                    and all(m.position_padding_id not in p for p in self.prompts))
 
         def flush():
             forward = self._forward_by_token if by_token else self._forward_whole

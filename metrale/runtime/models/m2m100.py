@@ -89,6 +89,9 @@ def position_ids(tokens: torch.Tensor, start: int, padding_idx: int) -> torch.Te
 class M2M100ForConditionalGeneration:
     def __init__(self, config: M2M100Config, tensors: dict[str, torch.Tensor], ops: Ops, max_model_len: int):
         self.config, self.ops = config, ops
+        # transformers counts a sequence's positions past this id only: a forward over several tokens holding it
+        # is not a run of one-token forwards (BeamModel.position_padding_id).
+        self.position_padding_id = config.pad_token_id
         c = config
         self.weights = _load_weights(c, tensors, ops)
         positions = sinusoidal_positions(c.max_position_embeddings + 2, c.hidden_size, c.pad_token_id)

@@ -12,6 +12,7 @@ Its encoder passes replay graphs too (EncoderGraphs): one per padded shape of ro
 import contextlib
 import dataclasses
 import gc
+import threading
 from typing import Callable
 
 import torch
@@ -151,33 +152,48 @@ def _power_of_two(n: int) -> int:
 
 def capture(lane, run: Callable[[], object], prepared: tuple) -> tuple[object, object]:
     """The graph of run()'s launches on the lane's stream, its model reading `prepared` (the batch and cross batch
-    already in the lane's metadata regions), and what run() returned."""
+    already in the lane's metadata regions), and what run() returned. If run() raises, the capture is ended (the
+    stream serves on) and the error goes up."""
     stream = lane.stream
     stream.sync()
     builder = stream.create_graph_builder()
     with _no_collection():
         builder.begin_building("thread_local")
-        with lane.reuse_prepared(*prepared):
-            result = run()
-        builder.end_building()
+        try:
+            with lane.reuse_prepared(*prepared):
+                result = run()
+        finally:
+            builder.end_building()
     graph = builder.complete()
     graph.upload(stream)
     return graph, result
+
+
+# Lanes capture on their own threads, and an encoder graph may be captured while another lane serves: the collector
+# stays off from the first capture's start to the last one's end.
+_captures_lock = threading.Lock()
+_captures, _collector_was_on = 0, True
 
 
 @contextlib.contextmanager
 def _no_collection():
     """No cyclic garbage collection while a graph is captured: a device buffer that the collector frees frees
     its memory on a stream (cuMemFreeAsync), which the capture forbids and which would invalidate it. What is
-    garbage already goes first."""
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
+    garbage already goes first, before any capture is under way."""
+    global _captures, _collector_was_on
+    with _captures_lock:
+        if _captures == 0:
+            gc.collect()
+            _collector_was_on = gc.isenabled()
+            gc.disable()
+        _captures += 1
     try:
         yield
     finally:
-        if was_enabled:
-            gc.enable()
+        with _captures_lock:
+            _captures -= 1
+            if _captures == 0 and _collector_was_on:
+                gc.enable()
 
 
 def empty_decode_batch(encoder_decoder: bool) -> ForwardBatch:
