@@ -91,27 +91,29 @@ def main(argv: list[str] | None = None) -> dict:
         params = BeamParams(num_beams=args.beams, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
         requests = [BeamRequest(i, src_tokens=tuple(s.tolist()), decoder_prefix=(target_language,), params=params)
                     for i, s in enumerate(sources)]
-        ours = Row(batch, "metrale")
-        ours.step_ms = timed(lambda: engine.beam_generate(requests, (EOS,), PAD), args.reps, args.device)
-        ours_top = [r.hypotheses[0][0] for r in engine.beam_generate(requests, (EOS,), PAD)]
-        if args.profile:
-            log(f"profile, batch {batch}:\n"
-                + host_profile(lambda: engine.beam_generate(requests, (EOS,), PAD), args.profile))
-        if args.kernels:
-            log(f"device, one call of batch {batch} ({args.new_tokens} steps):\n"
-                + kernel_table(lambda: engine.beam_generate(requests, (EOS,), PAD), args.kernels))
         theirs = Row(batch, "transformers")
         decoder_input = torch.tensor([[START, target_language]] * batch, device=args.device)
 
-        def generate():
-            return reference.generate(sources.to(args.device), attention_mask=torch.ones_like(sources).to(args.device),
-                                      decoder_input_ids=decoder_input, num_beams=args.beams,
-                                      max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                                      do_sample=False, eos_token_id=EOS, pad_token_id=PAD)
+        def ours_call():
+            return engine.beam_generate(requests, (EOS,), PAD)
 
-        with torch.no_grad():
-            theirs.step_ms = timed(generate, args.reps, args.device)
-            their_top = generate()[:, 2:].tolist()
+        def generate():
+            with torch.no_grad():
+                return reference.generate(sources.to(args.device),
+                                          attention_mask=torch.ones_like(sources).to(args.device),
+                                          decoder_input_ids=decoder_input, num_beams=args.beams,
+                                          max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                                          do_sample=False, eos_token_id=EOS, pad_token_id=PAD)
+
+        ours = Row(batch, "metrale")
+        ours.step_ms, theirs.step_ms = timed_interleaved([ours_call, generate], args.reps, args.device)
+        ours_top = [r.hypotheses[0][0] for r in ours_call()]
+        if args.profile:
+            log(f"profile, batch {batch}:\n" + host_profile(ours_call, args.profile))
+        if args.kernels:
+            log(f"device, one call of batch {batch} ({args.new_tokens} steps):\n"
+                + kernel_table(ours_call, args.kernels))
+        their_top = generate()[:, 2:].tolist()
         agreement[batch] = sum(a == b for a, b in zip(ours_top, their_top))
         if bandwidth:
             floors[batch] = floor_bytes(reference, batch, args) / bandwidth
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     print(f"# beam_generate: {args.shape} ({dtype}, random weights) on {device_name(args.device)}; "
           f"{args.source_len}-token sources, {args.beams} beams, exactly {args.new_tokens} new tokens; p50 of "
-          f"{args.reps} calls after a warm-up; {time.strftime('%Y-%m-%d %H:%M %Z')}"
+          f"{args.reps} calls of each, taking turns, after a warm-up; {time.strftime('%Y-%m-%d %H:%M %Z')}"
           + (f"; copy bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth else ""))
     print(format_table(rows, args.new_tokens, agreement, floors))
     result = {"args": vars(args), "rows": [dataclasses.asdict(r) for r in rows], "agreement": agreement,
@@ -131,18 +133,22 @@ def main(argv: list[str] | None = None) -> dict:
     return {**result, "row_objects": rows}
 
 
-def timed(call, reps: int, device: str) -> list[float]:
-    """ms per call, after a warm-up call."""
-    call()      # warm-up
-    times = []
+def timed_interleaved(calls: list, reps: int, device: str) -> list[list[float]]:
+    """ms per call of each of `calls`, after a warm-up call of each: the calls take turns, rep after rep, so that a
+    change in the host's speed during the run (transformers' time is host-bound and has varied 2x between runs on
+    the same machine) falls on all of them alike."""
+    for call in calls:
+        call()      # warm-up
+    times = [[] for _ in calls]
     for _ in range(reps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        call()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - started) * 1e3)
+        for call, own in zip(calls, times):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            call()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            own.append((time.perf_counter() - started) * 1e3)
     return times
 
 
@@ -164,18 +170,19 @@ def floor_bytes(model, batch: int, args) -> int:
 
 
 def format_table(rows: list[Row], new_tokens: int, agreement: dict, floors: dict) -> str:
-    lines = [f"{'batch':>5}  {'impl':<12}  {'p50 s':>8}  {'sentences/s':>11}  {'tokens/s':>9}  {'x transformers':>14}"
-             f"  {'x floor':>7}  {'same top':>8}"]
+    lines = [f"{'batch':>5}  {'impl':<12}  {'p50 s':>8}  {'min-max s':>13}  {'sentences/s':>11}  {'tokens/s':>9}  "
+             f"{'x transformers':>14}  {'x floor':>7}  {'same top':>8}"]
     reference = {r.batch: r for r in rows if r.impl == "transformers"}
     for r in rows:
         if not r.ok:
-            lines.append(f"{r.batch:>5}  {r.impl:<12}  {'-':>8}  {'-':>11}  {'-':>9}  {'-':>14}  {'-':>7}  {'-':>8}  "
-                         f"{r.note}")
+            lines.append(f"{r.batch:>5}  {r.impl:<12}  {'-':>8}  {'-':>13}  {'-':>11}  {'-':>9}  {'-':>14}  {'-':>7}  "
+                         f"{'-':>8}  {r.note}")
             continue
         speedup = reference[r.batch].p50 / r.p50 if r.impl != "transformers" else 1.0
         same = f"{agreement[r.batch]}/{r.batch}" if r.impl != "transformers" and r.batch in agreement else "-"
         floor = f"{r.p50 / floors[r.batch]:.1f}" if r.batch in floors else "-"
-        lines.append(f"{r.batch:>5}  {r.impl:<12}  {r.p50:>8.3f}  {r.batch / r.p50:>11.1f}  "
+        spread = f"{min(r.step_ms) / 1e3:.3f}-{max(r.step_ms) / 1e3:.3f}"
+        lines.append(f"{r.batch:>5}  {r.impl:<12}  {r.p50:>8.3f}  {spread:>13}  {r.batch / r.p50:>11.1f}  "
                      f"{r.batch * new_tokens / r.p50:>9.0f}  {speedup:>14.2f}  {floor:>7}  {same:>8}")
     return "\n".join(lines)
 

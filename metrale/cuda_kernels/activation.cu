@@ -1,5 +1,4 @@
-// MLP activations: the gated out = silu(gate) * up in fp32, rounded to bf16 once; ReLU (M2M100 / NLLB); and the
-// residual add a bf16 torch add is (the sum rounded once).
+// MLP activations: the gated out = silu(gate) * up in fp32, rounded to bf16 once; and ReLU (M2M100 / NLLB).
 #include "common.cuh"
 
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
@@ -39,23 +38,4 @@ extern "C" __global__ void relu(uint4* out, long long out_stride, const uint4* x
     const int column = (int)(unit - row * units_per_row);
     const uint4 v = x[row * x_stride + column];
     out[row * out_stride + column] = make_uint4(relu_pair(v.x), relu_pair(v.y), relu_pair(v.z), relu_pair(v.w));
-}
-
-__device__ __forceinline__ unsigned int add_pair(unsigned int a, unsigned int b) {
-    const float2 x = bf16x2_to_float2(a), y = bf16x2_to_float2(b);
-    return float2_to_bf16x2(x.x + y.x, x.y + y.y);
-}
-
-// out [T, I] = a + b, bf16; row strides in 16-byte units, I % 8 == 0; one 16-byte unit per thread. out may alias a
-// or b (each thread reads its unit before writing it).
-extern "C" __global__ void add(uint4* out, long long out_stride, const uint4* a, long long a_stride, const uint4* b,
-                               long long b_stride, int num_tokens, int units_per_row) {
-    wait_for_previous_kernel();
-    const long long unit = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (unit >= (long long)num_tokens * units_per_row) return;
-    const long long row = unit / units_per_row;
-    const int column = (int)(unit - row * units_per_row);
-    const uint4 x = a[row * a_stride + column], y = b[row * b_stride + column];
-    out[row * out_stride + column] = make_uint4(add_pair(x.x, y.x), add_pair(x.y, y.y), add_pair(x.z, y.z),
-                                                add_pair(x.w, y.w));
 }

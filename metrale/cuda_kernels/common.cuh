@@ -41,17 +41,6 @@ __device__ __forceinline__ unsigned int float2_to_bf16x2(float lo, float hi) {
     return r;
 }
 
-// 8 bf16 in a uint4 <-> 8 floats.
-__device__ __forceinline__ void unpack8(uint4 v, float* f) {
-    float2 a = bf16x2_to_float2(v.x), b = bf16x2_to_float2(v.y), c = bf16x2_to_float2(v.z), d = bf16x2_to_float2(v.w);
-    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y; f[4] = c.x; f[5] = c.y; f[6] = d.x; f[7] = d.y;
-}
-
-__device__ __forceinline__ uint4 pack8(const float* f) {
-    return make_uint4(float2_to_bf16x2(f[0], f[1]), float2_to_bf16x2(f[2], f[3]), float2_to_bf16x2(f[4], f[5]),
-                      float2_to_bf16x2(f[6], f[7]));
-}
-
 // Reduction operators for warp_reduce / block_reduce. Max on floats is fmaxf: a NaN loses to any number.
 struct Sum {
     template <typename T>

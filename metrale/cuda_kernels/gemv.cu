@@ -30,7 +30,6 @@
 // on an H200). The weight is read once, with ld.global.nc.L1::no_allocate so it does not push x out of L1: every
 // CTA reads all of x (M x K x 2 bytes, tiny next to its 16 x K x 2 of weight when M <= 8), from L1 or L2.
 #include "common.cuh"
-#include "tensor_core.cuh"
 
 namespace {
 
@@ -43,6 +42,18 @@ constexpr int UNROLL = 4;          // warp steps loaded before the first is mult
 // loads before the first mma (about 75 and 100 registers on sm_90a); with the bare launch bound it interleaves
 // each step's mmas with the next step's loads to save registers, and one step is in flight at a time.
 constexpr int MIN_CTAS_M8 = 3, MIN_CTAS_M16 = 2;
+
+// 16 bytes of the weight, or zeros where !valid (no access). Read once, so not kept in L1; L2 fetches the whole
+// 256-byte line (4 steps of a row). The predicate is inside the asm so that a batch of loads is one basic block
+// (a branch per load makes ptxas peel and reorder the loop).
+__device__ __forceinline__ uint4 load_weight(const uint4* pointer, bool valid) {
+    uint4 v;
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
+                 " mov.b32 %0, 0;\n mov.b32 %1, 0;\n mov.b32 %2, 0;\n mov.b32 %3, 0;\n"
+                 " @p ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n}\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(pointer), "r"((int)valid));
+    return v;
+}
 
 // 16 bytes of x, or zeros where !valid: re-read by every CTA, so cached in L1 (plain global loads are, on sm_80+).
 // Not .nc: x is the previous kernel's output, and programmatic dependent launch orders only coherent loads after

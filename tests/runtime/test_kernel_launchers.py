@@ -9,12 +9,12 @@ import pytest
 pytest.importorskip("cuda.core")
 
 from metrale.runtime.backend.cuda.compiler import kernel_sources  # noqa: E402
-from metrale.runtime.backend.cuda.kernels import activation, embedding, fused_linear, norm, rope_kv  # noqa: E402
+from metrale.runtime.backend.cuda.kernels import activation, embedding, norm, rope_kv  # noqa: E402
 from metrale.runtime.backend.cuda.launch import ceil_div, kernel_arg  # noqa: E402
 from metrale.runtime.backend.cuda.tensor import DeviceTensor  # noqa: E402
 from metrale.runtime.errors import InvalidArgument  # noqa: E402
 
-LAUNCHER_MODULES = (activation, embedding, fused_linear, norm, rope_kv)
+LAUNCHER_MODULES = (activation, embedding, norm, rope_kv)
 BASE = 1 << 32   # a made-up device address, 256-byte aligned
 
 
@@ -32,8 +32,7 @@ def i32(*shape, offset=0):
 
 def parameter_types(module: str, kernel: str) -> list[type]:
     """The numpy type kernel_arg must produce for each parameter of `kernel` in cuda_kernels/<module>.cu."""
-    match = re.search(rf'extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s*)?{kernel}\(([^)]*)\)',
-                      kernel_sources()[module])
+    match = re.search(rf'extern "C" __global__ void {kernel}\(([^)]*)\)', kernel_sources()[module])
     assert match, f"no kernel {kernel} in {module}.cu"
     types = []
     for parameter in match.group(1).split(","):
@@ -62,19 +61,12 @@ class FakeLibrary:
         return module, kernel_name
 
 
-class Launches(list):
-    def __init__(self):
-        super().__init__()
-        self.clusters = []
-
-
 @pytest.fixture
 def launches(monkeypatch):
-    """Replaces launch_kernel in every launcher module; records (kernel, grid, block, args) after checking them, and
-    each launch's cluster dimensions in .clusters."""
-    recorded = Launches()
+    """Replaces launch_kernel in every launcher module; records (kernel, grid, block, args) after checking them."""
+    recorded = []
 
-    def record(stream, kernel, grid, block, *args, shmem=0, cluster=None):
+    def record(stream, kernel, grid, block, *args, shmem=0):
         module, name = kernel
         converted = [kernel_arg(a) for a in args]
         assert [type(a) for a in converted] == parameter_types(module, name), f"{name}: argument types"
@@ -82,7 +74,6 @@ def launches(monkeypatch):
         assert 0 < grid[0] < 2 ** 31 and all(0 < g <= 65535 for g in grid[1:]), f"{name}: grid {grid}"
         assert isinstance(block, int) and 32 <= block <= 1024 and block % 32 == 0, f"{name}: block {block}"
         recorded.append((name, grid, block, converted))
-        recorded.clusters.append(cluster)
 
     for module in LAUNCHER_MODULES:
         monkeypatch.setattr(module, "launch_kernel", record)
@@ -103,32 +94,7 @@ def rope_call(qkv=None, cos=None, sin=None, positions=None, slots=None, kv=None,
         heads, kv_heads, head_dim)
 
 
-def fused_residual(m=64, n=1024, k=1024, splits=8, out=None, x=None, weight=None, bias=None, residual=None,
-                   stats=None):
-    return lambda lib: fused_linear.linear_residual(
-        lib, None, out or bf16(m, n), x or bf16(m, k), weight or bf16(n, k), bias, residual or bf16(m, n),
-        stats or f32(2 * m * (n // 64)), splits)
-
-
-def fused_norm(m=64, n=1024, k=1024, splits=8, stats=None, norm_weight=None):
-    return lambda lib: fused_linear.linear_norm(
-        lib, None, bf16(m, n), bf16(m, k), stats or f32(2 * m * (k // 64)), norm_weight or bf16(k), bf16(k), 1e-5,
-        bf16(n, k), bf16(n), False, splits)
-
-
 BAD_CALLS = {
-    "fused residual: N not a multiple of 64": fused_residual(n=1000),
-    "fused residual: K not a multiple of 32": fused_residual(k=1000, splits=1),
-    "fused residual: splits not dividing K": fused_residual(k=96, splits=2),
-    "fused residual: a share of K not a power of two": fused_residual(k=96, splits=1),
-    "fused residual: 3 splits": fused_residual(splits=3),
-    "fused residual: stats too small": fused_residual(stats=f32(2 * 64 * 16 - 1)),
-    "fused residual: residual shape": fused_residual(residual=bf16(64, 512)),
-    "fused residual: misaligned x": fused_residual(x=bf16(64, 1024, offset=8)),
-    "fused residual: float32 out": fused_residual(out=f32(64, 1024)),
-    "fused norm: norm weight shape": fused_norm(norm_weight=bf16(512)),
-    "fused norm: stats too small": fused_norm(stats=f32(2 * 64 * 16 - 2)),
-    "fused norm: K not a multiple of 64": fused_norm(k=96, splits=1),
     "embedding: float32 table": lambda lib: embedding.embedding(lib, None, bf16(T, H), f32(V, H), i32(T)),
     "embedding: float32 out": lambda lib: embedding.embedding(lib, None, f32(T, H), bf16(V, H), i32(T)),
     "embedding: int64 ids": lambda lib: embedding.embedding(lib, None, bf16(T, H), bf16(V, H),
@@ -353,64 +319,22 @@ def test_decode_partition_follows_the_waves():
 
 def test_every_kernel_waits_for_the_previous_one_first():
     # Launched with programmatic stream serialization on sm_90+, a kernel may start before its predecessor has
-    # finished: its first statement must be the wait (common.cuh), in every kernel and every CTA. The fused
-    # linears load their first weights before it (no kernel writes a weight), and nothing else.
+    # finished: its first statement must be the wait (common.cuh), in every kernel and every CTA.
     for module, source in kernel_sources().items():
         bodies = re.findall(r'extern "C" __global__ void[^{]*\{[\s\\]*([^;]*;)', source)
         assert bodies, f"{module}.cu defines no kernel"
         for first in bodies:
-            if module == "fused_linear":
-                assert first.strip().startswith("fused_linear<"), first
-            else:
-                assert first.strip() == "wait_for_previous_kernel();", f"{module}.cu: a kernel starts with {first!r}"
-    source = kernel_sources()["fused_linear"]
-    definition = source.index("__device__ __forceinline__ void fused_linear(")
-    body = source[source.index(") {", definition):]
-    before_wait = body[:body.index("wait_for_previous_kernel();")]
-    assert "load_pass_weight(" in before_wait
-    assert not any(read in before_wait for read in ("stats", "issue_x(", "residual +", "x +"))
+            assert first.strip() == "wait_for_previous_kernel();", f"{module}.cu: a kernel starts with {first!r}"
+
 
 
 def test_no_kernel_reads_activations_through_the_non_coherent_path():
-    # griddepcontrol.wait orders coherent loads only (common.cuh): ld.global.nc is kept for weights (written by no
-    # kernel), in tensor_core.cuh's load_weight, which only the GEMMs call; no __ldg and no __restrict__ (which
-    # lets the compiler emit such loads).
+    # griddepcontrol.wait orders coherent loads only (common.cuh): ld.global.nc is kept for the skinny GEMM's
+    # weights (written by no kernel); no __ldg and no __restrict__ (which lets the compiler emit such loads).
     for module, source in kernel_sources().items():
         code = "\n".join(line.split("//")[0] for line in source.splitlines())
         assert "__ldg(" not in code and "__restrict__" not in code, f"{module}.cu"
         nc = code.count("ld.global.nc")
-        assert nc <= 1, f"{module}.cu has {nc} non-coherent loads"
+        assert nc == (1 if module == "gemv" else 0), f"{module}.cu has {nc} non-coherent loads"
         if nc:
-            definition = code.index("uint4 load_weight(")
-            assert definition < code.index("ld.global.nc") < code.index("return v;", definition)
-        calls = code.count("load_weight(") - nc
-        assert (calls > 0) == (module in ("gemv", "fused_linear")), f"{module}.cu calls load_weight {calls} times"
-
-
-def test_fused_linear_launches(launches):
-    fused_residual(m=100, splits=8)(FakeLibrary())
-    fused_norm(m=5, n=4096, splits=1)(FakeLibrary())
-    (residual, norm_launch) = launches
-    assert residual[:3] == ("fused_linear_residual", (16, 1, 2), 128) and residual[3][-3:] == [100, 1024, 128]
-    assert norm_launch[:3] == ("fused_linear_norm", (64, 1, 1), 128) and norm_launch[3][-3:] == [5, 1024, 1024]
-    assert launches.clusters == [(1, 8, 1), None]
-
-
-@pytest.mark.parametrize("m, n, k, splits", [
-    (64, 1024, 1024, 8),     # NLLB-600M's out and cross projections: 16 tiles need 8 splits for 66 CTAs
-    (64, 3072, 1024, 4),     # qkv: 2 splits would give 96 CTAs, but two passes each
-    (64, 4096, 1024, 4),     # fc1
-    (64, 1024, 4096, 8),     # fc2: no split gets K under one pass; the most
-    (256, 1024, 1024, 4),    # 4 row tiles
-    (4, 1024, 1024, 8),
-    (64, 192, 768, 1),       # 768 = 3 passes of 256; no split gives a power of two or multiple of 256
-    (64, 192, 1536, 2),
-])
-def test_fused_linear_split_plan(m, n, k, splits):
-    assert fused_linear.plan_splits(m, n, k, 132) == splits
-
-
-def test_fused_linear_split_plan_needs_shares_the_kernel_takes():
-    assert fused_linear.plan_splits(64, 1024, 48, 132) is None
-    assert fused_linear.plan_splits(64, 1024, 96, 132) is None
-    assert [s for s in fused_linear.SPLITS if fused_linear.splits_take(1024, s)] == [1, 2, 4, 8]
+            assert "ld.global.nc" in code[code.index("load_weight("):code.index("load_activation(")]

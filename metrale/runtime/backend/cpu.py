@@ -105,13 +105,6 @@ class CpuBackend:
     def linear_relu(self, x, weight, bias=None):
         return F.relu(F.linear(x, weight, bias))
 
-    def norm_linear(self, x, norm_weight, norm_bias, eps, weight, bias=None, relu=False):
-        h = F.linear(F.layer_norm(x, (x.shape[-1],), norm_weight, norm_bias, eps), weight, bias)
-        return F.relu(h) if relu else h
-
-    def residual_linear(self, x, weight, bias, residual):
-        return residual + F.linear(x, weight, bias)
-
     def rope_and_write_kv(self, q, k, v, rope: RopeTable, batch: "CpuBatch", kv, head_dim):
         cos, sin = batch.rope_at_positions(rope)
         q = _rotate(q.view(q.shape[0], -1, head_dim), cos, sin)

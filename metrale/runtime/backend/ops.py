@@ -145,15 +145,6 @@ class Ops(Protocol):
         """relu(linear(x, weight, bias)): one GEMM with the activation in its epilogue where the backend can (the
         same values: rounding to bf16 commutes with max(., 0))."""
 
-    def norm_linear(self, x: Tensor, norm_weight: Tensor, norm_bias: Tensor, eps: float, weight: Tensor,
-                    bias: Tensor | None = None, relu: bool = False) -> Tensor:
-        """linear(layer_norm(x), weight, bias), relu'd where asked: a pre-norm layer's norm and the linear after
-        it. A backend may fuse the norm into the GEMM (where x is residual_linear's latest output)."""
-
-    def residual_linear(self, x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:
-        """residual + linear(x, weight, bias), the linear rounded to the dtype before the add, as a model adds two
-        tensors: a layer's output projection and its residual connection."""
-
     def rope_and_write_kv(self, q: Tensor, k: Tensor, v: Tensor, rope: RopeTable, batch: PreparedBatch, kv: Tensor,
                           head_dim: int) -> Tensor:
         """Rotates q and k (rotate-half layout) at the batch positions, writes k and v into kv at the batch

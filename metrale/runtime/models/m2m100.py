@@ -154,24 +154,23 @@ class M2M100ForConditionalGeneration:
             positions = ops.fairseq_position_ids(meta, c.pad_token_id)
         else:
             positions = ops.device_ids(self._positions(batch))
-        eps, scale, layers = c.layer_norm_eps, c.head_dim ** -0.5, w["decoder"]
-        # x is the residual stream; each norm runs with the linear after it, each residual add with the linear
-        # before it (fused where the backend can), but the first layer's norm, which also adds the positions.
-        h, x = ops.layer_norm(ops.embedding(w["embed"], meta.token_ids), *layers[0]["self_attn_layer_norm"], eps,
-                              ops.embedding(self.positions, positions))
-        for i, (layer, kv) in enumerate(zip(layers, kv_cache)):
-            qkv = (ops.norm_linear(x, *layer["self_attn_layer_norm"], eps, *layer["qkv"]) if i
-                   else ops.linear(h, *layer["qkv"]))
-            q, k, v = _split(qkv, c.hidden_size)
+        x, residual = ops.embedding(w["embed"], meta.token_ids), ops.embedding(self.positions, positions)
+        scale = c.head_dim ** -0.5
+        for layer, kv in zip(w["decoder"], kv_cache):
+            h, residual = ops.layer_norm(x, *layer["self_attn_layer_norm"], c.layer_norm_eps, residual)
+            q, k, v = _split(ops.linear(h, *layer["qkv"]), c.hidden_size)
             q = ops.rope_and_write_kv(q, k, v, self.no_rope, meta, kv, c.head_dim)
             o = ops.paged_attention(q, kv, meta, c.num_heads, c.head_dim, scale, None)
-            x = ops.residual_linear(o, *layer["out"], x)
-            q = ops.norm_linear(x, *layer["encoder_attn_layer_norm"], eps, *layer["cross_q"])
+            h = ops.linear(o, *layer["out"])
+            h, residual = ops.layer_norm(h, *layer["encoder_attn_layer_norm"], c.layer_norm_eps, residual)
+            q = ops.linear(h, *layer["cross_q"])
             o = ops.paged_attention(q, kv, cross, c.num_heads, c.head_dim, scale, None, causal=False)
-            x = ops.residual_linear(o, *layer["cross_out"], x)
-            h = ops.norm_linear(x, *layer["final_layer_norm"], eps, *layer["fc1"], relu=True)
-            x = ops.residual_linear(h, *layer["fc2"], x)
-        x, _ = ops.layer_norm(ops.gather_rows(x, meta.sample_rows), *w["decoder_norm"], eps)
+            h = ops.linear(o, *layer["cross_out"])
+            h, residual = ops.layer_norm(h, *layer["final_layer_norm"], c.layer_norm_eps, residual)
+            x = ops.linear(ops.linear_relu(h, *layer["fc1"]), *layer["fc2"])
+        rows = meta.sample_rows
+        x, _ = ops.layer_norm(ops.gather_rows(x, rows), *w["decoder_norm"], c.layer_norm_eps,
+                              ops.gather_rows(residual, rows))
         return ops.logits(x, w["lm_head"])
 
     def _positions(self, batch: ForwardBatch) -> torch.Tensor:

@@ -6,7 +6,6 @@ No torch on this path: torch only hands over checkpoint tensors at load time."""
 from pathlib import Path
 
 import math
-import os
 import numpy as np
 import torch
 
@@ -46,10 +45,6 @@ class CudaBackend:
             raise InvalidArgument(f"the CUDA backend runs bfloat16, not {dtype}")
         self.cuda = CudaDevice()
         self.lib = KernelLibrary(self.cuda.arch, KernelCache(cache_dir))
-        # The fused linears reduce their K splits in thread block clusters (sm_90); METRALE_FUSED_LINEARS=0 turns
-        # them off (A/B measurements: the norm and the residual add then run as their own kernels).
-        self.fused_linears = (int(self.cuda.arch[3:5]) >= 90 and os.environ.get("METRALE_FUSED_LINEARS", "1") != "0")
-        self._sms = self.cuda.device.properties.multiprocessor_count
         self._weights: Arena | None = None
         self.lanes: list[Lane] = []
 
@@ -253,43 +248,6 @@ class CudaBackend:
         out = lane.new(x.shape[0], weight.shape[0])
         self._linear(lane, out, x, weight, bias, relu=True)
         return out
-
-    def norm_linear(self, x, norm_weight, norm_bias, eps, weight, bias=None, relu=False):
-        """One fused launch where x is the latest residual_linear output of this forward (its row statistics are
-        in the lane's row_stats); otherwise the norm, then the linear."""
-        lane = self._bound.lane
-        if lane.stats_for is x:
-            out = lane.new(x.shape[0], weight.shape[0])
-            splits = self._fused_splits(out, x, weight, bias, (norm_weight, norm_bias))
-            if splits:
-                kernels.fused_linear.linear_norm(self.lib, lane.stream, out, x, lane.row_stats, norm_weight,
-                                                 norm_bias, eps, weight, bias, relu, splits)
-                return out
-        h, _ = self.layer_norm(x, norm_weight, norm_bias, eps)
-        return self.linear_relu(h, weight, bias) if relu else self.linear(h, weight, bias)
-
-    def residual_linear(self, x, weight, bias, residual):
-        """One fused launch that also leaves the output's row statistics for the next norm_linear; otherwise the
-        linear, then the add."""
-        lane = self._bound.lane
-        out = lane.new(x.shape[0], weight.shape[0])
-        splits = self._fused_splits(out, x, weight, bias, (residual,))
-        if splits and out.shape[1] // kernels.fused_linear.TILE_N * out.shape[0] * 2 <= lane.row_stats.numel:
-            kernels.fused_linear.linear_residual(self.lib, lane.stream, out, x, weight, bias, residual,
-                                                 lane.row_stats, splits)
-            lane.stats_for = out
-        else:
-            self._linear(lane, out, x, weight, bias)
-            kernels.activation.add(self.lib, lane.stream, out, out, residual)
-        return out
-
-    def _fused_splits(self, out, x, weight, bias, extra) -> int | None:
-        """The K splits of a fused linear for these operands; None where it does not take them."""
-        fused = kernels.fused_linear
-        if (not self.fused_linears or x.shape[0] > fused.MAX_ROWS
-                or fused.unsupported_reason(out, x, weight, bias, extra) is not None):
-            return None
-        return fused.plan_splits(x.shape[0], weight.shape[0], x.shape[1], self._sms)
 
     def _linear(self, lane: Lane, out, x, weight, bias=None, relu: bool = False):
         """Decode-sized linears on the skinny-GEMM kernel where it beats cuBLASLt (then a relu kernel where asked),

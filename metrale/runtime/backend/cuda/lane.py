@@ -59,9 +59,6 @@ def lane_buffers(lib, shapes: MemoryShapes) -> Buffers:
         # Beam search's candidates of one step: ids then values, MAX_COUNT of each per row at most.
         "beam_candidates": ((seqs, 2 * kernels.beam.MAX_COUNT), "int32"),
         "beam_state": ((BEAM_STATE_BYTES,), "uint8"),
-        # The row statistics a fused residual linear leaves for the fused norm after it: [hidden / 64, rows] float2.
-        "row_stats": ((2 * max(1, shapes.hidden // kernels.fused_linear.TILE_N) * kernels.fused_linear.MAX_ROWS,),
-                      "float32"),
     }
 
 
@@ -95,8 +92,6 @@ class Lane:
                                      taken["sample_outputs"])
         self.candidates, self.lists = taken["beam_candidates"], taken["lists"]
         self.beam_state = taken["beam_state"]
-        self.row_stats = taken["row_stats"]
-        self.stats_for: DeviceTensor | None = None   # the tensor whose statistics row_stats holds, in this forward
         # A beam search step's done flags (and fault flag), copied back while the next step runs: two steps' worth.
         self.beam_flags = cuda.pinned((2, shapes.max_seqs + 1), "int32")
         self.graphs: DecodeGraphs | None = None
@@ -127,7 +122,6 @@ class Lane:
         if cross:
             return prepared
         self.ring.reset()
-        self.stats_for = None
         if self._timing:
             self._round_events = (self.stream.record(options=TIMED), None)
         return prepared

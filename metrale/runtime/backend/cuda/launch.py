@@ -39,11 +39,9 @@ def use_programmatic_launch(enabled: bool) -> None:
     _programmatic = enabled
 
 
-def launch_kernel(stream, kernel, grid, block, *args, shmem: int = 0, cluster: tuple[int, ...] | None = None) -> None:
-    """grid/block: int or tuple; shmem: dynamic shared memory bytes; cluster: thread block cluster dimensions
-    (sm_90), grid then counting clusters."""
-    config = LaunchConfig(grid=grid, cluster=cluster, block=block, shmem_size=shmem,
-                          programmatic_stream_serialization=_programmatic)
+def launch_kernel(stream, kernel, grid, block, *args, shmem: int = 0) -> None:
+    """grid/block: int or tuple; shmem: dynamic shared memory bytes."""
+    config = LaunchConfig(grid=grid, block=block, shmem_size=shmem, programmatic_stream_serialization=_programmatic)
     launch(stream, config, kernel, *(kernel_arg(a) for a in args))
 
 

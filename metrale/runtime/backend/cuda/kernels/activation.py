@@ -1,4 +1,4 @@
-"""Launchers for cuda_kernels/activation.cu: the gated MLP activation, ReLU, and the residual add."""
+"""Launchers for cuda_kernels/activation.cu: the gated MLP activation, and ReLU."""
 
 import numpy as np
 
@@ -25,26 +25,15 @@ def relu(lib, stream, out: DeviceTensor, x: DeviceTensor) -> None:
     _launch_elementwise("relu", lib, stream, out, x)
 
 
-def add(lib, stream, out: DeviceTensor, a: DeviceTensor, b: DeviceTensor) -> None:
-    """out [T, I] = bf16(a + b), bf16 (a bf16 torch add). Needs I % 8 == 0 and 16-byte aligned rows; out may be a
-    or b."""
-    require(len(a.shape) == 2 and out.shape == a.shape == b.shape,
-            f"add: out {out.shape}, a {a.shape} and b {b.shape} must be one [T, I]")
-    _launch_elementwise("add", lib, stream, out, a, b)
-
-
-def _launch_elementwise(name: str, lib, stream, out: DeviceTensor, *inputs: DeviceTensor) -> None:
-    """A flat grid over the 16-byte units of out [T, I], one per thread, reading the same row of each input."""
-    require(out.dtype == "bfloat16" and all(x.dtype == "bfloat16" for x in inputs),
-            f"{name}: out and its inputs must be bfloat16")
+def _launch_elementwise(name: str, lib, stream, out: DeviceTensor, x: DeviceTensor) -> None:
+    """A flat grid over the 16-byte units of out [T, I], one per thread, reading the same row of x."""
+    require(out.dtype == "bfloat16" and x.dtype == "bfloat16", f"{name}: out and its input must be bfloat16")
     num_tokens, width = out.shape
     require(width % 8 == 0, f"{name}: I = {width} must be a multiple of 8")
     require_aligned(out, 16, f"{name}: out")
-    for x in inputs:
-        require_aligned(x, 16, f"{name}: input")
+    require_aligned(x, 16, f"{name}: input")
     units_per_row = width // 8
     if num_tokens == 0 or units_per_row == 0:
         return
-    rows = [a for x in inputs for a in (x, np.int64(x.stride // 8))]
     launch_kernel(stream, lib.get(name, MODULE), ceil_div(num_tokens * units_per_row, BLOCK), BLOCK, out,
-                  np.int64(out.stride // 8), *rows, num_tokens, units_per_row)
+                  np.int64(out.stride // 8), x, np.int64(x.stride // 8), num_tokens, units_per_row)
