@@ -41,8 +41,10 @@ extern "C" __global__ void gather_rows_2b(unsigned short* out, long long out_str
     copy_indexed_row(out, out_stride, x, x_stride, rows, num_x_rows, units_per_row);
 }
 
-// ids [T] int32: fairseq's position ids (M2M100's sinusoidal table) of one-token segments, as transformers counts
-// them from the cached length: padding_idx where the token is padding_idx, else position + 1 + padding_idx.
+// ids [T] int32: fairseq's position ids (M2M100's sinusoidal table) as transformers counts them: padding_idx where
+// the token is padding_idx, else position + 1 + padding_idx. Exact for one-token segments (decode steps) and for
+// segments that hold no padding id (an encoder's sources); transformers counts a later token past a padding id
+// in its own segment, which a model computes on the host instead.
 extern "C" __global__ void fairseq_position_ids(int* ids, const int* token_ids, const int* positions, int num_tokens,
                                                 int padding_idx) {
     wait_for_previous_kernel();

@@ -161,7 +161,7 @@ class Engine:
         model = BeamModel(self._beam_forward, self._copy_kv, eos_token_ids, fill_token, config.vocab_size,
                           self._beam_encode if encoder_decoder else None,
                           config.decoder_start_token_id if encoder_decoder else None, self._beam_search_on_device,
-                          SHORT_PROMPT if self.model.ops.decode_graphs else 0,
+                          SHORT_PROMPT if len(requests) <= self.model.ops.decode_graph_rows else 0,
                           getattr(self.model, "position_padding_id", None))
         call = BeamCall(requests, self.limits, self.config.kv_block_size, model)
         pool = self._reserve_beam_blocks(call.blocks_needed())

@@ -76,7 +76,7 @@ def test_short_prompts_a_token_a_forward_match_transformers(models, monkeypatch,
     forward, each prompt ending at its own length: the same hypotheses as transformers, and no forward over more
     than one token of a prompt."""
     engine, reference, eos = models
-    monkeypatch.setattr(engine.model.ops, "decode_graphs", True)
+    monkeypatch.setattr(engine.model.ops, "decode_graph_rows", 256)
     query_lens, forward = [], engine.model.forward
     monkeypatch.setattr(engine.model, "forward", lambda batch, kv: query_lens.append(max(batch.query_lens))
                         or forward(batch, kv))
@@ -92,6 +92,25 @@ def test_short_prompts_a_token_a_forward_match_transformers(models, monkeypatch,
                                                              eos))
     assert query_lens and max(query_lens) == 1
     assert engine.blocks.num_free == free
+
+
+def test_short_prompts_of_more_requests_than_a_decode_graph_holds_run_in_one_forward(models, monkeypatch):
+    """Past the largest decode graph a token's forward would run eagerly, a launch per kernel each token: the
+    prompts of such a call go in one forward instead, with the same hypotheses."""
+    engine, reference, eos = models
+    monkeypatch.setattr(engine.model.ops, "decode_graph_rows", 2)
+    query_lens, forward = [], engine.model.forward
+    monkeypatch.setattr(engine.model, "forward", lambda batch, kv: query_lens.append(max(batch.query_lens))
+                        or forward(batch, kv))
+    requests = [BeamRequest(i, prompt_tokens=(5, 17, 99), params=BeamParams(num_beams=2, max_new_tokens=4))
+                for i in range(3)]
+    for request, result in zip(requests, engine.beam_generate(requests, eos, FILL)):
+        assert_same(result.hypotheses, reference_hypotheses(reference, list(request.prompt_tokens), request.params,
+                                                             eos))
+    assert query_lens[0] == 3
+    query_lens.clear()
+    engine.beam_generate(requests[:2], eos, FILL)
+    assert max(query_lens) == 1
 
 
 def test_too_few_free_blocks_refuses_the_call_and_changes_nothing(models):

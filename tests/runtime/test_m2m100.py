@@ -107,7 +107,7 @@ def test_short_prompts_a_token_a_forward_match_transformers(models, monkeypatch)
     prompt holding the padding id (1), whose later positions transformers counts past it, runs in one forward.
     Both as transformers' generate."""
     engine, _, reference, eos = models
-    monkeypatch.setattr(engine.model.ops, "decode_graphs", True)
+    monkeypatch.setattr(engine.model.ops, "decode_graph_rows", 256)
     query_lens, forward = [], engine.model.forward
     monkeypatch.setattr(engine.model, "forward", lambda batch, kv: query_lens.append(max(batch.query_lens))
                         or forward(batch, kv))

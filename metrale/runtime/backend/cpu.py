@@ -18,7 +18,7 @@ class CpuBackend:
     device = "cpu"
     concurrent_forwards = True
     supports_beam = True
-    decode_graphs = False
+    decode_graph_rows = 0
 
     def __init__(self, dtype: str = "auto"):
         if dtype not in _DTYPES:

@@ -62,8 +62,9 @@ class Ops(Protocol):
 
     # Whether beam search runs here (BeamGenerate): it needs beam_candidates and copy_kv_prefixes.
     supports_beam: bool
-    # Whether decode forwards replay CUDA graphs (a decode step costs the host one launch, not one per kernel).
-    decode_graphs: bool
+    # The most rows a decode forward replays a CUDA graph for (the largest decode bucket: such a step costs the host
+    # one launch, not one per kernel); 0: none.
+    decode_graph_rows: int
 
     def beam_candidates(self, logits: Tensor, banned: list[list[int]], count: int
                         ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,7 +83,7 @@ class Ops(Protocol):
 
     def counters(self) -> dict[str, int]:
         """Cumulative counts for the metrics: kernel_cache_hits and kernel_cache_misses (compiled kernels found in,
-        or added to, the cache at start) and graph_replays (decode steps replayed as CUDA graphs); 0 where the
+        or added to, the cache at start) and graph_replays (decode steps and encoder passes replayed as CUDA graphs); 0 where the
         backend has none."""
 
     def synchronize(self) -> None:
@@ -128,9 +129,9 @@ class Ops(Protocol):
         """Host int64 ids [T] as an index tensor of this forward for embedding() (a model's own position ids)."""
 
     def fairseq_position_ids(self, batch: PreparedBatch, padding_idx: int) -> Tensor:
-        """For a batch of one-token segments, M2M100's position ids as transformers counts them from the cached
-        length: padding_idx where the token is padding_idx, else position + 1 + padding_idx. From the batch's
-        own metadata, so a decode graph can capture it."""
+        """M2M100's position ids as transformers counts them, for a batch of one-token segments (decode steps) or
+        of segments holding no padding id (an encoder's sources): padding_idx where the token is padding_idx, else
+        position + 1 + padding_idx. From the batch's own metadata, so a graph can capture it."""
 
     def relu(self, x: Tensor) -> Tensor:
         """max(x, 0), elementwise."""

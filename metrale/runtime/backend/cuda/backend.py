@@ -138,8 +138,9 @@ class CudaBackend:
             self._bound.lane = caller
 
     @property
-    def decode_graphs(self) -> bool:
-        return self._bound.lane.graphs is not None
+    def decode_graph_rows(self) -> int:
+        graphs = self._bound.lane.graphs
+        return graphs.batch_sizes[-1] if graphs is not None else 0
 
     def run_forward(self, forward, batch: ForwardBatch) -> DeviceTensor:
         """forward(batch) -> logits on the device. Decode steps replay a CUDA graph. A forward that samples
@@ -176,7 +177,8 @@ class CudaBackend:
 
     def counters(self) -> dict[str, int]:
         return {"kernel_cache_hits": self.lib.cache.hits, "kernel_cache_misses": self.lib.cache.misses,
-                "graph_replays": sum(lane.graphs.replays for lane in self.lanes if lane.graphs is not None)}
+                "graph_replays": sum(graphs.replays for lane in self.lanes
+                                     for graphs in (lane.graphs, lane.encoder_graphs) if graphs is not None)}
 
     def device_beam_search(self, search: DeviceSearch, forward, kv_cache: list) -> DeviceBeamSearch | None:
         lane = self._bound.lane
