@@ -1,9 +1,15 @@
-"""The collector stays off while any lane captures a CUDA graph (no GPU needed: the guard is host state)."""
+"""Graph capture's host state, no GPU needed: the collector stays off while any lane captures a CUDA graph, and
+the padded shapes an encoder pass replays a graph for."""
 
 import gc
 import threading
 
+from types import SimpleNamespace
+
 from metrale.runtime.backend.cuda import graphs
+from metrale.runtime.backend.cuda.batch import PrefillPadding
+from metrale.runtime.batch import Segment, build_batch
+from metrale.runtime.sequence import BlockTable
 
 
 def test_the_collector_stays_off_until_the_last_overlapping_capture_ends():
@@ -42,3 +48,16 @@ def test_a_collector_turned_off_before_stays_off():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def encoder_batch(lengths, sample=False):
+    return build_batch([Segment(BlockTable([i]), 0, list(range(3, 3 + n)), sample) for i, n in enumerate(lengths)], 64)
+
+
+def test_encoder_passes_pad_to_powers_of_two_within_the_plan():
+    lane = SimpleNamespace(shapes=SimpleNamespace(max_batch_tokens=512, max_seqs=16))
+    encoder = graphs.EncoderGraphs(lane)
+    assert encoder.padding(encoder_batch([5, 30, 7])) == PrefillPadding(64, 4, 64)
+    assert encoder.padding(encoder_batch([40] * 9)) == PrefillPadding(512, 16, 64)
+    assert encoder.padding(encoder_batch([40] * 13)) is None          # 1024 rows: over the plan, eager
+    assert encoder.padding(encoder_batch([5, 30, 7], sample=True)) is None   # sampled rows: eager

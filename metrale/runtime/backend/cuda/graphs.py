@@ -123,7 +123,11 @@ class EncoderGraphs:
         self.replays = 0
 
     def padding(self, batch: ForwardBatch) -> PrefillPadding | None:
-        """The graph shape the batch pads to, or None where the padded rows or sources exceed the lane's plan."""
+        """The graph shape the batch pads to, or None where the padded rows or sources exceed the lane's plan, or
+        where the batch samples rows: an encoder samples nothing, and the sampled rows' count is not part of the
+        shape, so the metadata laid out after them would move between batches of one graph."""
+        if len(batch.sample_rows):
+            return None
         shapes = self.lane.shapes
         padding = PrefillPadding(_power_of_two(max(batch.num_tokens, self.MIN_ROWS)),
                                  _power_of_two(len(batch.query_lens)),
