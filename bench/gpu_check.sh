@@ -42,8 +42,8 @@ for part in "${@:-tests}"; do
     llama)
       run_bench llama3-8b bench.gpu_decode --shape llama3-8b ;;
     beam)
-      python3 -m bench.beam_generate --shape nllb-600m --device cuda --batches 1,16,64 --reps 7 --json "$OUT/beam.json" \
-        > "$OUT/beam.txt" 2> "$OUT/beam.err" || summary+=("beam: FAILED (see beam.err)")
+      python3 -m bench.beam_generate --shape nllb-600m --device cuda --batches 1,16,64 --reps 7 \
+        --json "$OUT/beam.json" > "$OUT/beam.txt" 2> "$OUT/beam.err" || summary+=("beam: FAILED (see beam.err)")
       summary+=("== beam" "$(grep -v '^# \[' "$OUT/beam.txt")") ;;
     profile)
       for shape in smollm2-135m llama3-8b; do

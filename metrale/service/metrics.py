@@ -69,7 +69,8 @@ class BackendCollector:
         lookups.add_metric(["hit"], counts["kernel_cache_hits"])
         lookups.add_metric(["miss"], counts["kernel_cache_misses"])
         yield lookups
-        yield CounterMetricFamily("metrale_graph_replays", "Decode steps and encoder passes run as a CUDA graph replay.",
+        yield CounterMetricFamily("metrale_graph_replays",
+                                  "Decode steps and encoder passes run as a CUDA graph replay.",
                                   value=counts["graph_replays"])
 
 

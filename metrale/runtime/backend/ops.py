@@ -83,8 +83,8 @@ class Ops(Protocol):
 
     def counters(self) -> dict[str, int]:
         """Cumulative counts for the metrics: kernel_cache_hits and kernel_cache_misses (compiled kernels found in,
-        or added to, the cache at start) and graph_replays (decode steps and encoder passes replayed as CUDA graphs); 0 where the
-        backend has none."""
+        or added to, the cache at start) and graph_replays (decode steps and encoder passes replayed as CUDA
+        graphs); 0 where the backend has none."""
 
     def synchronize(self) -> None:
         """Waits for the work the calling thread's lane has queued: before a failed or cancelled step gives back
