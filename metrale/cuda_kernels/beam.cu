@@ -62,76 +62,138 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) beam_candidates(
 // (state.keep_stride of them); rows of requests whose search ended are skipped.
 
 // The bans of beam `beam` of request r, `generated` tokens into the search, over ids [begin, begin + n) of its
-// row (x points at begin): EOS while generated < min_new_tokens, and each token that would repeat one of its
-// n-grams (transformers' NoRepeatNGramLogitsProcessor: every earlier window of n - 1 tokens equal to the last n - 1
-// bans the token that followed it), tokens read at `parity`. Returns whether it could ban any (every thread alike).
-__device__ bool ban_state_tokens(const BeamState& s, int beam, int r, int parity, int generated, float* x, int begin,
-                                 int n) {
+// row: EOS while generated < min_new_tokens, and each token that would repeat one of its n-grams (transformers'
+// NoRepeatNGramLogitsProcessor: every earlier window of n - 1 tokens equal to the last n - 1 bans the token that
+// followed it), tokens read at `parity`. ban(i) for each banned id, i relative to begin (an id may come twice).
+template <typename Ban>
+__device__ void ban_state_tokens(const BeamState& s, int beam, int r, int parity, int generated, int begin, int n,
+                                 Ban ban) {
     const int cur = s.prompt_len[r] + generated, size = s.ngram[r];
-    const bool short_of_min = generated < s.min_new[r];
     const int* tokens = s.running + ((long long)parity * s.total_beams + beam) * s.max_len;
-    if (short_of_min) {
+    if (generated < s.min_new[r]) {
         for (int j = threadIdx.x; j < s.num_eos; j += blockDim.x) {
             const int id = s.eos[j] - begin;
-            if (id >= 0 && id < n) x[id] = -positive_infinity();
+            if (id >= 0 && id < n) ban(id);
         }
     }
-    const bool ngrams = size > 0 && cur >= size;
-    if (ngrams) {
+    if (size > 0 && cur >= size) {
         const int* last = tokens + cur - size + 1;    // the beam's last n - 1 tokens
         for (int w = threadIdx.x; w <= cur - size; w += blockDim.x) {
             bool match = true;
             for (int t = 0; t < size - 1 && match; ++t) match = tokens[w + t] == last[t];
             const int id = tokens[w + size - 1] - begin;
-            if (match && id >= 0 && id < n) x[id] = -positive_infinity();
+            if (match && id >= 0 && id < n) ban(id);
         }
     }
-    return short_of_min || ngrams;
 }
 
 // Grid (rows, parts); part p of a row holds ids [p * part_size, ...). Per part: part_max (NaN where the part has
 // NaN or +inf, -inf where it is all -inf), part_sum (sum of exp(x - part_max) over the raw values, float64), and
 // part_ids (count per part, row ids; -1 where the part is all -inf): its best `count` after the bans, ties to the
 // lower id. The bans are written into the logits row, as beam_candidates does.
+//
+// Two passes over the part. The first takes its maximum and each warp's; then the bans swap -inf in, the thread
+// that swaps an id out keeping its raw value's share of the sum. Each of the best `count` after the bans is at
+// least the (count + bans)-th largest warp maximum (a ban lowers at most one warp's): the second pass sums
+// exp(x - max) and gathers every value at or above that floor, and the gathered are ranked. Where the floor is
+// not a number (too few warps, too many bans) or too many values reach it, the part's best come from
+// top_logprobs_of's search instead.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) beam_state_parts(
         float* logits, long long stride, int vocab_size, const BeamState* state, int parity, int generated,
         int part_size, int count, float* part_max, double* part_sum, int* part_ids, float* part_values) {
     wait_for_previous_kernel();
     __shared__ SampleShared sh;
+    __shared__ float warp_best[32];
+    __shared__ unsigned int bans;
     const BeamState& s = *state;
     const int beam = s.rows_beam[blockIdx.x], r = s.beam_request[beam];
     if (s.done[r]) return;
     const int begin = blockIdx.y * part_size, n = min(part_size, vocab_size - begin);
     const int part = blockIdx.x * gridDim.y + blockIdx.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     float* x = logits + blockIdx.x * stride + begin;
     int* ids = part_ids + (long long)part * count;
-    float thread_max = scan_row(x, n, &sh.stats);
-    __syncthreads();
-    const unsigned int max_key = rank_order_key(sh.stats.best);
-    if (!(max_key > KEY_NEG_INF && max_key < KEY_POS_INF)) {   // NaN or +inf (the row has no finite maximum), or
-        for (int j = threadIdx.x; j < count; j += blockDim.x) ids[j] = -1;      // all -inf (nothing here)
+    float* values = part_values + (long long)part * count;
+    if (threadIdx.x == 0) {
+        bans = 0u;
+        sh.candidate_count = 0u;
+    }
+    float thread_max = -positive_infinity();
+    bool unbounded = false;                                    // NaN or +inf: the row has no finite maximum
+    for_each_value(x, n, [&](int, float v) {
+        thread_max = fmaxf(thread_max, v);
+        unbounded |= !(v < positive_infinity());
+    });
+    const float best = warp_max(thread_max);
+    if (lane == 0) warp_best[warp] = best;
+    const float max = block_max_float(thread_max);            // starts with __syncthreads: bans, warp_best set
+    if (__syncthreads_or(unbounded) || max == -positive_infinity()) {
+        for (int j = threadIdx.x; j < count; j += blockDim.x) ids[j] = -1;
         if (threadIdx.x == 0) {
-            part_max[part] = max_key == KEY_NEG_INF ? -positive_infinity() : not_a_number();
+            part_max[part] = unbounded ? not_a_number() : -positive_infinity();
             part_sum[part] = 0.0;
         }
         return;
     }
+    float sum = 0.f, compensation = 0.f;                        // Kahan, as sum_exp
+    const auto add = [&](float v) {
+        const float y = expf(__fsub_rn(v, max)) - compensation;
+        const float t = sum + y;
+        compensation = (t - sum) - y;
+        sum = t;
+    };
+    ban_state_tokens(s, beam, r, parity, generated, begin, n, [&](int i) {
+        const float raw = atomicExch(x + i, -positive_infinity());
+        if (raw != -positive_infinity()) {                      // this id's first ban
+            add(raw);
+            atomicAdd(&bans, 1u);
+        }
+    });
     LogprobKeys keys;
-    keys.max = key_value(max_key);
-    keys.log_sum = 0.f;                   // ranks by x - max: the row's order
-    const double sum = sum_exp(x, n, keys.max);
-    if (ban_state_tokens(s, beam, r, parity, generated, x, begin, n)) {
-        __syncthreads();
-        thread_max = scan_row(x, n, &sh.stats);
-        __syncthreads();
+    keys.max = max;
+    keys.log_sum = 0.f;                                         // ranks by x - max: the row's order
+    const int here = min(count, n);                             // the last part may hold fewer ids than count
+    __syncthreads();                                            // the bans are written and counted
+    const int floor_rank = count + (int)bans - 1;
+    if (threadIdx.x < warps) {                                  // the warp maximum of rank floor_rank, if any
+        const float own = warp_best[threadIdx.x];
+        int rank = 0;
+        for (int w = 0; w < warps; ++w) rank += warp_best[w] > own || (warp_best[w] == own && w < (int)threadIdx.x);
+        if (rank == floor_rank) sh.key = own > -positive_infinity() ? keys.key(own) : 0u;
     }
-    const int here = min(count, n);       // the last part may hold fewer ids than count
-    top_logprobs_of(sh, x, n, keys, thread_max, here, ids, part_values + (long long)part * count);
-    if ((int)threadIdx.x < here) ids[threadIdx.x] += begin;       // the thread that wrote it
+    if (threadIdx.x == 0 && floor_rank >= warps) sh.key = 0u;
+    __syncthreads();
+    const unsigned int floor_key = sh.key;                       // 0: no floor
+    for_each_value(x, n, [&](int i, float v) {
+        add(v);
+        const unsigned int key = keys.key(v);
+        if (floor_key && key >= floor_key) {
+            const unsigned int slot = atomicAdd(&sh.candidate_count, 1u);
+            if (slot < MAX_CANDIDATES) sh.candidates[slot] = rank_key(key, i);
+        }
+    });
+    const double total = block_sum_double((double)sum - (double)compensation);   // starts with __syncthreads
+    const unsigned int gathered = sh.candidate_count;
+    if (floor_key && gathered <= MAX_CANDIDATES) {
+        for (unsigned int i = threadIdx.x; i < gathered; i += blockDim.x) {
+            const u64 own = sh.candidates[i];
+            int rank = 0;
+            for (unsigned int j = 0; j < gathered; ++j) rank += sh.candidates[j] > own;
+            if (rank < here) {
+                ids[rank] = rank_id(own) + begin;
+                values[rank] = key_value(rank_order_key(own));
+            }
+        }
+    } else {
+        thread_max = scan_row(x, n, &sh.stats);                 // the maxima after the bans
+        __syncthreads();
+        top_logprobs_of(sh, x, n, keys, thread_max, here, ids, values);
+        if ((int)threadIdx.x < here) ids[threadIdx.x] += begin;       // the thread that wrote it
+    }
     for (int j = here + (int)threadIdx.x; j < count; j += blockDim.x) ids[j] = -1;
     if (threadIdx.x == 0) {
-        part_max[part] = keys.max;
-        part_sum[part] = sum;
+        part_max[part] = max;
+        part_sum[part] = total;
     }
 }
 

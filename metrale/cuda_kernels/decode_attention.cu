@@ -18,6 +18,27 @@ __device__ __forceinline__ DecodeKeys decode_keys(int context, int sliding_windo
             window_start / partition_size == (context - 1) / partition_size};
 }
 
+// A decode launch's arguments, as kernels/attention.py passes them (DECODE_ENTRY builds this from the entry's
+// parameters). heads: the grouped kernel's group size, the multi-head kernel's num_heads.
+struct DecodeArgs {
+    bf16* out;
+    long long out_stride;
+    const bf16* q;
+    long long q_stride;
+    const bf16* kv_cache;
+    long long plane_elems;       // one of the cache's K and V planes
+    const int* seq_rows;
+    const int* context_lens;
+    const int* block_tables;
+    int max_blocks;
+    float* partial_out;
+    float* partial_lse;
+    int heads, block_shift;
+    float scale_log2;
+    int sliding_window, partition_size;
+
+};
+
 // grid (num_splits, num_kv_heads, B), THREADS threads. CTA (split, kv_head, b) attends the group_size
 // (<= 16) query heads of kv_head, the 16 rows of one mma tile, over the keys of its split:
 // [split * partition_size, (split + 1) * partition_size) within the window. Each warp takes 16 keys of
@@ -25,13 +46,7 @@ __device__ __forceinline__ DecodeKeys decode_keys(int context, int sliding_windo
 // split is written to out here; otherwise each split writes its normalized output and log2-sum-exp to
 // partial_out [B, num_heads, num_splits, HEAD_DIM] and partial_lse [B, num_heads, num_splits] fp32.
 template <int HEAD_DIM>
-__device__ __forceinline__ void paged_decode_attention(bf16* out, long long out_stride, const bf16* q,
-                                                       long long q_stride, const bf16* kv_cache,
-                                                       long long plane_elems, const int* seq_rows,
-                                                       const int* context_lens, const int* block_tables,
-                                                       int max_blocks, float* partial_out, float* partial_lse,
-                                                       int group_size, int block_shift, float scale_log2,
-                                                       int sliding_window, int partition_size) {
+__device__ __forceinline__ void paged_decode_attention(const DecodeArgs& a) {
     using T = Tile<HEAD_DIM>;
     __shared__ __align__(16) unsigned char shared[T::DECODE_BYTES];
     bf16* k_tile = reinterpret_cast<bf16*>(shared);
@@ -40,34 +55,38 @@ __device__ __forceinline__ void paged_decode_attention(bf16* out, long long out_
 
     const int split = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
     const int num_splits = gridDim.x, num_kv_heads = gridDim.y;
-    const DecodeKeys keys = decode_keys(context_lens[seq], sliding_window, split, partition_size);
+    const DecodeKeys keys = decode_keys(a.context_lens[seq], a.sliding_window, split, a.partition_size);
     const int lo = keys.lo, hi = keys.hi;
     if (lo >= hi) return;
     const bool whole = keys.whole;
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int head0 = kv_head * group_size;
-    const long long row = seq_rows[seq];
-    load_query_tile<HEAD_DIM, DECODE_ROWS>(query_tile, q + row * q_stride + (long long)head0 * HEAD_DIM, HEAD_DIM,
-                                           group_size);
+    const int group_size = a.heads, head0 = kv_head * group_size;
+    const long long row = a.seq_rows[seq];
+    load_query_tile<HEAD_DIM, DECODE_ROWS>(query_tile, a.q + row * a.q_stride + (long long)head0 * HEAD_DIM,
+                                           HEAD_DIM, group_size);
     copy_async_commit();
-    const bf16* k_plane = kv_cache + kv_head * HEAD_DIM;
-    const int* block_table = block_tables + (long long)seq * max_blocks;
+    const bf16* k_plane = a.kv_cache + kv_head * HEAD_DIM;
+    const int* block_table = a.block_tables + (long long)seq * a.max_blocks;
 
     WarpAttention<HEAD_DIM> attention;
     attention.start();
     unsigned probs[1][4];
     const int key0 = 16 * warp;   // this warp's keys in every tile
     for_each_kv_tile<HEAD_DIM>(
-        k_tile, v_tile, k_plane, k_plane + plane_elems, block_table, block_shift, num_kv_heads * HEAD_DIM, lo, hi,
-        [] {},
+        k_tile, v_tile, k_plane, k_plane + a.plane_elems, block_table, a.block_shift, num_kv_heads * HEAD_DIM, lo,
+        hi, [] {},
         [&](int tile, int phase) {
             if (phase == 0) {
                 // decode needs no causal mask: every key of the split in [lo, hi) is seen by the one query
                 const bool edge = tile < lo || tile + KV_TILE > hi;
                 attention.template add_scores<16>(
-                    probs, [&](int kk, unsigned (&a)[4]) { load_query_fragment<HEAD_DIM>(a, query_tile, 0, kk); },
-                    k_tile, key0, scale_log2, edge, [&](int, int key) { return tile + key >= lo && tile + key < hi; });
+                    probs,
+                    [&](int kk, unsigned (&fragment)[4]) {
+                        load_query_fragment<HEAD_DIM>(fragment, query_tile, 0, kk);
+                    },
+                    k_tile, key0, a.scale_log2, edge,
+                    [&](int, int key) { return tile + key >= lo && tile + key < hi; });
             } else {
                 attention.template add_values<16>(probs, v_tile, key0);
             }
@@ -109,74 +128,104 @@ __device__ __forceinline__ void paged_decode_attention(bf16* out, long long out_
         }
         const int head = head0 + head_row;
         if (whole) {
-            out[row * out_stride + (long long)head * HEAD_DIM + d] = float_to_bf16(o / sum);
+            a.out[row * a.out_stride + (long long)head * HEAD_DIM + d] = float_to_bf16(o / sum);
         } else {
             const long long part = ((long long)seq * num_heads + head) * num_splits + split;
-            partial_out[part * HEAD_DIM + d] = o / sum;
-            if (d == 0) partial_lse[part] = m + log2f(sum);
+            a.partial_out[part * HEAD_DIM + d] = o / sum;
+            if (d == 0) a.partial_lse[part] = m + log2f(sum);
         }
     }
 }
 
 // Multi-head attention (one query head per kv head): a warp per head, on CUDA cores. An mma tile would fill one of
 // its 16 rows. grid (num_splits, ceil(num_heads / MHA_WARPS), B), MHA_WARPS warps. The split's keys go 32 at a
-// time: lane l scores key base + l against the query (in shared memory, fp32, times scale_log2), the warp keeps
-// the running max and sum (online softmax), then adds each key's value row (lane l holds dims l * DIMS ..) weighted
-// by its probability. Output, partials and the merge of splits exactly as paged_decode_attention's.
+// time, every load of a chunk issued at once (a decode step's contexts are short, so the chunk's round trips to
+// memory are its cost): lane l reads key base + l's K row and its own dims (l * DIMS ..) of every key's V row. It
+// scores its key against the query (in shared memory, fp32, times scale_log2), the warp keeps the running max and
+// sum (online softmax), and each lane adds the chunk's V rows weighted by their probabilities. Output, partials
+// and the merge of splits exactly as paged_decode_attention's.
 constexpr int MHA_WARPS = 4;
 
+template <int DIMS> struct ValueDims;              // a lane's dims of one V row: 2, 4 or 8 bytes
+template <> struct ValueDims<1> {
+    typedef unsigned short Load;
+    __device__ __forceinline__ static void add(float (&acc)[1], float w, Load v) {
+        acc[0] += w * bf16_to_float(v);
+    }
+};
+template <> struct ValueDims<2> {
+    typedef unsigned int Load;
+    __device__ __forceinline__ static void add(float (&acc)[2], float w, Load v) {
+        const float2 x = bf16x2_to_float2(v);
+        acc[0] += w * x.x;
+        acc[1] += w * x.y;
+    }
+};
+template <> struct ValueDims<4> {
+    typedef uint2 Load;
+    __device__ __forceinline__ static void add(float (&acc)[4], float w, Load v) {
+        const float2 x = bf16x2_to_float2(v.x), y = bf16x2_to_float2(v.y);
+        acc[0] += w * x.x;
+        acc[1] += w * x.y;
+        acc[2] += w * y.x;
+        acc[3] += w * y.y;
+    }
+};
+
 template <int HEAD_DIM>
-__device__ __forceinline__ void paged_decode_attention_mha(bf16* out, long long out_stride, const bf16* q,
-                                                           long long q_stride, const bf16* kv_cache,
-                                                           long long plane_elems, const int* seq_rows,
-                                                           const int* context_lens, const int* block_tables,
-                                                           int max_blocks, float* partial_out, float* partial_lse,
-                                                           int num_heads, int block_shift, float scale_log2,
-                                                           int sliding_window, int partition_size) {
-    constexpr int DIMS = HEAD_DIM / 32;     // output dims per lane
+__device__ __forceinline__ void paged_decode_attention_mha(const DecodeArgs& a) {
+    constexpr int DIMS = HEAD_DIM / 32;           // output dims per lane
+    constexpr int K_LOADS = HEAD_DIM / 8;         // uint4 per K row
+    using V = ValueDims<DIMS>;
     __shared__ __align__(16) float query[MHA_WARPS][HEAD_DIM];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int head = blockIdx.y * MHA_WARPS + warp, split = blockIdx.x, seq = blockIdx.z;
+    const int num_heads = a.heads, head = blockIdx.y * MHA_WARPS + warp, split = blockIdx.x, seq = blockIdx.z;
     if (head >= num_heads) return;
     const int num_splits = gridDim.x;
-    const DecodeKeys keys = decode_keys(context_lens[seq], sliding_window, split, partition_size);
+    const int context = a.context_lens[seq];
+    const long long row = a.seq_rows[seq];
+    const DecodeKeys keys = decode_keys(context, a.sliding_window, split, a.partition_size);
     const int lo = keys.lo, hi = keys.hi;
     if (lo >= hi) return;
-    const bool whole = keys.whole;
 
-    const long long row = seq_rows[seq];
-    const bf16* query_row = q + row * q_stride + (long long)head * HEAD_DIM;
-    for (int d = lane; d < HEAD_DIM; d += 32) query[warp][d] = bf16_to_float(query_row[d]) * scale_log2;
+    const bf16* query_row = a.q + row * a.q_stride + (long long)head * HEAD_DIM;
+    for (int d = lane; d < HEAD_DIM; d += 32) query[warp][d] = bf16_to_float(query_row[d]) * a.scale_log2;
     __syncwarp();
     const long long slot_elems = (long long)num_heads * HEAD_DIM;     // one token's K (or V) of every head
-    const bf16* k_plane = kv_cache + (long long)head * HEAD_DIM;
-    const bf16* v_plane = k_plane + plane_elems;
-    const int* block_table = block_tables + (long long)seq * max_blocks;
-    const int block_mask = (1 << block_shift) - 1;
+    const bf16* k_plane = a.kv_cache + (long long)head * HEAD_DIM;
+    const bf16* v_plane = k_plane + a.plane_elems + lane * DIMS;
+    const int* block_table = a.block_tables + (long long)seq * a.max_blocks;
+    const int block_mask = (1 << a.block_shift) - 1;
 
     float running_max = negative_infinity(), sum = 0.f, acc[DIMS];
 #pragma unroll
     for (int i = 0; i < DIMS; ++i) acc[i] = 0.f;
     for (int base = lo; base < hi; base += 32) {
         const int key = base + lane;
-        float score = negative_infinity();
-        long long slot = 0;
-        if (key < hi) {
-            slot = ((long long)block_table[key >> block_shift] << block_shift) + (key & block_mask);
-            const uint4* k = reinterpret_cast<const uint4*>(k_plane + slot * slot_elems);
-            const float4* qv = reinterpret_cast<const float4*>(query[warp]);
-            float dot = 0.f;
+        const bool live = key < hi;
+        const int slot = live ? (block_table[key >> a.block_shift] << a.block_shift) + (key & block_mask) : 0;
+        uint4 k[K_LOADS];
+        const uint4* k_row = reinterpret_cast<const uint4*>(k_plane + slot * slot_elems);
 #pragma unroll
-            for (int c = 0; c < HEAD_DIM / 8; ++c) {
-                const uint4 u = k[c];
-                const float4 q0 = qv[2 * c], q1 = qv[2 * c + 1];
-                const float2 a = bf16x2_to_float2(u.x), b = bf16x2_to_float2(u.y);
-                const float2 e = bf16x2_to_float2(u.z), f = bf16x2_to_float2(u.w);
-                dot += q0.x * a.x + q0.y * a.y + q0.z * b.x + q0.w * b.y + q1.x * e.x + q1.y * e.y + q1.z * f.x +
-                       q1.w * f.y;
-            }
-            score = dot;
+        for (int c = 0; c < K_LOADS; ++c) k[c] = live ? k_row[c] : make_uint4(0u, 0u, 0u, 0u);
+        typename V::Load v[32];
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+            const int slot_j = __shfl_sync(0xffffffffu, slot, j);
+            v[j] = base + j < hi ? *reinterpret_cast<const typename V::Load*>(v_plane + slot_j * slot_elems)
+                                 : typename V::Load();
         }
+        const float4* qv = reinterpret_cast<const float4*>(query[warp]);
+        float dot = 0.f;
+#pragma unroll
+        for (int c = 0; c < K_LOADS; ++c) {
+            const float4 q0 = qv[2 * c], q1 = qv[2 * c + 1];
+            const float2 x = bf16x2_to_float2(k[c].x), y = bf16x2_to_float2(k[c].y);
+            const float2 z = bf16x2_to_float2(k[c].z), w = bf16x2_to_float2(k[c].w);
+            dot += q0.x * x.x + q0.y * x.y + q0.z * y.x + q0.w * y.y + q1.x * z.x + q1.y * z.y + q1.z * w.x +
+                   q1.w * w.y;
+        }
+        const float score = live ? dot : negative_infinity();
         const float new_max = fmaxf(running_max, warp_max(score));    // finite: key lo < hi is in the first chunk
         const float rescale = fast_exp2(running_max - new_max);
         const float p = fast_exp2(score - new_max);                    // 0 past hi
@@ -184,55 +233,36 @@ __device__ __forceinline__ void paged_decode_attention_mha(bf16* out, long long 
 #pragma unroll
         for (int i = 0; i < DIMS; ++i) acc[i] *= rescale;
         running_max = new_max;
-        const int keys = min(32, hi - base);
-#pragma unroll 4
-        for (int j = 0; j < keys; ++j) {
-            const float weight = __shfl_sync(0xffffffffu, p, j);
-            const long long slot_j = __shfl_sync(0xffffffffu, slot, j);
-            const bf16* v = v_plane + slot_j * slot_elems + lane * DIMS;
-            if constexpr (DIMS == 1) {
-                acc[0] += weight * bf16_to_float(v[0]);
-            } else if constexpr (DIMS == 2) {
-                const float2 x = bf16x2_to_float2(*reinterpret_cast<const unsigned*>(v));
-                acc[0] += weight * x.x;
-                acc[1] += weight * x.y;
-            } else {
-                const uint2 u = *reinterpret_cast<const uint2*>(v);
-                const float2 x = bf16x2_to_float2(u.x), y = bf16x2_to_float2(u.y);
-                acc[0] += weight * x.x;
-                acc[1] += weight * x.y;
-                acc[2] += weight * y.x;
-                acc[3] += weight * y.y;
-            }
-        }
+#pragma unroll
+        for (int j = 0; j < 32; ++j) V::add(acc, __shfl_sync(0xffffffffu, p, j), v[j]);   // v[j] is 0 past hi
     }
     const int d0 = lane * DIMS;
-    if (whole) {
-        bf16* o = out + row * out_stride + (long long)head * HEAD_DIM + d0;
+    if (keys.whole) {
+        bf16* o = a.out + row * a.out_stride + (long long)head * HEAD_DIM + d0;
 #pragma unroll
         for (int i = 0; i < DIMS; ++i) o[i] = float_to_bf16(acc[i] / sum);
     } else {
         const long long part = ((long long)seq * num_heads + head) * num_splits + split;
 #pragma unroll
-        for (int i = 0; i < DIMS; ++i) partial_out[part * HEAD_DIM + d0 + i] = acc[i] / sum;
-        if (lane == 0) partial_lse[part] = running_max + log2f(sum);
+        for (int i = 0; i < DIMS; ++i) a.partial_out[part * HEAD_DIM + d0 + i] = acc[i] / sum;
+        if (lane == 0) a.partial_lse[part] = running_max + log2f(sum);
     }
 }
 
 }  // namespace
 
-// The extern "C" entry points: NAME##_hd##HEAD_DIM runs NAME<HEAD_DIM> in BLOCK threads. heads: the grouped kernel's
-// group size, the multi-head kernel's num_heads.
-#define DECODE_ENTRY(NAME, BLOCK, HEAD_DIM)                                                                  \
+// The extern "C" entry points: NAME##_hd##HEAD_DIM runs NAME<HEAD_DIM> in BLOCK threads, with DecodeArgs' fields
+// as its parameters (kernels/attention.py passes them in that order).
+#define DECODE_ENTRY(NAME, BLOCK, HEAD_DIM)                                                                      \
     extern "C" __global__ void __launch_bounds__(BLOCK) NAME##_hd##HEAD_DIM(                                     \
-        bf16* out, long long out_stride, const bf16* q, long long q_stride, const bf16* kv_cache,                   \
-        long long plane_elems, const int* seq_rows, const int* context_lens, const int* block_tables,               \
-        int max_blocks, float* partial_out, float* partial_lse, int heads, int block_shift, float scale_log2,       \
-        int sliding_window, int partition_size) {                                                                   \
-        wait_for_previous_kernel();                                                                                  \
-        NAME<HEAD_DIM>(out, out_stride, q, q_stride, kv_cache, plane_elems, seq_rows, context_lens, block_tables,   \
-                       max_blocks, partial_out, partial_lse, heads, block_shift, scale_log2, sliding_window,       \
-                       partition_size);                                                                              \
+        bf16* out, long long out_stride, const bf16* q, long long q_stride, const bf16* kv_cache,               \
+        long long plane_elems, const int* seq_rows, const int* context_lens, const int* block_tables,           \
+        int max_blocks, float* partial_out, float* partial_lse, int heads, int block_shift, float scale_log2,   \
+        int sliding_window, int partition_size) {                                                               \
+        wait_for_previous_kernel();                                                                              \
+        NAME<HEAD_DIM>({out, out_stride, q, q_stride, kv_cache, plane_elems, seq_rows, context_lens,            \
+                        block_tables, max_blocks, partial_out, partial_lse, heads, block_shift, scale_log2,     \
+                        sliding_window, partition_size});                                                       \
     }
 
 DECODE_ENTRY(paged_decode_attention, THREADS, 32)
