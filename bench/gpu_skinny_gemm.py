@@ -11,7 +11,6 @@ Run from the repository root: python3 -m bench.gpu_skinny_gemm [--tokens 1,8,16]
 """
 
 import argparse
-import statistics
 
 import torch
 
@@ -33,27 +32,9 @@ WORKSPACE_BYTES = 32 << 20   # cuBLASLt workspace, as the tests give it
 
 
 def time_per_launch(stream, launches: list) -> float:
-    """Seconds per launch: launches (zero-argument callables enqueueing on `stream`) captured as one graph,
-    replayed REPEATS times after one untimed replay; median."""
-    from cuda.core import EventOptions
-
-    builder = stream.create_graph_builder()
-    builder.begin_building("thread_local")
-    for launch in launches:
-        launch()
-    builder.end_building()
-    graph = builder.complete()
-    graph.upload(stream)
-    graph.launch(stream)
-    timing = EventOptions(timing_enabled=True)
-    elapsed_ms = []
-    for _ in range(REPEATS):
-        start = stream.record(options=timing)
-        graph.launch(stream)
-        end = stream.record(options=timing)
-        end.sync()
-        elapsed_ms.append(end - start)
-    return statistics.median(elapsed_ms) / 1e3 / len(launches)
+    """Seconds per launch: launches captured as one CUDA graph, replayed REPEATS times; median (gemm_tuning.py)."""
+    from metrale.runtime.backend.cuda.gemm_tuning import time_per_launch as timed
+    return timed(stream, launches, REPEATS)
 
 
 def run_case(lib, lt, stream, n: int, k: int, out_dtype: str, tokens: list[int], min_launches: int) -> list[dict]:

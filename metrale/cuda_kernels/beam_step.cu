@@ -277,11 +277,12 @@ extern "C" __global__ void __launch_bounds__(1024) beam_fork(const BeamState* st
     }
 }
 
-// One thread per row of the next decode forward (`rows` padded to its graph's size): row i < num_rows is beam
+// One CTA per row of the next decode forward (`rows` padded to its graph's size): row i < num_rows is beam
 // state.rows_beam[i], whose newest token (`generated` tokens into the search) it feeds at its position, writing
 // its K/V into its block table's slot; padding rows and rows of ended searches read and write nothing (context 0,
 // slot -1). The outputs are pack_batch's arrays for a pure decode batch, and an encoder-decoder's cross batch
-// (the same rows over their sources' blocks) where cross_tables is given.
+// (the same rows over their sources' blocks) where cross_tables is given. The CTA's threads write the row's table
+// entries side by side; its first thread the row's scalars.
 extern "C" __global__ void beam_metadata(const BeamState* state, int parity, int generated, int num_rows, int rows,
                                          int* token_ids, int* positions, int* slots, int* sample_rows,
                                          int* decode_rows, int* contexts, int* tables,
@@ -290,8 +291,7 @@ extern "C" __global__ void beam_metadata(const BeamState* state, int parity, int
                                          int* cross_tables) {
     wait_for_previous_kernel();
     const BeamState& s = *state;
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= rows) return;
+    const int i = blockIdx.x;
     const int M = (int)s.max_blocks, B = (int)s.block_size;
     int token = 0, position = 0, slot = -1, context = 0, used = 0, source = 0, source_blocks = 0, r = -1;
     const int* table = nullptr;
@@ -300,22 +300,29 @@ extern "C" __global__ void beam_metadata(const BeamState* state, int parity, int
         r = s.beam_request[beam];
         if (!s.done[r]) {
             position = s.prompt_len[r] + generated - 1;
-            token = s.running[(half(s, parity) + beam) * s.max_len + position];
             table = s.tables + (half(s, parity) + beam) * s.table_width;
-            slot = s.block_ids[table[position / B]] * B + position % B;
             context = position + 1;
             used = (context + B - 1) / B;
             source = s.source_len[r];
             source_blocks = (source + B - 1) / B;
+            if (threadIdx.x == 0) {
+                token = s.running[(half(s, parity) + beam) * s.max_len + position];
+                slot = s.block_ids[table[position / B]] * B + position % B;
+            }
         }
     }
+    for (int e = threadIdx.x; e < M; e += blockDim.x) {
+        tables[(long long)i * M + e] = e < used ? s.block_ids[table[e]] : 0;
+        if (cross_tables != nullptr)
+            cross_tables[(long long)i * M + e] = e < source_blocks ? s.cross_tables[(long long)r * M + e] : 0;
+    }
+    if (threadIdx.x != 0) return;
     token_ids[i] = token;
     positions[i] = position;
     slots[i] = slot;
     sample_rows[i] = i;
     decode_rows[i] = i;
     contexts[i] = context;
-    for (int e = 0; e < M; ++e) tables[(long long)i * M + e] = e < used ? s.block_ids[table[e]] : 0;
     if (cross_token_ids == nullptr) return;
     cross_token_ids[i] = token;
     cross_positions[i] = position;
@@ -323,6 +330,4 @@ extern "C" __global__ void beam_metadata(const BeamState* state, int parity, int
     cross_sample_rows[i] = i;
     cross_decode_rows[i] = i;
     cross_contexts[i] = source;
-    for (int e = 0; e < M; ++e)
-        cross_tables[(long long)i * M + e] = e < source_blocks ? s.cross_tables[(long long)r * M + e] : 0;
 }

@@ -17,7 +17,7 @@ def test_the_collector_stays_off_until_the_last_overlapping_capture_ends():
     seen = {}
 
     def first():
-        with graphs._no_collection():
+        with graphs.no_collection():
             first_in.set()
             second_in.wait(5)
         seen["after first"] = gc.isenabled()
@@ -25,7 +25,7 @@ def test_the_collector_stays_off_until_the_last_overlapping_capture_ends():
 
     def second():
         first_in.wait(5)
-        with graphs._no_collection():
+        with graphs.no_collection():
             second_in.set()
             first_out.wait(5)
             seen["second, first done"] = gc.isenabled()
@@ -43,7 +43,7 @@ def test_the_collector_stays_off_until_the_last_overlapping_capture_ends():
 def test_a_collector_turned_off_before_stays_off():
     gc.disable()
     try:
-        with graphs._no_collection():
+        with graphs.no_collection():
             assert not gc.isenabled()
         assert not gc.isenabled()
     finally:

@@ -167,3 +167,29 @@ def test_close_is_idempotent_and_final(cuda_device, stream):
     lt.close()
     with pytest.raises(FailedPrecondition, match="closed"):
         run_linear(lt, stream, out, x, weight, None)
+
+
+def test_tuner_times_each_new_shape_once_and_its_choice_stays_exact(stream):
+    """gemm_tuning.AlgoTuner: a new shape's candidates are timed (over weight copies in the scratch) and the fastest
+    kept, the heuristic's first where none beats it; the call's result is still the linear's; a shape met again, and
+    a weight too small to matter, are not timed."""
+    from metrale.runtime.backend.cuda.gemm_tuning import AlgoTuner
+
+    workspace, scratch = make_workspace(), torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    lt = CublasLt(DeviceTensor.from_torch(workspace))
+    tuner = lt.tuner = AlgoTuner(DeviceTensor.from_torch(scratch), torch.cuda.get_device_properties(0).L2_cache_size)
+    try:
+        x, weight, bias = random_linear(4, 1024, 1024, seed=11, with_bias=True)   # NLLB's out projection, 4 rows
+        for _ in range(2):
+            out = torch.full((4, 1024), float("nan"), dtype=torch.bfloat16, device="cuda")
+            run_linear(lt, stream, out, x, weight, bias)
+            assert relative_error(out, reference(x, weight, bias)) < TOLERANCE[torch.bfloat16]
+        assert len(tuner.chosen) == 1
+        (index, times), = tuner.chosen.values()
+        assert len(times) >= 1 and all(t > 0 for t in times)
+        assert index == 0 or times[index] < times[0]
+        small_x, small_weight, _ = random_linear(4, 256, 256, seed=12, with_bias=False)
+        run_linear(lt, stream, torch.empty(4, 256, dtype=torch.bfloat16, device="cuda"), small_x, small_weight, None)
+        assert len(tuner.chosen) == 1
+    finally:
+        lt.close()

@@ -15,7 +15,8 @@ from metrale.runtime.backend.cuda.beam_search import DeviceBeamSearch, state_arr
 from metrale.runtime.backend.cuda.compiler import KernelCache, KernelLibrary
 from metrale.runtime.backend.cuda.device import ALIGNMENT, Arena, CudaDevice
 from metrale.runtime.backend.cuda.gemm import CublasLt
-from metrale.runtime.backend.cuda.graphs import DecodeGraphs, EncoderGraphs
+from metrale.runtime.backend.cuda.gemm_tuning import AlgoTuner
+from metrale.runtime.backend.cuda.graphs import DecodeGraphs, EncoderGraphs, no_collection
 from metrale.runtime.backend.cuda.lane import Lane, LaneBinding, lane_buffers, lane_bytes, padded_vocab
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.backend.ops import MemoryShapes, RopeTable
@@ -46,6 +47,7 @@ class CudaBackend:
         self.cuda = CudaDevice()
         self.lib = KernelLibrary(self.cuda.arch, KernelCache(cache_dir))
         self._weights: Arena | None = None
+        self._kv_pool: DeviceTensor | None = None
         self.lanes: list[Lane] = []
 
     def plan(self, weight_bytes: int, shapes: MemoryShapes) -> None:
@@ -72,6 +74,22 @@ class CudaBackend:
 
     def synchronize(self) -> None:
         self._bound.lane.synchronize()
+
+    def _tune_linears(self, lane: Lane, forward) -> None:
+        """Each decode bucket's forward once, eagerly, with the GEMM tuner on: every linear shape a graph will
+        replay gets the algorithm that is fastest on its weights streamed from HBM (gemm_tuning.py). The KV pool,
+        which no sequence holds yet, takes the weight copies the timing needs; what they leave there is never read
+        (a sequence's keys are written before they are attended)."""
+        if self._kv_pool is None:
+            return
+        self.gemm.tuner = AlgoTuner(self._kv_pool, self.cuda.device.properties.l2_cache_size)
+        try:
+            with no_collection():
+                for size in lane.graphs.batch_sizes:
+                    lane.graphs.rehearse(forward, size)
+            lane.synchronize()
+        finally:
+            self.gemm.tuner = None
 
     @property
     def lane(self) -> Lane:
@@ -108,6 +126,7 @@ class CudaBackend:
         layer_bytes = math.prod(shape) * 2
         pool_bytes = num_layers * -(-layer_bytes // ALIGNMENT) * ALIGNMENT
         pool = Arena(self.cuda.allocate(pool_bytes), pool_bytes, "KV pool")
+        self._kv_pool = DeviceTensor(pool.base, (pool_bytes,), "uint8")
         return [pool.take(shape, "bfloat16") for _ in range(num_layers)]
 
     def time_steps(self, enabled: bool) -> None:
@@ -128,9 +147,11 @@ class CudaBackend:
             return
         caller = self._bound.lane
         try:
-            for lane in self.lanes:
+            for index, lane in enumerate(self.lanes):
                 self._bound.lane = lane
                 lane.graphs = DecodeGraphs(lane, usable, max_context, max_source_len)
+                if index == 0:
+                    self._tune_linears(lane, forward)
                 lane.graphs.capture_all(forward)
                 if max_source_len:      # captured as their shapes come
                     lane.encoder_graphs = EncoderGraphs(lane)

@@ -173,6 +173,8 @@ class CublasLt:
         self._matmuls: dict[LinearKey, _Matmul] = {}
         self._lock = threading.Lock()
         self.plans_created = 0              # descriptor sets built: one per new LinearKey
+        # Set while the backend warms up (gemm_tuning.py): each new shape's algorithm is then chosen by timing.
+        self.tuner = None
         # Host scalars in fp32 (the scale type); POINTER_MODE_HOST reads them when a matmul is enqueued.
         self._alpha = np.ones(1, dtype=np.float32)
         self._beta = np.zeros(1, dtype=np.float32)
@@ -205,7 +207,11 @@ class CublasLt:
         if workspace_bytes < self._workspace_bytes:
             raise InvalidArgument(f"linear: a {workspace_bytes}-byte workspace is smaller than the "
                                   f"{self._workspace_bytes} bytes the algorithms were chosen for")
-        matmul = self._matmuls.get(key) or self._matmul_of(key)
+        matmul = self._matmuls.get(key)
+        if matmul is None:
+            matmul = self._matmul_of(key)
+            if self.tuner is not None:
+                self.tuner.tune(self, key, stream, out, x, weight, bias, workspace, relu)
         lt = self._lt
         try:
             if bias is None:
@@ -282,6 +288,11 @@ class CublasLt:
 
     def _choose_algo(self, plan: GemmPlan, desc: int, layouts: list[int]):
         """The heuristic's first choice for this plan, within the workspace and ALIGNMENT."""
+        return self._heuristics(plan, desc, layouts, 1)[0]
+
+    def _heuristics(self, plan: GemmPlan, desc: int, layouts: list[int], count: int) -> list:
+        """The heuristic's first `count` algorithms for this plan (fewer where it knows fewer), its best guess first:
+        MatmulHeuristicResult views into one array, which they keep alive."""
         lt = self._lt
         attr = lt.MatmulPreferenceAttribute
         preference = self._call("cublasLtMatmulPreferenceCreate", lt.matmul_preference_create)
@@ -290,19 +301,32 @@ class CublasLt:
             for name in ("MIN_ALIGNMENT_A_BYTES", "MIN_ALIGNMENT_B_BYTES", "MIN_ALIGNMENT_C_BYTES",
                          "MIN_ALIGNMENT_D_BYTES"):
                 self._set_preference(preference, getattr(attr, name), ALIGNMENT)
-            heuristic = lt.MatmulHeuristicResult(1)
+            results = lt.MatmulHeuristicResult(count)
             found = np.zeros(1, dtype=np.int32)
             a_layout, b_layout, d_layout = layouts
             self._call("cublasLtMatmulAlgoGetHeuristic", lt.matmul_algo_get_heuristic, self._handle, desc,
-                       a_layout, b_layout, d_layout, d_layout, preference, 1, heuristic.ptr, found.ctypes.data)
+                       a_layout, b_layout, d_layout, d_layout, preference, count, results.ptr, found.ctypes.data)
         finally:
             self._call("cublasLtMatmulPreferenceDestroy", lt.matmul_preference_destroy, preference)
         if found[0] == 0:
             raise FailedPrecondition(f"cuBLASLt has no algorithm for {plan} within a {self.workspace.nbytes}-byte "
                                      f"workspace")
-        if int(heuristic.state) != 0:
-            raise CublasLtError("cublasLtMatmulAlgoGetHeuristic", self._status_name(int(heuristic.state)), str(plan))
-        return heuristic
+        if int(results[0].state) != 0:
+            raise CublasLtError("cublasLtMatmulAlgoGetHeuristic", self._status_name(int(results[0].state)), str(plan))
+        return [results[i] for i in range(int(found[0])) if int(results[i].state) == 0]
+
+    def candidate_algos(self, key: LinearKey, count: int) -> list:
+        """The heuristic's first `count` algorithms for key's shape (for a tuner to time), its choice first."""
+        matmul = self._matmuls.get(key) or self._matmul_of(key)
+        return self._heuristics(GemmPlan.for_linear(key), matmul.desc,
+                                [matmul.a_layout, matmul.b_layout, matmul.d_layout], count)
+
+    def use_algo(self, key: LinearKey, result) -> None:
+        """key's shape runs `result`'s algorithm (one of candidate_algos(key)) from its next call; graphs captured
+        before keep the one they captured."""
+        matmul = self._matmuls.get(key) or self._matmul_of(key)
+        with self._lock:
+            matmul.heuristic, matmul.algo = result, result.ptr
 
     def _set_desc(self, desc: int, attribute, value: int) -> None:
         buffer = np.array([value], dtype=self._lt.get_matmul_desc_attribute_dtype(attribute))

@@ -75,6 +75,13 @@ class DecodeGraphs:
         self._layouts[size] = prepared, cross
         return prepared, cross
 
+    def rehearse(self, forward: Callable, size: int) -> None:
+        """forward over the bucket's padded empty batch, eagerly: the launches its capture would record, run once
+        (a linear's algorithm is tuned on its first call, which a capture cannot time)."""
+        empty = empty_decode_batch(self.max_source_len > 0)
+        with self.lane.reuse_prepared(*self._prepare(empty, size)):
+            forward(empty)
+
     def capture(self, forward: Callable, size: int) -> None:
         """The bucket's graph, captured now if it is not yet: before a caller writes the metadata replay() reads
         (capturing lays padding metadata over the region)."""
@@ -161,7 +168,7 @@ def capture(lane, run: Callable[[], object], prepared: tuple) -> tuple[object, o
     stream = lane.stream
     stream.sync()
     builder = stream.create_graph_builder()
-    with _no_collection():
+    with no_collection():
         builder.begin_building("thread_local")
         try:
             with lane.reuse_prepared(*prepared):
@@ -180,7 +187,7 @@ _captures, _collector_was_on = 0, True
 
 
 @contextlib.contextmanager
-def _no_collection():
+def no_collection():
     """No cyclic garbage collection while a graph is captured: a device buffer that the collector frees frees
     its memory on a stream (cuMemFreeAsync), which the capture forbids and which would invalidate it. What is
     garbage already goes first, before any capture is under way."""

@@ -3,12 +3,12 @@ call's state on the device (runtime/backend/cuda/beam_search.py lays it out; `st
 
 import numpy as np
 
-from metrale.runtime.backend.cuda.launch import ceil_div, launch_kernel, require
+from metrale.runtime.backend.cuda.launch import launch_kernel, require
 
 MODULE = "beam_step"
 SELECT_THREADS = 256
 FORK_THREADS = 1024
-METADATA_THREADS = 128
+METADATA_THREADS = 64        # a row's table entries, side by side
 
 
 def beam_select(lib, stream, state: int, num_active: int, parity: int, generated: int) -> None:
@@ -34,5 +34,5 @@ def beam_metadata(lib, stream, state: int, parity: int, generated: int, num_rows
              batch.decode_contexts, batch.decode_tables]
     cross_views = ([cross.token_ids, cross.positions, cross.slot_mapping, cross.sample_rows, cross.decode_rows,
                     cross.decode_contexts, cross.decode_tables] if cross is not None else [np.uint64(0)] * 7)
-    launch_kernel(stream, lib.get("beam_metadata", MODULE), ceil_div(rows, METADATA_THREADS), METADATA_THREADS,
+    launch_kernel(stream, lib.get("beam_metadata", MODULE), rows, METADATA_THREADS,
                   np.uint64(state), parity, generated, num_rows, rows, *views, *cross_views)
