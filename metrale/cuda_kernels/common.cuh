@@ -41,6 +41,15 @@ __device__ __forceinline__ unsigned int float2_to_bf16x2(float lo, float hi) {
     return r;
 }
 
+// Rotate-half rotary embedding of two dims of each of a pair: first holds dims i, i + 1 and second dims i + half,
+// i + half + 1 (bf16 pairs); c, s their angles' cos and sin. In fp32, each result rounded to bf16 once.
+__device__ __forceinline__ void rotate_pair2(unsigned int& first, unsigned int& second, float c0, float c1, float s0,
+                                             float s1) {
+    const float2 x1 = bf16x2_to_float2(first), x2 = bf16x2_to_float2(second);
+    first = float2_to_bf16x2(x1.x * c0 - x2.x * s0, x1.y * c1 - x2.y * s1);
+    second = float2_to_bf16x2(x2.x * c0 + x1.x * s0, x2.y * c1 + x1.y * s1);
+}
+
 // Reduction operators for warp_reduce / block_reduce. Max on floats is fmaxf: a NaN loses to any number.
 struct Sum {
     template <typename T>

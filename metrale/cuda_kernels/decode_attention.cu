@@ -39,6 +39,23 @@ struct DecodeArgs {
 
 };
 
+// The decode rows' new tokens, for the multi-head kernel that attends them and writes them itself
+// (paged_decode_attention_mha_new, in place of rope_and_write_kv then the attention): row t's key and value are
+// rows of k and v [T, num_heads * HEAD_DIM] (row strides in elements); its key and query are rotated as
+// rope_and_write_kv rotates them (rotate-half, cos and sin [P, HEAD_DIM / 2] at positions[t]), and its key and
+// value go into the cache at slots[t] (none where negative), as that kernel writes them.
+struct NewTokens {
+    const bf16* k;
+    long long k_stride;
+    const bf16* v;
+    long long v_stride;
+    const float* cos;
+    const float* sin;
+    const int* positions;
+    const int* slots;
+    bf16* cache;              // DecodeArgs' kv_cache
+};
+
 // grid (num_splits, num_kv_heads, B), THREADS threads. CTA (split, kv_head, b) attends the group_size
 // (<= 16) query heads of kv_head, the 16 rows of one mma tile, over the keys of its split:
 // [split * partition_size, (split + 1) * partition_size) within the window. Each warp takes 16 keys of
@@ -172,8 +189,8 @@ template <> struct ValueDims<4> {
     }
 };
 
-template <int HEAD_DIM>
-__device__ __forceinline__ void paged_decode_attention_mha(const DecodeArgs& a) {
+template <int HEAD_DIM, bool FRESH = false>
+__device__ __forceinline__ void paged_decode_attention_mha(const DecodeArgs& a, const NewTokens& fresh = {}) {
     constexpr int DIMS = HEAD_DIM / 32;           // output dims per lane
     constexpr int K_LOADS = HEAD_DIM / 8;         // uint4 per K row
     using V = ValueDims<DIMS>;
@@ -189,13 +206,56 @@ __device__ __forceinline__ void paged_decode_attention_mha(const DecodeArgs& a) 
     if (lo >= hi) return;
 
     const bf16* query_row = a.q + row * a.q_stride + (long long)head * HEAD_DIM;
-    for (int d = lane; d < HEAD_DIM; d += 32) query[warp][d] = bf16_to_float(query_row[d]) * a.scale_log2;
+    constexpr int HALF = HEAD_DIM / 2;
+    const float* cos_row = nullptr;
+    const float* sin_row = nullptr;
+    if (FRESH) {
+        const long long position = fresh.positions[row];
+        cos_row = fresh.cos + position * HALF;
+        sin_row = fresh.sin + position * HALF;
+        for (int d = lane; d < HALF; d += 32) {     // as rope_and_write_kv: rotated, rounded to bf16
+            const float x1 = bf16_to_float(query_row[d]), x2 = bf16_to_float(query_row[d + HALF]);
+            const float c = cos_row[d], s = sin_row[d];
+            query[warp][d] = bf16_to_float(float_to_bf16(x1 * c - x2 * s)) * a.scale_log2;
+            query[warp][d + HALF] = bf16_to_float(float_to_bf16(x2 * c + x1 * s)) * a.scale_log2;
+        }
+    } else {
+        for (int d = lane; d < HEAD_DIM; d += 32) query[warp][d] = bf16_to_float(query_row[d]) * a.scale_log2;
+    }
     __syncwarp();
     const long long slot_elems = (long long)num_heads * HEAD_DIM;     // one token's K (or V) of every head
     const bf16* k_plane = a.kv_cache + (long long)head * HEAD_DIM;
     const bf16* v_plane = k_plane + a.plane_elems + lane * DIMS;
     const int* block_table = a.block_tables + (long long)seq * a.max_blocks;
     const int block_mask = (1 << a.block_shift) - 1;
+
+    // The new token (FRESH), in the split that holds its key (context - 1): the warp rotates the key a word pair a
+    // lane (dims 2i, 2i + 1 and their partners HALF on), keeps it for the lane that scores it, and writes the key
+    // and each lane's dims of the value into the cache. The value is added after the chunk's others: it is last.
+    __shared__ __align__(16) unsigned new_key[FRESH ? MHA_WARPS : 1][HEAD_DIM / 2];
+    typename V::Load new_value = typename V::Load();
+    const bool holds_new = FRESH && hi == context;
+    if (holds_new) {
+        const int new_slot = fresh.slots[row];
+        const long long column = (long long)head * HEAD_DIM;
+        const unsigned* k_words = reinterpret_cast<const unsigned*>(fresh.k + row * fresh.k_stride + column);
+        unsigned* k_out = reinterpret_cast<unsigned*>(fresh.cache + new_slot * slot_elems + column);
+        for (int i = lane; i < HALF / 2; i += 32) {
+            unsigned first = k_words[i], second = k_words[i + HALF / 2];
+            rotate_pair2(first, second, cos_row[2 * i], cos_row[2 * i + 1], sin_row[2 * i], sin_row[2 * i + 1]);
+            new_key[warp][i] = first;
+            new_key[warp][i + HALF / 2] = second;
+            if (new_slot >= 0) {
+                k_out[i] = first;
+                k_out[i + HALF / 2] = second;
+            }
+        }
+        new_value = *reinterpret_cast<const typename V::Load*>(fresh.v + row * fresh.v_stride + column + lane * DIMS);
+        if (new_slot >= 0)
+            *reinterpret_cast<typename V::Load*>(fresh.cache + a.plane_elems + new_slot * slot_elems + column +
+                                                 lane * DIMS) = new_value;
+        __syncwarp();
+    }
 
     float running_max = negative_infinity(), sum = 0.f, acc[DIMS];
 #pragma unroll
@@ -204,16 +264,23 @@ __device__ __forceinline__ void paged_decode_attention_mha(const DecodeArgs& a) 
         const int key = base + lane;
         const bool live = key < hi;
         const int slot = live ? (block_table[key >> a.block_shift] << a.block_shift) + (key & block_mask) : 0;
+        const int newest = holds_new ? context - 1 - base : -1;    // the new token's place in the chunk
+        const bool new_here = newest >= 0 && newest < 32;
         uint4 k[K_LOADS];
         const uint4* k_row = reinterpret_cast<const uint4*>(k_plane + slot * slot_elems);
 #pragma unroll
-        for (int c = 0; c < K_LOADS; ++c) k[c] = live ? k_row[c] : make_uint4(0u, 0u, 0u, 0u);
+        for (int c = 0; c < K_LOADS; ++c) k[c] = live && lane != newest ? k_row[c] : make_uint4(0u, 0u, 0u, 0u);
+        if (lane == newest) {
+#pragma unroll
+            for (int c = 0; c < K_LOADS; ++c) k[c] = reinterpret_cast<const uint4*>(new_key[warp])[c];
+        }
         typename V::Load v[32];
 #pragma unroll
         for (int j = 0; j < 32; ++j) {
             const int slot_j = __shfl_sync(0xffffffffu, slot, j);
-            v[j] = base + j < hi ? *reinterpret_cast<const typename V::Load*>(v_plane + slot_j * slot_elems)
-                                 : typename V::Load();
+            v[j] = base + j < hi && j != newest
+                       ? *reinterpret_cast<const typename V::Load*>(v_plane + slot_j * slot_elems)
+                       : typename V::Load();
         }
         const float4* qv = reinterpret_cast<const float4*>(query[warp]);
         float dot = 0.f;
@@ -235,6 +302,7 @@ __device__ __forceinline__ void paged_decode_attention_mha(const DecodeArgs& a) 
         running_max = new_max;
 #pragma unroll
         for (int j = 0; j < 32; ++j) V::add(acc, __shfl_sync(0xffffffffu, p, j), v[j]);   // v[j] is 0 past hi
+        if (new_here) V::add(acc, __shfl_sync(0xffffffffu, p, newest), new_value);
     }
     const int d0 = lane * DIMS;
     if (keys.whole) {
@@ -271,6 +339,26 @@ DECODE_ENTRY(paged_decode_attention, THREADS, 128)
 DECODE_ENTRY(paged_decode_attention_mha, MHA_WARPS * 32, 32)
 DECODE_ENTRY(paged_decode_attention_mha, MHA_WARPS * 32, 64)
 DECODE_ENTRY(paged_decode_attention_mha, MHA_WARPS * 32, 128)
+
+// The multi-head kernel with the new tokens (NewTokens' fields after DecodeArgs').
+#define DECODE_NEW_ENTRY(HEAD_DIM)                                                                               \
+    extern "C" __global__ void __launch_bounds__(MHA_WARPS * 32) paged_decode_attention_mha_new_hd##HEAD_DIM(    \
+        bf16* out, long long out_stride, const bf16* q, long long q_stride, const bf16* kv_cache,               \
+        long long plane_elems, const int* seq_rows, const int* context_lens, const int* block_tables,           \
+        int max_blocks, float* partial_out, float* partial_lse, int heads, int block_shift, float scale_log2,   \
+        int sliding_window, int partition_size, const bf16* new_k, long long k_stride, const bf16* new_v,       \
+        long long v_stride, const float* cos, const float* sin, const int* positions, const int* slots) {       \
+        wait_for_previous_kernel();                                                                              \
+        paged_decode_attention_mha<HEAD_DIM, true>(                                                              \
+            {out, out_stride, q, q_stride, kv_cache, plane_elems, seq_rows, context_lens, block_tables,          \
+             max_blocks, partial_out, partial_lse, heads, block_shift, scale_log2, sliding_window,               \
+             partition_size},                                                                                    \
+            {new_k, k_stride, new_v, v_stride, cos, sin, positions, slots, const_cast<bf16*>(kv_cache)});        \
+    }
+
+DECODE_NEW_ENTRY(32)
+DECODE_NEW_ENTRY(64)
+DECODE_NEW_ENTRY(128)
 
 // grid (num_heads, B), head_dim threads: the out row of each decode sequence whose keys span several
 // splits = the mean of the splits' partial outputs weighted by 2^lse. Splits are chosen as in

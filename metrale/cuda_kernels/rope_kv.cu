@@ -14,13 +14,6 @@
 // loaded as two 8-byte vectors; cos/sin of the group are one float4 each. head_dim % 8 == 0.
 #include "common.cuh"
 
-__device__ __forceinline__ void rotate_pair2(unsigned int& first, unsigned int& second, float c0, float c1, float s0,
-                                             float s1) {
-    const float2 x1 = bf16x2_to_float2(first), x2 = bf16x2_to_float2(second);
-    first = float2_to_bf16x2(x1.x * c0 - x2.x * s0, x1.y * c1 - x2.y * s1);
-    second = float2_to_bf16x2(x2.x * c0 + x1.x * s0, x2.y * c1 + x1.y * s1);
-}
-
 // grid (T, ceil(items / blockDim.x)), items = (num_heads + 2 * num_kv_heads) * head_dim / 8 per token.
 extern "C" __global__ void rope_and_write_kv(bf16* qkv, long long qkv_stride, const float* cos, const float* sin,
                                              const int* positions, const int* slot_mapping, bf16* kv_cache,

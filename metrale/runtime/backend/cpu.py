@@ -115,6 +115,11 @@ class CpuBackend:
         flat[1, batch.slot_mapping] = v.view(k.shape)
         return q.reshape(q.shape[0], -1)
 
+    def self_attention(self, q, k, v, rope: RopeTable, batch: "CpuBatch", kv, num_kv_heads, head_dim, scale,
+                       sliding_window):
+        q = self.rope_and_write_kv(q, k, v, rope, batch, kv, head_dim)
+        return self.paged_attention(q, kv, batch, num_kv_heads, head_dim, scale, sliding_window)
+
     def write_kv(self, k, v, batch: "CpuBatch", kv):
         num_blocks, block_size = kv.shape[1], kv.shape[2]
         flat = kv.view(2, num_blocks * block_size, *kv.shape[3:])

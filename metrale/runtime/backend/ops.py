@@ -151,6 +151,11 @@ class Ops(Protocol):
         """Rotates q and k (rotate-half layout) at the batch positions, writes k and v into kv at the batch
         slots; returns rotated q [T, heads * head_dim]."""
 
+    def self_attention(self, q: Tensor, k: Tensor, v: Tensor, rope: RopeTable, batch: PreparedBatch, kv: Tensor,
+                       num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None) -> Tensor:
+        """rope_and_write_kv, then causal paged_attention of the rotated q: the batch's new tokens attending
+        their sequences' keys and their own -> [T, heads * head_dim]. A backend may do both in one pass."""
+
     def paged_attention(self, q: Tensor, kv: Tensor, batch: PreparedBatch, num_kv_heads: int, head_dim: int, scale: float,
                         sliding_window: int | None, causal: bool = True) -> Tensor:
         """Attention of each segment's queries over its paged KV -> [T, heads * head_dim]: causal, or (causal=False:

@@ -100,8 +100,7 @@ class LlamaForCausalLM:
         if c.qk_norm:
             q = ops.head_rms_norm(q, layer["self_attn.q_norm.weight"], c.rms_norm_eps, c.head_dim)
             k = ops.head_rms_norm(k, layer["self_attn.k_norm.weight"], c.rms_norm_eps, c.head_dim)
-        q = ops.rope_and_write_kv(q, k, v, self.rope, meta, kv, c.head_dim)
-        o = ops.paged_attention(q, kv, meta, c.num_kv_heads, c.head_dim, self.scale, c.sliding_window)
+        o = ops.self_attention(q, k, v, self.rope, meta, kv, c.num_kv_heads, c.head_dim, self.scale, c.sliding_window)
         return ops.linear(o, layer["self_attn.o_proj.weight"], layer.get("self_attn.o_proj.bias"))
 
 

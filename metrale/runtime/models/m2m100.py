@@ -159,8 +159,7 @@ class M2M100ForConditionalGeneration:
         for layer, kv in zip(w["decoder"], kv_cache):
             h, residual = ops.layer_norm(x, *layer["self_attn_layer_norm"], c.layer_norm_eps, residual)
             q, k, v = _split(ops.linear(h, *layer["qkv"]), c.hidden_size)
-            q = ops.rope_and_write_kv(q, k, v, self.no_rope, meta, kv, c.head_dim)
-            o = ops.paged_attention(q, kv, meta, c.num_heads, c.head_dim, scale, None)
+            o = ops.self_attention(q, k, v, self.no_rope, meta, kv, c.num_heads, c.head_dim, scale, None)
             h = ops.linear(o, *layer["out"])
             h, residual = ops.layer_norm(h, *layer["encoder_attn_layer_norm"], c.layer_norm_eps, residual)
             q = ops.linear(h, *layer["cross_q"])

@@ -166,6 +166,67 @@ def test_decode_peaked_scores(kernel_library, stream, heads):
     run_decode(kernel_library, stream, [1, 77, 3000], *KERNELS[heads], 128, 16, -1, sharpness=6.0)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, block_size", [(32, 16), (64, 16), (128, 32)])
+@pytest.mark.parametrize("rotation", ["identity", "random"])
+def test_decode_with_new_tokens_equals_rope_and_write_then_attention(kernel_library, stream, head_dim, block_size,
+                                                                      rotation):
+    """The multi-head kernel given the new tokens (it rotates and writes each, and attends it) against
+    rope_and_write_kv then the plain kernel, on copies of one cache: the same outputs and the same cache after.
+    Contexts of one key (the new one alone), across a 32-key chunk, and over several splits, with rows no sequence
+    owns (slot -1: nothing written). M2M100's identity rotation gives identical bits."""
+    from metrale.runtime.backend.cuda.kernels.attention import NewTokens
+    from metrale.runtime.backend.cuda.kernels.rope_kv import rope_and_write_kv
+
+    contexts, heads = [1, 2, 32, 33, 34, 65, 300, 5000], 6
+    batch, num_rows = len(contexts), len(contexts) + 3
+    kv, tables, _ = paged_cache(contexts, [0] * batch, block_size, heads, head_dim, DEVICE, poison=False,
+                                table_tokens=max(contexts))
+    rows = torch.randperm(num_rows)[:batch].to(torch.int32).to(DEVICE)
+    qkv = torch.randn(num_rows, 3 * heads * head_dim, device=DEVICE).bfloat16()
+    positions = torch.zeros(num_rows, dtype=torch.int32, device=DEVICE)
+    slots = torch.full((num_rows,), -1, dtype=torch.int32, device=DEVICE)
+    for b, context in enumerate(contexts):
+        positions[rows[b]] = context - 1
+        slots[rows[b]] = tables[b, (context - 1) // block_size] * block_size + (context - 1) % block_size
+    if rotation == "identity":
+        cos, sin = torch.ones(5000, head_dim // 2, device=DEVICE), torch.zeros(5000, head_dim // 2, device=DEVICE)
+    else:
+        angles = torch.rand(5000, head_dim // 2, device=DEVICE) * 6.3
+        cos, sin = angles.cos(), angles.sin()
+    width, scale = heads * head_dim, head_dim ** -0.5
+    elements = decode_workspace_elements(kernel_library, batch, heads, heads, head_dim, max(contexts))
+    view = DeviceTensor.from_torch
+    results = []
+    for fused in (False, True):
+        cache, buffer = kv.clone(), qkv.clone()
+        out = torch.full((num_rows, width), NAN, dtype=torch.bfloat16, device=DEVICE)
+        workspace = torch.full((max(elements, 4),), NAN, dtype=torch.float32, device=DEVICE)
+        torch.cuda.synchronize()
+        new_tokens = None
+        if fused:
+            new_tokens = NewTokens(view(buffer[:, width:2 * width]), view(buffer[:, 2 * width:]), view(cos), view(sin),
+                                   view(positions), view(slots))
+        else:
+            rope_and_write_kv(kernel_library, stream, view(buffer), view(cos), view(sin), view(positions), view(slots),
+                              view(cache), heads, heads, head_dim)
+        paged_decode_attention(kernel_library, stream, view(out), view(buffer[:, :width]), view(cache), view(rows),
+                               view(torch.tensor(contexts, dtype=torch.int32, device=DEVICE)), view(tables),
+                               view(workspace), heads, heads, head_dim, scale, -1, max(contexts),
+                               new_tokens=new_tokens)
+        stream.sync()
+        results.append((out, cache))
+    (out_a, cache_a), (out_b, cache_b) = results
+    owned = torch.zeros(num_rows, dtype=torch.bool, device=DEVICE)
+    owned[rows.long()] = True
+    assert out_b[~owned].isnan().all() and not out_b[owned].isnan().any()
+    if rotation == "identity":
+        assert torch.equal(out_a[owned], out_b[owned]) and torch.equal(cache_a, cache_b)
+    else:   # the rotation's products may be contracted differently: within bf16 rounding
+        assert relative_error(out_b[owned], out_a[owned]) < 1e-3
+        assert relative_error(cache_b, cache_a) < 1e-3
+
+
 def run_prefill(lib, stream, segments, num_heads, num_kv_heads, head_dim, block_size, sliding_window, sharpness=1.0,
                 causal=True):
     """segments: (query_len, context_len) each; segments sit in T in order with one unowned row between them.

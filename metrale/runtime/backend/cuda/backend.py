@@ -291,6 +291,22 @@ class CudaBackend:
                                           batch.slot_mapping, kv, num_heads, num_kv_heads, head_dim)
         return q
 
+    def self_attention(self, q, k, v, rope: RopeTable, batch: CudaBatch, kv, num_kv_heads, head_dim, scale,
+                       sliding_window):
+        num_heads = q.shape[1] // head_dim
+        if batch.num_prefill or num_heads != num_kv_heads:
+            q = self.rope_and_write_kv(q, k, v, rope, batch, kv, head_dim)
+            return self.paged_attention(q, kv, batch, num_kv_heads, head_dim, scale, sliding_window)
+        # Decode rows of a multi-head model: one kernel rotates and writes each new token and attends it.
+        lane = self._bound.lane
+        out = lane.new(q.shape[0], q.shape[1])
+        new_tokens = kernels.attention.NewTokens(k, v, rope.cos, rope.sin, batch.positions, batch.slot_mapping)
+        kernels.attention.paged_decode_attention(
+            self.lib, lane.stream, out, q, kv, batch.decode_rows, batch.decode_contexts, batch.decode_tables,
+            lane.decode_partials, num_heads, num_kv_heads, head_dim, scale,
+            -1 if sliding_window is None else sliding_window, batch.max_decode_context, new_tokens=new_tokens)
+        return out
+
     def paged_attention(self, q, kv, batch: CudaBatch, num_kv_heads, head_dim, scale, sliding_window, causal=True):
         lane = self._bound.lane
         out = lane.new(q.shape[0], q.shape[1])

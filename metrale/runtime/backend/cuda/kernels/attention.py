@@ -3,6 +3,7 @@ prefill_attention.cu (flash-attention-2): causal attention over the paged KV cac
 
 import functools
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -23,6 +24,19 @@ SPLIT_OVERHEAD_TILES = 6
 CONTEXT_QUANTUM = 4 * KV_TILE  # decode: max_context is planned in steps of this many keys
 MAX_GRID_YZ = 65535
 LOG2_E = math.log2(math.e)
+
+
+class NewTokens(NamedTuple):
+    """The decode rows' new tokens, for paged_decode_attention to rotate and write itself (multi-head models: in
+    place of rope_and_write_kv and its launch): k, v [T, num_heads * head_dim] bf16 (column slices of qkv allowed,
+    16-byte aligned rows); cos, sin [P, head_dim / 2] float32; positions, slots [T] int32, as rope_and_write_kv
+    takes them."""
+    k: DeviceTensor
+    v: DeviceTensor
+    cos: DeviceTensor
+    sin: DeviceTensor
+    positions: DeviceTensor
+    slots: DeviceTensor
 
 
 def decode_partition(batch: int, num_kv_heads: int, max_context: int, resident_ctas: int) -> tuple[int, int]:
@@ -95,7 +109,8 @@ def _partials_elements(batch: int, num_heads: int, head_dim: int, splits: int) -
 def paged_decode_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_cache: DeviceTensor,
                            seq_rows: DeviceTensor, context_lens: DeviceTensor, block_tables: DeviceTensor,
                            workspace: DeviceTensor | None, num_heads: int, num_kv_heads: int, head_dim: int,
-                           scale: float, sliding_window: int, max_context: int, partition: int | None = None) -> None:
+                           scale: float, sliding_window: int, max_context: int, partition: int | None = None,
+                           new_tokens: NewTokens | None = None) -> None:
     """Attention of one query per sequence over its paged KV: for b < B, out[seq_rows[b]] (all heads) from
     q[seq_rows[b]] and keys 0 .. context_lens[b] - 1 (the last max(0, context - sliding_window) .. with a
     window) read through block_tables[b].
@@ -107,7 +122,9 @@ def paged_decode_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_c
     guarantees): 1 <= context_lens[b] <= max_context <= max_blocks * block_size, block ids in [0, num_blocks),
     seq_rows in [0, T). A sequence with context_lens[b] == 0 (a padding lane) leaves its row unwritten.
     The number of splits depends on B, num_kv_heads and max_context only, so a captured graph stays valid
-    for any contexts up to max_context. partition: keys per split, overriding decode_partition (benchmarks)."""
+    for any contexts up to max_context. partition: keys per split, overriding decode_partition (benchmarks).
+    new_tokens (num_heads == num_kv_heads only): each sequence's newest key (context_lens[b] - 1) is its row's new
+    token, rotated with its query and written into kv_cache here, rather than read from it."""
     _check_common("paged_decode_attention", out, q, kv_cache, block_tables, num_heads, num_kv_heads, head_dim,
                   sliding_window)
     require(len(seq_rows.shape) == 1 and seq_rows.dtype == "int32",
@@ -134,8 +151,16 @@ def paged_decode_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_c
         require(workspace.ptr % 16 == 0, "paged_decode_attention: workspace must be 16-byte aligned")
         partial_out = workspace
         partial_lse = np.uint64(workspace.ptr + batch * num_heads * splits * head_dim * 4)
+    fresh = ()
+    if new_tokens is not None:
+        require(num_heads == num_kv_heads, "paged_decode_attention: new tokens need one query head per kv head")
+        _check_new_tokens(new_tokens, q.shape[0], num_heads * head_dim, head_dim)
+        k, v = new_tokens.k, new_tokens.v
+        fresh = (k, np.int64(k.stride), v, np.int64(v.stride), new_tokens.cos, new_tokens.sin, new_tokens.positions,
+                 new_tokens.slots)
     if num_heads == num_kv_heads:   # a warp per head: an mma tile would fill one row in 16
-        kernel, grid, block, heads = (lib.get(f"paged_decode_attention_mha_hd{head_dim}", DECODE_MODULE),
+        name = "paged_decode_attention_mha_new" if fresh else "paged_decode_attention_mha"
+        kernel, grid, block, heads = (lib.get(f"{name}_hd{head_dim}", DECODE_MODULE),
                                       (splits, ceil_div(num_heads, MHA_WARPS), batch), 32 * MHA_WARPS, num_heads)
     else:                           # the group's query heads share each K/V tile: the rows of one mma tile
         kernel, grid, block, heads = (lib.get(f"paged_decode_attention_hd{head_dim}", DECODE_MODULE),
@@ -143,11 +168,26 @@ def paged_decode_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_c
     launch_kernel(stream, kernel, grid, block, out, np.int64(out.stride), q, np.int64(q.stride), kv_cache,
                   np.int64(kv_cache.numel // 2), seq_rows, context_lens, block_tables, block_tables.shape[1],
                   partial_out, partial_lse, heads, block_size.bit_length() - 1, np.float32(scale * LOG2_E),
-                  sliding_window, partition)
+                  sliding_window, partition, *fresh)
     if splits > 1:
         launch_kernel(stream, lib.get("paged_decode_reduce", DECODE_MODULE), (num_heads, batch), head_dim, out,
                       np.int64(out.stride), seq_rows, context_lens, partial_out, partial_lse, sliding_window,
                       partition, splits)
+
+
+def _check_new_tokens(new: NewTokens, rows: int, width: int, head_dim: int) -> None:
+    for name, tensor in (("k", new.k), ("v", new.v)):
+        require(tensor.dtype == "bfloat16" and tensor.shape == (rows, width),
+                f"paged_decode_attention: new tokens' {name} must be [{rows}, {width}] bfloat16, not {tensor.shape} "
+                f"{tensor.dtype}")
+        require_aligned(tensor, 16, f"paged_decode_attention: new tokens' {name}")
+    for name, table in (("cos", new.cos), ("sin", new.sin)):
+        require(table.dtype == "float32" and len(table.shape) == 2 and table.shape[1] == head_dim // 2
+                and table.is_contiguous and table.ptr % 16 == 0,
+                f"paged_decode_attention: {name} must be a 16-byte aligned [P, {head_dim // 2}] float32")
+    for name, array in (("positions", new.positions), ("slots", new.slots)):
+        require(array.dtype == "int32" and len(array.shape) == 1 and array.shape[0] >= rows,
+                f"paged_decode_attention: new tokens' {name} must be [>= {rows}] int32")
 
 
 def paged_prefill_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_cache: DeviceTensor,
