@@ -84,7 +84,8 @@ __device__ __forceinline__ void store(float* p, float v) { *p = v; }
 // TOKEN_TILES = 1 (M <= 8) or 2 (M <= 16): 8-token B tiles, each with its own accumulator.
 template <int TOKEN_TILES, typename Out>
 __device__ __forceinline__ void skinny_gemm(Out* out, long long out_stride, const uint4* x, long long x_stride,
-                                            const uint4* weight, const Out* bias, int m, int n, int k_chunks) {
+                                            const uint4* weight, const Out* bias, int m, int n, int k_chunks,
+                                            int relu) {
     constexpr int TOKENS = 8 * TOKEN_TILES;
     __shared__ float partial[WARPS][TILE_ROWS][TOKENS];   // each warp's share of out^T for the CTA's 16 rows
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -156,6 +157,7 @@ __device__ __forceinline__ void skinny_gemm(Out* out, long long out_stride, cons
 #pragma unroll
             for (int w = 0; w < WARPS; ++w) sum += partial[w][r][token];
             if (bias != nullptr) sum += to_float(bias[row]);
+            if (relu) sum = fmaxf(sum, 0.f);                   // as activation.cu's relu
             store(out + token * out_stride + row, sum);
         }
     }
@@ -163,31 +165,32 @@ __device__ __forceinline__ void skinny_gemm(Out* out, long long out_stride, cons
 
 }  // namespace
 
-// Grid: ceil(N / 16) CTAs of 256 threads. x_stride in 16-byte chunks, out_stride in elements, k_chunks = K / 8.
+// Grid: ceil(N / 16) CTAs of 256 threads. x_stride in 16-byte chunks, out_stride in elements, k_chunks = K / 8;
+// relu != 0: max(., 0) after the bias.
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M8) skinny_gemm_m8_bf16(
     bf16* out, long long out_stride, const uint4* x, long long x_stride, const uint4* weight, const bf16* bias,
-    int m, int n, int k_chunks) {
+    int m, int n, int k_chunks, int relu) {
     wait_for_previous_kernel();
-    skinny_gemm<1>(out, out_stride, x, x_stride, weight, bias, m, n, k_chunks);
+    skinny_gemm<1>(out, out_stride, x, x_stride, weight, bias, m, n, k_chunks, relu);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M8) skinny_gemm_m8_f32(
     float* out, long long out_stride, const uint4* x, long long x_stride, const uint4* weight, const float* bias,
-    int m, int n, int k_chunks) {
+    int m, int n, int k_chunks, int relu) {
     wait_for_previous_kernel();
-    skinny_gemm<1>(out, out_stride, x, x_stride, weight, bias, m, n, k_chunks);
+    skinny_gemm<1>(out, out_stride, x, x_stride, weight, bias, m, n, k_chunks, relu);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M16) skinny_gemm_m16_bf16(
     bf16* out, long long out_stride, const uint4* x, long long x_stride, const uint4* weight, const bf16* bias,
-    int m, int n, int k_chunks) {
+    int m, int n, int k_chunks, int relu) {
     wait_for_previous_kernel();
-    skinny_gemm<2>(out, out_stride, x, x_stride, weight, bias, m, n, k_chunks);
+    skinny_gemm<2>(out, out_stride, x, x_stride, weight, bias, m, n, k_chunks, relu);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M16) skinny_gemm_m16_f32(
     float* out, long long out_stride, const uint4* x, long long x_stride, const uint4* weight, const float* bias,
-    int m, int n, int k_chunks) {
+    int m, int n, int k_chunks, int relu) {
     wait_for_previous_kernel();
-    skinny_gemm<2>(out, out_stride, x, x_stride, weight, bias, m, n, k_chunks);
+    skinny_gemm<2>(out, out_stride, x, x_stride, weight, bias, m, n, k_chunks, relu);
 }

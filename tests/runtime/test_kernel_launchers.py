@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("cuda.core")
 
 from metrale.runtime.backend.cuda.compiler import kernel_sources  # noqa: E402
-from metrale.runtime.backend.cuda.kernels import activation, embedding, norm, rope_kv  # noqa: E402
+from metrale.runtime.backend.cuda.kernels import activation, attention, embedding, norm, rope_kv  # noqa: E402
 from metrale.runtime.backend.cuda.launch import ceil_div, kernel_arg  # noqa: E402
 from metrale.runtime.backend.cuda.tensor import DeviceTensor  # noqa: E402
 from metrale.runtime.errors import InvalidArgument  # noqa: E402
@@ -30,9 +30,15 @@ def i32(*shape, offset=0):
     return DeviceTensor(BASE + offset, shape, "int32")
 
 
-def parameter_types(module: str, kernel: str) -> list[type]:
-    """The numpy type kernel_arg must produce for each parameter of `kernel` in cuda_kernels/<module>.cu."""
-    match = re.search(rf'extern "C" __global__ void {kernel}\(([^)]*)\)', kernel_sources()[module])
+def parameter_types(module: str, kernel: str, macro: str | None = None) -> list[type]:
+    """The numpy type kernel_arg must produce for each parameter of `kernel` in cuda_kernels/<module>.cu; macro:
+    the #define that declares it (kernels a macro stamps out per head size)."""
+    source = kernel_sources()[module].replace("\\\n", " ")
+    if macro is None:
+        match = re.search(rf'extern "C" __global__ void {kernel}\(([^)]*)\)', source)
+    else:
+        match = re.search(rf'#define {macro}\(.*?__global__ void (?:__launch_bounds__\([^)]*\) )?[\w#]+\(([^)]*)\)',
+                          source)
     assert match, f"no kernel {kernel} in {module}.cu"
     types = []
     for parameter in match.group(1).split(","):
@@ -256,6 +262,43 @@ def test_rope_and_write_kv_launch(launches):
     items = (HEADS + 2 * KV_HEADS) * HEAD_DIM // 8
     assert (name, grid, block) == ("rope_and_write_kv", (5, ceil_div(items, 128)), 128)
     assert args[1] == QKV_WIDTH and args[7:] == [NUM_BLOCKS * BLOCK_SIZE, HEADS, KV_HEADS, HEAD_DIM]
+
+
+DECODE_HEAD_DIM = 64                              # one the decode kernels are built for
+
+
+def decode_with_new_tokens(lib, heads=HEADS, kv_heads=HEADS, k_offset=0):
+    """A multi-head decode launch of 3 sequences whose new tokens' k and v are column slices of a qkv buffer."""
+    d = DECODE_HEAD_DIM
+    width, stride = heads * d, (heads + 2 * kv_heads) * d
+    new = attention.NewTokens(bf16(5, kv_heads * d, offset=2 * width + k_offset, row_stride=stride),
+                              bf16(5, kv_heads * d, offset=2 * (width + kv_heads * d), row_stride=stride),
+                              f32(P, d // 2), f32(P, d // 2), i32(5), i32(5))
+    attention.paged_decode_attention(lib, None, bf16(5, width), bf16(5, width, row_stride=stride),
+                                     bf16(2, NUM_BLOCKS, BLOCK_SIZE, kv_heads, d), i32(3), i32(3), i32(3, 4), None,
+                                     heads, kv_heads, d, d ** -0.5, -1, 64, partition=64, new_tokens=new)
+
+
+def test_decode_attention_with_new_tokens_launch(monkeypatch):
+    recorded = []
+    monkeypatch.setattr(attention, "launch_kernel", lambda stream, kernel, grid, block, *args: recorded.append(
+        (kernel[1], grid, block, [kernel_arg(a) for a in args])))
+    decode_with_new_tokens(FakeLibrary())
+    [(name, grid, block, args)] = recorded
+    assert (name, grid, block) == (f"paged_decode_attention_mha_new_hd{DECODE_HEAD_DIM}", (1, 1, 3), 128)
+    assert [type(a) for a in args] == parameter_types("decode_attention", name, macro="DECODE_NEW_ENTRY")
+    assert args[-8] == BASE + 2 * HEADS * DECODE_HEAD_DIM and args[-7] == 3 * HEADS * DECODE_HEAD_DIM
+
+
+@pytest.mark.parametrize("case, call", [
+    ("grouped heads", lambda lib: decode_with_new_tokens(lib, kv_heads=KV_HEADS)),
+    ("misaligned k", lambda lib: decode_with_new_tokens(lib, k_offset=8))])
+def test_decode_attention_refuses_new_tokens_it_cannot_take(monkeypatch, case, call):
+    recorded = []
+    monkeypatch.setattr(attention, "launch_kernel", lambda *args: recorded.append(args))
+    with pytest.raises(InvalidArgument, match="paged_decode_attention"):
+        call(FakeLibrary())
+    assert recorded == []
 
 
 @pytest.mark.parametrize("batch, max_context", [(1, 1), (1, 1024), (1, 8192), (8, 4096), (64, 1024),

@@ -123,10 +123,12 @@ def state_bans(prompt: list[int], ngram: int, short: bool, eos: tuple[int, ...])
     return sorted(banned)
 
 
-@pytest.mark.parametrize("count", [8, 16, 40])         # the two-pass kernel (<= 16), and top_logprobs_of's
-def test_device_search_candidates_match_float64(kernel_library, stream, count):
-    """beam_state_parts(_fast) and beam_state_merge, the device search's candidates, against float64: NLLB's
-    vocabulary split across blocks, bans computed on the device from each beam's tokens."""
+# The warp maxima's floor (count + bans <= 32), and top_logprobs_of's search: for more (40), and where too many
+# values reach the floor (tied: four distinct values in a row).
+@pytest.mark.parametrize("count, tied", [(8, False), (16, False), (40, False), (8, True)], ids=str)
+def test_device_search_candidates_match_float64(kernel_library, stream, count, tied):
+    """beam_state_parts and beam_state_merge, the device search's candidates, against float64: NLLB's vocabulary
+    split across blocks, bans computed on the device from each beam's tokens (a banned EOS the row's maximum)."""
     from metrale.runtime.backend.cuda.beam_search import DeviceBeamSearch, state_arrays
     from metrale.runtime.backend.cuda.kernels.beam import beam_state_candidates
     from metrale.runtime.beam.on_device import DeviceSearch
@@ -148,7 +150,11 @@ def test_device_search_candidates_match_float64(kernel_library, stream, count):
     lane = _Lane(kernel_library, stream)
     state = DeviceBeamSearch(lane, search, state_arrays(search, lane.shapes.max_blocks_per_seq), forward=None,
                              kv_cache=[], region=DeviceTensor.from_torch(region))
-    logits = torch.randn(TB, vocab, generator=torch.Generator().manual_seed(count)) * 3.0
+    generator = torch.Generator().manual_seed(count)
+    if tied:
+        logits = torch.randint(0, 4, (TB, vocab), generator=generator).float()
+    else:
+        logits = torch.randn(TB, vocab, generator=generator) * 3.0
     logits[0, 2] = 40.0                                     # a banned EOS as the row's maximum
     wide = torch.zeros(TB, 256256, device="cuda")           # rows padded as the LM head's are
     wide[:, :vocab] = logits.cuda()
@@ -162,4 +168,4 @@ def test_device_search_candidates_match_float64(kernel_library, stream, count):
     assert banned[0] == [2, 7, 11, 40] and banned[4] == [3]
     want_values, want_ids = reference(logits, banned, count)
     assert (values - want_values).abs().max() < 2e-5
-    assert torch.equal(ids, want_ids)                   # random logits: no two within rounding of each other
+    assert torch.equal(ids, want_ids)       # ties go to the lower id; random logits: none within rounding

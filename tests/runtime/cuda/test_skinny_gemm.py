@@ -70,6 +70,22 @@ def check(out, x, weight, bias=None):
 
 
 @gpu
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_relu_epilogue_is_the_relu_of_the_linear(kernel_library, stream, weights, m):
+    # M2M100's fc1 at a decode batch's rows (bias, then max(., 0) before the one rounding).
+    weight, x = weights(4096, 1024), random_x(m, 1024, seed=m + 3)
+    bias = torch.randn(4096, generator=torch.Generator(device="cuda").manual_seed(m), device="cuda").bfloat16()
+    out, _ = poisoned(m, 4096, "bfloat16")
+    torch.cuda.synchronize()
+    skinny_linear(kernel_library, stream, DeviceTensor.from_torch(out), DeviceTensor.from_torch(x),
+                  DeviceTensor.from_torch(weight), DeviceTensor.from_torch(bias), relu=True)
+    stream.sync()
+    reference = (x.double() @ weight.double().T + bias.double()).clamp_min(0)
+    assert (out >= 0).all() and (out == 0).any()
+    assert relative_error(out, reference) < TOLERANCE[out.dtype]
+
+
+@gpu
 @pytest.mark.parametrize("n, k, out_dtype", SHAPES)
 @pytest.mark.parametrize("m", TOKENS)
 def test_skinny_linear_matches_float64(kernel_library, stream, weights, m, n, k, out_dtype):
@@ -201,7 +217,7 @@ def test_skinny_linear_launch(launches, m, out, kernel):
     converted = [kernel_arg(a) for a in args]
     assert [type(a) for a in converted] == parameter_types(kernel)
     assert converted[1] == out.stride and converted[3] == (4096 + 128) // 8
-    assert converted[5] == 0 and converted[6:] == [m, 6144, 4096 // 8]   # no bias: a null pointer
+    assert converted[5] == 0 and converted[6:] == [m, 6144, 4096 // 8, 0]   # no bias: a null pointer; no relu
 
 
 def test_skinny_linear_with_no_tokens_launches_nothing(launches):

@@ -273,13 +273,11 @@ class CudaBackend:
         return out
 
     def _linear(self, lane: Lane, out, x, weight, bias=None, relu: bool = False):
-        """Decode-sized linears on the skinny-GEMM kernel where it beats cuBLASLt (then a relu kernel where asked),
-        the rest on cuBLASLt (the relu in its epilogue)."""
+        """Decode-sized linears on the skinny-GEMM kernel where it beats cuBLASLt, the rest on cuBLASLt (either
+        takes the relu in its epilogue)."""
         if (x.shape[0] <= SKINNY_MAX_M and weight.numel <= SKINNY_MAX_WEIGHT
                 and kernels.skinny_gemm.supports(x, weight, out, bias)):
-            kernels.skinny_gemm.skinny_linear(self.lib, lane.stream, out, x, weight, bias)
-            if relu:
-                kernels.activation.relu(self.lib, lane.stream, out, out)
+            kernels.skinny_gemm.skinny_linear(self.lib, lane.stream, out, x, weight, bias, relu=relu)
         else:
             self.gemm.linear(lane.stream, out, x, weight, bias, lane.gemm_workspace, relu=relu)
 

@@ -54,11 +54,12 @@ def supports(x: DeviceTensor, weight: DeviceTensor, out: DeviceTensor, bias: Dev
 
 
 def skinny_linear(lib, stream, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
-                  bias: DeviceTensor | None = None) -> None:
+                  bias: DeviceTensor | None = None, relu: bool = False) -> None:
     """out [M, N] = x [M, K] @ weight [N, K].T (+ bias [N]) in one launch, for M <= 16 (decode lanes).
     x: bf16, may be a column slice (row stride a multiple of 8 elements); weight: bf16, contiguous; out: bf16 or
     float32 (logits), may be a column slice; bias: out's dtype. x and weight 16-byte aligned; K % 8 == 0.
-    fp32 accumulation, rounded once to out's dtype (bias added before rounding). M == 0 launches nothing."""
+    fp32 accumulation, rounded once to out's dtype (bias added, then max(., 0) if relu, before rounding). M == 0
+    launches nothing."""
     problem = unsupported_reason(out, x, weight, bias)
     if problem is not None:
         raise InvalidArgument(f"skinny_linear: {problem}")
@@ -68,4 +69,4 @@ def skinny_linear(lib, stream, out: DeviceTensor, x: DeviceTensor, weight: Devic
     n = out.shape[1]
     kernel = lib.get(KERNELS[m <= 8, out.dtype], MODULE)
     launch_kernel(stream, kernel, ceil_div(n, TILE_ROWS), THREADS, out, np.int64(out.stride), x,
-                  np.int64(x.stride // 8), weight, bias if bias is not None else NULL, m, n, k // 8)
+                  np.int64(x.stride // 8), weight, bias if bias is not None else NULL, m, n, k // 8, int(relu))
