@@ -1,5 +1,7 @@
 """The one place runtime errors become gRPC status codes, as a server interceptor."""
 
+import time
+
 import grpc
 import structlog
 from google.rpc import code_pb2, error_details_pb2, status_pb2
@@ -77,35 +79,58 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
             return handler._replace(unary_stream=self._wrap_stream(handler.unary_stream, rpc))
         return handler
 
+    # An RPC's time is observed before its answer or its error status leaves (abort sends the status as it
+    # raises): a client that scrapes the metrics after the answer sees the RPC counted.
     def _wrap_unary(self, behavior, rpc):
         async def wrapped(request, context):
-            with structlog.contextvars.bound_contextvars(rpc=rpc), self._metrics.rpc_seconds.labels(rpc).time():
+            timer = _Timer(self._metrics.rpc_seconds.labels(rpc))
+            with structlog.contextvars.bound_contextvars(rpc=rpc):
                 try:
                     return await behavior(request, context)
                 except errors.WorkerError as error:
                     self._metrics.rpc_errors.labels(rpc, status_of(error).name).inc()
+                    timer.observe()
                     await abort_with(context, error, self._on_fault)
                 except Exception as error:
-                    await self._abort_on_bug(context, rpc, error)
+                    await self._abort_on_bug(context, rpc, error, timer)
+                finally:
+                    timer.observe()
         return wrapped
 
     def _wrap_stream(self, behavior, rpc):
         async def wrapped(request, context):
-            with structlog.contextvars.bound_contextvars(rpc=rpc), self._metrics.rpc_seconds.labels(rpc).time():
+            timer = _Timer(self._metrics.rpc_seconds.labels(rpc))
+            with structlog.contextvars.bound_contextvars(rpc=rpc):
                 try:
                     async for item in behavior(request, context):
                         yield item
                 except errors.WorkerError as error:
                     self._metrics.rpc_errors.labels(rpc, status_of(error).name).inc()
+                    timer.observe()
                     await abort_with(context, error, self._on_fault)
                 except Exception as error:
-                    await self._abort_on_bug(context, rpc, error)
+                    await self._abort_on_bug(context, rpc, error, timer)
+                finally:
+                    timer.observe()
         return wrapped
 
-    async def _abort_on_bug(self, context, rpc: str, error: Exception) -> None:
+    async def _abort_on_bug(self, context, rpc: str, error: Exception, timer: "_Timer") -> None:
         """An exception no code path expected: a bug, not the device. INTERNAL, logged with its traceback."""
         if isinstance(error, grpc.aio.AbortError):
             raise error
         log.exception("unexpected_error")
         self._metrics.rpc_errors.labels(rpc, grpc.StatusCode.INTERNAL.name).inc()
+        timer.observe()
         await context.abort(grpc.StatusCode.INTERNAL, f"unexpected error in {rpc}: {error!r}")
+
+
+class _Timer:
+    """Seconds since creation into a histogram, once, at the first observe()."""
+
+    def __init__(self, histogram):
+        self._histogram, self._start = histogram, time.perf_counter()
+
+    def observe(self) -> None:
+        if self._histogram is not None:
+            self._histogram.observe(time.perf_counter() - self._start)
+            self._histogram = None

@@ -141,7 +141,8 @@ class CudaBackend:
 
     def warm_up(self, forward, batch_sizes: tuple[int, ...], max_context: int, max_source_len: int = 0) -> None:
         """Captures every lane's decode buckets now, each over that lane's buffers and stream, so serving never
-        captures. The calling thread is bound to each lane in turn: forward's ops run on the caller's lane."""
+        captures; before the first lane's captures, its buckets run once eagerly to tune the linears
+        (_tune_linears). The calling thread is bound to each lane in turn: forward's ops run on the caller's lane."""
         usable = tuple(b for b in batch_sizes if b <= min(self.shapes.max_seqs, self.shapes.max_batch_tokens))
         if not usable:
             return
