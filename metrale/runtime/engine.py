@@ -186,10 +186,12 @@ class Engine:
             self.model.encode(build_batch(segments, self.config.kv_block_size), self.kv_cache)
 
     def _beam_forward(self, batch: ForwardBatch, banned: list[list[int]], count: int):
-        """The batch's sampled rows' beam candidates (Ops.beam_candidates), on the host."""
+        """The batch's sampled rows' beam candidates (Ops.beam_candidates), on the host; count 0: the forward alone
+        (queued, not waited for), None."""
         ops = self.model.ops
         with self._forward_lock:
-            return ops.beam_candidates(ops.run_forward(self.forward, batch), banned, count)
+            logits = ops.run_forward(self.forward, batch)
+            return ops.beam_candidates(logits, banned, count) if count else None
 
     def _beam_search_on_device(self, search: DeviceSearch) -> OnDeviceSearch | None:
         with self._forward_lock:

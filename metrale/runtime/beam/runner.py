@@ -60,7 +60,8 @@ class _Group:
 @dataclass(frozen=True)
 class BeamModel:
     """What a call needs of the model, given by the engine. forward(batch, banned, count): the batch's sampled
-    rows' beam candidates on the host (Ops.beam_candidates: values and ids [rows, count]);
+    rows' beam candidates on the host (Ops.beam_candidates: values and ids [rows, count]); count 0: the forward
+    only (its tokens' KV), returning None without waiting for it;
     copy_kv(copies): (src block, dst block, tokens) KV copies; encode(segments): the encoder over source segments,
     writing their cross-attention K/V into the segments' blocks, and decoder_start the decoder's first token, for
     encoder-decoder models (None for decoder-only ones)."""
@@ -240,8 +241,12 @@ class BeamCall:
             live = [i for i, (prompt, *_) in enumerate(pending) if len(prompt) > j]
             segments = [Segment(BlockTable(pending[i][1]), j, [pending[i][0][j]], True, pending[i][2].cross)
                         for i in live]
-            v, t = self.model.forward(build_batch(segments, self.block_size), [pending[i][3] for i in live], count)
             last = [row for row, i in enumerate(live) if len(pending[i][0]) == j + 1]
+            batch = build_batch(segments, self.block_size)
+            if not last:        # no prompt ends here: its KV only (the host builds the next batch meanwhile)
+                self.model.forward(batch, [], 0)
+                continue
+            v, t = self.model.forward(batch, [pending[i][3] for i in live], count)
             v, t = _finite(v[last], t[last])
             for row, value, token in zip(last, v, t):
                 found[live[row]] = (value, token)
