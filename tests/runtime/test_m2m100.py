@@ -105,15 +105,21 @@ def test_beam_search_matches_transformers(models, length_penalty, early_stopping
 def test_short_prompts_a_token_a_forward_match_transformers(models, monkeypatch):
     """Where decode forwards replay graphs, NLLB-style prompts (start token and a prefix) run a token a forward; a
     prompt holding the padding id (1), whose later positions transformers counts past it, runs in one forward.
-    Both as transformers' generate."""
+    Both as transformers' generate; NLLB's case, every prompt two tokens long, runs the first token's forward with
+    no candidates (no prompt ends there)."""
     engine, _, reference, eos = models
     monkeypatch.setattr(engine.model.ops, "decode_graph_rows", 256)
     query_lens, forward = [], engine.model.forward
     monkeypatch.setattr(engine.model, "forward", lambda batch, kv: query_lens.append(max(batch.query_lens))
                         or forward(batch, kv))
+    counts, beam_forward = [], engine._beam_forward
+    monkeypatch.setattr(engine, "_beam_forward", lambda batch, banned, count: counts.append(count)
+                        or beam_forward(batch, banned, count))
     free = engine.blocks.num_free
-    for prefixes, longest in ((((200,), (), (201, 5)), 1), (((1, 7), (200,)), 3)):
+    for prefixes, longest, alone in ((((200,), (), (201, 5)), 1, 0), (((200,), (201,), (5,)), 1, 1),
+                                     (((1, 7), (200,)), 3, 0)):
         query_lens.clear()
+        counts.clear()
         requests = [BeamRequest(i, src_tokens=tuple(source), decoder_prefix=prefix,
                                 params=BeamParams(num_beams=2 + i, max_new_tokens=6, num_return_sequences=2))
                     for i, (source, prefix) in enumerate(zip(SOURCES, prefixes))]
@@ -122,6 +128,7 @@ def test_short_prompts_a_token_a_forward_match_transformers(models, monkeypatch)
                                             source=list(request.src_tokens))
             assert_same(result.hypotheses, expected)
         assert max(query_lens) == longest
+        assert counts.count(0) == alone         # forwards run for their KV alone: no candidates taken
     assert engine.blocks.num_free == free
 
 
