@@ -36,14 +36,14 @@ struct DecodeArgs {
     int heads, block_shift;
     float scale_log2;
     int sliding_window, partition_size;
-
 };
 
 // The decode rows' new tokens, for the multi-head kernel that attends them and writes them itself
 // (paged_decode_attention_mha_new, in place of rope_and_write_kv then the attention): row t's key and value are
 // rows of k and v [T, num_heads * HEAD_DIM] (row strides in elements); its key and query are rotated as
 // rope_and_write_kv rotates them (rotate-half, cos and sin [P, HEAD_DIM / 2] at positions[t]), and its key and
-// value go into the cache at slots[t] (none where negative), as that kernel writes them.
+// value go into the cache at slots[t] (none where negative), as that kernel writes them: DecodeArgs' kv_cache, the
+// one thing this kernel writes through it.
 struct NewTokens {
     const bf16* k;
     long long k_stride;
@@ -53,7 +53,6 @@ struct NewTokens {
     const float* sin;
     const int* positions;
     const int* slots;
-    bf16* cache;              // DecodeArgs' kv_cache
 };
 
 // grid (num_splits, num_kv_heads, B), THREADS threads. CTA (split, kv_head, b) attends the group_size
@@ -238,8 +237,9 @@ __device__ __forceinline__ void paged_decode_attention_mha(const DecodeArgs& a, 
     if (holds_new) {
         const int new_slot = fresh.slots[row];
         const long long column = (long long)head * HEAD_DIM;
+        bf16* cache = const_cast<bf16*>(a.kv_cache);
         const unsigned* k_words = reinterpret_cast<const unsigned*>(fresh.k + row * fresh.k_stride + column);
-        unsigned* k_out = reinterpret_cast<unsigned*>(fresh.cache + new_slot * slot_elems + column);
+        unsigned* k_out = reinterpret_cast<unsigned*>(cache + new_slot * slot_elems + column);
         for (int i = lane; i < HALF / 2; i += 32) {
             unsigned first = k_words[i], second = k_words[i + HALF / 2];
             rotate_pair2(first, second, cos_row[2 * i], cos_row[2 * i + 1], sin_row[2 * i], sin_row[2 * i + 1]);
@@ -252,7 +252,7 @@ __device__ __forceinline__ void paged_decode_attention_mha(const DecodeArgs& a, 
         }
         new_value = *reinterpret_cast<const typename V::Load*>(fresh.v + row * fresh.v_stride + column + lane * DIMS);
         if (new_slot >= 0)
-            *reinterpret_cast<typename V::Load*>(fresh.cache + a.plane_elems + new_slot * slot_elems + column +
+            *reinterpret_cast<typename V::Load*>(cache + a.plane_elems + new_slot * slot_elems + column +
                                                  lane * DIMS) = new_value;
         __syncwarp();
     }
@@ -319,18 +319,22 @@ __device__ __forceinline__ void paged_decode_attention_mha(const DecodeArgs& a, 
 
 }  // namespace
 
-// The extern "C" entry points: NAME##_hd##HEAD_DIM runs NAME<HEAD_DIM> in BLOCK threads, with DecodeArgs' fields
-// as its parameters (kernels/attention.py passes them in that order).
+// The extern "C" entry points take DecodeArgs' fields as their parameters (kernels/attention.py passes them in
+// that order): DECODE_ENTRY's NAME##_hd##HEAD_DIM runs NAME<HEAD_DIM> in BLOCK threads; DECODE_NEW_ENTRY's
+// multi-head kernel takes NewTokens' fields after them.
+#define DECODE_PARAMS                                                                                            \
+    bf16 *out, long long out_stride, const bf16 *q, long long q_stride, const bf16 *kv_cache,                   \
+        long long plane_elems, const int *seq_rows, const int *context_lens, const int *block_tables,           \
+        int max_blocks, float *partial_out, float *partial_lse, int heads, int block_shift, float scale_log2,   \
+        int sliding_window, int partition_size
+#define DECODE_ARGS                                                                                              \
+    {out, out_stride, q, q_stride, kv_cache, plane_elems, seq_rows, context_lens, block_tables, max_blocks,     \
+     partial_out, partial_lse, heads, block_shift, scale_log2, sliding_window, partition_size}
+
 #define DECODE_ENTRY(NAME, BLOCK, HEAD_DIM)                                                                      \
-    extern "C" __global__ void __launch_bounds__(BLOCK) NAME##_hd##HEAD_DIM(                                     \
-        bf16* out, long long out_stride, const bf16* q, long long q_stride, const bf16* kv_cache,               \
-        long long plane_elems, const int* seq_rows, const int* context_lens, const int* block_tables,           \
-        int max_blocks, float* partial_out, float* partial_lse, int heads, int block_shift, float scale_log2,   \
-        int sliding_window, int partition_size) {                                                               \
+    extern "C" __global__ void __launch_bounds__(BLOCK) NAME##_hd##HEAD_DIM(DECODE_PARAMS) {                     \
         wait_for_previous_kernel();                                                                              \
-        NAME<HEAD_DIM>({out, out_stride, q, q_stride, kv_cache, plane_elems, seq_rows, context_lens,            \
-                        block_tables, max_blocks, partial_out, partial_lse, heads, block_shift, scale_log2,     \
-                        sliding_window, partition_size});                                                       \
+        NAME<HEAD_DIM>(DECODE_ARGS);                                                                             \
     }
 
 DECODE_ENTRY(paged_decode_attention, THREADS, 32)
@@ -340,20 +344,13 @@ DECODE_ENTRY(paged_decode_attention_mha, MHA_WARPS * 32, 32)
 DECODE_ENTRY(paged_decode_attention_mha, MHA_WARPS * 32, 64)
 DECODE_ENTRY(paged_decode_attention_mha, MHA_WARPS * 32, 128)
 
-// The multi-head kernel with the new tokens (NewTokens' fields after DecodeArgs').
 #define DECODE_NEW_ENTRY(HEAD_DIM)                                                                               \
     extern "C" __global__ void __launch_bounds__(MHA_WARPS * 32) paged_decode_attention_mha_new_hd##HEAD_DIM(    \
-        bf16* out, long long out_stride, const bf16* q, long long q_stride, const bf16* kv_cache,               \
-        long long plane_elems, const int* seq_rows, const int* context_lens, const int* block_tables,           \
-        int max_blocks, float* partial_out, float* partial_lse, int heads, int block_shift, float scale_log2,   \
-        int sliding_window, int partition_size, const bf16* new_k, long long k_stride, const bf16* new_v,       \
-        long long v_stride, const float* cos, const float* sin, const int* positions, const int* slots) {       \
+        DECODE_PARAMS, const bf16 *new_k, long long k_stride, const bf16 *new_v, long long v_stride,            \
+        const float *cos, const float *sin, const int *positions, const int *slots) {                            \
         wait_for_previous_kernel();                                                                              \
-        paged_decode_attention_mha<HEAD_DIM, true>(                                                              \
-            {out, out_stride, q, q_stride, kv_cache, plane_elems, seq_rows, context_lens, block_tables,          \
-             max_blocks, partial_out, partial_lse, heads, block_shift, scale_log2, sliding_window,               \
-             partition_size},                                                                                    \
-            {new_k, k_stride, new_v, v_stride, cos, sin, positions, slots, const_cast<bf16*>(kv_cache)});        \
+        paged_decode_attention_mha<HEAD_DIM, true>(DECODE_ARGS,                                                  \
+                                                   {new_k, k_stride, new_v, v_stride, cos, sin, positions, slots}); \
     }
 
 DECODE_NEW_ENTRY(32)

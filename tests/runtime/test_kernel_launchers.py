@@ -32,7 +32,8 @@ def i32(*shape, offset=0):
 
 def parameter_types(module: str, kernel: str, macro: str | None = None) -> list[type]:
     """The numpy type kernel_arg must produce for each parameter of `kernel` in cuda_kernels/<module>.cu; macro:
-    the #define that declares it (kernels a macro stamps out per head size)."""
+    the #define that declares it (kernels a macro stamps out per head size; object-like macros in its parameter
+    list, such as decode_attention.cu's DECODE_PARAMS, are expanded)."""
     source = kernel_sources()[module].replace("\\\n", " ")
     if macro is None:
         match = re.search(rf'extern "C" __global__ void {kernel}\(([^)]*)\)', source)
@@ -40,8 +41,11 @@ def parameter_types(module: str, kernel: str, macro: str | None = None) -> list[
         match = re.search(rf'#define {macro}\(.*?__global__ void (?:__launch_bounds__\([^)]*\) )?[\w#]+\(([^)]*)\)',
                           source)
     assert match, f"no kernel {kernel} in {module}.cu"
+    parameters = match.group(1)
+    for name, body in re.findall(r"#define (\w+)[ \t]+([^\n]*)", source):
+        parameters = re.sub(rf"\b{name}\b", body, parameters)
     types = []
-    for parameter in match.group(1).split(","):
+    for parameter in parameters.split(","):
         declaration = " ".join(parameter.split())
         if "*" in declaration:
             types.append(np.uint64)

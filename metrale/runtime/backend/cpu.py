@@ -6,7 +6,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from metrale.runtime.backend.ops import RopeTable
+from metrale.runtime.backend.ops import RopeTable, rope_then_attention
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.sampling import sample
@@ -117,8 +117,7 @@ class CpuBackend:
 
     def self_attention(self, q, k, v, rope: RopeTable, batch: "CpuBatch", kv, num_kv_heads, head_dim, scale,
                        sliding_window):
-        q = self.rope_and_write_kv(q, k, v, rope, batch, kv, head_dim)
-        return self.paged_attention(q, kv, batch, num_kv_heads, head_dim, scale, sliding_window)
+        return rope_then_attention(self, q, k, v, rope, batch, kv, num_kv_heads, head_dim, scale, sliding_window)
 
     def write_kv(self, k, v, batch: "CpuBatch", kv):
         num_blocks, block_size = kv.shape[1], kv.shape[2]

@@ -187,3 +187,11 @@ class Ops(Protocol):
         """The next token of each row (runtime/sampling's rule), its logprob, top-n and, where asked, the raw
         logits row on the host. on_queued() runs once the device work is queued, before the wait for it (a lane
         hands over its last answer there, so the event loop's work overlaps the device's, not the host's)."""
+
+
+def rope_then_attention(ops: Ops, q: Tensor, k: Tensor, v: Tensor, rope: RopeTable, batch: PreparedBatch, kv: Tensor,
+                        num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None) -> Tensor:
+    """Ops.self_attention as its two ops, rope_and_write_kv then causal paged_attention: a backend's self_attention
+    where it has nothing fused for the batch."""
+    q = ops.rope_and_write_kv(q, k, v, rope, batch, kv, head_dim)
+    return ops.paged_attention(q, kv, batch, num_kv_heads, head_dim, scale, sliding_window)

@@ -19,7 +19,7 @@ from metrale.runtime.backend.cuda.gemm_tuning import AlgoTuner
 from metrale.runtime.backend.cuda.graphs import DecodeGraphs, EncoderGraphs, no_collection
 from metrale.runtime.backend.cuda.lane import Lane, LaneBinding, lane_buffers, lane_bytes, padded_vocab
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
-from metrale.runtime.backend.ops import MemoryShapes, RopeTable
+from metrale.runtime.backend.ops import MemoryShapes, RopeTable, rope_then_attention
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.beam.on_device import DeviceSearch
 from metrale.runtime.errors import InvalidArgument
@@ -294,8 +294,7 @@ class CudaBackend:
                        sliding_window):
         num_heads = q.shape[1] // head_dim
         if batch.num_prefill or num_heads != num_kv_heads:
-            q = self.rope_and_write_kv(q, k, v, rope, batch, kv, head_dim)
-            return self.paged_attention(q, kv, batch, num_kv_heads, head_dim, scale, sliding_window)
+            return rope_then_attention(self, q, k, v, rope, batch, kv, num_kv_heads, head_dim, scale, sliding_window)
         # Decode rows of a multi-head model: one kernel rotates and writes each new token and attends it.
         lane = self._bound.lane
         out = lane.new(q.shape[0], q.shape[1])
