@@ -24,7 +24,7 @@
 //   O += P V:  A = P from the S accumulators (c0,c1 | c2,c3 of two 8-key tiles = a0,a1 | a2,a3),
 //              B[k = token][n = dim] = V[token][dim] (ldmatrix .trans).
 #pragma once
-#include "common.cuh"
+#include "mma.cuh"
 
 namespace {
 
@@ -59,22 +59,6 @@ __device__ __forceinline__ float fast_exp2(float x) {   // ex2(-inf) = +0
     return y;
 }
 
-__device__ __forceinline__ unsigned shared_address(const void* pointer) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(pointer));
-}
-
-// 16 bytes global -> shared, asynchronous; an invalid chunk is zero-filled and reads nothing.
-__device__ __forceinline__ void copy_async_16(void* shared, const void* global, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                 ::"r"(shared_address(shared)), "l"(global), "r"(valid ? 16 : 0));
-}
-
-__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-// Waits until at most `pending` of this thread's committed groups are still in flight.
-template <int pending>
-__device__ __forceinline__ void copy_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(pending)); }
-
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const bf16* shared) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(shared)));
@@ -83,14 +67,6 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const bf16* shared
 __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const bf16* shared) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(shared)));
-}
-
-// c [16x8] += a [16x16] * b [16x8]
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // Keys [tile_start, tile_start + KV_TILE) of one sequence and kv head from one cache plane into a tile;

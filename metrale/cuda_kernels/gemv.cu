@@ -29,7 +29,7 @@
 // at 3 CTAs (M <= 8), 64 KB at 2 (M <= 16), well over bandwidth x latency / SMs (4.8 TB/s x ~1 us / 132 = 36 KB
 // on an H200). The weight is read once, with ld.global.nc.L1::no_allocate so it does not push x out of L1: every
 // CTA reads all of x (M x K x 2 bytes, tiny next to its 16 x K x 2 of weight when M <= 8), from L1 or L2.
-#include "common.cuh"
+#include "mma.cuh"
 
 namespace {
 
@@ -65,15 +65,6 @@ __device__ __forceinline__ uint4 load_activation(const uint4* pointer, bool vali
                  " @p ld.global.v4.u32 {%0, %1, %2, %3}, [%4];\n}\n"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(pointer), "r"((int)valid));
     return v;
-}
-
-// c [16x8] += a [16x16] * b [16x8]
-__device__ __forceinline__ void mma_bf16(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                         unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 __device__ __forceinline__ float to_float(bf16 v) { return bf16_to_float(v); }
@@ -134,8 +125,8 @@ __device__ __forceinline__ void skinny_gemm(Out* out, long long out_stride, cons
         for (int u = 0; u < UNROLL; ++u) {
 #pragma unroll
             for (int j = 0; j < TOKEN_TILES; ++j) {
-                mma_bf16(acc[j], a_low[u].x, a_high[u].x, a_low[u].y, a_high[u].y, b[u][j].x, b[u][j].y);
-                mma_bf16(acc[j], a_low[u].z, a_high[u].z, a_low[u].w, a_high[u].w, b[u][j].z, b[u][j].w);
+                mma_bf16(acc[j], {a_low[u].x, a_high[u].x, a_low[u].y, a_high[u].y}, b[u][j].x, b[u][j].y);
+                mma_bf16(acc[j], {a_low[u].z, a_high[u].z, a_low[u].w, a_high[u].w}, b[u][j].z, b[u][j].w);
             }
         }
     }
