@@ -1,13 +1,15 @@
-"""The skinny GEMM (cuda_kernels/gemv.cu, M <= 16) against our cuBLASLt linear on the decode linears of Llama-3-8B,
-SmolLM2-135M and NLLB-200-600M, and cuBLASLt alone at more rows: device time per launch, and weight bytes / time
-as a fraction of the copy bandwidth measured in the same run (read + write bytes, DESIGN.md §6). Needs a CUDA GPU.
+"""The skinny GEMM (cuda_kernels/gemv.cu) against our cuBLASLt linear on the decode linears of Llama-3-8B,
+SmolLM2-135M and NLLB-200-600M at M = 1, 8, 16 (cuBLASLt alone above the skinny kernel's 16 rows): device time
+per launch, weight bytes / time, and that as a fraction of the copy bandwidth measured in the same run (read +
+write bytes, DESIGN.md §6). Needs a CUDA GPU.
 
 Each case is a CUDA graph of back-to-back launches timed with events on the launching stream, so the figure is
 device time, launch gaps inside a graph included, Python excluded. The launches cycle through copies of the weight
 that together span 3x the L2, as a decode step finds its weights: not in L2. Both implementations run the same
 launches; `rel diff` is the skinny kernel's relative difference from cuBLASLt on the last case.
 
-Run from the repository root: python3 -m bench.gpu_skinny_gemm [--tokens 1,8,16] [--launches 20]
+Run from the repository root:
+    python3 -m bench.gpu_skinny_gemm [--tokens 1,8,16,64] [--models nllb-600m] [--launches 20]
 """
 
 import argparse
@@ -40,13 +42,10 @@ def time_per_launch(stream, launches: list) -> float:
 
 
 def run_case(lib, lt, stream, n: int, k: int, out_dtype: str, tokens: list[int], min_launches: int) -> list[dict]:
-    """One linear shape at each M: the time of each implementation that takes it, and ours' difference from
-    cuBLASLt."""
-    from metrale.runtime.backend.cuda.kernels import skinny_gemm
+    """One linear shape at each M: timings of both implementations and their relative difference."""
+    from metrale.runtime.backend.cuda.kernels.skinny_gemm import MAX_M, skinny_linear
     from metrale.runtime.backend.cuda.tensor import DeviceTensor
 
-    ours = {"skinny": lambda out, x, w: skinny_gemm.skinny_linear(lib, stream, out, x, w)}
-    takes = {"skinny": skinny_gemm.supports}
     weight_bytes = n * k * 2
     copies = -(-L2_SPAN * torch.cuda.get_device_properties(0).L2_cache_size // weight_bytes)
     weights = [(torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16) for _ in range(copies)]
@@ -55,27 +54,28 @@ def run_case(lib, lt, stream, n: int, k: int, out_dtype: str, tokens: list[int],
     rows = []
     for m in tokens:
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-        x_view = DeviceTensor.from_torch(x)
-        outs = {name: torch.full((m, n), float("nan"), dtype=TORCH_DTYPES[out_dtype], device="cuda")
-                for name in (*ours, "cublaslt")}
-        views = {name: DeviceTensor.from_torch(out) for name, out in outs.items()}
-        run = {name: linear for name, linear in ours.items() if takes[name](x_view, weight_views[0], views[name])}
-        if lt is not None:
-            run["cublaslt"] = lambda out, x, w: lt.linear(stream, out, x, w)
+        out_skinny = torch.full((m, n), float("nan"), dtype=TORCH_DTYPES[out_dtype], device="cuda")
+        out_lt = torch.full_like(out_skinny, float("nan"))
+        x_view, skinny_view, lt_view = (DeviceTensor.from_torch(t) for t in (x, out_skinny, out_lt))
+        skinny = m <= MAX_M
         torch.cuda.synchronize()
         # One eager call each first: cuBLASLt plans the shape outside the capture; the outputs are compared.
-        for name, linear in run.items():
-            linear(views[name], x_view, weight_views[0])
+        if skinny:
+            skinny_linear(lib, stream, skinny_view, x_view, weight_views[0])
+        if lt is not None:
+            lt.linear(stream, lt_view, x_view, weight_views[0])
         stream.sync()
         row = {"n": n, "k": k, "m": m, "weight_bytes": weight_bytes}
-        for name, linear in run.items():
-            row[name + "_s"] = time_per_launch(stream, [
-                lambda w=weight_views[i % copies], linear=linear, out=views[name]: linear(out, x_view, w)
+        if skinny:
+            row["skinny_s"] = time_per_launch(stream, [
+                lambda w=weight_views[i % copies]: skinny_linear(lib, stream, skinny_view, x_view, w)
                 for i in range(launches)])
-        if lt is not None and len(run) > 1:
-            reference = outs["cublaslt"].double()
-            row["rel_diff"] = max(float((outs[name].double() - reference).norm() / reference.norm())
-                                  for name in run if name != "cublaslt")
+        if lt is not None:
+            row["cublaslt_s"] = time_per_launch(stream, [
+                lambda w=weight_views[i % copies]: lt.linear(stream, lt_view, x_view, w) for i in range(launches)])
+        if lt is not None and skinny:
+            difference = (out_skinny.double() - out_lt.double()).norm() / out_lt.double().norm()
+            row["rel_diff"] = float(difference)
         rows.append(row)
     del weights
     return rows
@@ -84,24 +84,21 @@ def run_case(lib, lt, stream, n: int, k: int, out_dtype: str, tokens: list[int],
 def format_row(model: str, linear: str, out_dtype: str, row: dict, copy: float) -> str:
     def columns(seconds: float | None) -> str:
         if seconds is None:
-            return f"{'n/a':>8} {'':>6}"
+            return f"{'n/a':>8} {'':>7} {'':>6}"
         rate = row["weight_bytes"] / seconds
-        return f"{seconds * 1e6:8.2f} {rate / copy:6.3f}"
+        return f"{seconds * 1e6:8.2f} {rate / 1e9:7.0f} {rate / copy:6.3f}"
 
     shape = f"{row['n']}x{row['k']}" + (" f32" if out_dtype == "float32" else "")
-    times = [row.get(name + "_s") for name in ("skinny", "cublaslt")]
-    lt, best = times[1], times[0]
-    speedup = f"{lt / best:7.2f}" if lt is not None and best is not None else f"{'':>7}"
+    skinny, lt = row.get("skinny_s"), row.get("cublaslt_s")
+    speedup = f"{lt / skinny:7.2f}" if lt is not None and skinny is not None else f"{'':>7}"
     diff = f"{row['rel_diff']:9.1e}" if "rel_diff" in row else ""
-    return (f"{model + ' ' + linear:<22} {shape:>15} {row['m']:>3} " + " ".join(columns(t) for t in times)
-            + f" {speedup} {diff}")
+    return f"{model + ' ' + linear:<22} {shape:>15} {row['m']:>3} {columns(skinny)} {columns(lt)} {speedup} {diff}"
 
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", default="1,8,16,32,64", help="M values, comma-separated")
-    parser.add_argument("--models", default=",".join(dict.fromkeys(shape[0] for shape in SHAPES)),
-                        help="models whose linears run, comma-separated")
+    parser.add_argument("--tokens", default="1,8,16", help="M values, comma-separated (the skinny kernel's at most 16)")
+    parser.add_argument("--models", default="llama3-8b,smollm2-135m,nllb-600m", help="models whose linears run")
     parser.add_argument("--launches", type=int, default=20, help="launches per graph (more if the weight copies are)")
     parser.add_argument("--copy-mb", type=int, default=1024, help="size of the copy-bandwidth measurement")
     args = parser.parse_args(argv)
@@ -116,7 +113,7 @@ def main(argv=None) -> list[dict]:
 
     print(gpu_machine_line("gpu_skinny_gemm", "cuda"))
     copy = copy_bandwidth("cuda", args.copy_mb << 20)
-    print(f"# copy bandwidth {copy / 1e9:.0f} GB/s (read + write); /copy below = weight bytes / device time, over it")
+    print(f"# copy bandwidth {copy / 1e9:.0f} GB/s (read + write); GB/s below = weight bytes / device time")
     cuda = CudaDevice()
     lib = KernelLibrary(cuda.arch, KernelCache(default_cache_dir() / "kernels"))
     workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
@@ -125,11 +122,10 @@ def main(argv=None) -> list[dict]:
     except FailedPrecondition as error:
         print(f"# cuBLASLt unavailable, skinny kernel only: {error}")
         lt = None
-    print(f"{'linear':<22} {'N x K':>15} {'M':>3} {'skinny':>8} {'/copy':>6} {'cuBLASLt':>8} {'/copy':>6} "
-          f"{'speedup':>7} {'rel diff':>9}")
+    print(f"{'linear':<22} {'N x K':>15} {'M':>3} {'skinny':>8} {'GB/s':>7} {'/copy':>6} {'cuBLASLt':>8} {'GB/s':>7} "
+          f"{'/copy':>6} {'speedup':>7} {'rel diff':>9}")
     results = []
-    models = args.models.split(",")
-    for model, linear, n, k, out_dtype in (shape for shape in SHAPES if shape[0] in models):
+    for model, linear, n, k, out_dtype in (shape for shape in SHAPES if shape[0] in args.models.split(",")):
         for row in run_case(lib, lt, cuda.stream, n, k, out_dtype, tokens, args.launches):
             print(format_row(model, linear, out_dtype, row, copy), flush=True)
             results.append({"model": model, "linear": linear, "out_dtype": out_dtype, **row})

@@ -1,5 +1,4 @@
-"""Fixtures for the CUDA kernel tests (marked gpu; skipped without a GPU): the kernel library, a stream, and the
-linear tests' random weights."""
+"""Fixtures for the CUDA kernel tests (marked gpu; skipped without a GPU): the kernel library and a stream."""
 
 import pytest
 import torch
@@ -30,17 +29,3 @@ def stream(cuda_device):
     yield s
     s.sync()
     s.close()
-
-
-@pytest.fixture(scope="module")
-def weights():
-    """(N, K) -> bf16 weight [N, K], random, made once per shape."""
-    made = {}
-
-    def weight(n: int, k: int) -> torch.Tensor:
-        if (n, k) not in made:
-            generator = torch.Generator(device="cuda").manual_seed(n + 7 * k)
-            made[n, k] = (torch.randn(n, k, generator=generator, device="cuda") / k ** 0.5).to(torch.bfloat16)
-        return made[n, k]
-
-    return weight

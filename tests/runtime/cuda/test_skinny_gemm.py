@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("cuda.core")
 
-from gpu_reference import DTYPES, TOLERANCE, poisoned, random_x, relative_error  # noqa: E402
+from gpu_reference import TOLERANCE, relative_error  # noqa: E402
 from metrale.runtime.backend.cuda.compiler import kernel_sources  # noqa: E402
 from metrale.runtime.backend.cuda.kernels import skinny_gemm  # noqa: E402
 from metrale.runtime.backend.cuda.kernels.skinny_gemm import skinny_linear, supports  # noqa: E402
@@ -18,12 +18,40 @@ from metrale.runtime.backend.cuda.tensor import DeviceTensor  # noqa: E402
 from metrale.runtime.errors import InvalidArgument  # noqa: E402
 
 gpu = pytest.mark.gpu
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 TOKENS = [1, 2, 3, 5, 8, 13, 16]
 # (N, K, out dtype): Llama-3-8B's qkv, o, gate_up, down; SmolLM2-135M's qkv, down and vocabulary (logits: float32).
 SHAPES = [(6144, 4096, "bfloat16"), (4096, 4096, "bfloat16"), (28672, 4096, "bfloat16"), (4096, 14336, "bfloat16"),
           (960, 576, "bfloat16"), (576, 1536, "bfloat16"), (49152, 576, "float32")]
 # Tails: N not a multiple of 16, K not a multiple of 32, K shorter than the 8 warps' share (most warps idle).
 EDGE_SHAPES = [(1000, 200), (17, 8), (33, 4104), (24, 520)]
+
+
+@pytest.fixture(scope="module")
+def weights():
+    """(N, K) -> bf16 weight [N, K], random, made once per shape."""
+    made = {}
+
+    def weight(n: int, k: int) -> torch.Tensor:
+        if (n, k) not in made:
+            generator = torch.Generator(device="cuda").manual_seed(n + 7 * k)
+            made[n, k] = (torch.randn(n, k, generator=generator, device="cuda") / k ** 0.5).to(torch.bfloat16)
+        return made[n, k]
+
+    return weight
+
+
+def random_x(m: int, k: int, seed: int, pad: int = 0) -> torch.Tensor:
+    """bf16 [M, K], never zeros; with pad, a column slice at column pad of a [M, K + 2 pad] buffer."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    wide = torch.randn(m, k + 2 * pad, generator=generator, device="cuda").to(torch.bfloat16)
+    return wide[:, pad:pad + k]
+
+
+def poisoned(m: int, n: int, dtype: str, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [M, N], the [M, N + 2 pad] buffer it is a column slice of), all NaN."""
+    wide = torch.full((m, n + 2 * pad), float("nan"), dtype=DTYPES[dtype], device="cuda")
+    return wide[:, pad:pad + n], wide
 
 
 def run(lib, stream, out, x, weight, bias=None):
