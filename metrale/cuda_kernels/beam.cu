@@ -4,16 +4,31 @@
 // beams' candidates: the best `count` continuations over all of a request's beams are among the best `count` of
 // each beam, so the vocabulary never leaves the device.
 //
-// As transformers: log_softmax of the raw row in float32 ((x - max) - log_sum, log_sum from a float64 sum), then
-// the beam's banned tokens (no_repeat_ngram_size's, and EOS while min_new_tokens is not reached) at -inf. The ban
-// is written into the logits row in place, after its log-sum-exp is taken: the row is scratch once read.
+// As transformers: the LM head's bf16 logits widened to float32, their log_softmax ((x - max) - log_sum, log_sum
+// from a float64 sum), then the beam's banned tokens (no_repeat_ngram_size's, and EOS while min_new_tokens is not
+// reached) at -inf. The ban is written into the logits row in place, after its log-sum-exp is taken: the row is
+// scratch once read.
 #include "sampling_search.cuh"
 #include "beam_state.cuh"
+
+#define BF16_NEG_INF ((bf16)0xff80u)
+
+// Swaps v into *x and returns what was there: a compare-and-swap of the 32-bit word that holds it.
+__device__ __forceinline__ bf16 exchange_bf16(bf16* x, bf16 v) {
+    unsigned int* word = reinterpret_cast<unsigned int*>((unsigned long long)x & ~3ull);
+    const int shift = ((unsigned long long)x & 2ull) ? 16 : 0;
+    unsigned int old = *word, assumed;
+    do {
+        assumed = old;
+        old = atomicCAS(word, assumed, (assumed & ~(0xffffu << shift)) | ((unsigned int)v << shift));
+    } while (old != assumed);
+    return (bf16)(old >> shift);
+}
 
 // The row's best `count` into ids/values; bans(x) writes -inf at the row's banned ids and returns whether it
 // banned any (every thread the same answer). A row with NaN or no finite maximum gets ids -1 and NaN values.
 template <typename Bans>
-__device__ void row_candidates(SampleShared& sh, float* x, int n, int count, int* ids, float* values, Bans bans) {
+__device__ void row_candidates(SampleShared& sh, bf16* x, int n, int count, int* ids, float* values, Bans bans) {
     float thread_max = scan_row(x, n, &sh.stats);
     __syncthreads();
     const unsigned int max_key = rank_order_key(sh.stats.best);
@@ -35,21 +50,21 @@ __device__ void row_candidates(SampleShared& sh, float* x, int n, int count, int
     top_logprobs_of(sh, x, n, keys, thread_max, count, ids, values);
 }
 
-// logits [N, V] float32 (row stride in elements), overwritten at banned ids. banned_offsets [N + 1] int32: row
+// logits [N, V] bf16 (row stride in elements), overwritten at banned ids. banned_offsets [N + 1] int32: row
 // i's banned ids are banned[banned_offsets[i] .. banned_offsets[i + 1]) (ids outside [0, V) are skipped).
 // ids_out, values_out [N, count] (count <= SAMPLE_THREADS and <= V): the row's best `count`.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) beam_candidates(
-        float* logits, long long stride, int vocab_size, const int* banned_offsets, const int* banned, int count,
+        bf16* logits, long long stride, int vocab_size, const int* banned_offsets, const int* banned, int count,
         int* ids_out, float* values_out) {
     wait_for_previous_kernel();
     __shared__ SampleShared sh;
     const int row = blockIdx.x, n = vocab_size;
     const int first = banned_offsets[row], last = banned_offsets[row + 1];
     row_candidates(sh, logits + row * stride, n, count, ids_out + row * count, values_out + row * count,
-                   [&](float* x) {
+                   [&](bf16* x) {
         for (int j = first + (int)threadIdx.x; j < last; j += blockDim.x) {
             const int id = banned[j];
-            if (id >= 0 && id < n) x[id] = -positive_infinity();
+            if (id >= 0 && id < n) x[id] = BF16_NEG_INF;
         }
         return last > first;
     });
@@ -99,7 +114,7 @@ __device__ void ban_state_tokens(const BeamState& s, int beam, int r, int parity
 // not a number (too few warps, too many bans) or too many values reach it, the part's best come from
 // top_logprobs_of's search instead.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) beam_state_parts(
-        float* logits, long long stride, int vocab_size, const BeamState* state, int parity, int generated,
+        bf16* logits, long long stride, int vocab_size, const BeamState* state, int parity, int generated,
         int part_size, int count, float* part_max, double* part_sum, int* part_ids, float* part_values) {
     wait_for_previous_kernel();
     __shared__ SampleShared sh;
@@ -111,7 +126,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) beam_state_parts(
     const int begin = blockIdx.y * part_size, n = min(part_size, vocab_size - begin);
     const int part = blockIdx.x * gridDim.y + blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    float* x = logits + blockIdx.x * stride + begin;
+    bf16* x = logits + blockIdx.x * stride + begin;
     int* ids = part_ids + (long long)part * count;
     float* values = part_values + (long long)part * count;
     if (threadIdx.x == 0) {
@@ -143,9 +158,9 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) beam_state_parts(
         sum = t;
     };
     ban_state_tokens(s, beam, r, parity, generated, begin, n, [&](int i) {
-        const float raw = atomicExch(x + i, -positive_infinity());
-        if (raw != -positive_infinity()) {                      // this id's first ban
-            add(raw);
+        const bf16 raw = exchange_bf16(x + i, BF16_NEG_INF);
+        if (raw != BF16_NEG_INF) {                              // this id's first ban
+            add(bf16_to_float(raw));
             atomicAdd(&bans, 1u);
         }
     });
@@ -204,7 +219,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) beam_state_parts(
 // (parts * count <= MAX_MERGED) as log-probabilities ((x - max) - log_sum, as beam_candidates); ids -1 and NaN
 // values for a row with NaN or no finite maximum.
 extern "C" __global__ void __launch_bounds__(MERGE_THREADS) beam_state_merge(
-        const float* logits, long long stride, const BeamState* state, int parts, int count, const float* part_max,
+        const bf16* logits, long long stride, const BeamState* state, int parts, int count, const float* part_max,
         const double* part_sum, const int* part_ids) {
     wait_for_previous_kernel();
     const BeamState& s = *state;
@@ -213,7 +228,7 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS) beam_state_merge(
     __shared__ u64 ranks[MAX_MERGED];
     __shared__ LogprobKeys keys;
     __shared__ int bad;
-    const float* x = logits + blockIdx.x * stride;
+    const bf16* x = logits + blockIdx.x * stride;
     const int first = blockIdx.x * parts, total = parts * count;
     int* ids = s.cand_ids + (long long)beam * s.keep_stride;
     float* values = s.cand_values + (long long)beam * s.keep_stride;
@@ -245,7 +260,7 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS) beam_state_merge(
     for (int j = threadIdx.x; j < count; j += blockDim.x) ids[j] = -1;   // stays -1 past the parts' ids (a fault)
     for (int i = threadIdx.x; i < total; i += blockDim.x) {
         const int id = part_ids[(long long)first * count + i];
-        ranks[i] = id < 0 ? 0ull : rank_key(keys.key(x[id]), id);
+        ranks[i] = id < 0 ? 0ull : rank_key(keys.key(value_at(x, id)), id);
     }
     __syncthreads();
     for (int i = threadIdx.x; i < total; i += blockDim.x) {
@@ -255,7 +270,7 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS) beam_state_merge(
         for (int j = 0; j < total; ++j) rank += ranks[j] > own;
         if (rank < count) {
             ids[rank] = rank_id(own);
-            values[rank] = keys.logprob(x[rank_id(own)]);
+            values[rank] = keys.logprob(value_at(x, rank_id(own)));
         }
     }
 }

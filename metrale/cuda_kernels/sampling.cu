@@ -16,6 +16,20 @@
 // error) can go the other way: a neighbouring token in the canonical order.
 #include "sampling_search.cuh"
 
+#define WIDEN_THREADS 256
+
+// The LM head's bf16 logits as float32 rows, as transformers' `logits.to(float32)` before its processors: the rows
+// the kernels below read. logits [N, >= V] bf16 and out [N, >= V] float32, row strides in elements; grid (N, any).
+extern "C" __global__ void __launch_bounds__(WIDEN_THREADS) widen_rows(
+        float* out, long long out_stride, const bf16* logits, long long stride, int vocab_size) {
+    wait_for_previous_kernel();
+    const bf16* x = logits + blockIdx.x * stride;
+    float* y = out + blockIdx.x * out_stride;
+    for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < vocab_size; i += gridDim.y * blockDim.x) {
+        y[i] = bf16_to_float(x[i]);
+    }
+}
+
 // The sampled token of a row (temperature > 0), or -1 where the CPU raises (NaN or +inf, no finite max).
 // raw_log_sum: x is the raw row and its log-sum-exp is wanted: set sh.raw_stats.log_sum on the way.
 __device__ int sample_token(SampleShared& sh, const float* x, int n, bool raw_log_sum) {

@@ -126,6 +126,41 @@ __device__ __forceinline__ void for_each_value(const float* x, int n, F&& f) {
     }
 }
 
+// The same over a row of bf16 (raw bits), each value widened to float32: 16-byte loads of 8 values where x is
+// 16-byte aligned, then the last n % 8 one by one. Each thread still visits its ids in increasing order.
+template <typename F>
+__device__ __forceinline__ void for_each_value(const bf16* x, int n, F&& f) {
+    const int step = blockDim.x;
+    int i = threadIdx.x, tail = 0;
+    if (((unsigned long long)x & 15ull) == 0ull) {
+        const uint4* x8 = reinterpret_cast<const uint4*>(x);
+        const int n8 = n >> 3;
+        const auto each = [&](int j, const uint4& v) {
+            const unsigned int words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                const float2 pair = bf16x2_to_float2(words[w]);
+                f(j + 2 * w, pair.x);
+                f(j + 2 * w + 1, pair.y);
+            }
+        };
+        for (; i + (LOAD_UNROLL - 1) * step < n8; i += LOAD_UNROLL * step) {
+            uint4 v[LOAD_UNROLL];
+#pragma unroll
+            for (int u = 0; u < LOAD_UNROLL; ++u) v[u] = x8[i + u * step];
+#pragma unroll
+            for (int u = 0; u < LOAD_UNROLL; ++u) each(8 * (i + u * step), v[u]);
+        }
+        for (; i < n8; i += step) each(8 * i, x8[i]);
+        tail = 8 * n8;
+    }
+    for (int j = tail + (int)threadIdx.x; j < n; j += step) f(j, bf16_to_float(x[j]));
+}
+
+// One value of a row, as for_each_value passes it.
+__device__ __forceinline__ float value_at(const float* x, int i) { return x[i]; }
+__device__ __forceinline__ float value_at(const bf16* x, int i) { return bf16_to_float(x[i]); }
+
 // *sum += w with two native 32-bit shared atomics (a 64-bit atomic add is a compare-and-swap loop): the low
 // word's add returns the old value, so each add knows its own carry into the high word. Little-endian.
 __device__ __forceinline__ void atomic_add_mass(u64* sum, u64 w) {

@@ -73,7 +73,8 @@ struct SampleShared {
 };
 
 // The lowest id holding NaN in x, or n (second pass, for rows whose first pass saw a NaN).
-__device__ unsigned int first_nan(const float* x, int n) {
+template <typename T>
+__device__ unsigned int first_nan(const T* x, int n) {
     unsigned int first = (unsigned int)n;
     for_each_value(x, n, [&](int i, float v) {
         if (v != v) first = min(first, (unsigned int)i);
@@ -83,7 +84,8 @@ __device__ unsigned int first_nan(const float* x, int n) {
 
 // One pass over a row: argmax and smallest value into *stats (thread 0 writes; visible after the next
 // __syncthreads); returns this thread's largest value (-inf where it has none).
-__device__ float scan_row(const float* x, int n, RowStats* stats) {
+template <typename T>
+__device__ float scan_row(const T* x, int n, RowStats* stats) {
     // per thread: the first largest value in id order (each thread visits its ids in increasing order). best
     // starts as NaN so that the first value is taken; a NaN value is only flagged (rows with NaN are redone).
     float best = not_a_number(), smallest = positive_infinity();
@@ -115,7 +117,8 @@ __device__ float scan_row(const float* x, int n, RowStats* stats) {
 }
 
 // The sum of exp(x - max) over the row, Kahan-summed in float32 per thread, then in float64 over the block.
-__device__ double sum_exp(const float* x, int n, float max) {
+template <typename T>
+__device__ double sum_exp(const T* x, int n, float max) {
     float sum = 0.f, compensation = 0.f;
     for_each_value(x, n, [&](int, float v) {
         const float y = expf(__fsub_rn(v, max)) - compensation;
@@ -127,6 +130,7 @@ __device__ double sum_exp(const float* x, int n, float max) {
 }
 
 // log(sum of exp(x - max)) over the row, Kahan-summed in float32 per thread, then in float64 over the block.
-__device__ float log_sum_exp(const float* x, int n, float max) {
+template <typename T>
+__device__ float log_sum_exp(const T* x, int n, float max) {
     return (float)log(sum_exp(x, n, max));
 }

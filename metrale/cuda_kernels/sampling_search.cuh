@@ -62,8 +62,8 @@ __device__ void resolve_candidates(SampleShared& sh, const Keys keys, int count,
 }
 
 // Id of the index-th token (0-based, id order) whose key is `key`. Each warp counts a contiguous span of ids.
-template <typename Keys>
-__device__ int nth_id_with_key(SampleShared& sh, const float* x, int n, const Keys keys, unsigned int key,
+template <typename T, typename Keys>
+__device__ int nth_id_with_key(SampleShared& sh, const T* x, int n, const Keys keys, unsigned int key,
                                unsigned int index) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int span = ((n + warps - 1) / warps + 31) & ~31;
@@ -71,7 +71,7 @@ __device__ int nth_id_with_key(SampleShared& sh, const float* x, int n, const Ke
     unsigned int hits = 0;
     for (int base = begin; base < end; base += 32) {
         const int i = base + lane;
-        hits += __popc(__ballot_sync(FULL_MASK, i < end && keys.key(x[i]) == key));
+        hits += __popc(__ballot_sync(FULL_MASK, i < end && keys.key(value_at(x, i)) == key));
     }
     if (lane == 0) sh.warp_hits[warp] = hits;
     __syncthreads();
@@ -87,7 +87,7 @@ __device__ int nth_id_with_key(SampleShared& sh, const float* x, int n, const Ke
         unsigned int rank = sh.nth_rank;
         for (int base = begin; base < end; base += 32) {
             const int i = base + lane;
-            unsigned int ballot = __ballot_sync(FULL_MASK, i < end && keys.key(x[i]) == key);
+            unsigned int ballot = __ballot_sync(FULL_MASK, i < end && keys.key(value_at(x, i)) == key);
             const unsigned int hits_here = __popc(ballot);
             if (rank < hits_here) {
                 for (unsigned int skip = 0; skip < rank; ++skip) ballot &= ballot - 1;
@@ -102,8 +102,8 @@ __device__ int nth_id_with_key(SampleShared& sh, const float* x, int n, const Ke
 }
 
 // More than MAX_CANDIDATES tokens share one value: equal masses, so the crossing is a rank in id order.
-template <typename Keys>
-__device__ void resolve_tie(SampleShared& sh, const float* x, int n, const Keys keys, unsigned int key,
+template <typename T, typename Keys>
+__device__ void resolve_tie(SampleShared& sh, const T* x, int n, const Keys keys, unsigned int key,
                             unsigned int count, u64 above_count, u64 above_mass, int kind, u64 target) {
     const u64 mass = keys.mass_of_key(key);
     const u64 index = kind == KIND_COUNT ? target - above_count : (target - above_mass) / mass;
@@ -120,8 +120,8 @@ __device__ void resolve_tie(SampleShared& sh, const float* x, int n, const Keys 
 
 // The crossing lies among the tokens with keys in [lo, hi]; above_* are the count and mass of the tokens with
 // larger keys, above_(kind) <= target < above_(kind) + the window's. Narrows the window until it resolves.
-template <typename Keys>
-__device__ void refine(SampleShared& sh, const float* x, int n, const Keys keys, unsigned int lo, unsigned int hi,
+template <typename T, typename Keys>
+__device__ void refine(SampleShared& sh, const T* x, int n, const Keys keys, unsigned int lo, unsigned int hi,
                        u64 above_count, u64 above_mass, int kind, u64 target) {
     for (;;) {
         const unsigned int range = hi - lo;
@@ -294,7 +294,8 @@ __device__ unsigned int lowest_kept_key(const SampleKeys keys, float sum, float 
 }
 
 // The n best (logprob, id) of the raw row, ties to the lower id, into ids[0, n) and values[0, n).
-__device__ void top_logprobs_of(SampleShared& sh, const float* raw, int n, const LogprobKeys keys, float thread_max,
+template <typename T>
+__device__ void top_logprobs_of(SampleShared& sh, const T* raw, int n, const LogprobKeys keys, float thread_max,
                                 int count, int* ids, float* values) {
     // every one of the `count` best is at least the count-th largest of the warps' (or threads') maxima: each of
     // those is a token's value (-inf where a warp has none, below every token)

@@ -275,6 +275,24 @@ def test_without_top_logprobs(kernel_library, stream):
     check_logprobs(logprobs, top_ids, top_logprobs, logits, rows, tokens, 0)
 
 
+@gpu
+@pytest.mark.parametrize("vocab_size", [1, 3001, 256206])
+def test_widen_rows_is_torchs_float(kernel_library, stream, vocab_size):
+    """The LM head's bf16 rows (a column view of padded rows, NaN and infinities among them) as float32, exactly
+    torch's .float(); nothing written past the row."""
+    logits = (torch.randn(5, vocab_size, generator=torch.Generator().manual_seed(vocab_size)) * 4).bfloat16()
+    logits[0, 0], logits[1, -1], logits[2, vocab_size // 2] = float("nan"), torch.inf, -torch.inf
+    wide = torch.zeros(5, vocab_size + 64, dtype=torch.bfloat16, device=DEVICE)
+    wide[:, :vocab_size] = logits.to(DEVICE)
+    out = torch.full((5, vocab_size + 3), POISON, device=DEVICE)
+    torch.cuda.synchronize()
+    sampling_launchers.widen_rows(kernel_library, stream, DeviceTensor.from_torch(out[:, :vocab_size]),
+                                  DeviceTensor.from_torch(wide[:, :vocab_size]))
+    stream.sync()
+    assert torch.equal(out[:, :vocab_size].cpu().view(torch.int32), logits.float().view(torch.int32))   # bits
+    assert (out[:, vocab_size:] == POISON).all()
+
+
 # ---- host only: the packers and the launchers' argument checks ----
 
 def test_params_layout_matches_the_kernel_struct():
@@ -364,7 +382,9 @@ def test_launchers_check_shapes_and_pass_what_the_kernels_take(monkeypatch):
     sample_rows(lib, None, logits, params, tokens, logprobs, None, None, 0, processed=logits)
     apply_penalties(lib, None, logits, logits, params, tensor((5,), "int32"), tensor((0, ENTRY_WORDS), "int32"),
                     tensor((0,), "float32"))
-    assert launched == [("sample_rows", 4, 1024), ("sample_rows", 4, 1024), ("apply_penalties", 4, 1024)]
+    sampling_launchers.widen_rows(lib, None, logits, tensor((4, 1000), "bfloat16"))
+    assert launched == [("sample_rows", 4, 1024), ("sample_rows", 4, 1024), ("apply_penalties", 4, 1024),
+                        ("widen_rows", (4, 1), 256)]
     bad_calls = [
         lambda: sample_rows(lib, None, tensor((4, 1000), "bfloat16"), params, tokens, logprobs, None, None, 0),
         lambda: sample_rows(lib, None, logits, tensor((3, PARAM_WORDS), "int32"), tokens, logprobs, None, None, 0),
@@ -377,8 +397,10 @@ def test_launchers_check_shapes_and_pass_what_the_kernels_take(monkeypatch):
                             None, 0),
         lambda: apply_penalties(lib, None, logits, logits, params, tensor((4,), "int32"),
                                 tensor((0, ENTRY_WORDS), "int32"), tensor((0,), "float32")),
+        lambda: sampling_launchers.widen_rows(lib, None, logits, logits),
+        lambda: sampling_launchers.widen_rows(lib, None, tensor((3, 1000), "float32"), tensor((4, 1000), "bfloat16")),
     ]
     for call in bad_calls:
         with pytest.raises(InvalidArgument):
             call()
-    assert len(launched) == 3
+    assert len(launched) == 4

@@ -43,8 +43,11 @@ def lane_buffers(lib, shapes: MemoryShapes) -> Buffers:
         shapes.max_blocks_per_seq * shapes.kv_block_size)
     return {
         "workspace": ((WORKSPACE_LAYERS * per_layer + 4 * t * shapes.hidden * 2,), "uint8"),
-        # As wide as the LM head's padded rows (padded_vocab): the GEMM writes them all.
-        "logits": ((seqs, padded_vocab(shapes.vocab)), "float32"),
+        # The LM head's output in the model's dtype, as transformers' bf16 run has it; as wide as the LM head's
+        # padded rows (padded_vocab): the GEMM writes them all.
+        "logits": ((seqs, padded_vocab(shapes.vocab)), "bfloat16"),
+        # The sampler's rows: the logits widened to float32, and a penalised copy.
+        "widened": ((seqs, shapes.vocab), "float32"),
         "processed": ((seqs, shapes.vocab), "float32"),
         "metadata": ((metadata_elements(t, seqs, shapes.max_blocks_per_seq),), "int32"),
         # A forward's second batch (an encoder-decoder's cross-attention rows), beside the first.
@@ -88,7 +91,7 @@ class Lane:
         self.metadata, self.cross_metadata = taken["metadata"], taken["cross_metadata"]
         self.kv_copies = taken["kv_copies"]
         self.decode_partials, self.gemm_workspace = taken["decode_partials"], taken["gemm_workspace"]
-        self.sampler = DeviceSampler(self, taken["sample_params"], taken["processed"],
+        self.sampler = DeviceSampler(self, taken["sample_params"], taken["widened"], taken["processed"],
                                      taken["sample_outputs"])
         self.candidates, self.lists = taken["beam_candidates"], taken["lists"]
         self.beam_state = taken["beam_state"]

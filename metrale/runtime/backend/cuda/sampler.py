@@ -1,5 +1,6 @@
-"""Sampling on the device: the sampler kernels over a lane's logits, one small copy back (tokens, logprobs,
-top-n), and full logits rows only for the sequences that asked."""
+"""Sampling on the device: the sampler kernels over a lane's logits (the LM head's bf16 rows widened to float32, as
+transformers widens them), one small copy back (tokens, logprobs, top-n), and full logits rows only for the
+sequences that asked."""
 
 import math
 
@@ -16,15 +17,20 @@ OUT_WORDS = 2 + 2 * MAX_TOP_LOGPROBS
 
 
 class DeviceSampler:
-    def __init__(self, lane, params: DeviceTensor, processed: DeviceTensor, outputs: DeviceTensor):
+    def __init__(self, lane, params: DeviceTensor, widened: DeviceTensor, processed: DeviceTensor,
+                 outputs: DeviceTensor):
         """lane: the Lane whose stream it runs on (its lists region takes the penalty lists); params
-        [max_seqs, PARAM_WORDS] int32; processed [max_seqs, vocab] float32; outputs [max_seqs * OUT_WORDS] int32."""
+        [max_seqs, PARAM_WORDS] int32; widened and processed [max_seqs, vocab] float32; outputs
+        [max_seqs * OUT_WORDS] int32."""
         self.lane, self.params = lane, params
-        self.processed, self.outputs = processed, outputs
+        self.widened, self.processed, self.outputs = widened, processed, outputs
 
-    def sample(self, logits: DeviceTensor, rows, on_queued=None) -> SampleResult:
+    def sample(self, bf16_logits: DeviceTensor, rows, on_queued=None) -> SampleResult:
+        """bf16_logits [len(rows), V]: the LM head's output rows."""
         lane, lib, stream = self.lane, self.lane.lib, self.lane.stream
         n = len(rows)
+        logits = self.widened.rows(0, n)
+        kernels.widen_rows(lib, stream, logits, bf16_logits)
         host_params = kernels.pack_sampling_params(rows)
         params = DeviceTensor(self.params.ptr, host_params.shape, "int32")
         lane.copy_to_device(params, host_params)

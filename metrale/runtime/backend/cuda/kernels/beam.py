@@ -21,13 +21,13 @@ def pack_banned(banned: list[list[int]]) -> list[np.ndarray]:
 def beam_candidates(lib, stream, logits: DeviceTensor, banned_offsets: DeviceTensor, banned: DeviceTensor,
                     ids_out: DeviceTensor, values_out: DeviceTensor) -> None:
     """ids_out [N, count] int32 and values_out [N, count] float32: the best `count` of each row of logits [N, V]
-    float32 by log_softmax, with the row's banned ids at -inf, best first, ties to the lower id; ids -1 and NaN for a
+    bf16 (widened to float32) by log_softmax, with the row's banned ids at -inf, best first, ties to the lower id; ids -1 and NaN for a
     row with NaN or no finite maximum. logits is overwritten at the banned ids. banned_offsets [N + 1] int32 and
     banned [E] int32 (pack_banned)."""
-    require(logits.dtype == "float32" and len(logits.shape) == 2, "beam_candidates: logits must be [N, V] float32")
+    require(logits.dtype == "bfloat16" and len(logits.shape) == 2, "beam_candidates: logits must be [N, V] bf16")
     num_rows, vocab_size = logits.shape
     require(0 < vocab_size <= MAX_VOCAB, f"beam_candidates: vocabulary {vocab_size} must be in [1, {MAX_VOCAB}]")
-    require(logits.ptr % 4 == 0, "beam_candidates: logits must be 4-byte aligned")
+    require(logits.ptr % 2 == 0, "beam_candidates: logits must be 2-byte aligned")
     require(ids_out.dtype == "int32" and values_out.dtype == "float32" and ids_out.is_contiguous
             and values_out.is_contiguous and len(ids_out.shape) == 2 and ids_out.shape == values_out.shape
             and ids_out.shape[0] == num_rows, f"beam_candidates: ids_out and values_out must be [{num_rows}, count] "
@@ -53,11 +53,11 @@ MAX_MERGED = 1024
 
 
 def row_parts(rows: int, vocab_size: int, count: int) -> tuple[int, int]:
-    """(parts, ids per part) for splitting `rows` logits rows: every part 16-byte aligned, and all but the last
+    """(parts, ids per part) for splitting `rows` bf16 logits rows: every part 16-byte aligned, and all but the last
     holding >= count ids (the kernel takes fewer from a short last part)."""
     parts = max(1, min(TARGET_BLOCKS // max(rows, 1), MAX_PARTS, MAX_MERGED // count, vocab_size // count))
     size = -(-vocab_size // parts)
-    size = -(-size // 4) * 4
+    size = -(-size // 8) * 8
     if size < count:                    # a tiny vocabulary: one part
         return 1, vocab_size
     return -(-vocab_size // size), size
@@ -66,12 +66,12 @@ def row_parts(rows: int, vocab_size: int, count: int) -> tuple[int, int]:
 def beam_state_candidates(lib, stream, logits: DeviceTensor, state: int, num_rows: int, parity: int, generated: int,
                           count: int, scratch: dict[str, DeviceTensor]) -> None:
     """The device search's candidates (beam_step.cu's state at address `state`: `count` = its keep_stride best
-    per beam), from rows [0, num_rows) of logits [>= num_rows, V] float32, each beam's bans computed from its tokens.
+    per beam), from rows [0, num_rows) of logits [>= num_rows, V] bf16, each beam's bans computed from its tokens.
     scratch: part_max [>= rows * MAX_PARTS] float32, part_sum (float64, as int64), part_ids and part_values
     [>= rows * MAX_MERGED] int32 and float32."""
-    require(logits.dtype == "float32" and len(logits.shape) == 2 and logits.shape[0] >= num_rows
-            and logits.ptr % 16 == 0 and logits.stride % 4 == 0,
-            "beam_state_candidates: logits must be [>= rows, V] float32, rows 16-byte aligned")
+    require(logits.dtype == "bfloat16" and len(logits.shape) == 2 and logits.shape[0] >= num_rows
+            and logits.ptr % 16 == 0 and logits.stride % 8 == 0,
+            "beam_state_candidates: logits must be [>= rows, V] bf16, rows 16-byte aligned")
     vocab_size = logits.shape[1]
     require(0 < vocab_size <= MAX_VOCAB, f"beam_state_candidates: vocabulary must be in [1, {MAX_VOCAB}]")
     require(0 < count <= min(MAX_COUNT, vocab_size), f"beam_state_candidates: count {count} must be in "

@@ -21,6 +21,9 @@ ENTRY_WORDS = 5                # penalty entry: token id, output count, in histo
 FLAG_GREEDY, FLAG_PENALISED, FLAG_LOGPROBS = 1, 2, 4
 TOP_P_OFF = 2.0
 NULL = np.uint64(0)
+WIDEN_THREADS = 256            # as in sampling.cu
+WIDEN_PER_THREAD = 16          # values a thread widens, about (blocks per row: vocab / 4096, at most 64)
+WIDEN_MAX_CHUNKS = 64
 
 # struct SampleParams of sampling_primitives.cuh, little-endian
 PARAMS_DTYPE = np.dtype({
@@ -92,6 +95,20 @@ def pack_penalties(rows: Sequence[SampleRow], vocab_size: int) -> PenaltyLists:
 def _valid_ids(tokens, vocab_size: int) -> np.ndarray:
     ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
     return ids[(ids >= 0) & (ids < vocab_size)]
+
+
+def widen_rows(lib, stream, out: DeviceTensor, logits: DeviceTensor) -> None:
+    """out [N, V] float32 = logits [N, V] bf16 (the LM head's output), as transformers widens its logits before the
+    processors: the rows apply_penalties and sample_rows read."""
+    require(logits.dtype == "bfloat16" and len(logits.shape) == 2, "widen_rows: logits must be [N, V] bf16")
+    require(out.dtype == "float32" and out.shape == logits.shape,
+            f"widen_rows: out {out.shape} {out.dtype} must be float32 {logits.shape}")
+    num_rows, vocab_size = logits.shape
+    if num_rows == 0:
+        return
+    chunks = min(-(-vocab_size // (WIDEN_THREADS * WIDEN_PER_THREAD)), WIDEN_MAX_CHUNKS)
+    launch_kernel(stream, lib.get("widen_rows", MODULE), (num_rows, chunks), WIDEN_THREADS, out,
+                  np.int64(out.stride), logits, np.int64(logits.stride), vocab_size)
 
 
 def apply_penalties(lib, stream, processed: DeviceTensor, logits: DeviceTensor, params: DeviceTensor,
