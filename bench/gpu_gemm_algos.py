@@ -19,7 +19,7 @@ from bench.gpu_skinny_gemm import L2_SPAN, WORKSPACE_BYTES, time_per_launch
 # (linear, N, K, bias, relu, out dtype): NLLB-200-600M's decoder linears and its LM head (rows padded to 64).
 SHAPES = (("qkv", 3072, 1024, True, False, "bfloat16"), ("out", 1024, 1024, True, False, "bfloat16"),
           ("fc1", 4096, 1024, True, True, "bfloat16"), ("fc2", 1024, 4096, True, False, "bfloat16"),
-          ("lm_head", 256256, 1024, False, False, "float32"))
+          ("lm_head", 256256, 1024, False, False, "bfloat16"))
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 

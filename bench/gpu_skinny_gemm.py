@@ -18,14 +18,14 @@ import torch
 
 from bench.gpu_ceilings import copy_bandwidth, gpu_machine_line
 
-# (model, linear, N, K, out dtype); logits are float32.
+# (model, linear, N, K, out dtype); logits are bf16, as the LM head writes them.
 SHAPES = (
     ("llama3-8b", "qkv", 6144, 4096, "bfloat16"), ("llama3-8b", "o", 4096, 4096, "bfloat16"),
     ("llama3-8b", "gate_up", 28672, 4096, "bfloat16"), ("llama3-8b", "down", 4096, 14336, "bfloat16"),
-    ("llama3-8b", "lm_head", 128256, 4096, "float32"),
+    ("llama3-8b", "lm_head", 128256, 4096, "bfloat16"),
     ("smollm2-135m", "qkv", 960, 576, "bfloat16"), ("smollm2-135m", "o", 576, 576, "bfloat16"),
     ("smollm2-135m", "gate_up", 3072, 576, "bfloat16"), ("smollm2-135m", "down", 576, 1536, "bfloat16"),
-    ("smollm2-135m", "lm_head", 49152, 576, "float32"),
+    ("smollm2-135m", "lm_head", 49152, 576, "bfloat16"),
     ("nllb-600m", "qkv", 3072, 1024, "bfloat16"), ("nllb-600m", "o", 1024, 1024, "bfloat16"),
     ("nllb-600m", "fc1", 4096, 1024, "bfloat16"), ("nllb-600m", "fc2", 1024, 4096, "bfloat16"),
 )
