@@ -21,9 +21,9 @@ def pack_banned(banned: list[list[int]]) -> list[np.ndarray]:
 def beam_candidates(lib, stream, logits: DeviceTensor, banned_offsets: DeviceTensor, banned: DeviceTensor,
                     ids_out: DeviceTensor, values_out: DeviceTensor) -> None:
     """ids_out [N, count] int32 and values_out [N, count] float32: the best `count` of each row of logits [N, V]
-    bf16 (widened to float32) by log_softmax, with the row's banned ids at -inf, best first, ties to the lower id; ids -1 and NaN for a
-    row with NaN or no finite maximum. logits is overwritten at the banned ids. banned_offsets [N + 1] int32 and
-    banned [E] int32 (pack_banned)."""
+    bf16 (widened to float32) by log_softmax, with the row's banned ids at -inf, best first, ties to the lower id;
+    ids -1 and NaN for a row with NaN or no finite maximum. logits is overwritten at the banned ids.
+    banned_offsets [N + 1] int32 and banned [E] int32 (pack_banned)."""
     require(logits.dtype == "bfloat16" and len(logits.shape) == 2, "beam_candidates: logits must be [N, V] bf16")
     num_rows, vocab_size = logits.shape
     require(0 < vocab_size <= MAX_VOCAB, f"beam_candidates: vocabulary {vocab_size} must be in [1, {MAX_VOCAB}]")

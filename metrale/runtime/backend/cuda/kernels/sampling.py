@@ -22,8 +22,8 @@ FLAG_GREEDY, FLAG_PENALISED, FLAG_LOGPROBS = 1, 2, 4
 TOP_P_OFF = 2.0
 NULL = np.uint64(0)
 WIDEN_THREADS = 256            # as in sampling.cu
-WIDEN_PER_THREAD = 16          # values a thread widens, about (blocks per row: vocab / 4096, at most 64)
-WIDEN_MAX_CHUNKS = 64
+WIDEN_PER_THREAD = 16          # widen_rows: about this many values a thread, so vocab / 4096 blocks a row,
+WIDEN_MAX_CHUNKS = 64          # at most this many
 
 # struct SampleParams of sampling_primitives.cuh, little-endian
 PARAMS_DTYPE = np.dtype({
