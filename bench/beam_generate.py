@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", type=int, default=0,
                         help="print where the host's time goes (cProfile, top N by own time) in one call per batch")
+    parser.add_argument("--profile-sort", default="tottime", help="pstats order of --profile: tottime or cumulative")
     parser.add_argument("--kernels", type=int, default=0,
                         help="print the device's busiest N kernels and copies of one call per batch (CUPTI)")
     args = parser.parse_args(argv)
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
         ours.step_ms, theirs.step_ms = timed_interleaved([ours_call, generate], args.reps, args.device)
         ours_top = [r.hypotheses[0][0] for r in ours_call()]
         if args.profile:
-            log(f"profile, batch {batch}:\n" + host_profile(ours_call, args.profile))
+            log(f"profile, batch {batch}:\n" + host_profile(ours_call, args.profile, args.profile_sort))
         if args.kernels:
             log(f"device, one call of batch {batch} ({args.new_tokens} steps):\n"
                 + kernel_table(ours_call, args.kernels))

@@ -17,6 +17,7 @@ from bench.grpc_overhead import machine_line
 from bench.phases import host_profile, log
 from metrale.runtime.backend.cuda.batch import metadata_elements, pack_batch
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
+from metrale.runtime.beam.candidates import HostCandidates
 from metrale.runtime.beam.params import BeamParams, BeamRequest
 from metrale.runtime.beam.runner import BeamCall, BeamModel
 from metrale.runtime.kv_blocks import KvBlockManager
@@ -50,7 +51,7 @@ class InstantModel:
             pack_batch(batch.cross, self.region, self.max_blocks)
         n = len(batch.sample_rows)
         values = -torch.rand(n, count, generator=self.generator).sort(dim=1, descending=True).values * 10 - 1
-        return values, torch.randint(3, VOCAB, (n, count), generator=self.generator)
+        return HostCandidates(values, torch.randint(3, VOCAB, (n, count), generator=self.generator))
 
     def encode(self, segments):
         pass

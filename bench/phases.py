@@ -56,11 +56,12 @@ def log(message: str) -> None:
     print(f"# [{datetime.datetime.now().strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def host_profile(call, rows: int) -> str:
-    """call() under cProfile: the `rows` host functions with the most own time, as pstats prints them."""
+def host_profile(call, rows: int, sort: str = "tottime") -> str:
+    """call() under cProfile: the `rows` host functions with the most own time (or cumulative: with their callees),
+    as pstats prints them."""
     profiler = cProfile.Profile()
     profiler.runcall(call)
     out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(rows)
+    pstats.Stats(profiler, stream=out).sort_stats(sort).print_stats(rows)
     text = out.getvalue()
     return text[text.find("ncalls"):].rstrip()

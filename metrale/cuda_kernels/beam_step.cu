@@ -32,6 +32,20 @@ __device__ __forceinline__ bool is_eos(const BeamState& s, int id) {
 
 __device__ __forceinline__ long long half(const BeamState& s, int parity) { return parity * s.total_beams; }
 
+// The search's first candidates, from where the prompt pass left them: cand_ids and cand_values [beams, count]
+// (the state's, keep_stride = count) take row rows[b] of ids and values [N, count] (beam.cu's beam_candidates) for
+// each beam b. A flat grid, one element per thread. beam_select checks them (a negative id or NaN is a fault).
+extern "C" __global__ void beam_seed(int* cand_ids, float* cand_values, const int* ids, const float* values,
+                                     const int* rows, int num_beams, int count) {
+    wait_for_previous_kernel();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= num_beams * count) return;
+    const int beam = i / count;
+    const long long from = (long long)rows[beam] * count + (i - beam * count);
+    cand_ids[i] = ids[from];
+    cand_values[i] = values[from];
+}
+
 // One CTA per request of state.active[0, gridDim.x) still searching, `generated` tokens into the search: from
 // its beams' candidates and the state at `parity`, the state at 1 - parity and this step's parents; done once
 // the search ended (result_parity then says where its hypotheses are).

@@ -186,7 +186,7 @@ class Engine:
             self.model.encode(build_batch(segments, self.config.kv_block_size), self.kv_cache)
 
     def _beam_forward(self, batch: ForwardBatch, banned: list[list[int]], count: int):
-        """The batch's sampled rows' beam candidates (Ops.beam_candidates), on the host; count 0: the forward alone
+        """The batch's sampled rows' beam candidates (Ops.beam_candidates), queued; count 0: the forward alone
         (queued, not waited for), None."""
         ops = self.model.ops
         with self._forward_lock:

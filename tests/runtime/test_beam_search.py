@@ -166,19 +166,32 @@ def test_non_finite_logits_end_the_call_with_a_device_fault_and_every_block_back
 def test_the_prompt_pass_hands_over_a_device_search(models, monkeypatch):
     """What a device search step starts from (runtime/beam/on_device.py), built on the CPU engine: each request's
     beams on its prompt's blocks (as many holders as beams), every reserved block free or held, the length
-    penalty divisors as BeamGroup computes them, the prompt's candidates once per beam, and the state's arrays
-    laid out (the CUDA backend's state_arrays) without a device."""
+    penalty divisors as BeamGroup computes them, the prompt's candidates once per beam, not read on the host before
+    the hand-over (the host does not wait for the prompt pass), and the state's arrays laid out (the CUDA backend's
+    state_arrays) without a device."""
     from metrale.runtime.backend.cuda.beam_search import state_arrays
 
     engine, _, eos = models
     requests = [BeamRequest(i, prompt_tokens=tuple(p), params=BeamParams(num_beams=k, max_new_tokens=5 + i,
                                                                          length_penalty=lp))
                 for i, (p, k, lp) in enumerate(zip(PROMPTS, (3, 1, 3, 2), (1.0, 0.5, 2.0, -1.0)))]
-    seen = []
+    seen, reads = [], []
     monkeypatch.setattr(engine.model.ops, "device_beam_search", lambda search, *_: seen.append(search))
+    candidates = engine.model.ops.beam_candidates
+
+    class Recorded:
+        def __init__(self, found):
+            self.found = found
+
+        def host(self):
+            reads.append(len(seen))                        # how many hand-overs came before the read
+            return self.found.host()
+
+    monkeypatch.setattr(engine.model.ops, "beam_candidates", lambda *args: Recorded(candidates(*args)))
     free = engine.blocks.num_free
     engine.beam_generate(requests, eos, FILL)             # stepped on the host: the CPU backend returns None
     assert engine.blocks.num_free == free and len(seen) == 1
+    assert reads and min(reads) == 1
     search = seen[0]
     order = [0, 2, 1, 3]                                  # grouped by num_beams, in call order
     assert search.num_beams.tolist() == [3, 3, 1, 2] and search.beam_base.tolist() == [0, 3, 6, 7]
@@ -192,7 +205,7 @@ def test_the_prompt_pass_hands_over_a_device_search(models, monkeypatch):
         lp = requests[i].params.length_penalty
         assert search.divisors[r, 1:6 + i].tolist() == [torch.tensor(float(n) ** lp).float().item()
                                                         for n in range(1, 6 + i)]
-        rows = search.cand_ids[search.beam_base[r]:search.beam_base[r] + search.num_beams[r]]
+        rows = search.candidate_arrays()[1][search.beam_base[r]:search.beam_base[r] + search.num_beams[r]]
         assert (rows == rows[0]).all()
     held = set(int(b) for b in search.holders.nonzero()[0])
     assert held.isdisjoint(search.free.tolist()) and len(held) + len(search.free) == len(search.block_ids)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from metrale.runtime.backend.ops import RopeTable, rope_then_attention
 from metrale.runtime.batch import ForwardBatch
+from metrale.runtime.beam.candidates import HostCandidates
 from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.sampling import sample
 
@@ -34,15 +35,14 @@ class CpuBackend:
     def synchronize(self) -> None:
         """The CPU ops are done when they return."""
 
-    def beam_candidates(self, logits: torch.Tensor, banned: list[list[int]], count: int
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    def beam_candidates(self, logits: torch.Tensor, banned: list[list[int]], count: int) -> HostCandidates:
         log_probs = torch.log_softmax(logits.float(), dim=-1)
         vocab = log_probs.shape[-1]
         for row, ids in enumerate(banned):
             inside = [i for i in ids if 0 <= i < vocab]
             if inside:
                 log_probs[row, inside] = -math.inf
-        return torch.topk(log_probs, k=min(count, vocab), dim=-1)
+        return HostCandidates(*torch.topk(log_probs, k=min(count, vocab), dim=-1))
 
     def counters(self) -> dict[str, int]:
         return {"kernel_cache_hits": 0, "kernel_cache_misses": 0, "graph_replays": 0}

@@ -6,6 +6,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from metrale.runtime.batch import ForwardBatch
+from metrale.runtime.beam.candidates import Candidates
 from metrale.runtime.beam.on_device import DeviceSearch, OnDeviceSearch
 from metrale.runtime.sampling import SampleResult
 
@@ -66,11 +67,11 @@ class Ops(Protocol):
     # one launch, not one per kernel); 0: none.
     decode_graph_rows: int
 
-    def beam_candidates(self, logits: Tensor, banned: list[list[int]], count: int
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Beam search's candidates, on the host: for each logits row, log_softmax in float32, its banned ids
-        (transformers' processors) at -inf, then the `count` best: values [N, count] float32 and ids [N, count]
-        int64, best first. The logits may be overwritten."""
+    def beam_candidates(self, logits: Tensor, banned: list[list[int]], count: int) -> Candidates:
+        """Beam search's candidates: for each logits row, log_softmax in float32, its banned ids (transformers'
+        processors) at -inf, then the `count` best, best first; .host() gives them as values [N, count] float32
+        and ids [N, count] int64 (beam/candidates.py). Queued, not waited for: a device search seeds from the
+        prompt pass's where they are. The logits may be overwritten."""
 
     def copy_kv_prefixes(self, kv_cache: list, copies: list[tuple[int, int, int]]) -> None:
         """For each (src block, dst block, n): the first n slots of src's K and V, in every layer, into dst."""

@@ -15,6 +15,7 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
+from metrale.runtime.beam.candidates import Candidates
 from metrale.runtime.errors import Cancelled
 from metrale.runtime.kv_blocks import KvBlockManager, blocks_for
 
@@ -46,12 +47,22 @@ class DeviceSearch:
     block_ids: np.ndarray        # [B] pool ids
     holders: np.ndarray          # [B] int32
     free: np.ndarray             # indices into block_ids, the next one taken last
-    cand_values: np.ndarray      # [TB, keep_stride] float32: the prompt's candidates, repeated for each beam
-    cand_ids: np.ndarray         # [TB, keep_stride] int32
+    # [R]: each request's prompt candidates, a row of one forward's (Candidates, row), the same for each of its beams;
+    # keep_stride of them a row (the count the prompt pass asked every group for).
+    prompt_candidates: list[tuple[Candidates, int]]
+    keep_stride: int
     block_size: int
     max_len: int                 # the longest prompt_len + max_new_tokens
     table_width: int             # blocks_for(max_len)
     encoder_decoder: bool
+
+    def candidate_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """The prompt candidates on the host, once per beam: values [TB, keep_stride] float32, ids int32. Not
+        checked: the device's first select refuses a row with a negative id or a NaN value."""
+        rows = [tuple(part[row] for part in found.host()) for found, row in self.prompt_candidates]
+        values = torch.stack([v for v, _ in rows]).numpy().astype(np.float32)
+        ids = torch.stack([i for _, i in rows]).numpy().astype(np.int32)
+        return np.repeat(values, self.num_beams, axis=0), np.repeat(ids, self.num_beams, axis=0)
 
 
 class OnDeviceSearch(Protocol):
@@ -86,26 +97,28 @@ def fits_on_device(groups) -> bool:
                and g.search.keep * g.search.num_beams <= MAX_CANDIDATES for g in groups)
 
 
-def device_search(groups, candidates, pool: KvBlockManager, block_size: int, encoder_decoder: bool
-                  ) -> tuple[DeviceSearch, list]:
-    """The DeviceSearch the runner's prompt pass leaves, and its requests (the groups' members, in order)."""
+def device_search(groups, pool: KvBlockManager, block_size: int, encoder_decoder: bool) -> tuple[DeviceSearch, list]:
+    """The DeviceSearch the runner's prompt pass leaves, and its requests (the groups' members, in order). Host
+    work only: nothing here waits for the device."""
     members = [m for g in groups for m in g.members]
     searches = [(g.search, i) for g in groups for i in range(len(g.members))]
     k = np.array([s.num_beams for s, _ in searches], dtype=np.int32)
     params = [s.params[i] for s, i in searches]
-    prompt_len = np.array([int(s.prompt_len[i]) for s, i in searches], dtype=np.int32)
+    tokens = [row for g in groups for row in g.search.running[:, 0].numpy()]     # [R] rows: prompt, then fill
+    prompt_len = np.concatenate([g.search.prompt_len.numpy() for g in groups]).astype(np.int32)
     max_new = np.array([p.max_new_tokens for p in params], dtype=np.int32)
     max_len = int((prompt_len + max_new).max())
     local = {block: i for i, block in enumerate(pool.ids)}
     free, holders = pool.holders()
-    # The prompt pass asked every group for the same count of candidates: the device's keep_stride.
-    values = torch.cat([c[0].reshape(-1, c[0].shape[2]) for c in candidates]).numpy().astype(np.float32)
-    ids = torch.cat([c[1].reshape(-1, c[1].shape[2]) for c in candidates]).numpy().astype(np.int32)
+    # Each request's length penalty divisors, float64 powers rounded to float32 (BeamGroup's), once per setting.
     divisors = np.ones((len(params), int(max_new.max()) + 1), dtype=np.float32)
+    powers = {}
     for row, p in enumerate(params):
-        lengths = np.arange(1, p.max_new_tokens + 1)
-        divisors[row, 1:p.max_new_tokens + 1] = torch.tensor([float(n) ** p.length_penalty for n in lengths],
-                                                              dtype=torch.float64).to(torch.float32).numpy()
+        setting = (p.max_new_tokens, p.length_penalty)
+        if setting not in powers:
+            powers[setting] = np.array([float(n) ** p.length_penalty for n in range(1, p.max_new_tokens + 1)],
+                                       dtype=np.float64).astype(np.float32)
+        divisors[row, 1:p.max_new_tokens + 1] = powers[setting]
     search = DeviceSearch(
         num_beams=k, beam_base=np.concatenate([[0], np.cumsum(k)[:-1]]).astype(np.int32), prompt_len=prompt_len,
         max_length=prompt_len + max_new, min_new=np.array([p.min_new_tokens for p in params], dtype=np.int32),
@@ -114,15 +127,15 @@ def device_search(groups, candidates, pool: KvBlockManager, block_size: int, enc
         best_length=np.array([p.max_new_tokens if p.early_stopping == "never" and p.length_penalty > 0.0 else -1
                               for p in params], dtype=np.int32),
         source_len=np.array([m.source_len for m in members], dtype=np.int32),
-        prompts=[s.running[i, 0, :int(s.prompt_len[i])].tolist() for s, i in searches],
+        prompts=[row[:n].tolist() for row, n in zip(tokens, prompt_len.tolist())],
         divisors=divisors, eos=searches[0][0].eos.numpy().astype(np.int32),
         cross_tables=[list(m.cross_blocks or []) for m in members],
         tables=[[local[b] for b in beam] for m in members for beam in m.beams],
         block_ids=np.asarray(pool.ids, dtype=np.int32),
         holders=np.array([holders.get(b, 0) for b in pool.ids], dtype=np.int32),
         free=np.array([local[b] for b in free], dtype=np.int32),
-        cand_values=np.ascontiguousarray(values), cand_ids=np.ascontiguousarray(ids), block_size=block_size,
-        max_len=max_len, table_width=blocks_for(max_len, block_size), encoder_decoder=encoder_decoder)
+        prompt_candidates=[m.prompt for m in members], keep_stride=max(g.search.keep for g in groups),
+        block_size=block_size, max_len=max_len, table_width=blocks_for(max_len, block_size), encoder_decoder=encoder_decoder)
     return search, members
 
 

@@ -14,10 +14,11 @@ from typing import Callable
 import torch
 
 from metrale.runtime.batch import ForwardBatch, Segment, build_batch, build_decode_batch
+from metrale.runtime.beam.candidates import Candidates, finite
 from metrale.runtime.beam.on_device import DeviceSearch, OnDeviceSearch, device_search, fits_on_device, run_on_device
 from metrale.runtime.beam.params import MAX_KEEP, BeamRequest
 from metrale.runtime.beam.search import BeamGroup
-from metrale.runtime.errors import BatchTooLarge, Cancelled, DeviceFault, InvalidArgument, OutOfRange
+from metrale.runtime.errors import BatchTooLarge, Cancelled, InvalidArgument, OutOfRange
 from metrale.runtime.kv_blocks import KvBlockManager, blocks_for
 from metrale.runtime.planner import Limits
 from metrale.runtime.sequence import BlockTable
@@ -44,6 +45,8 @@ class _Request:
     # written after the encoder pass), and the source's length.
     cross_blocks: list[int] | None = None
     source_len: int = 0
+    # The candidates of the prompt's last token: a row of one forward's (left where the backend computed them).
+    prompt: tuple[Candidates, int] | None = None
 
     def __post_init__(self):
         # What each of its beams' segments carries (built once: the blocks never change).
@@ -60,12 +63,12 @@ class _Group:
 @dataclass(frozen=True)
 class BeamModel:
     """What a call needs of the model, given by the engine. forward(batch, banned, count): the batch's sampled
-    rows' beam candidates on the host (Ops.beam_candidates: values and ids [rows, count]); count 0: the forward
-    only (its tokens' KV), returning None without waiting for it;
+    rows' beam candidates, queued (Ops.beam_candidates: .host() gives values and ids [rows, count]); count 0: the
+    forward only (its tokens' KV), returning None;
     copy_kv(copies): (src block, dst block, tokens) KV copies; encode(segments): the encoder over source segments,
     writing their cross-attention K/V into the segments' blocks, and decoder_start the decoder's first token, for
     encoder-decoder models (None for decoder-only ones)."""
-    forward: Callable[[ForwardBatch, list[list[int]], int], tuple[torch.Tensor, torch.Tensor]]
+    forward: Callable[[ForwardBatch, list[list[int]], int], Candidates | None]
     copy_kv: Callable[[list], None]
     eos_token_ids: tuple[int, ...]
     fill_token: int
@@ -108,13 +111,14 @@ class BeamCall:
         self._check_limits()
 
     def run(self, pool: KvBlockManager, cancelled: Callable[[], bool]) -> list[BeamResult]:
-        groups, candidates = self._prefill(pool, self._encode(pool))
+        groups = self._prefill(pool, self._encode(pool))
         if self.model.search_on_device is not None and fits_on_device(groups):
-            search, members = device_search(groups, candidates, pool, self.block_size, self.model.encode is not None)
+            search, members = device_search(groups, pool, self.block_size, self.model.encode is not None)
             on_device = self.model.search_on_device(search)
             if on_device is not None:
                 found = run_on_device(on_device, members, cancelled)
                 return [BeamResult(r.request_id, found[r.request_id]) for r in self.requests]
+        candidates = [prompt_candidates(group) for group in groups]
         results: dict[int, BeamResult] = {}
         while groups:
             if cancelled():
@@ -184,10 +188,10 @@ class BeamCall:
                            for r, blocks in zip(self.requests, cross)])
         return cross
 
-    def _prefill(self, pool: KvBlockManager, cross: list[list[int] | None]) -> tuple[list[_Group], list]:
-        """Every prompt once; each request starts with num_beams beams on the prompt's blocks and its last row's
-        candidates repeated (transformers runs num_beams copies of the prompt: the same rows). Requests are
-        grouped by num_beams, in call order."""
+    def _prefill(self, pool: KvBlockManager, cross: list[list[int] | None]) -> list[_Group]:
+        """Every prompt once; each request starts with num_beams beams on the prompt's blocks, its last row's
+        candidates (member.prompt) the same for each (transformers runs num_beams copies of the prompt: the same
+        rows). Requests are grouped by num_beams, in call order."""
         by_beams: dict[int, list[int]] = {}
         for i, r in enumerate(self.requests):
             by_beams.setdefault(r.params.num_beams, []).append(i)
@@ -200,15 +204,14 @@ class BeamCall:
             for i, beams in zip(indices, search.banned_tokens()):
                 banned[i] = beams[0]
         count = max(search.keep for search, _ in searches)
-        values, ids, pending = [], [], []
+        pending = []
         by_token = (max(len(p) for p in self.prompts) <= m.short_prompt
                     and all(m.position_padding_id not in p for p in self.prompts))
 
         def flush():
             forward = self._forward_by_token if by_token else self._forward_whole
-            for v, t in forward(pending, count):
-                values.append(v)
-                ids.append(t)
+            for (*_, member, _), found in zip(pending, forward(pending, count)):
+                member.prompt = found
             pending.clear()
 
         for r, prompt, cross_blocks, bans in zip(self.requests, self.prompts, cross, banned):
@@ -221,21 +224,19 @@ class BeamCall:
             members.append(_Request(r, [blocks] * r.params.num_beams, cross_blocks, len(r.src_tokens)))
             pending.append((prompt, blocks, members[-1], bans))
         flush()
-        groups = [_Group(search, [members[i] for i in indices]) for search, indices in searches]
-        candidates = [tuple(torch.stack([rows[i] for i in indices])[:, None].expand(-1, search.num_beams, -1)
-                            for rows in (values, ids)) for search, indices in searches]
-        return groups, candidates
+        return [_Group(search, [members[i] for i in indices]) for search, indices in searches]
 
-    def _forward_whole(self, pending: list, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _forward_whole(self, pending: list, count: int) -> list[tuple[Candidates, int]]:
         """The pending prompts (prompt, blocks, member, bans) in one prefill forward: each one's last row's
-        candidates."""
+        candidates, as (the forward's candidates, row)."""
         segments = [Segment(BlockTable(blocks), 0, prompt, True, member.cross) for prompt, blocks, member, _ in pending]
-        v, t = _finite(*self.model.forward(build_batch(segments, self.block_size), [b for *_, b in pending], count))
-        return list(zip(v, t))
+        found = self.model.forward(build_batch(segments, self.block_size), [b for *_, b in pending], count)
+        return [(found, row) for row in range(len(pending))]
 
-    def _forward_by_token(self, pending: list, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _forward_by_token(self, pending: list, count: int) -> list[tuple[Candidates, int]]:
         """The pending prompts a token a forward, as decode steps (a graph replay each, where the backend has
-        them): the candidates of each prompt's last token. A prompt ends at its own length; the others go on."""
+        them): the candidates of each prompt's last token, as (that forward's candidates, row). A prompt ends at
+        its own length; the others go on."""
         found: list = [None] * len(pending)
         for j in range(max(len(prompt) for prompt, *_ in pending)):
             live = [i for i, (prompt, *_) in enumerate(pending) if len(prompt) > j]
@@ -246,10 +247,9 @@ class BeamCall:
             if not last:        # no prompt ends here: its KV only (the host builds the next batch meanwhile)
                 self.model.forward(batch, [], 0)
                 continue
-            v, t = self.model.forward(batch, [pending[i][3] for i in live], count)
-            v, t = _finite(v[last], t[last])
-            for row, value, token in zip(last, v, t):
-                found[live[row]] = (value, token)
+            candidates = self.model.forward(batch, [pending[i][3] for i in live], count)
+            for row in last:
+                found[live[row]] = (candidates, row)
         return found
 
     def _fork(self, pool: KvBlockManager, member: _Request, parents: list[int], position: int) -> list:
@@ -293,7 +293,7 @@ class BeamCall:
                 banned += bans
         batch = build_decode_batch(tokens, positions, tables, self.block_size,
                                    crosses if self.model.encode is not None else None)
-        values, ids = _finite(*self.model.forward(batch, banned, max(group.search.keep for group in groups)))
+        values, ids = finite(*self.model.forward(batch, banned, max(group.search.keep for group in groups)).host())
         out, start = [], 0
         for group in groups:
             n, k = len(group.members), group.search.num_beams
@@ -302,9 +302,8 @@ class BeamCall:
         return out
 
 
-def _finite(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A step's candidates, refused where a logits row had NaN or no finite maximum (the backend's id -1, or NaN
-    log-probabilities): there is nothing to rank, as the sampler finds nothing to sample."""
-    if bool((ids < 0).any()) or bool(torch.isnan(values).any()):
-        raise DeviceFault("a logits row has no finite maximum (NaN or +inf logits): no beam to continue")
-    return values, ids
+def prompt_candidates(group: _Group) -> tuple[torch.Tensor, torch.Tensor]:
+    """The host search's first candidates: values, ids [requests, beams, count], each request's prompt row once
+    per beam (refused where not finite)."""
+    rows = [finite(*(part[row:row + 1] for part in found.host())) for found, row in (m.prompt for m in group.members)]
+    return tuple(torch.cat(parts)[:, None].expand(-1, group.search.num_beams, -1) for parts in zip(*rows))

@@ -129,6 +129,7 @@ def test_device_search_candidates_match_float64(kernel_library, stream, count, t
     split across blocks, bans computed on the device from each beam's tokens (a banned EOS the row's maximum)."""
     from metrale.runtime.backend.cuda.beam_search import DeviceBeamSearch, state_arrays
     from metrale.runtime.backend.cuda.kernels.beam import beam_state_candidates
+    from metrale.runtime.beam.candidates import HostCandidates
     from metrale.runtime.beam.on_device import DeviceSearch
 
     vocab, eos = 256206, (2, 7)
@@ -136,14 +137,14 @@ def test_device_search_candidates_match_float64(kernel_library, stream, count, t
     beams, ngram, min_new = [4, 2, 1], [3, 2, 0], [5, 0, 3]
     R, TB = len(prompts), sum(beams)
     i32 = lambda values: np.asarray(values, dtype=np.int32)
+    poisoned = HostCandidates(torch.full((R, count), POISON), torch.full((R, count), -7))
     search = DeviceSearch(
         num_beams=i32(beams), beam_base=i32([0, 4, 6]), prompt_len=i32([len(p) for p in prompts]),
         max_length=i32([len(p) + 8 for p in prompts]), min_new=i32(min_new), ngram=i32(ngram),
         early_stopping=i32([0] * R), best_length=i32([-1] * R), source_len=i32([0] * R), prompts=prompts,
         divisors=np.ones((R, 9), dtype=np.float32), eos=i32(eos), cross_tables=[[]] * R, tables=[[0]] * TB,
         block_ids=i32(range(8)), holders=i32([1] + [0] * 7), free=i32(range(7, 0, -1)),
-        cand_values=np.full((TB, count), POISON, dtype=np.float32), cand_ids=np.full((TB, count), -7, dtype=np.int32),
-        block_size=16, max_len=16, table_width=1, encoder_decoder=False)
+        prompt_candidates=[(poisoned, r) for r in range(R)], keep_stride=count, block_size=16, max_len=16, table_width=1, encoder_decoder=False)
     region = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
     lane = _Lane(kernel_library, stream)
     state = DeviceBeamSearch(lane, search, state_arrays(search, lane.shapes.max_blocks_per_seq), forward=None,
@@ -167,3 +168,24 @@ def test_device_search_candidates_match_float64(kernel_library, stream, count, t
     want_values, want_ids = reference(logits, banned, count)
     assert (values - want_values).abs().max() < 2e-5
     assert torch.equal(ids, want_ids)       # ties (many, in bf16) go to the lower id
+
+
+def test_beam_seed_gives_each_beam_its_requests_prompt_row(kernel_library, stream):
+    """beam_seed (beam_step.cu) against torch indexing: each beam's row of the prompt pass's candidates, into the
+    device search's first candidates (poisoned before); a row count or dtype that does not match is refused."""
+    from metrale.runtime.backend.cuda.kernels.beam_step import beam_seed
+
+    n, count = 5, 10
+    rows = torch.tensor([3, 3, 0, 4, 4, 4, 1], dtype=torch.int32, device="cuda")
+    ids = torch.randint(0, 256206, (n, count), dtype=torch.int32, device="cuda")
+    values = torch.randn(n, count, device="cuda")
+    cand_ids = torch.full((len(rows), count), -7, dtype=torch.int32, device="cuda")
+    cand_values = torch.full((len(rows), count), POISON, device="cuda")
+    views = [DeviceTensor.from_torch(t) for t in (cand_ids, cand_values, ids, values, rows)]
+    beam_seed(kernel_library, stream, *views)
+    stream.sync()
+    assert torch.equal(cand_ids, ids[rows.long()]) and torch.equal(cand_values, values[rows.long()])
+    with pytest.raises(InvalidArgument, match="beam_seed"):
+        beam_seed(kernel_library, stream, *views[:4], DeviceTensor.from_torch(rows[:3]))
+    with pytest.raises(InvalidArgument, match="beam_seed"):
+        beam_seed(kernel_library, stream, views[0], views[0], *views[2:])

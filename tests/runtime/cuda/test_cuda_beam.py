@@ -29,6 +29,8 @@ from gpu_reference import relative_error
 pytestmark = pytest.mark.gpu
 SOURCES = [[5, 17, 99, 3, 42, 2], [7, 8, 150, 33, 61, 90, 14, 77, 101, 12, 2], [250, 2], [4, 66, 31] * 6 + [2]]
 PROMPTS = [[5, 17, 99, 3, 42], [7, 8, 150, 33, 61, 2, 90, 14, 77, 101, 12], [250], [4, 66, 31, 9, 180, 44, 71] * 3]
+# Prompts short enough to run a token a forward (runner.SHORT_PROMPT), ending in different forwards.
+SHORT_PROMPTS = [[5, 17], [7, 8, 150], [250], [4, 66, 31, 9]]
 START = 2
 # Weights at a trained model's scale (bf16 rounding stays bf16-sized), the LM head's logits spread enough that
 # beam search has decisions clearer than bf16 noise.
@@ -143,14 +145,16 @@ def test_m2m100_prefill_and_decode_follow_transformers(m2m100):
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
-def beam_requests(inputs, encoder_decoder: bool, length_penalty, early_stopping) -> list[BeamRequest]:
+def beam_requests(inputs, encoder_decoder: bool, length_penalty, early_stopping, prefixes=((), (200,))
+                  ) -> list[BeamRequest]:
+    """prefixes: the encoder-decoder requests' decoder prefixes, taken in turn."""
     requests = []
     for i, (tokens, beams) in enumerate(zip(inputs * 2, (1, 2, 4, 5, 5, 4, 2, 1))):
         params = BeamParams(num_beams=beams, max_new_tokens=6 + 3 * i, min_new_tokens=i % 3,
                             length_penalty=length_penalty, early_stopping=early_stopping,
                             no_repeat_ngram_size=3 * (i % 2), num_return_sequences=max(1, beams - i % 2))
         if encoder_decoder:
-            requests.append(BeamRequest(i, src_tokens=tuple(tokens), decoder_prefix=((), (200,))[i % 2],
+            requests.append(BeamRequest(i, src_tokens=tuple(tokens), decoder_prefix=prefixes[i % len(prefixes)],
                                         params=params))
         else:
             requests.append(BeamRequest(i, prompt_tokens=tuple(tokens), params=params))
@@ -204,23 +208,35 @@ def test_llama_beam_search_follows_transformers(llama, length_penalty, early_sto
 
 
 
-@pytest.mark.parametrize("model", ["m2m100", "llama"])
+# (model, its inputs, the decoder prefixes taken in turn, whether the prompts all end in one forward)
+SEARCHES = {"m2m100": ("m2m100", SOURCES, ((), (200,)), False),
+            "m2m100-one-prefix": ("m2m100", SOURCES, ((200,),), True),
+            "llama": ("llama", PROMPTS, (), True), "llama-short": ("llama", SHORT_PROMPTS, (), False)}
+
+
+@pytest.mark.parametrize("case", SEARCHES)
 @pytest.mark.parametrize("length_penalty, early_stopping", [(1.0, False), (2.0, "never"), (0.0, True)])
-def test_device_search_step_matches_the_host_step(request, monkeypatch, model, length_penalty, early_stopping):
+def test_device_search_step_matches_the_host_step(request, monkeypatch, case, length_penalty, early_stopping):
     """The search stepped on the device (beam_step.cu) against the same search stepped on the host (BeamGroup) over
-    the same engine: the same hypotheses, scores within float32 rounding; every block given back either way."""
+    the same engine: the same hypotheses, scores within float32 rounding; every block given back either way. The
+    device search starts from the prompt pass's candidates where they are (beam_seed) when one forward left them
+    all, and from the host's copy when the prompts ended in several (short prompts, a token a forward)."""
+    model, inputs, prefixes, seeded = SEARCHES[case]
     engine, _, reference, _ = request.getfixturevalue(model)
     encoder_decoder = model == "m2m100"
-    inputs = SOURCES if encoder_decoder else PROMPTS
     eos = (2, frequent_token(reference, inputs[0], **(dict(decoder_input_ids=torch.tensor([[START]], device="cuda"),
                                                           decoder_start_token_id=START) if encoder_decoder else {})))
-    requests = beam_requests(inputs, encoder_decoder, length_penalty, early_stopping)
+    requests = beam_requests(inputs, encoder_decoder, length_penalty, early_stopping, prefixes)
     free, ops = engine.blocks.num_free, engine.model.ops
-    searches = []
-    original = ops.device_beam_search
+    searches, reads, lane = [], [], ops._bound.lane
+    original, copy_to_host = ops.device_beam_search, lane.copy_to_host
     monkeypatch.setattr(ops, "device_beam_search", lambda *a: searches.append(original(*a)) or searches[-1])
+    monkeypatch.setattr(lane, "copy_to_host", lambda *a: reads.append(len(searches)) or copy_to_host(*a))
     on_device = engine.beam_generate(requests, eos, FILL)
     assert len(searches) == 1 and searches[0] is not None and searches[0].generated > 1    # it did run there
+    # Seeded, the host waited for nothing before the hand-over (no copy back), and the buffer is free again.
+    assert searches[0].seeded == seeded and (min(reads) == 1) == seeded
+    assert lane.latest_candidates is None or not seeded
     monkeypatch.setattr(ops, "device_beam_search", lambda *a: None)
     on_host = engine.beam_generate(requests, eos, FILL)
     assert engine.blocks.num_free == free
@@ -230,9 +246,11 @@ def test_device_search_step_matches_the_host_step(request, monkeypatch, model, l
                               torch.tensor([s for _, s in theirs.hypotheses]), rtol=1e-6, atol=1e-6)
 
 
-def test_non_finite_logits_mid_search_end_the_device_call_with_a_fault(tmp_path, monkeypatch):
+@pytest.mark.parametrize("when", ["mid-search", "prompt"])
+def test_non_finite_logits_end_the_device_call_with_a_fault(tmp_path, monkeypatch, when):
     """Logits that turn NaN while the search runs on the device (the LM head poisoned once the prompt pass is
-    done): the select kernel raises the fault flag, the call ends with DEVICE_FAULT, and every block comes back."""
+    done), or already in the prompt pass (whose candidates the device search starts from, never read on the
+    host): the select kernel raises the fault flag, the call ends with DEVICE_FAULT, and every block comes back."""
     from cuda.bindings import driver
 
     from metrale.runtime.errors import DeviceFault
@@ -241,14 +259,20 @@ def test_non_finite_logits_mid_search_end_the_device_call_with_a_fault(tmp_path,
     ops, started = engine.model.ops, []
     original = ops.device_beam_search
 
-    def poisoned(*args):
-        search = original(*args)
+    def poison():
         head = engine.model.weights["lm_head"]
         driver.cuMemsetD32(head.ptr, 0x7FC07FC0, head.nbytes // 4)       # bf16 NaN, two to a word
         driver.cuCtxSynchronize()
+
+    def poisoned(*args):
+        search = original(*args)
+        if when == "mid-search":
+            poison()
         started.append(search)
         return search
 
+    if when == "prompt":
+        poison()
     monkeypatch.setattr(ops, "device_beam_search", poisoned)
     free = engine.blocks.num_free
     request = BeamRequest(1, prompt_tokens=tuple(PROMPTS[1]), params=BeamParams(num_beams=4, max_new_tokens=10,
@@ -256,3 +280,4 @@ def test_non_finite_logits_mid_search_end_the_device_call_with_a_fault(tmp_path,
     with pytest.raises(DeviceFault, match="finite"):
         engine.beam_generate([request], (2,), FILL)
     assert started and started[0] is not None and engine.blocks.num_free == free
+    assert started[0].seeded

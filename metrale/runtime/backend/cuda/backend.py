@@ -11,13 +11,14 @@ import torch
 
 from metrale.runtime.backend.cuda import kernels
 from metrale.runtime.backend.cuda.batch import CudaBatch
-from metrale.runtime.backend.cuda.beam_search import DeviceBeamSearch, state_arrays, state_bytes
+from metrale.runtime.backend.cuda.beam_search import DeviceBeamSearch, seed_of, state_arrays, state_bytes
 from metrale.runtime.backend.cuda.compiler import KernelCache, KernelLibrary
 from metrale.runtime.backend.cuda.device import ALIGNMENT, Arena, CudaDevice
 from metrale.runtime.backend.cuda.gemm import CublasLt
 from metrale.runtime.backend.cuda.gemm_tuning import AlgoTuner
 from metrale.runtime.backend.cuda.graphs import DecodeGraphs, EncoderGraphs, no_collection
-from metrale.runtime.backend.cuda.lane import Lane, LaneBinding, lane_buffers, lane_bytes, padded_vocab
+from metrale.runtime.backend.cuda.lane import (Lane, LaneBinding, LaneCandidates, lane_buffers, lane_bytes,
+                                                padded_vocab)
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.backend.ops import MemoryShapes, RopeTable, rope_then_attention
 from metrale.runtime.batch import ForwardBatch
@@ -193,8 +194,7 @@ class CudaBackend:
     def write_kv(self, k, v, batch: CudaBatch, kv):
         kernels.rope_kv.write_kv(self.lib, self._bound.lane.stream, k, v, batch.slot_mapping, kv)
 
-    def beam_candidates(self, logits: DeviceTensor, banned: list[list[int]], count: int
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    def beam_candidates(self, logits: DeviceTensor, banned: list[list[int]], count: int) -> LaneCandidates:
         return self._bound.lane.beam_candidates(logits, banned, count)
 
     def counters(self) -> dict[str, int]:
@@ -204,10 +204,11 @@ class CudaBackend:
 
     def device_beam_search(self, search: DeviceSearch, forward, kv_cache: list) -> DeviceBeamSearch | None:
         lane = self._bound.lane
-        arrays = state_arrays(search, self.shapes.max_blocks_per_seq)
+        seed = seed_of(search, lane)
+        arrays = state_arrays(search, self.shapes.max_blocks_per_seq, seeded=seed is not None)
         if state_bytes(arrays, len(search.tables)) > lane.beam_state.nbytes:
             return None
-        return DeviceBeamSearch(lane, search, arrays, forward, kv_cache, lane.beam_state)
+        return DeviceBeamSearch(lane, search, arrays, forward, kv_cache, lane.beam_state, seed)
 
     def fairseq_position_ids(self, batch: CudaBatch, padding_idx: int) -> DeviceTensor:
         lane = self._bound.lane

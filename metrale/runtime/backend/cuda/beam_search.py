@@ -16,6 +16,7 @@ from metrale.runtime.backend.cuda import kernels
 from metrale.runtime.backend.cuda.batch import pack_batch
 from metrale.runtime.backend.cuda.device import ALIGNMENT, Arena
 from metrale.runtime.backend.cuda.graphs import empty_decode_batch
+from metrale.runtime.backend.cuda.lane import LaneCandidates
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.beam.on_device import DeviceSearch
 from metrale.runtime.errors import DeviceFault
@@ -32,8 +33,21 @@ FLOAT_ARRAYS = {"divisors", "running_scores", "scores", "cand_values"}
 NEG = -1.0e9
 
 
-def state_arrays(s: DeviceSearch, max_blocks: int) -> dict[str, np.ndarray]:
-    """Every array of the state at the start of the search (both halves of the double-buffered ones)."""
+def seed_of(search: DeviceSearch, lane) -> LaneCandidates | None:
+    """The lane's candidates every request's prompt row is in, while its buffer still holds them (beam_seed copies
+    them into the state on the device); None where they came from several forwards, or from elsewhere: the host
+    reads them (state_arrays)."""
+    sources = {id(found): found for found, _ in search.prompt_candidates}
+    found = next(iter(sources.values())) if len(sources) == 1 else None
+    if isinstance(found, LaneCandidates) and found.lane is lane and found.on_device:
+        return found
+    return None
+
+
+def state_arrays(s: DeviceSearch, max_blocks: int, seeded: bool = False) -> dict[str, np.ndarray]:
+    """Every array of the state at the start of the search (both halves of the double-buffered ones). seeded: the
+    first candidates come from the device (beam_seed, by the extra array seed_rows: each beam's row there), not
+    from the host."""
     R, TB, L, W = len(s.num_beams), len(s.tables), s.max_len, s.table_width
     beam_request = np.repeat(np.arange(R, dtype=np.int32), s.num_beams)
     running = np.zeros((2, TB, L), dtype=np.int32)
@@ -50,7 +64,11 @@ def state_arrays(s: DeviceSearch, max_blocks: int) -> dict[str, np.ndarray]:
     free_stack = np.zeros(len(s.block_ids), dtype=np.int32)
     free_stack[:len(s.free)] = s.free
     zeros = lambda *shape: np.zeros(shape, dtype=np.int32)
-    return {
+    if seeded:
+        cand_values, cand_ids = np.zeros((TB, s.keep_stride), dtype=np.float32), zeros(TB, s.keep_stride)
+    else:
+        cand_values, cand_ids = s.candidate_arrays()
+    arrays = {
         "num_beams": s.num_beams, "beam_base": s.beam_base, "prompt_len": s.prompt_len, "max_length": s.max_length,
         "min_new": s.min_new, "ngram": s.ngram, "early_stopping": s.early_stopping, "best_length": s.best_length,
         "source_len": s.source_len, "cross_tables": cross, "divisors": s.divisors, "eos": s.eos,
@@ -58,11 +76,15 @@ def state_arrays(s: DeviceSearch, max_blocks: int) -> dict[str, np.ndarray]:
         "done": zeros(R + 1), "improvable": np.ones(R, dtype=np.int32), "result_parity": zeros(R),
         "beam_request": beam_request, "running": running, "running_scores": running_scores, "tables": tables,
         "sequences": running.copy(), "scores": np.full((2, TB), NEG, dtype=np.float32), "lengths": zeros(2, TB),
-        "finished": zeros(2, TB), "parents": zeros(TB), "cand_ids": s.cand_ids, "cand_values": s.cand_values,
+        "finished": zeros(2, TB), "parents": zeros(TB), "cand_ids": cand_ids, "cand_values": cand_values,
         "copies": zeros(TB, 3), "block_ids": s.block_ids, "holders": s.holders, "free_stack": free_stack,
         "free_top": np.array([len(s.free)], dtype=np.int32), "rows_beam": np.arange(TB, dtype=np.int32),
         "active": np.arange(R, dtype=np.int32),
     }
+    if seeded:
+        arrays["seed_rows"] = np.repeat(np.array([row for _, row in s.prompt_candidates], dtype=np.int32),
+                                        s.num_beams)
+    return arrays
 
 
 class DeviceBeamSearch:
@@ -70,8 +92,9 @@ class DeviceBeamSearch:
     metadata); kv_cache: the pool's layers, for the KV copies."""
 
     def __init__(self, lane, search: DeviceSearch, arrays: dict[str, np.ndarray], forward, kv_cache: list,
-                 region: DeviceTensor):
-        """arrays: state_arrays(search, ...), which state_bytes() sized the region for."""
+                 region: DeviceTensor, seed: LaneCandidates | None = None):
+        """arrays: state_arrays(search, ..., seeded=seed is not None), which state_bytes() sized the region for;
+        seed: seed_of(search, lane)."""
         self.lane, self.lib, self.forward, self.kv_cache = lane, lane.lib, forward, kv_cache
         self.search = search
         arena = Arena(region.ptr, region.nbytes, "beam state")
@@ -79,15 +102,20 @@ class DeviceBeamSearch:
         self.views = {name: arena.take(a.shape, "float32" if name in FLOAT_ARRAYS else "int32")
                       for name, a in arrays.items()}
         sizes = dict(num_requests=len(search.num_beams), total_beams=len(search.tables), max_len=search.max_len,
-                     table_width=search.table_width, keep_stride=search.cand_ids.shape[1], num_eos=len(search.eos),
+                     table_width=search.table_width, keep_stride=search.keep_stride, num_eos=len(search.eos),
                      block_size=search.block_size, max_blocks=lane.shapes.max_blocks_per_seq,
                      divisor_stride=search.divisors.shape[1])
         pointers = {name: view.ptr for name, view in self.views.items()}
         pointers["fault"] = pointers["done"] + 4 * sizes["num_requests"]
-        fields = [sizes[n] for n in SIZES] + [pointers[n] for n in ARRAYS]
+        fields = [sizes[n] for n in SIZES] + [pointers[n] for n in ARRAYS]      # seed_rows is not the kernels'
         self.state = header.ptr
         self._upload(region, arena.used, [(header, np.array(fields, dtype=np.uint64).view(np.int64))]
                      + [(self.views[name], array) for name, array in arrays.items()])
+        self.seeded = seed is not None
+        if seed is not None:
+            kernels.beam_step.beam_seed(self.lib, lane.stream, self.views["cand_ids"], self.views["cand_values"],
+                                        seed.ids, seed.values, self.views["seed_rows"])
+            seed.release()
         self.parity, self.generated = 0, 0
         self.num_requests, self.total_beams = sizes["num_requests"], sizes["total_beams"]
         self.active = list(range(self.num_requests))
@@ -137,7 +165,7 @@ class DeviceBeamSearch:
         self._leave([r for r in self.active if not known[r]], going)
         logits = self._forward()
         kernels.beam.beam_state_candidates(lib, stream, logits, self.state, self.rows, self.parity, self.generated,
-                                           self.search.cand_ids.shape[1], self.scratch)
+                                           self.search.keep_stride, self.scratch)
 
     def _read(self, flags) -> np.ndarray:
         event, done = flags

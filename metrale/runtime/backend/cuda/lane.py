@@ -94,6 +94,7 @@ class Lane:
         self.sampler = DeviceSampler(self, taken["sample_params"], taken["widened"], taken["processed"],
                                      taken["sample_outputs"])
         self.candidates, self.lists = taken["beam_candidates"], taken["lists"]
+        self.latest_candidates: LaneCandidates | None = None      # what the candidates buffer holds
         self.beam_state = taken["beam_state"]
         # A beam search step's done flags (and fault flag), copied back while the next step runs: two steps' worth.
         self.beam_flags = cuda.pinned((2, shapes.max_seqs + 1), "int32")
@@ -129,18 +130,18 @@ class Lane:
             self._round_events = (self.stream.record(options=TIMED), None)
         return prepared
 
-    def beam_candidates(self, logits: DeviceTensor, banned: list[list[int]], count: int
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Ops.beam_candidates: the kernel over the lane's logits, then one copy back of [N, count] ids and
-        values."""
+    def beam_candidates(self, logits: DeviceTensor, banned: list[list[int]], count: int) -> "LaneCandidates":
+        """Ops.beam_candidates: the kernel over the lane's logits into its candidates buffer, queued. The buffer
+        holds one step's: the candidates before are read back first (a no-op where the host has them)."""
+        if self.latest_candidates is not None:
+            self.latest_candidates.host()
         n = logits.shape[0]
         offsets, banned_ids = self.upload_lists(kernels.beam.pack_banned(banned), "a beam step's banned ids")
         ids = DeviceTensor(self.candidates.ptr, (n, count), "int32")
         values = DeviceTensor(self.candidates.ptr + 4 * n * count, (n, count), "float32")
         kernels.beam.beam_candidates(self.lib, self.stream, logits, offsets, banned_ids, ids, values)
-        out = self.copy_to_host(DeviceTensor(self.candidates.ptr, (2 * n * count,), "int32"))
-        return (torch.from_numpy(out[n * count:].view(np.float32).reshape(n, count).copy()),
-                torch.from_numpy(out[:n * count].reshape(n, count).astype(np.int64)))
+        self.latest_candidates = LaneCandidates(self, ids, values)
+        return self.latest_candidates
 
     def upload_lists(self, parts: list[np.ndarray], what: str) -> list[DeviceTensor]:
         """int32 or float32 arrays back to back in the lane's lists region, in one copy; their device views."""
@@ -194,6 +195,38 @@ class Lane:
     def last_device_ms(self) -> float | None:
         started, sampled = self._round_events
         return sampled - started if started is not None and sampled is not None else None
+
+
+class LaneCandidates:
+    """One beam step's candidates in the lane's candidates buffer (ids [N, count] int32, then values float32): read
+    back once, by the first host() (beam/candidates.py); a device search seeds from them while they are the lane's
+    latest (Lane.latest_candidates), and then releases them."""
+
+    def __init__(self, lane: Lane, ids: DeviceTensor, values: DeviceTensor):
+        self.lane, self.ids, self.values = lane, ids, values
+        self._host: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._released = False
+
+    def release(self) -> None:
+        """Taken on the device (the copies queued): the buffer is the next candidates', with no read back first."""
+        self._released = True
+        if self.lane.latest_candidates is self:
+            self.lane.latest_candidates = None
+
+    def host(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._host is None:
+            if self._released:
+                raise RuntimeError("beam candidates read on the host after a device search took them")
+            (n, count), lane = self.ids.shape, self.lane
+            out = lane.copy_to_host(DeviceTensor(self.ids.ptr, (2 * n * count,), "int32"))
+            self._host = (torch.from_numpy(out[n * count:].view(np.float32).reshape(n, count).copy()),
+                          torch.from_numpy(out[:n * count].reshape(n, count).astype(np.int64)))
+        return self._host
+
+    @property
+    def on_device(self) -> bool:
+        """Still in the lane's buffer: no later candidates overwrote them."""
+        return self.lane.latest_candidates is self
 
 
 class LaneBinding(threading.local):

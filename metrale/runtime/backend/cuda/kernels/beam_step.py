@@ -3,12 +3,31 @@ call's state on the device (runtime/backend/cuda/beam_search.py lays it out; `st
 
 import numpy as np
 
-from metrale.runtime.backend.cuda.launch import launch_kernel, require
+from metrale.runtime.backend.cuda.launch import ceil_div, launch_kernel, require
+from metrale.runtime.backend.cuda.tensor import DeviceTensor
 
 MODULE = "beam_step"
 SELECT_THREADS = 256
 FORK_THREADS = 1024
 METADATA_THREADS = 64        # a row's table entries, side by side
+SEED_THREADS = 256
+
+
+def beam_seed(lib, stream, cand_ids: DeviceTensor, cand_values: DeviceTensor, ids: DeviceTensor,
+              values: DeviceTensor, rows: DeviceTensor) -> None:
+    """cand_ids and cand_values [beams, count] (the state's first candidates) = rows `rows` [beams] of ids and
+    values [N, count] (the prompt pass's beam_candidates), on the device."""
+    beams, count = cand_ids.shape
+    require(cand_ids.dtype == "int32" and ids.dtype == "int32" and rows.dtype == "int32"
+            and cand_values.dtype == "float32" and values.dtype == "float32",
+            "beam_seed: ids and rows must be int32, values float32")
+    require(cand_values.shape == (beams, count) and rows.shape == (beams,) and len(ids.shape) == 2
+            and ids.shape[1] == count and values.shape == ids.shape,
+            f"beam_seed: [beams, count] = {cand_ids.shape} from [N, count] = {ids.shape} by rows {rows.shape}")
+    require(all(t.is_contiguous for t in (cand_ids, cand_values, ids, values)), "beam_seed: tensors must be dense")
+    if beams * count:
+        launch_kernel(stream, lib.get("beam_seed", MODULE), ceil_div(beams * count, SEED_THREADS), SEED_THREADS,
+                      cand_ids, cand_values, ids, values, rows, beams, count)
 
 
 def beam_select(lib, stream, state: int, num_active: int, parity: int, generated: int) -> None:

@@ -1,0 +1,33 @@
+"""A beam step's candidates as a backend hands them over (Ops.beam_candidates): left where they were computed until
+the host asks for them. The host search reads every step's; a device search seeds its state from the prompt pass's
+without a copy back, so the host never waits between the prompt pass and the first search step."""
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from metrale.runtime.errors import DeviceFault
+
+
+class Candidates(Protocol):
+    def host(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """values [N, count] float32 and ids [N, count] int64, each row best first; waits for them the first time."""
+
+
+@dataclass
+class HostCandidates:
+    """Candidates computed on the host (the CPU backend): already there."""
+    values: torch.Tensor
+    ids: torch.Tensor
+
+    def host(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.values, self.ids
+
+
+def finite(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's candidates, refused where a logits row had NaN or no finite maximum (the backend's id -1, or NaN
+    log-probabilities): there is nothing to rank, as the sampler finds nothing to sample."""
+    if bool((ids < 0).any()) or bool(torch.isnan(values).any()):
+        raise DeviceFault("a logits row has no finite maximum (NaN or +inf logits): no beam to continue")
+    return values, ids
