@@ -1,0 +1,256 @@
+"""CUTLASS's sm90 GEMM (TMA warp-specialized, wgmma; bench/cutlass_probe.py) built by NVRTC with programmatic
+dependent launch, against our cuBLASLt linear at a beam step's 64 rows: correct against torch, and µs per launch in
+a CUDA graph of back-to-back launches over weights spanning 3x the L2 (bench/gpu_skinny_gemm.py's method). The
+question (bench/NOTES.md, session 11): does a GEMM that takes part in PDL reach cuBLASLt's time, so that the ~150
+dependent launches of a decode step can overlap?
+
+The kernel's Params (640 bytes at a 64 x 64 tile) are built on the device: a helper kernel in the same module runs
+CUTLASS's own to_underlying_arguments (NVRTC compiles it as device code; under NVRTC it leaves the TMA
+descriptors empty) and copies in the two descriptors, which the host encodes (cuTensorMapEncodeTiled) as CUTLASS's
+host code would: 3-D (K, rows, 1), a box of 64 K by the tile's rows, 128-byte swizzle.
+
+Status: written and built in session 11 (the cubins compile, the host code parses its driver calls); not yet run
+on a GPU: the session's device time was spent. Its first run is the next session's first question.
+
+Two steps, since the GPU machine has no CUTLASS headers (carry .cutlass):
+    python3 -m bench.gpu_cutlass_gemm build --headers /tmp/cutlass-headers --out .cutlass   (here: cubins)
+    python3 -m bench.gpu_cutlass_gemm run --cubins .cutlass                                 (on the GPU)
+"""
+
+import argparse
+import ctypes
+import json
+from pathlib import Path
+
+import numpy as np
+
+from bench.cutlass_probe import KERNEL, PRELUDE
+
+TILES = ((64, 8, 64), (64, 16, 64), (64, 8, 128))
+STAGES = 4
+SHAPES = (("o", 1024, 1024), ("qkv", 3072, 1024), ("fc1", 4096, 1024), ("fc2", 1024, 4096))
+ROWS = (64, 16)
+
+PARAMS_KERNEL = """
+// Params for cutlass_gemm on the device: CUTLASS's own argument conversion, the host-encoded TMA descriptors
+// copied in. info: grid x, y, z, sizeof(Params), shared storage bytes.
+extern "C" __global__ void cutlass_gemm_params(typename Kernel::Params* out, int* info,
+        const __grid_constant__ cute::TmaDescriptor desc_a, const __grid_constant__ cute::TmaDescriptor desc_b,
+        int m, int n, int k, const T* a, long long lda, const T* b, long long ldb, const T* c, long long ldc, T* d,
+        long long ldd, float alpha, float beta) {
+    typename Kernel::Arguments args{};
+    args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+    args.problem_shape = make_shape(m, n, k, 1);
+    args.mainloop.ptr_A = a;
+    args.mainloop.dA = make_stride((int64_t)lda, Int<1>{}, (int64_t)m * lda);
+    args.mainloop.ptr_B = b;
+    args.mainloop.dB = make_stride((int64_t)ldb, Int<1>{}, (int64_t)n * ldb);
+    args.epilogue.thread.alpha = alpha;
+    args.epilogue.thread.beta = beta;
+    args.epilogue.ptr_C = c;
+    args.epilogue.dC = make_stride((int64_t)ldc, Int<1>{}, (int64_t)m * ldc);
+    args.epilogue.ptr_D = d;
+    args.epilogue.dD = make_stride((int64_t)ldd, Int<1>{}, (int64_t)m * ldd);
+    typename Kernel::Params params = Kernel::to_underlying_arguments(args, nullptr);
+    params.mainloop.tma_load_a.tma_desc_ = desc_a;
+    params.mainloop.tma_load_b.tma_desc_ = desc_b;
+    *out = params;
+    const dim3 grid = Kernel::get_grid_shape(params);
+    info[0] = grid.x; info[1] = grid.y; info[2] = grid.z;
+    info[3] = sizeof(params);
+    info[4] = Kernel::SharedStorageSize;
+}
+"""
+
+
+def source(tile) -> str:
+    m, n, k = tile
+    return PRELUDE + KERNEL.format(m=m, n=n, k=k, stages=f"cutlass::gemm::collective::StageCount<{STAGES}>") \
+        + PARAMS_KERNEL
+
+
+def build(headers: Path, out: Path) -> None:
+    from bench.cutlass_probe import compile_cubin
+
+    out.mkdir(parents=True, exist_ok=True)
+    for tile in TILES:
+        cubin, log = compile_cubin(source(tile), headers)
+        name = "x".join(map(str, tile))
+        (out / f"cutlass_gemm_{name}.cubin").write_bytes(cubin)
+        print(name, len(cubin), [line for line in log.splitlines() if "registers" in line])
+
+
+class Void:
+    """A kernel's parameters for cuLaunchKernel(Ex): each one's bytes kept alive, and the void** to them."""
+
+    def __init__(self, *values):
+        self.buffers = [ctypes.create_string_buffer(bytes(v), len(bytes(v))) for v in values]
+        self.array = (ctypes.c_void_p * len(values))(*[ctypes.addressof(b) for b in self.buffers])
+
+    @property
+    def address(self) -> int:
+        return ctypes.addressof(self.array)
+
+
+def check(result):
+    from cuda.bindings import driver
+
+    error, *rest = result if isinstance(result, tuple) else (result,)
+    if error != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"CUDA driver: {error}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+def tma_descriptor(ptr: int, rows: int, k: int, ld: int, box_rows: int) -> bytes:
+    """A [rows, k] bf16 row-major matrix (row stride ld elements) as CUTLASS's K-major TMA load sees it."""
+    from cuda.bindings import driver
+
+    u64, u32 = driver.cuuint64_t, driver.cuuint32_t
+    tensor_map = check(driver.cuTensorMapEncodeTiled(
+        driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, ptr,
+        [u64(k), u64(rows), u64(1)], [u64(ld * 2), u64(rows * ld * 2)], [u32(64), u32(box_rows), u32(1)],
+        [u32(1), u32(1), u32(1)], driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
+    return np.array([int(word) for word in tensor_map.opaque], dtype=np.uint64).tobytes()
+
+
+class CutlassLinear:
+    """out [M, N] = x [M, K] @ weight [N, K]^T in bf16 (float accumulation), by one tile's cubin."""
+
+    def __init__(self, cubin: bytes, tile):
+        from cuda.bindings import driver
+
+        self.tile = tile
+        image = np.frombuffer(cubin, dtype=np.uint8).copy()
+        self.module = check(driver.cuModuleLoadData(image.ctypes.data))
+        self.gemm = check(driver.cuModuleGetFunction(self.module, b"cutlass_gemm"))
+        self.params_kernel = check(driver.cuModuleGetFunction(self.module, b"cutlass_gemm_params"))
+
+    def prepare(self, out, x, weight) -> tuple:
+        """The launch of out = x weight^T for these tensors (torch, on the GPU): Params bytes, grid, shared bytes."""
+        import torch
+        from cuda.bindings import driver
+
+        m, k = x.shape
+        n = weight.shape[0]
+        params = torch.zeros(4096, dtype=torch.uint8, device="cuda")
+        info = torch.zeros(8, dtype=torch.int32, device="cuda")
+        desc_a = tma_descriptor(x.data_ptr(), m, k, x.stride(0), self.tile[0])
+        desc_b = tma_descriptor(weight.data_ptr(), n, k, weight.stride(0), self.tile[1])
+        p = lambda v: np.uint64(v).tobytes()     # noqa: E731
+        i32 = lambda v: np.int32(v).tobytes()     # noqa: E731
+        i64 = lambda v: np.int64(v).tobytes()     # noqa: E731
+        f32 = lambda v: np.float32(v).tobytes()   # noqa: E731
+        args = Void(p(params.data_ptr()), p(info.data_ptr()), desc_a, desc_b, i32(m), i32(n), i32(k),
+                    p(x.data_ptr()), i64(x.stride(0)), p(weight.data_ptr()), i64(weight.stride(0)),
+                    p(out.data_ptr()), i64(out.stride(0)), p(out.data_ptr()), i64(out.stride(0)), f32(1.0), f32(0.0))
+        torch.cuda.synchronize()
+        check(driver.cuLaunchKernel(self.params_kernel, 1, 1, 1, 1, 1, 1, 0, 0, args.address, 0))
+        check(driver.cuCtxSynchronize())
+        grid_x, grid_y, grid_z, size, shared = info.cpu().tolist()[:5]
+        check(driver.cuFuncSetAttribute(
+            self.gemm, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared))
+        return Void(params.cpu().numpy()[:size].tobytes()), (grid_x, grid_y, grid_z), shared
+
+    def launch(self, stream_handle: int, prepared, pdl: bool = True) -> None:
+        from cuda.bindings import driver
+
+        params, grid, shared = prepared
+        config = driver.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = 256, 1, 1
+        config.sharedMemBytes = shared
+        config.hStream = driver.CUstream(stream_handle)
+        attributes = []
+        if pdl:
+            attribute = driver.CUlaunchAttribute()
+            attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attribute.value.programmaticStreamSerializationAllowed = 1
+            attributes.append(attribute)
+        config.attrs, config.numAttrs = attributes, len(attributes)
+        check(driver.cuLaunchKernelEx(config, self.gemm, params.address, 0))
+
+
+def run(cubins: Path) -> list[dict]:
+    import torch
+
+    from bench.gpu_ceilings import gpu_machine_line
+    from bench.gpu_skinny_gemm import L2_SPAN, WORKSPACE_BYTES, time_per_launch
+    from metrale.runtime.backend.cuda.device import CudaDevice
+    from metrale.runtime.backend.cuda.gemm import CublasLt
+    from metrale.runtime.backend.cuda.tensor import DeviceTensor
+
+    print(gpu_machine_line("gpu_cutlass_gemm", "cuda"), flush=True)
+    cuda = CudaDevice()
+    stream, handle = cuda.stream, int(cuda.stream.handle)
+    lt = CublasLt(DeviceTensor.from_torch(torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")))
+    linears = {}
+    for tile in TILES:
+        try:
+            linears[tile] = CutlassLinear((cubins / f"cutlass_gemm_{'x'.join(map(str, tile))}.cubin").read_bytes(),
+                                          tile)
+        except Exception as error:      # noqa: BLE001 - a probe reports and goes on
+            print(f"tile {tile}: load failed: {error!r}", flush=True)
+    print(f"{'linear':<6} {'rows':>4} {'cuBLASLt':>9} " + " ".join(f"{'x'.join(map(str, t)):>12}" for t in linears)
+          + "  (us per launch; rel err vs torch in brackets)", flush=True)
+    results = []
+    for name, n, k in SHAPES:
+        copies = -(-L2_SPAN * torch.cuda.get_device_properties(0).L2_cache_size // (n * k * 2))
+        weights = [(torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16) for _ in range(copies)]
+        for m in ROWS:
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            expected = (x.float() @ weights[0].float().T)
+            out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+            views = [DeviceTensor.from_torch(w) for w in weights]
+            x_view, out_view = DeviceTensor.from_torch(x), DeviceTensor.from_torch(out)
+            lt.linear(stream, out_view, x_view, views[0])
+            stream.sync()
+            count = max(24, copies)
+            row = {"linear": name, "rows": m, "cublaslt_us": 1e6 * time_per_launch(
+                stream, [lambda w=views[i % copies]: lt.linear(stream, out_view, x_view, w) for i in range(count)])}
+            cells = []
+            for tile, linear in linears.items():
+                try:
+                    prepared = [linear.prepare(out, x, w) for w in weights]
+                    out.zero_()
+                    linear.launch(handle, prepared[0], pdl=False)
+                    stream.sync()
+                    error = float((out.float() - expected).norm() / expected.norm())
+                    seconds = time_per_launch(stream, [lambda p=prepared[i % copies]: linear.launch(handle, p)
+                                                       for i in range(count)])
+                    row[f"{tile}"] = {"us": seconds * 1e6, "rel_err": error}
+                    cells.append(f"{seconds * 1e6:6.2f} [{error:.0e}]")
+                except Exception as failure:      # noqa: BLE001 - a probe reports and goes on
+                    row[f"{tile}"] = repr(failure)
+                    cells.append(f"{'failed':>12}")
+                    print(f"  {tile}: {failure!r}", flush=True)
+            print(f"{name:<6} {m:>4} {row['cublaslt_us']:9.2f} " + " ".join(f"{c:>12}" for c in cells), flush=True)
+            results.append(row)
+        del weights
+    lt.close()
+    return results
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    making = sub.add_parser("build")
+    making.add_argument("--headers", type=Path, required=True)
+    making.add_argument("--out", type=Path, default=Path(".cutlass"))
+    running = sub.add_parser("run")
+    running.add_argument("--cubins", type=Path, default=Path(".cutlass"))
+    running.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if args.command == "build":
+        build(args.headers, args.out)
+        return None
+    results = run(args.cubins)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    return results
+
+
+if __name__ == "__main__":
+    main()
