@@ -9,7 +9,8 @@ CUTLASS's own to_underlying_arguments (NVRTC compiles it as device code; under N
 descriptors empty) and copies in the two descriptors, which the host encodes (cuTensorMapEncodeTiled) as CUTLASS's
 host code would: 3-D (K, rows, 1), a box of 64 K by the tile's rows, 128-byte swizzle.
 
-Status: written and built in session 11 (the cubins compile, the host code parses its driver calls); not yet run
+A launch that does not finish within 5 s ends the process (finish_or_exit): a descriptor that disagrees with the
+kernel would leave it spinning on its TMA barrier. Status: written and built in session 11 (the cubins compile, the host code parses its driver calls); not yet run
 on a GPU: the session's device time was spent. Its first run is the next session's first question.
 
 Two steps, since the GPU machine has no CUTLASS headers (carry .cutlass):
@@ -173,6 +174,20 @@ class CutlassLinear:
         check(driver.cuLaunchKernelEx(config, self.gemm, params.address, 0))
 
 
+def finish_or_exit(stream, what: str, seconds: float = 5.0) -> None:
+    """Waits for the stream's work, or ends the process: a TMA load whose descriptor disagrees with the bytes the
+    kernel expects never completes its barrier, and the kernel would spin until the machine's time is spent."""
+    import os
+    import time
+
+    event, deadline = stream.record(), time.monotonic() + seconds
+    while not event.is_done:
+        if time.monotonic() > deadline:
+            print(f"{what}: not finished after {seconds} s (a hung TMA barrier?); ending the process", flush=True)
+            os._exit(3)
+        time.sleep(0.001)
+
+
 def run(cubins: Path) -> list[dict]:
     import torch
 
@@ -216,7 +231,7 @@ def run(cubins: Path) -> list[dict]:
                     prepared = [linear.prepare(out, x, w) for w in weights]
                     out.zero_()
                     linear.launch(handle, prepared[0], pdl=False)
-                    stream.sync()
+                    finish_or_exit(stream, f"{name} at {m} rows, tile {tile}")
                     error = float((out.float() - expected).norm() / expected.norm())
                     seconds = time_per_launch(stream, [lambda p=prepared[i % copies]: linear.launch(handle, p)
                                                        for i in range(count)])
