@@ -2,7 +2,8 @@
 dependent launch, against our cuBLASLt linear at a beam step's 64 rows: correct against torch, and µs per launch in
 a CUDA graph of back-to-back launches over weights spanning 3x the L2 (bench/gpu_skinny_gemm.py's method). The
 question (bench/NOTES.md, session 11): does a GEMM that takes part in PDL reach cuBLASLt's time, so that the ~150
-dependent launches of a decode step can overlap?
+dependent launches of a decode step can overlap? Each row gives the time per launch of GEMMs back to back, and per
+(layer_norm, GEMM) pair with the GEMM reading the norm's output, as a decode layer's linears follow a norm.
 
 The kernel's Params (640 bytes at a 64 x 64 tile) are built on the device: a helper kernel in the same module runs
 CUTLASS's own to_underlying_arguments (NVRTC compiles it as device code; under NVRTC it leaves the TMA
@@ -10,8 +11,9 @@ descriptors empty) and copies in the two descriptors, which the host encodes (cu
 host code would: 3-D (K, rows, 1), a box of 64 K by the tile's rows, 128-byte swizzle.
 
 A launch that does not finish within 5 s ends the process (finish_or_exit): a descriptor that disagrees with the
-kernel would leave it spinning on its TMA barrier. Status: written and built in session 11 (the cubins compile, the host code parses its driver calls); not yet run
-on a GPU: the session's device time was spent. Its first run is the next session's first question.
+kernel would leave it spinning on its TMA barrier. Status: written and built in session 11 (the cubins compile,
+the host code's driver calls parse); not yet run on a GPU, the session's device time being spent. Its first run is
+the next session's first question.
 
 Two steps, since the GPU machine has no CUTLASS headers (carry .cutlass):
     python3 -m bench.gpu_cutlass_gemm build --headers /tmp/cutlass-headers --out .cutlass   (here: cubins)
@@ -192,14 +194,16 @@ def run(cubins: Path) -> list[dict]:
     import torch
 
     from bench.gpu_ceilings import gpu_machine_line
-    from bench.gpu_skinny_gemm import L2_SPAN, WORKSPACE_BYTES, time_per_launch
+    from bench.gpu_skinny_gemm import L2_SPAN, WORKSPACE_BYTES
+    from metrale.runtime.backend.cuda.compiler import KernelCache, KernelLibrary
     from metrale.runtime.backend.cuda.device import CudaDevice
     from metrale.runtime.backend.cuda.gemm import CublasLt
     from metrale.runtime.backend.cuda.tensor import DeviceTensor
+    from metrale.runtime.default_model import default_cache_dir
 
     print(gpu_machine_line("gpu_cutlass_gemm", "cuda"), flush=True)
     cuda = CudaDevice()
-    stream, handle = cuda.stream, int(cuda.stream.handle)
+    lib = KernelLibrary(cuda.arch, KernelCache(default_cache_dir() / "kernels"))
     lt = CublasLt(DeviceTensor.from_torch(torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")))
     linears = {}
     for tile in TILES:
@@ -208,44 +212,90 @@ def run(cubins: Path) -> list[dict]:
                                           tile)
         except Exception as error:      # noqa: BLE001 - a probe reports and goes on
             print(f"tile {tile}: load failed: {error!r}", flush=True)
-    print(f"{'linear':<6} {'rows':>4} {'cuBLASLt':>9} " + " ".join(f"{'x'.join(map(str, t)):>12}" for t in linears)
-          + "  (us per launch; rel err vs torch in brackets)", flush=True)
+    print("us per launch in a graph of back-to-back GEMMs, then per (layer_norm, GEMM) pair (the GEMM reading the "
+          "norm's output, as a decode layer's are); rel err vs torch in brackets", flush=True)
+    print(f"{'linear':<6} {'rows':>4} {'cuBLASLt':>15} " + " ".join(f"{'x'.join(map(str, t)):>23}" for t in linears),
+          flush=True)
     results = []
     for name, n, k in SHAPES:
         copies = -(-L2_SPAN * torch.cuda.get_device_properties(0).L2_cache_size // (n * k * 2))
         weights = [(torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16) for _ in range(copies)]
         for m in ROWS:
-            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-            expected = (x.float() @ weights[0].float().T)
-            out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-            views = [DeviceTensor.from_torch(w) for w in weights]
-            x_view, out_view = DeviceTensor.from_torch(x), DeviceTensor.from_torch(out)
-            lt.linear(stream, out_view, x_view, views[0])
-            stream.sync()
-            count = max(24, copies)
-            row = {"linear": name, "rows": m, "cublaslt_us": 1e6 * time_per_launch(
-                stream, [lambda w=views[i % copies]: lt.linear(stream, out_view, x_view, w) for i in range(count)])}
-            cells = []
+            case = Case(cuda.stream, lib, lt, weights, m, max(24, copies))
+            row = {"linear": name, "rows": m, "cublaslt": case.timings(case.cublaslt)}
+            cells = [_pair(row["cublaslt"])]
             for tile, linear in linears.items():
                 try:
-                    prepared = [linear.prepare(out, x, w) for w in weights]
-                    out.zero_()
-                    linear.launch(handle, prepared[0], pdl=False)
-                    finish_or_exit(stream, f"{name} at {m} rows, tile {tile}")
-                    error = float((out.float() - expected).norm() / expected.norm())
-                    seconds = time_per_launch(stream, [lambda p=prepared[i % copies]: linear.launch(handle, p)
-                                                       for i in range(count)])
-                    row[f"{tile}"] = {"us": seconds * 1e6, "rel_err": error}
-                    cells.append(f"{seconds * 1e6:6.2f} [{error:.0e}]")
+                    row[f"{tile}"] = case.cutlass(linear, f"{name} at {m} rows, tile {tile}")
+                    cells.append(_pair(row[f"{tile}"]))
                 except Exception as failure:      # noqa: BLE001 - a probe reports and goes on
                     row[f"{tile}"] = repr(failure)
-                    cells.append(f"{'failed':>12}")
+                    cells.append("failed")
                     print(f"  {tile}: {failure!r}", flush=True)
-            print(f"{name:<6} {m:>4} {row['cublaslt_us']:9.2f} " + " ".join(f"{c:>12}" for c in cells), flush=True)
+            print(f"{name:<6} {m:>4} {cells[0]:>15} " + " ".join(f"{c:>23}" for c in cells[1:]), flush=True)
             results.append(row)
         del weights
     lt.close()
     return results
+
+
+def _pair(timing: dict) -> str:
+    text = f"{timing['gemm_us']:6.2f} {timing['norm_gemm_us']:6.2f}"
+    return text + (f" [{timing['rel_err']:.0e}]" if "rel_err" in timing else "")
+
+
+class Case:
+    """One linear shape at m rows: x, its normed copy, the weight copies (spanning 3x the L2), the output."""
+
+    def __init__(self, stream, lib, lt, weights: list, m: int, count: int):
+        import torch
+
+        from metrale.runtime.backend.cuda.tensor import DeviceTensor
+
+        k = weights[0].shape[1]
+        self.stream, self.lib, self.lt, self.weights, self.count = stream, lib, lt, weights, count
+        self.x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        self.normed = torch.empty_like(self.x)
+        self.norm_weight = torch.ones(k, dtype=torch.bfloat16, device="cuda")
+        self.norm_bias = torch.zeros(k, dtype=torch.bfloat16, device="cuda")
+        self.out = torch.empty(m, weights[0].shape[0], dtype=torch.bfloat16, device="cuda")
+        self.views = {name: DeviceTensor.from_torch(t) for name, t in (
+            ("x", self.x), ("normed", self.normed), ("norm_weight", self.norm_weight), ("norm_bias", self.norm_bias),
+            ("out", self.out))}
+        self.weight_views = [DeviceTensor.from_torch(w) for w in weights]
+
+    def norm(self) -> None:
+        from metrale.runtime.backend.cuda.kernels.norm import layer_norm
+
+        v = self.views
+        layer_norm(self.lib, self.stream, v["normed"], v["x"], v["norm_weight"], v["norm_bias"], 1e-5)
+
+    def cublaslt(self, i: int, source: str) -> None:
+        self.lt.linear(self.stream, self.views["out"], self.views[source], self.weight_views[i % len(self.weights)])
+
+    def timings(self, gemm) -> dict:
+        """gemm(i, source): the i-th launch, reading views[source]."""
+        from bench.gpu_skinny_gemm import time_per_launch
+
+        gemm(0, "x")                     # plans cuBLASLt's shape outside the capture
+        self.stream.sync()
+        alone = time_per_launch(self.stream, [lambda i=i: gemm(i, "x") for i in range(self.count)])
+        paired = time_per_launch(self.stream, [lambda i=i: (self.norm(), gemm(i, "normed"))
+                                               for i in range(self.count)])
+        return {"gemm_us": alone * 1e6, "norm_gemm_us": paired * 1e6}
+
+    def cutlass(self, linear: CutlassLinear, what: str) -> dict:
+        """Correct against torch first (one launch, waited for with a deadline), then timed."""
+        handle = int(self.stream.handle)
+        prepared = {source: [linear.prepare(self.out, getattr(self, source), w) for w in self.weights]
+                    for source in ("x", "normed")}
+        self.out.zero_()
+        linear.launch(handle, prepared["x"][0], pdl=False)
+        finish_or_exit(self.stream, what)
+        expected = self.x.float() @ self.weights[0].float().T
+        error = float((self.out.float() - expected).norm() / expected.norm())
+        timing = self.timings(lambda i, source: linear.launch(handle, prepared[source][i % len(self.weights)]))
+        return {**timing, "rel_err": error}
 
 
 def main(argv=None):
