@@ -105,12 +105,14 @@ def check(result):
 
 
 def tma_descriptor(ptr: int, rows: int, k: int, ld: int, box_rows: int) -> bytes:
-    """A [rows, k] bf16 row-major matrix (row stride ld elements) as CUTLASS's K-major TMA load sees it."""
+    """A [rows, k] bf16 row-major matrix (row stride ld elements) as CUTLASS's K-major TMA load sees it: 16-bit
+    elements as CUTLASS encodes bf16 (its TmaInternalType is uint16_t), dims (K, rows, L = 1), a 64 x box_rows box
+    (64 bf16 = the 128-byte swizzle's span), out-of-bounds rows read as zeros."""
     from cuda.bindings import driver
 
     u64, u32 = driver.cuuint64_t, driver.cuuint32_t
     tensor_map = check(driver.cuTensorMapEncodeTiled(
-        driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, ptr,
+        driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, ptr,
         [u64(k), u64(rows), u64(1)], [u64(ld * 2), u64(rows * ld * 2)], [u32(64), u32(box_rows), u32(1)],
         [u32(1), u32(1), u32(1)], driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
