@@ -238,12 +238,14 @@ class BeamCall:
         them): the candidates of each prompt's last token, as (that forward's candidates, row). A prompt ends at
         its own length; the others go on."""
         found: list = [None] * len(pending)
+        encoder_decoder = pending[0][2].cross is not None
         for j in range(max(len(prompt) for prompt, *_ in pending)):
             live = [i for i, (prompt, *_) in enumerate(pending) if len(prompt) > j]
-            segments = [Segment(BlockTable(pending[i][1]), j, [pending[i][0][j]], True, pending[i][2].cross)
-                        for i in live]
             last = [row for row, i in enumerate(live) if len(pending[i][0]) == j + 1]
-            batch = build_batch(segments, self.block_size)
+            covering = blocks_for(j + 1, self.block_size)        # the blocks of positions 0..j, as build_batch's
+            batch = build_decode_batch([pending[i][0][j] for i in live], [j] * len(live),
+                                       [pending[i][1][:covering] for i in live], self.block_size,
+                                       [pending[i][2].cross for i in live] if encoder_decoder else None)
             if not last:        # no prompt ends here: its KV only (the host builds the next batch meanwhile)
                 self.model.forward(batch, [], 0)
                 continue

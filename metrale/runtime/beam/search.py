@@ -22,6 +22,7 @@ row), so equal logits give equal scores, bit for bit, whatever else is in the gr
 as in transformers.
 """
 
+import numpy as np
 import torch
 
 from metrale.runtime.beam.params import BeamParams
@@ -40,12 +41,14 @@ class BeamGroup:
         self.eos = torch.tensor(eos_token_ids, dtype=torch.int64)
         self.keep = max(2, 1 + len(eos_token_ids)) * k
         self.top_mask = torch.arange(self.keep) < k
-        self.prompt_len = torch.tensor([len(p) for p in prompts])
+        lengths = [len(p) for p in prompts]
+        self.prompt_len = torch.tensor(lengths)
         self.max_length = self.prompt_len + torch.tensor([p.max_new_tokens for p in params])
         self.steps = 0          # tokens generated so far, the same for every request of the group
-        self.running = torch.full((len(prompts), k, int(self.max_length.max())), fill_token, dtype=torch.int64)
-        for row, prompt in enumerate(prompts):
-            self.running[row, :, :len(prompt)] = torch.tensor(prompt, dtype=torch.int64)
+        running = np.full((len(prompts), k, int(self.max_length.max())), fill_token, dtype=np.int64)
+        for row, (prompt, n) in enumerate(zip(prompts, lengths)):
+            running[row, :, :n] = prompt
+        self.running = torch.from_numpy(running)
         self.running_scores = torch.zeros(len(prompts), k)
         self.running_scores[:, 1:] = NEG
         # Each request's finished hypotheses: num_beams slots, -1e9 while empty.
