@@ -79,12 +79,19 @@ def include_dirs(headers: Path) -> list[str]:
     return [str(cuda), str(headers / "cutlass_library" / "source" / "include"), str(cuda / "cccl")]
 
 
-def compile_cubin(source: str, headers: Path) -> tuple[bytes, str]:
-    from cuda.core import Program, ProgramOptions
+def program_options(headers: Path, name: str, **extra):
+    """NVRTC's options for CUTLASS: sm_90a, C++17, the headers, its unannotated functions as device code."""
+    from cuda.core import ProgramOptions
 
-    options = ProgramOptions(arch="sm_90a", std="c++17", include_path=include_dirs(headers), name="cutlass_gemm.cu",
-                             ptxas_options=["-v"], define_macro=["NDEBUG"], device_as_default_execution_space=True)
+    return ProgramOptions(arch="sm_90a", std="c++17", include_path=include_dirs(headers), name=name,
+                          define_macro=["NDEBUG"], device_as_default_execution_space=True, **extra)
+
+
+def compile_cubin(source: str, headers: Path) -> tuple[bytes, str]:
+    from cuda.core import Program
+
     log = _Log()
+    options = program_options(headers, "cutlass_gemm.cu", ptxas_options=["-v"])
     return Program(source, "c++", options).compile("cubin", logs=log).code, log.text
 
 
@@ -107,13 +114,12 @@ def compile_ptx(source: str, headers: Path) -> str:
 
 def compile_time_value(kernel: str, expression: str, headers: Path) -> int | None:
     """The value of a constant expression over the kernel's types, from NVRTC's error on Show<expression>."""
-    from cuda.core import Program, ProgramOptions
+    from cuda.core import Program
 
-    source = kernel + f"\ntemplate <long long N> struct Show;\n__device__ void probe() {{ Show<(long long)({expression})> s; }}\n"
-    options = ProgramOptions(arch="sm_90a", std="c++17", include_path=include_dirs(headers), name="probe.cu",
-                             define_macro=["NDEBUG"], device_as_default_execution_space=True)
+    source = (kernel + "\ntemplate <long long N> struct Show;\n"
+              f"__device__ void probe() {{ Show<(long long)({expression})> s; }}\n")
     try:
-        Program(source, "c++", options).compile("cubin")
+        Program(source, "c++", program_options(headers, "probe.cu")).compile("cubin")
     except Exception as error:     # the expected outcome: Show<N> is incomplete
         found = re.search(r'incomplete type "Show<(-?\d+)', str(error))
         return int(found.group(1)) if found else None
@@ -146,7 +152,8 @@ def main(argv=None) -> dict:
     seconds = time.perf_counter() - started
     usage = re.search(r"Used (\d+) registers", log)
     ptx = compile_ptx(kernel, args.headers)
-    result = {"tile": (m, n, k), "stages": args.stages or "auto", "compile_s": round(seconds, 1), "cubin_bytes": len(cubin),
+    result = {"tile": (m, n, k), "stages": args.stages or "auto", "compile_s": round(seconds, 1),
+              "cubin_bytes": len(cubin),
               "registers": int(usage.group(1)) if usage else None,
               "griddepcontrol.wait": "griddepcontrol.wait" in ptx,
               "griddepcontrol.launch_dependents": "griddepcontrol.launch_dependents" in ptx,

@@ -25,6 +25,12 @@ class HostCandidates:
         return self.values, self.ids
 
 
+def rows_of(found: list[tuple[Candidates, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """values, ids [len(found), count]: row `row` of each (candidates, row), as the host reads them."""
+    rows = [tuple(part[row] for part in candidates.host()) for candidates, row in found]
+    return torch.stack([v for v, _ in rows]), torch.stack([i for _, i in rows])
+
+
 def finite(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A step's candidates, refused where a logits row had NaN or no finite maximum (the backend's id -1, or NaN
     log-probabilities): there is nothing to rank, as the sampler finds nothing to sample."""

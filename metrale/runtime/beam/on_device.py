@@ -5,17 +5,17 @@ candidates without the host; the host launches the step and reads one done flag 
 The search is the one BeamGroup does (search.py), kernel for kernel: the same float32 arithmetic in the same
 order. The candidates' log-sum-exp is summed per part of the row and combined in float64, so a log-probability
 can differ from the host path's in its last bit (docs/beam_on_device.md, Exactness). The prompt pass (encoder
-and prefill) is the runner's, as on the host; what it leaves (each request's beams on its prompt's blocks, their first candidates, the reservation's free blocks and
-holders) is handed over as one DeviceSearch.
+and prefill) is the runner's, as on the host; what it leaves (each request's beams on its prompt's blocks, their
+first candidates where the backend computed them, the reservation's free blocks and holders) is handed over as one
+DeviceSearch, without waiting for the device.
 """
 
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import numpy as np
-import torch
 
-from metrale.runtime.beam.candidates import Candidates
+from metrale.runtime.beam.candidates import Candidates, rows_of
 from metrale.runtime.errors import Cancelled
 from metrale.runtime.kv_blocks import KvBlockManager, blocks_for
 
@@ -59,10 +59,9 @@ class DeviceSearch:
     def candidate_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """The prompt candidates on the host, once per beam: values [TB, keep_stride] float32, ids int32. Not
         checked: the device's first select refuses a row with a negative id or a NaN value."""
-        rows = [tuple(part[row] for part in found.host()) for found, row in self.prompt_candidates]
-        values = torch.stack([v for v, _ in rows]).numpy().astype(np.float32)
-        ids = torch.stack([i for _, i in rows]).numpy().astype(np.int32)
-        return np.repeat(values, self.num_beams, axis=0), np.repeat(ids, self.num_beams, axis=0)
+        values, ids = rows_of(self.prompt_candidates)
+        return (np.repeat(values.numpy().astype(np.float32), self.num_beams, axis=0),
+                np.repeat(ids.numpy().astype(np.int32), self.num_beams, axis=0))
 
 
 class OnDeviceSearch(Protocol):
@@ -135,7 +134,8 @@ def device_search(groups, pool: KvBlockManager, block_size: int, encoder_decoder
         holders=np.array([holders.get(b, 0) for b in pool.ids], dtype=np.int32),
         free=np.array([local[b] for b in free], dtype=np.int32),
         prompt_candidates=[m.prompt for m in members], keep_stride=max(g.search.keep for g in groups),
-        block_size=block_size, max_len=max_len, table_width=blocks_for(max_len, block_size), encoder_decoder=encoder_decoder)
+        block_size=block_size, max_len=max_len, table_width=blocks_for(max_len, block_size),
+        encoder_decoder=encoder_decoder)
     return search, members
 
 

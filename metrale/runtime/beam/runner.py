@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from metrale.runtime.batch import ForwardBatch, Segment, build_batch, build_decode_batch
-from metrale.runtime.beam.candidates import Candidates, finite
+from metrale.runtime.beam.candidates import Candidates, finite, rows_of
 from metrale.runtime.beam.on_device import DeviceSearch, OnDeviceSearch, device_search, fits_on_device, run_on_device
 from metrale.runtime.beam.params import MAX_KEEP, BeamRequest
 from metrale.runtime.beam.search import BeamGroup
@@ -307,5 +307,5 @@ class BeamCall:
 def prompt_candidates(group: _Group) -> tuple[torch.Tensor, torch.Tensor]:
     """The host search's first candidates: values, ids [requests, beams, count], each request's prompt row once
     per beam (refused where not finite)."""
-    rows = [finite(*(part[row:row + 1] for part in found.host())) for found, row in (m.prompt for m in group.members)]
-    return tuple(torch.cat(parts)[:, None].expand(-1, group.search.num_beams, -1) for parts in zip(*rows))
+    values, ids = finite(*rows_of([m.prompt for m in group.members]))
+    return tuple(part[:, None].expand(-1, group.search.num_beams, -1) for part in (values, ids))

@@ -144,7 +144,8 @@ def test_device_search_candidates_match_float64(kernel_library, stream, count, t
         early_stopping=i32([0] * R), best_length=i32([-1] * R), source_len=i32([0] * R), prompts=prompts,
         divisors=np.ones((R, 9), dtype=np.float32), eos=i32(eos), cross_tables=[[]] * R, tables=[[0]] * TB,
         block_ids=i32(range(8)), holders=i32([1] + [0] * 7), free=i32(range(7, 0, -1)),
-        prompt_candidates=[(poisoned, r) for r in range(R)], keep_stride=count, block_size=16, max_len=16, table_width=1, encoder_decoder=False)
+        prompt_candidates=[(poisoned, r) for r in range(R)], keep_stride=count, block_size=16, max_len=16,
+        table_width=1, encoder_decoder=False)
     region = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
     lane = _Lane(kernel_library, stream)
     state = DeviceBeamSearch(lane, search, state_arrays(search, lane.shapes.max_blocks_per_seq), forward=None,

@@ -37,11 +37,9 @@ def seed_of(search: DeviceSearch, lane) -> LaneCandidates | None:
     """The lane's candidates every request's prompt row is in, while its buffer still holds them (beam_seed copies
     them into the state on the device); None where they came from several forwards, or from elsewhere: the host
     reads them (state_arrays)."""
-    sources = {id(found): found for found, _ in search.prompt_candidates}
-    found = next(iter(sources.values())) if len(sources) == 1 else None
-    if isinstance(found, LaneCandidates) and found.lane is lane and found.on_device:
-        return found
-    return None
+    found = search.prompt_candidates[0][0]
+    one = all(candidates is found for candidates, _ in search.prompt_candidates)
+    return found if one and isinstance(found, LaneCandidates) and found.lane is lane and found.on_device else None
 
 
 def state_arrays(s: DeviceSearch, max_blocks: int, seeded: bool = False) -> dict[str, np.ndarray]:

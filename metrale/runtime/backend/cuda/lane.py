@@ -205,17 +205,15 @@ class LaneCandidates:
     def __init__(self, lane: Lane, ids: DeviceTensor, values: DeviceTensor):
         self.lane, self.ids, self.values = lane, ids, values
         self._host: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._released = False
 
     def release(self) -> None:
         """Taken on the device (the copies queued): the buffer is the next candidates', with no read back first."""
-        self._released = True
-        if self.lane.latest_candidates is self:
+        if self.on_device:
             self.lane.latest_candidates = None
 
     def host(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._host is None:
-            if self._released:
+            if not self.on_device:      # the lane reads back the latest before overwriting it: these were released
                 raise RuntimeError("beam candidates read on the host after a device search took them")
             (n, count), lane = self.ids.shape, self.lane
             out = lane.copy_to_host(DeviceTensor(self.ids.ptr, (2 * n * count,), "int32"))
