@@ -23,6 +23,7 @@ from bench.decode_tables import TimedRow
 from bench.gpu_ceilings import copy_bandwidth
 from bench.gpu_profile import kernel_table
 from bench.phases import host_profile, log
+from bench.timeline import host_costs, timeline
 from metrale.runtime.beam.params import BeamParams, BeamRequest
 from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
@@ -65,6 +66,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--profile-sort", default="tottime", help="pstats order of --profile: tottime or cumulative")
     parser.add_argument("--kernels", type=int, default=0,
                         help="print the device's busiest N kernels and copies of one call per batch (CUPTI)")
+    parser.add_argument("--host-costs", action="store_true",
+                        help="print the host time of the call's functions, by the host's clock (5 calls per batch)")
+    parser.add_argument("--timeline", type=int, default=0,
+                        help="print the first N lines of one call's host phases and device activity, in time order")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -114,6 +119,10 @@ def main(argv: list[str] | None = None) -> dict:
         if args.kernels:
             log(f"device, one call of batch {batch} ({args.new_tokens} steps):\n"
                 + kernel_table(ours_call, args.kernels))
+        if args.host_costs:
+            log(f"host, batch {batch}:\n" + host_costs(ours_call, timeline_marks(engine), 5))
+        if args.timeline:
+            log(f"timeline, one call of batch {batch}:\n" + timeline(ours_call, timeline_marks(engine), args.timeline))
         their_top = generate()[:, 2:].tolist()
         agreement[batch] = sum(a == b for a, b in zip(ours_top, their_top))
         if bandwidth:
@@ -132,6 +141,27 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return {**result, "row_objects": rows}
+
+
+def timeline_marks(engine) -> list[tuple[object, str]]:
+    """The host functions of a call's fixed part (before the search's first step) and of its steps."""
+    from metrale.runtime import engine as engine_module
+    from metrale.runtime.backend.cuda import backend, beam_search, graphs, lane
+    from metrale.runtime.beam import runner, search
+    from metrale.runtime.models import m2m100
+    ops = type(engine.model.ops)
+    marks = [(runner.BeamCall, "run"), (runner.BeamCall, "_encode"), (runner.BeamCall, "_prefill"),
+            (runner.BeamCall, "_forward_by_token"), (runner, "build_decode_batch"), (runner, "device_search"),
+            (runner, "run_on_device"), (search.BeamGroup, "__init__"), (engine_module.Engine, "_reserve_beam_blocks"),
+            (engine_module.Engine, "_quiesce"), (m2m100.M2M100ForConditionalGeneration, "encode"),
+            (m2m100.M2M100ForConditionalGeneration, "forward"),
+            (ops, "run_forward"), (ops, "run_encoder"), (ops, "device_beam_search"), (lane.Lane, "prepare"),
+            (lane.Lane, "copy_to_device"), (lane.Lane, "beam_candidates"), (lane, "pack_batch"),
+            (beam_search.DeviceBeamSearch, "__init__"), (beam_search.DeviceBeamSearch, "step"),
+            (beam_search.DeviceBeamSearch, "_read"), (backend, "state_arrays"), (engine_module, "build_batch"),
+             (lane.Lane, "upload_lists"), (graphs.DecodeGraphs, "run"), (graphs.EncoderGraphs, "run"),
+             (beam_search.DeviceBeamSearch, "_upload"), (lane.LaneCandidates, "host")]
+    return [(owner, name) for owner, name in marks if hasattr(owner, name)]
 
 
 def timed_interleaved(calls: list, reps: int, device: str) -> list[list[float]]:

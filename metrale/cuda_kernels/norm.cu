@@ -8,6 +8,7 @@
 #define RMS_NORM_MAX_UNITS 4        // 16-byte units (8 bf16) per thread: hidden <= 4 * 8 * blockDim.x
 #define HEAD_NORM_MAX_UNITS 4       // 4-byte units (2 bf16) per lane: head_dim <= 4 * 2 * 32 = 256
 #define HEAD_NORM_WARPS 4
+#define MAX_PARTIALS 8              // layer_norm_partials' split-K partials at the most
 
 // 8 bf16 in a uint4 <-> 8 floats.
 __device__ __forceinline__ void unpack8(uint4 v, float* f) {
@@ -94,17 +95,73 @@ extern "C" __global__ void rms_norm(bf16* out, long long out_stride, bf16* resid
     }
 }
 
+// A norm's input row from a linear's split-K partials (gemm.py LinearKey.splits): unit i of the linear's output is
+// bf16(partial_0 + .. + partial_{splits-1} + bias) (summed in fp32 in that order, the bias added last and the sum
+// rounded once, as cuBLASLt's bias epilogue rounds its accumulator), then added to the residual as ResidualRow adds
+// x. partials: [splits, T, hidden] fp32, contiguous; bias may be null (no bias).
+struct PartialsRow {
+    const float4* partials;        // this row of partial 0
+    long long split_stride;        // float4s from one partial's row to the next's
+    int splits;
+    const uint4* bias;
+    const uint4* residual;
+    uint4* residual_out;
+
+    __device__ __forceinline__ PartialsRow(long long row, const float* partials_base, int num_rows, int hidden,
+                                           int splits, const bf16* bias, const bf16* residual_base,
+                                           long long residual_stride, bf16* residual_out_base,
+                                           long long residual_out_stride)
+        : partials(reinterpret_cast<const float4*>(partials_base + row * hidden)),
+          split_stride((long long)num_rows * hidden / 4),
+          splits(splits),
+          bias(reinterpret_cast<const uint4*>(bias)),           // null: none
+          residual(reinterpret_cast<const uint4*>(residual_base + row * residual_stride)),
+          residual_out(reinterpret_cast<uint4*>(residual_out_base + row * residual_out_stride)) {}
+
+    __device__ __forceinline__ uint4 load(int i) const {
+        float a[8], b[8];
+        const float4* p = partials + 2 * i;
+        // Every partial's load issued before the first add (a loop over `splits` would wait for each in turn).
+        float4 lo[MAX_PARTIALS], hi[MAX_PARTIALS];
+#pragma unroll
+        for (int s = 0; s < MAX_PARTIALS; ++s) {
+            if (s < splits) {
+                lo[s] = p[s * split_stride];
+                hi[s] = p[s * split_stride + 1];
+            }
+        }
+#pragma unroll
+        for (int s = 1; s < MAX_PARTIALS; ++s) {
+            if (s < splits) {
+                lo[0].x += lo[s].x; lo[0].y += lo[s].y; lo[0].z += lo[s].z; lo[0].w += lo[s].w;
+                hi[0].x += hi[s].x; hi[0].y += hi[s].y; hi[0].z += hi[s].z; hi[0].w += hi[s].w;
+            }
+        }
+        if (bias) {
+            unpack8(bias[i], b);
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) b[j] = 0.f;
+        }
+        a[0] = lo[0].x + b[0]; a[1] = lo[0].y + b[1]; a[2] = lo[0].z + b[2]; a[3] = lo[0].w + b[3];
+        a[4] = hi[0].x + b[4]; a[5] = hi[0].y + b[5]; a[6] = hi[0].z + b[6]; a[7] = hi[0].w + b[7];
+        unpack8(pack8(a), a);                     // the linear's output, in bf16
+        unpack8(residual[i], b);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) a[j] += b[j];
+        const uint4 v = pack8(a);
+        residual_out[i] = v;
+        return v;
+    }
+};
+
 // LayerNorm as torch computes it for bf16 (nn.LayerNorm in M2M100 / NLLB): mean and variance in fp32 over the
-// bf16 input, out = bf16((x - mean) * rstd * weight + bias) in fp32, rounded once. The residual add and the
-// layout are rms_norm's: one block per row, residual_out = bf16(x + residual) where a residual is given.
-extern "C" __global__ void layer_norm(bf16* out, long long out_stride, bf16* residual_out,
-                                      long long residual_out_stride, const bf16* x, long long x_stride,
-                                      const bf16* residual, long long residual_stride, const bf16* weight,
-                                      const bf16* bias, int hidden, float eps) {
-    wait_for_previous_kernel();
-    const long long row = blockIdx.x;
+// bf16 input, out = bf16((x - mean) * rstd * weight + bias) in fp32, rounded once. One block per row of `input`
+// (ResidualRow or PartialsRow), each thread up to RMS_NORM_MAX_UNITS 16-byte units.
+template <class Row>
+__device__ __forceinline__ void layer_norm_row(const Row& input, bf16* out_row_base, const bf16* weight,
+                                               const bf16* bias, int hidden, float eps) {
     const int units = hidden >> 3;
-    const ResidualRow input(row, x, x_stride, residual, residual_stride, residual_out, residual_out_stride);
     float values[RMS_NORM_MAX_UNITS][8];
     float sum = 0.f;
 #pragma unroll
@@ -127,7 +184,7 @@ extern "C" __global__ void layer_norm(bf16* out, long long out_stride, bf16* res
     const float rstd = rsqrtf(block_sum(squares) / (float)hidden + eps);
     const uint4* weight_units = reinterpret_cast<const uint4*>(weight);
     const uint4* bias_units = reinterpret_cast<const uint4*>(bias);
-    uint4* out_row = reinterpret_cast<uint4*>(out + row * out_stride);
+    uint4* out_row = reinterpret_cast<uint4*>(out_row_base);
 #pragma unroll
     for (int k = 0; k < RMS_NORM_MAX_UNITS; ++k) {
         const int i = threadIdx.x + k * blockDim.x;
@@ -139,6 +196,31 @@ extern "C" __global__ void layer_norm(bf16* out, long long out_stride, bf16* res
         for (int j = 0; j < 8; ++j) y[j] = (values[k][j] - mean) * rstd * w[j] + b[j];
         out_row[i] = pack8(y);
     }
+}
+
+// The layout is rms_norm's: residual_out = bf16(x + residual) where a residual is given.
+extern "C" __global__ void layer_norm(bf16* out, long long out_stride, bf16* residual_out,
+                                      long long residual_out_stride, const bf16* x, long long x_stride,
+                                      const bf16* residual, long long residual_stride, const bf16* weight,
+                                      const bf16* bias, int hidden, float eps) {
+    wait_for_previous_kernel();
+    const long long row = blockIdx.x;
+    const ResidualRow input(row, x, x_stride, residual, residual_stride, residual_out, residual_out_stride);
+    layer_norm_row(input, out + row * out_stride, weight, bias, hidden, eps);
+}
+
+// LayerNorm over residual + a linear's output given as split-K partials (PartialsRow): residual_out = bf16(residual
+// + bf16(sum of partials + linear_bias)), out = norm(residual_out). partials [splits, num_rows, hidden] fp32.
+extern "C" __global__ void layer_norm_partials(bf16* out, long long out_stride, bf16* residual_out,
+                                               long long residual_out_stride, const float* partials, int num_rows,
+                                               int splits, const bf16* linear_bias, const bf16* residual,
+                                               long long residual_stride, const bf16* weight, const bf16* bias,
+                                               int hidden, float eps) {
+    wait_for_previous_kernel();
+    const long long row = blockIdx.x;
+    const PartialsRow input(row, partials, num_rows, hidden, splits, linear_bias, residual, residual_stride,
+                            residual_out, residual_out_stride);
+    layer_norm_row(input, out + row * out_stride, weight, bias, hidden, eps);
 }
 
 // In place over x [T, num_heads * head_dim] bf16 (row stride in elements, may be a column slice of qkv),

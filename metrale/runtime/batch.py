@@ -1,5 +1,6 @@
 """One forward's flattened inputs: the new tokens of every sequence in the step, with where their KV goes."""
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,31 +41,55 @@ class Segment:
 
 
 def build_batch(segments: list[Segment], kv_block_size: int) -> ForwardBatch:
-    token_ids, positions, slots, starts, lens, contexts, tables, sample_rows = [], [], [], [], [], [], [], []
-    for seg in segments:
-        row = len(token_ids)
-        n = len(seg.tokens)
-        start, table = seg.start, seg.block_table
-        token_ids.extend(seg.tokens)
-        if n == 1:   # a decode lane: the common case, kept cheap
-            positions.append(start)
-            slots.append(table.slot(start, kv_block_size))
-        else:
-            span = np.arange(start, start + n)
-            positions.extend(range(start, start + n))
-            slots.extend((table.array()[span // kv_block_size] * kv_block_size + span % kv_block_size).tolist())
-        starts.append(row)
-        lens.append(n)
-        contexts.append(start + n)
-        tables.append(table.array(blocks_for(start + n, kv_block_size)))
-        if seg.samples:
-            sample_rows.append(row + n - 1)
-    as_long = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
-    batch = ForwardBatch(as_long(token_ids), as_long(positions), as_long(slots), starts, lens, contexts, tables,
-                         as_long(sample_rows))
+    lens = [len(seg.tokens) for seg in segments]
+    one_token = lens.count(1) == len(lens)
+    batch = _one_token_batch(segments, kv_block_size) if one_token else _token_batch(segments, lens, kv_block_size)
     if any(seg.cross is not None for seg in segments):
         batch.cross = _cross_batch(batch, [seg.cross for seg in segments], kv_block_size)
     return batch
+
+
+def _one_token_batch(segments: list[Segment], kv_block_size: int) -> ForwardBatch:
+    """Segments of one token each (decode lanes: the common case, kept cheap where there are few)."""
+    token_ids, positions, slots, contexts, tables, sample_rows = [], [], [], [], [], []
+    for row, seg in enumerate(segments):
+        start, table = seg.start, seg.block_table
+        token_ids.append(seg.tokens[0])
+        positions.append(start)
+        slots.append(table.slot(start, kv_block_size))
+        contexts.append(start + 1)
+        tables.append(table.array(blocks_for(start + 1, kv_block_size)))
+        if seg.samples:
+            sample_rows.append(row)
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    rows = list(range(len(segments)))
+    return ForwardBatch(as_long(token_ids), as_long(positions), as_long(slots), rows, [1] * len(rows), contexts,
+                        tables, as_long(sample_rows))
+
+
+def _token_batch(segments: list[Segment], lens: list[int], kv_block_size: int) -> ForwardBatch:
+    """Any segments, their rows' positions and slots computed for all at once."""
+    total = sum(lens)
+    firsts = [seg.start for seg in segments]
+    contexts = [a + n for a, n in zip(firsts, lens)]
+    # Each segment's blocks up to its last new token (IndexError where its table is shorter).
+    tables = [seg.block_table.array(blocks_for(c, kv_block_size)) for seg, c in zip(segments, contexts)]
+    token_ids = np.fromiter(itertools.chain.from_iterable(seg.tokens for seg in segments), dtype=np.int64,
+                            count=total)
+    starts = np.zeros(len(segments), dtype=np.int64)
+    np.cumsum(lens[:-1], out=starts[1:])
+    # A token's position: its segment's start plus its row's offset in the segment.
+    positions = np.arange(total, dtype=np.int64) + np.repeat(np.asarray(firsts, dtype=np.int64) - starts, lens)
+    # Its slot: the block holding that position (in the segment's table, all tables back to back), and the offset.
+    table_starts = np.zeros(len(segments), dtype=np.int64)
+    np.cumsum([len(t) for t in tables[:-1]], out=table_starts[1:])
+    blocks = np.concatenate(tables) if tables else np.zeros(0, dtype=np.int32)
+    index, offset = np.divmod(positions, kv_block_size)
+    slots = blocks[np.repeat(table_starts, lens) + index].astype(np.int64) * kv_block_size + offset
+    query_starts = starts.tolist()
+    sample_rows = [row + n - 1 for seg, row, n in zip(segments, query_starts, lens) if seg.samples]
+    return ForwardBatch(torch.from_numpy(token_ids), torch.from_numpy(positions), torch.from_numpy(slots),
+                        query_starts, lens, contexts, tables, torch.tensor(sample_rows, dtype=torch.int64))
 
 
 def build_decode_batch(tokens: list[int], positions: list[int], tables: list[list[int]], kv_block_size: int,

@@ -1,5 +1,7 @@
 """The paged KV block pool: which blocks are free, handed out and taken back by id, and shared by reference."""
 
+import numpy as np
+
 from metrale.runtime.errors import OutOfKvBlocks
 
 
@@ -20,6 +22,7 @@ class KvBlockManager:
         self._free = self.ids[::-1]
         # Holders beyond the first, of the blocks that have any.
         self._shares: dict[int, int] = {}
+        self._order = self._sorted = None          # indices(): ids sorted, and where each sorted one is in ids
 
     @property
     def num_free(self) -> int:
@@ -42,10 +45,23 @@ class KvBlockManager:
     def is_shared(self, block: int) -> bool:
         return block in self._shares
 
-    def holders(self) -> tuple[list[int], dict[int, int]]:
-        """The free blocks (allocate() takes from the end first) and each handed-out block's holders."""
-        free = set(self._free)
-        return list(self._free), {b: 1 + self._shares.get(b, 0) for b in self.ids if b not in free}
+    def indices(self, blocks) -> np.ndarray:
+        """Each of `blocks` (ids handed out by this manager) as its index in ids, int32."""
+        if self._order is None or len(self._order) != len(self.ids):
+            self._order = np.argsort(np.asarray(self.ids, dtype=np.int64), kind="stable")
+            self._sorted = np.asarray(self.ids, dtype=np.int64)[self._order]
+        return self._order[np.searchsorted(self._sorted, np.asarray(blocks, dtype=np.int64))].astype(np.int32)
+
+    def holders(self) -> tuple[np.ndarray, np.ndarray]:
+        """The free blocks as indices in ids (allocate() takes from the end first), and each block's holders in the
+        order of ids (0: free), int32."""
+        free = self.indices(self._free)
+        held = np.ones(len(self.ids), dtype=np.int32)
+        held[free] = 0
+        if self._shares:
+            held[self.indices(list(self._shares))] += np.fromiter(self._shares.values(), dtype=np.int32,
+                                                                  count=len(self._shares))
+        return free, held
 
     def free(self, blocks: list[int]) -> None:
         for block in reversed(blocks):

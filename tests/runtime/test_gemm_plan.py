@@ -58,6 +58,40 @@ def test_column_major_plan_computes_linear(m, n, k, x_pad, out_pad, with_bias):
     assert plan.epilogue == (CUBLASLT_EPILOGUE_BIAS if with_bias else CUBLASLT_EPILOGUE_DEFAULT)
 
 
+@pytest.mark.parametrize("m,n,k,splits,x_pad", [(64, 48, 64, 4, 0), (3, 40, 96, 2, 8), (5, 16, 32, 1, 0)])
+def test_split_plan_writes_each_slices_partial(m, n, k, splits, x_pad):
+    """K in `splits` slices as strided batches: batch i reads the weight's and x's columns of slice i and writes
+    its float32 partial as rows i * M .. of out; the partials sum to x @ weight.T."""
+    rng = np.random.default_rng(m + n + k)
+    x_wide = rng.standard_normal((m, k + x_pad))
+    weight = rng.standard_normal((n, k))
+    out = np.full((splits * m, n), np.nan)
+    key = linear_key(tensor((splits * m, n), "float32"), tensor((m, k), row_stride=k + x_pad), tensor((n, k)), None,
+                     splits=splits)
+    plan = GemmPlan.for_linear(key)
+    assert key.splits == splits and plan.epilogue == CUBLASLT_EPILOGUE_DEFAULT and plan.d.dtype == "float32"
+    for i in range(splits):
+        a = column_major(weight.reshape(-1)[i * plan.a.batch_stride:], plan.a)
+        b = column_major(x_wide.reshape(-1)[x_pad:][i * plan.b.batch_stride:], plan.b)
+        d = column_major(out.reshape(-1)[i * plan.d.batch_stride:], plan.d)
+        d[...] = a.T @ b
+        slice_k = slice(i * k // splits, (i + 1) * k // splits)
+        np.testing.assert_allclose(out[i * m:(i + 1) * m], x_wide[:, x_pad:][:, slice_k] @ weight[:, slice_k].T,
+                                   rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(out.reshape(splits, m, n).sum(0), x_wide[:, x_pad:] @ weight.T, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(bias=True), "no bias"), (dict(relu=True), "no bias or relu"), (dict(k=100), "does not split"),
+    (dict(out_dtype="bfloat16"), "float32"), (dict(out_rows=7), "float32")])
+def test_split_key_rejects_what_it_cannot_do(change, message):
+    m, n, k, splits = 8, 32, change.get("k", 128), 4
+    out = tensor((change.get("out_rows", splits * m), n), change.get("out_dtype", "float32"))
+    bias = tensor((n,), "float32") if change.get("bias") else None
+    with pytest.raises(InvalidArgument, match=message):
+        linear_key(out, tensor((m, k)), tensor((n, k)), bias, change.get("relu", False), splits)
+
+
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_relu_is_its_own_plan_and_epilogue(with_bias):
     out, x, weight = tensor((7, 48)), tensor((7, 32)), tensor((48, 32))
@@ -77,7 +111,7 @@ def test_key_ignores_pointers_and_sees_strides_dtype_and_bias():
     assert linear_key(*operands(out_dtype="float32")) != linear_key(*operands())
     wide_x = tensor((7, 576), ptr=BASE * 16, row_stride=640)
     assert linear_key(out, wide_x, weight, bias).x_stride == 640
-    assert linear_key(out, x, weight, bias) == (7, 1536, 576, 576, 1536, "bfloat16", True, False)
+    assert linear_key(out, x, weight, bias) == (7, 1536, 576, 576, 1536, "bfloat16", True, False, 1)
 
 
 @pytest.mark.parametrize("change,message", [

@@ -165,6 +165,23 @@ BAD_CALLS = {
                                                             f32(4096), 1e-5),
     "layer_norm: hidden not a multiple of 8": lambda lib: norm.layer_norm(lib, None, bf16(5, 100), bf16(5, 100),
                                                                           bf16(100), bf16(100), 1e-5),
+    "layer_norm_partials: partials rows": lambda lib: norm.layer_norm_partials(
+        lib, None, bf16(5, H), f32(15, H), 4, bf16(H), bf16(H), bf16(H), 1e-5, bf16(5, H), bf16(5, H)),
+    "layer_norm_partials: 9 partials": lambda lib: norm.layer_norm_partials(
+        lib, None, bf16(5, H), f32(45, H), 9, bf16(H), bf16(H), bf16(H), 1e-5, bf16(5, H), bf16(5, H)),
+    "layer_norm_partials: bf16 partials": lambda lib: norm.layer_norm_partials(
+        lib, None, bf16(5, H), bf16(20, H), 4, bf16(H), bf16(H), bf16(H), 1e-5, bf16(5, H), bf16(5, H)),
+    "layer_norm_partials: strided partials": lambda lib: norm.layer_norm_partials(
+        lib, None, bf16(5, H), f32(20, H, row_stride=H + 8), 4, bf16(H), bf16(H), bf16(H), 1e-5, bf16(5, H),
+        bf16(5, H)),
+    "layer_norm_partials: linear bias shape": lambda lib: norm.layer_norm_partials(
+        lib, None, bf16(5, H), f32(20, H), 4, bf16(H - 8), bf16(H), bf16(H), 1e-5, bf16(5, H), bf16(5, H)),
+    "layer_norm_partials: no residual": lambda lib: norm.layer_norm_partials(
+        lib, None, bf16(5, H), f32(20, H), 4, bf16(H), bf16(H), bf16(H), 1e-5, None, bf16(5, H)),
+    "layer_norm_partials: residual shape": lambda lib: norm.layer_norm_partials(
+        lib, None, bf16(5, H), f32(20, H), 4, bf16(H), bf16(H), bf16(H), 1e-5, bf16(6, H), bf16(5, H)),
+    "layer_norm_partials: misaligned partials": lambda lib: norm.layer_norm_partials(
+        lib, None, bf16(5, H), f32(20, H, offset=4), 4, None, bf16(H), bf16(H), 1e-5, bf16(5, H), bf16(5, H)),
     "relu: shapes differ": lambda lib: activation.relu(lib, None, bf16(3, 96), bf16(3, 104)),
     "relu: width not a multiple of 8": lambda lib: activation.relu(lib, None, bf16(3, 100), bf16(3, 100)),
     "relu: float32 x": lambda lib: activation.relu(lib, None, bf16(3, 96), f32(3, 96)),

@@ -93,6 +93,9 @@ class CpuBackend:
             x = x + residual
         return F.layer_norm(x, (x.shape[-1],), weight, bias, eps), x
 
+    def linear_layer_norm(self, x, weight, bias, norm_weight, norm_bias, eps, residual):
+        return self.layer_norm(self.linear(x, weight, bias), norm_weight, norm_bias, eps, residual)
+
     def relu(self, x):
         return F.relu(x)
 

@@ -122,6 +122,11 @@ class Ops(Protocol):
                    ) -> tuple[Tensor, Tensor]:
         """As rms_norm, with LayerNorm (mean and variance, weight and bias): (norm(x + residual), x + residual)."""
 
+    def linear_layer_norm(self, x: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: Tensor,
+                          norm_bias: Tensor, eps: float, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """layer_norm(linear(x, weight, bias), norm_weight, norm_bias, eps, residual): a linear whose output only
+        the norm reads (the backend may hand it over in pieces: split-K partials the norm sums)."""
+
     def write_kv(self, k: Tensor, v: Tensor, batch: PreparedBatch, kv: Tensor) -> None:
         """K and V rows [T, kv_heads * head_dim] into the paged cache at the batch's slots (no rotation): an
         encoder-decoder's cross-attention K/V."""

@@ -10,6 +10,7 @@ first candidates where the backend computed them, the reservation's free blocks 
 DeviceSearch, without waiting for the device.
 """
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -107,8 +108,10 @@ def device_search(groups, pool: KvBlockManager, block_size: int, encoder_decoder
     prompt_len = np.concatenate([g.search.prompt_len.numpy() for g in groups]).astype(np.int32)
     max_new = np.array([p.max_new_tokens for p in params], dtype=np.int32)
     max_len = int((prompt_len + max_new).max())
-    local = {block: i for i, block in enumerate(pool.ids)}
     free, holders = pool.holders()
+    beams = [beam for m in members for beam in m.beams]
+    counts = [len(beam) for beam in beams]
+    flat = pool.indices(np.fromiter(itertools.chain.from_iterable(beams), dtype=np.int64, count=sum(counts))).tolist()
     # Each request's length penalty divisors, float64 powers rounded to float32 (BeamGroup's), once per setting.
     divisors = np.ones((len(params), int(max_new.max()) + 1), dtype=np.float32)
     powers = {}
@@ -129,10 +132,8 @@ def device_search(groups, pool: KvBlockManager, block_size: int, encoder_decoder
         prompts=[row[:n].tolist() for row, n in zip(tokens, prompt_len.tolist())],
         divisors=divisors, eos=searches[0][0].eos.numpy().astype(np.int32),
         cross_tables=[list(m.cross_blocks or []) for m in members],
-        tables=[[local[b] for b in beam] for m in members for beam in m.beams],
-        block_ids=np.asarray(pool.ids, dtype=np.int32),
-        holders=np.array([holders.get(b, 0) for b in pool.ids], dtype=np.int32),
-        free=np.array([local[b] for b in free], dtype=np.int32),
+        tables=[flat[end - n:end] for end, n in zip(itertools.accumulate(counts), counts)],
+        block_ids=np.asarray(pool.ids, dtype=np.int32), holders=holders, free=free,
         prompt_candidates=[m.prompt for m in members], keep_stride=max(g.search.keep for g in groups),
         block_size=block_size, max_len=max_len, table_width=blocks_for(max_len, block_size),
         encoder_decoder=encoder_decoder)

@@ -40,17 +40,22 @@ class BeamGroup:
         self.params = list(params)
         self.eos = torch.tensor(eos_token_ids, dtype=torch.int64)
         self.keep = max(2, 1 + len(eos_token_ids)) * k
-        self.top_mask = torch.arange(self.keep) < k
-        lengths = [len(p) for p in prompts]
-        self.prompt_len = torch.tensor(lengths)
-        self.max_length = self.prompt_len + torch.tensor([p.max_new_tokens for p in params])
+        self.top_mask = torch.from_numpy(np.arange(self.keep) < k)
+        lengths = np.fromiter(map(len, prompts), dtype=np.int64, count=len(prompts))
+        self.prompt_len = torch.from_numpy(lengths)
+        self.max_length = torch.from_numpy(lengths + np.fromiter((p.max_new_tokens for p in params), dtype=np.int64,
+                                                                 count=len(params)))
         self.steps = 0          # tokens generated so far, the same for every request of the group
         running = np.full((len(prompts), k, int(self.max_length.max())), fill_token, dtype=np.int64)
-        for row, (prompt, n) in enumerate(zip(prompts, lengths)):
-            running[row, :, :n] = prompt
+        if len(prompts) and (lengths == lengths[0]).all():
+            running[:, :, :lengths[0]] = np.asarray(prompts, dtype=np.int64)[:, None, :]
+        else:
+            for row, (prompt, n) in enumerate(zip(prompts, lengths.tolist())):
+                running[row, :, :n] = prompt
         self.running = torch.from_numpy(running)
-        self.running_scores = torch.zeros(len(prompts), k)
-        self.running_scores[:, 1:] = NEG
+        scores = np.zeros((len(prompts), k), dtype=np.float32)
+        scores[:, 1:] = NEG
+        self.running_scores = torch.from_numpy(scores)
         # Each request's finished hypotheses: num_beams slots, -1e9 while empty.
         self.sequences = self.running.clone()
         self.lengths = torch.zeros(len(prompts), k, dtype=torch.int64)

@@ -155,18 +155,21 @@ class M2M100ForConditionalGeneration:
         else:
             positions = ops.device_ids(self._positions(batch))
         x, residual = ops.embedding(w["embed"], meta.token_ids), ops.embedding(self.positions, positions)
-        scale = c.head_dim ** -0.5
+        scale, eps = c.head_dim ** -0.5, c.layer_norm_eps
+        fc2 = None          # the layer before's: its output goes only into this layer's first norm
         for layer, kv in zip(w["decoder"], kv_cache):
-            h, residual = ops.layer_norm(x, *layer["self_attn_layer_norm"], c.layer_norm_eps, residual)
+            if fc2 is None:
+                h, residual = ops.layer_norm(x, *layer["self_attn_layer_norm"], eps, residual)
+            else:
+                h, residual = ops.linear_layer_norm(x, *fc2, *layer["self_attn_layer_norm"], eps, residual)
             q, k, v = _split(ops.linear(h, *layer["qkv"]), c.hidden_size)
             o = ops.self_attention(q, k, v, self.no_rope, meta, kv, c.num_heads, c.head_dim, scale, None)
-            h = ops.linear(o, *layer["out"])
-            h, residual = ops.layer_norm(h, *layer["encoder_attn_layer_norm"], c.layer_norm_eps, residual)
+            h, residual = ops.linear_layer_norm(o, *layer["out"], *layer["encoder_attn_layer_norm"], eps, residual)
             q = ops.linear(h, *layer["cross_q"])
             o = ops.paged_attention(q, kv, cross, c.num_heads, c.head_dim, scale, None, causal=False)
-            h = ops.linear(o, *layer["cross_out"])
-            h, residual = ops.layer_norm(h, *layer["final_layer_norm"], c.layer_norm_eps, residual)
-            x = ops.linear(ops.linear_relu(h, *layer["fc1"]), *layer["fc2"])
+            h, residual = ops.linear_layer_norm(o, *layer["cross_out"], *layer["final_layer_norm"], eps, residual)
+            x, fc2 = ops.linear_relu(h, *layer["fc1"]), layer["fc2"]
+        x = ops.linear(x, *fc2)
         rows = meta.sample_rows
         x, _ = ops.layer_norm(ops.gather_rows(x, rows), *w["decoder_norm"], c.layer_norm_eps,
                               ops.gather_rows(residual, rows))

@@ -86,6 +86,26 @@ def test_relu_epilogue_equals_relu_of_the_linear(cublaslt, stream, m, with_bias)
     assert relative_error(fused, torch.relu(plain).double()) < TOLERANCE[fused.dtype]
 
 
+@pytest.mark.parametrize("m,n,k,splits,x_pad", [(64, 1024, 1024, 4, 0), (64, 1024, 4096, 8, 0), (16, 1024, 1024, 4, 0),
+                                                 (9, 1536, 576, 2, 64)])
+def test_split_partials_are_each_slices_product(cublaslt, stream, m, n, k, splits, x_pad):
+    """splits > 1: partial i is x's K slice i times the weight's, in float32 (each against float64), as the rows
+    i * M .. of out; no bias (the norm after them adds it)."""
+    x, weight, _ = random_linear(m, n, k, seed=m + splits, with_bias=False, x_pad=x_pad)
+    out = torch.full((splits * m, n), float("nan"), dtype=torch.float32, device="cuda")
+    torch.cuda.synchronize()
+    cublaslt.linear(stream, DeviceTensor.from_torch(out), DeviceTensor.from_torch(x), DeviceTensor.from_torch(weight),
+                    splits=splits)
+    stream.sync()
+    width = k // splits
+    for i in range(splits):
+        part = slice(i * width, (i + 1) * width)
+        expected = reference(x[:, part], weight[:, part], None)
+        error = relative_error(out[i * m:(i + 1) * m], expected)
+        assert error < TOLERANCE[torch.float32], f"partial {i}: relative error {error:.2e}"
+    assert relative_error(out.view(splits, m, n).sum(0), reference(x, weight, None)) < TOLERANCE[torch.float32]
+
+
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("m", [1, 300])
 def test_linear_reads_and_writes_column_slices(cublaslt, stream, m, out_dtype):

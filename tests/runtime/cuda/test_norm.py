@@ -7,7 +7,8 @@ import torch
 pytest.importorskip("cuda.core")
 
 from gpu_reference import TOLERANCE, relative_error  # noqa: E402
-from metrale.runtime.backend.cuda.kernels.norm import head_rms_norm, layer_norm, rms_norm  # noqa: E402
+from metrale.runtime.backend.cuda.kernels.norm import (head_rms_norm, layer_norm, layer_norm_partials,  # noqa: E402
+                                                       rms_norm)
 from metrale.runtime.backend.cuda.tensor import DeviceTensor  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -131,3 +132,30 @@ def test_layer_norm_matches_float64_and_torch(kernel_library, stream, num_tokens
     assert relative_error(out, exact) < TOLERANCE[torch.bfloat16]
     ours_vs_torch = relative_error(out, torch.nn.functional.layer_norm(added, (hidden,), weight, bias, 1e-5))
     assert ours_vs_torch < 1e-2
+
+
+@pytest.mark.parametrize("num_tokens, hidden, splits", [(1, 1024, 4), (64, 1024, 8), (7, 24, 2), (33, 4096, 1)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_layer_norm_partials_sums_a_linears_slices(kernel_library, stream, num_tokens, hidden, splits, with_bias):
+    """A linear's split-K partials summed in fp32 with its bias and rounded to bf16 (the linear's bf16 output, as
+    cuBLASLt's bias epilogue rounds it), added to the residual in bf16, then LayerNorm: against the same steps in
+    torch, and the float64 norm."""
+    partials = torch.randn(splits, num_tokens, hidden, device=DEVICE) * 2 + 1
+    linear_bias = (0.5 * torch.randn(hidden, device=DEVICE)).bfloat16() if with_bias else None
+    weight = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).bfloat16()
+    bias = (0.5 * torch.randn(hidden, device=DEVICE)).bfloat16()
+    residual = (4 * torch.randn(num_tokens, hidden, device=DEVICE)).bfloat16()
+    out, residual_out = poisoned(num_tokens, hidden), poisoned(num_tokens, hidden)
+    torch.cuda.synchronize()
+    layer_norm_partials(kernel_library, stream, *wrap(out, partials.reshape(splits * num_tokens, hidden)), splits,
+                        *wrap(linear_bias, weight, bias), 1e-5, *wrap(residual, residual_out))
+    stream.sync()
+    summed = partials[0].clone()
+    for s in range(1, splits):
+        summed += partials[s]
+    linear_out = (summed + (linear_bias.float() if with_bias else 0)).bfloat16()
+    added = linear_out + residual
+    assert torch.equal(residual_out, added)
+    exact = torch.nn.functional.layer_norm(added.double(), (hidden,), weight.double(), bias.double(), 1e-5)
+    assert relative_error(out, exact) < TOLERANCE[torch.bfloat16]
+    assert relative_error(out, torch.nn.functional.layer_norm(added, (hidden,), weight, bias, 1e-5)) < 1e-2

@@ -2,6 +2,7 @@
 into a fixed region (the same addresses every forward, for CUDA graphs)."""
 
 from dataclasses import dataclass
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -47,54 +48,79 @@ def pack_batch(batch: ForwardBatch, region: DeviceTensor, max_blocks: int, pad_t
     (context 0, KV slot -1), every lane sampled, in order: the fixed shapes of a decode graph. prefill: every
     segment goes to the prefill kernel (one-token ones too), padded to prefill.tokens rows (token 0, KV slot -1)
     and prefill.segments segments of no rows and no context, attention planned for prefill.max_query rows."""
-    lens = batch.query_lens
+    lens, starts, contexts, n = batch.query_lens, batch.query_starts, batch.context_lens, batch.num_tokens
     if pad_to:
-        single, multi, pad = list(range(len(lens))), [], pad_to - batch.num_tokens
+        single, multi, pad = None, (), pad_to - n        # None: every segment, in order
     elif prefill:
-        single, multi, pad = [], list(range(len(lens))), prefill.tokens - batch.num_tokens
+        single, multi, pad = (), None, prefill.tokens - n
     else:
-        single = [i for i, n in enumerate(lens) if n == 1]
-        multi = [i for i, n in enumerate(lens) if n != 1]
+        single = [i for i, q in enumerate(lens) if q == 1]
+        multi = [i for i, q in enumerate(lens) if q != 1]
         pad = 0
-    segment_pad = prefill.segments - len(multi) if prefill else 0
+    decode = len(lens) if single is None else len(single)
+    decode_rows = decode + (pad if pad_to else 0)
+    segments = len(lens) if multi is None else len(multi)
+    prefill_rows = segments + (prefill.segments - segments if prefill else 0)
+    rows, sampled = n + pad, pad_to or len(batch.sample_rows)
+    # name: (elements, shape): the parts back to back in this order, one int32 image
+    shapes = {"token_ids": (rows,), "positions": (rows,), "slot_mapping": (rows,), "sample_rows": (sampled,),
+              "decode_rows": (decode_rows,), "decode_contexts": (decode_rows,),
+              "decode_tables": (decode_rows, max_blocks), "prefill_starts": (prefill_rows,),
+              "prefill_lens": (prefill_rows,), "prefill_contexts": (prefill_rows,),
+              "prefill_tables": (prefill_rows, max_blocks)}
+    offsets, total = {}, 0
+    for name, shape in shapes.items():
+        offsets[name] = total
+        total += shape[0] * (shape[1] if len(shape) > 1 else 1)
+    host = np.zeros(max(total, 1), dtype=np.int32)        # padding is 0 but for the KV slots (-1)
 
-    def tables(indices, rows):
-        out = np.zeros((rows, max_blocks), dtype=np.int32)
-        chosen = [batch.block_tables[i] for i in indices]
-        counts = np.fromiter(map(len, chosen), dtype=np.int64, count=len(chosen))
-        total = int(counts.sum())
-        if total:
-            flat = np.concatenate([np.asarray(t, dtype=np.int32) for t in chosen])
-            out[:len(chosen)][np.arange(max_blocks) < counts[:, None]] = flat   # row by row, in order
-        return out
+    def part(name: str) -> np.ndarray:
+        shape = shapes[name]
+        return host[offsets[name]:offsets[name] + math.prod(shape)].reshape(shape)
 
-    def padded(values, fill, count=pad):
-        return np.concatenate([np.asarray(values, dtype=np.int32), np.full(count, fill, dtype=np.int32)])
-
-    starts, contexts = batch.query_starts, batch.context_lens
-    parts = {
-        "token_ids": padded(batch.token_ids.numpy(), 0), "positions": padded(batch.positions.numpy(), 0),
-        "slot_mapping": padded(batch.slot_mapping.numpy(), -1),
-        "sample_rows": np.arange(pad_to, dtype=np.int32) if pad_to else batch.sample_rows.numpy(),
-        "decode_rows": np.arange(pad_to, dtype=np.int32) if pad_to else [starts[i] for i in single],
-        "decode_contexts": padded([contexts[i] for i in single], 0, pad if pad_to else 0),
-        "decode_tables": tables(single, len(single) + (pad if pad_to else 0)),
-        "prefill_starts": padded([starts[i] for i in multi], 0, segment_pad),
-        "prefill_lens": padded([lens[i] for i in multi], 0, segment_pad),
-        "prefill_contexts": padded([contexts[i] for i in multi], 0, segment_pad),
-        "prefill_tables": tables(multi, len(multi) + segment_pad),
-    }
-    arrays = [np.asarray(p, dtype=np.int32) for p in parts.values()]
-    host = np.concatenate([a.ravel() for a in arrays])
-    views, offset = {}, 0
-    for name, array in zip(parts, arrays):
-        views[name] = DeviceTensor(region.ptr + offset * 4, array.shape, "int32")
-        offset += array.size
-    return CudaBatch(**views, num_tokens=batch.num_tokens + pad, num_decode=len(single) + (pad if pad_to else 0),
-                     num_prefill=len(multi) + segment_pad,
-                     max_decode_context=max((contexts[i] for i in single), default=0),
+    part("token_ids")[:n] = batch.token_ids.numpy()
+    part("positions")[:n] = batch.positions.numpy()
+    slots = part("slot_mapping")
+    slots[:n] = batch.slot_mapping.numpy()
+    slots[n:] = -1
+    part("sample_rows")[:] = np.arange(pad_to) if pad_to else batch.sample_rows.numpy()
+    if decode:
+        chosen = range(len(lens)) if single is None else single
+        part("decode_rows")[:] = np.arange(pad_to) if pad_to else [starts[i] for i in chosen]
+        part("decode_contexts")[:decode] = contexts if single is None else [contexts[i] for i in chosen]
+        _fill_tables(part("decode_tables"), [batch.block_tables[i] for i in chosen])
+    elif pad_to:
+        part("decode_rows")[:] = np.arange(pad_to)
+    if segments:
+        chosen = range(len(lens)) if multi is None else multi
+        part("prefill_starts")[:segments] = [starts[i] for i in chosen]
+        part("prefill_lens")[:segments] = [lens[i] for i in chosen]
+        part("prefill_contexts")[:segments] = [contexts[i] for i in chosen]
+        _fill_tables(part("prefill_tables"), [batch.block_tables[i] for i in chosen])
+    views = {name: DeviceTensor(region.ptr + offsets[name] * 4, shape, "int32") for name, shape in shapes.items()}
+    return CudaBatch(**views, num_tokens=rows, num_decode=decode_rows, num_prefill=prefill_rows,
+                     max_decode_context=max((contexts[i] for i in (range(len(lens)) if single is None else single)),
+                                            default=0),
                      max_prefill_query=prefill.max_query if prefill else max((lens[i] for i in multi), default=0),
-                     host=host if offset else np.zeros(1, dtype=np.int32))
+                     host=host)
+
+
+def _fill_tables(out: np.ndarray, tables: list) -> None:
+    """Each block table (an int32 array or a list) into the start of its row of `out`, the rest left as it is."""
+    if len(tables) <= 32:           # a row at a time is cheaper for a few
+        for row, table in zip(out, tables):
+            row[:len(table)] = table
+        return
+    counts = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    flat = np.concatenate([np.asarray(t, dtype=np.int32) for t in tables])
+    out[:len(tables)][np.arange(out.shape[1]) < counts[:, None]] = flat     # row by row, in order
+
+
+def padded_rows(rows: list, width: int) -> np.ndarray:
+    """Lists (or int32 arrays) of at most `width` ids as the rows of an int32 array, zero-padded on the right."""
+    out = np.zeros((len(rows), width), dtype=np.int32)
+    _fill_tables(out, rows)
+    return out
 
 
 def metadata_elements(max_batch_tokens: int, max_seqs: int, max_blocks: int) -> int:

@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from metrale.runtime.backend.cuda import kernels
-from metrale.runtime.backend.cuda.batch import pack_batch
+from metrale.runtime.backend.cuda.batch import pack_batch, padded_rows
 from metrale.runtime.backend.cuda.device import ALIGNMENT, Arena
 from metrale.runtime.backend.cuda.graphs import empty_decode_batch
 from metrale.runtime.backend.cuda.lane import LaneCandidates
@@ -48,17 +48,11 @@ def state_arrays(s: DeviceSearch, max_blocks: int, seeded: bool = False) -> dict
     from the host."""
     R, TB, L, W = len(s.num_beams), len(s.tables), s.max_len, s.table_width
     beam_request = np.repeat(np.arange(R, dtype=np.int32), s.num_beams)
-    running = np.zeros((2, TB, L), dtype=np.int32)
-    for beam, r in enumerate(beam_request):
-        running[:, beam, :s.prompt_len[r]] = s.prompts[r]
+    running = np.broadcast_to(padded_rows(s.prompts, L)[beam_request], (2, TB, L)).copy()
     running_scores = np.full((2, TB), NEG, dtype=np.float32)
     running_scores[:, s.beam_base] = 0.0
-    tables = np.zeros((2, TB, W), dtype=np.int32)
-    for beam, table in enumerate(s.tables):
-        tables[:, beam, :len(table)] = table
-    cross = np.zeros((R, max_blocks), dtype=np.int32)
-    for r, table in enumerate(s.cross_tables):
-        cross[r, :len(table)] = table
+    tables = np.broadcast_to(padded_rows(s.tables, W), (2, TB, W)).copy()
+    cross = padded_rows(s.cross_tables, max_blocks)
     free_stack = np.zeros(len(s.block_ids), dtype=np.int32)
     free_stack[:len(s.free)] = s.free
     zeros = lambda *shape: np.zeros(shape, dtype=np.int32)

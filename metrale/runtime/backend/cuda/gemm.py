@@ -49,6 +49,9 @@ class LinearKey(NamedTuple):
     out_dtype: str    # 'bfloat16' or 'float32' (logits)
     has_bias: bool
     relu: bool = False   # max(., 0) in the epilogue, after the bias
+    # > 1: K in `splits` equal slices, each slice's product a float32 partial of its own (out [splits * M, N]: the
+    # partials one after another), for a kernel after it to sum (a strided batched GEMM: no reduce kernel).
+    splits: int = 1
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,8 @@ class MatrixLayout:
     rows: int
     cols: int
     ld: int
+    batch: int = 1          # strided batches: matrix i at element offset i * batch_stride
+    batch_stride: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,8 @@ class GemmPlan:
         D = out,    read as [N, M] ld out_stride             (C = D, beta = 0: never read)
     m = N, n = M, k = K: the "TN" GEMM, the layout cuBLASLt's fastest bf16 kernels take. The BIAS epilogue adds
     a vector as long as D's rows (N), broadcast over D's columns (tokens): bias[N], as nn.Linear adds it; the
-    RELU epilogues then take max(., 0) before D is rounded to its type."""
+    RELU epilogues then take max(., 0) before D is rounded to its type. Split in `splits` (LinearKey.splits), K's
+    slice i is batch i: A and B move on by K / splits columns of the weight and of x, D by a whole [N, M] out."""
     a: MatrixLayout
     b: MatrixLayout
     d: MatrixLayout
@@ -81,9 +87,10 @@ class GemmPlan:
 
     @classmethod
     def for_linear(cls, key: LinearKey) -> "GemmPlan":
-        return cls(a=MatrixLayout("bfloat16", key.k, key.n, key.k),
-                   b=MatrixLayout("bfloat16", key.k, key.m, key.x_stride),
-                   d=MatrixLayout(key.out_dtype, key.n, key.m, key.out_stride),
+        slice_k, s = key.k // key.splits, key.splits
+        return cls(a=MatrixLayout("bfloat16", slice_k, key.n, key.k, s, slice_k),
+                   b=MatrixLayout("bfloat16", slice_k, key.m, key.x_stride, s, slice_k),
+                   d=MatrixLayout(key.out_dtype, key.n, key.m, key.out_stride, s, key.m * key.out_stride),
                    transa=CUBLAS_OP_T, transb=CUBLAS_OP_N,
                    epilogue=_EPILOGUES[key.has_bias, key.relu])
 
@@ -93,9 +100,11 @@ _EPILOGUES = {(False, False): CUBLASLT_EPILOGUE_DEFAULT, (True, False): CUBLASLT
 
 
 def linear_key(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None,
-               relu: bool = False) -> LinearKey:
+               relu: bool = False, splits: int = 1) -> LinearKey:
     """Checks a linear's operands (shapes, dtypes, 16-byte alignment) and returns its cache key.
     On the hot path of every prefill linear: plain comparisons, and a message is formatted only on failure."""
+    if splits != 1:
+        return _split_key(out, x, weight, bias, relu, splits)
     if len(x.shape) != 2 or x.dtype != "bfloat16":
         raise InvalidArgument(f"linear: x must be [M, K] bfloat16, not {x.shape} {x.dtype}")
     if len(weight.shape) != 2 or weight.dtype != "bfloat16" or not weight.is_contiguous:
@@ -126,6 +135,22 @@ def linear_key(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, bias: D
         if bias.ptr % ALIGNMENT:
             raise InvalidArgument(f"linear: bias must be {ALIGNMENT}-byte aligned, not {bias.ptr:#x}")
     return LinearKey(m, n, k, x_stride, out_stride, out.dtype, bias is not None, relu)
+
+
+def _split_key(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None, relu: bool,
+               splits: int) -> LinearKey:
+    """linear_key for float32 partials over K's slices: out [splits * M, N] float32, contiguous; no bias or relu
+    (they apply to the sum)."""
+    if splits < 1 or bias is not None or relu:
+        raise InvalidArgument(f"linear: {splits} split partials take no bias or relu")
+    m, k = x.shape
+    if k % splits or (k // splits) % (ALIGNMENT // 2):
+        raise InvalidArgument(f"linear: K={k} does not split into {splits} slices of a multiple of {ALIGNMENT // 2}")
+    if out.dtype != "float32" or not out.is_contiguous or out.shape != (splits * m, weight.shape[0]):
+        raise InvalidArgument(f"linear: {splits} split partials need out [{splits * m}, {weight.shape[0]}] float32 "
+                              f"contiguous, not {out.shape} {out.dtype}")
+    key = linear_key(DeviceTensor(out.ptr, (m, out.shape[1]), "float32"), x, weight, None)
+    return key._replace(splits=splits)
 
 
 def load_cublaslt():
@@ -189,16 +214,18 @@ class CublasLt:
         self._handle = self._call("cublasLtCreate", self._lt.create)
 
     def linear(self, stream, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
-               bias: DeviceTensor | None = None, workspace: DeviceTensor | None = None, relu: bool = False) -> None:
+               bias: DeviceTensor | None = None, workspace: DeviceTensor | None = None, relu: bool = False,
+               splits: int = 1) -> None:
         """out [M, N] = x [M, K] @ weight [N, K].T (+ bias [N]), then max(., 0) if relu, on `stream` (a cuda.core
         Stream).
         x, weight: bf16; out: bf16 or float32 (logits); bias: out's dtype. x and out may be column slices
         (row-strided); every pointer and row stride 16-byte aligned. Accumulates in fp32. workspace: the calling
         lane's, at least as large as the one given at creation (the algorithms were chosen for that size); None:
-        that one."""
+        that one. splits > 1: out [splits * M, N] float32 takes the partial products of K's slices (LinearKey.splits),
+        with no bias or relu."""
         if self._handle is None:
             raise FailedPrecondition("linear on a closed CublasLt")
-        key = linear_key(out, x, weight, bias, relu)
+        key = linear_key(out, x, weight, bias, relu, splits)
         if key.m == 0:
             return
         if workspace is None:
@@ -211,7 +238,7 @@ class CublasLt:
         if matmul is None:
             matmul = self._matmul_of(key)
             if self.tuner is not None:
-                self.tuner.tune(self, key, stream, out, x, weight, bias, workspace, relu)
+                self.tuner.tune(self, key, stream, out, x, weight, bias, workspace, relu, splits)
         lt = self._lt
         try:
             if bias is None:
@@ -277,6 +304,10 @@ class CublasLt:
             for layout in (plan.a, plan.b, plan.d):
                 layouts.append(self._call("cublasLtMatrixLayoutCreate", lt.matrix_layout_create,
                                           CUDA_DATA_TYPE[layout.dtype], layout.rows, layout.cols, layout.ld))
+                if layout.batch > 1:
+                    self._set_layout(layouts[-1], lt.MatrixLayoutAttribute.BATCH_COUNT, layout.batch, np.int32)
+                    self._set_layout(layouts[-1], lt.MatrixLayoutAttribute.STRIDED_BATCH_OFFSET,
+                                     layout.batch_stride, np.int64)
             heuristic = self._choose_algo(plan, desc, layouts)
         except BaseException:
             self._call("cublasLtMatmulDescDestroy", lt.matmul_desc_destroy, desc)
@@ -331,6 +362,11 @@ class CublasLt:
     def _set_desc(self, desc: int, attribute, value: int) -> None:
         buffer = np.array([value], dtype=self._lt.get_matmul_desc_attribute_dtype(attribute))
         self._call("cublasLtMatmulDescSetAttribute", self._lt.matmul_desc_set_attribute, desc, attribute,
+                   buffer.ctypes.data, buffer.nbytes)
+
+    def _set_layout(self, layout: int, attribute, value: int, dtype) -> None:
+        buffer = np.array([value], dtype=dtype)
+        self._call("cublasLtMatrixLayoutSetAttribute", self._lt.matrix_layout_set_attribute, layout, attribute,
                    buffer.ctypes.data, buffer.nbytes)
 
     def _set_preference(self, preference: int, attribute, value: int) -> None:

@@ -12,9 +12,10 @@ DTYPES = {"bfloat16": (2, np.uint16), "float16": (2, np.float16), "float32": (4,
           "int32": (4, np.int32), "int64": (8, np.int64), "uint8": (1, np.uint8)}
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, unsafe_hash=True)
 class DeviceTensor:
-    """Row-major; a 2-D tensor may be a column slice of a wider one (row_stride > shape[1])."""
+    """Row-major; a 2-D tensor may be a column slice of a wider one (row_stride > shape[1]). Never changed once made
+    (not frozen only because a frozen dataclass takes 3x as long to make, and a forward makes hundreds)."""
     ptr: int
     shape: tuple[int, ...]
     dtype: str

@@ -12,6 +12,7 @@ RMS_NORM_MAX_UNITS = 4         # as in norm.cu: 16-byte units per thread
 MAX_HIDDEN = RMS_NORM_MAX_UNITS * 8 * MAX_BLOCK
 HEAD_NORM_WARPS = 4            # as in norm.cu
 MAX_HEAD_DIM = 256
+MAX_PARTIALS = 8               # as in norm.cu
 NULL = np.uint64(0)
 
 
@@ -30,32 +31,68 @@ def layer_norm(lib, stream, out: DeviceTensor, x: DeviceTensor, weight: DeviceTe
     _launch_row_norm("layer_norm", lib, stream, out, x, (weight, bias), eps, residual, residual_out)
 
 
+def layer_norm_partials(lib, stream, out: DeviceTensor, partials: DeviceTensor, splits: int,
+                        linear_bias: DeviceTensor | None, weight: DeviceTensor, bias: DeviceTensor, eps: float,
+                        residual: DeviceTensor, residual_out: DeviceTensor) -> None:
+    """layer_norm over residual + a linear's output given as split-K partials (CublasLt.linear with splits):
+    residual_out [T, H] = bf16(residual + bf16(partial_0 + .. + partial_{splits - 1} + linear_bias)), out [T, H] =
+    layer_norm(residual_out) * weight + bias. partials [splits * T, H] float32, contiguous; linear_bias [H] bf16 or
+    None; the rest as layer_norm's (residual_out may be residual itself)."""
+    require(len(out.shape) == 2, f"layer_norm_partials: out must be [T, H], not {out.shape}")
+    require(residual is not None and residual_out is not None, "layer_norm_partials: needs residual and residual_out")
+    num_tokens, hidden = out.shape
+    require(1 <= splits <= MAX_PARTIALS, f"layer_norm_partials: {splits} partials, not 1 to {MAX_PARTIALS}")
+    require(partials.dtype == "float32" and partials.is_contiguous
+            and partials.shape == (splits * num_tokens, hidden),
+            f"layer_norm_partials: partials must be [{splits} * {num_tokens}, {hidden}] float32 contiguous, not "
+            f"{partials.shape} {partials.dtype}")
+    require(partials.ptr % 16 == 0, "layer_norm_partials: partials must be 16-byte aligned")
+    require(linear_bias is None or (linear_bias.dtype == "bfloat16" and linear_bias.shape == (hidden,)
+                                    and linear_bias.ptr % 16 == 0),
+            f"layer_norm_partials: the linear's bias must be [{hidden}] bfloat16, 16-byte aligned")
+    _check_row_norm("layer_norm_partials", out, (weight, bias), residual, residual_out)
+    if num_tokens == 0:
+        return
+    launch_kernel(stream, lib.get("layer_norm_partials", MODULE), num_tokens, _block(hidden), out, _stride(out),
+                  residual_out, _stride(residual_out), partials, np.int32(num_tokens), np.int32(splits),
+                  _pointer(linear_bias), residual, _stride(residual), weight, bias, np.int32(hidden), float(eps))
+
+
 def _launch_row_norm(name: str, lib, stream, out, x, params: tuple, eps, residual, residual_out) -> None:
     """One block per row of x; params: the [H] bf16 vectors the kernel takes after its row pointers."""
     require(len(x.shape) == 2, f"{name}: x must be [T, H], not {x.shape}")
+    require(residual is None or residual_out is not None, f"{name}: a residual add needs residual_out")
+    _check_row_norm(name, x, params, residual, residual_out, out)
     num_tokens, hidden = x.shape
-    rows = {"out": out, "x": x, "residual": residual, "residual_out": residual_out}
+    if num_tokens == 0:
+        return
+    kernel = lib.get(name, MODULE)
+    launch_kernel(stream, kernel, num_tokens, _block(hidden), out, _stride(out), _pointer(residual_out),
+                  _stride(residual_out), x, _stride(x), _pointer(residual), _stride(residual), *params, hidden,
+                  float(eps))
+
+
+def _check_row_norm(name: str, x: DeviceTensor, params: tuple, residual, residual_out, out=None) -> None:
+    """The [T, H] bf16 rows (x's shape; each 16-byte aligned) and the [H] bf16 params a row norm takes."""
+    hidden = x.shape[1]
+    rows = {"out": out if out is not None else x, "x": x, "residual": residual, "residual_out": residual_out}
     for label, tensor in rows.items():
         if tensor is None:
             continue
         require(tensor.dtype == "bfloat16", f"{name}: {label} must be bfloat16, not {tensor.dtype}")
         require(tensor.shape == x.shape, f"{name}: {label} {tensor.shape} must have x's shape {x.shape}")
         require_aligned(tensor, 16, f"{name}: {label}")
-    require(residual is None or residual_out is not None, f"{name}: a residual add needs residual_out")
     for param in params:
         require(param.dtype == "bfloat16" and param.shape == (hidden,),
                 f"{name}: weight and bias must be [{hidden}] bfloat16")
         require(param.ptr % 16 == 0, f"{name}: weight and bias must be 16-byte aligned")
     require(hidden % 8 == 0 and 0 < hidden <= MAX_HIDDEN, f"{name}: hidden {hidden} must be a multiple of 8, "
                                                           f"at most {MAX_HIDDEN}")
-    if num_tokens == 0:
-        return
-    units = hidden // 8
-    # One 16-byte unit per thread up to hidden 8192, then up to RMS_NORM_MAX_UNITS per thread.
-    block = min(MAX_BLOCK, 32 * ceil_div(units, 32))
-    kernel = lib.get(name, MODULE)
-    launch_kernel(stream, kernel, num_tokens, block, out, _stride(out), _pointer(residual_out), _stride(residual_out),
-                  x, _stride(x), _pointer(residual), _stride(residual), *params, hidden, float(eps))
+
+
+def _block(hidden: int) -> int:
+    """One 16-byte unit per thread up to hidden 8192, then up to RMS_NORM_MAX_UNITS per thread."""
+    return min(MAX_BLOCK, 32 * ceil_div(hidden // 8, 32))
 
 
 def head_rms_norm(lib, stream, x: DeviceTensor, weight: DeviceTensor, eps: float, head_dim: int) -> None:
