@@ -74,16 +74,16 @@ def main(argv=None) -> list[dict]:
     cuda = CudaDevice()
     workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
     lt = CublasLt(DeviceTensor.from_torch(workspace))
-    print(f"{'linear':<8} {'N x K':>12} {'M':>3} {'split':>5} {'algos':>5} {'first us':>9} {'best us':>8} {'best at':>7} "
-          f"{'first/best':>10}  all (us, heuristic order)")
+    print(f"{'linear':<8} {'N x K':>12} {'M':>3} {'split':>5} {'algos':>5} {'first us':>9} {'best us':>8} "
+          f"{'best at':>7} {'first/best':>10}  all (us, heuristic order)")
     results = []
     wanted = args.shapes.split(",")
     for name, n, k, bias, relu, out_dtype in (s for s in SHAPES if s[0] in wanted):
         for m, splits in ((int(t), int(s)) for t in args.tokens.split(",") for s in args.splits.split(",")):
             times = time_algos(lt, cuda.stream, n, k, bias, relu, out_dtype, m, args.algos, args.launches, splits)
             best = min(range(len(times)), key=times.__getitem__)
-            print(f"{name:<8} {f'{n}x{k}':>12} {m:>3} {splits:>5} {len(times):>5} {times[0] * 1e6:9.2f} {times[best] * 1e6:8.2f} "
-                  f"{best:>7} {times[0] / times[best]:10.2f}  {' '.join(f'{t * 1e6:.1f}' for t in times)}",
+            print(f"{name:<8} {f'{n}x{k}':>12} {m:>3} {splits:>5} {len(times):>5} {times[0] * 1e6:9.2f} "
+                  f"{times[best] * 1e6:8.2f} {best:>7} {times[0] / times[best]:10.2f}  {' '.join(f'{t * 1e6:.1f}' for t in times)}",
                   flush=True)
             results.append({"linear": name, "n": n, "k": k, "m": m, "splits": splits, "times_s": times})
     lt.close()

@@ -43,7 +43,8 @@ def main() -> None:
         pinned = cuda.pinned((size // 4,), "int32")
         pinned[:] = pageable
         for name, host in (("pageable", pageable), ("pinned", pinned)):
-            copy = lambda: check(driver.cuMemcpyHtoDAsync(target.ptr, host.ctypes.data, host.nbytes, handle))  # noqa: E731
+            def copy(host=host):
+                check(driver.cuMemcpyHtoDAsync(target.ptr, host.ctypes.data, host.nbytes, handle))
             queued = host_us(copy)
             stream.sync()
             synced = host_us(copy, after=stream.sync)
