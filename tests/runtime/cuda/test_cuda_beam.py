@@ -19,6 +19,7 @@ from metrale.runtime.beam.params import BeamParams, BeamRequest
 from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.loading import load_checkpoint
+from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.sequence import BlockTable
 from beam_reference import FILL, check_hypotheses
 from gateway_loop import forced_then_greedy
@@ -281,3 +282,33 @@ def test_non_finite_logits_end_the_device_call_with_a_fault(tmp_path, monkeypatc
         engine.beam_generate([request], (2,), FILL)
     assert started and started[0] is not None and engine.blocks.num_free == free
     assert started[0].seeded
+
+
+@pytest.mark.parametrize("rows", [9, 64, 65, 256, 300])
+@pytest.mark.parametrize("k", [1024, 4096])
+def test_linear_layer_norm_equals_the_linear_then_the_norm(m2m100, rows, k):
+    """Ops.linear_layer_norm at the row counts where the CUDA backend hands the norm split-K partials (9-64 rows; a
+    K past 2048 up to 256) and where it does not: the same as linear() then layer_norm() within bf16 rounding of the
+    linear's sum, and both against float64."""
+    engine = m2m100[0]
+    ops, n = engine.model.ops, 64
+    generator = torch.Generator(device="cuda").manual_seed(rows + k)
+    x = torch.randn(rows, k, generator=generator, device="cuda").bfloat16()
+    weight = (torch.randn(n, k, generator=generator, device="cuda") / k ** 0.5).bfloat16()
+    bias, norm_bias = (0.5 * torch.randn(2, n, generator=generator, device="cuda")).bfloat16()
+    norm_weight = (1 + 0.1 * torch.randn(n, generator=generator, device="cuda")).bfloat16()
+    residual = (2 * torch.randn(rows, n, generator=generator, device="cuda")).bfloat16()
+    torch.cuda.synchronize()
+    args = [DeviceTensor.from_torch(t) for t in (x, weight, bias, norm_weight, norm_bias)]
+    fused = ops.linear_layer_norm(*args, 1e-5, DeviceTensor.from_torch(residual))
+    plain = ops.layer_norm(ops.linear(*args[:3]), *args[3:], 1e-5, DeviceTensor.from_torch(residual))
+
+    def read(tensor):
+        return torch.from_numpy((ops.lane.copy_to_host(tensor).astype(np.uint32) << 16).view(np.float32))
+    (out, added), (plain_out, plain_added) = [(read(a), read(b)) for a, b in (fused, plain)]
+    linear = x.double() @ weight.double().T + bias.double()
+    exact_added = linear.cpu() + residual.double().cpu()
+    exact = torch.nn.functional.layer_norm(exact_added, (n,), norm_weight.double().cpu(), norm_bias.double().cpu(),
+                                           1e-5)
+    assert relative_error(added, exact_added) < 1e-2 and relative_error(out, exact) < 1e-2
+    assert relative_error(added, plain_added) < 1e-2 and relative_error(out, plain_out) < 1e-2

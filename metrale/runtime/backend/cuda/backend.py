@@ -33,10 +33,11 @@ from metrale.runtime.sampling import SampleResult
 # routing that shape to cuBLASLt (split-K plus a reduce kernel) left the Llama batch-1 step unchanged.
 SKINNY_MAX_M = 8
 SKINNY_MAX_WEIGHT = 64 << 20
-# linear_layer_norm's split-K partials (bench/gpu_gemm_algos.py --splits): up to this many rows, K in SPLITS slices,
-# or SPLITS_LONG_K where K is longer than SPLIT_LONG_K.
-SPLIT_MAX_M = 64
-SPLITS, SPLITS_LONG_K, SPLIT_LONG_K = 4, 8, 2048
+# linear_layer_norm's split-K partials (bench/gpu_gemm_algos.py --splits, bench/NOTES.md session 12): K's slices by
+# rows, for K up to SPLIT_LONG_K and past it. Past 64 rows only a long K pays for the norm's reads of the partials
+# (fc2 at 256 rows: 9.4 -> 6.3 us with 4 slices; a 1024 x 1024 linear: 4.1 -> 3.7 us, less than the norm's extra).
+SPLIT_LONG_K = 2048
+SPLITS_BY_ROWS = ((SKINNY_MAX_M, 1, 1), (64, 4, 8), (256, 1, 4))      # (up to rows, short K, long K)
 
 
 class CudaBackend:
@@ -257,13 +258,12 @@ class CudaBackend:
         return out, residual_out
 
     def linear_layer_norm(self, x, weight, bias, norm_weight, norm_bias, eps, residual):
-        """Decode-sized linears (SPLIT_MAX_M rows or fewer, none for the skinny GEMM) as split-K partials that the
-        norm sums: a strided batched GEMM of short K slices fills the GPU at few rows where one GEMM's K loop is
-        long (1024 x 1024 at 64 rows: 3.9 -> 3.0 us), and cuBLASLt's own split-K reduce kernel goes."""
+        """Decode-sized linears (SPLITS_BY_ROWS; none for the skinny GEMM) as split-K partials that the norm sums: a
+        strided batched GEMM of short K slices fills the GPU at few rows where one GEMM's K loop is long (1024 x 1024
+        at 64 rows: 3.9 -> 3.0 us), and cuBLASLt's own split-K reduce kernel goes."""
         m, (n, k) = x.shape[0], weight.shape
-        splits = SPLITS_LONG_K if k > SPLIT_LONG_K else SPLITS
-        if (m > SPLIT_MAX_M or m <= SKINNY_MAX_M or k % splits or (k // splits) % 8
-                or x.ptr % 16 or (2 * x.stride) % 16):
+        splits = next(((short, long)[k > SPLIT_LONG_K] for rows, short, long in SPLITS_BY_ROWS if m <= rows), 1)
+        if splits == 1 or k % splits or (k // splits) % 8 or x.ptr % 16 or (2 * x.stride) % 16:
             return self.layer_norm(self.linear(x, weight, bias), norm_weight, norm_bias, eps, residual)
         lane = self._bound.lane
         partials = lane.new(splits * m, n, "float32")
