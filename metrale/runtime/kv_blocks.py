@@ -46,11 +46,16 @@ class KvBlockManager:
         return block in self._shares
 
     def indices(self, blocks) -> np.ndarray:
-        """Each of `blocks` (ids handed out by this manager) as its index in ids, int32."""
-        if self._order is None or len(self._order) != len(self.ids):
-            self._order = np.argsort(np.asarray(self.ids, dtype=np.int64), kind="stable")
-            self._sorted = np.asarray(self.ids, dtype=np.int64)[self._order]
-        return self._order[np.searchsorted(self._sorted, np.asarray(blocks, dtype=np.int64))].astype(np.int32)
+        """Each of `blocks` (ids of this manager) as its index in ids, int32."""
+        if self._order is None:
+            ids = np.asarray(self.ids, dtype=np.int64)
+            self._order = np.argsort(ids, kind="stable")
+            self._sorted = ids[self._order]
+        wanted = np.asarray(blocks, dtype=np.int64)
+        found = np.minimum(np.searchsorted(self._sorted, wanted), max(len(self.ids) - 1, 0))
+        if len(wanted) and not np.array_equal(self._sorted[found], wanted):
+            raise ValueError("a block that is not this manager's")
+        return self._order[found].astype(np.int32)
 
     def holders(self) -> tuple[np.ndarray, np.ndarray]:
         """The free blocks as indices in ids (allocate() takes from the end first), and each block's holders in the

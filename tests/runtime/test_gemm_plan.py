@@ -83,13 +83,15 @@ def test_split_plan_writes_each_slices_partial(m, n, k, splits, x_pad):
 
 @pytest.mark.parametrize("change, message", [
     (dict(bias=True), "no bias"), (dict(relu=True), "no bias or relu"), (dict(k=100), "does not split"),
-    (dict(out_dtype="bfloat16"), "float32"), (dict(out_rows=7), "float32")])
+    (dict(out_dtype="bfloat16"), "float32"), (dict(out_rows=7), "float32"), (dict(flat_x=True), "2-D"),
+    (dict(splits=0), "at least 1")])
 def test_split_key_rejects_what_it_cannot_do(change, message):
-    m, n, k, splits = 8, 32, change.get("k", 128), 4
+    m, n, k, splits = 8, 32, change.get("k", 128), change.get("splits", 4)
     out = tensor((change.get("out_rows", splits * m), n), change.get("out_dtype", "float32"))
     bias = tensor((n,), "float32") if change.get("bias") else None
+    x = tensor((m * k,)) if change.get("flat_x") else tensor((m, k))
     with pytest.raises(InvalidArgument, match=message):
-        linear_key(out, tensor((m, k)), tensor((n, k)), bias, change.get("relu", False), splits)
+        linear_key(out, x, tensor((n, k)), bias, change.get("relu", False), splits)
 
 
 @pytest.mark.parametrize("with_bias", [False, True])

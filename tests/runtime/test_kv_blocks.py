@@ -26,3 +26,19 @@ def test_a_reservation_hands_out_only_its_own_ids():
     assert sorted(call.allocate(3)) == sorted(reserved) and engine.num_free == 7
     with pytest.raises(OutOfKvBlocks):
         call.allocate(1)
+
+
+def test_a_reservation_maps_its_ids_to_indices_and_counts_holders():
+    """What a device search takes over: each block id as its index in the reservation's ids, the free ones in
+    allocate()'s order, each block's holders (0 where free)."""
+    call = KvBlockManager(5, 16, [40, 7, 99, 3, 12])
+    assert call.indices([99, 3, 40]).tolist() == [2, 3, 0] and call.indices([]).tolist() == []
+    for stranger in ([5], [1000], [0]):
+        with pytest.raises(ValueError):
+            call.indices(stranger)
+    first, second = call.allocate(2)
+    call.share([first, first])
+    free, holders = call.holders()
+    assert free.tolist() == [4, 3, 2]                    # 12, 3, 99: the next allocate() takes 99 first
+    assert call.allocate(1) == [99]
+    assert holders.tolist() == [3, 1, 0, 0, 0] and (first, second) == (40, 7)

@@ -1,8 +1,8 @@
 """A forward's metadata on the device: packed on the host into one int32 array, copied with one H2D copy
 into a fixed region (the same addresses every forward, for CUDA graphs)."""
 
-from dataclasses import dataclass
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -50,19 +50,18 @@ def pack_batch(batch: ForwardBatch, region: DeviceTensor, max_blocks: int, pad_t
     and prefill.segments segments of no rows and no context, attention planned for prefill.max_query rows."""
     lens, starts, contexts, n = batch.query_lens, batch.query_starts, batch.context_lens, batch.num_tokens
     if pad_to:
-        single, multi, pad = None, (), pad_to - n        # None: every segment, in order
+        single, multi, pad = range(len(lens)), (), pad_to - n
     elif prefill:
-        single, multi, pad = (), None, prefill.tokens - n
+        single, multi, pad = (), range(len(lens)), prefill.tokens - n
     else:
         single = [i for i, q in enumerate(lens) if q == 1]
         multi = [i for i, q in enumerate(lens) if q != 1]
         pad = 0
-    decode = len(lens) if single is None else len(single)
+    decode, segments = len(single), len(multi)
     decode_rows = decode + (pad if pad_to else 0)
-    segments = len(lens) if multi is None else len(multi)
     prefill_rows = segments + (prefill.segments - segments if prefill else 0)
     rows, sampled = n + pad, pad_to or len(batch.sample_rows)
-    # name: (elements, shape): the parts back to back in this order, one int32 image
+    # name: shape; the parts back to back in this order, one int32 image
     shapes = {"token_ids": (rows,), "positions": (rows,), "slot_mapping": (rows,), "sample_rows": (sampled,),
               "decode_rows": (decode_rows,), "decode_contexts": (decode_rows,),
               "decode_tables": (decode_rows, max_blocks), "prefill_starts": (prefill_rows,),
@@ -84,23 +83,18 @@ def pack_batch(batch: ForwardBatch, region: DeviceTensor, max_blocks: int, pad_t
     slots[:n] = batch.slot_mapping.numpy()
     slots[n:] = -1
     part("sample_rows")[:] = np.arange(pad_to) if pad_to else batch.sample_rows.numpy()
+    part("decode_rows")[:] = np.arange(pad_to) if pad_to else [starts[i] for i in single]
     if decode:
-        chosen = range(len(lens)) if single is None else single
-        part("decode_rows")[:] = np.arange(pad_to) if pad_to else [starts[i] for i in chosen]
-        part("decode_contexts")[:decode] = contexts if single is None else [contexts[i] for i in chosen]
-        _fill_tables(part("decode_tables"), [batch.block_tables[i] for i in chosen])
-    elif pad_to:
-        part("decode_rows")[:] = np.arange(pad_to)
+        part("decode_contexts")[:decode] = [contexts[i] for i in single]
+        _fill_tables(part("decode_tables"), [batch.block_tables[i] for i in single])
     if segments:
-        chosen = range(len(lens)) if multi is None else multi
-        part("prefill_starts")[:segments] = [starts[i] for i in chosen]
-        part("prefill_lens")[:segments] = [lens[i] for i in chosen]
-        part("prefill_contexts")[:segments] = [contexts[i] for i in chosen]
-        _fill_tables(part("prefill_tables"), [batch.block_tables[i] for i in chosen])
+        part("prefill_starts")[:segments] = [starts[i] for i in multi]
+        part("prefill_lens")[:segments] = [lens[i] for i in multi]
+        part("prefill_contexts")[:segments] = [contexts[i] for i in multi]
+        _fill_tables(part("prefill_tables"), [batch.block_tables[i] for i in multi])
     views = {name: DeviceTensor(region.ptr + offsets[name] * 4, shape, "int32") for name, shape in shapes.items()}
     return CudaBatch(**views, num_tokens=rows, num_decode=decode_rows, num_prefill=prefill_rows,
-                     max_decode_context=max((contexts[i] for i in (range(len(lens)) if single is None else single)),
-                                            default=0),
+                     max_decode_context=max((contexts[i] for i in single), default=0),
                      max_prefill_query=prefill.max_query if prefill else max((lens[i] for i in multi), default=0),
                      host=host)
 

@@ -141,8 +141,12 @@ def _split_key(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, bias: D
                splits: int) -> LinearKey:
     """linear_key for float32 partials over K's slices: out [splits * M, N] float32, contiguous; no bias or relu
     (they apply to the sum)."""
-    if splits < 1 or bias is not None or relu:
-        raise InvalidArgument(f"linear: {splits} split partials take no bias or relu")
+    if splits < 1:
+        raise InvalidArgument(f"linear: splits must be at least 1, not {splits}")
+    if bias is not None or relu:
+        raise InvalidArgument(f"linear: {splits} split partials take no bias or relu (the sum's reader adds them)")
+    if len(x.shape) != 2 or len(weight.shape) != 2:
+        raise InvalidArgument(f"linear: x {x.shape} and weight {weight.shape} must be 2-D")
     m, k = x.shape
     if k % splits or (k // splits) % (ALIGNMENT // 2):
         raise InvalidArgument(f"linear: K={k} does not split into {splits} slices of a multiple of {ALIGNMENT // 2}")
