@@ -79,19 +79,19 @@ def include_dirs(headers: Path) -> list[str]:
     return [str(cuda), str(headers / "cutlass_library" / "source" / "include"), str(cuda / "cccl")]
 
 
-def program_options(headers: Path, name: str, **extra):
+def program_options(headers: Path, name: str, more_includes: list[str] = (), **extra):
     """NVRTC's options for CUTLASS: sm_90a, C++17, the headers, its unannotated functions as device code."""
     from cuda.core import ProgramOptions
 
-    return ProgramOptions(arch="sm_90a", std="c++17", include_path=include_dirs(headers), name=name,
-                          define_macro=["NDEBUG"], device_as_default_execution_space=True, **extra)
+    return ProgramOptions(arch="sm_90a", std="c++17", include_path=include_dirs(headers) + list(more_includes),
+                          name=name, define_macro=["NDEBUG"], device_as_default_execution_space=True, **extra)
 
 
-def compile_cubin(source: str, headers: Path) -> tuple[bytes, str]:
+def compile_cubin(source: str, headers: Path, more_includes: list[str] = ()) -> tuple[bytes, str]:
     from cuda.core import Program
 
     log = _Log()
-    options = program_options(headers, "cutlass_gemm.cu", ptxas_options=["-v"])
+    options = program_options(headers, "cutlass_gemm.cu", more_includes, ptxas_options=["-v"])
     return Program(source, "c++", options).compile("cubin", logs=log).code, log.text
 
 

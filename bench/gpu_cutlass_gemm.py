@@ -11,9 +11,11 @@ descriptors empty) and copies in the two descriptors, which the host encodes (cu
 host code would: 3-D (K, rows, 1), a box of 64 K by the tile's rows, 128-byte swizzle.
 
 A launch that does not finish within 5 s ends the process (finish_or_exit): a descriptor that disagrees with the
-kernel would leave it spinning on its TMA barrier. Status: written and built in session 11 (the cubins compile,
-the host code's driver calls parse); not yet run on a GPU, the session's device time being spent. Its first run is
-the next session's first question.
+kernel would leave it spinning on its TMA barrier. Session 12 ran the plain variant (bench/NOTES.md): correct, and
+only the 64 x 8 x 128 tile at 1024 x 1024 beat cuBLASLt; its producer waits for the kernel before it ahead of any
+load, so a norm before it costs nearly as much as before cuBLASLt. The prefetch variant (CUTLASS's example 63,
+whose warp loading the weight does not wait) asks whether loading weights ahead of the wait pays; it is built
+(session 12) and has not run.
 
 Two steps, since the GPU machine has no CUTLASS headers (carry .cutlass):
     python3 -m bench.gpu_cutlass_gemm build --headers /tmp/cutlass-headers --out .cutlass   (here: cubins)
@@ -29,8 +31,15 @@ import numpy as np
 
 from bench.cutlass_probe import KERNEL, PRELUDE
 
-TILES = ((64, 8, 64), (64, 16, 64), (64, 8, 128))
+# (variant, tile): "plain" is CUTLASS's TMA warp-specialized GEMM with A = x (tokens as M); "prefetch" is the kernel
+# of CUTLASS's example 63 (split DMA: the warp loading A, here the weight, as M, does not wait for the kernel before;
+# an L2 prefetch warp; launch_dependent_grids after overlap_ratio of the K tiles), bf16, tokens as N.
+TILES = (("plain", (64, 8, 64)), ("plain", (64, 16, 64)), ("plain", (64, 8, 128)),
+         ("prefetch", (64, 8, 128)), ("prefetch", (64, 16, 128)), ("prefetch", (64, 32, 64)))
 STAGES = 4
+# The prefetch variant's runtime settings (the example's Arguments): launch_dependent_grids after this share of the K
+# tiles is loaded; prefetch this share of the weight's K tiles into L2 (<= 0: none).
+OVERLAP_RATIO, PREFETCH_RATIO = 0.5, 0.5
 SHAPES = (("o", 1024, 1024), ("qkv", 3072, 1024), ("fc1", 4096, 1024), ("fc2", 1024, 4096))
 ROWS = (64, 16)
 
@@ -66,21 +75,106 @@ extern "C" __global__ void cutlass_gemm_params(typename Kernel::Params* out, int
 """
 
 
-def source(tile) -> str:
+PREFETCH_KERNEL = """
+#include <cutlass/cutlass.h>
+#include <cute/tensor.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+#include "collective/dispatch_policy_extra.hpp"
+#include "collective/builder.hpp"
+#include "kernel/sm90_gemm_tma_warpspecialized_with_prefetch.hpp"
+using namespace cute;
+using T = cutlass::bfloat16_t;
+using TileShape = Shape<_{m}, _{n}, _{k}>;
+using ClusterShape = Shape<_1, _1, _1>;
+// The example's builder takes FP8 only; its mainloop does not care: composed here for bf16, both operands K-major.
+using Policy = cutlass::gemm::MainloopSm90TmaGmmaWarpSpecializedWithPrefetch<{stages}, ClusterShape,
+    cutlass::gemm::KernelTmaWarpSpecializedFP8FastAccumWithPrefetchAndSplitDMA>;
+using TiledMma = decltype(make_tiled_mma(GMMA::ss_op_selector<T, T, float, TileShape, GMMA::Major::K, GMMA::Major::K>(),
+                                         Layout<Shape<_1, _1, _1>>{{}}));
+using SmemAtomA = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, T, _{m}, _{k}>());
+using SmemAtomB = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, T, _{n}, _{k}>());
+using Mainloop = cutlass::gemm::collective::CollectiveMma<Policy, TileShape,
+    T, cutlass::gemm::TagToStrideA_t<cutlass::layout::RowMajor>, T, cutlass::gemm::TagToStrideB_t<cutlass::layout::ColumnMajor>,
+    TiledMma, SM90_TMA_LOAD, SmemAtomA, void, cute::identity, SM90_TMA_LOAD, SmemAtomB, void, cute::identity>;
+// D [M = features, N = tokens] column-major: the row-major out [tokens, features].
+using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+    cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+    T, cutlass::layout::ColumnMajor, 8, T, cutlass::layout::ColumnMajor, 8,
+    cutlass::epilogue::collective::EpilogueScheduleAuto>::CollectiveOp;
+using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
+
+extern "C" __global__ void __launch_bounds__(Kernel::MaxThreadsPerBlock, Kernel::MinBlocksPerMultiprocessor)
+cutlass_gemm(CUTLASS_GRID_CONSTANT typename Kernel::Params const params) {{
+    extern __shared__ char smem[];
+    Kernel op;
+    op(params, smem);
+}}
+"""
+
+# As PARAMS_KERNEL, for the prefetch variant: a = the weight [m = features, k], b = x [n = tokens, k], C and D
+# column-major (out [tokens, features] row-major), and the example's two ratios.
+PREFETCH_PARAMS_KERNEL = """
+extern "C" __global__ void cutlass_gemm_params(typename Kernel::Params* out, int* info,
+        const __grid_constant__ cute::TmaDescriptor desc_a, const __grid_constant__ cute::TmaDescriptor desc_b,
+        int m, int n, int k, const T* a, long long lda, const T* b, long long ldb, const T* c, long long ldc, T* d,
+        long long ldd, float alpha, float beta, float overlap_ratio, float prefetch_ratio) {
+    typename Kernel::Arguments args{};
+    args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+    args.problem_shape = make_shape(m, n, k, 1);
+    args.mainloop.ptr_A = a;
+    args.mainloop.dA = make_stride((int64_t)lda, Int<1>{}, (int64_t)m * lda);
+    args.mainloop.ptr_B = b;
+    args.mainloop.dB = make_stride((int64_t)ldb, Int<1>{}, (int64_t)n * ldb);
+    args.mainloop.overlap_ratio = overlap_ratio;
+    args.mainloop.prefetch_ratio = prefetch_ratio;
+    args.epilogue.thread.alpha = alpha;
+    args.epilogue.thread.beta = beta;
+    args.epilogue.ptr_C = c;
+    args.epilogue.dC = make_stride(Int<1>{}, (int64_t)ldc, (int64_t)n * ldc);
+    args.epilogue.ptr_D = d;
+    args.epilogue.dD = make_stride(Int<1>{}, (int64_t)ldd, (int64_t)n * ldd);
+    typename Kernel::Params params = Kernel::to_underlying_arguments(args, nullptr);
+    params.mainloop.tma_load_a.tma_desc_ = desc_a;
+    params.mainloop.tma_load_b.tma_desc_ = desc_b;
+    *out = params;
+    const dim3 grid = Kernel::get_grid_shape(params);
+    info[0] = grid.x; info[1] = grid.y; info[2] = grid.z;
+    info[3] = sizeof(params);
+    info[4] = Kernel::SharedStorageSize;
+    info[5] = Kernel::MaxThreadsPerBlock;
+}
+"""
+
+
+def source(variant: str, tile) -> str:
     m, n, k = tile
-    return PRELUDE + KERNEL.format(m=m, n=n, k=k, stages=f"cutlass::gemm::collective::StageCount<{STAGES}>") \
-        + PARAMS_KERNEL
+    stages = f"cutlass::gemm::collective::StageCount<{STAGES}>"
+    if variant == "prefetch":
+        return PRELUDE + PREFETCH_KERNEL.format(m=m, n=n, k=k, stages=STAGES) + PREFETCH_PARAMS_KERNEL
+    return PRELUDE + KERNEL.format(m=m, n=n, k=k, stages=stages) + PARAMS_KERNEL
+
+
+def cubin_name(variant: str, tile) -> str:
+    return f"cutlass_gemm_{variant}_{'x'.join(map(str, tile))}.cubin"
+
+
+def example_dir(headers: Path) -> Path:
+    """CUTLASS's example 63 (GEMM with weight prefetch), shipped in the nvidia-cutlass wheel: included, not copied."""
+    return headers / "cutlass_library" / "source" / "examples" / "63_hopper_gemm_with_weight_prefetch"
 
 
 def build(headers: Path, out: Path) -> None:
     from bench.cutlass_probe import compile_cubin
 
     out.mkdir(parents=True, exist_ok=True)
-    for tile in TILES:
-        cubin, log = compile_cubin(source(tile), headers)
-        name = "x".join(map(str, tile))
-        (out / f"cutlass_gemm_{name}.cubin").write_bytes(cubin)
-        print(name, len(cubin), [line for line in log.splitlines() if "registers" in line])
+    for variant, tile in TILES:
+        extra = [str(example_dir(headers))] if variant == "prefetch" else []
+        cubin, log = compile_cubin(source(variant, tile), headers, extra)
+        (out / cubin_name(variant, tile)).write_bytes(cubin)
+        print(variant, tile, len(cubin), [line for line in log.splitlines() if "registers" in line], flush=True)
 
 
 class Void:
@@ -122,12 +216,12 @@ def tma_descriptor(ptr: int, rows: int, k: int, ld: int, box_rows: int) -> bytes
 
 
 class CutlassLinear:
-    """out [M, N] = x [M, K] @ weight [N, K]^T in bf16 (float accumulation), by one tile's cubin."""
+    """out [M, N] = x [M, K] @ weight [N, K]^T in bf16 (float accumulation), by one variant's and tile's cubin."""
 
-    def __init__(self, cubin: bytes, tile):
+    def __init__(self, cubin: bytes, variant: str, tile):
         from cuda.bindings import driver
 
-        self.tile = tile
+        self.variant, self.tile = variant, tile
         image = np.frombuffer(cubin, dtype=np.uint8).copy()
         self.module = check(driver.cuModuleLoadData(image.ctypes.data))
         self.gemm = check(driver.cuModuleGetFunction(self.module, b"cutlass_gemm"))
@@ -138,34 +232,39 @@ class CutlassLinear:
         import torch
         from cuda.bindings import driver
 
-        m, k = x.shape
-        n = weight.shape[0]
         params = torch.zeros(4096, dtype=torch.uint8, device="cuda")
         info = torch.zeros(8, dtype=torch.int32, device="cuda")
-        desc_a = tma_descriptor(x.data_ptr(), m, k, x.stride(0), self.tile[0])
-        desc_b = tma_descriptor(weight.data_ptr(), n, k, weight.stride(0), self.tile[1])
+        info[5] = 256                       # the plain kernel's threads (its params kernel does not say)
+        # The plain variant's A is x (tokens as M), the prefetch variant's is the weight (features as M).
+        a, b = (weight, x) if self.variant == "prefetch" else (x, weight)
+        (m, k), n = a.shape, b.shape[0]
+        desc_a = tma_descriptor(a.data_ptr(), m, k, a.stride(0), self.tile[0])
+        desc_b = tma_descriptor(b.data_ptr(), n, k, b.stride(0), self.tile[1])
         p = lambda v: np.uint64(v).tobytes()     # noqa: E731
         i32 = lambda v: np.int32(v).tobytes()     # noqa: E731
         i64 = lambda v: np.int64(v).tobytes()     # noqa: E731
         f32 = lambda v: np.float32(v).tobytes()   # noqa: E731
-        args = Void(p(params.data_ptr()), p(info.data_ptr()), desc_a, desc_b, i32(m), i32(n), i32(k),
-                    p(x.data_ptr()), i64(x.stride(0)), p(weight.data_ptr()), i64(weight.stride(0)),
-                    p(out.data_ptr()), i64(out.stride(0)), p(out.data_ptr()), i64(out.stride(0)), f32(1.0), f32(0.0))
+        values = [p(params.data_ptr()), p(info.data_ptr()), desc_a, desc_b, i32(m), i32(n), i32(k), p(a.data_ptr()),
+                  i64(a.stride(0)), p(b.data_ptr()), i64(b.stride(0)), p(out.data_ptr()), i64(out.stride(0)),
+                  p(out.data_ptr()), i64(out.stride(0)), f32(1.0), f32(0.0)]
+        if self.variant == "prefetch":
+            values += [f32(OVERLAP_RATIO), f32(PREFETCH_RATIO)]
+        args = Void(*values)
         torch.cuda.synchronize()
         check(driver.cuLaunchKernel(self.params_kernel, 1, 1, 1, 1, 1, 1, 0, 0, args.address, 0))
         check(driver.cuCtxSynchronize())
-        grid_x, grid_y, grid_z, size, shared = info.cpu().tolist()[:5]
+        grid_x, grid_y, grid_z, size, shared, threads = info.cpu().tolist()[:6]
         check(driver.cuFuncSetAttribute(
             self.gemm, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared))
-        return Void(params.cpu().numpy()[:size].tobytes()), (grid_x, grid_y, grid_z), shared
+        return Void(params.cpu().numpy()[:size].tobytes()), (grid_x, grid_y, grid_z), shared, threads
 
     def launch(self, stream_handle: int, prepared, pdl: bool = True) -> None:
         from cuda.bindings import driver
 
-        params, grid, shared = prepared
+        params, grid, shared, threads = prepared
         config = driver.CUlaunchConfig()
         config.gridDimX, config.gridDimY, config.gridDimZ = grid
-        config.blockDimX, config.blockDimY, config.blockDimZ = 256, 1, 1
+        config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
         config.sharedMemBytes = shared
         config.hStream = driver.CUstream(stream_handle)
         attributes = []
@@ -208,15 +307,15 @@ def run(cubins: Path) -> list[dict]:
     lib = KernelLibrary(cuda.arch, KernelCache(default_cache_dir() / "kernels"))
     lt = CublasLt(DeviceTensor.from_torch(torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")))
     linears = {}
-    for tile in TILES:
+    for variant, tile in TILES:
+        label = f"{variant[:3]} {'x'.join(map(str, tile))}"
         try:
-            linears[tile] = CutlassLinear((cubins / f"cutlass_gemm_{'x'.join(map(str, tile))}.cubin").read_bytes(),
-                                          tile)
+            linears[label] = CutlassLinear((cubins / cubin_name(variant, tile)).read_bytes(), variant, tile)
         except Exception as error:      # noqa: BLE001 - a probe reports and goes on
-            print(f"tile {tile}: load failed: {error!r}", flush=True)
+            print(f"{label}: load failed: {error!r}", flush=True)
     print("us per launch in a graph of back-to-back GEMMs, then per (layer_norm, GEMM) pair (the GEMM reading the "
           "norm's output, as a decode layer's are); rel err vs torch in brackets", flush=True)
-    print(f"{'linear':<6} {'rows':>4} {'cuBLASLt':>15} " + " ".join(f"{'x'.join(map(str, t)):>23}" for t in linears),
+    print(f"{'linear':<6} {'rows':>4} {'cuBLASLt':>15} " + " ".join(f"{label:>23}" for label in linears),
           flush=True)
     results = []
     for name, n, k in SHAPES:
@@ -226,14 +325,14 @@ def run(cubins: Path) -> list[dict]:
             case = Case(cuda.stream, lib, lt, weights, m, max(24, copies))
             row = {"linear": name, "rows": m, "cublaslt": case.timings(case.cublaslt)}
             cells = [_pair(row["cublaslt"])]
-            for tile, linear in linears.items():
+            for label, linear in linears.items():
                 try:
-                    row[f"{tile}"] = case.cutlass(linear, f"{name} at {m} rows, tile {tile}")
-                    cells.append(_pair(row[f"{tile}"]))
+                    row[label] = case.cutlass(linear, f"{name} at {m} rows, {label}")
+                    cells.append(_pair(row[label]))
                 except Exception as failure:      # noqa: BLE001 - a probe reports and goes on
-                    row[f"{tile}"] = repr(failure)
+                    row[label] = repr(failure)
                     cells.append("failed")
-                    print(f"  {tile}: {failure!r}", flush=True)
+                    print(f"  {label}: {failure!r}", flush=True)
             print(f"{name:<6} {m:>4} {cells[0]:>15} " + " ".join(f"{c:>23}" for c in cells[1:]), flush=True)
             results.append(row)
         del weights
