@@ -29,6 +29,16 @@ PRELUDE = """
 namespace std { using cuda::std::is_pointer_v; using cuda::std::void_t; }
 """
 
+# The kernel's entry point (after `Kernel`; doubled braces: the sources are format strings).
+ENTRY = """
+extern "C" __global__ void __launch_bounds__(Kernel::MaxThreadsPerBlock, Kernel::MinBlocksPerMultiprocessor)
+cutlass_gemm(CUTLASS_GRID_CONSTANT typename Kernel::Params const params) {{
+    extern __shared__ char smem[];
+    Kernel op;
+    op(params, smem);
+}}
+"""
+
 KERNEL = """
 #include <cutlass/cutlass.h>
 #include <cute/tensor.hpp>
@@ -49,14 +59,7 @@ using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
     T, cutlass::layout::RowMajor, 8, T, cutlass::layout::ColumnMajor, 8, float, TileShape, ClusterShape,
     {stages}, cutlass::gemm::KernelTmaWarpSpecialized>::CollectiveOp;
 using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
-
-extern "C" __global__ void __launch_bounds__(Kernel::MaxThreadsPerBlock, Kernel::MinBlocksPerMultiprocessor)
-cutlass_gemm(CUTLASS_GRID_CONSTANT typename Kernel::Params const params) {{
-    extern __shared__ char smem[];
-    Kernel op;
-    op(params, smem);
-}}
-"""
+""" + ENTRY
 
 # Compile-time values, each read back from the error NVRTC gives for an incomplete Show<value> (one per probe
 # source: the compiler stops reporting after a few).

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.cutlass_probe import KERNEL, PRELUDE
+from bench.cutlass_probe import ENTRY, KERNEL, PRELUDE
 
 # (variant, tile): "plain" is CUTLASS's TMA warp-specialized GEMM with A = x (tokens as M); "prefetch" is the kernel
 # of CUTLASS's example 63 (split DMA: the warp loading A, here the weight, as M, does not wait for the kernel before;
@@ -43,26 +43,27 @@ OVERLAP_RATIO, PREFETCH_RATIO = 0.5, 0.5
 SHAPES = (("o", 1024, 1024), ("qkv", 3072, 1024), ("fc1", 4096, 1024), ("fc2", 1024, 4096))
 ROWS = (64, 16)
 
+# Params for cutlass_gemm on the device: CUTLASS's own argument conversion, the host-encoded TMA descriptors copied
+# in. info: grid x, y, z, sizeof(Params), shared storage bytes, threads. {extra}: the variant's further parameters and
+# arguments; {c_stride}: C's and D's (row-major for the plain variant, column-major for the prefetch one).
 PARAMS_KERNEL = """
-// Params for cutlass_gemm on the device: CUTLASS's own argument conversion, the host-encoded TMA descriptors
-// copied in. info: grid x, y, z, sizeof(Params), shared storage bytes.
 extern "C" __global__ void cutlass_gemm_params(typename Kernel::Params* out, int* info,
         const __grid_constant__ cute::TmaDescriptor desc_a, const __grid_constant__ cute::TmaDescriptor desc_b,
         int m, int n, int k, const T* a, long long lda, const T* b, long long ldb, const T* c, long long ldc, T* d,
-        long long ldd, float alpha, float beta) {
-    typename Kernel::Arguments args{};
+        long long ldd, float alpha, float beta{extra_params}) {{
+    typename Kernel::Arguments args{{}};
     args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
     args.problem_shape = make_shape(m, n, k, 1);
     args.mainloop.ptr_A = a;
-    args.mainloop.dA = make_stride((int64_t)lda, Int<1>{}, (int64_t)m * lda);
+    args.mainloop.dA = make_stride((int64_t)lda, Int<1>{{}}, (int64_t)m * lda);
     args.mainloop.ptr_B = b;
-    args.mainloop.dB = make_stride((int64_t)ldb, Int<1>{}, (int64_t)n * ldb);
+    args.mainloop.dB = make_stride((int64_t)ldb, Int<1>{{}}, (int64_t)n * ldb);{extra_args}
     args.epilogue.thread.alpha = alpha;
     args.epilogue.thread.beta = beta;
     args.epilogue.ptr_C = c;
-    args.epilogue.dC = make_stride((int64_t)ldc, Int<1>{}, (int64_t)m * ldc);
+    args.epilogue.dC = {c_stride};
     args.epilogue.ptr_D = d;
-    args.epilogue.dD = make_stride((int64_t)ldd, Int<1>{}, (int64_t)m * ldd);
+    args.epilogue.dD = {d_stride};
     typename Kernel::Params params = Kernel::to_underlying_arguments(args, nullptr);
     params.mainloop.tma_load_a.tma_desc_ = desc_a;
     params.mainloop.tma_load_b.tma_desc_ = desc_b;
@@ -71,7 +72,8 @@ extern "C" __global__ void cutlass_gemm_params(typename Kernel::Params* out, int
     info[0] = grid.x; info[1] = grid.y; info[2] = grid.z;
     info[3] = sizeof(params);
     info[4] = Kernel::SharedStorageSize;
-}
+    info[5] = Kernel::MaxThreadsPerBlock;
+}}
 """
 
 
@@ -96,8 +98,9 @@ using TiledMma = decltype(make_tiled_mma(GMMA::ss_op_selector<T, T, float, TileS
 using SmemAtomA = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, T, _{m}, _{k}>());
 using SmemAtomB = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, T, _{n}, _{k}>());
 using Mainloop = cutlass::gemm::collective::CollectiveMma<Policy, TileShape,
-    T, cutlass::gemm::TagToStrideA_t<cutlass::layout::RowMajor>, T, cutlass::gemm::TagToStrideB_t<cutlass::layout::ColumnMajor>,
-    TiledMma, SM90_TMA_LOAD, SmemAtomA, void, cute::identity, SM90_TMA_LOAD, SmemAtomB, void, cute::identity>;
+    T, cutlass::gemm::TagToStrideA_t<cutlass::layout::RowMajor>,
+    T, cutlass::gemm::TagToStrideB_t<cutlass::layout::ColumnMajor>, TiledMma,
+    SM90_TMA_LOAD, SmemAtomA, void, cute::identity, SM90_TMA_LOAD, SmemAtomB, void, cute::identity>;
 // D [M = features, N = tokens] column-major: the row-major out [tokens, features].
 using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -105,56 +108,23 @@ using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     T, cutlass::layout::ColumnMajor, 8, T, cutlass::layout::ColumnMajor, 8,
     cutlass::epilogue::collective::EpilogueScheduleAuto>::CollectiveOp;
 using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
+""" + ENTRY
 
-extern "C" __global__ void __launch_bounds__(Kernel::MaxThreadsPerBlock, Kernel::MinBlocksPerMultiprocessor)
-cutlass_gemm(CUTLASS_GRID_CONSTANT typename Kernel::Params const params) {{
-    extern __shared__ char smem[];
-    Kernel op;
-    op(params, smem);
-}}
-"""
-
-# As PARAMS_KERNEL, for the prefetch variant: a = the weight [m = features, k], b = x [n = tokens, k], C and D
-# column-major (out [tokens, features] row-major), and the example's two ratios.
-PREFETCH_PARAMS_KERNEL = """
-extern "C" __global__ void cutlass_gemm_params(typename Kernel::Params* out, int* info,
-        const __grid_constant__ cute::TmaDescriptor desc_a, const __grid_constant__ cute::TmaDescriptor desc_b,
-        int m, int n, int k, const T* a, long long lda, const T* b, long long ldb, const T* c, long long ldc, T* d,
-        long long ldd, float alpha, float beta, float overlap_ratio, float prefetch_ratio) {
-    typename Kernel::Arguments args{};
-    args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
-    args.problem_shape = make_shape(m, n, k, 1);
-    args.mainloop.ptr_A = a;
-    args.mainloop.dA = make_stride((int64_t)lda, Int<1>{}, (int64_t)m * lda);
-    args.mainloop.ptr_B = b;
-    args.mainloop.dB = make_stride((int64_t)ldb, Int<1>{}, (int64_t)n * ldb);
-    args.mainloop.overlap_ratio = overlap_ratio;
-    args.mainloop.prefetch_ratio = prefetch_ratio;
-    args.epilogue.thread.alpha = alpha;
-    args.epilogue.thread.beta = beta;
-    args.epilogue.ptr_C = c;
-    args.epilogue.dC = make_stride(Int<1>{}, (int64_t)ldc, (int64_t)n * ldc);
-    args.epilogue.ptr_D = d;
-    args.epilogue.dD = make_stride(Int<1>{}, (int64_t)ldd, (int64_t)n * ldd);
-    typename Kernel::Params params = Kernel::to_underlying_arguments(args, nullptr);
-    params.mainloop.tma_load_a.tma_desc_ = desc_a;
-    params.mainloop.tma_load_b.tma_desc_ = desc_b;
-    *out = params;
-    const dim3 grid = Kernel::get_grid_shape(params);
-    info[0] = grid.x; info[1] = grid.y; info[2] = grid.z;
-    info[3] = sizeof(params);
-    info[4] = Kernel::SharedStorageSize;
-    info[5] = Kernel::MaxThreadsPerBlock;
-}
-"""
 
 
 def source(variant: str, tile) -> str:
     m, n, k = tile
-    stages = f"cutlass::gemm::collective::StageCount<{STAGES}>"
     if variant == "prefetch":
-        return PRELUDE + PREFETCH_KERNEL.format(m=m, n=n, k=k, stages=STAGES) + PREFETCH_PARAMS_KERNEL
-    return PRELUDE + KERNEL.format(m=m, n=n, k=k, stages=stages) + PARAMS_KERNEL
+        return PRELUDE + PREFETCH_KERNEL.format(m=m, n=n, k=k, stages=STAGES) + PARAMS_KERNEL.format(
+            extra_params=", float overlap_ratio, float prefetch_ratio",
+            extra_args="\n    args.mainloop.overlap_ratio = overlap_ratio;"
+                       "\n    args.mainloop.prefetch_ratio = prefetch_ratio;",
+            c_stride="make_stride(Int<1>{}, (int64_t)ldc, (int64_t)n * ldc)",
+            d_stride="make_stride(Int<1>{}, (int64_t)ldd, (int64_t)n * ldd)")
+    return PRELUDE + KERNEL.format(m=m, n=n, k=k, stages=f"cutlass::gemm::collective::StageCount<{STAGES}>") \
+        + PARAMS_KERNEL.format(extra_params="", extra_args="",
+                               c_stride="make_stride((int64_t)ldc, Int<1>{}, (int64_t)m * ldc)",
+                               d_stride="make_stride((int64_t)ldd, Int<1>{}, (int64_t)m * ldd)")
 
 
 def cubin_name(variant: str, tile) -> str:
@@ -234,7 +204,6 @@ class CutlassLinear:
 
         params = torch.zeros(4096, dtype=torch.uint8, device="cuda")
         info = torch.zeros(8, dtype=torch.int32, device="cuda")
-        info[5] = 256                       # the plain kernel's threads (its params kernel does not say)
         # The plain variant's A is x (tokens as M), the prefetch variant's is the weight (features as M).
         a, b = (weight, x) if self.variant == "prefetch" else (x, weight)
         (m, k), n = a.shape, b.shape[0]
