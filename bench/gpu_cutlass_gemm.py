@@ -37,9 +37,10 @@ from bench.cutlass_probe import ENTRY, KERNEL, PRELUDE
 TILES = (("plain", (64, 8, 64)), ("plain", (64, 16, 64)), ("plain", (64, 8, 128)),
          ("prefetch", (64, 8, 128)), ("prefetch", (64, 16, 128)), ("prefetch", (64, 32, 64)))
 STAGES = 4
-# The prefetch variant's runtime settings (the example's Arguments): launch_dependent_grids after this share of the K
-# tiles is loaded; prefetch this share of the weight's K tiles into L2 (<= 0: none).
-OVERLAP_RATIO, PREFETCH_RATIO = 0.5, 0.5
+# The prefetch variant's runtime settings (the example's Arguments), each pair a column: launch_dependent_grids after
+# this share of the K tiles is loaded (< 0: never early); prefetch this share of the weight's K tiles into L2 (<= 0:
+# no prefetch warp).
+RATIOS = ((0.5, 0.5), (0.0, -1.0), (0.9, 0.9))
 SHAPES = (("o", 1024, 1024), ("qkv", 3072, 1024), ("fc1", 4096, 1024), ("fc2", 1024, 4096))
 ROWS = (64, 16)
 
@@ -188,10 +189,10 @@ def tma_descriptor(ptr: int, rows: int, k: int, ld: int, box_rows: int) -> bytes
 class CutlassLinear:
     """out [M, N] = x [M, K] @ weight [N, K]^T in bf16 (float accumulation), by one variant's and tile's cubin."""
 
-    def __init__(self, cubin: bytes, variant: str, tile):
+    def __init__(self, cubin: bytes, variant: str, tile, ratios: tuple[float, float] = (0.5, 0.5)):
         from cuda.bindings import driver
 
-        self.variant, self.tile = variant, tile
+        self.variant, self.tile, self.ratios = variant, tile, ratios
         image = np.frombuffer(cubin, dtype=np.uint8).copy()
         self.module = check(driver.cuModuleLoadData(image.ctypes.data))
         self.gemm = check(driver.cuModuleGetFunction(self.module, b"cutlass_gemm"))
@@ -217,7 +218,7 @@ class CutlassLinear:
                   i64(a.stride(0)), p(b.data_ptr()), i64(b.stride(0)), p(out.data_ptr()), i64(out.stride(0)),
                   p(out.data_ptr()), i64(out.stride(0)), f32(1.0), f32(0.0)]
         if self.variant == "prefetch":
-            values += [f32(OVERLAP_RATIO), f32(PREFETCH_RATIO)]
+            values += [f32(self.ratios[0]), f32(self.ratios[1])]
         args = Void(*values)
         torch.cuda.synchronize()
         check(driver.cuLaunchKernel(self.params_kernel, 1, 1, 1, 1, 1, 1, 0, 0, args.address, 0))
@@ -277,14 +278,16 @@ def run(cubins: Path) -> list[dict]:
     lt = CublasLt(DeviceTensor.from_torch(torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")))
     linears = {}
     for variant, tile in TILES:
-        label = f"{variant[:3]} {'x'.join(map(str, tile))}"
-        try:
-            linears[label] = CutlassLinear((cubins / cubin_name(variant, tile)).read_bytes(), variant, tile)
-        except Exception as error:      # noqa: BLE001 - a probe reports and goes on
-            print(f"{label}: load failed: {error!r}", flush=True)
-    print("us per launch in a graph of back-to-back GEMMs, then per (layer_norm, GEMM) pair (the GEMM reading the "
-          "norm's output, as a decode layer's are); rel err vs torch in brackets", flush=True)
-    print(f"{'linear':<6} {'rows':>4} {'cuBLASLt':>15} " + " ".join(f"{label:>23}" for label in linears),
+        for ratios in RATIOS if variant == "prefetch" else [None]:
+            label = f"{variant[:3]} {'x'.join(map(str, tile))}" + (f" {ratios[0]}/{ratios[1]}" if ratios else "")
+            try:
+                cubin = (cubins / cubin_name(variant, tile)).read_bytes()
+                linears[label] = CutlassLinear(cubin, variant, tile, *([ratios] if ratios else []))
+            except Exception as error:      # noqa: BLE001 - a probe reports and goes on
+                print(f"{label}: load failed: {error!r}", flush=True)
+    print("us per launch in a graph of back-to-back GEMMs, and per (layer_norm, GEMM) pair (the GEMM reading the "
+          "norm's output, as a decode layer's are); relative error against torch", flush=True)
+    print(f"{'linear':<6} {'rows':>4}  {'kernel':<24} {'alone':>7} {'pair':>7} {'pair-cuBLASLt':>13}  error",
           flush=True)
     results = []
     for name, n, k in SHAPES:
@@ -292,26 +295,26 @@ def run(cubins: Path) -> list[dict]:
         weights = [(torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16) for _ in range(copies)]
         for m in ROWS:
             case = Case(cuda.stream, lib, lt, weights, m, max(24, copies))
-            row = {"linear": name, "rows": m, "cublaslt": case.timings(case.cublaslt)}
-            cells = [_pair(row["cublaslt"])]
-            for label, linear in linears.items():
+            row = {"linear": name, "rows": m, "cuBLASLt": case.timings(case.cublaslt)}
+            base = row["cuBLASLt"]["norm_gemm_us"]
+            _print_timing(name, m, "cuBLASLt", row["cuBLASLt"], base)
+            for label, linear in linears.items():      # each printed as it comes: a hang ends the process
                 try:
                     row[label] = case.cutlass(linear, f"{name} at {m} rows, {label}")
-                    cells.append(_pair(row[label]))
+                    _print_timing(name, m, label, row[label], base)
                 except Exception as failure:      # noqa: BLE001 - a probe reports and goes on
                     row[label] = repr(failure)
-                    cells.append("failed")
-                    print(f"  {label}: {failure!r}", flush=True)
-            print(f"{name:<6} {m:>4} {cells[0]:>15} " + " ".join(f"{c:>23}" for c in cells[1:]), flush=True)
+                    print(f"{name:<6} {m:>4}  {label:<24} failed: {failure!r}", flush=True)
             results.append(row)
         del weights
     lt.close()
     return results
 
 
-def _pair(timing: dict) -> str:
-    text = f"{timing['gemm_us']:6.2f} {timing['norm_gemm_us']:6.2f}"
-    return text + (f" [{timing['rel_err']:.0e}]" if "rel_err" in timing else "")
+def _print_timing(name: str, m: int, label: str, timing: dict, base: float) -> None:
+    error = f"{timing['rel_err']:.0e}" if "rel_err" in timing else "-"
+    print(f"{name:<6} {m:>4}  {label:<24} {timing['gemm_us']:7.2f} {timing['norm_gemm_us']:7.2f} "
+          f"{timing['norm_gemm_us'] - base:+13.2f}  {error}", flush=True)
 
 
 class Case:
