@@ -7,7 +7,9 @@
 #   llama    bench/gpu_decode.py at the Llama-3-8B shape, every batch, prefill, peer and gRPC (~4 min)
 #   profile  bench/gpu_profile.py at both shapes, batches 1 and 256: where a step's time goes (~2 min)
 #   beam     bench/beam_generate.py at the NLLB-200-600M shape, batches 1, 16 and 64, next to transformers
-# Usage (from the repository root, with .whl carried): bash bench/gpu_check.sh [tests|kernels|smollm2|llama|profile|beam]...
+#   cutlass  bench/gpu_cutlass_gemm.py run over the cubins in .cutlass/ (carry it; `build` makes them where the
+#            CUTLASS headers are): CUTLASS's GEMMs against cuBLASLt, alone and after a norm        (~2 min)
+# Usage (from the repository root, with .whl carried): bash bench/gpu_check.sh [tests|kernels|smollm2|llama|profile|beam|cutlass]...
 # (default: tests). Logs and JSON land in $OUT (default /tmp/gpu-check).
 set -uo pipefail
 source scripts/device_env.sh || exit 1
@@ -45,6 +47,10 @@ for part in "${@:-tests}"; do
       python3 -m bench.beam_generate --shape nllb-600m --device cuda --batches 1,16,64 --reps 7 \
         --json "$OUT/beam.json" > "$OUT/beam.txt" 2> "$OUT/beam.err" || summary+=("beam: FAILED (see beam.err)")
       summary+=("== beam" "$(grep -v '^# \[' "$OUT/beam.txt")") ;;
+    cutlass)
+      python3 -m bench.gpu_cutlass_gemm run --cubins .cutlass --json "$OUT/cutlass.json" > "$OUT/cutlass.txt" 2>&1 \
+        || summary+=("cutlass: FAILED (see cutlass.txt)")
+      summary+=("== cutlass" "$(grep -v '^# ' "$OUT/cutlass.txt")") ;;
     profile)
       for shape in smollm2-135m llama3-8b; do
         python3 -m bench.gpu_profile --shape "$shape" --batches 1,256 --steps 20 > "$OUT/profile-$shape.txt" 2>&1
