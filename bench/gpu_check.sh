@@ -9,7 +9,8 @@
 #   beam     bench/beam_generate.py at the NLLB-200-600M shape, batches 1, 16 and 64, next to transformers
 #   cutlass  bench/gpu_cutlass_gemm.py run over the cubins in .cutlass/ (carry it; `build` makes them where the
 #            CUTLASS headers are): CUTLASS's GEMMs against cuBLASLt, alone and after a norm        (~2 min)
-# Usage (from the repository root, with .whl carried): bash bench/gpu_check.sh [tests|kernels|smollm2|llama|profile|beam|cutlass]...
+# Usage (from the repository root, with .whl carried):
+#   bash bench/gpu_check.sh [tests|kernels|smollm2|llama|profile|beam|cutlass]...
 # (default: tests). Logs and JSON land in $OUT (default /tmp/gpu-check).
 set -uo pipefail
 source scripts/device_env.sh || exit 1
