@@ -13,9 +13,9 @@ host code would: 3-D (K, rows, 1), a box of 64 K by the tile's rows, 128-byte sw
 A launch that does not finish within 5 s ends the process (finish_or_exit): a descriptor that disagrees with the
 kernel would leave it spinning on its TMA barrier. Session 12 ran the plain variant (bench/NOTES.md): correct, and
 only the 64 x 8 x 128 tile at 1024 x 1024 beat cuBLASLt; its producer waits for the kernel before it ahead of any
-load, so a norm before it costs nearly as much as before cuBLASLt. The prefetch variant (CUTLASS's example 63,
-whose warp loading the weight does not wait) asks whether loading weights ahead of the wait pays; it is built
-(session 12) and has not run.
+load, so a norm before it costs nearly as much as before cuBLASLt. The prefetch variants (CUTLASS's example 63,
+whose warp loading the weight does not wait; with no bias, a bias, or a bias and ReLU in the epilogue) ask whether
+loading weights ahead of the wait pays; built (session 12), not yet run.
 
 Two steps, since the GPU machine has no CUTLASS headers (carry .cutlass):
     python3 -m bench.gpu_cutlass_gemm build --headers /tmp/cutlass-headers --out .cutlass   (here: cubins)
@@ -35,7 +35,8 @@ from bench.cutlass_probe import ENTRY, KERNEL, PRELUDE
 # of CUTLASS's example 63 (split DMA: the warp loading A, here the weight, as M, does not wait for the kernel before;
 # an L2 prefetch warp; launch_dependent_grids after overlap_ratio of the K tiles), bf16, tokens as N.
 TILES = (("plain", (64, 8, 64)), ("plain", (64, 16, 64)), ("plain", (64, 8, 128)),
-         ("prefetch", (64, 8, 128)), ("prefetch", (64, 16, 128)), ("prefetch", (64, 32, 64)))
+         ("prefetch", (64, 8, 128)), ("prefetch", (64, 16, 128)), ("prefetch", (64, 32, 64)),
+         ("prefetch_bias", (64, 16, 128)), ("prefetch_relu", (64, 16, 128)))
 STAGES = 4
 # The prefetch variant's runtime settings (the example's Arguments), each pair a column: launch_dependent_grids after
 # this share of the K tiles is loaded (< 0: never early); prefetch this share of the weight's K tiles into L2 (<= 0:
@@ -61,7 +62,7 @@ extern "C" __global__ void cutlass_gemm_params(typename Kernel::Params* out, int
     args.mainloop.dB = make_stride((int64_t)ldb, Int<1>{{}}, (int64_t)n * ldb);{extra_args}
     args.epilogue.thread.alpha = alpha;
     args.epilogue.thread.beta = beta;
-    args.epilogue.ptr_C = c;
+    {c_args}
     args.epilogue.dC = {c_stride};
     args.epilogue.ptr_D = d;
     args.epilogue.dD = {d_stride};
@@ -103,27 +104,50 @@ using Mainloop = cutlass::gemm::collective::CollectiveMma<Policy, TileShape,
     T, cutlass::gemm::TagToStrideB_t<cutlass::layout::ColumnMajor>, TiledMma,
     SM90_TMA_LOAD, SmemAtomA, void, cute::identity, SM90_TMA_LOAD, SmemAtomB, void, cute::identity>;
 // D [M = features, N = tokens] column-major: the row-major out [tokens, features].
-using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+{epilogue}
+using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
+""" + ENTRY
+
+# The prefetch variants' epilogues: CUTLASS's choice (alpha * acc + beta * C), or act(acc + bias[feature]) as
+# nn.Linear's bias and M2M100's fc1 ReLU take it (the sum in float, rounded to bf16 once; no C read).
+EPILOGUES = {
+    "prefetch": """using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
     cutlass::epilogue::collective::EpilogueTileAuto, float, float,
     T, cutlass::layout::ColumnMajor, 8, T, cutlass::layout::ColumnMajor, 8,
-    cutlass::epilogue::collective::EpilogueScheduleAuto>::CollectiveOp;
-using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
-""" + ENTRY
+    cutlass::epilogue::collective::EpilogueScheduleAuto>::CollectiveOp;""",
+    "prefetch_bias": "Identity",
+    "prefetch_relu": "ReLu",
+}
+BIASED = ("prefetch_bias", "prefetch_relu")
+BIAS_EPILOGUE = """#include <cutlass/epilogue/collective/epilogue_tensor_broadcast.hpp>
+#include <cutlass/epilogue/thread/linear_combination_tensor_broadcast.hpp>
+#include <cutlass/epilogue/thread/activation.h>
+using StrideCD = cutlass::detail::TagToStrideC_t<cutlass::layout::ColumnMajor>;
+using ThreadOp = cutlass::epilogue::thread::LinearCombinationTensorBroadcast<T, float, float, T,
+    cutlass::epilogue::thread::{act}, cutlass::epilogue::thread::detail::NoOp>;
+using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
+    cutlass::epilogue::collective::EpilogueTensorBroadcast<StrideCD, StrideCD, ThreadOp,
+                                                           cutlass::gemm::EpilogueDefault>>;"""
 
 
 
 def source(variant: str, tile) -> str:
     m, n, k = tile
-    if variant == "prefetch":
-        return PRELUDE + PREFETCH_KERNEL.format(m=m, n=n, k=k, stages=STAGES) + PARAMS_KERNEL.format(
-            extra_params=", float overlap_ratio, float prefetch_ratio",
-            extra_args="\n    args.mainloop.overlap_ratio = overlap_ratio;"
-                       "\n    args.mainloop.prefetch_ratio = prefetch_ratio;",
-            c_stride="make_stride(Int<1>{}, (int64_t)ldc, (int64_t)n * ldc)",
-            d_stride="make_stride(Int<1>{}, (int64_t)ldd, (int64_t)n * ldd)")
+    if variant in EPILOGUES:
+        biased = variant != "prefetch"
+        epilogue = BIAS_EPILOGUE.format(act=EPILOGUES[variant]) if biased else EPILOGUES[variant]
+        return PRELUDE + PREFETCH_KERNEL.format(m=m, n=n, k=k, stages=STAGES, epilogue=epilogue) + \
+            PARAMS_KERNEL.format(
+                extra_params=", float overlap_ratio, float prefetch_ratio" + (", const T* bias" if biased else ""),
+                extra_args="\n    args.mainloop.overlap_ratio = overlap_ratio;"
+                           "\n    args.mainloop.prefetch_ratio = prefetch_ratio;",
+                c_args=("args.epilogue.ptr_C0 = const_cast<T*>(c); args.epilogue.ptr_Bias = const_cast<T*>(bias);"
+                        if biased else "args.epilogue.ptr_C = c;"),
+                c_stride="make_stride(Int<1>{}, (int64_t)ldc, (int64_t)n * ldc)",
+                d_stride="make_stride(Int<1>{}, (int64_t)ldd, (int64_t)n * ldd)")
     return PRELUDE + KERNEL.format(m=m, n=n, k=k, stages=f"cutlass::gemm::collective::StageCount<{STAGES}>") \
-        + PARAMS_KERNEL.format(extra_params="", extra_args="",
+        + PARAMS_KERNEL.format(extra_params="", extra_args="", c_args="args.epilogue.ptr_C = c;",
                                c_stride="make_stride((int64_t)ldc, Int<1>{}, (int64_t)m * ldc)",
                                d_stride="make_stride((int64_t)ldd, Int<1>{}, (int64_t)m * ldd)")
 
@@ -142,7 +166,7 @@ def build(headers: Path, out: Path) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     for variant, tile in TILES:
-        extra = [str(example_dir(headers))] if variant == "prefetch" else []
+        extra = [str(example_dir(headers))] if variant in EPILOGUES else []
         cubin, log = compile_cubin(source(variant, tile), headers, extra)
         (out / cubin_name(variant, tile)).write_bytes(cubin)
         print(variant, tile, len(cubin), [line for line in log.splitlines() if "registers" in line], flush=True)
@@ -198,15 +222,16 @@ class CutlassLinear:
         self.gemm = check(driver.cuModuleGetFunction(self.module, b"cutlass_gemm"))
         self.params_kernel = check(driver.cuModuleGetFunction(self.module, b"cutlass_gemm_params"))
 
-    def prepare(self, out, x, weight) -> tuple:
-        """The launch of out = x weight^T for these tensors (torch, on the GPU): Params bytes, grid, shared bytes."""
+    def prepare(self, out, x, weight, bias) -> tuple:
+        """The launch of out = x weight^T (+ bias, then relu, for the variants with those) for these tensors (torch,
+        on the GPU): Params bytes, grid, shared bytes, threads."""
         import torch
         from cuda.bindings import driver
 
         params = torch.zeros(4096, dtype=torch.uint8, device="cuda")
         info = torch.zeros(8, dtype=torch.int32, device="cuda")
-        # The plain variant's A is x (tokens as M), the prefetch variant's is the weight (features as M).
-        a, b = (weight, x) if self.variant == "prefetch" else (x, weight)
+        # The plain variant's A is x (tokens as M), the prefetch variants' the weight (features as M).
+        a, b = (weight, x) if self.variant in EPILOGUES else (x, weight)
         (m, k), n = a.shape, b.shape[0]
         desc_a = tma_descriptor(a.data_ptr(), m, k, a.stride(0), self.tile[0])
         desc_b = tma_descriptor(b.data_ptr(), n, k, b.stride(0), self.tile[1])
@@ -217,8 +242,10 @@ class CutlassLinear:
         values = [p(params.data_ptr()), p(info.data_ptr()), desc_a, desc_b, i32(m), i32(n), i32(k), p(a.data_ptr()),
                   i64(a.stride(0)), p(b.data_ptr()), i64(b.stride(0)), p(out.data_ptr()), i64(out.stride(0)),
                   p(out.data_ptr()), i64(out.stride(0)), f32(1.0), f32(0.0)]
-        if self.variant == "prefetch":
+        if self.variant in EPILOGUES:
             values += [f32(self.ratios[0]), f32(self.ratios[1])]
+        if self.variant in BIASED:
+            values.append(p(bias.data_ptr()))
         args = Void(*values)
         torch.cuda.synchronize()
         check(driver.cuLaunchKernel(self.params_kernel, 1, 1, 1, 1, 1, 1, 0, 0, args.address, 0))
@@ -278,7 +305,7 @@ def run(cubins: Path) -> list[dict]:
     lt = CublasLt(DeviceTensor.from_torch(torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")))
     linears = {}
     for variant, tile in TILES:
-        for ratios in RATIOS if variant == "prefetch" else [None]:
+        for ratios in RATIOS if variant == "prefetch" else [RATIOS[0]] if variant in BIASED else [None]:
             label = f"{variant[:3]} {'x'.join(map(str, tile))}" + (f" {ratios[0]}/{ratios[1]}" if ratios else "")
             try:
                 cubin = (cubins / cubin_name(variant, tile)).read_bytes()
@@ -332,6 +359,7 @@ class Case:
         self.norm_weight = torch.ones(k, dtype=torch.bfloat16, device="cuda")
         self.norm_bias = torch.zeros(k, dtype=torch.bfloat16, device="cuda")
         self.out = torch.empty(m, weights[0].shape[0], dtype=torch.bfloat16, device="cuda")
+        self.bias = torch.randn(weights[0].shape[0], device="cuda").to(torch.bfloat16)
         self.views = {name: DeviceTensor.from_torch(t) for name, t in (
             ("x", self.x), ("normed", self.normed), ("norm_weight", self.norm_weight), ("norm_bias", self.norm_bias),
             ("out", self.out))}
@@ -360,12 +388,16 @@ class Case:
     def cutlass(self, linear: CutlassLinear, what: str) -> dict:
         """Correct against torch first (one launch, waited for with a deadline), then timed."""
         handle = int(self.stream.handle)
-        prepared = {source: [linear.prepare(self.out, getattr(self, source), w) for w in self.weights]
+        prepared = {source: [linear.prepare(self.out, getattr(self, source), w, self.bias) for w in self.weights]
                     for source in ("x", "normed")}
         self.out.zero_()
         linear.launch(handle, prepared["x"][0], pdl=False)
         finish_or_exit(self.stream, what)
         expected = self.x.float() @ self.weights[0].float().T
+        if linear.variant in BIASED:
+            expected = expected + self.bias.float()
+        if linear.variant == "prefetch_relu":
+            expected = expected.clamp(min=0)
         error = float((self.out.float() - expected).norm() / expected.norm())
         timing = self.timings(lambda i, source: linear.launch(handle, prepared[source][i % len(self.weights)]))
         return {**timing, "rel_err": error}
