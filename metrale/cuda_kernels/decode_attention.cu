@@ -188,8 +188,21 @@ template <> struct ValueDims<4> {
     }
 };
 
-template <int HEAD_DIM, bool FRESH = false>
-__device__ __forceinline__ void paged_decode_attention_mha(const DecodeArgs& a, const NewTokens& fresh = {}) {
+// A query handed over as its linear's split-K partials (Ops.cross_attention): q = bf16(partial_0 + .. +
+// partial_{splits-1} + bias), summed in fp32 in that order and rounded once, as cuBLASLt's bias epilogue rounds its
+// accumulator (and as norm.cu's PartialsRow sums a linear's partials). partials: [splits, T, width] fp32 with
+// a.q_stride = width; bias: [width] or null.
+constexpr int MAX_Q_PARTIALS = 8;
+struct QueryPartials {
+    const float* partials;
+    long long split_elems;       // T * width: from one partial's element to the next's
+    int splits;
+    const bf16* bias;
+};
+
+template <int HEAD_DIM, bool FRESH = false, bool PARTIAL_Q = false>
+__device__ __forceinline__ void paged_decode_attention_mha(const DecodeArgs& a, const NewTokens& fresh = {},
+                                                           const QueryPartials& partial_q = {}) {
     constexpr int DIMS = HEAD_DIM / 32;           // output dims per lane
     constexpr int K_LOADS = HEAD_DIM / 8;         // uint4 per K row
     using V = ValueDims<DIMS>;
@@ -217,6 +230,28 @@ __device__ __forceinline__ void paged_decode_attention_mha(const DecodeArgs& a, 
             const float c = cos_row[d], s = sin_row[d];
             query[warp][d] = bf16_to_float(float_to_bf16(x1 * c - x2 * s)) * a.scale_log2;
             query[warp][d + HALF] = bf16_to_float(float_to_bf16(x2 * c + x1 * s)) * a.scale_log2;
+        }
+    } else if (PARTIAL_Q) {
+        // Every partial's load of the lane's dims issued before the first add.
+        const float* first = partial_q.partials + row * a.q_stride + (long long)head * HEAD_DIM + lane;
+        const bf16* bias = partial_q.bias ? partial_q.bias + head * HEAD_DIM + lane : nullptr;
+        float parts[DIMS][MAX_Q_PARTIALS];
+#pragma unroll
+        for (int i = 0; i < DIMS; ++i) {
+#pragma unroll
+            for (int s = 0; s < MAX_Q_PARTIALS; ++s) {
+                if (s < partial_q.splits) parts[i][s] = first[s * partial_q.split_elems + 32 * i];
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < DIMS; ++i) {
+            float sum = parts[i][0];
+#pragma unroll
+            for (int s = 1; s < MAX_Q_PARTIALS; ++s) {
+                if (s < partial_q.splits) sum += parts[i][s];
+            }
+            if (bias) sum += bf16_to_float(bias[32 * i]);
+            query[warp][lane + 32 * i] = bf16_to_float(float_to_bf16(sum)) * a.scale_log2;
         }
     } else {
         for (int d = lane; d < HEAD_DIM; d += 32) query[warp][d] = bf16_to_float(query_row[d]) * a.scale_log2;
@@ -356,6 +391,18 @@ DECODE_ENTRY(paged_decode_attention_mha, MHA_WARPS * 32, 128)
 DECODE_NEW_ENTRY(32)
 DECODE_NEW_ENTRY(64)
 DECODE_NEW_ENTRY(128)
+
+#define DECODE_PARTIAL_Q_ENTRY(HEAD_DIM)                                                                         \
+    extern "C" __global__ void __launch_bounds__(MHA_WARPS * 32) paged_decode_attention_mha_partial_q_hd##HEAD_DIM( \
+        DECODE_PARAMS, const float *q_partials, long long split_elems, int splits, const bf16 *q_bias) {         \
+        wait_for_previous_kernel();                                                                              \
+        const QueryPartials partial_q = {q_partials, split_elems, splits, q_bias};                               \
+        paged_decode_attention_mha<HEAD_DIM, false, true>(DECODE_ARGS, {}, partial_q);                           \
+    }
+
+DECODE_PARTIAL_Q_ENTRY(32)
+DECODE_PARTIAL_Q_ENTRY(64)
+DECODE_PARTIAL_Q_ENTRY(128)
 
 // grid (num_heads, B), head_dim threads: the out row of each decode sequence whose keys span several
 // splits = the mean of the splits' partial outputs weighted by 2^lse. Splits are chosen as in

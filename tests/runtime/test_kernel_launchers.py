@@ -311,10 +311,37 @@ def test_decode_attention_with_new_tokens_launch(monkeypatch):
     assert args[-8] == BASE + 2 * HEADS * DECODE_HEAD_DIM and args[-7] == 3 * HEADS * DECODE_HEAD_DIM
 
 
+def decode_with_query_partials(lib, splits=4, heads=HEADS, kv_heads=HEADS, rows=5, bias=True):
+    """A multi-head decode launch of 3 sequences whose queries are a linear's split-K partials."""
+    d = DECODE_HEAD_DIM
+    width = heads * d
+    partials = attention.QueryPartials(splits, bf16(width, offset=1 << 20) if bias else None)
+    attention.paged_decode_attention(lib, None, bf16(5, width), f32(rows * splits, width),
+                                     bf16(2, NUM_BLOCKS, BLOCK_SIZE, kv_heads, d), i32(3), i32(3), i32(3, 4), None,
+                                     heads, kv_heads, d, d ** -0.5, -1, 64, partition=64, q_partials=partials)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_decode_attention_with_query_partials_launch(monkeypatch, bias):
+    recorded = []
+    monkeypatch.setattr(attention, "launch_kernel", lambda stream, kernel, grid, block, *args: recorded.append(
+        (kernel[1], grid, block, [kernel_arg(a) for a in args])))
+    decode_with_query_partials(FakeLibrary(), bias=bias)
+    [(name, grid, block, args)] = recorded
+    assert (name, grid, block) == (f"paged_decode_attention_mha_partial_q_hd{DECODE_HEAD_DIM}", (1, 1, 3), 128)
+    assert [type(a) for a in args] == parameter_types("decode_attention", name, macro="DECODE_PARTIAL_Q_ENTRY")
+    width = HEADS * DECODE_HEAD_DIM
+    # q's row stride (the partials' width), then the partials, one slice's elements, the count, the bias (or null)
+    assert args[3] == width and args[-4:] == [BASE, 5 * width, 4, BASE + (1 << 20) if bias else 0]
+
+
 @pytest.mark.parametrize("case, call", [
-    ("grouped heads", lambda lib: decode_with_new_tokens(lib, kv_heads=KV_HEADS)),
-    ("misaligned k", lambda lib: decode_with_new_tokens(lib, k_offset=8))])
-def test_decode_attention_refuses_new_tokens_it_cannot_take(monkeypatch, case, call):
+    ("new tokens of grouped heads", lambda lib: decode_with_new_tokens(lib, kv_heads=KV_HEADS)),
+    ("misaligned new k", lambda lib: decode_with_new_tokens(lib, k_offset=8)),
+    ("query partials of grouped heads", lambda lib: decode_with_query_partials(lib, kv_heads=KV_HEADS)),
+    ("query partials of another batch", lambda lib: decode_with_query_partials(lib, rows=4)),
+    ("too many query partials", lambda lib: decode_with_query_partials(lib, splits=attention.MAX_Q_PARTIALS + 1))])
+def test_decode_attention_refuses_variants_it_cannot_take(monkeypatch, case, call):
     recorded = []
     monkeypatch.setattr(attention, "launch_kernel", lambda *args: recorded.append(args))
     with pytest.raises(InvalidArgument, match="paged_decode_attention"):

@@ -148,6 +148,10 @@ class CpuBackend:
             out[start:start + n] = _attend(queries, keys, values, scale, sliding_window, causal).reshape(n, -1)
         return out
 
+    def cross_attention(self, x, weight, bias, kv, batch, num_kv_heads, head_dim, scale):
+        return self.paged_attention(self.linear(x, weight, bias), kv, batch, num_kv_heads, head_dim, scale, None,
+                                    causal=False)
+
     def silu_mul(self, gate_up):
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -167,6 +167,11 @@ class Ops(Protocol):
         """Attention of each segment's queries over its paged KV -> [T, heads * head_dim]: causal, or (causal=False:
         an encoder's self-attention, a decoder's cross-attention) over all of each segment's context."""
 
+    def cross_attention(self, x: Tensor, weight: Tensor, bias: Tensor | None, kv: Tensor, batch: PreparedBatch,
+                        num_kv_heads: int, head_dim: int, scale: float) -> Tensor:
+        """paged_attention(linear(x, weight, bias), kv, batch, ..., causal=False): a decoder's cross-attention from
+        its query projection (the backend may hand the query over in pieces: split-K partials the attention sums)."""
+
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         """[T, 2 * I] -> silu(gate) * up, [T, I]."""
 

@@ -165,8 +165,7 @@ class M2M100ForConditionalGeneration:
             q, k, v = _split(ops.linear(h, *layer["qkv"]), c.hidden_size)
             o = ops.self_attention(q, k, v, self.no_rope, meta, kv, c.num_heads, c.head_dim, scale, None)
             h, residual = ops.linear_layer_norm(o, *layer["out"], *layer["encoder_attn_layer_norm"], eps, residual)
-            q = ops.linear(h, *layer["cross_q"])
-            o = ops.paged_attention(q, kv, cross, c.num_heads, c.head_dim, scale, None, causal=False)
+            o = ops.cross_attention(h, *layer["cross_q"], kv, cross, c.num_heads, c.head_dim, scale)
             h, residual = ops.linear_layer_norm(o, *layer["cross_out"], *layer["final_layer_norm"], eps, residual)
             x, fc2 = ops.linear_relu(h, *layer["fc1"]), layer["fc2"]
         x = ops.linear(x, *fc2)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from metrale.runtime.batch import Segment, build_batch
+from metrale.runtime.batch import Segment, build_batch, build_decode_batch
 from metrale.runtime.beam.params import BeamParams, BeamRequest
 from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
@@ -90,6 +90,11 @@ def test_m2m100_logits_match_transformers(m2m100):
             theirs.append(relative_error(reference_bf16(**inputs).logits[0].float().cpu(), expected))
     print(f"m2m100: relative error ours {max(errors):.2e}, transformers bf16 {max(theirs):.2e}")
     assert max(errors) < max(1e-2, 1.25 * max(theirs)), (errors, theirs)
+
+
+def as_float(bf16: np.ndarray) -> torch.Tensor:
+    """bf16 bits (as copied back) as float32 values."""
+    return torch.from_numpy((bf16.astype(np.uint32) << 16).view(np.float32))
 
 
 def cross_kv(engine, layer: int, tables, sources) -> torch.Tensor:
@@ -312,3 +317,39 @@ def test_linear_layer_norm_equals_the_linear_then_the_norm(m2m100, rows, k):
                                            1e-5)
     assert relative_error(added, exact_added) < 1e-2 and relative_error(out, exact) < 1e-2
     assert relative_error(added, plain_added) < 1e-2 and relative_error(out, plain_out) < 1e-2
+
+
+@pytest.mark.parametrize("rows", [8, 9, 64])
+def test_cross_attention_equals_the_linear_then_the_attention(m2m100, rows):
+    """Ops.cross_attention over decode rows where the CUDA backend hands the attention kernel its query as split-K
+    partials (9-64 rows) and where it does not (the skinny GEMM's 8): the same as linear() then paged_attention()
+    within bf16 rounding of the query's sum, and both against float64, over sources the encoder wrote."""
+    engine = m2m100[0]
+    ops, size, c = engine.model.ops, engine.config.kv_block_size, engine.model.config
+    free = iter(range(engine.blocks.num_blocks - 1, 0, -1))      # blocks no other test of the module holds
+    cross = [BlockTable([next(free) for _ in range(-(-len(s) // size))]) for s in SOURCES]
+    engine.model.encode(build_batch([Segment(t, 0, s, False) for t, s in zip(cross, SOURCES)], size),
+                        engine.kv_cache)
+    own = next(free)
+    batch = build_decode_batch([5] * rows, [0] * rows, [[own]] * rows, size,
+                               [(cross[i % len(SOURCES)], len(SOURCES[i % len(SOURCES)])) for i in range(rows)])
+    weight, bias = engine.model.weights["decoder"][0]["cross_q"]
+    generator = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, c.hidden_size, generator=generator, device="cuda").bfloat16()
+    torch.cuda.synchronize()
+    ops.prepare(batch)
+    meta, kv, scale = ops.prepare(batch.cross, cross=True), engine.kv_cache[0], c.head_dim ** -0.5
+    ours = ops.cross_attention(DeviceTensor.from_torch(x), weight, bias, kv, meta, c.num_heads, c.head_dim, scale)
+    plain = ops.paged_attention(ops.linear(DeviceTensor.from_torch(x), weight, bias), kv, meta, c.num_heads,
+                                c.head_dim, scale, None, causal=False)
+    ours, plain, w, b = (as_float(ops.lane.copy_to_host(t)).double() for t in (ours, plain, weight, bias))
+    q = (x.double().cpu() @ w.T + b).view(rows, c.num_heads, c.head_dim)
+    keys = cross_kv(engine, 0, cross, SOURCES).view(torch.float32).double()     # [2, tokens of every source, ...]
+    starts = np.cumsum([0] + [len(s) for s in SOURCES])
+    exact = torch.empty(rows, c.num_heads, c.head_dim, dtype=torch.float64)
+    for row in range(rows):
+        i = row % len(SOURCES)
+        k, v = (part.view(-1, c.num_heads, c.head_dim) for part in keys[:, starts[i]:starts[i + 1]])
+        weights = torch.softmax(torch.einsum("hd,thd->ht", q[row], k) * scale, dim=-1)
+        exact[row] = torch.einsum("ht,thd->hd", weights, v)
+    assert relative_error(ours, exact.view(rows, -1)) < 1e-2 and relative_error(ours, plain) < 1e-2

@@ -39,6 +39,17 @@ class NewTokens(NamedTuple):
     slots: DeviceTensor
 
 
+class QueryPartials(NamedTuple):
+    """A multi-head decode launch's queries as their linear's split-K partials (the launch's q: [splits * T, width]
+    float32, each slice's rows back to back, as CublasLt.linear(..., splits=) writes them), summed with the
+    linear's bias ([width] bf16, or None) and rounded to bf16 as the linear's epilogue would."""
+    splits: int
+    bias: DeviceTensor | None
+
+
+MAX_Q_PARTIALS = 8
+
+
 def decode_partition(batch: int, num_kv_heads: int, max_context: int, resident_ctas: int) -> tuple[int, int]:
     """(keys per split, number of splits) of a decode launch. CTAs run in waves of resident_ctas; a split
     costs its tiles plus SPLIT_OVERHEAD_TILES. The choice minimizes waves x (tiles per split + overhead), the
@@ -110,7 +121,7 @@ def paged_decode_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_c
                            seq_rows: DeviceTensor, context_lens: DeviceTensor, block_tables: DeviceTensor,
                            workspace: DeviceTensor | None, num_heads: int, num_kv_heads: int, head_dim: int,
                            scale: float, sliding_window: int, max_context: int, partition: int | None = None,
-                           new_tokens: NewTokens | None = None) -> None:
+                           new_tokens: NewTokens | None = None, q_partials: QueryPartials | None = None) -> None:
     """Attention of one query per sequence over its paged KV: for b < B, out[seq_rows[b]] (all heads) from
     q[seq_rows[b]] and keys 0 .. context_lens[b] - 1 (the last max(0, context - sliding_window) .. with a
     window) read through block_tables[b].
@@ -124,9 +135,10 @@ def paged_decode_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_c
     The number of splits depends on B, num_kv_heads and max_context only, so a captured graph stays valid
     for any contexts up to max_context. partition: keys per split, overriding decode_partition (benchmarks).
     new_tokens (num_heads == num_kv_heads only): each sequence's newest key (context_lens[b] - 1) is its row's new
-    token, rotated with its query and written into kv_cache here, rather than read from it."""
-    _check_common("paged_decode_attention", out, q, kv_cache, block_tables, num_heads, num_kv_heads, head_dim,
-                  sliding_window)
+    token, rotated with its query and written into kv_cache here, rather than read from it. q_partials
+    (num_heads == num_kv_heads only): q is the query's linear as split-K partials, [splits * T, width] float32."""
+    _check_common("paged_decode_attention", out, q if q_partials is None else out, kv_cache, block_tables,
+                  num_heads, num_kv_heads, head_dim, sliding_window)
     require(len(seq_rows.shape) == 1 and seq_rows.dtype == "int32",
             "paged_decode_attention: seq_rows must be [B] int32")
     batch = seq_rows.shape[0]
@@ -151,15 +163,18 @@ def paged_decode_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_c
         require(workspace.ptr % 16 == 0, "paged_decode_attention: workspace must be 16-byte aligned")
         partial_out = workspace
         partial_lse = np.uint64(workspace.ptr + batch * num_heads * splits * head_dim * 4)
-    fresh = ()
+    extra = ()          # the variant kernels' own arguments
     if new_tokens is not None:
         require(num_heads == num_kv_heads, "paged_decode_attention: new tokens need one query head per kv head")
         _check_new_tokens(new_tokens, q.shape[0], num_heads * head_dim, head_dim)
         k, v = new_tokens.k, new_tokens.v
-        fresh = (k, np.int64(k.stride), v, np.int64(v.stride), new_tokens.cos, new_tokens.sin, new_tokens.positions,
+        extra = (k, np.int64(k.stride), v, np.int64(v.stride), new_tokens.cos, new_tokens.sin, new_tokens.positions,
                  new_tokens.slots)
+    if q_partials is not None:
+        extra = _partial_query(q_partials, q, out, num_heads, num_kv_heads, new_tokens)
     if num_heads == num_kv_heads:   # a warp per head: an mma tile would fill one row in 16
-        name = "paged_decode_attention_mha_new" if fresh else "paged_decode_attention_mha"
+        name = ("paged_decode_attention_mha_partial_q" if q_partials is not None else
+                "paged_decode_attention_mha_new" if new_tokens is not None else "paged_decode_attention_mha")
         kernel, grid, block, heads = (lib.get(f"{name}_hd{head_dim}", DECODE_MODULE),
                                       (splits, ceil_div(num_heads, MHA_WARPS), batch), 32 * MHA_WARPS, num_heads)
     else:                           # the group's query heads share each K/V tile: the rows of one mma tile
@@ -168,11 +183,26 @@ def paged_decode_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_c
     launch_kernel(stream, kernel, grid, block, out, np.int64(out.stride), q, np.int64(q.stride), kv_cache,
                   np.int64(kv_cache.numel // 2), seq_rows, context_lens, block_tables, block_tables.shape[1],
                   partial_out, partial_lse, heads, block_size.bit_length() - 1, np.float32(scale * LOG2_E),
-                  sliding_window, partition, *fresh)
+                  sliding_window, partition, *extra)
     if splits > 1:
         launch_kernel(stream, lib.get("paged_decode_reduce", DECODE_MODULE), (num_heads, batch), head_dim, out,
                       np.int64(out.stride), seq_rows, context_lens, partial_out, partial_lse, sliding_window,
                       partition, splits)
+
+
+def _partial_query(partials: QueryPartials, q: DeviceTensor, out: DeviceTensor, num_heads: int, num_kv_heads: int,
+                   new_tokens: NewTokens | None) -> tuple:
+    """The partial-query kernel's extra arguments, checked: q is [splits * T, width] float32, contiguous."""
+    require(num_heads == num_kv_heads and new_tokens is None,
+            "paged_decode_attention: query partials need one query head per kv head and no new tokens")
+    require(1 <= partials.splits <= MAX_Q_PARTIALS, f"paged_decode_attention: 1 to {MAX_Q_PARTIALS} query partials")
+    rows, width = out.shape
+    require(q.dtype == "float32" and q.is_contiguous and q.shape == (partials.splits * rows, width),
+            f"paged_decode_attention: query partials must be [{partials.splits * rows}, {width}] float32, contiguous")
+    if partials.bias is not None:
+        require(partials.bias.dtype == "bfloat16" and partials.bias.shape == (width,) and partials.bias.is_contiguous,
+                f"paged_decode_attention: the query's bias must be [{width}] bfloat16")
+    return (q, np.int64(rows * width), partials.splits, np.uint64(0) if partials.bias is None else partials.bias)
 
 
 def _check_new_tokens(new: NewTokens, rows: int, width: int, head_dim: int) -> None:
