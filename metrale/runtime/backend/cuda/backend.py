@@ -281,8 +281,9 @@ class CudaBackend:
 
     def cross_attention(self, x, weight, bias, kv, batch: CudaBatch, num_kv_heads, head_dim, scale):
         """Decode rows of a multi-head model at the row counts linear_layer_norm splits at: the query's linear as
-        split-K partials that the attention kernel sums with the bias (1024 x 1024 at 64 rows: ~4.9 -> ~3.6 us in a
-        step), as linear_layer_norm hands its norm; otherwise the linear, then paged_attention."""
+        split-K partials that the attention kernel sums with the bias, as linear_layer_norm hands its norm (for
+        1024 x 1024 at 64 rows, as the out projections went: ~4.9 -> ~3.6 us, not yet timed alone); otherwise the
+        linear, then paged_attention."""
         m, n = x.shape[0], weight.shape[0]
         splits = _k_splits(m, weight.shape[1])
         if splits == 1 or batch.num_prefill or not batch.num_decode or n != num_kv_heads * head_dim:
