@@ -1,5 +1,7 @@
-"""transformers' generate as the reference for beam search: the hypotheses (generated tokens, score) it returns."""
+"""transformers' generate as the reference for beam search: the hypotheses (generated tokens, score) it returns, on
+the checkpoint's own model or (replayed_hypotheses) over the logits our engine computed (LogitsRecorder)."""
 
+import numpy as np
 import torch
 import transformers
 
@@ -9,14 +11,16 @@ from metrale.runtime.beam.params import BeamParams
 FILL = 0
 
 
-def reference_hypotheses(model, prompt, params: BeamParams, eos, source=None) -> list[tuple[list[int], float]]:
-    """prompt: a decoder-only model's prompt, or with `source` an encoder-decoder's decoder_input_ids."""
+def reference_hypotheses(model, prompt, params: BeamParams, eos, source=None,
+                         use_cache: bool = True) -> list[tuple[list[int], float]]:
+    """prompt: a decoder-only model's prompt, or with `source` an encoder-decoder's decoder_input_ids. use_cache
+    False: each step's forward is given the whole sequences (replayed_hypotheses' model looks them up)."""
     config = transformers.GenerationConfig(
         num_beams=params.num_beams, max_new_tokens=params.max_new_tokens, min_new_tokens=params.min_new_tokens,
         length_penalty=params.length_penalty, early_stopping=params.early_stopping,
         no_repeat_ngram_size=params.no_repeat_ngram_size, num_return_sequences=params.num_return_sequences,
         do_sample=False, eos_token_id=list(eos), pad_token_id=FILL, return_dict_in_generate=True,
-        output_scores=True, output_logits=True)
+        output_scores=True, output_logits=True, use_cache=use_cache)
     device = model.device
     if source is None:
         out = model.generate(torch.tensor([prompt], device=device),
@@ -71,3 +75,107 @@ def check_hypotheses(ours, references: tuple, prompt, params: BeamParams, eos, s
     for (_, score), (_, want), (_, theirs) in zip(ours, expected, theirs_bf16):
         assert abs(score - want) <= max(1e-2 * max(1.0, abs(want)), 1.5 * abs(theirs - want)), (score, want, theirs)
     return True
+
+
+class LogitsRecorder:
+    """While installed on an engine, records the logits row of every prefix its BeamGenerate calls compute one for
+    in the host search (the forwards BeamCall runs: each prompt pass and each step; a device search's steps are not
+    seen, so tests record with the device search off): rows[(request key, prefix tokens)] = float32 row, the
+    request key the first block of the request's source's cross-attention K/V (encoder-decoders) or None
+    (decoder-only models: their prompts must differ). Each sampled row's prefix is read from a shadow of the KV
+    cache's slots (the token each forward wrote there, moved as the call's KV copies move them) through its block
+    table."""
+
+    def __init__(self, engine):
+        self.engine, self.block_size = engine, engine.config.kv_block_size
+        self.rows: dict[tuple, torch.Tensor] = {}
+        self.sources: list[int] = []            # each request's key, in call order (the last call's)
+        self._slots: dict[int, int] = {}
+        self._batch = None
+
+    def __enter__(self) -> "LogitsRecorder":
+        engine, ops = self.engine, self.engine.model.ops
+        encode, forward, copy_kv, candidates = (engine._beam_encode, engine._beam_forward, engine._copy_kv,
+                                                ops.beam_candidates)
+
+        def beam_encode(segments):
+            self.sources = [int(segment.block_table.array()[0]) for segment in segments]
+            return encode(segments)
+
+        def beam_forward(batch, banned, count):
+            for token, slot in zip(batch.token_ids.tolist(), batch.slot_mapping.tolist()):
+                if slot >= 0:
+                    self._slots[slot] = token
+            self._batch = batch
+            return forward(batch, banned, count)
+
+        def copy(copies):
+            for src, dst, n in copies:
+                for i in range(n):
+                    self._slots[dst * self.block_size + i] = self._slots[src * self.block_size + i]
+            return copy_kv(copies)
+
+        def beam_candidates(logits, banned, count):
+            self._record(logits)
+            return candidates(logits, banned, count)
+        engine._beam_encode, engine._beam_forward, engine._copy_kv = beam_encode, beam_forward, copy
+        ops.beam_candidates = beam_candidates
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.engine._beam_encode, self.engine._beam_forward, self.engine._copy_kv
+        del self.engine.model.ops.beam_candidates
+
+    def _record(self, logits) -> None:
+        batch, size = self._batch, self.block_size
+        if isinstance(logits, torch.Tensor):
+            values = logits.float()
+        else:       # the CUDA backend's bf16 rows
+            bits = self.engine.model.ops.lane.copy_to_host(logits)
+            values = torch.from_numpy((bits.astype(np.uint32) << 16).view(np.float32))
+        segments = np.searchsorted(np.asarray(batch.query_starts), batch.sample_rows.numpy(), side="right") - 1
+        for values_row, row, segment in zip(values, batch.sample_rows.tolist(), segments.tolist()):
+            table, position = batch.block_tables[segment], int(batch.positions[row])
+            prefix = tuple(self._slots[int(table[p // size]) * size + p % size] for p in range(position + 1))
+            source = None if batch.cross is None else int(batch.cross.block_tables[segment][0])
+            self.rows[(source, prefix)] = values_row.clone()
+
+
+def replayed_hypotheses(model, recorder: LogitsRecorder, request: int, prompt, params: BeamParams, eos,
+                        source=None) -> list[tuple[list[int], float]]:
+    """reference_hypotheses with the model's forward answering every step from the logits our engine computed for
+    the same prefixes (recorder; request: its index in the recorded call): transformers' search over our logits.
+    A prefix ours never computed means the two searches went different ways, and fails here. torch.topk breaks
+    ties to the lower index meanwhile, as our kernels and search do (bf16 logits tie often; torch leaves the
+    order of equal values open)."""
+    key = recorder.sources[request] if source is not None else None
+
+    def forward(*args, input_ids=None, decoder_input_ids=None, **kwargs):
+        ids = (decoder_input_ids if decoder_input_ids is not None else input_ids).tolist()
+        missing = [row for row in ids if (key, tuple(row)) not in recorder.rows]
+        assert not missing, f"transformers' search reached {missing[0]}, which ours never ran"
+        logits = torch.stack([recorder.rows[(key, tuple(row))] for row in ids])[:, None, :]
+        return transformers.modeling_outputs.Seq2SeqLMOutput(logits=logits.to(model.device))
+    model.forward, topk = forward, torch.topk
+    torch.topk = _stable_topk
+    try:
+        return reference_hypotheses(model, prompt, params, eos, source=source, use_cache=False)
+    finally:
+        del model.forward
+        torch.topk = topk
+
+
+def _stable_topk(input, k, dim=-1, largest=True, sorted=True):
+    values, indices = torch.sort(input, dim=dim, descending=largest, stable=True)
+    return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
+
+def check_search(ours, model, recorder: LogitsRecorder, request: int, prompt, params: BeamParams, eos,
+                 source=None) -> list[tuple[list[int], float]]:
+    """ours against transformers' search over the logits ours computed (replayed_hypotheses on `model`): the same
+    tokens, scores within float32 rounding of the steps' sums. Returns the replayed hypotheses."""
+    replayed = replayed_hypotheses(model, recorder, request, prompt, params, eos, source)
+    assert [t for t, _ in ours] == [t for t, _ in replayed]
+    for (_, score), (_, theirs) in zip(ours, replayed):
+        assert abs(score - theirs) <= 1e-4 * max(1.0, abs(theirs)), (score, theirs)
+    return replayed

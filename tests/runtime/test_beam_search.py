@@ -15,7 +15,7 @@ from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.errors import Cancelled, DeviceFault, InvalidArgument, OutOfKvBlocks
 from metrale.runtime.loading import load_checkpoint
-from beam_reference import FILL, assert_same, reference_hypotheses
+from beam_reference import FILL, LogitsRecorder, assert_same, check_search, reference_hypotheses
 from tiny_models import load_reference, write_tiny
 
 PROMPTS = [[5, 17, 99, 3, 42], [7, 8, 150, 33, 61, 2, 90, 14, 77, 101, 12], [250], [4, 66, 31, 9, 180, 44, 71] * 3]
@@ -111,6 +111,21 @@ def test_short_prompts_of_more_requests_than_a_decode_graph_holds_run_in_one_for
     query_lens.clear()
     engine.beam_generate(requests[:2], eos, FILL)
     assert max(query_lens) == 1
+
+
+@pytest.mark.parametrize("length_penalty, early_stopping", [(0.0, "never"), (2.0, True)])
+def test_the_search_is_transformers_search_over_our_logits(models, length_penalty, early_stopping):
+    """Decoder-only prompts (distinct, as LogitsRecorder needs): transformers' generate over the logits our
+    forwards computed gives every request our hypotheses."""
+    engine, reference, eos = models
+    requests = [BeamRequest(i, prompt_tokens=tuple(prompt), params=BeamParams(
+        num_beams=beams, max_new_tokens=5 + 3 * i, min_new_tokens=i % 3, length_penalty=length_penalty,
+        early_stopping=early_stopping, no_repeat_ngram_size=3 * (i % 2), num_return_sequences=max(1, beams - 1)))
+        for i, (prompt, beams) in enumerate(zip(PROMPTS, (4, 2, 5, 1)))]
+    with LogitsRecorder(engine) as recorder:
+        results = engine.beam_generate(requests, eos, FILL)
+    for i, (request, result) in enumerate(zip(requests, results)):
+        check_search(result.hypotheses, reference, recorder, i, list(request.prompt_tokens), request.params, eos)
 
 
 def test_too_few_free_blocks_refuses_the_call_and_changes_nothing(models):

@@ -18,7 +18,7 @@ from metrale.runtime.errors import FailedPrecondition, InvalidArgument, OutOfKvB
 from metrale.runtime.loading import load_checkpoint
 from metrale.runtime.sequence import BlockTable
 from metrale.runtime.step import DecodeLane, PrefillSlice, Step
-from beam_reference import FILL, assert_same, reference_hypotheses
+from beam_reference import FILL, LogitsRecorder, assert_same, check_search, reference_hypotheses
 from gateway_loop import forced_then_greedy
 from tiny_models import load_m2m100_reference, write_tiny_m2m100
 
@@ -130,6 +130,25 @@ def test_short_prompts_a_token_a_forward_match_transformers(models, monkeypatch)
         assert max(query_lens) == longest
         assert counts.count(0) == alone         # forwards run for their KV alone: no candidates taken
     assert engine.blocks.num_free == free
+
+
+@pytest.mark.parametrize("length_penalty, early_stopping", [(0.0, True), (1.0, False), (2.0, "never")])
+def test_the_search_is_transformers_search_over_our_logits(models, length_penalty, early_stopping):
+    """The logits each of our forwards computed, recorded by prefix (LogitsRecorder) and replayed through
+    transformers' generate, give every request our hypotheses. On the CPU those logits are transformers' own as
+    well; on the GPU the same check separates the search from bf16 rounding (test_cuda_beam.py)."""
+    engine, _, reference, eos = models
+    requests = [BeamRequest(i, src_tokens=tuple(source), decoder_prefix=((), (200,), (201, 5))[i % 3],
+                            params=BeamParams(num_beams=beams, max_new_tokens=6 + 2 * i, min_new_tokens=i % 3,
+                                              length_penalty=length_penalty, early_stopping=early_stopping,
+                                              no_repeat_ngram_size=3 * (i % 2),
+                                              num_return_sequences=max(1, beams - i % 2)))
+                for i, (source, beams) in enumerate(zip(SOURCES * 2, (1, 2, 4, 5, 5, 4, 2, 1)))]
+    with LogitsRecorder(engine) as recorder:
+        results = engine.beam_generate(requests, eos, FILL)
+    for i, (request, result) in enumerate(zip(requests, results)):
+        check_search(result.hypotheses, reference, recorder, i, [START, *request.decoder_prefix], request.params,
+                     eos, source=list(request.src_tokens))
 
 
 def test_prefill_and_decode_follow_transformers(models):

@@ -21,7 +21,7 @@ from metrale.runtime.config import EngineConfig
 from metrale.runtime.loading import load_checkpoint
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.sequence import BlockTable
-from beam_reference import FILL, check_hypotheses
+from beam_reference import FILL, LogitsRecorder, check_hypotheses, check_search, reference_hypotheses
 from gateway_loop import forced_then_greedy
 from tiny_models import write_tiny, write_tiny_m2m100
 
@@ -212,6 +212,42 @@ def test_llama_beam_search_follows_transformers(llama, length_penalty, early_sto
     print(f"llama lp={length_penalty} early_stopping={early_stopping}: {compared}/{total} requests compared")
     assert compared >= total // 2
 
+
+
+@pytest.mark.parametrize("model", ["m2m100", "llama"])
+@pytest.mark.parametrize("length_penalty, early_stopping", CASES)
+def test_the_search_over_our_bf16_logits_is_transformers_search(request, monkeypatch, model, length_penalty,
+                                                                 early_stopping):
+    """The search apart from bf16 rounding: our host search (the device search gives its hypotheses exactly:
+    test_device_search_step_matches_the_host_step) over our bf16 logits, recorded by prefix and replayed through
+    transformers' float32 generate, gives every request's hypotheses, scores within float32 rounding. Where that
+    search decides as over transformers' float32 logits, ours are transformers' float32 hypotheses, scores within
+    1e-2: a request is decided by rounding exactly where our rounded logits make the same search decide otherwise."""
+    engine, _, reference, _ = request.getfixturevalue(model)
+    encoder_decoder = model == "m2m100"
+    inputs = SOURCES if encoder_decoder else PROMPTS
+    start = dict(decoder_input_ids=torch.tensor([[START]], device="cuda"), decoder_start_token_id=START)
+    eos = (2, frequent_token(reference, inputs[0], **(start if encoder_decoder else {})))
+    # decoder-only prompts must differ (LogitsRecorder): beam_requests takes each input twice
+    requests = beam_requests(inputs, encoder_decoder, length_penalty, early_stopping)[:8 if encoder_decoder else 4]
+    monkeypatch.setattr(engine.model.ops, "device_beam_search", lambda *args: None)
+    with LogitsRecorder(engine) as recorder:
+        results = engine.beam_generate(requests, eos, FILL)
+    decided = 0
+    for i, (beam_request, result) in enumerate(zip(requests, results)):
+        if encoder_decoder:
+            prompt, source = [START, *beam_request.decoder_prefix], list(beam_request.src_tokens)
+        else:
+            prompt, source = list(beam_request.prompt_tokens), None
+        replayed = check_search(result.hypotheses, reference, recorder, i, prompt, beam_request.params, eos, source)
+        expected = reference_hypotheses(reference, prompt, beam_request.params, eos, source=source)
+        if [t for t, _ in replayed] == [t for t, _ in expected]:
+            decided += 1
+            for (_, score), (_, want) in zip(result.hypotheses, expected):
+                assert abs(score - want) <= 1e-2 * max(1.0, abs(want)), (score, want)
+    print(f"{model} lp={length_penalty} early_stopping={early_stopping}: {decided}/{len(requests)} decided as in "
+          f"float32")
+    assert decided >= len(requests) // 2
 
 
 # (model, its inputs, the decoder prefixes taken in turn, whether the prompts all end in one forward)
