@@ -33,7 +33,7 @@ def i32(*shape, offset=0):
 def parameter_types(module: str, kernel: str, macro: str | None = None) -> list[type]:
     """The numpy type kernel_arg must produce for each parameter of `kernel` in cuda_kernels/<module>.cu; macro:
     the #define that declares it (kernels a macro stamps out per head size; object-like macros in its parameter
-    list, such as decode_attention.cu's DECODE_PARAMS, are expanded)."""
+    list, such as decode_attention.cuh's DECODE_PARAMS, are expanded)."""
     source = kernel_sources()[module].replace("\\\n", " ")
     if macro is None:
         match = re.search(rf'extern "C" __global__ void {kernel}\(([^)]*)\)', source)
@@ -303,11 +303,12 @@ def decode_with_new_tokens(lib, heads=HEADS, kv_heads=HEADS, k_offset=0):
 def test_decode_attention_with_new_tokens_launch(monkeypatch):
     recorded = []
     monkeypatch.setattr(attention, "launch_kernel", lambda stream, kernel, grid, block, *args: recorded.append(
-        (kernel[1], grid, block, [kernel_arg(a) for a in args])))
+        (kernel, grid, block, [kernel_arg(a) for a in args])))
     decode_with_new_tokens(FakeLibrary())
-    [(name, grid, block, args)] = recorded
+    [((module, name), grid, block, args)] = recorded
+    assert module == "decode_attention_mha"
     assert (name, grid, block) == (f"paged_decode_attention_mha_new_hd{DECODE_HEAD_DIM}", (1, 1, 3), 128)
-    assert [type(a) for a in args] == parameter_types("decode_attention", name, macro="DECODE_NEW_ENTRY")
+    assert [type(a) for a in args] == parameter_types(module, name, macro="DECODE_NEW_ENTRY")
     assert args[-8] == BASE + 2 * HEADS * DECODE_HEAD_DIM and args[-7] == 3 * HEADS * DECODE_HEAD_DIM
 
 
@@ -325,11 +326,12 @@ def decode_with_query_partials(lib, splits=4, heads=HEADS, kv_heads=HEADS, rows=
 def test_decode_attention_with_query_partials_launch(monkeypatch, bias):
     recorded = []
     monkeypatch.setattr(attention, "launch_kernel", lambda stream, kernel, grid, block, *args: recorded.append(
-        (kernel[1], grid, block, [kernel_arg(a) for a in args])))
+        (kernel, grid, block, [kernel_arg(a) for a in args])))
     decode_with_query_partials(FakeLibrary(), bias=bias)
-    [(name, grid, block, args)] = recorded
+    [((module, name), grid, block, args)] = recorded
+    assert module == "decode_attention_mha"
     assert (name, grid, block) == (f"paged_decode_attention_mha_partial_q_hd{DECODE_HEAD_DIM}", (1, 1, 3), 128)
-    assert [type(a) for a in args] == parameter_types("decode_attention", name, macro="DECODE_PARTIAL_Q_ENTRY")
+    assert [type(a) for a in args] == parameter_types(module, name, macro="DECODE_PARTIAL_Q_ENTRY")
     width = HEADS * DECODE_HEAD_DIM
     # q's row stride (the partials' width), then the partials, one slice's elements, the count, the bias (or null)
     assert args[3] == width and args[-4:] == [BASE, 5 * width, 4, BASE + (1 << 20) if bias else 0]

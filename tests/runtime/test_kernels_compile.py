@@ -9,17 +9,17 @@ SOURCES = kernel_sources()
 
 
 def test_every_kernel_family_is_there():
-    assert {"embedding", "norm", "activation", "rope_kv", "decode_attention", "prefill_attention", "sampling", "beam", "beam_step",
-            "gemv"} <= set(SOURCES)
+    assert {"embedding", "norm", "activation", "rope_kv", "decode_attention", "decode_attention_mha",
+            "prefill_attention", "sampling", "beam", "beam_step", "gemv"} <= set(SOURCES)
 
 
 def test_headers_are_pasted_in_once():
-    # decode_attention.cu includes attention_tiles.cuh, which includes common.cuh: each appears once, no
-    # #include is left for NVRTC to resolve.
+    # decode_attention.cu includes decode_attention.cuh, which includes attention_tiles.cuh, which includes
+    # common.cuh: each appears once, no #include is left for NVRTC to resolve.
     source = SOURCES["decode_attention"]
     assert "#include" not in source
     assert source.count("__device__ __forceinline__ float bf16_to_float(") == 1
-    assert source.count("struct Tile {") == 1
+    assert source.count("struct Tile {") == 1 and source.count("struct DecodeArgs {") == 1
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -167,6 +167,13 @@ def beam_requests(inputs, encoder_decoder: bool, length_penalty, early_stopping,
     return requests
 
 
+def prompt_and_source(request: BeamRequest, encoder_decoder: bool) -> tuple[list[int], list[int] | None]:
+    """What transformers' generate is given for the request: the decoder prompt, and the source (encoder-decoders)."""
+    if encoder_decoder:
+        return [START, *request.decoder_prefix], list(request.src_tokens)
+    return list(request.prompt_tokens), None
+
+
 def compare_beams(engine, references, requests, eos, encoder_decoder: bool) -> tuple[int, int]:
     """Ours against transformers (check_hypotheses); returns (requests compared, requests in all)."""
     free = engine.blocks.num_free
@@ -174,10 +181,7 @@ def compare_beams(engine, references, requests, eos, encoder_decoder: bool) -> t
     assert engine.blocks.num_free == free
     compared = 0
     for request, result in zip(requests, results):
-        if encoder_decoder:
-            prompt, source = [START, *request.decoder_prefix], list(request.src_tokens)
-        else:
-            prompt, source = list(request.prompt_tokens), None
+        prompt, source = prompt_and_source(request, encoder_decoder)
         compared += check_hypotheses(result.hypotheses, references, prompt, request.params, eos, source)
     return compared, len(requests)
 
@@ -235,10 +239,7 @@ def test_the_search_over_our_bf16_logits_is_transformers_search(request, monkeyp
         results = engine.beam_generate(requests, eos, FILL)
     decided = 0
     for i, (beam_request, result) in enumerate(zip(requests, results)):
-        if encoder_decoder:
-            prompt, source = [START, *beam_request.decoder_prefix], list(beam_request.src_tokens)
-        else:
-            prompt, source = list(beam_request.prompt_tokens), None
+        prompt, source = prompt_and_source(beam_request, encoder_decoder)
         replayed = check_search(result.hypotheses, reference, recorder, i, prompt, beam_request.params, eos, source)
         expected = reference_hypotheses(reference, prompt, beam_request.params, eos, source=source)
         if [t for t, _ in replayed] == [t for t, _ in expected]:

@@ -1,5 +1,5 @@
-"""Launchers for cuda_kernels/decode_attention.cu (split along the context, flash-decoding) and
-prefill_attention.cu (flash-attention-2): causal attention over the paged KV cache, on tensor cores."""
+"""Launchers for cuda_kernels/decode_attention.cu and decode_attention_mha.cu (split along the context,
+flash-decoding) and prefill_attention.cu (flash-attention-2): causal attention over the paged KV cache."""
 
 import functools
 import math
@@ -10,14 +10,14 @@ import numpy as np
 from metrale.runtime.backend.cuda.launch import ceil_div, launch_kernel, require, require_aligned
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 
-DECODE_MODULE, PREFILL_MODULE = "decode_attention", "prefill_attention"
+DECODE_MODULE, MHA_MODULE, PREFILL_MODULE = "decode_attention", "decode_attention_mha", "prefill_attention"
 HEAD_DIMS = (32, 64, 128)
 BLOCK_SIZES = (16, 32, 64)     # powers of two dividing KV_TILE
 THREADS = 128                  # as in attention_tiles.cuh: 4 warps
 KV_TILE = 64                   # as in attention_tiles.cuh: keys per K/V tile
 PREFILL_ROWS = 64              # as in attention_tiles.cuh: query rows per prefill CTA
 MAX_DECODE_GROUP = 16          # decode: a kv group's query heads fill the 16 rows of one mma tile
-MHA_WARPS = 4                  # as in decode_attention.cu: heads (a warp each) per multi-head decode CTA
+MHA_WARPS = 4                  # as in decode_attention_mha.cu: heads (a warp each) per multi-head decode CTA
 # decode: a split's fixed cost (query load, pipeline fill, the warps' merge, the partial write) in the time of
 # one KV tile; fitted on an H200 to timings of 1 to 256 sequences x 1024 to 32768 keys (bench/gpu_attention.py).
 SPLIT_OVERHEAD_TILES = 6
@@ -175,7 +175,7 @@ def paged_decode_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_c
     if num_heads == num_kv_heads:   # a warp per head: an mma tile would fill one row in 16
         name = ("paged_decode_attention_mha_partial_q" if q_partials is not None else
                 "paged_decode_attention_mha_new" if new_tokens is not None else "paged_decode_attention_mha")
-        kernel, grid, block, heads = (lib.get(f"{name}_hd{head_dim}", DECODE_MODULE),
+        kernel, grid, block, heads = (lib.get(f"{name}_hd{head_dim}", MHA_MODULE),
                                       (splits, ceil_div(num_heads, MHA_WARPS), batch), 32 * MHA_WARPS, num_heads)
     else:                           # the group's query heads share each K/V tile: the rows of one mma tile
         kernel, grid, block, heads = (lib.get(f"paged_decode_attention_hd{head_dim}", DECODE_MODULE),
