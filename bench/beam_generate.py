@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="print the host time of the call's functions, by the host's clock (5 calls per batch)")
     parser.add_argument("--timeline", type=int, default=0,
                         help="print the first N lines of one call's host phases and device activity, in time order")
+    parser.add_argument("--prompt-by-token", action="store_true",
+                        help="run the decoder prompts a token a forward (decode graphs), not in one prefill graph")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -83,6 +85,9 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as directory:
         reference.save_pretrained(directory)
         engine, _ = build_engine(load_checkpoint(Path(directory)), EngineConfig(device=args.device))
+    if args.prompt_by_token:
+        for lane in engine.model.ops.lanes:
+            lane.prompt_graphs = None
     reference.to(args.device)
     log(f"{args.shape}: {sum(p.numel() for p in reference.parameters()) / 1e6:.0f} M parameters, {dtype}, "
         f"{args.device}")
@@ -151,15 +156,16 @@ def timeline_marks(engine) -> list[tuple[object, str]]:
     from metrale.runtime.models import m2m100
     ops = type(engine.model.ops)
     marks = [(runner.BeamCall, "run"), (runner.BeamCall, "_encode"), (runner.BeamCall, "_prefill"),
-            (runner.BeamCall, "_forward_by_token"), (runner, "build_decode_batch"), (runner, "device_search"),
-            (runner, "run_on_device"), (search.BeamGroup, "__init__"), (engine_module.Engine, "_reserve_beam_blocks"),
-            (engine_module.Engine, "_quiesce"), (m2m100.M2M100ForConditionalGeneration, "encode"),
-            (m2m100.M2M100ForConditionalGeneration, "forward"),
-            (ops, "run_forward"), (ops, "run_encoder"), (ops, "device_beam_search"), (lane.Lane, "prepare"),
-            (lane.Lane, "copy_to_device"), (lane.Lane, "beam_candidates"), (lane, "pack_batch"),
-            (beam_search.DeviceBeamSearch, "__init__"), (beam_search.DeviceBeamSearch, "step"),
-            (beam_search.DeviceBeamSearch, "_read"), (backend, "state_arrays"), (engine_module, "build_batch"),
-             (lane.Lane, "upload_lists"), (graphs.DecodeGraphs, "run"), (graphs.EncoderGraphs, "run"),
+             (runner.BeamCall, "_forward_by_token"), (runner.BeamCall, "_forward_whole"),
+             (runner, "build_decode_batch"), (runner, "device_search"), (runner, "run_on_device"),
+             (search.BeamGroup, "__init__"), (engine_module.Engine, "_reserve_beam_blocks"),
+             (engine_module.Engine, "_quiesce"), (m2m100.M2M100ForConditionalGeneration, "encode"),
+             (m2m100.M2M100ForConditionalGeneration, "forward"), (ops, "run_forward"), (ops, "run_encoder"),
+             (ops, "run_prefill"), (ops, "device_beam_search"), (lane.Lane, "prepare"),
+             (lane.Lane, "copy_to_device"), (lane.Lane, "beam_candidates"), (lane, "pack_batch"),
+             (beam_search.DeviceBeamSearch, "__init__"), (beam_search.DeviceBeamSearch, "step"),
+             (beam_search.DeviceBeamSearch, "_read"), (backend, "state_arrays"), (engine_module, "build_batch"),
+             (lane.Lane, "upload_lists"), (graphs.DecodeGraphs, "run"), (graphs.PrefillGraphs, "run"),
              (beam_search.DeviceBeamSearch, "_upload"), (lane.LaneCandidates, "host")]
     return [(owner, name) for owner, name in marks if hasattr(owner, name)]
 

@@ -161,7 +161,7 @@ class Engine:
         model = BeamModel(self._beam_forward, self._copy_kv, eos_token_ids, fill_token, config.vocab_size,
                           self._beam_encode if encoder_decoder else None,
                           config.decoder_start_token_id if encoder_decoder else None, self._beam_search_on_device,
-                          SHORT_PROMPT if len(requests) <= self.model.ops.decode_graph_rows else 0,
+                          self._short_prompt(len(requests)),
                           getattr(self.model, "position_padding_id", None))
         call = BeamCall(requests, self.limits, self.config.kv_block_size, model)
         pool = self._reserve_beam_blocks(call.blocks_needed())
@@ -175,6 +175,15 @@ class Engine:
             self._quiesce()
             with self._lock:
                 self.blocks.free(pool.ids)
+
+    def _short_prompt(self, requests: int) -> int:
+        """BeamModel.short_prompt: prompts of a few tokens run a token a forward where decode steps replay graphs,
+        unless the whole prompts' one forward replays a graph too (an encoder-decoder's, where the backend has
+        prefill graphs): one launch either way, and one forward instead of a few."""
+        ops = self.model.ops
+        if self.is_encoder_decoder and ops.prefill_graphs:
+            return 0
+        return SHORT_PROMPT if requests <= ops.decode_graph_rows else 0
 
     def _reserve_beam_blocks(self, needed: int) -> KvBlockManager:
         """The call's own pool: a reservation out of the engine's, whose blocks its beams share by reference."""

@@ -105,3 +105,30 @@ def test_pack_batch_pads_an_encoder_pass_to_its_graph():
     assert read(packed.prefill_tables) == [[3, 0, 0], [7, 0, 0], [0, 0, 0], [0, 0, 0]]
     assert read(packed.sample_rows) == [] and read(packed.decode_rows) == [] and read(packed.decode_contexts) == []
     assert (packed.num_tokens, packed.num_decode, packed.num_prefill, packed.max_prefill_query) == (8, 0, 4, 64)
+
+
+def test_pack_batch_pads_a_decoder_prompt_pass_and_its_samples():
+    """A prefill graph that samples (a decoder's prompts): each segment's last row, then row 0 up to the padded
+    count (those logits are computed and dropped); the cross batch pads alike and samples nothing."""
+    cuda_batch = pytest.importorskip("metrale.runtime.backend.cuda.batch")
+    from metrale.runtime.backend.cuda.tensor import DeviceTensor
+    region = DeviceTensor(1 << 32, (4096,), "int32")
+    prompts = [Segment(BlockTable([3]), 0, (2, 250), True, (BlockTable([9, 10]), 6)),
+               Segment(BlockTable([7]), 0, (2,), True, (BlockTable([11]), 3))]
+    batch = build_batch(prompts, BLOCK)
+    padding = cuda_batch.PrefillPadding(tokens=16, segments=4, max_query=2, sampled=4)
+    packed = cuda_batch.pack_batch(batch, region, max_blocks=3, prefill=padding)
+    cross = cuda_batch.pack_batch(batch.cross, region, max_blocks=3, prefill=padding._replace(sampled=0))
+
+    def read(packed, view):
+        offset = (view.ptr - region.ptr) // 4
+        return packed.host[offset:offset + view.numel].reshape(view.shape).tolist()
+    assert read(packed, packed.sample_rows) == [1, 2, 0, 0]
+    assert read(packed, packed.token_ids) == [2, 250, 2] + [0] * 13
+    assert read(packed, packed.prefill_lens) == [2, 1, 0, 0] and read(packed, packed.prefill_contexts) == [2, 1, 0, 0]
+    assert read(cross, cross.sample_rows) == [] and read(cross, cross.slot_mapping) == [-1] * 16
+    assert read(cross, cross.prefill_contexts) == [6, 3, 0, 0]
+    assert read(cross, cross.prefill_tables) == [[9, 10, 0], [11, 0, 0], [0, 0, 0], [0, 0, 0]]
+    assert (packed.num_tokens, packed.num_prefill, packed.max_prefill_query) == (16, 4, 2)
+    with pytest.raises(ValueError):     # fewer padded samples than the batch takes
+        cuda_batch.pack_batch(batch, region, max_blocks=3, prefill=padding._replace(sampled=1))

@@ -102,6 +102,17 @@ def test_beam_search_matches_transformers(models, length_penalty, early_stopping
     assert engine.blocks.num_free == free
 
 
+def generate_prefixed(engine, reference, eos, prefixes) -> None:
+    """A call of one request per decoder prefix (SOURCES in turn, 2, 3, .. beams), each as transformers' generate."""
+    requests = [BeamRequest(i, src_tokens=tuple(source), decoder_prefix=prefix,
+                            params=BeamParams(num_beams=2 + i, max_new_tokens=6, num_return_sequences=2))
+                for i, (source, prefix) in enumerate(zip(SOURCES, prefixes))]
+    for request, result in zip(requests, engine.beam_generate(requests, eos, FILL)):
+        expected = reference_hypotheses(reference, [START, *request.decoder_prefix], request.params, eos,
+                                        source=list(request.src_tokens))
+        assert_same(result.hypotheses, expected)
+
+
 def test_short_prompts_a_token_a_forward_match_transformers(models, monkeypatch):
     """Where decode forwards replay graphs, NLLB-style prompts (start token and a prefix) run a token a forward; a
     prompt holding the padding id (1), whose later positions transformers counts past it, runs in one forward.
@@ -120,13 +131,7 @@ def test_short_prompts_a_token_a_forward_match_transformers(models, monkeypatch)
                                      (((1, 7), (200,)), 3, 0)):
         query_lens.clear()
         counts.clear()
-        requests = [BeamRequest(i, src_tokens=tuple(source), decoder_prefix=prefix,
-                                params=BeamParams(num_beams=2 + i, max_new_tokens=6, num_return_sequences=2))
-                    for i, (source, prefix) in enumerate(zip(SOURCES, prefixes))]
-        for request, result in zip(requests, engine.beam_generate(requests, eos, FILL)):
-            expected = reference_hypotheses(reference, [START, *request.decoder_prefix], request.params, eos,
-                                            source=list(request.src_tokens))
-            assert_same(result.hypotheses, expected)
+        generate_prefixed(engine, reference, eos, prefixes)
         assert max(query_lens) == longest
         assert counts.count(0) == alone         # forwards run for their KV alone: no candidates taken
     assert engine.blocks.num_free == free
@@ -149,6 +154,25 @@ def test_the_search_is_transformers_search_over_our_logits(models, length_penalt
     for i, (request, result) in enumerate(zip(requests, results)):
         check_search(result.hypotheses, reference, recorder, i, [START, *request.decoder_prefix], request.params,
                      eos, source=list(request.src_tokens))
+
+
+def test_prompts_go_in_one_forward_where_the_backend_replays_prefill_graphs(models, monkeypatch):
+    """Where the backend replays prefill graphs (Ops.prefill_graphs), NLLB-style prompts run in one forward
+    through Ops.run_prefill even where decode steps replay graphs too; a prompt holding the padding id runs in one
+    forward without it (its positions are counted on the host). Both as transformers' generate."""
+    engine, _, reference, eos = models
+    ops = engine.model.ops
+    monkeypatch.setattr(ops, "decode_graph_rows", 256)
+    monkeypatch.setattr(ops, "prefill_graphs", True)
+    prefills, run_prefill = [], ops.run_prefill
+    monkeypatch.setattr(ops, "run_prefill", lambda forward, batch: prefills.append(list(batch.query_lens))
+                        or run_prefill(forward, batch))
+    free = engine.blocks.num_free
+    for prefixes, expected_prefills in ((((200,), (), (201, 5)), [[2, 1, 3]]), (((1, 7), (200,)), [])):
+        prefills.clear()
+        generate_prefixed(engine, reference, eos, prefixes)
+        assert prefills == expected_prefills
+    assert engine.blocks.num_free == free
 
 
 def test_prefill_and_decode_follow_transformers(models):

@@ -20,6 +20,7 @@ class CpuBackend:
     concurrent_forwards = True
     supports_beam = True
     decode_graph_rows = 0
+    prefill_graphs = False
 
     def __init__(self, dtype: str = "auto"):
         if dtype not in _DTYPES:
@@ -170,6 +171,9 @@ class CpuBackend:
 
     def run_encoder(self, encode, batch):
         encode(batch)
+
+    def run_prefill(self, forward, batch):
+        return forward(batch)
 
     def sample(self, logits, rows, on_queued=None):
         if on_queued is not None:   # the forward ran already: nothing is left to queue

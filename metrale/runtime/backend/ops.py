@@ -66,6 +66,8 @@ class Ops(Protocol):
     # The most rows a decode forward replays a CUDA graph for (the largest decode bucket: such a step costs the host
     # one launch, not one per kernel); 0: none.
     decode_graph_rows: int
+    # Whether run_prefill replays graphs (an encoder-decoder's short decoder prompts then cost one launch a forward).
+    prefill_graphs: bool
 
     def beam_candidates(self, logits: Tensor, banned: list[list[int]], count: int) -> Candidates:
         """Beam search's candidates: for each logits row, log_softmax in float32, its banned ids (transformers'
@@ -193,6 +195,11 @@ class Ops(Protocol):
     def run_encoder(self, encode: Callable[[ForwardBatch], None], batch: ForwardBatch) -> None:
         """encode(batch): an encoder-decoder's encoder pass, whose launches read the batch only through prepare()
         (so a backend may replay a graph captured for the batch's padded shape)."""
+
+    def run_prefill(self, forward: Callable[[ForwardBatch], Tensor], batch: ForwardBatch) -> Tensor:
+        """forward(batch): an encoder-decoder's decoder over segments of several tokens, whose launches read the
+        batch (and its cross batch) only through prepare(), so a backend may replay a graph captured for the
+        batch's padded shape (prefill_graphs); logits of batch.sample_rows, as run_forward's."""
 
     def sample(self, logits: Tensor, rows: list, on_queued: Callable[[], None] | None = None) -> "SampleResult":
         """The next token of each row (runtime/sampling's rule), its logprob, top-n and, where asked, the raw

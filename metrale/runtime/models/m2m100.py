@@ -145,15 +145,23 @@ class M2M100ForConditionalGeneration:
 
     def forward(self, batch: ForwardBatch, kv_cache: list) -> torch.Tensor:
         """The decoder over every token of the batch; logits [N, vocab] of batch.sample_rows. batch.cross holds
-        the same rows over their sources' cross-attention blocks, written by encode()."""
-        ops, c, w = self.ops, self.config, self.weights
+        the same rows over their sources' cross-attention blocks, written by encode(). Positions come from the
+        device metadata for decode rows (the backend's decode graphs capture them) and for segments without a
+        padding id, whose forward the backend may replay as a graph (Ops.run_prefill); transformers' positions
+        past a padding id are counted on the host."""
         if batch.cross is None:
             raise InvalidArgument("an encoder-decoder forward needs its sources' cross-attention blocks")
+        if all(n == 1 for n in batch.query_lens):
+            return self._decode(batch, kv_cache, host_positions=False)
+        if bool((batch.token_ids == self.config.pad_token_id).any()):
+            return self._decode(batch, kv_cache, host_positions=True)
+        return self.ops.run_prefill(lambda b: self._decode(b, kv_cache, host_positions=False), batch)
+
+    def _decode(self, batch: ForwardBatch, kv_cache: list, host_positions: bool) -> torch.Tensor:
+        ops, c, w = self.ops, self.config, self.weights
         meta, cross = ops.prepare(batch), ops.prepare(batch.cross, cross=True)
-        if all(n == 1 for n in batch.query_lens):     # decode rows: from the device metadata (a graph captures it)
-            positions = ops.fairseq_position_ids(meta, c.pad_token_id)
-        else:
-            positions = ops.device_ids(self._positions(batch))
+        positions = (ops.device_ids(self._positions(batch)) if host_positions
+                     else ops.fairseq_position_ids(meta, c.pad_token_id))
         x, residual = ops.embedding(w["embed"], meta.token_ids), ops.embedding(self.positions, positions)
         scale, eps = c.head_dim ** -0.5, c.layer_norm_eps
         fc2 = None          # the layer before's: its output goes only into this layer's first norm

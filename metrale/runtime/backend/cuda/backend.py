@@ -16,7 +16,7 @@ from metrale.runtime.backend.cuda.compiler import KernelCache, KernelLibrary
 from metrale.runtime.backend.cuda.device import ALIGNMENT, Arena, CudaDevice
 from metrale.runtime.backend.cuda.gemm import CublasLt
 from metrale.runtime.backend.cuda.gemm_tuning import AlgoTuner
-from metrale.runtime.backend.cuda.graphs import DecodeGraphs, EncoderGraphs, no_collection
+from metrale.runtime.backend.cuda.graphs import DecodeGraphs, PrefillGraphs, no_collection
 from metrale.runtime.backend.cuda.lane import (Lane, LaneBinding, LaneCandidates, lane_buffers, lane_bytes,
                                                 padded_vocab)
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
@@ -168,7 +168,8 @@ class CudaBackend:
                     self._tune_linears(lane, forward)
                 lane.graphs.capture_all(forward)
                 if max_source_len:      # captured as their shapes come
-                    lane.encoder_graphs = EncoderGraphs(lane)
+                    lane.encoder_graphs = PrefillGraphs.encoder(lane)
+                    lane.prompt_graphs = PrefillGraphs.prompts(lane)
         finally:
             self._bound.lane = caller
 
@@ -197,6 +198,15 @@ class CudaBackend:
         else:
             lane.encoder_graphs.run(encode, batch)
 
+    @property
+    def prefill_graphs(self) -> bool:
+        return self._bound.lane.prompt_graphs is not None
+
+    def run_prefill(self, forward, batch: ForwardBatch) -> DeviceTensor:
+        lane = self._bound.lane
+        self.cuda.ensure_current()
+        return forward(batch) if lane.prompt_graphs is None else lane.prompt_graphs.run(forward, batch)
+
     def sample(self, logits: DeviceTensor, rows, on_queued=None) -> SampleResult:
         return self._bound.lane.sampler.sample(logits, rows, on_queued)
 
@@ -212,7 +222,8 @@ class CudaBackend:
     def counters(self) -> dict[str, int]:
         return {"kernel_cache_hits": self.lib.cache.hits, "kernel_cache_misses": self.lib.cache.misses,
                 "graph_replays": sum(graphs.replays for lane in self.lanes
-                                     for graphs in (lane.graphs, lane.encoder_graphs) if graphs is not None)}
+                                     for graphs in (lane.graphs, lane.encoder_graphs, lane.prompt_graphs)
+                                     if graphs is not None)}
 
     def device_beam_search(self, search: DeviceSearch, forward, kv_cache: list) -> DeviceBeamSearch | None:
         lane = self._bound.lane

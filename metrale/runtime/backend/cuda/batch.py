@@ -35,10 +35,12 @@ class CudaBatch:
 
 
 class PrefillPadding(NamedTuple):
-    """The fixed shapes of a prefill graph (an encoder pass): rows, segments, and the longest segment planned."""
+    """The fixed shapes of a prefill graph (an encoder pass, a decoder's short prompts): rows, segments, the longest
+    segment planned, and the sampled rows (0: none)."""
     tokens: int
     segments: int
     max_query: int
+    sampled: int = 0
 
 
 def pack_batch(batch: ForwardBatch, region: DeviceTensor, max_blocks: int, pad_to: int = 0,
@@ -47,7 +49,8 @@ def pack_batch(batch: ForwardBatch, region: DeviceTensor, max_blocks: int, pad_t
     decode (one token per segment, each sampled) and is padded to pad_to lanes that read and write nothing
     (context 0, KV slot -1), every lane sampled, in order: the fixed shapes of a decode graph. prefill: every
     segment goes to the prefill kernel (one-token ones too), padded to prefill.tokens rows (token 0, KV slot -1)
-    and prefill.segments segments of no rows and no context, attention planned for prefill.max_query rows."""
+    and prefill.segments segments of no rows and no context, attention planned for prefill.max_query rows, the
+    sampled rows padded to prefill.sampled with row 0 (at least as many as the batch samples)."""
     lens, starts, contexts, n = batch.query_lens, batch.query_starts, batch.context_lens, batch.num_tokens
     if pad_to:
         single, multi, pad = range(len(lens)), (), pad_to - n
@@ -60,7 +63,7 @@ def pack_batch(batch: ForwardBatch, region: DeviceTensor, max_blocks: int, pad_t
     decode, segments = len(single), len(multi)
     decode_rows = decode + (pad if pad_to else 0)
     prefill_rows = segments + (prefill.segments - segments if prefill else 0)
-    rows, sampled = n + pad, pad_to or len(batch.sample_rows)
+    rows, sampled = n + pad, pad_to or (prefill.sampled if prefill else len(batch.sample_rows))
     # name: shape; the parts back to back in this order, one int32 image
     shapes = {"token_ids": (rows,), "positions": (rows,), "slot_mapping": (rows,), "sample_rows": (sampled,),
               "decode_rows": (decode_rows,), "decode_contexts": (decode_rows,),
@@ -82,7 +85,10 @@ def pack_batch(batch: ForwardBatch, region: DeviceTensor, max_blocks: int, pad_t
     slots = part("slot_mapping")
     slots[:n] = batch.slot_mapping.numpy()
     slots[n:] = -1
-    part("sample_rows")[:] = np.arange(pad_to) if pad_to else batch.sample_rows.numpy()
+    if pad_to:
+        part("sample_rows")[:] = np.arange(pad_to)
+    else:
+        part("sample_rows")[:len(batch.sample_rows)] = batch.sample_rows.numpy()
     part("decode_rows")[:] = np.arange(pad_to) if pad_to else [starts[i] for i in single]
     if decode:
         part("decode_contexts")[:decode] = [contexts[i] for i in single]

@@ -6,7 +6,8 @@ bucket with lanes that read and write nothing (context 0, KV slot -1), the metad
 region with the same layout, the activation workspace is reset to the same addresses, and attention is
 planned for max_model_len so its split count does not depend on the lanes' contexts. An encoder-decoder's
 graphs hold its cross-attention batch too, padded alike in its own region and planned for the longest source.
-Its encoder passes replay graphs too (EncoderGraphs): one per padded shape of rows, sources and longest source.
+Its encoder passes and its decoder's prompts replay graphs too (PrefillGraphs): one per padded shape of rows,
+segments, longest segment and sampled rows.
 """
 
 import contextlib
@@ -116,45 +117,57 @@ class DecodeGraphs:
         return capture(self.lane, lambda: forward(batch), prepared)
 
 
-class EncoderGraphs:
-    """An encoder-decoder's encoder passes on one lane as CUDA graphs, one per padded shape, captured on first use:
-    the rows, the sources and the longest source, each rounded up to a power of two (at least MIN_ROWS, 1 and
-    MIN_ROWS). Padding rows write no KV (slot -1), padding sources have no rows and no context. An eager pass is
-    ~150 launches (~6 ms of host time at 16 sources on the H200's host); a replay is one launch."""
+class PrefillGraphs:
+    """Prefill-shaped forwards on one lane as CUDA graphs, one per padded shape, captured on first use: an
+    encoder-decoder's encoder passes (PrefillGraphs.encoder) and its decoder's prompts (PrefillGraphs.prompts: a
+    beam search's start and target-language tokens). The rows, the segments, the longest segment and the sampled
+    rows are each rounded up to a power of two (at least min_rows, 1, min_query and 1). Padding rows write no KV
+    (slot -1), padding segments have no rows and no context, padding samples read row 0 (their logits are
+    computed, not returned). An eager pass is ~150 launches (~6 ms of host time at 16 sources on the H200's host);
+    a replay is one launch."""
 
-    MIN_ROWS = 64
-
-    def __init__(self, lane):
-        self.lane = lane
-        self._graphs: dict[PrefillPadding, object] = {}
+    def __init__(self, lane, min_rows: int, min_query: int):
+        self.lane, self.min_rows, self.min_query = lane, min_rows, min_query
+        self._graphs: dict[PrefillPadding, tuple[object, object]] = {}
         self.replays = 0
 
+    @classmethod
+    def encoder(cls, lane) -> "PrefillGraphs":
+        return cls(lane, min_rows=64, min_query=64)
+
+    @classmethod
+    def prompts(cls, lane) -> "PrefillGraphs":
+        """A few tokens a segment: rows from 16, segments planned for their own length."""
+        return cls(lane, min_rows=16, min_query=1)
+
     def padding(self, batch: ForwardBatch) -> PrefillPadding | None:
-        """The graph shape the batch pads to, or None where the padded rows or sources exceed the lane's plan, or
-        where the batch samples rows: an encoder samples nothing, and the sampled rows' count is not part of the
-        shape, so the metadata laid out after them would move between batches of one graph."""
-        if len(batch.sample_rows):
-            return None
-        shapes = self.lane.shapes
-        padding = PrefillPadding(_power_of_two(max(batch.num_tokens, self.MIN_ROWS)),
+        """The graph shape the batch pads to, or None where the padded rows, segments or sampled rows exceed the
+        lane's plan, or where a segment samples more than its last row."""
+        shapes, sampled = self.lane.shapes, len(batch.sample_rows)
+        padding = PrefillPadding(_power_of_two(max(batch.num_tokens, self.min_rows)),
                                  _power_of_two(len(batch.query_lens)),
-                                 _power_of_two(max(max(batch.query_lens, default=1), self.MIN_ROWS)))
-        if padding.tokens > shapes.max_batch_tokens or padding.segments > shapes.max_seqs:
+                                 _power_of_two(max(max(batch.query_lens, default=1), self.min_query)),
+                                 _power_of_two(sampled) if sampled else 0)
+        if (padding.tokens > shapes.max_batch_tokens or max(padding.segments, padding.sampled) > shapes.max_seqs
+                or sampled > len(batch.query_lens)):
             return None
         return padding
 
-    def run(self, encode: Callable[[ForwardBatch], None], batch: ForwardBatch) -> None:
-        """encode(batch) from its shape's graph, or eagerly where no graph shape fits."""
+    def run(self, forward: Callable[[ForwardBatch], object], batch: ForwardBatch):
+        """forward(batch) from its shape's graph, or eagerly where no graph shape fits: what forward returns (the
+        sampled rows' logits, where it samples). A cross batch (batch.cross) pads as the batch, sampling none."""
         padding = self.padding(batch)
         if padding is None:
-            encode(batch)
-            return
+            return forward(batch)
         prepared = self.lane.prepare(batch, prefill=padding)
-        graph = self._graphs.get(padding)
-        if graph is None:
-            graph = self._graphs[padding] = capture(self.lane, lambda: encode(batch), (prepared, None))[0]
+        cross = (None if batch.cross is None
+                 else self.lane.prepare(batch.cross, cross=True, prefill=padding._replace(sampled=0)))
+        if padding not in self._graphs:
+            self._graphs[padding] = capture(self.lane, lambda: forward(batch), (prepared, cross))
+        graph, out = self._graphs[padding]
         graph.launch(self.lane.stream)
         self.replays += 1
+        return out.rows(0, len(batch.sample_rows)) if padding.sampled else out
 
 
 def _power_of_two(n: int) -> int:

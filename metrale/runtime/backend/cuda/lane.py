@@ -13,7 +13,7 @@ from cuda.core import EventOptions, StreamOptions
 from metrale.runtime.backend.cuda import kernels
 from metrale.runtime.backend.cuda.batch import CudaBatch, PrefillPadding, metadata_elements, pack_batch
 from metrale.runtime.backend.cuda.device import ALIGNMENT, Arena, CudaDevice, RingArena
-from metrale.runtime.backend.cuda.graphs import DecodeGraphs, EncoderGraphs
+from metrale.runtime.backend.cuda.graphs import DecodeGraphs, PrefillGraphs
 from metrale.runtime.backend.cuda.sampler import OUT_WORDS, DeviceSampler
 from metrale.runtime.backend.cuda.tensor import DTYPES, DeviceTensor
 from metrale.runtime.backend.ops import LM_HEAD_PADDING_ROWS, MemoryShapes
@@ -99,7 +99,8 @@ class Lane:
         # A beam search step's done flags (and fault flag), copied back while the next step runs: two steps' worth.
         self.beam_flags = cuda.pinned((2, shapes.max_seqs + 1), "int32")
         self.graphs: DecodeGraphs | None = None
-        self.encoder_graphs: EncoderGraphs | None = None
+        self.encoder_graphs: PrefillGraphs | None = None
+        self.prompt_graphs: PrefillGraphs | None = None
         self._pending = []   # host arrays the stream's copies read, kept until the stream is synchronized
         self._prepared: CudaBatch | None = None
         self._prepared_cross: CudaBatch | None = None
@@ -111,13 +112,13 @@ class Lane:
 
     def prepare(self, batch: ForwardBatch, pad_to: int = 0, cross: bool = False,
                 prefill: PrefillPadding | None = None) -> CudaBatch:
-        """The batch's metadata on the device (pad_to: a decode graph's padded lanes; prefill: an encoder graph's
+        """The batch's metadata on the device (pad_to: a decode graph's padded lanes; prefill: a prefill graph's
         padded shapes; see pack_batch); starts the forward's ring over. cross=True: the forward's second batch, in
         its own region; the ring goes on."""
         if self._prepared is not None:      # capturing: the batch already in place
             return self._prepared_cross if cross else self._prepared
         rows = max(pad_to, prefill.tokens if prefill else 0, batch.num_tokens)
-        segments = max(pad_to, prefill.segments if prefill else 0, len(batch.sample_rows))
+        segments = max(pad_to, len(batch.sample_rows), *((prefill.segments, prefill.sampled) if prefill else ()))
         if rows > self.shapes.max_batch_tokens or segments > self.shapes.max_seqs:
             raise InvalidArgument("the forward is larger than the memory plan")
         region = self.cross_metadata if cross else self.metadata
