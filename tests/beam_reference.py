@@ -141,6 +141,14 @@ class LogitsRecorder:
             self.rows[(source, prefix)] = values_row.clone()
 
 
+def round_logits_to_bf16(engine, monkeypatch) -> None:
+    """The engine's forwards give their logits rounded to bf16, as the GPU's are (and LogitsRecorder records them
+    so): equal logits are common then, and a search must rank them as the replay does (ties to the lower index)."""
+    run_forward = engine.model.ops.run_forward
+    monkeypatch.setattr(engine.model.ops, "run_forward",
+                        lambda forward, batch: run_forward(forward, batch).to(torch.bfloat16).float())
+
+
 def replayed_hypotheses(model, recorder: LogitsRecorder, request: int, prompt, params: BeamParams, eos,
                         source=None) -> list[tuple[list[int], float]]:
     """reference_hypotheses with the model's forward answering every step from the logits our engine computed for

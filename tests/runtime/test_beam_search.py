@@ -9,13 +9,15 @@ import itertools
 import pytest
 import torch
 
+from metrale.runtime.beam.candidates import best_first
 from metrale.runtime.beam.params import BeamParams, BeamRequest
 from metrale.runtime.beam.runner import SHORT_PROMPT
 from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.errors import Cancelled, DeviceFault, InvalidArgument, OutOfKvBlocks
 from metrale.runtime.loading import load_checkpoint
-from beam_reference import FILL, LogitsRecorder, assert_same, check_search, reference_hypotheses
+from beam_reference import (FILL, LogitsRecorder, assert_same, check_search, reference_hypotheses,
+                            round_logits_to_bf16)
 from tiny_models import load_reference, write_tiny
 
 PROMPTS = [[5, 17, 99, 3, 42], [7, 8, 150, 33, 61, 2, 90, 14, 77, 101, 12], [250], [4, 66, 31, 9, 180, 44, 71] * 3]
@@ -114,10 +116,14 @@ def test_short_prompts_of_more_requests_than_a_decode_graph_holds_run_in_one_for
 
 
 @pytest.mark.parametrize("length_penalty, early_stopping", [(0.0, "never"), (2.0, True)])
-def test_the_search_is_transformers_search_over_our_logits(models, length_penalty, early_stopping):
+@pytest.mark.parametrize("rounded", [False, True])
+def test_the_search_is_transformers_search_over_our_logits(models, monkeypatch, length_penalty, early_stopping,
+                                                           rounded):
     """Decoder-only prompts (distinct, as LogitsRecorder needs): transformers' generate over the logits our
-    forwards computed gives every request our hypotheses."""
+    forwards computed gives every request our hypotheses; rounded: over bf16-rounded logits, ties and all."""
     engine, reference, eos = models
+    if rounded:
+        round_logits_to_bf16(engine, monkeypatch)
     requests = [BeamRequest(i, prompt_tokens=tuple(prompt), params=BeamParams(
         num_beams=beams, max_new_tokens=5 + 3 * i, min_new_tokens=i % 3, length_penalty=length_penalty,
         early_stopping=early_stopping, no_repeat_ngram_size=3 * (i % 2), num_return_sequences=max(1, beams - 1)))
@@ -227,3 +233,16 @@ def test_the_prompt_pass_hands_over_a_device_search(models, monkeypatch):
     arrays = state_arrays(search, max_blocks=64)
     assert arrays["running"].shape == (2, 9, search.max_len) and arrays["done"].shape == (5,)
     assert arrays["running"][1, 4, :len(PROMPTS[2])].tolist() == PROMPTS[2]
+
+
+def test_best_first_breaks_ties_to_the_lower_index():
+    """The host search's and the CPU candidates' top-k (best_first) ranks as a stable descending sort, as the CUDA
+    kernels and the replayed transformers search do, NaN-free rows with many ties and -inf rows alike."""
+    generator = torch.Generator().manual_seed(0)
+    for n in (1, 2, 7, 40):
+        values = torch.randint(-3, 3, (5, n), generator=generator).float()
+        values[0] = -torch.inf
+        for k in range(1, n + 1):
+            expected = torch.sort(values, dim=-1, descending=True, stable=True)
+            ours = best_first(values, k)
+            assert torch.equal(ours[0], expected.values[:, :k]) and torch.equal(ours[1], expected.indices[:, :k])

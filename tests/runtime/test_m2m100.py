@@ -18,7 +18,8 @@ from metrale.runtime.errors import FailedPrecondition, InvalidArgument, OutOfKvB
 from metrale.runtime.loading import load_checkpoint
 from metrale.runtime.sequence import BlockTable
 from metrale.runtime.step import DecodeLane, PrefillSlice, Step
-from beam_reference import FILL, LogitsRecorder, assert_same, check_search, reference_hypotheses
+from beam_reference import (FILL, LogitsRecorder, assert_same, check_search, reference_hypotheses,
+                            round_logits_to_bf16)
 from gateway_loop import forced_then_greedy
 from tiny_models import load_m2m100_reference, write_tiny_m2m100
 
@@ -138,11 +139,16 @@ def test_short_prompts_a_token_a_forward_match_transformers(models, monkeypatch)
 
 
 @pytest.mark.parametrize("length_penalty, early_stopping", [(0.0, True), (1.0, False), (2.0, "never")])
-def test_the_search_is_transformers_search_over_our_logits(models, length_penalty, early_stopping):
+@pytest.mark.parametrize("rounded", [False, True])
+def test_the_search_is_transformers_search_over_our_logits(models, monkeypatch, length_penalty, early_stopping,
+                                                           rounded):
     """The logits each of our forwards computed, recorded by prefix (LogitsRecorder) and replayed through
     transformers' generate, give every request our hypotheses. On the CPU those logits are transformers' own as
-    well; on the GPU the same check separates the search from bf16 rounding (test_cuda_beam.py)."""
+    well; on the GPU the same check separates the search from bf16 rounding (test_cuda_beam.py). rounded: the
+    logits rounded to bf16 first (round_logits_to_bf16), whose ties the search must break as the replay does."""
     engine, _, reference, eos = models
+    if rounded:
+        round_logits_to_bf16(engine, monkeypatch)
     requests = [BeamRequest(i, src_tokens=tuple(source), decoder_prefix=((), (200,), (201, 5))[i % 3],
                             params=BeamParams(num_beams=beams, max_new_tokens=6 + 2 * i, min_new_tokens=i % 3,
                                               length_penalty=length_penalty, early_stopping=early_stopping,

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from metrale.runtime.backend.ops import RopeTable, rope_then_attention
 from metrale.runtime.batch import ForwardBatch
-from metrale.runtime.beam.candidates import HostCandidates
+from metrale.runtime.beam.candidates import HostCandidates, best_first
 from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.sampling import sample
 
@@ -43,7 +43,7 @@ class CpuBackend:
             inside = [i for i in ids if 0 <= i < vocab]
             if inside:
                 log_probs[row, inside] = -math.inf
-        return HostCandidates(*torch.topk(log_probs, k=min(count, vocab), dim=-1))
+        return HostCandidates(*best_first(log_probs, min(count, vocab)))
 
     def counters(self) -> dict[str, int]:
         return {"kernel_cache_hits": 0, "kernel_cache_misses": 0, "graph_replays": 0}

@@ -25,6 +25,20 @@ class HostCandidates:
         return self.values, self.ids
 
 
+def best_first(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(values, k) along the last dim with ties to the lower index, as the CUDA kernels rank (torch leaves
+    the order of equal values open, and bf16 logits tie often): the values and their indices, best first."""
+    if bool(torch.isnan(values).any()):     # torch ranks NaN first; finite() refuses such rows
+        return tuple(torch.topk(values, k, dim=-1))
+    kth = torch.topk(values, k, dim=-1).values[..., -1:]
+    above, level = values > kth, values == kth
+    # every value above the k-th, then the lowest-indexed of those equal to it until k are taken
+    taken = above | (level & (level.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
+    indices = taken.nonzero()[:, -1].reshape(*values.shape[:-1], k)
+    order = torch.sort(values.gather(-1, indices), dim=-1, descending=True, stable=True)
+    return order.values, indices.gather(-1, order.indices)
+
+
 def rows_of(found: list[tuple[Candidates, int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """values, ids [len(found), count]: row `row` of each (candidates, row), as the host reads them."""
     rows = [tuple(part[row] for part in candidates.host()) for candidates, row in found]

@@ -25,6 +25,7 @@ as in transformers.
 import numpy as np
 import torch
 
+from metrale.runtime.beam.candidates import best_first
 from metrale.runtime.beam.params import BeamParams
 
 NEG = -1.0e9
@@ -85,7 +86,7 @@ class BeamGroup:
             return self._greedy_step(values[:, :, 0], ids[:, :, 0])
         rows, k, cur = len(self.params), self.num_beams, self.cur_len
         scores = (values[:, :, :self.keep] + self.running_scores[:, :, None]).reshape(rows, -1)
-        top_log_probs, top_indices = torch.topk(scores, k=self.keep)
+        top_log_probs, top_indices = best_first(scores, self.keep)
         top_beams = top_indices // self.keep
         top_ids = ids[:, :, :self.keep].reshape(rows, -1).gather(1, top_indices)
         top_sequences = self.running.gather(1, top_beams[:, :, None].expand(-1, -1, self.running.shape[2])).clone()
@@ -94,7 +95,7 @@ class BeamGroup:
 
         # The next running beams: the best that did not stop.
         running_log_probs = top_log_probs + stops.to(torch.float32) * NEG
-        chosen = torch.topk(running_log_probs, k=k)[1]
+        chosen = best_first(running_log_probs, k)[1]
         self.running = top_sequences.gather(1, chosen[:, :, None].expand(-1, -1, top_sequences.shape[2]))
         self.running_scores = running_log_probs.gather(1, chosen)
         parents = top_beams.gather(1, chosen)
@@ -107,7 +108,7 @@ class BeamGroup:
         candidates = self._penalized(top_log_probs, [self.steps + 1] * rows)
         candidates += (~just_finished) * NEG
         scores = torch.cat((self.scores, candidates), dim=1)
-        best = torch.topk(scores, k=k)[1]
+        best = best_first(scores, k)[1]
         self.sequences = torch.cat((self.sequences, top_sequences), dim=1).gather(
             1, best[:, :, None].expand(-1, -1, self.sequences.shape[2]))
         self.scores = scores.gather(1, best)
