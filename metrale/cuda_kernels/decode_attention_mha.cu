@@ -86,6 +86,35 @@ __device__ __forceinline__ void paged_decode_attention_mha(const DecodeArgs& a, 
     const int lo = keys.lo, hi = keys.hi;
     if (lo >= hi) return;
 
+    const long long slot_elems = (long long)num_heads * HEAD_DIM;     // one token's K (or V) of every head
+    const bf16* k_plane = a.kv_cache + (long long)head * HEAD_DIM;
+    const bf16* v_plane = k_plane + a.plane_elems + lane * DIMS;
+    const int* block_table = a.block_tables + (long long)seq * a.max_blocks;
+    const int block_mask = (1 << a.block_shift) - 1;
+    const bool holds_new = FRESH && hi == context;
+    // A chunk's loads: lane l's key base + l (its slot and K row) and its dims of every key's V row, all issued at
+    // once; zeros past hi and for the new token (FRESH), which is never read from the cache.
+    const auto load_chunk = [&](int base, uint4 (&k)[K_LOADS], typename V::Load (&v)[32]) {
+        const int key = base + lane, newest = holds_new ? context - 1 - base : -1;
+        const bool live = key < hi;
+        const int slot = live ? (block_table[key >> a.block_shift] << a.block_shift) + (key & block_mask) : 0;
+        const uint4* k_row = reinterpret_cast<const uint4*>(k_plane + slot * slot_elems);
+#pragma unroll
+        for (int c = 0; c < K_LOADS; ++c) k[c] = live && lane != newest ? k_row[c] : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+            const int slot_j = __shfl_sync(0xffffffffu, slot, j);
+            v[j] = base + j < hi && j != newest
+                       ? *reinterpret_cast<const typename V::Load*>(v_plane + slot_j * slot_elems)
+                       : typename V::Load();
+        }
+    };
+    // The first chunk's loads go out before the query's and the new token's write, so that their round trips
+    // to memory overlap (the write cannot be passed by a later load, which might alias it).
+    uint4 k[K_LOADS];
+    typename V::Load v[32];
+    load_chunk(lo, k, v);
+
     const bf16* query_row = a.q + row * a.q_stride + (long long)head * HEAD_DIM;
     constexpr int HALF = HEAD_DIM / 2;
     const float* cos_row = nullptr;
@@ -126,18 +155,12 @@ __device__ __forceinline__ void paged_decode_attention_mha(const DecodeArgs& a, 
         for (int d = lane; d < HEAD_DIM; d += 32) query[warp][d] = bf16_to_float(query_row[d]) * a.scale_log2;
     }
     __syncwarp();
-    const long long slot_elems = (long long)num_heads * HEAD_DIM;     // one token's K (or V) of every head
-    const bf16* k_plane = a.kv_cache + (long long)head * HEAD_DIM;
-    const bf16* v_plane = k_plane + a.plane_elems + lane * DIMS;
-    const int* block_table = a.block_tables + (long long)seq * a.max_blocks;
-    const int block_mask = (1 << a.block_shift) - 1;
 
     // The new token (FRESH), in the split that holds its key (context - 1): the warp rotates the key a word pair a
     // lane (dims 2i, 2i + 1 and their partners HALF on), keeps it for the lane that scores it, and writes the key
     // and each lane's dims of the value into the cache. The value is added after the chunk's others: it is last.
     __shared__ __align__(16) unsigned new_key[FRESH ? MHA_WARPS : 1][HEAD_DIM / 2];
     typename V::Load new_value = typename V::Load();
-    const bool holds_new = FRESH && hi == context;
     if (holds_new) {
         const int new_slot = fresh.slots[row];
         const long long column = (long long)head * HEAD_DIM;
@@ -165,26 +188,13 @@ __device__ __forceinline__ void paged_decode_attention_mha(const DecodeArgs& a, 
 #pragma unroll
     for (int i = 0; i < DIMS; ++i) acc[i] = 0.f;
     for (int base = lo; base < hi; base += 32) {
-        const int key = base + lane;
-        const bool live = key < hi;
-        const int slot = live ? (block_table[key >> a.block_shift] << a.block_shift) + (key & block_mask) : 0;
+        if (base != lo) load_chunk(base, k, v);
+        const bool live = base + lane < hi;
         const int newest = holds_new ? context - 1 - base : -1;    // the new token's place in the chunk
         const bool new_here = newest >= 0 && newest < 32;
-        uint4 k[K_LOADS];
-        const uint4* k_row = reinterpret_cast<const uint4*>(k_plane + slot * slot_elems);
-#pragma unroll
-        for (int c = 0; c < K_LOADS; ++c) k[c] = live && lane != newest ? k_row[c] : make_uint4(0u, 0u, 0u, 0u);
         if (lane == newest) {
 #pragma unroll
             for (int c = 0; c < K_LOADS; ++c) k[c] = reinterpret_cast<const uint4*>(new_key[warp])[c];
-        }
-        typename V::Load v[32];
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-            const int slot_j = __shfl_sync(0xffffffffu, slot, j);
-            v[j] = base + j < hi && j != newest
-                       ? *reinterpret_cast<const typename V::Load*>(v_plane + slot_j * slot_elems)
-                       : typename V::Load();
         }
         const float4* qv = reinterpret_cast<const float4*>(query[warp]);
         float dot = 0.f;
