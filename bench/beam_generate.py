@@ -27,6 +27,7 @@ from bench.timeline import host_costs, timeline
 from metrale.runtime.beam.params import BeamParams, BeamRequest
 from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
+from metrale.runtime.lanes import DeviceLanes
 from metrale.runtime.loading import load_checkpoint
 
 SHAPES = {
@@ -70,6 +71,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="print the host time of the call's functions, by the host's clock (5 calls per batch)")
     parser.add_argument("--timeline", type=int, default=0,
                         help="print the first N lines of one call's host phases and device activity, in time order")
+    parser.add_argument("--lanes", type=int, default=1,
+                        help="split each call's requests over this many device lanes (streams), run at once")
     parser.add_argument("--prompt-by-token", action="store_true",
                         help="run the decoder prompts a token a forward (decode graphs), not in one prefill graph")
     args = parser.parse_args(argv)
@@ -84,7 +87,9 @@ def main(argv: list[str] | None = None) -> dict:
     reference = transformers.M2M100ForConditionalGeneration(config).to(dtype).eval()
     with tempfile.TemporaryDirectory() as directory:
         reference.save_pretrained(directory)
-        engine, _ = build_engine(load_checkpoint(Path(directory)), EngineConfig(device=args.device))
+        engine, _ = build_engine(load_checkpoint(Path(directory)),
+                                 EngineConfig(device=args.device, num_streams=args.lanes))
+    lanes = DeviceLanes(args.lanes, on_thread_start=engine.bind_lane) if args.lanes > 1 else None
     if args.prompt_by_token:
         for lane in engine.model.ops.lanes:
             lane.prompt_graphs = None
@@ -106,7 +111,13 @@ def main(argv: list[str] | None = None) -> dict:
         decoder_input = torch.tensor([[START, target_language]] * batch, device=args.device)
 
         def ours_call():
-            return engine.beam_generate(requests, (EOS,), PAD)
+            if lanes is None:
+                return engine.beam_generate(requests, (EOS,), PAD)
+            parts = [requests[i::args.lanes] for i in range(args.lanes)]
+            futures = [lanes.submit(i, [], lambda part=part: engine.beam_generate(part, (EOS,), PAD))
+                       for i, part in enumerate(parts) if part]
+            found = {r.request_id: r for future in futures for r in future.result()[0]}
+            return [found[r.request_id] for r in requests]
 
         def generate():
             with torch.no_grad():
