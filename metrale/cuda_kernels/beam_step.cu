@@ -235,9 +235,11 @@ __device__ __forceinline__ void release_block(const BeamState& s, int block) {
 // token's position is prompt_len + generated). As runtime/beam/runner.py's _fork: a parent no child continues
 // releases its blocks, one that several continue gains holders; then each child takes a fresh block where its
 // token starts one, and where it writes into a partly filled block another beam also holds, a copy of its filled
-// slots (all but the last child of a parent copy). All releases happen before any block is taken.
+// slots (all but the last child of a parent copy). All releases happen before any block is taken. Last, every
+// request's done flag and the fault flag (done[0, num_requests], the state's fault being done[num_requests]) go
+// to `flags`, pinned host memory the host reads after the kernel: no copy between this step's kernels.
 extern "C" __global__ void __launch_bounds__(1024) beam_fork(const BeamState* state, int parity, int generated,
-                                                             int num_active) {
+                                                             int num_active, int* flags) {
     wait_for_previous_kernel();
     const BeamState& s = *state;
     const int next = 1 - parity, W = (int)s.table_width, B = (int)s.block_size;
@@ -289,6 +291,9 @@ extern "C" __global__ void __launch_bounds__(1024) beam_fork(const BeamState* st
             }
         }
     }
+    __syncthreads();
+    for (int r = threadIdx.x; r <= (int)s.num_requests; r += blockDim.x) flags[r] = s.done[r];
+    __threadfence_system();
 }
 
 // One CTA per row of the next decode forward (`rows` padded to its graph's size): row i < num_rows is beam

@@ -141,10 +141,11 @@ class DeviceBeamSearch:
         candidates."""
         lane, lib, stream = self.lane, self.lib, self.lane.stream
         kernels.beam_step.beam_select(lib, stream, self.state, len(self.active), self.parity, self.generated)
-        kernels.beam_step.beam_fork(lib, stream, self.state, len(self.active), self.parity, self.generated)
+        half = self.generated % 2
+        flags = lane.beam_flags[half, :self.num_requests + 1]
+        kernels.beam_step.beam_fork(lib, stream, self.state, len(self.active), self.parity, self.generated,
+                                    lane.beam_flags_device + half * lane.beam_flags.strides[0])
         kernels.rope_kv.copy_kv_prefixes(lib, stream, self.kv_cache, self.views["copies"], self.total_beams)
-        flags = lane.beam_flags[self.generated % 2, :self.num_requests + 1]
-        lane.cuda.copy_to_host_async(self.views["done"], flags, stream)
         last, self._flags = self._flags, (stream.record(), flags)
         self.parity, self.generated = 1 - self.parity, self.generated + 1
         # Requests that may search on: not known to have ended (the step before's flags), not at max_new_tokens.

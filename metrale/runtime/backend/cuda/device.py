@@ -67,19 +67,16 @@ class CudaDevice:
         check(driver.cuMemcpyHtoDAsync(dst.ptr, host.ctypes.data, host.nbytes, int(stream.handle)))
 
     def pinned(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
-        """A page-locked host array, for copies back that the host reads later (copy_to_host_async); it lives as
-        long as the process."""
+        """A page-locked host array, which kernels may write directly (at its device_address) for the host to read
+        later; it lives as long as the process."""
         nbytes = max(1, math.prod(shape)) * DTYPES[dtype][0]
         pointer = int(check(driver.cuMemAllocHost(nbytes)))
         buffer = (ctypes.c_char * nbytes).from_address(pointer)
         return np.frombuffer(buffer, dtype=DTYPES[dtype][1], count=math.prod(shape)).reshape(shape)
 
-    def copy_to_host_async(self, src: DeviceTensor, host: np.ndarray, stream) -> None:
-        """src into `host` (pinned(), contiguous) when the stream gets there: read it after an event recorded on
-        the stream after this has completed."""
-        if host.nbytes != src.nbytes or not src.is_contiguous or not host.flags.c_contiguous:
-            raise DeviceFault(f"copy of a {src.shape} {src.dtype} tensor into {host.nbytes} bytes")
-        check(driver.cuMemcpyDtoHAsync(host.ctypes.data, src.ptr, host.nbytes, int(stream.handle)))
+    def device_address(self, host: np.ndarray) -> int:
+        """Where a kernel reads and writes a pinned() array: its own address under unified addressing."""
+        return int(check(driver.cuMemHostGetDevicePointer(host.ctypes.data, 0)))
 
     def copy_to_host(self, src: DeviceTensor, stream) -> np.ndarray:
         """Synchronous: queued on `stream` after its work, then waits for the stream."""

@@ -96,8 +96,10 @@ class Lane:
         self.candidates, self.lists = taken["beam_candidates"], taken["lists"]
         self.latest_candidates: LaneCandidates | None = None      # what the candidates buffer holds
         self.beam_state = taken["beam_state"]
-        # A beam search step's done flags (and fault flag), copied back while the next step runs: two steps' worth.
+        # A beam search step's done flags (and fault flag), written here by its fork kernel while the next step is
+        # queued: two steps' worth, in pinned memory the device writes directly (no copy between the kernels).
         self.beam_flags = cuda.pinned((2, shapes.max_seqs + 1), "int32")
+        self.beam_flags_device = cuda.device_address(self.beam_flags)
         self.graphs: DecodeGraphs | None = None
         self.encoder_graphs: PrefillGraphs | None = None
         self.prompt_graphs: PrefillGraphs | None = None

@@ -37,10 +37,12 @@ def beam_select(lib, stream, state: int, num_active: int, parity: int, generated
                       generated)
 
 
-def beam_fork(lib, stream, state: int, num_active: int, parity: int, generated: int) -> None:
-    """The new running beams' block tables, block holders, and the step's KV copies (one block)."""
+def beam_fork(lib, stream, state: int, num_active: int, parity: int, generated: int, flags: int) -> None:
+    """The new running beams' block tables, block holders, and the step's KV copies (one block); then every
+    request's done flag and the fault flag (the state's done[0, num_requests]) into `flags`, a device address of
+    pinned host memory (Cuda.device_address), which the host reads once an event after the kernel completed."""
     launch_kernel(stream, lib.get("beam_fork", MODULE), 1, FORK_THREADS, np.uint64(state), parity, generated,
-                  num_active)
+                  num_active, np.uint64(flags))
 
 
 def beam_metadata(lib, stream, state: int, parity: int, generated: int, num_rows: int, batch, cross=None) -> None:
