@@ -7,10 +7,11 @@
 #   llama    bench/gpu_decode.py at the Llama-3-8B shape, every batch, prefill, peer and gRPC (~4 min)
 #   profile  bench/gpu_profile.py at both shapes, batches 1 and 256: where a step's time goes (~2 min)
 #   beam     bench/beam_generate.py at the NLLB-200-600M shape, batches 1, 16 and 64, next to transformers
+#   persistent  bench/gpu_grid_barrier.py and bench/gpu_persistent_gemm.py: a persistent kernel's phase    (~1 min)
 #   cutlass  bench/gpu_cutlass_gemm.py run over the cubins in .cutlass/ (carry it; `build` makes them where the
 #            CUTLASS headers are): CUTLASS's GEMMs against cuBLASLt, alone and after a norm        (~2 min)
 # Usage (from the repository root, with .whl carried):
-#   bash bench/gpu_check.sh [tests|kernels|smollm2|llama|profile|beam|cutlass]...
+#   bash bench/gpu_check.sh [tests|kernels|smollm2|llama|profile|beam|persistent|cutlass]...
 # (default: tests). Logs and JSON land in $OUT (default /tmp/gpu-check).
 set -uo pipefail
 source scripts/device_env.sh || exit 1
@@ -48,6 +49,12 @@ for part in "${@:-tests}"; do
       python3 -m bench.beam_generate --shape nllb-600m --device cuda --batches 1,16,64 --reps 7 \
         --json "$OUT/beam.json" > "$OUT/beam.txt" 2> "$OUT/beam.err" || summary+=("beam: FAILED (see beam.err)")
       summary+=("== beam" "$(grep -v '^# \[' "$OUT/beam.txt")") ;;
+    persistent)
+      python3 -m bench.gpu_grid_barrier > "$OUT/grid_barrier.txt" 2>&1
+      summary+=("== grid barrier" "$(cat "$OUT/grid_barrier.txt")")
+      python3 -m bench.gpu_persistent_gemm --json "$OUT/persistent_gemm.json" > "$OUT/persistent_gemm.txt" 2>&1 \
+        || summary+=("persistent: FAILED (see persistent_gemm.txt)")
+      summary+=("== persistent gemm" "$(cat "$OUT/persistent_gemm.txt")") ;;
     cutlass)
       python3 -m bench.gpu_cutlass_gemm run --cubins .cutlass --json "$OUT/cutlass.json" > "$OUT/cutlass.txt" 2>&1 \
         || summary+=("cutlass: FAILED (see cutlass.txt)")

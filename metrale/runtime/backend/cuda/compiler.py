@@ -33,6 +33,12 @@ def kernel_sources() -> dict[str, str]:
     return sources
 
 
+def with_headers(source: str) -> str:
+    """A source from outside cuda_kernels/ (a benchmark's prototype kernel) with the .cuh headers it includes from
+    there inlined, as kernel_sources() inlines them."""
+    return _inline_headers(source, resources.files("metrale") / "cuda_kernels", set())
+
+
 def _inline_headers(text: str, folder, seen: set[str]) -> str:
     def paste(match):
         name = match.group(1)
