@@ -4,7 +4,9 @@ kernel run a decoder layer's ~12 dependent steps cheaper than ~12 kernels (~2 µ
 Needs a CUDA GPU.
 
 For each weight size per phase (0: the barrier alone), the kernel runs 1 and 1 + ROUNDS phases; the difference
-over ROUNDS is a phase's time. Phases walk through a 512 MiB buffer, so each reads from HBM, not L2.
+over ROUNDS is a phase's time. Phases walk through a 512 MiB buffer, so each reads from HBM, not L2. Two barriers:
+`fenced` (fence, atomic add, spin, fence: session 9's 1.0 µs) and `acquire` (a release add and acquire polls, no
+full fences).
 
 Run from the repository root: python3 -m bench.gpu_grid_barrier
 """
@@ -15,8 +17,32 @@ import torch
 from bench.gpu_ceilings import gpu_machine_line
 
 SOURCE = r"""
-extern "C" __global__ void phases(const uint4* weights, long long weight_units, long long units_per_phase,
-                                  unsigned int* counter, int rounds, float* sink) {
+// The barrier: FENCED = thread 0 of each CTA fences, adds 1 to the counter and spins until it reaches the round's
+// target, then fences again; otherwise it adds with release semantics and polls with acquire loads (no full
+// fences: the release orders the CTA's writes before its arrival, the acquire the later reads after the wait).
+template <bool FENCED>
+__device__ __forceinline__ void grid_barrier(unsigned int* counter, unsigned int target) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        if (FENCED) {
+            __threadfence();
+            atomicAdd(counter, 1u);
+            while (*reinterpret_cast<volatile unsigned int*>(counter) < target) {}
+            __threadfence();
+        } else {
+            asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+            unsigned int seen;
+            do {
+                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+            } while (seen < target);
+        }
+    }
+    __syncthreads();
+}
+
+template <bool FENCED>
+__device__ __forceinline__ void run_phases(const uint4* weights, long long weight_units, long long units_per_phase,
+                                           unsigned int* counter, int rounds, float* sink) {
     unsigned int target = 0;
     float acc = 0.f;
     const long long per_cta = units_per_phase / gridDim.x;
@@ -29,17 +55,20 @@ extern "C" __global__ void phases(const uint4* weights, long long weight_units, 
             const uint4 v = mine[i];
             acc += __uint_as_float(v.x ^ v.y ^ v.z ^ v.w);
         }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            target += gridDim.x;
-            __threadfence();
-            atomicAdd(counter, 1u);
-            while (*reinterpret_cast<volatile unsigned int*>(counter) < target) {}
-            __threadfence();
-        }
-        __syncthreads();
+        target += gridDim.x;
+        grid_barrier<FENCED>(counter, target);
     }
     if (acc == 12345.f) sink[0] = acc;
+}
+
+extern "C" __global__ void phases(const uint4* weights, long long weight_units, long long units_per_phase,
+                                  unsigned int* counter, int rounds, float* sink) {
+    run_phases<true>(weights, weight_units, units_per_phase, counter, rounds, sink);
+}
+
+extern "C" __global__ void phases_acquire(const uint4* weights, long long weight_units, long long units_per_phase,
+                                          unsigned int* counter, int rounds, float* sink) {
+    run_phases<false>(weights, weight_units, units_per_phase, counter, rounds, sink);
 }
 """
 ROUNDS = 200
@@ -56,14 +85,15 @@ def main(argv=None) -> list[dict]:
 
     print(gpu_machine_line("gpu_grid_barrier", "cuda"))
     cuda = CudaDevice()
-    kernel = ObjectCode.from_cubin(compile_cubin("grid_barrier", SOURCE, cuda.arch)).get_kernel("phases")
+    code = ObjectCode.from_cubin(compile_cubin("grid_barrier", SOURCE, cuda.arch))
+    kernels = {"fenced": code.get_kernel("phases"), "acquire": code.get_kernel("phases_acquire")}
     ctas = Device().properties.multiprocessor_count
     weights = torch.randint(0, 1 << 30, (BUFFER_BYTES // 4,), dtype=torch.int32, device="cuda")
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
     sink = torch.zeros(1, device="cuda")
     stream, timing = cuda.stream, EventOptions(timing_enabled=True)
 
-    def elapsed_ms(units: int, rounds: int) -> float:
+    def elapsed_ms(kernel, units: int, rounds: int) -> float:
         counter.zero_()
         torch.cuda.synchronize()
         start = stream.record(options=timing)
@@ -74,17 +104,18 @@ def main(argv=None) -> list[dict]:
         end.sync()
         return end - start
 
-    print(f"{'bytes a phase':>14} {'us a phase':>11} {'GB/s':>7}")
+    print(f"{'barrier':>8} {'bytes a phase':>14} {'us a phase':>11} {'GB/s':>7}")
     rows = []
-    for nbytes in PHASE_BYTES:
-        units = nbytes // 16
-        elapsed_ms(units, 1)                                       # warm-up
-        one = min(elapsed_ms(units, 1) for _ in range(3))
-        many = min(elapsed_ms(units, ROUNDS + 1) for _ in range(3))
-        phase_us = (many - one) * 1e3 / ROUNDS
-        rate = nbytes / (phase_us * 1e-6) / 1e9 if nbytes else 0.0
-        print(f"{nbytes:>14} {phase_us:11.2f} {rate:7.0f}", flush=True)
-        rows.append({"bytes": nbytes, "phase_us": phase_us})
+    for name, kernel in kernels.items():
+        for nbytes in PHASE_BYTES:
+            units = nbytes // 16
+            elapsed_ms(kernel, units, 1)                               # warm-up
+            one = min(elapsed_ms(kernel, units, 1) for _ in range(3))
+            many = min(elapsed_ms(kernel, units, ROUNDS + 1) for _ in range(3))
+            phase_us = (many - one) * 1e3 / ROUNDS
+            rate = nbytes / (phase_us * 1e-6) / 1e9 if nbytes else 0.0
+            print(f"{name:>8} {nbytes:>14} {phase_us:11.2f} {rate:7.0f}", flush=True)
+            rows.append({"barrier": name, "bytes": nbytes, "phase_us": phase_us})
     return rows
 
 

@@ -1,5 +1,5 @@
-"""The GPU prototypes of bench/ that are measured before anything is built on them (bench/gpu_persistent_gemm.py)
-compile for Hopper and Ampere and describe splits the kernel can run; no GPU needed (their figures and their
+"""The GPU prototypes of bench/ that are measured before anything is built on them (bench/gpu_persistent_gemm.py,
+bench/gpu_grid_barrier.py) compile for Hopper and Ampere and describe splits the kernel can run; no GPU needed (their figures and their
 check against torch come from running them on the H200)."""
 
 from pathlib import Path
@@ -29,6 +29,14 @@ def test_headers_are_inlined_for_a_source_outside_the_kernel_folder(persistent_g
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 def test_the_persistent_gemm_compiles(persistent_gemm, arch):
     assert compile_cubin("persistent_gemm", with_headers(persistent_gemm.SOURCE), arch)[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_both_grid_barriers_compile(monkeypatch, arch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    import bench.gpu_grid_barrier
+
+    assert compile_cubin("grid_barrier", bench.gpu_grid_barrier.SOURCE, arch)[:4] == b"\x7fELF"
 
 
 def test_every_split_covers_the_ctas_and_fits_the_tiles(persistent_gemm):
