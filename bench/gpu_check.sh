@@ -7,7 +7,8 @@
 #   llama    bench/gpu_decode.py at the Llama-3-8B shape, every batch, prefill, peer and gRPC (~4 min)
 #   profile  bench/gpu_profile.py at both shapes, batches 1 and 256: where a step's time goes (~2 min)
 #   beam     bench/beam_generate.py at the NLLB-200-600M shape, batches 1, 16 and 64, next to transformers
-#   persistent  bench/gpu_grid_barrier.py and bench/gpu_persistent_gemm.py: a persistent kernel's phase    (~1 min)
+#   persistent  bench/gpu_grid_barrier.py, gpu_persistent_gemm.py and gpu_persistent_layer.py: a persistent
+#            kernel's phase, and a whole decoder layer as one, checked against torch                  (~2 min)
 #   cutlass  bench/gpu_cutlass_gemm.py run over the cubins in .cutlass/ (carry it; `build` makes them where the
 #            CUTLASS headers are): CUTLASS's GEMMs against cuBLASLt, alone and after a norm        (~2 min)
 # Usage (from the repository root, with .whl carried):
@@ -54,7 +55,10 @@ for part in "${@:-tests}"; do
       summary+=("== grid barrier" "$(cat "$OUT/grid_barrier.txt")")
       python3 -m bench.gpu_persistent_gemm --json "$OUT/persistent_gemm.json" > "$OUT/persistent_gemm.txt" 2>&1 \
         || summary+=("persistent: FAILED (see persistent_gemm.txt)")
-      summary+=("== persistent gemm" "$(cat "$OUT/persistent_gemm.txt")") ;;
+      summary+=("== persistent gemm" "$(cat "$OUT/persistent_gemm.txt")")
+      python3 -m bench.gpu_persistent_layer --json "$OUT/persistent_layer.json" > "$OUT/persistent_layer.txt" 2>&1 \
+        || summary+=("persistent layer: FAILED (see persistent_layer.txt)")
+      summary+=("== persistent layer" "$(tail -4 "$OUT/persistent_layer.txt")") ;;
     cutlass)
       python3 -m bench.gpu_cutlass_gemm run --cubins .cutlass --json "$OUT/cutlass.json" > "$OUT/cutlass.txt" 2>&1 \
         || summary+=("cutlass: FAILED (see cutlass.txt)")

@@ -25,21 +25,26 @@ import torch
 
 from bench.gpu_ceilings import gpu_machine_line
 
-SOURCE = r"""
+# The phase's parts, shared with bench/gpu_persistent_layer.py.
+PHASE_PARTS = r"""
 #include "mma.cuh"
 
-// A phase: partial[k_block] [64, n] (fp32) = x[:, k slice] @ w[n tile, k slice].T for this CTA's tile and slice.
-// The weight is copy (round / num_phases) % copies of the pool at w (copy_elems apart).
+// A linear's split over the CTAs: CTA c multiplies the weight tile [n_tile, k_slice] at (n0, k0) against x's K
+// slice and writes the fp32 partial of slice k_block = c / (n / n_tile). The weight is copy (`copy` % copies) of
+// the pool at w (copy_elems apart), so that successive phases read different copies from HBM.
 struct Phase {
     const bf16* w;
     long long copy_elems;
     long long copies;
-    float* partial;
+    float* partial;             // [k / k_slice, ROWS, n]
     int n, k, n_tile, k_slice;
 };
 
 constexpr int ROWS = 64, THREADS = 256;
 constexpr int TILE_BYTES = 64 * 1024;      // a weight tile's and an x slice's most shared memory
+
+__device__ __forceinline__ int tile_n0(const Phase& p) { return (blockIdx.x % (p.n / p.n_tile)) * p.n_tile; }
+__device__ __forceinline__ int tile_k_block(const Phase& p) { return blockIdx.x / (p.n / p.n_tile); }
 
 // 16-byte chunk c of tile row r sits at chunk c ^ 4 on odd rows: a quarter-warp's 16-byte reads of two rows then
 // fall in eight different bank groups.
@@ -56,14 +61,9 @@ __device__ __forceinline__ void load_tile(bf16* shared, const bf16* global, long
     }
 }
 
-__device__ __forceinline__ const Phase& phase_of(const Phase* phases, int num_phases, int round) {
-    return phases[round % num_phases];
-}
-
-__device__ __forceinline__ const bf16* weight_tile(const Phase& p, int round, int num_phases) {
-    const int tiles = p.n / p.n_tile, n0 = (blockIdx.x % tiles) * p.n_tile, k0 = (blockIdx.x / tiles) * p.k_slice;
-    const long long copy = (round / num_phases) % p.copies;
-    return p.w + copy * p.copy_elems + (long long)n0 * p.k + k0;
+__device__ __forceinline__ void load_weight_tile(bf16* shared, const Phase& p, long long copy) {
+    const bf16* w = p.w + (copy % p.copies) * p.copy_elems + (long long)tile_n0(p) * p.k + tile_k_block(p) * p.k_slice;
+    load_tile(shared, w, p.k, p.n_tile, p.k_slice);
 }
 
 __device__ __forceinline__ void grid_barrier(unsigned int* counter, unsigned int target) {
@@ -112,8 +112,7 @@ __device__ __forceinline__ void multiply(const bf16* xs, const bf16* ws, int k_s
 template <int NT>
 __device__ __forceinline__ void store(const Phase& p, const float (&acc)[2][8][4]) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int tiles = p.n / p.n_tile, n0 = (blockIdx.x % tiles) * p.n_tile, k_block = blockIdx.x / tiles;
-    float* out = p.partial + (long long)k_block * ROWS * p.n + n0 + (warp >> 1) * NT * 8 + 2 * t;
+    float* out = p.partial + (long long)tile_k_block(p) * ROWS * p.n + tile_n0(p) + (warp >> 1) * NT * 8 + 2 * t;
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
         const int row = (warp & 1) * 32 + 16 * m + g;
@@ -127,47 +126,51 @@ __device__ __forceinline__ void store(const Phase& p, const float (&acc)[2][8][4
 }
 
 template <int NT>
-__device__ __forceinline__ void run_phase(const Phase& p, const bf16* xs, const bf16* ws) {
+__device__ __forceinline__ void run_tile(const Phase& p, const bf16* xs, const bf16* ws) {
     float acc[2][8][4] = {};
     multiply<NT>(xs, ws, p.k_slice, acc);
     store<NT>(p, acc);
 }
 
-// rounds phases, phase r = phases[r % num_phases]; x [64, x_stride] bf16. Dynamic shared memory: two weight
-// tiles and x's slice, TILE_BYTES each.
+// The CTA's tile of the phase, its weight and x's slice in shared memory: NT = n_tile / 32.
+__device__ __forceinline__ void multiply_tile(const Phase& p, const bf16* xs, const bf16* ws) {
+    switch (p.n_tile / 32) {
+        case 1: run_tile<1>(p, xs, ws); break;
+        case 2: run_tile<2>(p, xs, ws); break;
+        case 3: run_tile<3>(p, xs, ws); break;
+        case 4: run_tile<4>(p, xs, ws); break;
+        case 6: run_tile<6>(p, xs, ws); break;
+        case 8: run_tile<8>(p, xs, ws); break;
+    }
+}
+"""
+
+SOURCE = PHASE_PARTS + r"""
+// rounds phases, phase r = phases[r % num_phases] on weight copy r / num_phases; x [64, x_stride] bf16. Dynamic
+// shared memory: two weight tiles and x's slice, TILE_BYTES each.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_phases(
         const Phase* phases, int num_phases, int rounds, const bf16* x, long long x_stride, unsigned int* counter,
         int prefetch) {
     extern __shared__ __align__(128) unsigned char shared[];
     bf16* xs = reinterpret_cast<bf16*>(shared + 2 * TILE_BYTES);
     if (prefetch) {
-        const Phase& p = phase_of(phases, num_phases, 0);
-        load_tile(reinterpret_cast<bf16*>(shared), weight_tile(p, 0, num_phases), p.k, p.n_tile, p.k_slice);
+        load_weight_tile(reinterpret_cast<bf16*>(shared), phases[0], 0);
         copy_async_commit();
     }
     for (int r = 0; r < rounds; ++r) {
-        const Phase& p = phase_of(phases, num_phases, r);
+        const Phase& p = phases[r % num_phases];
         bf16* ws = reinterpret_cast<bf16*>(shared + (r & 1) * TILE_BYTES);
-        const int k0 = (blockIdx.x / (p.n / p.n_tile)) * p.k_slice;
-        load_tile(xs, x + k0, x_stride, ROWS, p.k_slice);
-        if (!prefetch) load_tile(ws, weight_tile(p, r, num_phases), p.k, p.n_tile, p.k_slice);
+        load_tile(xs, x + tile_k_block(p) * p.k_slice, x_stride, ROWS, p.k_slice);
+        if (!prefetch) load_weight_tile(ws, p, r / num_phases);
         copy_async_commit();
         if (prefetch && r + 1 < rounds) {         // the next phase's weight, while this one runs
-            const Phase& q = phase_of(phases, num_phases, r + 1);
-            load_tile(reinterpret_cast<bf16*>(shared + ((r + 1) & 1) * TILE_BYTES),
-                      weight_tile(q, r + 1, num_phases), q.k, q.n_tile, q.k_slice);
+            load_weight_tile(reinterpret_cast<bf16*>(shared + ((r + 1) & 1) * TILE_BYTES),
+                             phases[(r + 1) % num_phases], (r + 1) / num_phases);
         }
         copy_async_commit();                          // (empty where nothing was prefetched)
         copy_async_wait<1>();
         __syncthreads();
-        switch (p.n_tile / 32) {
-            case 1: run_phase<1>(p, xs, ws); break;
-            case 2: run_phase<2>(p, xs, ws); break;
-            case 3: run_phase<3>(p, xs, ws); break;
-            case 4: run_phase<4>(p, xs, ws); break;
-            case 6: run_phase<6>(p, xs, ws); break;
-            case 8: run_phase<8>(p, xs, ws); break;
-        }
+        multiply_tile(p, xs, ws);
         grid_barrier(counter, (unsigned int)((r + 1) * gridDim.x));
     }
 }
@@ -221,12 +224,25 @@ class Row:
     relative_error: float
 
 
-def main(argv=None) -> list[dict]:
+def persistent_kernel(name: str, source: str, entry: str):
+    """(CudaDevice, the kernel) compiled for this GPU, allowed SHARED_BYTES of dynamic shared memory; its CTAS CTAs
+    must all be resident at once (one an SM) for the grid barrier not to hang."""
     from cuda.bindings import driver
-    from cuda.core import Device, EventOptions, LaunchConfig, ObjectCode, launch
+    from cuda.core import Device, ObjectCode
 
     from metrale.runtime.backend.cuda.compiler import compile_cubin, with_headers
     from metrale.runtime.backend.cuda.device import CudaDevice, check
+
+    cuda = CudaDevice()
+    assert Device().properties.multiprocessor_count >= CTAS, "one CTA per SM: the barrier needs them all resident"
+    kernel = ObjectCode.from_cubin(compile_cubin(name, with_headers(source), cuda.arch)).get_kernel(entry)
+    check(driver.cuKernelSetAttribute(driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                      SHARED_BYTES, kernel.handle, Device().device_id))
+    return cuda, kernel
+
+
+def main(argv=None) -> list[dict]:
+    from cuda.core import EventOptions, LaunchConfig, launch
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
@@ -235,12 +251,7 @@ def main(argv=None) -> list[dict]:
         split.check()
 
     print(gpu_machine_line("gpu_persistent_gemm", "cuda"))
-    cuda = CudaDevice()
-    assert Device().properties.multiprocessor_count >= CTAS, "one CTA per SM: the barrier needs them all resident"
-    kernel = ObjectCode.from_cubin(compile_cubin("persistent_gemm", with_headers(SOURCE), cuda.arch)).get_kernel(
-        "gemm_phases")
-    check(driver.cuKernelSetAttribute(driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                      SHARED_BYTES, kernel.handle, Device().device_id))
+    cuda, kernel = persistent_kernel("persistent_gemm", SOURCE, "gemm_phases")
     stream, timing = cuda.stream, EventOptions(timing_enabled=True)
     x = (torch.randn(ROWS, 4096, device="cuda") * 0.5).bfloat16()
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -302,8 +313,8 @@ def main(argv=None) -> list[dict]:
               f"{CUBLAS_US[split.name]:11.2f} {row.relative_error:8.1e}", flush=True)
     layer_prefetch, layer_plain = phase_us(LAYER, True) * len(LAYER), phase_us(LAYER, False) * len(LAYER)
     cublas = sum(CUBLAS_US[s.name] for s in LAYER)
-    print(f"a layer's {len(LAYER)} linears as phases: {layer_prefetch:.2f} us with prefetch, {layer_plain:.2f} without; "
-          f"cuBLASLt {cublas:.2f} us of launches (+ ~0.5 us idle before each)")
+    print(f"a layer's {len(LAYER)} linears as phases: {layer_prefetch:.2f} us with prefetch, {layer_plain:.2f} "
+          f"without; cuBLASLt {cublas:.2f} us of launches (+ ~0.5 us idle before each)")
     result = {"rows": [asdict(r) for r in rows], "layer_prefetch_us": layer_prefetch, "layer_plain_us": layer_plain}
     if args.json:
         with open(args.json, "w") as f:

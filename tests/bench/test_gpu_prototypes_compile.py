@@ -1,5 +1,5 @@
 """The GPU prototypes of bench/ that are measured before anything is built on them (bench/gpu_persistent_gemm.py,
-bench/gpu_grid_barrier.py) compile for Hopper and Ampere and describe splits the kernel can run; no GPU needed (their figures and their
+bench/gpu_persistent_layer.py, bench/gpu_grid_barrier.py) compile for Hopper and Ampere and describe splits the kernel can run; no GPU needed (their figures and their
 check against torch come from running them on the H200)."""
 
 from pathlib import Path
@@ -29,6 +29,20 @@ def test_headers_are_inlined_for_a_source_outside_the_kernel_folder(persistent_g
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 def test_the_persistent_gemm_compiles(persistent_gemm, arch):
     assert compile_cubin("persistent_gemm", with_headers(persistent_gemm.SOURCE), arch)[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_the_persistent_layer_compiles_with_the_layout_the_host_packs(monkeypatch, arch):
+    """The kernel's static_assert holds Layer at LAYER_BYTES, which the host's record must match."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    import numpy as np
+
+    import bench.gpu_persistent_layer as layer
+
+    assert np.dtype(layer.LAYER_FIELDS).itemsize == layer.LAYER_BYTES
+    assert compile_cubin("persistent_layer", with_headers(layer.SOURCE), arch)[:4] == b"\x7fELF"
+    for split in layer.LINEARS:
+        split.check()
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
