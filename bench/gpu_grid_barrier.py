@@ -8,69 +8,15 @@ over ROUNDS is a phase's time. Phases walk through a 512 MiB buffer, so each rea
 `fenced` (fence, atomic add, spin, fence: session 9's 1.0 µs) and `acquire` (a release add and acquire polls, no
 full fences).
 
-Run from the repository root: python3 -m bench.gpu_grid_barrier
+Its CUDA source is persistent_kernels.py's GRID_PHASES. Run from the repository root: python3 -m bench.gpu_grid_barrier
 """
 
 import numpy as np
 import torch
 
 from bench.gpu_ceilings import gpu_machine_line
+from bench.persistent_kernels import GRID_PHASES
 
-SOURCE = r"""
-// The barrier: FENCED = thread 0 of each CTA fences, adds 1 to the counter and spins until it reaches the round's
-// target, then fences again; otherwise it adds with release semantics and polls with acquire loads (no full
-// fences: the release orders the CTA's writes before its arrival, the acquire the later reads after the wait).
-template <bool FENCED>
-__device__ __forceinline__ void grid_barrier(unsigned int* counter, unsigned int target) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        if (FENCED) {
-            __threadfence();
-            atomicAdd(counter, 1u);
-            while (*reinterpret_cast<volatile unsigned int*>(counter) < target) {}
-            __threadfence();
-        } else {
-            asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
-            unsigned int seen;
-            do {
-                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
-            } while (seen < target);
-        }
-    }
-    __syncthreads();
-}
-
-template <bool FENCED>
-__device__ __forceinline__ void run_phases(const uint4* weights, long long weight_units, long long units_per_phase,
-                                           unsigned int* counter, int rounds, float* sink) {
-    unsigned int target = 0;
-    float acc = 0.f;
-    const long long per_cta = units_per_phase / gridDim.x;
-    for (int r = 0; r < rounds; ++r) {
-        const long long base =
-            units_per_phase ? ((long long)r * units_per_phase) % (weight_units - units_per_phase) : 0;
-        const uint4* mine = weights + base + blockIdx.x * per_cta;
-#pragma unroll 4
-        for (long long i = threadIdx.x; i < per_cta; i += blockDim.x) {
-            const uint4 v = mine[i];
-            acc += __uint_as_float(v.x ^ v.y ^ v.z ^ v.w);
-        }
-        target += gridDim.x;
-        grid_barrier<FENCED>(counter, target);
-    }
-    if (acc == 12345.f) sink[0] = acc;
-}
-
-extern "C" __global__ void phases(const uint4* weights, long long weight_units, long long units_per_phase,
-                                  unsigned int* counter, int rounds, float* sink) {
-    run_phases<true>(weights, weight_units, units_per_phase, counter, rounds, sink);
-}
-
-extern "C" __global__ void phases_acquire(const uint4* weights, long long weight_units, long long units_per_phase,
-                                          unsigned int* counter, int rounds, float* sink) {
-    run_phases<false>(weights, weight_units, units_per_phase, counter, rounds, sink);
-}
-"""
 ROUNDS = 200
 THREADS = 256
 BUFFER_BYTES = 512 << 20
@@ -85,7 +31,7 @@ def main(argv=None) -> list[dict]:
 
     print(gpu_machine_line("gpu_grid_barrier", "cuda"))
     cuda = CudaDevice()
-    code = ObjectCode.from_cubin(compile_cubin("grid_barrier", SOURCE, cuda.arch))
+    code = ObjectCode.from_cubin(compile_cubin("grid_barrier", GRID_PHASES, cuda.arch))
     kernels = {"fenced": code.get_kernel("phases"), "acquire": code.get_kernel("phases_acquire")}
     ctas = Device().properties.multiprocessor_count
     weights = torch.randint(0, 1 << 30, (BUFFER_BYTES // 4,), dtype=torch.int32, device="cuda")

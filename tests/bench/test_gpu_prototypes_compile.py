@@ -1,9 +1,10 @@
-"""The GPU prototypes of bench/ that are measured before anything is built on them (bench/gpu_persistent_gemm.py,
-bench/gpu_persistent_layer.py, bench/gpu_grid_barrier.py) compile for Hopper and Ampere and describe splits the kernel can run; no GPU needed (their figures and their
-check against torch come from running them on the H200)."""
+"""The persistent-kernel prototypes of bench/ (persistent_kernels.py, persistent_layer_kernel.py: measured before
+anything is built on them) compile for Hopper and Ampere, with the layouts the host packs and splits the kernels can
+run; no GPU needed (their figures and their checks against torch come from running them on the H200)."""
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("cuda.core")
@@ -11,51 +12,50 @@ pytest.importorskip("cuda.core")
 from metrale.runtime.backend.cuda.compiler import compile_cubin, with_headers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
+ARCHS = ["sm_90a", "sm_80"]
 
 
 @pytest.fixture
-def persistent_gemm(monkeypatch):
+def bench(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT))
     import bench.gpu_persistent_gemm
+    import bench.gpu_persistent_layer
+    import bench.persistent_kernels
+    import bench.persistent_layer_kernel
 
-    return bench.gpu_persistent_gemm
+    return bench
 
 
-def test_headers_are_inlined_for_a_source_outside_the_kernel_folder(persistent_gemm):
-    source = with_headers(persistent_gemm.SOURCE)
+def test_headers_are_inlined_for_a_source_outside_the_kernel_folder(bench):
+    source = with_headers(bench.persistent_kernels.GEMM_PHASES)
     assert "#include" not in source and source.count("__device__ __forceinline__ void mma_bf16(") == 1
+    assert source.count("void grid_barrier(") == 1
 
 
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
-def test_the_persistent_gemm_compiles(persistent_gemm, arch):
-    assert compile_cubin("persistent_gemm", with_headers(persistent_gemm.SOURCE), arch)[:4] == b"\x7fELF"
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_persistent_gemm_compiles(bench, arch):
+    assert compile_cubin("persistent_gemm", with_headers(bench.persistent_kernels.GEMM_PHASES), arch)[:4] == b"\x7fELF"
 
 
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
-def test_the_persistent_layer_compiles_with_the_layout_the_host_packs(monkeypatch, arch):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_persistent_layer_compiles_with_the_layout_the_host_packs(bench, arch):
     """The kernel's static_assert holds Layer at LAYER_BYTES, which the host's record must match."""
-    monkeypatch.syspath_prepend(str(ROOT))
-    import numpy as np
-
-    import bench.gpu_persistent_layer as layer
-
-    assert np.dtype(layer.LAYER_FIELDS).itemsize == layer.LAYER_BYTES
-    assert compile_cubin("persistent_layer", with_headers(layer.SOURCE), arch)[:4] == b"\x7fELF"
-    for split in layer.LINEARS:
+    kernel = bench.persistent_layer_kernel
+    assert np.dtype(kernel.LAYER_FIELDS).itemsize == kernel.LAYER_BYTES
+    assert compile_cubin("persistent_layer", with_headers(kernel.DECODER_LAYERS), arch)[:4] == b"\x7fELF"
+    for split in bench.gpu_persistent_layer.LINEARS:
         split.check()
 
 
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
-def test_both_grid_barriers_compile(monkeypatch, arch):
-    monkeypatch.syspath_prepend(str(ROOT))
-    import bench.gpu_grid_barrier
-
-    assert compile_cubin("grid_barrier", bench.gpu_grid_barrier.SOURCE, arch)[:4] == b"\x7fELF"
+@pytest.mark.parametrize("arch", ARCHS)
+def test_both_grid_barriers_compile(bench, arch):
+    assert compile_cubin("grid_barrier", bench.persistent_kernels.GRID_PHASES, arch)[:4] == b"\x7fELF"
 
 
-def test_every_split_covers_the_ctas_and_fits_the_tiles(persistent_gemm):
-    for split in persistent_gemm.SPLITS + persistent_gemm.LAYER:
+def test_every_split_covers_the_ctas_and_fits_the_tiles(bench):
+    gemm = bench.gpu_persistent_gemm
+    for split in gemm.SPLITS + gemm.LAYER:
         split.check()
-    assert {s.name for s in persistent_gemm.SPLITS} == set(persistent_gemm.CUBLAS_US)
+    assert {s.name for s in gemm.SPLITS} == set(gemm.CUBLAS_US)
     with pytest.raises(AssertionError):
-        persistent_gemm.Split("too wide", 1024, 4096, 128, 1024).check()
+        bench.persistent_kernels.Split("too wide", 1024, 4096, 128, 1024).check()

@@ -141,10 +141,9 @@ class DeviceBeamSearch:
         candidates."""
         lane, lib, stream = self.lane, self.lib, self.lane.stream
         kernels.beam_step.beam_select(lib, stream, self.state, len(self.active), self.parity, self.generated)
-        half = self.generated % 2
-        flags = lane.beam_flags[half, :self.num_requests + 1]
+        flags, flags_address = lane.beam_flags_half(self.generated % 2, self.num_requests + 1)
         kernels.beam_step.beam_fork(lib, stream, self.state, len(self.active), self.parity, self.generated,
-                                    lane.beam_flags_device + half * lane.beam_flags.strides[0])
+                                    flags_address)
         kernels.rope_kv.copy_kv_prefixes(lib, stream, self.kv_cache, self.views["copies"], self.total_beams)
         last, self._flags = self._flags, (stream.record(), flags)
         self.parity, self.generated = 1 - self.parity, self.generated + 1

@@ -99,7 +99,7 @@ class Lane:
         # A beam search step's done flags (and fault flag), written here by its fork kernel while the next step is
         # queued: two steps' worth, in pinned memory the device writes directly (no copy between the kernels).
         self.beam_flags = cuda.pinned((2, shapes.max_seqs + 1), "int32")
-        self.beam_flags_device = cuda.device_address(self.beam_flags)
+        self._beam_flags_device = cuda.device_address(self.beam_flags)
         self.graphs: DecodeGraphs | None = None
         self.encoder_graphs: PrefillGraphs | None = None
         self.prompt_graphs: PrefillGraphs | None = None
@@ -174,6 +174,11 @@ class Lane:
         """Asynchronous on the lane's stream; `host` is kept alive until the stream is synchronized."""
         self.cuda.copy_to_device(dst, host, self.stream)
         self._pending.append(host)
+
+    def beam_flags_half(self, half: int, count: int) -> tuple[np.ndarray, int]:
+        """Half `half` (0 or 1) of the beam flags: its first `count` entries as the host reads them, and the device
+        address a kernel writes them at."""
+        return self.beam_flags[half, :count], self._beam_flags_device + half * self.beam_flags.strides[0]
 
     def copy_to_host(self, src: DeviceTensor) -> np.ndarray:
         """Synchronous: waits for everything queued on the lane before it."""
