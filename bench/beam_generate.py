@@ -176,7 +176,8 @@ def timeline_marks(engine) -> list[tuple[object, str]]:
              (lane.Lane, "copy_to_device"), (lane.Lane, "beam_candidates"), (lane, "pack_batch"),
              (beam_search.DeviceBeamSearch, "__init__"), (beam_search.DeviceBeamSearch, "step"),
              (beam_search.DeviceBeamSearch, "_read"), (backend, "state_arrays"), (engine_module, "build_batch"),
-             (lane.Lane, "upload_lists"), (graphs.DecodeGraphs, "run"), (graphs.PrefillGraphs, "run"),
+             (lane.Lane, "upload_lists"), (graphs.DecodeGraphs, "run"), (graphs.DecodeGraphs, "replay"),
+             (graphs.PrefillGraphs, "run"),
              (beam_search.DeviceBeamSearch, "_upload"), (lane.LaneCandidates, "host")]
     return [(owner, name) for owner, name in marks if hasattr(owner, name)]
 

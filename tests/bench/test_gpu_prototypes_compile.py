@@ -59,3 +59,11 @@ def test_every_split_covers_the_ctas_and_fits_the_tiles(bench):
     assert {s.name for s in gemm.SPLITS} == set(gemm.CUBLAS_US)
     with pytest.raises(AssertionError):
         bench.persistent_kernels.Split("too wide", 1024, 4096, 128, 1024).check()
+
+
+def test_the_l2_prefetch_stand_in_compiles_for_hopper(monkeypatch):
+    """bench/gpu_l2_prefetch.py's kernel (cp.async.bulk.prefetch.L2 is sm_90's)."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench.gpu_l2_prefetch import SOURCE
+
+    assert compile_cubin("stand_in", with_headers(SOURCE), "sm_90a")[:4] == b"\x7fELF"

@@ -10,6 +10,7 @@ pytest.importorskip("cuda.core")
 
 from metrale.runtime.backend.cuda.kernels.beam import beam_candidates, pack_banned  # noqa: E402
 from metrale.runtime.backend.cuda.tensor import DeviceTensor  # noqa: E402
+from metrale.runtime.backend.cuda.testing import BareLane  # noqa: E402
 from metrale.runtime.errors import InvalidArgument  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -89,28 +90,6 @@ def test_launcher_refuses_a_count_over_the_vocabulary(kernel_library, stream):
         run(kernel_library, stream, torch.randn(2, 16).bfloat16(), [[], []], 17)
 
 
-class _Lane:
-    """What DeviceBeamSearch lays its state out with: the kernels, the memory plan's table width, and copies."""
-
-    def __init__(self, lib, stream):
-        from types import SimpleNamespace
-        self.lib, self.stream, self.graphs = lib, stream, None
-        self.shapes = SimpleNamespace(max_blocks_per_seq=4)
-        self._kept = []
-
-    def copy_to_device(self, dst, host):
-        from cuda.bindings import driver
-        self._kept.append(host)
-        driver.cuMemcpyHtoDAsync(dst.ptr, host.ctypes.data, host.nbytes, int(self.stream.handle))
-
-    def copy_to_host(self, src):
-        from cuda.bindings import driver
-        host = np.empty(src.shape, dtype=np.float32 if src.dtype == "float32" else np.int32)
-        driver.cuMemcpyDtoHAsync(host.ctypes.data, src.ptr, host.nbytes, int(self.stream.handle))
-        self.stream.sync()
-        return host
-
-
 def state_bans(prompt: list[int], ngram: int, short: bool, eos: tuple[int, ...]) -> list[int]:
     """transformers' processors at the first searched token: EOS while short of min_new_tokens, and the tokens
     that would repeat an n-gram of the prompt."""
@@ -147,7 +126,7 @@ def test_device_search_candidates_match_float64(kernel_library, stream, count, t
         prompt_candidates=[(poisoned, r) for r in range(R)], keep_stride=count, block_size=16, max_len=16,
         table_width=1, encoder_decoder=False)
     region = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
-    lane = _Lane(kernel_library, stream)
+    lane = BareLane(kernel_library, stream)
     state = DeviceBeamSearch(lane, search, state_arrays(search, lane.shapes.max_blocks_per_seq), forward=None,
                              kv_cache=[], region=DeviceTensor.from_torch(region))
     generator = torch.Generator().manual_seed(count)
