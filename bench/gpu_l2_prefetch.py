@@ -3,6 +3,8 @@ them: each linear of NLLB-200-600M's decoder at 64 rows (16 requests x 4 beams) 
 attention kernel that precedes it in a step (launched with PDL, ~2.5 µs), with and without that kernel issuing
 `cp.async.bulk.prefetch.L2` of the linear's weight before its griddepcontrol.wait. Beside them: the linear alone
 with its weight cold (cycling copies that span 3x the L2, as a step finds them) and warm (one copy, L2-resident).
+The LM head (525 MB, bandwidth-bound where the others are latency-bound) gets at most --prefetch-mb of its weight
+prefetched: does its first wave of tiles gain from finding its rows in L2?
 
 µs a (kernel, linear) pair, CUDA graphs of back-to-back pairs timed with events (gemm_tuning.time_per_launch).
 Run from the repository root: python3 -m bench.gpu_l2_prefetch [--rows 64] [--spin-ns 2500]
@@ -15,7 +17,8 @@ import torch
 
 from bench.gpu_ceilings import gpu_machine_line
 
-SHAPES = (("qkv", 3072, 1024), ("o / cross q / cross o", 1024, 1024), ("fc1", 4096, 1024), ("fc2", 1024, 4096))
+SHAPES = (("qkv", 3072, 1024), ("o / cross q / cross o", 1024, 1024), ("fc1", 4096, 1024), ("fc2", 1024, 4096),
+          ("lm head", 256256, 1024))
 L2_SPAN = 3
 PAIRS = 24
 
@@ -50,6 +53,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--spin-ns", type=int, default=2500)
     parser.add_argument("--blocks", type=int, default=64, help="the stand-in's blocks (a norm's: one per row)")
+    parser.add_argument("--prefetch-mb", type=int, default=32, help="the most of a weight the stand-in prefetches")
     args = parser.parse_args(argv)
     from cuda.core import ObjectCode
 
@@ -74,7 +78,8 @@ def main(argv=None) -> list[dict]:
     results = []
     for name, n, k in SHAPES:
         weight_bytes = n * k * 2
-        copies = -(-L2_SPAN * l2 // weight_bytes)
+        prefetched = min(weight_bytes, args.prefetch_mb << 20)
+        copies = max(2, -(-L2_SPAN * l2 // weight_bytes))
         weights = [DeviceTensor.from_torch((torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16())
                    for _ in range(copies)]
         x = DeviceTensor.from_torch(torch.randn(args.rows, k, device="cuda").bfloat16())
@@ -83,7 +88,7 @@ def main(argv=None) -> list[dict]:
         stream.sync()
         linear = lambda w: lt.linear(stream, out, x, w)
         stand_in = lambda w, prefetch: launch_kernel(stream, kernel, args.blocks, 128, np.uint64(w.ptr),
-                                                     np.int64(weight_bytes if prefetch else 0), np.int64(args.spin_ns))
+                                                     np.int64(prefetched if prefetch else 0), np.int64(args.spin_ns))
         pick = lambda i: weights[i % copies]
         row = {"linear": name, "n": n, "k": k, "rows": args.rows,
                "cold_us": time_per_launch(stream, [lambda w=pick(i): linear(w) for i in range(PAIRS)]) * 1e6,
