@@ -7,12 +7,16 @@
 #   llama    bench/gpu_decode.py at the Llama-3-8B shape, every batch, prefill, peer and gRPC (~4 min)
 #   profile  bench/gpu_profile.py at both shapes, batches 1 and 256: where a step's time goes (~2 min)
 #   beam     bench/beam_generate.py at the NLLB-200-600M shape, batches 1, 16 and 64, next to transformers
+#   search   bench/gpu_beam_candidates.py (the device search's candidates alone) and the NLLB beam step's kernel
+#            table at 16 requests (bench/beam_generate.py --kernels, PDL off)                              (~1 min)
+#   probes   bench/gpu_l2_prefetch.py (linears and the LM head after a kernel that prefetches their weights into
+#            L2) and bench/gpu_graph_gap.py (what a graph launch costs the device and the host)           (~1 min)
 #   persistent  bench/gpu_grid_barrier.py, gpu_persistent_gemm.py and gpu_persistent_layer.py: a persistent
 #            kernel's phase, and a whole decoder layer as one, checked against torch                  (~2 min)
 #   cutlass  bench/gpu_cutlass_gemm.py run over the cubins in .cutlass/ (carry it; `build` makes them where the
 #            CUTLASS headers are): CUTLASS's GEMMs against cuBLASLt, alone and after a norm        (~2 min)
 # Usage (from the repository root, with .whl carried):
-#   bash bench/gpu_check.sh [tests|kernels|smollm2|llama|profile|beam|persistent|cutlass]...
+#   bash bench/gpu_check.sh [tests|kernels|smollm2|llama|profile|beam|search|probes|persistent|cutlass]...
 # (default: tests). Logs and JSON land in $OUT (default /tmp/gpu-check).
 set -uo pipefail
 source scripts/device_env.sh || exit 1
@@ -50,6 +54,19 @@ for part in "${@:-tests}"; do
       python3 -m bench.beam_generate --shape nllb-600m --device cuda --batches 1,16,64 --reps 7 \
         --json "$OUT/beam.json" > "$OUT/beam.txt" 2> "$OUT/beam.err" || summary+=("beam: FAILED (see beam.err)")
       summary+=("== beam" "$(grep -v '^# \[' "$OUT/beam.txt")") ;;
+    search)
+      python3 -m bench.gpu_beam_candidates > "$OUT/beam_candidates.txt" 2>&1 \
+        || summary+=("search: FAILED (see beam_candidates.txt)")
+      summary+=("== beam candidates" "$(grep -v '^#' "$OUT/beam_candidates.txt")")
+      METRALE_PDL=0 python3 -m bench.beam_generate --shape nllb-600m --device cuda --batches 16 --reps 3 --kernels 40 \
+        > "$OUT/beam_kernels.txt" 2>&1 || summary+=("search: FAILED (see beam_kernels.txt)")
+      summary+=("== beam step kernels (PDL off)" "$(grep -A24 'kernels of one step' "$OUT/beam_kernels.txt")") ;;
+    probes)
+      python3 -m bench.gpu_l2_prefetch --spin-ns 20000 > "$OUT/l2_prefetch.txt" 2>&1 \
+        || summary+=("probes: FAILED (see l2_prefetch.txt)")
+      summary+=("== l2 prefetch" "$(grep -v '^# gpu' "$OUT/l2_prefetch.txt")")
+      python3 -m bench.gpu_graph_gap > "$OUT/graph_gap.txt" 2>&1 || summary+=("probes: FAILED (see graph_gap.txt)")
+      summary+=("== graph gap" "$(grep -v -i 'warn' "$OUT/graph_gap.txt" | grep -v '^# gpu')") ;;
     persistent)
       python3 -m bench.gpu_grid_barrier > "$OUT/grid_barrier.txt" 2>&1
       summary+=("== grid barrier" "$(cat "$OUT/grid_barrier.txt")")
