@@ -9,8 +9,9 @@
 #   beam     bench/beam_generate.py at the NLLB-200-600M shape, batches 1, 16 and 64, next to transformers
 #   search   bench/gpu_beam_candidates.py (the device search's candidates alone) and the NLLB beam step's kernel
 #            table at 16 requests (bench/beam_generate.py --kernels, PDL off)                              (~1 min)
-#   probes   bench/gpu_l2_prefetch.py (linears and the LM head after a kernel that prefetches their weights into
-#            L2) and bench/gpu_graph_gap.py (what a graph launch costs the device and the host)           (~1 min)
+#   probes   bench/gpu_pdl_linear.py (a split-K linear of our own that takes part in PDL, against cuBLASLt's, after
+#            a norm), bench/gpu_l2_prefetch.py (linears and the LM head after a kernel that prefetches their
+#            weights into L2) and bench/gpu_graph_gap.py (a graph launch's cost, device and host)          (~2 min)
 #   persistent  bench/gpu_grid_barrier.py, gpu_persistent_gemm.py and gpu_persistent_layer.py: a persistent
 #            kernel's phase, and a whole decoder layer as one, checked against torch                  (~2 min)
 #   cutlass  bench/gpu_cutlass_gemm.py run over the cubins in .cutlass/ (carry it; `build` makes them where the
@@ -62,6 +63,8 @@ for part in "${@:-tests}"; do
         > "$OUT/beam_kernels.txt" 2>&1 || summary+=("search: FAILED (see beam_kernels.txt)")
       summary+=("== beam step kernels (PDL off)" "$(grep -A24 'kernels of one step' "$OUT/beam_kernels.txt")") ;;
     probes)
+      python3 -m bench.gpu_pdl_linear > "$OUT/pdl_linear.txt" 2>&1 || summary+=("probes: FAILED (see pdl_linear.txt)")
+      summary+=("== pdl linear" "$(grep -v '^# gpu' "$OUT/pdl_linear.txt")")
       python3 -m bench.gpu_l2_prefetch --spin-ns 20000 > "$OUT/l2_prefetch.txt" 2>&1 \
         || summary+=("probes: FAILED (see l2_prefetch.txt)")
       summary+=("== l2 prefetch" "$(grep -v '^# gpu' "$OUT/l2_prefetch.txt")")

@@ -15,7 +15,7 @@ import argparse
 import numpy as np
 import torch
 
-from bench.gpu_ceilings import gpu_machine_line
+from bench.gpu_ceilings import gpu_machine_line, time_per_pair
 
 SHAPES = (("qkv", 3072, 1024), ("o / cross q / cross o", 1024, 1024), ("fc1", 4096, 1024), ("fc2", 1024, 4096),
           ("lm head", 256256, 1024))
@@ -94,10 +94,8 @@ def main(argv=None) -> list[dict]:
                "cold_us": time_per_launch(stream, [lambda w=pick(i): linear(w) for i in range(PAIRS)]) * 1e6,
                "warm_us": time_per_launch(stream, [lambda: linear(weights[0]) for _ in range(PAIRS)]) * 1e6}
         for key, prefetch in (("pair_us", False), ("prefetched_us", True)):
-            launches = []
-            for i in range(PAIRS):
-                launches += [lambda w=pick(i), p=prefetch: stand_in(w, p), lambda w=pick(i): linear(w)]
-            row[key] = time_per_launch(stream, launches) * 2e6
+            row[key] = time_per_pair(stream, lambda i, p=prefetch: (lambda: stand_in(pick(i), p),
+                                                                    lambda: linear(pick(i))), PAIRS) * 1e6
         print(f"{name:<22} {f'{n}x{k}':>10} {row['cold_us']:10.2f} {row['warm_us']:10.2f} {row['pair_us']:8.2f} "
               f"{row['prefetched_us']:10.2f} {row['pair_us'] - row['prefetched_us']:6.2f}", flush=True)
         results.append(row)

@@ -67,3 +67,14 @@ def test_the_l2_prefetch_stand_in_compiles_for_hopper(monkeypatch):
     from bench.gpu_l2_prefetch import SOURCE
 
     assert compile_cubin("stand_in", with_headers(SOURCE), "sm_90a")[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_pdl_linear_compiles(monkeypatch, arch):
+    """bench/gpu_pdl_linear.py's kernel: the persistent prototype's split-K phase as a launch of its own."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench.gpu_pdl_linear import SOURCE, SPLITS
+
+    for split in SPLITS:
+        split.check()
+    assert compile_cubin("pdl_linear", with_headers(SOURCE), arch)[:4] == b"\x7fELF"
