@@ -63,7 +63,7 @@ def main(argv=None) -> list[dict]:
 
     device = CudaDevice(0)
     lib = KernelLibrary(device.arch, KernelCache(Path("/tmp/metrale-bench-kernels")))
-    pdl = launch._programmatic
+    pdl = launch.programmatic_launch()
     stream = device.stream
     view = lambda t: DeviceTensor.from_torch(t)
     rows = view(torch.arange(64, dtype=torch.int32, device="cuda"))

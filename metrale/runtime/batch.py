@@ -28,6 +28,11 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
 
+    @property
+    def samples_every_row(self) -> bool:
+        """Whether every row becomes logits, in order (a decode step's batch; sample_rows only ever ascend)."""
+        return len(self.sample_rows) == self.num_tokens
+
 
 @dataclass(slots=True)
 class Segment:

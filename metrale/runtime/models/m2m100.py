@@ -176,7 +176,7 @@ class M2M100ForConditionalGeneration:
             o = ops.cross_attention(h, *layer["cross_q"], kv, cross, c.num_heads, c.head_dim, scale)
             h, residual = ops.linear_layer_norm(o, *layer["cross_out"], *layer["final_layer_norm"], eps, residual)
             x, fc2 = ops.linear_relu(h, *layer["fc1"]), layer["fc2"]
-        if _samples_every_row(batch):       # decode steps: the last fc2 goes into the final norm as the others do
+        if batch.samples_every_row:         # decode steps: the last fc2 goes into the final norm as the others do
             x, _ = ops.linear_layer_norm(x, *fc2, *w["decoder_norm"], eps, residual)
         else:
             x = ops.linear(x, *fc2)
@@ -191,12 +191,6 @@ class M2M100ForConditionalGeneration:
             return torch.cat([position_ids(batch.token_ids[s:s + n], context - n, pad)
                               for s, n, context in zip(batch.query_starts, batch.query_lens, batch.context_lens)])
         return batch.positions + 1 + pad     # no padding token among them: each counts on from its position
-
-
-def _samples_every_row(batch: ForwardBatch) -> bool:
-    """Whether the batch's logits rows are all its rows, in order (a decode step's, and every decode graph's)."""
-    n = batch.num_tokens
-    return len(batch.sample_rows) == n and bool((batch.sample_rows == torch.arange(n)).all())
 
 
 def _split(x, hidden: int, parts: int = 3):

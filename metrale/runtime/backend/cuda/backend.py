@@ -19,32 +19,13 @@ from metrale.runtime.backend.cuda.gemm_tuning import AlgoTuner
 from metrale.runtime.backend.cuda.graphs import DecodeGraphs, PrefillGraphs, no_collection
 from metrale.runtime.backend.cuda.lane import (Lane, LaneBinding, LaneCandidates, lane_buffers, lane_bytes,
                                                 padded_vocab)
+from metrale.runtime.backend.cuda.linears import k_splits, linear_into, partials
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.backend.ops import MemoryShapes, RopeTable, rope_then_attention
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.beam.on_device import DeviceSearch
 from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.sampling import SampleResult
-
-# Linears of at most this many rows with weights of at most this many elements run on the skinny-GEMM kernel:
-# on an H200 (bench/gpu_skinny_gemm.py) it beats cuBLASLt by 1.05-1.13x on 6144 x 4096 and 4096 x 4096 and by
-# 1.4-2.0x on small matrices at 1 to 8 rows, and trails on 4096 x 28672, the 128k-vocab lm_head and 16 rows. On
-# 4096 x 14336 it trails alone (0.81x since its activation loads became plain loads for PDL) but not in a step:
-# routing that shape to cuBLASLt (split-K plus a reduce kernel) left the Llama batch-1 step unchanged.
-SKINNY_MAX_M = 8
-SKINNY_MAX_WEIGHT = 64 << 20
-# linear_layer_norm's split-K partials (bench/gpu_gemm_algos.py --splits, bench/NOTES.md session 12): K's slices by
-# rows, for K up to SPLIT_LONG_K and past it. Past 64 rows only a long K pays for the norm's reads of the partials
-# (fc2 at 256 rows: 9.4 -> 6.3 us with 4 slices; a 1024 x 1024 linear: 4.1 -> 3.7 us, less than the norm's extra).
-SPLIT_LONG_K = 2048
-SPLITS_BY_ROWS = ((SKINNY_MAX_M, 1, 1), (64, 4, 8), (256, 1, 4))      # (up to rows, short K, long K)
-
-
-def _k_splits(rows: int, k: int) -> int:
-    """The K slices a linear of `rows` rows hands its reader as partials (SPLITS_BY_ROWS), 1 for none: slices of
-    whole 16-byte units only, as the split GEMM needs."""
-    splits = next(((short, long)[k > SPLIT_LONG_K] for most, short, long in SPLITS_BY_ROWS if rows <= most), 1)
-    return 1 if k % (8 * splits) else splits
 
 
 class CudaBackend:
@@ -276,17 +257,17 @@ class CudaBackend:
         return out, residual_out
 
     def linear_layer_norm(self, x, weight, bias, norm_weight, norm_bias, eps, residual):
-        """Decode-sized linears (SPLITS_BY_ROWS; none for the skinny GEMM) as split-K partials that the norm sums: a
+        """Decode-sized linears (linears.SPLITS_BY_ROWS; none for the skinny GEMM) as split-K partials that the norm sums: a
         strided batched GEMM of short K slices fills the GPU at few rows where one GEMM's K loop is long (1024 x 1024
         at 64 rows: 3.9 -> 3.0 us), and cuBLASLt's own split-K reduce kernel goes."""
         m, n = x.shape[0], weight.shape[0]
-        splits = _k_splits(m, weight.shape[1])
+        splits = k_splits(m, weight.shape[1])
         if splits == 1:
             return self.layer_norm(self.linear(x, weight, bias), norm_weight, norm_bias, eps, residual)
         lane = self._bound.lane
-        partials = self._partials(lane, x, weight, splits)
+        summed = partials(self.gemm, lane, x, weight, splits)
         out, residual_out = lane.new(m, n), lane.new(m, n)
-        kernels.norm.layer_norm_partials(self.lib, lane.stream, out, partials, splits, bias, norm_weight, norm_bias,
+        kernels.norm.layer_norm_partials(self.lib, lane.stream, out, summed, splits, bias, norm_weight, norm_bias,
                                          eps, residual, residual_out)
         return out, residual_out
 
@@ -296,24 +277,18 @@ class CudaBackend:
         1024 x 1024 at 64 rows, as the out projections went: ~4.9 -> ~3.6 us, not yet timed alone); otherwise the
         linear, then paged_attention."""
         m, n = x.shape[0], weight.shape[0]
-        splits = _k_splits(m, weight.shape[1])
+        splits = k_splits(m, weight.shape[1])
         if splits == 1 or batch.num_prefill or not batch.num_decode or n != num_kv_heads * head_dim:
             return self.paged_attention(self.linear(x, weight, bias), kv, batch, num_kv_heads, head_dim, scale, None,
                                         causal=False)
         lane = self._bound.lane
-        partials = self._partials(lane, x, weight, splits)
+        query = partials(self.gemm, lane, x, weight, splits)
         out = lane.new(m, n)
         kernels.attention.paged_decode_attention(
-            self.lib, lane.stream, out, partials, kv, batch.decode_rows, batch.decode_contexts, batch.decode_tables,
+            self.lib, lane.stream, out, query, kv, batch.decode_rows, batch.decode_contexts, batch.decode_tables,
             lane.decode_partials, num_kv_heads, num_kv_heads, head_dim, scale, -1, batch.max_decode_context,
             q_partials=kernels.attention.QueryPartials(splits, bias))
         return out
-
-    def _partials(self, lane: Lane, x, weight, splits: int) -> DeviceTensor:
-        """x @ weight^T as `splits` K slices' float32 partials [splits * rows, N] (no bias)."""
-        partials = lane.new(splits * x.shape[0], weight.shape[0], "float32")
-        self.gemm.linear(lane.stream, partials, x, weight, workspace=lane.gemm_workspace, splits=splits)
-        return partials
 
     def relu(self, x):
         lane = self._bound.lane
@@ -328,23 +303,14 @@ class CudaBackend:
     def linear(self, x, weight, bias=None):
         lane = self._bound.lane
         out = lane.new(x.shape[0], weight.shape[0])
-        self._linear(lane, out, x, weight, bias)
+        linear_into(self.lib, self.gemm, lane, out, x, weight, bias)
         return out
 
     def linear_relu(self, x, weight, bias=None):
         lane = self._bound.lane
         out = lane.new(x.shape[0], weight.shape[0])
-        self._linear(lane, out, x, weight, bias, relu=True)
+        linear_into(self.lib, self.gemm, lane, out, x, weight, bias, relu=True)
         return out
-
-    def _linear(self, lane: Lane, out, x, weight, bias=None, relu: bool = False):
-        """Decode-sized linears on the skinny-GEMM kernel where it beats cuBLASLt, the rest on cuBLASLt (either
-        takes the relu in its epilogue)."""
-        if (x.shape[0] <= SKINNY_MAX_M and weight.numel <= SKINNY_MAX_WEIGHT
-                and kernels.skinny_gemm.supports(x, weight, out, bias)):
-            kernels.skinny_gemm.skinny_linear(self.lib, lane.stream, out, x, weight, bias, relu=relu)
-        else:
-            self.gemm.linear(lane.stream, out, x, weight, bias, lane.gemm_workspace, relu=relu)
 
     def rope_and_write_kv(self, q, k, v, rope: RopeTable, batch: CudaBatch, kv, head_dim):
         # q, k and v are column slices of one qkv buffer, which the kernel takes whole.
@@ -400,5 +366,5 @@ class CudaBackend:
     def logits(self, x, lm_head):
         lane = self._bound.lane
         out = lane.logits.rows(0, x.shape[0]).columns(0, lm_head.shape[0])
-        self._linear(lane, out, x, lm_head)
+        linear_into(self.lib, self.gemm, lane, out, x, lm_head)
         return out.columns(0, self.shapes.vocab)

@@ -39,6 +39,10 @@ def use_programmatic_launch(enabled: bool) -> None:
     _programmatic = enabled
 
 
+def programmatic_launch() -> bool:
+    return _programmatic
+
+
 def launch_kernel(stream, kernel, grid, block, *args, shmem: int = 0) -> None:
     """grid/block: int or tuple; shmem: dynamic shared memory bytes."""
     config = LaunchConfig(grid=grid, block=block, shmem_size=shmem, programmatic_stream_serialization=_programmatic)

@@ -1,0 +1,43 @@
+"""Which GEMM runs a linear on the CUDA backend: the skinny-GEMM kernel for a few rows, cuBLASLt otherwise, and at
+decode row counts the K-split form (float32 partials of K's slices) that a norm or the attention kernel sums."""
+
+from metrale.runtime.backend.cuda import kernels
+from metrale.runtime.backend.cuda.tensor import DeviceTensor
+
+# Linears of at most this many rows with weights of at most this many elements run on the skinny-GEMM kernel:
+# on an H200 (bench/gpu_skinny_gemm.py) it beats cuBLASLt by 1.05-1.13x on 6144 x 4096 and 4096 x 4096 and by
+# 1.4-2.0x on small matrices at 1 to 8 rows, and trails on 4096 x 28672, the 128k-vocab lm_head and 16 rows. On
+# 4096 x 14336 it trails alone (0.81x since its activation loads became plain loads for PDL) but not in a step:
+# routing that shape to cuBLASLt (split-K plus a reduce kernel) left the Llama batch-1 step unchanged.
+SKINNY_MAX_M = 8
+SKINNY_MAX_WEIGHT = 64 << 20
+# linear_layer_norm's split-K partials (bench/gpu_gemm_algos.py --splits, bench/NOTES.md session 12): K's slices by
+# rows, for K up to SPLIT_LONG_K and past it. Past 64 rows only a long K pays for the norm's reads of the partials
+# (fc2 at 256 rows: 9.4 -> 6.3 us with 4 slices; a 1024 x 1024 linear: 4.1 -> 3.7 us, less than the norm's extra).
+SPLIT_LONG_K = 2048
+SPLITS_BY_ROWS = ((SKINNY_MAX_M, 1, 1), (64, 4, 8), (256, 1, 4))      # (up to rows, short K, long K)
+
+
+def k_splits(rows: int, k: int) -> int:
+    """The K slices a linear of `rows` rows hands its reader as partials (SPLITS_BY_ROWS), 1 for none: slices of
+    whole 16-byte units only, as the split GEMM needs."""
+    splits = next(((short, long)[k > SPLIT_LONG_K] for most, short, long in SPLITS_BY_ROWS if rows <= most), 1)
+    return 1 if k % (8 * splits) else splits
+
+
+def linear_into(lib, gemm, lane, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
+                bias: DeviceTensor | None = None, relu: bool = False) -> None:
+    """out = x @ weight.T (+ bias, then relu): decode-sized linears on the skinny-GEMM kernel where it beats
+    cuBLASLt, the rest on cuBLASLt (either takes the relu in its epilogue)."""
+    if (x.shape[0] <= SKINNY_MAX_M and weight.numel <= SKINNY_MAX_WEIGHT
+            and kernels.skinny_gemm.supports(x, weight, out, bias)):
+        kernels.skinny_gemm.skinny_linear(lib, lane.stream, out, x, weight, bias, relu=relu)
+    else:
+        gemm.linear(lane.stream, out, x, weight, bias, lane.gemm_workspace, relu=relu)
+
+
+def partials(gemm, lane, x: DeviceTensor, weight: DeviceTensor, splits: int) -> DeviceTensor:
+    """x @ weight.T as `splits` K slices' float32 partials [splits * rows, N] (no bias), in the lane's ring."""
+    out = lane.new(splits * x.shape[0], weight.shape[0], "float32")
+    gemm.linear(lane.stream, out, x, weight, workspace=lane.gemm_workspace, splits=splits)
+    return out
