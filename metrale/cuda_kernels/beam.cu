@@ -122,8 +122,6 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 2) beam_state_parts
     __shared__ float warp_best[32];
     __shared__ unsigned int bans;
     const BeamState& s = *state;
-    const int beam = s.rows_beam[blockIdx.x], r = s.beam_request[beam];
-    if (s.done[r]) return;
     const int begin = blockIdx.y * part_size, n = min(part_size, vocab_size - begin);
     const int part = blockIdx.x * gridDim.y + blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -134,12 +132,17 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 2) beam_state_parts
         bans = 0u;
         sh.candidate_count = 0u;
     }
+    // The first pass's loads go out before the beam's state is read (rows_beam, beam_request, done: three dependent
+    // round trips, now in the pass's shadow); a row whose search ended makes the pass for nothing, as the padding
+    // row it is until its request leaves the forward.
     float thread_max = -positive_infinity();
     bool unbounded = false;                                    // NaN or +inf: the row has no finite maximum
     for_each_value(x, n, [&](int, float v) {
         thread_max = fmaxf(thread_max, v);
         unbounded |= !(v < positive_infinity());
     });
+    const int beam = s.rows_beam[blockIdx.x], r = s.beam_request[beam];
+    if (s.done[r]) return;                                     // the whole block: its row's
     const float best = warp_max(thread_max);
     if (lane == 0) warp_best[warp] = best;
     const float max = block_max_float(thread_max);            // starts with __syncthreads: bans, warp_best set
@@ -218,61 +221,71 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 2) beam_state_parts
 #define MAX_MERGED 1024
 
 // One block per row: the row's maximum and log-sum-exp from its parts', and its best `count` of the parts' best
-// (parts * count <= MAX_MERGED) as log-probabilities ((x - max) - log_sum, as beam_candidates); ids -1 and NaN
-// values for a row with NaN or no finite maximum.
+// (parts * count <= MAX_MERGED, parts <= 32: kernels/beam.py's MAX_PARTS) as log-probabilities ((x - max) -
+// log_sum, as beam_candidates); ids -1 and NaN values for a row with NaN or no finite maximum.
+//
+// Every load goes out at once, before the beam's state is read (three dependent round trips): each warp reads all
+// the parts' maxima and sums (a lane each) and reduces them itself, and each thread its ids and their logits (ids
+// outside [0, vocab_size) read nothing: a row whose search ended has last step's, or none yet).
 extern "C" __global__ void __launch_bounds__(MERGE_THREADS) beam_state_merge(
-        const bf16* logits, long long stride, const BeamState* state, int parts, int count, const float* part_max,
-        const double* part_sum, const int* part_ids) {
+        const bf16* logits, long long stride, int vocab_size, const BeamState* state, int parts, int count,
+        const float* part_max, const double* part_sum, const int* part_ids) {
     wait_for_previous_kernel();
-    const BeamState& s = *state;
-    const int beam = s.rows_beam[blockIdx.x], r = s.beam_request[beam];
-    if (s.done[r]) return;
+    static_assert(MAX_MERGED % MERGE_THREADS == 0, "each thread holds MAX_MERGED / MERGE_THREADS of the ids");
+    constexpr int PER_THREAD = MAX_MERGED / MERGE_THREADS;
     __shared__ u64 ranks[MAX_MERGED];
-    __shared__ LogprobKeys keys;
-    __shared__ int bad;
+    const BeamState& s = *state;
     const bf16* x = logits + blockIdx.x * stride;
-    const int first = blockIdx.x * parts, total = parts * count;
+    const int first = blockIdx.x * parts, total = parts * count, lane = threadIdx.x & 31;
+    const float m = lane < parts ? part_max[first + lane] : -positive_infinity();
+    const double part = lane < parts ? part_sum[first + lane] : 0.0;
+    int own_ids[PER_THREAD];
+    float own_values[PER_THREAD];
+#pragma unroll
+    for (int u = 0; u < PER_THREAD; ++u) {
+        const int i = threadIdx.x + u * MERGE_THREADS;
+        own_ids[u] = i < total ? part_ids[(long long)first * count + i] : -1;
+    }
+#pragma unroll
+    for (int u = 0; u < PER_THREAD; ++u) {
+        const int id = own_ids[u];
+        own_values[u] = id >= 0 && id < vocab_size ? value_at(x, id) : 0.f;
+    }
+    const int beam = s.rows_beam[blockIdx.x], r = s.beam_request[beam];
+    if (s.done[r]) return;                                     // the whole block: its row's
     int* ids = s.cand_ids + (long long)beam * s.keep_stride;
     float* values = s.cand_values + (long long)beam * s.keep_stride;
-    if (threadIdx.x == 0) {
-        float max = -positive_infinity();
-        bool nan = false;
-        for (int p = 0; p < parts; ++p) {
-            const float m = part_max[first + p];
-            nan |= m != m;
-            if (m == m) max = fmaxf(max, m);
-        }
-        double sum = 0.0;
-        for (int p = 0; p < parts; ++p) {
-            const float m = part_max[first + p];
-            if (m == m && m > -positive_infinity()) sum += part_sum[first + p] * exp((double)m - (double)max);
-        }
-        bad = nan || !(max > -positive_infinity());
-        keys.max = max;
-        keys.log_sum = (float)log(sum);
-    }
-    __syncthreads();
-    if (bad) {
+    const bool nan = __any_sync(0xffffffffu, m != m);
+    const float max = warp_max(m);                             // fmaxf: a NaN loses to any number
+    const bool finite = m == m && m > -positive_infinity();
+    const double sum = warp_reduce(finite ? part * exp((double)m - (double)max) : 0.0, Sum());
+    if (nan || !(max > -positive_infinity())) {
         for (int j = threadIdx.x; j < count; j += blockDim.x) {
             ids[j] = -1;
             values[j] = not_a_number();
         }
         return;
     }
+    LogprobKeys keys;
+    keys.max = max;
+    keys.log_sum = (float)log(sum);
     for (int j = threadIdx.x; j < count; j += blockDim.x) ids[j] = -1;   // stays -1 past the parts' ids (a fault)
-    for (int i = threadIdx.x; i < total; i += blockDim.x) {
-        const int id = part_ids[(long long)first * count + i];
-        ranks[i] = id < 0 ? 0ull : rank_key(keys.key(value_at(x, id)), id);
+#pragma unroll
+    for (int u = 0; u < PER_THREAD; ++u) {
+        const int i = threadIdx.x + u * MERGE_THREADS;
+        if (i < total) ranks[i] = own_ids[u] < 0 ? 0ull : rank_key(keys.key(own_values[u]), own_ids[u]);
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < total; i += blockDim.x) {
-        const u64 own = ranks[i];
+#pragma unroll
+    for (int u = 0; u < PER_THREAD; ++u) {
+        const int i = threadIdx.x + u * MERGE_THREADS;
+        const u64 own = i < total ? ranks[i] : 0ull;
         if (own == 0ull) continue;
         int rank = 0;
         for (int j = 0; j < total; ++j) rank += ranks[j] > own;
         if (rank < count) {
             ids[rank] = rank_id(own);
-            values[rank] = keys.logprob(value_at(x, rank_id(own)));
+            values[rank] = keys.logprob(own_values[u]);
         }
     }
 }

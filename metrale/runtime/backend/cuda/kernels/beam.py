@@ -85,5 +85,5 @@ def beam_state_candidates(lib, stream, logits: DeviceTensor, state: int, num_row
                   np.int64(logits.stride), vocab_size, np.uint64(state), parity, generated, size, count,
                   scratch["part_max"], scratch["part_sum"], scratch["part_ids"], scratch["part_values"])
     launch_kernel(stream, lib.get("beam_state_merge", MODULE), num_rows, MERGE_THREADS, logits,
-                  np.int64(logits.stride), np.uint64(state), parts, count, scratch["part_max"], scratch["part_sum"],
-                  scratch["part_ids"])
+                  np.int64(logits.stride), vocab_size, np.uint64(state), parts, count, scratch["part_max"],
+                  scratch["part_sum"], scratch["part_ids"])
