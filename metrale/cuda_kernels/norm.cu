@@ -58,6 +58,22 @@ __device__ __forceinline__ unsigned int scale_pair(unsigned int value, unsigned 
     return float2_to_bf16x2(w.x * n.x, w.y * n.y);
 }
 
+// This thread's first 16-byte unit of a norm's weight and bias (bias may be null): a row's only one up to hidden
+// 8192 (the launchers' _block). They are model weights, so they are loaded before the row, their round trip with
+// the row's, where after the row's stores (which they might alias, for the compiler) and the block's reductions
+// they were one more round trip at the end of every norm. Later units are loaded where they are used.
+struct FirstUnits {
+    uint4 weight, bias;
+
+    __device__ __forceinline__ FirstUnits(const bf16* weight_base, const bf16* bias_base, int units)
+        : weight(make_uint4(0u, 0u, 0u, 0u)), bias(make_uint4(0u, 0u, 0u, 0u)) {
+        if ((int)threadIdx.x < units) {
+            weight = reinterpret_cast<const uint4*>(weight_base)[threadIdx.x];
+            if (bias_base) bias = reinterpret_cast<const uint4*>(bias_base)[threadIdx.x];
+        }
+    }
+};
+
 // One block per row; x, residual, out, residual_out [T, hidden] bf16 with row strides in elements (multiples
 // of 8), weight [hidden]. residual and residual_out may be null. hidden % 8 == 0, every row 16-byte aligned.
 // With residual: residual_out = bf16(x + residual), out = norm(residual_out) * weight.
@@ -69,6 +85,7 @@ extern "C" __global__ void rms_norm(bf16* out, long long out_stride, bf16* resid
     const long long row = blockIdx.x;
     const int units = hidden >> 3;
     const ResidualRow input(row, x, x_stride, residual, residual_stride, residual_out, residual_out_stride);
+    const FirstUnits first(weight, nullptr, units);
     uint4 values[RMS_NORM_MAX_UNITS];
     float sum_squares = 0.f;
 #pragma unroll
@@ -89,7 +106,7 @@ extern "C" __global__ void rms_norm(bf16* out, long long out_stride, bf16* resid
     for (int k = 0; k < RMS_NORM_MAX_UNITS; ++k) {
         const int i = threadIdx.x + k * blockDim.x;
         if (i >= units) break;
-        const uint4 v = values[k], w = weight_units[i];
+        const uint4 v = values[k], w = k == 0 ? first.weight : weight_units[i];
         out_row[i] = make_uint4(scale_pair(v.x, w.x, inv_rms), scale_pair(v.y, w.y, inv_rms),
                                 scale_pair(v.z, w.z, inv_rms), scale_pair(v.w, w.w, inv_rms));
     }
@@ -162,6 +179,7 @@ template <class Row>
 __device__ __forceinline__ void layer_norm_row(const Row& input, bf16* out_row_base, const bf16* weight,
                                                const bf16* bias, int hidden, float eps) {
     const int units = hidden >> 3;
+    const FirstUnits first(weight, bias, units);
     float values[RMS_NORM_MAX_UNITS][8];
     float sum = 0.f;
 #pragma unroll
@@ -190,8 +208,8 @@ __device__ __forceinline__ void layer_norm_row(const Row& input, bf16* out_row_b
         const int i = threadIdx.x + k * blockDim.x;
         if (i >= units) break;
         float w[8], b[8], y[8];
-        unpack8(weight_units[i], w);
-        unpack8(bias_units[i], b);
+        unpack8(k == 0 ? first.weight : weight_units[i], w);
+        unpack8(k == 0 ? first.bias : bias_units[i], b);
 #pragma unroll
         for (int j = 0; j < 8; ++j) y[j] = (values[k][j] - mean) * rstd * w[j] + b[j];
         out_row[i] = pack8(y);

@@ -70,6 +70,9 @@ class FakeLibrary:
         self.requested.append((module, kernel_name))
         return module, kernel_name
 
+    def max_block(self, kernel_name, module):
+        return 1024
+
 
 @pytest.fixture
 def launches(monkeypatch):

@@ -97,6 +97,7 @@ class KernelLibrary:
         self._kernels = {}
         self._modules = {}
         self._resident = {}
+        self._max_block = {}
         # A module is loaded into the context on its first get_kernel, and lanes launch from several threads.
         self._load_lock = threading.Lock()
         self.cache = cache
@@ -115,6 +116,13 @@ class KernelLibrary:
             if key not in self._kernels:
                 self._kernels[key] = self._modules[module].get_kernel(kernel_name)
             return self._kernels[key]
+
+    def max_block(self, kernel_name: str, module: str) -> int:
+        """The most threads a block of the kernel can have (its registers set it), in whole warps."""
+        key = (module, kernel_name)
+        if key not in self._max_block:
+            self._max_block[key] = self.get(kernel_name, module).attributes.max_threads_per_block // 32 * 32
+        return self._max_block[key]
 
     def resident_ctas(self, kernel_name: str, module: str, threads: int) -> int:
         """CTAs of `threads` threads (static shared memory only) the whole device runs at once."""

@@ -53,7 +53,8 @@ def layer_norm_partials(lib, stream, out: DeviceTensor, partials: DeviceTensor, 
     _check_row_norm("layer_norm_partials", out, (weight, bias), residual, residual_out)
     if num_tokens == 0:
         return
-    launch_kernel(stream, lib.get("layer_norm_partials", MODULE), num_tokens, _block(hidden), out, _stride(out),
+    block = _block("layer_norm_partials", lib, hidden)
+    launch_kernel(stream, lib.get("layer_norm_partials", MODULE), num_tokens, block, out, _stride(out),
                   residual_out, _stride(residual_out), partials, np.int32(num_tokens), np.int32(splits),
                   _pointer(linear_bias), residual, _stride(residual), weight, bias, np.int32(hidden), float(eps))
 
@@ -67,7 +68,7 @@ def _launch_row_norm(name: str, lib, stream, out, x, params: tuple, eps, residua
     if num_tokens == 0:
         return
     kernel = lib.get(name, MODULE)
-    launch_kernel(stream, kernel, num_tokens, _block(hidden), out, _stride(out), _pointer(residual_out),
+    launch_kernel(stream, kernel, num_tokens, _block(name, lib, hidden), out, _stride(out), _pointer(residual_out),
                   _stride(residual_out), x, _stride(x), _pointer(residual), _stride(residual), *params, hidden,
                   float(eps))
 
@@ -90,9 +91,14 @@ def _check_row_norm(name: str, x: DeviceTensor, params: tuple, residual, residua
                                                           f"at most {MAX_HIDDEN}")
 
 
-def _block(hidden: int) -> int:
-    """One 16-byte unit per thread up to hidden 8192, then up to RMS_NORM_MAX_UNITS per thread."""
-    return min(MAX_BLOCK, 32 * ceil_div(hidden // 8, 32))
+def _block(name: str, lib, hidden: int) -> int:
+    """One 16-byte unit per thread up to hidden 8192, then up to RMS_NORM_MAX_UNITS per thread; fewer threads where
+    the kernel's registers allow fewer (layer_norm_partials: ~500), with more units each."""
+    limit = min(MAX_BLOCK, lib.max_block(name, MODULE))
+    block = min(limit, 32 * ceil_div(hidden // 8, 32))
+    require(hidden <= RMS_NORM_MAX_UNITS * 8 * block,
+            f"{name}: hidden {hidden} is more than its {block}-thread blocks hold ({RMS_NORM_MAX_UNITS * 8 * block})")
+    return block
 
 
 def head_rms_norm(lib, stream, x: DeviceTensor, weight: DeviceTensor, eps: float, head_dim: int) -> None:
