@@ -235,60 +235,80 @@ __device__ __forceinline__ void release_block(const BeamState& s, int block) {
 // token's position is prompt_len + generated). As runtime/beam/runner.py's _fork: a parent no child continues
 // releases its blocks, one that several continue gains holders; then each child takes a fresh block where its
 // token starts one, and where it writes into a partly filled block another beam also holds, a copy of its filled
-// slots (all but the last child of a parent copy). All releases happen before any block is taken. Last, every
-// request's done flag and the fault flag (done[0, num_requests], the state's fault being done[num_requests]) go
-// to `flags`, pinned host memory the host reads after the kernel: no copy between this step's kernels.
+// slots. All releases happen before any block is taken. Last, every request's done flag and the fault flag
+// (done[0, num_requests], the state's fault being done[num_requests]) go to `flags`, pinned host memory the host
+// reads after the kernel: no copy between this step's kernels.
+//
+// A warp per request, a lane per beam (num_beams <= 32), so that a request's holder counts and table copies are
+// its lanes' independent loads and atomics rather than one thread's chain of them. Which children copy is as
+// _fork's order decides it: a partly filled block is held by the children that point at it (the releases and
+// shares leave exactly those holders), and _fork's children, taken in order, copy while another holder remains,
+// so every child but the last one pointing at a block copies. Blocks are popped in no fixed order: which
+// physical block a beam gets changes no result.
 extern "C" __global__ void __launch_bounds__(1024) beam_fork(const BeamState* state, int parity, int generated,
                                                              int num_active, int* flags) {
     wait_for_previous_kernel();
     const BeamState& s = *state;
     const int next = 1 - parity, W = (int)s.table_width, B = (int)s.block_size;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     for (int i = threadIdx.x; i < 3 * s.total_beams; i += blockDim.x) s.copies[i] = 0;
-    for (int a = threadIdx.x; a < num_active; a += blockDim.x) {
+    for (int a = warp; a < num_active; a += warps) {
         const int r = s.active[a];
-        if (s.done[r]) continue;
+        if (s.done[r]) continue;                               // the whole warp
         const int k = s.num_beams[r], base = s.beam_base[r], position = s.prompt_len[r] + generated;
-        const int filled = (position + B - 1) / B;         // the blocks holding tokens 0 .. position - 1
-        int children[MAX_SELECT_BEAMS];
-        for (int b = 0; b < k; ++b) children[b] = 0;
-        for (int j = 0; j < k; ++j) ++children[s.parents[base + j]];
-        for (int b = 0; b < k; ++b) {
-            const int* table = s.tables + (half(s, parity) + base + b) * W;
-            for (int e = 0; e < filled; ++e) {
-                if (children[b] == 0) release_block(s, table[e]);
-                else s.holders[table[e]] += children[b] - 1;
+        const int filled = (position + B - 1) / B;           // the blocks holding tokens 0 .. position - 1
+        const int parent = lane < k ? s.parents[base + lane] : -1;
+        int children = 0;                                     // of beam `lane`
+        for (int j = 0; j < k; ++j) children += __shfl_sync(0xffffffffu, parent, j) == lane;
+        if (lane >= k || children == 1) continue;
+        const int* table = s.tables + (half(s, parity) + base + lane) * W;
+        for (int e = 0; e < filled; ++e) {
+            const int block = table[e];
+            if (children == 0) {
+                if (atomicSub(s.holders + block, 1) == 1) s.free_stack[atomicAdd(s.free_top, 1)] = block;
+            } else {
+                atomicAdd(s.holders + block, children - 1);
             }
         }
     }
     __syncthreads();
-    for (int a = threadIdx.x; a < num_active; a += blockDim.x) {
+    for (int a = warp; a < num_active; a += warps) {
         const int r = s.active[a];
         if (s.done[r]) continue;
         const int k = s.num_beams[r], base = s.beam_base[r], position = s.prompt_len[r] + generated;
         const int filled = (position + B - 1) / B, index = position / B, offset = position % B;
-        for (int j = 0; j < k; ++j) {
+        const int j = lane;
+        int last = -1;                                        // the partly filled block child j writes into
+        if (j < k) {
             const int* from = s.tables + (half(s, parity) + base + s.parents[base + j]) * W;
             int* table = s.tables + (half(s, next) + base + j) * W;
             for (int e = 0; e < filled; ++e) table[e] = from[e];
-            const bool needs_block = offset == 0 || s.holders[table[index]] > 1;
-            const int own = needs_block ? pop_block(s) : 0;
-            if (own < 0) {      // the reservation ran dry (it is sized so it cannot): the request writes nothing more
-                *s.fault = 1;
-                s.done[r] = 1;
-                s.result_parity[r] = next;
-                break;
-            }
-            if (offset == 0) {
-                table[index] = own;
-            } else if (needs_block) {
-                const int shared = table[index];
-                --s.holders[shared];
-                table[index] = own;
-                int* copy = s.copies + 3 * (base + j);
-                copy[0] = s.block_ids[shared];
-                copy[1] = s.block_ids[own];
-                copy[2] = offset;
-            }
+            if (offset != 0) last = from[index];
+        }
+        bool later = false;                                   // a later child points at the same block
+        for (int other = 0; other < k; ++other) {
+            const int theirs = __shfl_sync(0xffffffffu, last, other);      // every lane takes part
+            later |= other > j && theirs == last;
+        }
+        if (j >= k) continue;
+        const bool needs_block = offset == 0 || later;
+        const int own = needs_block ? pop_block(s) : 0;
+        if (own < 0) {          // the reservation ran dry (it is sized so it cannot): the request writes nothing more
+            *s.fault = 1;
+            s.done[r] = 1;
+            s.result_parity[r] = next;
+            continue;
+        }
+        int* table = s.tables + (half(s, next) + base + j) * W;
+        if (offset == 0) {
+            table[index] = own;
+        } else if (needs_block) {
+            atomicSub(s.holders + last, 1);
+            table[index] = own;
+            int* copy = s.copies + 3 * (base + j);
+            copy[0] = s.block_ids[last];
+            copy[1] = s.block_ids[own];
+            copy[2] = offset;
         }
     }
     __syncthreads();
