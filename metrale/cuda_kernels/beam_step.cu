@@ -54,7 +54,8 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) beam_select(const B
     wait_for_previous_kernel();
     const BeamState& s = *state;
     const int r = s.active[blockIdx.x];
-    if (s.done[r]) return;
+    // The request's fields and candidates are read before its done flag is acted on (they are in bounds for an ended
+    // request too): their round trips overlap the flag's, which the block then checks after its first pass.
     const int k = s.num_beams[r], base = s.beam_base[r], cur = s.prompt_len[r] + generated;
     const int keep = max(2, 1 + (int)s.num_eos) * k, n = k * keep, next = 1 - parity;
     const long long L = s.max_len;
@@ -81,6 +82,7 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) beam_select(const B
         if (s.cand_ids[at] < 0 || value != value) bad = 1;
         scores[i] = value + running_scores[b];
     }
+    if (s.done[r]) return;                       // the whole block (its request's)
     __syncthreads();
     if (bad) {                                   // nothing to rank: the host ends the call with a device fault
         if (threadIdx.x == 0) {
