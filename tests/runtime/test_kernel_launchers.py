@@ -255,6 +255,30 @@ def test_rms_norm_block_size(launches, hidden, block):
     assert args[2] == 0 and args[6] == 0   # no residual_out, no residual: null pointers
 
 
+class SmallBlocksLibrary(FakeLibrary):
+    """A kernel whose registers allow 480 threads a block, as layer_norm_partials' do."""
+
+    def max_block(self, kernel_name, module):
+        return 480
+
+
+@pytest.mark.parametrize("hidden, block", [(1024, 128), (3840, 480), (12288, 480)])
+def test_norm_blocks_stay_within_the_kernels_limit(launches, hidden, block):
+    rows, partials = bf16(3, hidden), f32(3 * 4, hidden)
+    norm.layer_norm_partials(SmallBlocksLibrary(), None, rows, partials, 4, None, bf16(hidden), bf16(hidden), 1e-5,
+                             bf16(3, hidden), bf16(3, hidden))
+    [(name, _, got_block, _)] = launches
+    assert (name, got_block) == ("layer_norm_partials", block)
+
+
+def test_a_norm_too_wide_for_the_kernels_blocks_is_refused(launches):
+    hidden = 4 * 8 * 480 + 8          # four 16-byte units a thread at most
+    with pytest.raises(InvalidArgument, match="480-thread blocks"):
+        norm.layer_norm_partials(SmallBlocksLibrary(), None, bf16(3, hidden), f32(12, hidden), 4, None, bf16(hidden),
+                                 bf16(hidden), 1e-5, bf16(3, hidden), bf16(3, hidden))
+    assert launches == []
+
+
 def test_rms_norm_residual_pointers(launches):
     x, residual, residual_out = bf16(5, 64, offset=0), bf16(5, 64, offset=1024), bf16(5, 64, offset=2048)
     norm.rms_norm(FakeLibrary(), None, bf16(5, 64, offset=4096), x, bf16(64), 1e-5, residual, residual_out)
