@@ -13,35 +13,16 @@ upper bound on the step's own). Run from the repository root:
 """
 
 import argparse
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from bench.gpu_ceilings import copy_bandwidth, gpu_machine_line
+from bench.kernel_variant import add_variant_option, bench_libraries
 
 VOCAB, BEAMS, KEEP, EOS = 256206, 4, 8, 2
 L2_SPAN = 3
 STEPS = 24                   # steps a timed graph
-
-
-class _Variant:
-    """A kernel library whose beam module is built from another beam.cu (headers from the package's)."""
-
-    def __init__(self, lib, source: str):
-        from cuda.core import ObjectCode
-
-        from metrale.runtime.backend.cuda.compiler import compile_cubin, with_headers
-        self._lib = lib
-        self._beam = ObjectCode.from_cubin(compile_cubin("beam", with_headers(source), lib.arch))
-        self._kernels = {}
-
-    def get(self, kernel_name: str, module: str):
-        if module != "beam":
-            return self._lib.get(kernel_name, module)
-        if kernel_name not in self._kernels:
-            self._kernels[kernel_name] = self._beam.get_kernel(kernel_name)
-        return self._kernels[kernel_name]
 
 
 def search_state(lane, requests: int):
@@ -108,18 +89,9 @@ def run_case(libraries: dict, stream, requests: int) -> list[dict]:
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", default="1,16,64")
-    parser.add_argument("--variant", action="append", default=[], metavar="NAME=FILE",
-                        help="a beam.cu to time beside the package's (repeatable)")
+    add_variant_option(parser, "beam.cu")
     args = parser.parse_args(argv)
-    from metrale.runtime.backend.cuda.compiler import KernelCache, KernelLibrary
-    from metrale.runtime.backend.cuda.device import CudaDevice
-
-    device = CudaDevice(0)
-    lib = KernelLibrary(device.arch, KernelCache(Path("/tmp/metrale-bench-kernels")))
-    libraries = {"package": lib}
-    for spec in args.variant:
-        name, path = spec.split("=", 1)
-        libraries[name] = _Variant(lib, Path(path).read_text())
+    device, libraries = bench_libraries("beam", args.variant)
     stream = device.stream
     bandwidth = copy_bandwidth("cuda", 1 << 30)
     print(gpu_machine_line("gpu_beam_candidates", "cuda"))

@@ -12,12 +12,14 @@
 #   probes   bench/gpu_pdl_linear.py (a split-K linear of our own that takes part in PDL, against cuBLASLt's, after
 #            a norm), bench/gpu_l2_prefetch.py (linears and the LM head after a kernel that prefetches their
 #            weights into L2) and bench/gpu_graph_gap.py (a graph launch's cost, device and host)          (~2 min)
+#   mha      bench/gpu_mha_attention.py: the multi-head decode attention kernels at NLLB's beam step shapes, with each
+#            bench/variants/decode_attention_mha/NAME.cu (carry bench/variants) timed beside the package's  (~1 min)
 #   persistent  bench/gpu_grid_barrier.py, gpu_persistent_gemm.py and gpu_persistent_layer.py: a persistent
 #            kernel's phase, and a whole decoder layer as one, checked against torch                  (~2 min)
 #   cutlass  bench/gpu_cutlass_gemm.py run over the cubins in .cutlass/ (carry it; `build` makes them where the
 #            CUTLASS headers are): CUTLASS's GEMMs against cuBLASLt, alone and after a norm        (~2 min)
 # Usage (from the repository root, with .whl carried):
-#   bash bench/gpu_check.sh [tests|kernels|smollm2|llama|profile|beam|search|probes|persistent|cutlass]...
+#   bash bench/gpu_check.sh [tests|kernels|smollm2|llama|profile|beam|search|probes|mha|persistent|cutlass]...
 # (default: tests). Logs and JSON land in $OUT (default /tmp/gpu-check).
 set -uo pipefail
 source scripts/device_env.sh || exit 1
@@ -70,6 +72,12 @@ for part in "${@:-tests}"; do
       summary+=("== l2 prefetch" "$(grep -v '^# gpu' "$OUT/l2_prefetch.txt")")
       python3 -m bench.gpu_graph_gap > "$OUT/graph_gap.txt" 2>&1 || summary+=("probes: FAILED (see graph_gap.txt)")
       summary+=("== graph gap" "$(grep -v -i 'warn' "$OUT/graph_gap.txt" | grep -v '^# gpu')") ;;
+    mha)
+      variants=()
+      for f in bench/variants/decode_attention_mha/*.cu; do [ -e "$f" ] && variants+=(--variant "$(basename "$f" .cu)=$f"); done
+      python3 -m bench.gpu_mha_attention "${variants[@]}" > "$OUT/mha_attention.txt" 2>&1 \
+        || summary+=("mha: FAILED (see mha_attention.txt)")
+      summary+=("== mha attention" "$(grep -v '^# gpu' "$OUT/mha_attention.txt")") ;;
     persistent)
       python3 -m bench.gpu_grid_barrier > "$OUT/grid_barrier.txt" 2>&1
       summary+=("== grid barrier" "$(cat "$OUT/grid_barrier.txt")")

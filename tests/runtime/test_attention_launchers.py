@@ -14,28 +14,32 @@ HEADS, KV_HEADS, BLOCK_SIZE, NUM_BLOCKS, P = 4, 2, 16, 8, 64
 DECODE_HEAD_DIM = 64                              # one the decode kernels are built for
 
 
-def decode_with_new_tokens(lib, heads=HEADS, kv_heads=HEADS, k_offset=0):
-    """A multi-head decode launch of 3 sequences whose new tokens' k and v are column slices of a qkv buffer."""
+def decode_with_new_tokens(lib, heads=HEADS, kv_heads=HEADS, k_offset=0, rotary=True):
+    """A multi-head decode launch of 3 sequences whose new tokens' k and v are column slices of a qkv buffer;
+    rotary=False: no cos and sin tables (nothing rotated)."""
     d = DECODE_HEAD_DIM
     width, stride = heads * d, (heads + 2 * kv_heads) * d
+    tables = (f32(P, d // 2), f32(P, d // 2)) if rotary else (None, None)
     new = attention.NewTokens(bf16(5, kv_heads * d, offset=2 * width + k_offset, row_stride=stride),
                               bf16(5, kv_heads * d, offset=2 * (width + kv_heads * d), row_stride=stride),
-                              f32(P, d // 2), f32(P, d // 2), i32(5), i32(5))
+                              *tables, i32(5), i32(5))
     attention.paged_decode_attention(lib, None, bf16(5, width), bf16(5, width, row_stride=stride),
                                      bf16(2, NUM_BLOCKS, BLOCK_SIZE, kv_heads, d), i32(3), i32(3), i32(3, 4), None,
                                      heads, kv_heads, d, d ** -0.5, -1, 64, partition=64, new_tokens=new)
 
 
-def test_decode_attention_with_new_tokens_launch(monkeypatch):
+@pytest.mark.parametrize("rotary", [True, False])
+def test_decode_attention_with_new_tokens_launch(monkeypatch, rotary):
     recorded = []
     monkeypatch.setattr(attention, "launch_kernel", lambda stream, kernel, grid, block, *args: recorded.append(
         (kernel, grid, block, [kernel_arg(a) for a in args])))
-    decode_with_new_tokens(FakeLibrary())
+    decode_with_new_tokens(FakeLibrary(), rotary=rotary)
     [((module, name), grid, block, args)] = recorded
     assert module == "decode_attention_mha"
     assert (name, grid, block) == (f"paged_decode_attention_mha_new_hd{DECODE_HEAD_DIM}", (1, 1, 3), 128)
     assert [type(a) for a in args] == parameter_types(module, name, macro="DECODE_NEW_ENTRY")
     assert args[-8] == BASE + 2 * HEADS * DECODE_HEAD_DIM and args[-7] == 3 * HEADS * DECODE_HEAD_DIM
+    assert (args[-4] != 0 and args[-3] != 0) == rotary        # no tables: null pointers, the kernel rotates nothing
 
 
 def decode_with_query_partials(lib, splits=4, heads=HEADS, kv_heads=HEADS, rows=5, bias=True):

@@ -19,9 +19,11 @@ Tensor = Any
 
 @dataclass(frozen=True)
 class RopeTable:
-    """cos/sin of position * inv_freq for every position: [max_positions, head_dim // 2] float32 each."""
+    """cos/sin of position * inv_freq for every position: [max_positions, head_dim // 2] float32 each. identity:
+    cos 1 and sin 0 everywhere (a model without rotary embeddings), which a backend may skip."""
     cos: Tensor
     sin: Tensor
+    identity: bool = False
 
 
 @dataclass(frozen=True)

@@ -96,10 +96,11 @@ class M2M100ForConditionalGeneration:
         self.weights = _load_weights(c, tensors, ops)
         positions = sinusoidal_positions(c.max_position_embeddings + 2, c.hidden_size, c.pad_token_id)
         self.positions = ops.upload(positions)
-        # An identity rotation: the paged-KV write of the rope op, with no rotary positions.
+        # An identity rotation: the paged-KV write of the rope op, with no rotary positions (a backend's fused
+        # decode attention skips it).
         half = c.head_dim // 2
         self.no_rope = RopeTable(ops.upload_float32(torch.ones(max_model_len, half)),
-                                 ops.upload_float32(torch.zeros(max_model_len, half)))
+                                 ops.upload_float32(torch.zeros(max_model_len, half)), identity=True)
 
     @staticmethod
     def extra_weight_bytes(c: M2M100Config) -> int:

@@ -168,13 +168,14 @@ def test_decode_peaked_scores(kernel_library, stream, heads):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim, block_size", [(32, 16), (64, 16), (128, 32)])
-@pytest.mark.parametrize("rotation", ["identity", "random"])
+@pytest.mark.parametrize("rotation", ["identity", "none", "random"])
 def test_decode_with_new_tokens_equals_rope_and_write_then_attention(kernel_library, stream, head_dim, block_size,
                                                                       rotation):
     """The multi-head kernel given the new tokens (it rotates and writes each, and attends it) against
     rope_and_write_kv then the plain kernel, on copies of one cache: the same outputs and the same cache after.
     Contexts of one key (the new one alone), across a 32-key chunk, and over several splits, with rows no sequence
-    owns (slot -1: nothing written). M2M100's identity rotation gives identical bits."""
+    owns (slot -1: nothing written). M2M100's identity rotation gives identical bits, and so does no rotation
+    (no tables: the fused kernel rotates nothing) against the identity's rope_and_write_kv."""
     from metrale.runtime.backend.cuda.kernels.attention import NewTokens
     from metrale.runtime.backend.cuda.kernels.rope_kv import rope_and_write_kv
 
@@ -189,7 +190,7 @@ def test_decode_with_new_tokens_equals_rope_and_write_then_attention(kernel_libr
     for b, context in enumerate(contexts):
         positions[rows[b]] = context - 1
         slots[rows[b]] = tables[b, (context - 1) // block_size] * block_size + (context - 1) % block_size
-    if rotation == "identity":
+    if rotation in ("identity", "none"):
         cos, sin = torch.ones(5000, head_dim // 2, device=DEVICE), torch.zeros(5000, head_dim // 2, device=DEVICE)
     else:
         angles = torch.rand(5000, head_dim // 2, device=DEVICE) * 6.3
@@ -205,7 +206,8 @@ def test_decode_with_new_tokens_equals_rope_and_write_then_attention(kernel_libr
         torch.cuda.synchronize()
         new_tokens = None
         if fused:
-            new_tokens = NewTokens(view(buffer[:, width:2 * width]), view(buffer[:, 2 * width:]), view(cos), view(sin),
+            tables_of = (None, None) if rotation == "none" else (view(cos), view(sin))
+            new_tokens = NewTokens(view(buffer[:, width:2 * width]), view(buffer[:, 2 * width:]), *tables_of,
                                    view(positions), view(slots))
         else:
             rope_and_write_kv(kernel_library, stream, view(buffer), view(cos), view(sin), view(positions), view(slots),
@@ -220,7 +222,7 @@ def test_decode_with_new_tokens_equals_rope_and_write_then_attention(kernel_libr
     owned = torch.zeros(num_rows, dtype=torch.bool, device=DEVICE)
     owned[rows.long()] = True
     assert out_b[~owned].isnan().all() and not out_b[owned].isnan().any()
-    if rotation == "identity":
+    if rotation != "random":
         assert torch.equal(out_a[owned], out_b[owned]) and torch.equal(cache_a, cache_b)
     else:   # the rotation's products may be contracted differently: within bf16 rounding
         assert relative_error(out_b[owned], out_a[owned]) < 1e-3

@@ -328,7 +328,8 @@ class CudaBackend:
         # Decode rows of a multi-head model: one kernel rotates and writes each new token and attends it.
         lane = self._bound.lane
         out = lane.new(q.shape[0], q.shape[1])
-        new_tokens = kernels.attention.NewTokens(k, v, rope.cos, rope.sin, batch.positions, batch.slot_mapping)
+        cos, sin = (None, None) if rope.identity else (rope.cos, rope.sin)
+        new_tokens = kernels.attention.NewTokens(k, v, cos, sin, batch.positions, batch.slot_mapping)
         kernels.attention.paged_decode_attention(
             self.lib, lane.stream, out, q, kv, batch.decode_rows, batch.decode_contexts, batch.decode_tables,
             lane.decode_partials, num_heads, num_kv_heads, head_dim, scale,

@@ -29,12 +29,12 @@ LOG2_E = math.log2(math.e)
 class NewTokens(NamedTuple):
     """The decode rows' new tokens, for paged_decode_attention to rotate and write itself (multi-head models: in
     place of rope_and_write_kv and its launch): k, v [T, num_heads * head_dim] bf16 (column slices of qkv allowed,
-    16-byte aligned rows); cos, sin [P, head_dim / 2] float32; positions, slots [T] int32, as rope_and_write_kv
-    takes them."""
+    16-byte aligned rows); cos, sin [P, head_dim / 2] float32, or both None for a model without rotary
+    embeddings (nothing rotated); positions, slots [T] int32, as rope_and_write_kv takes them."""
     k: DeviceTensor
     v: DeviceTensor
-    cos: DeviceTensor
-    sin: DeviceTensor
+    cos: DeviceTensor | None
+    sin: DeviceTensor | None
     positions: DeviceTensor
     slots: DeviceTensor
 
@@ -168,8 +168,8 @@ def paged_decode_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_c
         require(num_heads == num_kv_heads, "paged_decode_attention: new tokens need one query head per kv head")
         _check_new_tokens(new_tokens, q.shape[0], num_heads * head_dim, head_dim)
         k, v = new_tokens.k, new_tokens.v
-        extra = (k, np.int64(k.stride), v, np.int64(v.stride), new_tokens.cos, new_tokens.sin, new_tokens.positions,
-                 new_tokens.slots)
+        cos, sin = (np.uint64(0), np.uint64(0)) if new_tokens.cos is None else (new_tokens.cos, new_tokens.sin)
+        extra = (k, np.int64(k.stride), v, np.int64(v.stride), cos, sin, new_tokens.positions, new_tokens.slots)
     if q_partials is not None:
         extra = _partial_query(q_partials, q, out, num_heads, num_kv_heads, new_tokens)
     if num_heads == num_kv_heads:   # a warp per head: an mma tile would fill one row in 16
@@ -211,7 +211,8 @@ def _check_new_tokens(new: NewTokens, rows: int, width: int, head_dim: int) -> N
                 f"paged_decode_attention: new tokens' {name} must be [{rows}, {width}] bfloat16, not {tensor.shape} "
                 f"{tensor.dtype}")
         require_aligned(tensor, 16, f"paged_decode_attention: new tokens' {name}")
-    for name, table in (("cos", new.cos), ("sin", new.sin)):
+    require((new.cos is None) == (new.sin is None), "paged_decode_attention: new tokens' cos and sin go together")
+    for name, table in (("cos", new.cos), ("sin", new.sin)) if new.cos is not None else ():
         require(table.dtype == "float32" and len(table.shape) == 2 and table.shape[1] == head_dim // 2
                 and table.is_contiguous and table.ptr % 16 == 0,
                 f"paged_decode_attention: {name} must be a 16-byte aligned [P, {head_dim // 2}] float32")
