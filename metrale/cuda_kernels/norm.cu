@@ -22,7 +22,8 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
 }
 
 // One row of a norm's input, in 16-byte units: x's, plus residual's where given (rounded to bf16 as a bf16 torch
-// add), the sum also stored to residual_out where given (both may be null).
+// add), the sum also stored to residual_out where given (both may be null). A null x reads as a zero row
+// (layer_norm_gathered's index outside its table).
 struct ResidualRow {
     const uint4* x;
     const uint4* residual;
@@ -36,8 +37,11 @@ struct ResidualRow {
           residual_out(residual_out_base ? reinterpret_cast<uint4*>(residual_out_base + row * residual_out_stride)
                                          : nullptr) {}
 
+    __device__ __forceinline__ ResidualRow(const uint4* x_row, const uint4* residual_row, uint4* residual_out_row)
+        : x(x_row), residual(residual_row), residual_out(residual_out_row) {}
+
     __device__ __forceinline__ uint4 load(int i) const {
-        uint4 v = x[i];
+        uint4 v = x ? x[i] : make_uint4(0u, 0u, 0u, 0u);
         if (residual) {
             float a[8], b[8];
             unpack8(v, a);
@@ -224,6 +228,28 @@ extern "C" __global__ void layer_norm(bf16* out, long long out_stride, bf16* res
     wait_for_previous_kernel();
     const long long row = blockIdx.x;
     const ResidualRow input(row, x, x_stride, residual, residual_stride, residual_out, residual_out_stride);
+    layer_norm_row(input, out + row * out_stride, weight, bias, hidden, eps);
+}
+
+// LayerNorm over rows gathered by index: x = x_table[x_rows[row]] plus residual = residual_table[residual_rows[row]]
+// (an embedding layer's token and position lookups, which two gather_rows launches would copy), residual_out =
+// bf16(x + residual), out = norm(residual_out): layer_norm's arithmetic over the rows gather_rows would give. An
+// index outside its table reads a zero row (x), or adds nothing (residual: the same sum but for a negative zero).
+extern "C" __global__ void layer_norm_gathered(bf16* out, long long out_stride, bf16* residual_out,
+                                               long long residual_out_stride, const bf16* x_table, long long x_stride,
+                                               const int* x_rows, int x_table_rows, const bf16* residual_table,
+                                               long long residual_stride, const int* residual_rows,
+                                               int residual_table_rows, const bf16* weight, const bf16* bias,
+                                               int hidden, float eps) {
+    wait_for_previous_kernel();
+    const long long row = blockIdx.x;
+    const int x_index = x_rows[row], residual_index = residual_rows[row];
+    const bool x_inside = x_index >= 0 && x_index < x_table_rows;
+    const bool residual_inside = residual_index >= 0 && residual_index < residual_table_rows;
+    const ResidualRow input(
+        x_inside ? reinterpret_cast<const uint4*>(x_table + x_index * x_stride) : nullptr,
+        residual_inside ? reinterpret_cast<const uint4*>(residual_table + residual_index * residual_stride) : nullptr,
+        reinterpret_cast<uint4*>(residual_out + row * residual_out_stride));
     layer_norm_row(input, out + row * out_stride, weight, bias, hidden, eps);
 }
 

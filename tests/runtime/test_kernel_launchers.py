@@ -126,6 +126,12 @@ BAD_CALLS = {
         lib, None, bf16(5, H), f32(20, H), 4, bf16(H), bf16(H), bf16(H), 1e-5, bf16(6, H), bf16(5, H)),
     "layer_norm_partials: misaligned partials": lambda lib: norm.layer_norm_partials(
         lib, None, bf16(5, H), f32(20, H, offset=4), 4, None, bf16(H), bf16(H), 1e-5, bf16(5, H), bf16(5, H)),
+    "layer_norm_gathered: table width": lambda lib: gathered_norm(lib, x_table=bf16(100, H + 8)),
+    "layer_norm_gathered: float32 table": lambda lib: gathered_norm(lib, residual_table=f32(40, H)),
+    "layer_norm_gathered: misaligned table": lambda lib: gathered_norm(lib, x_table=bf16(100, H, offset=4)),
+    "layer_norm_gathered: row count": lambda lib: gathered_norm(lib, x_rows=i32(6)),
+    "layer_norm_gathered: int64-sized rows": lambda lib: gathered_norm(lib, residual_rows=f32(5)),
+    "layer_norm_gathered: residual_out shape": lambda lib: gathered_norm(lib, residual_out=bf16(5, H + 8)),
     "relu: shapes differ": lambda lib: activation.relu(lib, None, bf16(3, 96), bf16(3, 104)),
     "relu: width not a multiple of 8": lambda lib: activation.relu(lib, None, bf16(3, 100), bf16(3, 100)),
     "relu: float32 x": lambda lib: activation.relu(lib, None, bf16(3, 96), f32(3, 96)),
@@ -194,6 +200,21 @@ def test_rms_norm_block_size(launches, hidden, block):
     [(name, grid, got_block, args)] = launches
     assert (name, grid, got_block) == ("rms_norm", (5,), block)
     assert args[2] == 0 and args[6] == 0   # no residual_out, no residual: null pointers
+
+
+def gathered_norm(lib, x_table=None, x_rows=None, residual_table=None, residual_rows=None, residual_out=None):
+    """layer_norm_gathered over 5 rows of width H: a 100-row token table (a column slice) and a 40-row position
+    table, unless given."""
+    norm.layer_norm_gathered(lib, None, bf16(5, H), residual_out or bf16(5, H),
+                             x_table or bf16(100, H, row_stride=H + 8), x_rows or i32(5), residual_table or bf16(40, H),
+                             residual_rows or i32(5), bf16(H), bf16(H), 1e-5)
+
+
+def test_layer_norm_gathered_launch(launches):
+    gathered_norm(FakeLibrary())
+    [(name, grid, block, args)] = launches
+    assert (name, grid, block) == ("layer_norm_gathered", (5,), 32)          # H // 8 units: one warp
+    assert args[5] == H + 8 and args[7] == 100 and args[9] == H and args[11] == 40     # strides, table rows
 
 
 class SmallBlocksLibrary(FakeLibrary):

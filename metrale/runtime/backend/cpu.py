@@ -94,6 +94,10 @@ class CpuBackend:
             x = x + residual
         return F.layer_norm(x, (x.shape[-1],), weight, bias, eps), x
 
+    def embedding_layer_norm(self, table, token_ids, positions_table, positions, weight, bias, eps):
+        return self.layer_norm(self.embedding(table, token_ids), weight, bias, eps,
+                               self.embedding(positions_table, positions))
+
     def linear_layer_norm(self, x, weight, bias, norm_weight, norm_bias, eps, residual):
         return self.layer_norm(self.linear(x, weight, bias), norm_weight, norm_bias, eps, residual)
 

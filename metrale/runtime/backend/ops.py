@@ -126,6 +126,11 @@ class Ops(Protocol):
                    ) -> tuple[Tensor, Tensor]:
         """As rms_norm, with LayerNorm (mean and variance, weight and bias): (norm(x + residual), x + residual)."""
 
+    def embedding_layer_norm(self, table: Tensor, token_ids: Tensor, positions_table: Tensor, positions: Tensor,
+                             weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        """layer_norm(embedding(table, token_ids), weight, bias, eps, embedding(positions_table, positions)): an
+        embedding layer's two lookups and its first norm (the backend may gather the rows in the norm)."""
+
     def linear_layer_norm(self, x: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: Tensor,
                           norm_bias: Tensor, eps: float, residual: Tensor) -> tuple[Tensor, Tensor]:
         """layer_norm(linear(x, weight, bias), norm_weight, norm_bias, eps, residual): a linear whose output only

@@ -124,13 +124,15 @@ class M2M100ForConditionalGeneration:
     def _encode(self, batch: ForwardBatch, kv_cache: list, host_positions: bool) -> None:
         ops, c, w = self.ops, self.config, self.weights
         meta = ops.prepare(batch)
-        x = ops.embedding(w["embed"], meta.token_ids)
         positions = (ops.device_ids(self._positions(batch)) if host_positions
                      else ops.fairseq_position_ids(meta, c.pad_token_id))
-        residual = ops.embedding(self.positions, positions)
         head_dim = c.hidden_size // c.num_encoder_heads
         for i, layer in enumerate(w["encoder"]):
-            h, residual = ops.layer_norm(x, *layer["self_attn_layer_norm"], c.layer_norm_eps, residual)
+            if i == 0:      # the token and position embeddings, gathered by the norm
+                h, residual = ops.embedding_layer_norm(w["embed"], meta.token_ids, self.positions, positions,
+                                                       *layer["self_attn_layer_norm"], c.layer_norm_eps)
+            else:
+                h, residual = ops.layer_norm(x, *layer["self_attn_layer_norm"], c.layer_norm_eps, residual)
             q, k, v = _split(ops.linear(h, *layer["qkv"]), c.hidden_size)
             scratch = kv_cache[i % len(kv_cache)]
             ops.write_kv(k, v, meta, scratch)
@@ -163,12 +165,12 @@ class M2M100ForConditionalGeneration:
         meta, cross = ops.prepare(batch), ops.prepare(batch.cross, cross=True)
         positions = (ops.device_ids(self._positions(batch)) if host_positions
                      else ops.fairseq_position_ids(meta, c.pad_token_id))
-        x, residual = ops.embedding(w["embed"], meta.token_ids), ops.embedding(self.positions, positions)
         scale, eps = c.head_dim ** -0.5, c.layer_norm_eps
         fc2 = None          # the layer before's: its output goes only into this layer's first norm
         for layer, kv in zip(w["decoder"], kv_cache):
-            if fc2 is None:
-                h, residual = ops.layer_norm(x, *layer["self_attn_layer_norm"], eps, residual)
+            if fc2 is None:     # the token and position embeddings, gathered by the norm
+                h, residual = ops.embedding_layer_norm(w["embed"], meta.token_ids, self.positions, positions,
+                                                       *layer["self_attn_layer_norm"], eps)
             else:
                 h, residual = ops.linear_layer_norm(x, *fc2, *layer["self_attn_layer_norm"], eps, residual)
             q, k, v = _split(ops.linear(h, *layer["qkv"]), c.hidden_size)

@@ -7,8 +7,9 @@ import torch
 pytest.importorskip("cuda.core")
 
 from gpu_reference import TOLERANCE, relative_error  # noqa: E402
-from metrale.runtime.backend.cuda.kernels.norm import (head_rms_norm, layer_norm, layer_norm_partials,  # noqa: E402
-                                                       rms_norm)
+from metrale.runtime.backend.cuda.kernels.embedding import gather_rows  # noqa: E402
+from metrale.runtime.backend.cuda.kernels.norm import (head_rms_norm, layer_norm, layer_norm_gathered,  # noqa: E402
+                                                       layer_norm_partials, rms_norm)
 from metrale.runtime.backend.cuda.tensor import DeviceTensor  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -132,6 +133,36 @@ def test_layer_norm_matches_float64_and_torch(kernel_library, stream, num_tokens
     assert relative_error(out, exact) < TOLERANCE[torch.bfloat16]
     ours_vs_torch = relative_error(out, torch.nn.functional.layer_norm(added, (hidden,), weight, bias, 1e-5))
     assert ours_vs_torch < 1e-2
+
+
+@pytest.mark.parametrize("num_tokens, hidden", [(1, 1024), (64, 1024), (7, 24), (300, 4096)])
+def test_layer_norm_gathered_is_two_gathers_then_the_norm(kernel_library, stream, num_tokens, hidden):
+    """The embedding layer's lookups gathered by the norm: the same bits as gather_rows twice then layer_norm (the
+    launches it replaces), over column slices of wider tables and with indices outside a table (a zero row), and
+    against float64."""
+    vocab, positions = 1000, 40
+    x_table = torch.randn(vocab, hidden + 8, device=DEVICE).bfloat16()[:, 8:]
+    residual_table = (4 * torch.randn(positions, hidden, device=DEVICE)).bfloat16()
+    x_rows = torch.randint(0, vocab, (num_tokens,), dtype=torch.int32, device=DEVICE)
+    residual_rows = torch.randint(0, positions, (num_tokens,), dtype=torch.int32, device=DEVICE)
+    x_rows[::5], residual_rows[2::7] = vocab, -1                 # outside: zero rows
+    weight = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).bfloat16()
+    bias = (0.5 * torch.randn(hidden, device=DEVICE)).bfloat16()
+    out, residual_out = poisoned(num_tokens, hidden), poisoned(num_tokens, hidden)
+    x, residual = poisoned(num_tokens, hidden), poisoned(num_tokens, hidden)
+    plain_out, plain_residual_out = poisoned(num_tokens, hidden), poisoned(num_tokens, hidden)
+    torch.cuda.synchronize()
+    layer_norm_gathered(kernel_library, stream, *wrap(out, residual_out, x_table, x_rows, residual_table,
+                                                      residual_rows, weight, bias), 1e-5)
+    gather_rows(kernel_library, stream, *wrap(x, x_table, x_rows))
+    gather_rows(kernel_library, stream, *wrap(residual, residual_table, residual_rows))
+    layer_norm(kernel_library, stream, *wrap(plain_out, x, weight, bias), 1e-5, *wrap(residual, plain_residual_out))
+    stream.sync()
+    assert torch.equal(residual_out, plain_residual_out) and torch.equal(out, plain_out)
+    assert not out.isnan().any() and (x[::5] == 0).all() and (residual[2::7] == 0).all()
+    added = x.double() + residual.double()
+    exact = torch.nn.functional.layer_norm(added, (hidden,), weight.double(), bias.double(), 1e-5)
+    assert relative_error(out, exact) < TOLERANCE[torch.bfloat16]
 
 
 # hidden 12288: more units than layer_norm_partials' blocks (~480 threads, by its registers) hold one each.

@@ -31,6 +31,31 @@ def layer_norm(lib, stream, out: DeviceTensor, x: DeviceTensor, weight: DeviceTe
     _launch_row_norm("layer_norm", lib, stream, out, x, (weight, bias), eps, residual, residual_out)
 
 
+def layer_norm_gathered(lib, stream, out: DeviceTensor, residual_out: DeviceTensor, x_table: DeviceTensor,
+                        x_rows: DeviceTensor, residual_table: DeviceTensor, residual_rows: DeviceTensor,
+                        weight: DeviceTensor, bias: DeviceTensor, eps: float) -> None:
+    """layer_norm over rows it gathers (an embedding layer's token and position lookups and its first norm in one
+    launch): residual_out [T, H] = bf16(x_table [V, H] [x_rows [T]] + residual_table [P, H] [residual_rows [T]]),
+    out [T, H] = layer_norm(residual_out) * weight + bias, as embedding and gather_rows then layer_norm give. An
+    index outside its table reads a zero row. Tables bf16 with 16-byte aligned rows (they may be column slices)."""
+    name = "layer_norm_gathered"
+    require(len(out.shape) == 2, f"{name}: out must be [T, H], not {out.shape}")
+    num_tokens, hidden = out.shape
+    for label, table in (("x_table", x_table), ("residual_table", residual_table)):
+        require(table.dtype == "bfloat16" and len(table.shape) == 2 and table.shape[1] == hidden,
+                f"{name}: {label} must be [rows, {hidden}] bfloat16, not {table.shape} {table.dtype}")
+        require_aligned(table, 16, f"{name}: {label}")
+    for label, rows in (("x_rows", x_rows), ("residual_rows", residual_rows)):
+        require(rows.dtype == "int32" and rows.shape == (num_tokens,), f"{name}: {label} must be [{num_tokens}] int32")
+    _check_row_norm(name, out, (weight, bias), None, residual_out)
+    if num_tokens == 0:
+        return
+    launch_kernel(stream, lib.get(name, MODULE), num_tokens, _block(name, lib, hidden), out, _stride(out),
+                  residual_out, _stride(residual_out), x_table, _stride(x_table), x_rows, np.int32(x_table.shape[0]),
+                  residual_table, _stride(residual_table), residual_rows, np.int32(residual_table.shape[0]), weight,
+                  bias, np.int32(hidden), float(eps))
+
+
 def layer_norm_partials(lib, stream, out: DeviceTensor, partials: DeviceTensor, splits: int,
                         linear_bias: DeviceTensor | None, weight: DeviceTensor, bias: DeviceTensor, eps: float,
                         residual: DeviceTensor, residual_out: DeviceTensor) -> None:
