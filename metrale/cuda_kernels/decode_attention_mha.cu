@@ -42,17 +42,24 @@ struct RowTile {
     static_assert(UNITS >= 4 && UNITS <= 16 && (UNITS & (UNITS - 1)) == 0, "head_dim 32, 64 or 128");
 };
 
+template <int N> struct Log2 { static constexpr int value = 1 + Log2<N / 2>::value; };
+template <> struct Log2<1> { static constexpr int value = 0; };
+
 // The sum over the N lanes of an aligned group (lane bits below N) of each lane's v[0..N): lane u of the group
 // ends with the sum of v[u] in v[0] (a butterfly: log2(N) exchanges of half of what is left, N - 1 shuffles).
+// Loops of fixed trip counts, fully unrolled: v stays in registers.
 template <int N>
 __device__ __forceinline__ float group_sum_scatter(float (&v)[N], int lane) {
 #pragma unroll
-    for (int half = N / 2; half >= 1; half /= 2) {
+    for (int level = 1; level <= Log2<N>::value; ++level) {
+        const int half = N >> level;
         const bool upper = lane & half;
 #pragma unroll
-        for (int j = 0; j < half; ++j) {
-            const float send = upper ? v[j] : v[j + half], keep = upper ? v[j + half] : v[j];
-            v[j] = keep + __shfl_xor_sync(0xffffffffu, send, half);
+        for (int j = 0; j < N / 2; ++j) {
+            if (j < half) {
+                const float send = upper ? v[j] : v[j + half], keep = upper ? v[j + half] : v[j];
+                v[j] = keep + __shfl_xor_sync(0xffffffffu, send, half);
+            }
         }
     }
     return v[0];
@@ -62,10 +69,9 @@ __device__ __forceinline__ float group_sum_scatter(float (&v)[N], int lane) {
 // (32 / FROM) consecutive sums in v[0..), starting at element (lane / FROM) * (8 / (32 / FROM)).
 template <int FROM>
 __device__ __forceinline__ void cross_group_sum_scatter(float (&v)[8], int lane) {
-    int left = 8;
 #pragma unroll
-    for (int mask = 16; mask >= FROM; mask /= 2) {
-        left /= 2;
+    for (int level = 1; level <= Log2<32 / FROM>::value; ++level) {
+        const int mask = 32 >> level, left = 8 >> level;
         const bool upper = lane & mask;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
