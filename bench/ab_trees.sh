@@ -3,7 +3,8 @@
 # a change's end-to-end A/B where the two differ by more than an environment switch. The other tree is a copy of
 # the package (e.g. `git archive main metrale | tar -x -C bench/variants/main-tree`; carry bench/variants), put
 # first on PYTHONPATH for its runs; the benches come from the working tree. Kernels are cached by their source's
-# hash, so the two trees' builds do not mix.
+# hash, so the two trees' builds do not mix. Python runs with -P: `-m` would otherwise put the working directory,
+# and with it the working tree's package, ahead of PYTHONPATH.
 # Usage: bash bench/ab_trees.sh OTHER_TREE [ROUNDS] [beam_generate args...]
 #   (default: 2 rounds of --batches 16,64 --reps 7). Prints each run's metrale p50s, then the medians per tree.
 set -uo pipefail
@@ -16,10 +17,12 @@ mkdir -p "$OUT"
 for round in $(seq "$rounds"); do
   for tree in other work; do
     path=$PYTHONPATH; [ $tree = other ] && path=/tmp/site:$other:$PWD
-    PYTHONPATH=$path python3 -m bench.beam_generate --shape nllb-600m --device cuda "${args[@]}" \
+    PYTHONPATH=$path python3 -P -c "import metrale; print('# $tree: package', metrale.__file__)" >> "$OUT/ab_trees.txt"
+    PYTHONPATH=$path python3 -P -m bench.beam_generate --shape nllb-600m --device cuda "${args[@]}" \
       --json "$OUT/ab_${tree}_$round.json" > "$OUT/ab_${tree}_$round.txt" 2>&1 || echo "$tree round $round: FAILED"
   done
 done
+sort -u "$OUT/ab_trees.txt"
 python3 - "$OUT" <<'PY'
 import glob, json, statistics, sys
 runs = {}
