@@ -72,6 +72,9 @@ for part in "${@:-tests}"; do
       summary+=("== l2 prefetch" "$(grep -v '^# gpu' "$OUT/l2_prefetch.txt")")
       python3 -m bench.gpu_graph_gap > "$OUT/graph_gap.txt" 2>&1 || summary+=("probes: FAILED (see graph_gap.txt)")
       summary+=("== graph gap" "$(grep -v -i 'warn' "$OUT/graph_gap.txt" | grep -v '^# gpu')") ;;
+    ffn)
+      python3 -m bench.gpu_fused_ffn > "$OUT/fused_ffn.txt" 2>&1 || summary+=("ffn: FAILED (see fused_ffn.txt)")
+      summary+=("== fused ffn" "$(grep -v '^# gpu' "$OUT/fused_ffn.txt")") ;;
     mha)
       variants=()
       for f in bench/variants/decode_attention_mha/*.cu; do [ -e "$f" ] && variants+=(--variant "$(basename "$f" .cu)=$f"); done

@@ -22,7 +22,13 @@ class KernelVariant:
             self._kernels[kernel_name] = self._code.get_kernel(kernel_name)
         return self._kernels[kernel_name]
 
-    def __getattr__(self, name):            # the rest (occupancy, block limits) as the package's
+    def max_block(self, kernel_name: str, module: str) -> int:
+        """As KernelLibrary.max_block, from this build's registers for the variant's module."""
+        if module != self._module:
+            return self._lib.max_block(kernel_name, module)
+        return self.get(kernel_name, module).attributes.max_threads_per_block // 32 * 32
+
+    def __getattr__(self, name):            # the rest (occupancy) as the package's
         return getattr(self._lib, name)
 
 

@@ -78,3 +78,14 @@ def test_the_pdl_linear_compiles(monkeypatch, arch):
     for split in SPLITS:
         split.check()
     assert compile_cubin("pdl_linear", with_headers(SOURCE), arch)[:4] == b"\x7fELF"
+
+
+def test_the_fused_ffn_compiles_for_hopper_as_a_cluster_kernel(monkeypatch):
+    """bench/gpu_fused_ffn.py's kernel (clusters and distributed shared memory are sm_90's): it asks for its
+    clusters of FFN_Q CTAs itself, and its shared memory fits one CTA an SM."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench.gpu_fused_ffn import D_MODEL, FFN, FFN_Q, PART, SOURCE, shared_bytes
+
+    cubin = compile_cubin("fused_ffn", with_headers(SOURCE), "sm_90a")
+    assert cubin[:4] == b"\x7fELF" and b"fused_ffn" in cubin
+    assert FFN % PART == 0 and (D_MODEL // FFN_Q) % 32 == 0 and shared_bytes(D_MODEL) <= 227 * 1024
