@@ -77,7 +77,9 @@ for part in "${@:-tests}"; do
       summary+=("== fused ffn" "$(grep -v '^# gpu' "$OUT/fused_ffn.txt")") ;;
     mha)
       variants=()
-      for f in bench/variants/decode_attention_mha/*.cu; do [ -e "$f" ] && variants+=(--variant "$(basename "$f" .cu)=$f"); done
+      for f in bench/variants/decode_attention_mha/*.cu; do
+        [ -e "$f" ] && variants+=(--variant "$(basename "$f" .cu)=$f")
+      done
       python3 -m bench.gpu_mha_attention "${variants[@]}" > "$OUT/mha_attention.txt" 2>&1 \
         || summary+=("mha: FAILED (see mha_attention.txt)")
       summary+=("== mha attention" "$(grep -v '^# gpu' "$OUT/mha_attention.txt")") ;;

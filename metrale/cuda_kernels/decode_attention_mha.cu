@@ -274,7 +274,7 @@ __device__ __forceinline__ void paged_decode_attention_mha(const DecodeArgs& a, 
         for (int e = 0; e < 8; ++e) acc[e] *= rescale;
         running_max = new_max;
 #pragma unroll
-        for (int i = 0; i < UNITS; ++i)              // row i * ROWS_AT_ONCE + group's score is at lane group * UNITS + i
+        for (int i = 0; i < UNITS; ++i)     // row i * ROWS_AT_ONCE + group's score: lane group * UNITS + i
             add8(acc, __shfl_sync(0xffffffffu, p, group * UNITS + i), v[i]);   // v is 0 past hi
     }
     cross_group_sum_scatter<UNITS>(acc, lane);     // lane: dims unit * 8 + group * DIMS ..

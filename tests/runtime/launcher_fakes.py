@@ -6,6 +6,7 @@ import re
 import numpy as np
 
 from metrale.runtime.backend.cuda.compiler import kernel_sources
+from metrale.runtime.backend.cuda.launch import kernel_arg
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 
 BASE = 1 << 32   # a made-up device address, 256-byte aligned
@@ -51,6 +52,19 @@ def parameter_types(module: str, kernel: str, macro: str | None = None) -> list[
         else:
             raise AssertionError(f"unexpected parameter {declaration!r} of {kernel}")
     return types
+
+
+def record_launches(monkeypatch, *modules) -> list:
+    """launch_kernel replaced in each launcher module: every launch appended as (kernel, grid, block, args, shmem),
+    the kernel as FakeLibrary hands it out and each argument as kernel_arg converts it; nothing reaches a GPU."""
+    recorded = []
+
+    def record(stream, kernel, grid, block, *args, shmem=0):
+        recorded.append((kernel, grid, block, [kernel_arg(a) for a in args], shmem))
+
+    for module in modules:
+        monkeypatch.setattr(module, "launch_kernel", record)
+    return recorded
 
 
 class FakeLibrary:

@@ -5,9 +5,8 @@ import pytest
 
 pytest.importorskip("cuda.core")
 
-from launcher_fakes import BASE, FakeLibrary, bf16, f32, i32, parameter_types  # noqa: E402
+from launcher_fakes import BASE, FakeLibrary, bf16, f32, i32, parameter_types, record_launches  # noqa: E402
 from metrale.runtime.backend.cuda.kernels import attention  # noqa: E402
-from metrale.runtime.backend.cuda.launch import kernel_arg  # noqa: E402
 from metrale.runtime.errors import InvalidArgument  # noqa: E402
 
 HEADS, KV_HEADS, BLOCK_SIZE, NUM_BLOCKS, P = 4, 2, 16, 8, 64
@@ -30,11 +29,9 @@ def decode_with_new_tokens(lib, heads=HEADS, kv_heads=HEADS, k_offset=0, rotary=
 
 @pytest.mark.parametrize("rotary", [True, False])
 def test_decode_attention_with_new_tokens_launch(monkeypatch, rotary):
-    recorded = []
-    monkeypatch.setattr(attention, "launch_kernel", lambda stream, kernel, grid, block, *args: recorded.append(
-        (kernel, grid, block, [kernel_arg(a) for a in args])))
+    recorded = record_launches(monkeypatch, attention)
     decode_with_new_tokens(FakeLibrary(), rotary=rotary)
-    [((module, name), grid, block, args)] = recorded
+    [((module, name), grid, block, args, _)] = recorded
     assert module == "decode_attention_mha"
     assert (name, grid, block) == (f"paged_decode_attention_mha_new_hd{DECODE_HEAD_DIM}", (1, 1, 3), 128)
     assert [type(a) for a in args] == parameter_types(module, name, macro="DECODE_NEW_ENTRY")
@@ -54,11 +51,9 @@ def decode_with_query_partials(lib, splits=4, heads=HEADS, kv_heads=HEADS, rows=
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_decode_attention_with_query_partials_launch(monkeypatch, bias):
-    recorded = []
-    monkeypatch.setattr(attention, "launch_kernel", lambda stream, kernel, grid, block, *args: recorded.append(
-        (kernel, grid, block, [kernel_arg(a) for a in args])))
+    recorded = record_launches(monkeypatch, attention)
     decode_with_query_partials(FakeLibrary(), bias=bias)
-    [((module, name), grid, block, args)] = recorded
+    [((module, name), grid, block, args, _)] = recorded
     assert module == "decode_attention_mha"
     assert (name, grid, block) == (f"paged_decode_attention_mha_partial_q_hd{DECODE_HEAD_DIM}", (1, 1, 3), 128)
     assert [type(a) for a in args] == parameter_types(module, name, macro="DECODE_PARTIAL_Q_ENTRY")
@@ -74,8 +69,7 @@ def test_decode_attention_with_query_partials_launch(monkeypatch, bias):
     ("query partials of another batch", lambda lib: decode_with_query_partials(lib, rows=4)),
     ("too many query partials", lambda lib: decode_with_query_partials(lib, splits=attention.MAX_Q_PARTIALS + 1))])
 def test_decode_attention_refuses_variants_it_cannot_take(monkeypatch, case, call):
-    recorded = []
-    monkeypatch.setattr(attention, "launch_kernel", lambda *args: recorded.append(args))
+    recorded = record_launches(monkeypatch, attention)
     with pytest.raises(InvalidArgument, match="paged_decode_attention"):
         call(FakeLibrary())
     assert recorded == []

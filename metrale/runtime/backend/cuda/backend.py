@@ -257,16 +257,16 @@ class CudaBackend:
         return out, residual_out
 
     def embedding_layer_norm(self, table, token_ids, positions_table, positions, weight, bias, eps):
-        lane = self._bound.lane
-        out, residual_out = lane.new(token_ids.shape[0], table.shape[1]), lane.new(token_ids.shape[0], table.shape[1])
+        lane, shape = self._bound.lane, (token_ids.shape[0], table.shape[1])
+        out, residual_out = lane.new(*shape), lane.new(*shape)
         kernels.norm.layer_norm_gathered(self.lib, lane.stream, out, residual_out, table, token_ids, positions_table,
                                          positions, weight, bias, eps)
         return out, residual_out
 
     def linear_layer_norm(self, x, weight, bias, norm_weight, norm_bias, eps, residual):
-        """Decode-sized linears (linears.SPLITS_BY_ROWS; none for the skinny GEMM) as split-K partials that the norm sums: a
-        strided batched GEMM of short K slices fills the GPU at few rows where one GEMM's K loop is long (1024 x 1024
-        at 64 rows: 3.9 -> 3.0 us), and cuBLASLt's own split-K reduce kernel goes."""
+        """Decode-sized linears (linears.SPLITS_BY_ROWS; none for the skinny GEMM) as split-K partials that the norm
+        sums: a strided batched GEMM of short K slices fills the GPU at few rows where one GEMM's K loop is long (1024
+        x 1024 at 64 rows: 3.9 -> 3.0 us), and cuBLASLt's own split-K reduce kernel goes."""
         m, n = x.shape[0], weight.shape[0]
         splits = k_splits(m, weight.shape[1])
         if splits == 1:
