@@ -2,6 +2,8 @@
 # Everything GPU on the lent H200, in parts that each fit one 10-minute call; a short summary last.
 #   tests    the gpu-marked tests (kernels against torch references, models against transformers, graphs,
 #            the sampler) and the API tests with their workers on the CUDA backend          (~4 min)
+#   load     tests/service/test_load.py with its worker process on the CUDA backend: 64 clients for 60 s with faults,
+#            sequential-replay equality, no leaked block, RSS and device memory flat, SIGTERM drain      (~3 min)
 #   kernels  bench/gpu_attention.py and bench/gpu_skinny_gemm.py                             (~1 min)
 #   smollm2  bench/gpu_decode.py at the default model's shape, with the peer, gRPC and transformers (~2 min)
 #   llama    bench/gpu_decode.py at the Llama-3-8B shape, every batch, prefill, peer and gRPC (~4 min)
@@ -19,7 +21,7 @@
 #   cutlass  bench/gpu_cutlass_gemm.py run over the cubins in .cutlass/ (carry it; `build` makes them where the
 #            CUTLASS headers are): CUTLASS's GEMMs against cuBLASLt, alone and after a norm        (~2 min)
 # Usage (from the repository root, with .whl carried):
-#   bash bench/gpu_check.sh [tests|kernels|smollm2|llama|profile|beam|search|probes|mha|persistent|cutlass]...
+#   bash bench/gpu_check.sh [tests|load|kernels|smollm2|llama|profile|beam|search|probes|mha|persistent|cutlass]...
 # (default: tests). Logs and JSON land in $OUT (default /tmp/gpu-check).
 set -uo pipefail
 source scripts/device_env.sh || exit 1
@@ -44,7 +46,11 @@ for part in "${@:-tests}"; do
       run_pytest kernels-and-models -m gpu tests/runtime
       run_pytest api-on-cuda --worker-device cuda tests/service/test_forward_api.py tests/service/test_errors.py \
         tests/service/test_concurrency.py tests/service/test_generate.py tests/service/test_faults.py \
-        tests/service/test_metrics.py tests/service/test_run_ahead.py tests/service/test_beam_api.py ;;
+        tests/service/test_metrics.py tests/service/test_run_ahead.py tests/service/test_beam_api.py \
+        tests/service/test_fault_isolation.py tests/service/test_limits.py ;;
+    load)
+      run_pytest load-on-cuda --worker-device cuda -s tests/service/test_load.py
+      summary+=("$(grep -E '^load on' "$OUT/load-on-cuda.log")") ;;
     kernels)
       python3 -m bench.gpu_attention > "$OUT/attention.txt" 2>&1; summary+=("== attention" "$(cat "$OUT/attention.txt")")
       python3 -m bench.gpu_skinny_gemm > "$OUT/skinny_gemm.txt" 2>&1

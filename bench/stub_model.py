@@ -31,9 +31,15 @@ class StubEngine:
     def backend_counters(self) -> dict[str, int]:
         return {"kernel_cache_hits": 0, "kernel_cache_misses": 0, "graph_replays": 0}
 
-    def step(self, step: Step, cancelled=None, run_ahead: bool = False) -> StepOutput:
+    def step(self, step: Step, cancelled=None, run_ahead: bool = False, reply=None) -> StepOutput:
         seq_ids = [lane.seq_id for lane in step.decode] + [s.seq_id for s in step.prefill if s.is_last_chunk]
-        return StepOutput([SequenceOutput(seq_id, 0, 0.0) for seq_id in seq_ids], forward_us=0)
+        output = StepOutput([SequenceOutput(seq_id, 0, 0.0) for seq_id in seq_ids], forward_us=0)
+        if reply is not None:
+            output.reply = reply(output)
+        return output
+
+    def rows_returning_logits(self, step: Step) -> int:
+        return 0
 
     def release(self, seq_ids: list[int] | None) -> ReleaseResult:
         return ReleaseResult(released=[], unknown=list(seq_ids or ()), blocks_freed=0)

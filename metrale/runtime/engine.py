@@ -6,18 +6,23 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import structlog
+
 from metrale.runtime.batch import ForwardBatch, Segment, build_batch
 from metrale.runtime.beam.on_device import DeviceSearch, LockedSearch, OnDeviceSearch
 from metrale.runtime.beam.params import BeamRequest
 from metrale.runtime.beam.runner import SHORT_PROMPT, BeamCall, BeamModel, BeamResult
 from metrale.runtime.config import EngineConfig
-from metrale.runtime.errors import Cancelled, DeviceFault, FailedPrecondition, OutOfKvBlocks, WorkerError
+from metrale.runtime.errors import (Cancelled, DeviceFault, FailedPrecondition, OutOfKvBlocks, StepFailed, WorkerError,
+                                    describe)
 from metrale.runtime.kv_blocks import KvBlockManager, blocks_for
 from metrale.runtime.planner import Chunk, Limits, Plan, plan_step
 from metrale.runtime.run_ahead import Ahead, RunAheadCounts
 from metrale.runtime.sampling import SampleRow, random_seed
 from metrale.runtime.sequence import BlockTable, Sequence, SequenceTable
 from metrale.runtime.step import DecodeLane, SequenceOutput, Step, StepOutput
+
+log = structlog.get_logger()
 
 
 @dataclass(frozen=True)
@@ -59,18 +64,31 @@ class Engine:
         self._blocks_wanted = 0
         self.ahead_counts = RunAheadCounts()
 
-    def step(self, step: Step, cancelled: Callable[[], bool] = lambda: False, run_ahead: bool = False
-             ) -> StepOutput:
+    def step(self, step: Step, cancelled: Callable[[], bool] = lambda: False, run_ahead: bool = False,
+             reply: Callable[[StepOutput], object] | None = None) -> StepOutput:
         """Runs the step, or changes nothing: on any error, or if cancelled() before its last commit.
+        reply(output): the answer built from the outputs (output.reply) before the step counts as done; if it
+        raises (an answer too large to send, a bug), the step is undone too.
         run_ahead: where the engine runs ahead (run_ahead.py), the output carries the guessed next step, which the
         caller must run or skip (run_ahead.LanePacer) before its next step."""
         taken = self._settle_ahead(step.seq_ids, step, cancelled)
-        output = taken.output if taken is not None else self._run(step, cancelled)
+        if taken is not None:
+            output, undo = taken.output, (taken.snapshot, taken.plan)
+        else:
+            output, undo = self._run(step, cancelled)
+        if reply is not None:
+            try:
+                output.reply = reply(output)
+            except Exception as error:
+                with self._lock:
+                    self._restore(*undo)
+                raise self._failure(error, "building the step's answer") from error
         if run_ahead and self.runs_ahead:
             output.ahead = self._reserve_ahead(step, output)
         return output
 
-    def _run(self, step: Step, cancelled: Callable[[], bool]) -> StepOutput:
+    def _run(self, step: Step, cancelled: Callable[[], bool]) -> tuple[StepOutput, tuple[dict, Plan]]:
+        """The step's outputs, and what undoes it (_restore's arguments)."""
         plan, snapshot = self._plan(step)
         started = time.perf_counter()
         try:
@@ -79,13 +97,23 @@ class Engine:
             self._quiesce()
             with self._lock:
                 self._restore(snapshot, plan)
-            if isinstance(error, WorkerError):
-                raise
-            raise DeviceFault(f"the step failed on the device: {error!r}") from error
+            raise self._failure(error, "running the step") from error
         # Rounds finish prompts in chunk order; the reply lists decode lanes, then prompts, in request order.
         order = {seq_id: i for i, seq_id in enumerate(step.seq_ids)}
         outputs.sort(key=lambda out: order[out.seq_id])
-        return StepOutput(outputs, int((time.perf_counter() - started) * 1e6))
+        return StepOutput(outputs, int((time.perf_counter() - started) * 1e6)), (snapshot, plan)
+
+    def _failure(self, error: Exception, doing: str) -> WorkerError:
+        """The error a call that failed (and was undone) raises: a request's own error as it is; the device's own
+        failure as a DeviceFault (the worker stops serving); anything else, a bug, as StepFailed, for this call
+        alone."""
+        if isinstance(error, WorkerError):
+            return error
+        if isinstance(error, self.model.ops.device_errors):
+            return DeviceFault(f"the device failed {doing}: {describe(error)}")
+        log.error("step_failed", doing=doing, exc_info=error)
+        return StepFailed(f"an internal error while {doing}: {describe(error)}; the call changed nothing, the "
+                          f"worker serves on")
 
     def _plan(self, step: Step) -> tuple[Plan, dict]:
         """Plans the step and takes its blocks."""
@@ -93,7 +121,10 @@ class Engine:
             plan = plan_step(step, self.sequences, self.blocks.num_free, self.limits)
             return plan, self._reserve(plan)
 
-        return self._taking_blocks(take)
+        try:
+            return self._taking_blocks(take)
+        except Exception as error:
+            raise self._failure(error, "planning the step") from error
 
     def _taking_blocks(self, take: Callable[[], object]):
         """take() under the state lock. Where it is short of blocks while guesses hold some, no new guess is made
@@ -167,10 +198,8 @@ class Engine:
         pool = self._reserve_beam_blocks(call.blocks_needed())
         try:
             return call.run(pool, cancelled)
-        except WorkerError:
-            raise
         except Exception as error:
-            raise DeviceFault(f"beam search failed on the device: {error!r}") from error
+            raise self._failure(error, "running the beam search") from error
         finally:
             self._quiesce()
             with self._lock:
@@ -214,14 +243,35 @@ class Engine:
         """Run first on each device lane's thread: the backend binds the thread to the lane's stream."""
         self.model.ops.bind_lane(lane)
 
+    def rows_returning_logits(self, step: Step) -> int:
+        """How many of the step's outputs will carry a logits row (OutputOptions.return_logits), known before it
+        runs: for the answer's size."""
+        with self._lock:
+            decode = [self.sequences.get(lane.seq_id) for lane in step.decode]
+            continued = {s.seq_id: self.sequences.get(s.seq_id) for s in step.prefill if s.chunk_start}
+        rows = sum(1 for seq in decode if seq is not None and seq.output.return_logits)
+        for s in step.prefill:
+            options = s.output if not s.chunk_start else getattr(continued[s.seq_id], "output", None)
+            rows += bool(s.is_last_chunk and options is not None and options.return_logits)
+        return rows
+
     def live_seq_ids(self) -> list[int]:
         with self._lock:
             return self.sequences.ids()
 
     def _reserve(self, plan: Plan) -> dict:
-        """Creates new sequences and takes every block the step needs; returns what _restore needs."""
+        """Creates new sequences and takes every block the step needs; returns what _restore needs. All or
+        nothing: what an error midway had done is undone."""
         snapshot = {i: (seq.num_tokens, len(seq.block_table), seq.prompt_finished, seq.num_prompt_tokens)
                     for i in plan.final_lengths if (seq := self.sequences.get(i)) is not None}
+        try:
+            self._take(plan)
+        except BaseException:
+            self._restore(snapshot, plan)
+            raise
+        return snapshot
+
+    def _take(self, plan: Plan) -> None:
         for s in plan.new_sequences:
             seed = s.sampling.seed if s.sampling.seed is not None else random_seed()
             self.sequences.add(Sequence(s.seq_id, s.sampling, s.output, seed))
@@ -234,7 +284,6 @@ class Engine:
             missing = blocks_for(length, block_size) - len(table)
             if missing > 0:
                 table.extend(self.blocks.allocate(missing))
-        return snapshot
 
     def _free(self, seq: Sequence) -> int:
         """Gives a removed sequence's blocks back (its cross blocks too); returns how many."""
@@ -243,11 +292,14 @@ class Engine:
         return len(blocks)
 
     def _restore(self, snapshot: dict, plan: Plan) -> None:
+        """Puts the plan's sequences back as the snapshot has them; those it created (where they got that far)
+        are removed."""
         for seq_id in plan.final_lengths:
-            seq = self.sequences.get(seq_id)
             if seq_id not in snapshot:
-                self._free(self.sequences.remove(seq_id))
+                if (created := self.sequences.remove(seq_id)) is not None:
+                    self._free(created)
                 continue
+            seq = self.sequences.get(seq_id)
             num_tokens, num_blocks, finished, num_prompt = snapshot[seq_id]
             del seq.tokens[num_tokens:]
             self.blocks.free(seq.block_table.truncate(num_blocks))

@@ -1,5 +1,22 @@
 """Typed domain errors; service/status.py maps each to one gRPC status code."""
 
+# Ids a message or log field names before it gives only the count: a request may carry millions.
+NAMED_IDS = 8
+
+
+def name_ids(ids) -> str:
+    """The first NAMED_IDS ids, with the count where there are more: '[1, 2]', or '[1, 2, ...] (9 in all)'."""
+    ids = list(ids)
+    if len(ids) <= NAMED_IDS:
+        return str(ids)
+    return f"[{', '.join(map(str, ids[:NAMED_IDS]))}, ...] ({len(ids)} in all)"
+
+
+def describe(error: BaseException, limit: int = 300) -> str:
+    """An unexpected exception's repr for a message, cut to limit characters."""
+    text = repr(error)
+    return text if len(text) <= limit else text[:limit] + "..."
+
 
 class WorkerError(Exception):
     """Base of every error a request can cause. The message is for a person to act on."""
@@ -12,7 +29,8 @@ class InvalidArgument(WorkerError):
 class UnknownSequence(WorkerError):
     def __init__(self, seq_ids):
         self.seq_ids = sorted(seq_ids)
-        super().__init__(f"unknown seq_id(s) {self.seq_ids}: create a sequence with a chunk_start=0 slice first")
+        super().__init__(f"unknown seq_id(s) {name_ids(self.seq_ids)}: create a sequence with a chunk_start=0 "
+                         f"slice first")
 
 
 class FailedPrecondition(WorkerError):
@@ -44,7 +62,7 @@ class BatchTooLarge(WorkerError):
 class SequenceBusy(WorkerError):
     def __init__(self, seq_ids):
         self.seq_ids = sorted(seq_ids)
-        super().__init__(f"seq_id(s) {self.seq_ids} are in another step that has not finished; "
+        super().__init__(f"seq_id(s) {name_ids(self.seq_ids)} are in another step that has not finished; "
                          f"send one step per sequence at a time")
 
 
@@ -59,5 +77,37 @@ class Cancelled(WorkerError):
                          "its sequences are as they were before it")
 
 
+class ReplyTooLarge(WorkerError):
+    """The answer would not fit in one gRPC message; the step is not committed."""
+
+    def __init__(self, reply_bytes: int, limit_bytes: int, exact: bool = True):
+        self.reply_bytes, self.limit_bytes = reply_bytes, limit_bytes
+        size = f"{reply_bytes} bytes" if exact else f"at least {reply_bytes} bytes (the logits rows alone)"
+        super().__init__(f"the answer would be {size}, over the largest message of {limit_bytes} bytes "
+                         f"(--max-message-mb); ask return_logits of fewer sequences per step; nothing was changed")
+
+
+class StepFailed(WorkerError):
+    """An unexpected error (a bug, not the device) failed one call; what the call changed was undone and the worker
+    serves on."""
+
+
 class DeviceFault(WorkerError):
-    """The device failed mid-step; the worker stops serving."""
+    """The device itself failed (a driver or library status, a kernel's fault flag); the worker stops serving."""
+
+
+class Overloaded(WorkerError):
+    """More forward calls in flight than --max-concurrent-rpcs allows."""
+
+    def __init__(self, in_flight: int, limit: int):
+        self.in_flight, self.limit = in_flight, limit
+        super().__init__(f"{in_flight} forward calls are in flight, the most --max-concurrent-rpcs={limit} allows; "
+                         f"retry after one finishes")
+
+
+class ModelLoadError(WorkerError):
+    """The model's files would not load: empty, truncated, corrupt, or not a checkpoint at all."""
+
+    def __init__(self, path, problem: str):
+        self.path = str(path)
+        super().__init__(f"cannot load the model {self.path}: {problem}")

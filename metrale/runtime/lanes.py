@@ -38,14 +38,22 @@ class DeviceLanes:
         lane then calls after(result, lane_idle, hand_over) before its next work (lane_idle: nothing else is
         queued on the lane), and the result reaches the future when after calls hand_over() (or returns)."""
         self.check_lane(lane)
-        claim = set(seq_ids)
-        with self._claim_lock:
-            busy = claim & self._claimed
-            if busy:
-                raise SequenceBusy(busy)
-            self._claimed |= claim
+        claim = self._claim(seq_ids)
         future: Future = Future()
         self._queues[lane].put((future, work, claim, time.perf_counter(), after))
+        return future
+
+    def run_claimed(self, executor, seq_ids: list[int], work: Callable[[], object]) -> Future:
+        """Runs work() on `executor`, off the lanes, with the sequences claimed as a lane's work claims them: for
+        work that needs no device and must not wait behind a lane's queue (Release). The claims drop once work is
+        done, or if it never starts."""
+        claim = self._claim(seq_ids)
+        try:
+            future = executor.submit(work)
+        except BaseException:
+            self._unclaim(claim)
+            raise
+        future.add_done_callback(lambda _: self._unclaim(claim))
         return future
 
     def check_lane(self, lane: int) -> None:
@@ -87,6 +95,16 @@ class DeviceLanes:
                 log.exception("lane_follow_up_failed", lane=lane)
             finally:
                 answer()
+
+    def _claim(self, seq_ids: list[int]) -> set[int]:
+        """Claims the sequences for one piece of work; SequenceBusy where another holds any of them."""
+        claim = set(seq_ids)
+        with self._claim_lock:
+            busy = claim & self._claimed
+            if busy:
+                raise SequenceBusy(busy)
+            self._claimed |= claim
+        return claim
 
     def _unclaim(self, claim: set[int]) -> None:
         with self._claim_lock:

@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from metrale.runtime.errors import InvalidArgument
+from metrale.runtime.errors import InvalidArgument, OutOfRange, name_ids
 from metrale.runtime.sampling import OutputOptions, SamplingParams
 
 
@@ -36,14 +36,18 @@ class Step:
     def seq_ids(self) -> list[int]:
         return [lane.seq_id for lane in self.decode] + [s.seq_id for s in self.prefill]
 
-    def check(self, vocab_size: int) -> None:
-        """Checks what needs no sequence state; raises InvalidArgument."""
+    def check(self, vocab_size: int, max_model_len: int) -> None:
+        """Checks what needs no sequence state, lengths before ids; raises InvalidArgument or OutOfRange."""
         if not self.decode and not self.prefill:
             raise InvalidArgument("the step is empty: give decode lanes or prefill slices")
+        for s in self.prefill:
+            if s.chunk_start + len(s.tokens) > max_model_len:
+                raise OutOfRange(f"seq_id {s.seq_id}: chunk_start={s.chunk_start} and {len(s.tokens)} tokens pass "
+                                 f"max_model_len={max_model_len}")
         seen: set[int] = set()
         duplicates = sorted({i for i in self.seq_ids if i in seen or seen.add(i)})
         if duplicates:
-            raise InvalidArgument(f"seq_id(s) {duplicates} appear more than once in one request")
+            raise InvalidArgument(f"seq_id(s) {name_ids(duplicates)} appear more than once in one request")
         for lane in self.decode:
             check_token_ids(f"seq_id {lane.seq_id}", (lane.token,), vocab_size)
         for s in self.prefill:
@@ -56,9 +60,9 @@ class Step:
 
 
 def check_token_ids(where: str, tokens, vocab_size: int) -> None:
-    bad = [t for t in tokens if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidArgument(f"{where}: token id {bad[0]} is out of range, vocab_size is {vocab_size}")
+    bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(f"{where}: token id {bad} is out of range, vocab_size is {vocab_size}")
 
 
 @dataclass(slots=True)
@@ -77,3 +81,5 @@ class StepOutput:
     forward_us: int = 0
     # The guessed next step the engine reserved after this one (run_ahead.Ahead), for the lane to run.
     ahead: object = None
+    # The answer the caller built from the outputs inside the step (Engine.step's reply), for it to send.
+    reply: object = None

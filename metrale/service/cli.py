@@ -2,15 +2,22 @@
 
 import argparse
 import asyncio
+import errno
+import re
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 
-from metrale.runtime.errors import WorkerError
+from metrale.runtime.errors import ModelLoadError, WorkerError
 from metrale.service.config import WorkerConfig, add_serve_flags, config_from_args
 from metrale.service.log import configure_logging
+from metrale.service.preflight import PortUnavailable, check_before_load
+
+if TYPE_CHECKING:
+    from metrale.runtime.loading import Checkpoint
 
 log = structlog.get_logger()
 
@@ -29,14 +36,53 @@ def model_path(config: WorkerConfig) -> Path:
 
 
 def run_serve(config: WorkerConfig) -> None:
-    from metrale.runtime.loading import load_checkpoint
+    # Before the slow imports and the load: a wrong file or a taken port costs a second, not a load.
+    check_before_load(config)
     from metrale.service.server import serve
 
     # Until the server drains on signals itself, a SIGTERM during loading is a clean exit.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     path = model_path(config)
     log.info("loading", model=str(path))
-    asyncio.run(serve(load_checkpoint(path), config))
+    checkpoint = load_model(path)
+    try:
+        asyncio.run(serve(checkpoint, config))
+    except (RuntimeError, OSError) as error:
+        failure = bind_failure(error, config)
+        if failure is None:
+            raise
+        raise failure from None
+
+
+def load_model(path: Path) -> "Checkpoint":
+    """The checkpoint, or one ModelLoadError for a file that is empty, truncated, corrupt or not a model."""
+    from metrale.runtime.loading import load_checkpoint
+
+    try:
+        return load_checkpoint(path)
+    except WorkerError:
+        raise                              # the loader's own errors already name the file and the problem
+    except Exception as error:             # whatever safetensors, gguf, numpy or torch raise on a bad file
+        raise ModelLoadError(path, _one_line(f"{type(error).__name__}: {error}")) from error
+
+
+def bind_failure(error: Exception, config: WorkerConfig) -> WorkerError | None:
+    """The port a failed bind names, as PortUnavailable; None for any other error. The ports were free before the
+    load (preflight), so another process took one during it."""
+    # grpc's add_*_port: RuntimeError("Failed to bind to address <host>:<port>; set GRPC_VERBOSITY=...").
+    failed = re.match(r"Failed to bind to address (\S+);", str(error))
+    if isinstance(error, RuntimeError) and failed:
+        address = failed.group(1)
+        flag = "--port" if address.endswith(f":{config.port}") else "--health-port"
+        return PortUnavailable(address, flag, "address in use, or not an address of this host")
+    # prometheus_client's server is the only socket Python itself binds.
+    if isinstance(error, OSError) and error.errno == errno.EADDRINUSE and config.metrics_port:
+        return PortUnavailable(f"{config.host}:{config.metrics_port}", "--metrics-port", "address in use")
+    return None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,10 @@ class WorkerConfig:
     host: str = "0.0.0.0"
     port: int = 50051
     max_message_mb: int = 64
-    # RPCs in flight at once; one more gets RESOURCE_EXHAUSTED (None: no limit).
+    # The most UTF-8 bytes of text one Tokenize or Generate prompt takes (tokenizing a megabyte takes seconds).
+    max_text_bytes: int = 1 << 20
+    # Forward calls (steps, BeamGenerate, Generate) in flight at once; one more gets RESOURCE_EXHAUSTED (None: no
+    # limit). Control calls (health, Info, Release, ...) are not counted.
     max_concurrent_rpcs: int | None = None
     # HTTP/2 keepalive: the server pings an idle connection every keepalive_time seconds and drops it if no answer
     # comes within keepalive_timeout; clients may ping no more often than keepalive_min_client_ping seconds.
@@ -43,6 +46,8 @@ class WorkerConfig:
             raise InvalidArgument(f"port must be in [0, 65535], got {self.port}")
         if self.max_message_mb < 1:
             raise InvalidArgument(f"max_message_mb must be >= 1, got {self.max_message_mb}")
+        if self.max_text_bytes < 1:
+            raise InvalidArgument(f"max_text_bytes must be >= 1, got {self.max_text_bytes}")
         if self.max_concurrent_rpcs is not None and self.max_concurrent_rpcs < 1:
             raise InvalidArgument(f"max_concurrent_rpcs must be >= 1, got {self.max_concurrent_rpcs}")
         for name in ("keepalive_time", "keepalive_timeout", "keepalive_min_client_ping"):
@@ -52,6 +57,13 @@ class WorkerConfig:
             raise InvalidArgument(f"metrics_port must be in [1, 65535], got {self.metrics_port}")
         if self.health_port is not None and not 0 <= self.health_port < 65536:
             raise InvalidArgument(f"health_port must be in [0, 65535], got {self.health_port}")
+        # Two servers on one port would split its clients between them (or the second would not start).
+        taken = {}                                  # port -> the field that has it; 0 (any free port) never clashes
+        for name in ("port", "health_port", "metrics_port"):
+            port = getattr(self, name)
+            if port and port in taken:
+                raise InvalidArgument(f"{name} must differ from {taken[port]}, both are {port}")
+            taken[port] = name
         if not self.drain_timeout >= 0:
             raise InvalidArgument(f"drain_timeout must be >= 0 seconds, got {self.drain_timeout}")
         if self.log_format not in ("auto", "json", "console"):
@@ -96,7 +108,9 @@ SERVE_FLAGS = [
     ("run-ahead", str, "run each lane's likely next decode step while the gateway reads the last one; "
      "auto: on for cuda", RUN_AHEAD),
     ("max-message-mb", int, "largest gRPC message, either way", None),
-    ("max-concurrent-rpcs", int, "RPCs in flight at once; more get RESOURCE_EXHAUSTED (unset: no limit)", None),
+    ("max-concurrent-rpcs", int, "forward calls (steps, BeamGenerate, Generate) in flight at once; more get "
+     "RESOURCE_EXHAUSTED; health, Info and Release are never refused (unset: no limit)", None),
+    ("max-text-bytes", int, "most UTF-8 bytes of text one Tokenize or Generate prompt takes", None),
     ("keepalive-time", float, "seconds between the server's keepalive pings on an idle connection", None),
     ("keepalive-timeout", float, "seconds a keepalive ping may go unanswered before the connection is closed",
      None),

@@ -47,6 +47,28 @@ def step_from_mixed(m: pb.MixedForwardRequest) -> Step:
     return Step(decode=decode_lanes_from_pb(m.decode), prefill=tuple(slice_from_pb(s) for s in m.prefill.slices))
 
 
+def step_id_count(m) -> int:
+    """The sequence ids and tokens a Prefill, Decode or MixedForward request carries, counted without a walk over
+    them where one repeated field alone is large."""
+    decode = m.decode if isinstance(m, pb.MixedForwardRequest) else m if isinstance(m, pb.DecodeRequest) else None
+    prefill = m.prefill if isinstance(m, pb.MixedForwardRequest) else m if isinstance(m, pb.PrefillRequest) else None
+    count = 2 * len(decode.seq_ids) if decode is not None else 0
+    if prefill is not None:
+        count += len(prefill.slices)
+        if len(prefill.slices) <= 1 << 10:
+            count += sum(len(s.tokens) for s in prefill.slices)
+        else:
+            count += 1 << 20    # too many slices to count cheaply: large
+    return count
+
+
+def beam_id_count(m: pb.BeamGenerateRequest) -> int:
+    """The ids a BeamGenerate request carries, counted as step_id_count does."""
+    if len(m.requests) > 1 << 10:
+        return 1 << 20
+    return sum(1 + len(r.prompt_tokens) + len(r.src_tokens) + len(r.decoder_prefix) for r in m.requests)
+
+
 def forward_response(out: StepOutput, queue_us: int) -> pb.ForwardResponse:
     response = pb.ForwardResponse(seq_ids=[o.seq_id for o in out.outputs], tokens=[o.token for o in out.outputs],
                                   logprobs=[o.logprob for o in out.outputs], forward_us=out.forward_us,

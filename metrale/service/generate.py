@@ -5,34 +5,42 @@ A debugging aid for grpcurl, not a scheduler: it holds one sequence, streams eac
 
 import math
 
-from metrale.runtime.errors import FailedPrecondition, InvalidArgument
+from metrale.runtime.errors import InvalidArgument, OutOfRange
 from metrale.runtime.step import DecodeLane, PrefillSlice, Step
 from metrale.service import convert
 from metrale.v1 import worker_pb2 as pb
 
 
-def _prompt_tokens(request: pb.GenerateRequest, servicer) -> tuple[int, ...]:
+async def _prompt_tokens(request: pb.GenerateRequest, servicer) -> tuple[int, ...]:
     if request.prompt_tokens and request.prompt:
         raise InvalidArgument("give prompt or prompt_tokens, not both")
     if request.prompt_tokens:
-        return tuple(request.prompt_tokens)
-    if not request.prompt:
+        tokens = request.prompt_tokens
+    elif request.prompt:
+        tokens = await servicer.text.encode(request.prompt, request.add_special_tokens)
+    else:
         raise InvalidArgument("the prompt is empty: give prompt or prompt_tokens")
-    if servicer.tokenizer is None:
-        raise FailedPrecondition("this model has no tokenizer; send prompt_tokens")
-    return tuple(servicer.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens))
+    # An encoder-decoder's prompt is its source; either takes at most max_model_len tokens.
+    if len(tokens) > servicer.info.max_model_len:
+        raise OutOfRange(f"the prompt's {len(tokens)} tokens pass max_model_len={servicer.info.max_model_len}")
+    return tuple(tokens)
 
 
 async def generate_tokens(request: pb.GenerateRequest, seq_id: int, servicer):
-    if request.max_new_tokens < 1:
-        raise InvalidArgument("max_new_tokens must be >= 1")
-    first = PrefillSlice(seq_id=seq_id, tokens=_prompt_tokens(request, servicer), is_last_chunk=True,
+    max_model_len = servicer.info.max_model_len
+    if not 1 <= request.max_new_tokens <= max_model_len:
+        raise InvalidArgument(f"max_new_tokens={request.max_new_tokens} is out of range: must be in "
+                              f"[1, {max_model_len}] (max_model_len)")
+    if len(request.stop_token_ids) > servicer.info.vocab_size:
+        raise InvalidArgument(f"{len(request.stop_token_ids)} stop_token_ids, more than the vocabulary's "
+                              f"{servicer.info.vocab_size} ids")
+    first = PrefillSlice(seq_id=seq_id, tokens=await _prompt_tokens(request, servicer), is_last_chunk=True,
                          sampling=convert.sampling_from_pb(request.sampling),
                          output=convert.output_from_pb(request.output))
     stop_ids = set(request.stop_token_ids)
     eos_ids = set() if request.ignore_eos else set(servicer.info.eos_token_ids)
     step = Step(prefill=(first,))
-    step.check(servicer.info.vocab_size)
+    step.check(servicer.info.vocab_size, max_model_len)
     stream = request.stream
     # The tokens the sequence may still take: an encoder-decoder's decoder holds its start token, not the source.
     room = servicer.info.max_model_len - (1 if servicer.engine.is_encoder_decoder else len(first.tokens))

@@ -33,7 +33,7 @@ class WorkerMetrics:
         self.step_sequences.observe(len(step.decode) + len(step.prefill))
 
     def count_unauthenticated(self, method: str) -> None:
-        """A call the token check refused (it never reaches the RPC's handler)."""
+        """A call the token check refused: its body is never read and it never reaches the RPC's handler."""
         self.rpc_errors.labels(method.rsplit("/", 1)[-1], "UNAUTHENTICATED").inc()
 
     def serve(self, host: str, port: int) -> None:

@@ -6,7 +6,11 @@ other method (the Worker service and reflection) needs `authorization: Bearer <t
 UNAUTHENTICATED before any handler runs: nothing is changed.
 """
 
+import asyncio
 import hmac
+import ssl
+import time
+from collections import Counter
 from pathlib import Path
 
 import grpc
@@ -26,7 +30,8 @@ def read_file(path: str, what: str) -> bytes:
 
 
 def server_credentials(cert: str | None, key: str | None, client_ca: str | None) -> grpc.ServerCredentials | None:
-    """TLS credentials from PEM files (None: plaintext). client_ca: clients must present a certificate it signed."""
+    """TLS credentials from PEM files, checked (None: plaintext). client_ca: clients must present a certificate it
+    signed."""
     if cert is None and key is None:
         if client_ca is not None:
             raise InvalidArgument("tls_client_ca needs tls_cert and tls_key (mutual TLS is TLS first)")
@@ -35,11 +40,43 @@ def server_credentials(cert: str | None, key: str | None, client_ca: str | None)
         raise InvalidArgument("tls_cert and tls_key go together")
     pair = (read_file(key, "TLS key"), read_file(cert, "TLS certificate"))
     ca = read_file(client_ca, "TLS client CA") if client_ca is not None else None
+    check_tls_files(cert, key, client_ca)
     return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
 
 
+def check_tls_files(cert: str, key: str, client_ca: str | None) -> None:
+    """The PEM files parse and the key is the certificate's. grpc checks them only when the port binds, after the
+    model load, and then says no more than "Failed to bind"."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    _load_certificates(context, cert, "TLS certificate")
+    if client_ca is not None:
+        _load_certificates(context, client_ca, "TLS client CA")
+
+    def no_password():                    # without a callback OpenSSL would prompt on the terminal
+        raise InvalidArgument(f"the TLS key {key!r} is encrypted; give it unencrypted (grpc takes no password)")
+
+    try:
+        context.load_cert_chain(cert, key, password=no_password)
+    except ssl.SSLError as error:
+        if error.reason == "KEY_VALUES_MISMATCH":
+            raise InvalidArgument(f"the TLS key {key!r} is not the key of the TLS certificate {cert!r}") from None
+        raise InvalidArgument(f"the TLS key {key!r} is not a PEM private key") from None
+
+
+def _load_certificates(context: ssl.SSLContext, path: str, what: str) -> None:
+    try:
+        context.load_verify_locations(cafile=path)
+    except ssl.SSLError:
+        raise InvalidArgument(f"the {what} {path!r} holds no PEM certificate") from None
+
+
 def read_tokens(path: str) -> list[bytes]:
-    tokens = [line.strip() for line in read_file(path, "auth tokens file").decode().splitlines()]
+    try:
+        text = read_file(path, "auth tokens file").decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise InvalidArgument(f"the auth tokens file {path!r} is not UTF-8 text "
+                              f"(byte {error.start}: {error.reason})") from None
+    tokens = [line.strip() for line in text.splitlines()]
     tokens = [t.encode() for t in tokens if t and not t.startswith("#")]
     if not tokens:
         raise InvalidArgument(f"the auth tokens file {path!r} holds no token")
@@ -47,11 +84,16 @@ def read_tokens(path: str) -> list[bytes]:
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    """UNAUTHENTICATED for a call without a valid bearer token, except on the health service."""
+    """UNAUTHENTICATED for a call without a valid bearer token, except on the health service. A refused call's
+    body is never read, and refusals are logged as one line per log_every seconds, counted by method."""
 
-    def __init__(self, tokens: list[bytes], on_refused=None):
+    def __init__(self, tokens: list[bytes], on_refused=None, log_every: float = 10.0):
         self.tokens = tokens
         self.on_refused = on_refused       # (method) -> None: the metrics' count of refused calls
+        self.log_every = log_every         # seconds between two refusal lines: a flood of bad calls logs little
+        self.unlogged = Counter()          # method -> refusals since the last line
+        self.logged_at = -float("inf")     # time.monotonic() of the last line
+        self.next_line = None              # the loop's timer for the line that is due, if any
 
     def allows(self, metadata) -> bool:
         header = next((value for key, value in metadata or () if key == "authorization"), None)
@@ -70,30 +112,50 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        log.warning("unauthenticated", method=method)
+        self.count_refusal(method)
+        return _refusing(handler)
+
+    def count_refusal(self, method: str) -> None:
         if self.on_refused is not None:
             self.on_refused(method)
-        return _refusing(handler)
+        self.unlogged[method] += 1
+        if self.next_line is not None:
+            return
+        wait = self.logged_at + self.log_every - time.monotonic()
+        if wait <= 0:                         # the first refusal after a quiet spell is logged at once
+            self.log_refusals()
+        else:
+            self.next_line = asyncio.get_running_loop().call_later(wait, self.log_refusals)
+
+    def log_refusals(self) -> None:
+        log.warning("unauthenticated", refused=dict(self.unlogged), total=sum(self.unlogged.values()))
+        self.unlogged.clear()
+        self.logged_at = time.monotonic()
+        self.next_line = None
 
 
 def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same kind that aborts with UNAUTHENTICATED without reading the request."""
+    """A request-streaming handler that aborts with UNAUTHENTICATED without reading the request.
+
+    grpc.aio reads and deserializes a unary request before it calls the handler, so a unary refusal would still
+    take the whole body (up to --max-message-mb) into memory and answer malformed bytes with a parse error. A
+    request-streaming handler is called before any message is read, and a unary client looks the same on the
+    wire, so the body is never read: only what HTTP/2 flow control let in before the answer is held."""
     message = "missing or invalid bearer token (metadata 'authorization: Bearer <token>')"
 
-    async def unary(request, context):
+    async def unary(request_iterator, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    async def streamed(request_or_iterator, context):
+    async def streamed(request_iterator, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # an async generator, as a streaming handler must be
 
-    kinds = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }
-    make = kinds[(handler.request_streaming, handler.response_streaming)]
-    return make(streamed if handler.response_streaming else unary,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+    if handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(streamed, request_deserializer=_unparsed,
+                                                     response_serializer=handler.response_serializer)
+    return grpc.stream_unary_rpc_method_handler(unary, request_deserializer=_unparsed,
+                                                response_serializer=handler.response_serializer)
+
+
+def _unparsed(data: bytes) -> bytes:
+    return data  # never called, as the request is never read; a parser here could only fail

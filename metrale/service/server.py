@@ -15,7 +15,8 @@ from metrale.runtime.loading import Checkpoint
 from metrale.service.config import WorkerConfig
 from metrale.service.metrics import WorkerMetrics
 from metrale.service.security import TokenAuthInterceptor, read_tokens, server_credentials
-from metrale.service.servicer import ServingState, WorkerServicer
+from metrale.service.admission import ServingState
+from metrale.service.servicer import WorkerServicer
 from metrale.service.status import StatusInterceptor
 from metrale.v1 import worker_pb2, worker_pb2_grpc
 
@@ -30,17 +31,17 @@ class WorkerServer:
     def __init__(self, engine, info: ModelInfo, tokenizer, config: WorkerConfig):
         self.config = config
         self.lanes = DeviceLanes(config.engine.num_streams, on_thread_start=engine.bind_lane)
-        self.state = ServingState()
+        self.state = ServingState(config.max_concurrent_rpcs)
         self.health = health.aio.HealthServicer()
         self.metrics = WorkerMetrics(engine)
-        self.servicer = WorkerServicer(engine, self.lanes, info, tokenizer, self.state, self.metrics)
+        self.servicer = WorkerServicer(engine, self.lanes, info, tokenizer, self.state, self.metrics, config)
         self.options = server_options(config)
         interceptors = [StatusInterceptor(self._on_device_fault, self.metrics)]
         if config.auth_tokens_file:
             interceptors.insert(0, TokenAuthInterceptor(read_tokens(config.auth_tokens_file),
                                                         self.metrics.count_unauthenticated))
-        self.server = grpc.aio.server(interceptors=interceptors, options=self.options,
-                                      maximum_concurrent_rpcs=config.max_concurrent_rpcs)
+        # No maximum_concurrent_rpcs here: grpc's would refuse health checks and Release too (admission.py).
+        self.server = grpc.aio.server(interceptors=interceptors, options=self.options)
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if config.reflection:
@@ -52,7 +53,7 @@ class WorkerServer:
                      else self.server.add_insecure_port(address))
         self.health_server, self.health_port = None, None
         if config.health_port is not None:      # plaintext, health only: for probes that cannot speak TLS
-            self.health_server = grpc.aio.server()
+            self.health_server = grpc.aio.server(options=[EXCLUSIVE_PORT])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
             self.health_port = self.health_server.add_insecure_port(f"{config.host}:{config.health_port}")
         self._stopped = asyncio.Event()
@@ -90,6 +91,7 @@ class WorkerServer:
         if self.health_server is not None:
             await self.health_server.stop(grace=0)
         await asyncio.to_thread(self.lanes.close)
+        self.servicer.close()
         self._stopped.set()
         log.info("stopped")
 
@@ -106,10 +108,16 @@ class WorkerServer:
             self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
 
 
+# grpc sets SO_REUSEPORT by default: a second worker on the same port would also start, and the kernel would
+# split new connections between the two at random. Without it, the second one's bind fails.
+EXCLUSIVE_PORT = ("grpc.so_reuseport", 0)
+
+
 def server_options(config: WorkerConfig) -> list[tuple[str, int]]:
-    """The gRPC core options of the worker's port: message sizes and HTTP/2 keepalive."""
+    """The gRPC core options of the worker's port: an exclusive bind, message sizes and HTTP/2 keepalive."""
     ms = lambda seconds: int(seconds * 1000)
-    return [("grpc.max_receive_message_length", config.max_message_bytes),
+    return [EXCLUSIVE_PORT,
+            ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.keepalive_time_ms", ms(config.keepalive_time)),
             ("grpc.keepalive_timeout_ms", ms(config.keepalive_timeout)),

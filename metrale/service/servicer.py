@@ -1,61 +1,53 @@
-"""The Worker servicer: one method per RPC; each converts, submits to a device lane, and converts back."""
+"""The Worker servicer: one method per RPC; each converts, checks, submits to a device lane, and converts back.
+
+Nothing slow runs on the event loop: a request carrying many ids is converted and checked on a thread, text work
+runs on its own threads (text.py), and steps on the device lanes."""
 
 import asyncio
-import contextlib
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 
 from metrale.runtime.beam.params import check_requests
 from metrale.runtime.build import VERSION, ModelInfo
 from metrale.runtime.engine import Engine
-from metrale.runtime.errors import Draining, FailedPrecondition, InvalidArgument, UnknownSequence
+from metrale.runtime.errors import (NAMED_IDS, FailedPrecondition, InvalidArgument, OutOfRange,
+                                    ReplyTooLarge, UnknownSequence, name_ids)
 from metrale.runtime.lanes import DeviceLanes
 from metrale.runtime.run_ahead import LanePacer
-from metrale.runtime.step import Step, check_token_ids
+from metrale.runtime.step import Step, StepOutput, check_token_ids
 from metrale.service import convert
+from metrale.service.admission import ServingState
+from metrale.service.config import WorkerConfig
 from metrale.service.generate import generate_tokens
 from metrale.service.metrics import WorkerMetrics
+from metrale.service.text import TextWork
 from metrale.v1 import worker_pb2 as pb
 from metrale.v1 import worker_pb2_grpc
 
 # Generate's own sequences take ids from here up; gateways use ids below.
 RESERVED_SEQ_IDS = 1 << 63
-
-
-class ServingState:
-    """Draining flag and in-flight count, shared by the servicer and the shutdown path."""
-
-    def __init__(self):
-        self.draining = False
-        self.in_flight = 0
-        self.idle = asyncio.Event()
-        self.idle.set()
-
-    @contextlib.contextmanager
-    def admitted(self):
-        """Counts a forward RPC as in flight; refuses it once the worker drains."""
-        if self.draining:
-            raise Draining()
-        self.in_flight += 1
-        self.idle.clear()
-        try:
-            yield
-        finally:
-            self.in_flight -= 1
-            if self.in_flight == 0:
-                self.idle.set()
+# A request carrying more ids (sequence ids and tokens) than this is converted and checked off the event loop.
+INLINE_IDS = 1 << 14
+# The most bytes ForwardResponse.queue_us adds once the answer is built (tag and a 10-byte varint).
+QUEUE_US_BYTES = 11
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, engine: Engine, lanes: DeviceLanes, info: ModelInfo, tokenizer, state: ServingState,
-                 metrics: WorkerMetrics):
+                 metrics: WorkerMetrics, config: WorkerConfig):
         self.metrics = metrics
         self.engine = engine
         self.lanes = lanes
         self.info = info
         self.tokenizer = tokenizer
+        self.text = TextWork(tokenizer, config.max_text_bytes, info.vocab_size, info.max_model_len,
+                             info.tokenizer_note)
         self.state = state
+        self.max_message_bytes = config.max_message_bytes
+        # Release's work, which needs no device: never queued behind a lane's steps.
+        self._control = ThreadPoolExecutor(1, thread_name_prefix="control")
         self._next_generate_id = RESERVED_SEQ_IDS
         # Per stream: the order of a decode answer and the lane's guessed next step (run_ahead.py).
         self.pacers = [LanePacer() for _ in range(lanes.num_lanes)]
@@ -73,21 +65,28 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             live_sequences=stats.live_sequences)
 
     async def Prefill(self, request, context):
-        return await self._forward(convert.step_from_prefill(request), request.stream)
+        return await self._forward(request, convert.step_from_prefill, request.stream)
 
     async def Decode(self, request, context):
-        return await self._forward(convert.step_from_decode(request), request.stream)
+        return await self._forward(request, convert.step_from_decode, request.stream)
 
     async def MixedForward(self, request, context):
-        return await self._forward(convert.step_from_mixed(request), request.stream)
+        return await self._forward(request, convert.step_from_mixed, request.stream)
 
     async def BeamGenerate(self, request, context):
         if not self.engine.supports_beam:
             raise FailedPrecondition(f"beam search is not available for {self.info.architecture} on the "
                                      f"{self.info.device} backend yet (Info.supports_beam=false)")
-        requests = convert.beam_requests_from_pb(request)
-        structlog.contextvars.bind_contextvars(request_ids=[r.request_id for r in requests], stream=request.stream)
-        check_requests(requests, self.info.vocab_size, self.engine.is_encoder_decoder)
+        self.lanes.check_lane(request.stream)
+        structlog.contextvars.bind_contextvars(request_ids=[r.request_id for r in request.requests[:NAMED_IDS]],
+                                               num_requests=len(request.requests), stream=request.stream)
+
+        def checked():
+            requests = convert.beam_requests_from_pb(request)
+            check_requests(requests, self.info.vocab_size, self.info.max_model_len, self.engine.is_encoder_decoder)
+            return requests
+
+        requests = await self._off_loop_if_large(convert.beam_id_count(request), checked)
         eos, fill = self.info.eos_token_ids, self.info.pad_token_id or 0
         with self.state.admitted():
             results, _ = await self.run_on_lane(
@@ -99,17 +98,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             ids = [i for i in self.engine.live_seq_ids() if i < RESERVED_SEQ_IDS]
         else:
             ids = list(dict.fromkeys(request.seq_ids))
-        structlog.contextvars.bind_contextvars(seq_ids=ids)
+        structlog.contextvars.bind_contextvars(seq_ids=ids[:NAMED_IDS], num_seqs=len(ids))
         # Generate's sequences are its own: to a gateway they do not exist.
         reserved = [i for i in ids if i >= RESERVED_SEQ_IDS]
         ids = [i for i in ids if i < RESERVED_SEQ_IDS]
-        result, _ = await self.run_on_lane(0, ids, lambda cancelled: self.engine.release(ids))
+        # Off the lanes: a Release must not wait behind steps on other sequences (capacity is freed under load).
+        result = await asyncio.wrap_future(self.lanes.run_claimed(self._control, ids, lambda: self.engine.release(ids)))
         return pb.ReleaseResponse(released_seq_ids=result.released, unknown_seq_ids=result.unknown + reserved,
                                   blocks_freed=result.blocks_freed)
 
     async def PrefillTailSplit(self, request, context):
         if not request.tokens:
             raise InvalidArgument("tokens is empty")
+        if len(request.tokens) > self.info.max_model_len:
+            raise OutOfRange(f"{len(request.tokens)} tokens pass max_model_len={self.info.max_model_len}")
         check_token_ids("PrefillTailSplit", request.tokens, self.info.vocab_size)
         # Attention-only models keep no SSM state, so any chunk end is fine: no split.
         return pb.PrefillTailSplitResponse()
@@ -122,12 +124,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return pb.NormalizeSsmStatesResponse()
 
     async def Tokenize(self, request, context):
-        tokens = self._tokenizer().encode(request.text, add_special_tokens=request.add_special_tokens)
+        tokens = await self.text.encode(request.text, request.add_special_tokens)
         return pb.TokenizeResponse(tokens=tokens)
 
     async def Detokenize(self, request, context):
-        check_token_ids("Detokenize", request.tokens, self.info.vocab_size)
-        text = self._tokenizer().decode(list(request.tokens), skip_special_tokens=request.skip_special_tokens)
+        text = await self.text.decode(request.tokens, request.skip_special_tokens)
         return pb.DetokenizeResponse(text=text)
 
     async def Generate(self, request, context):
@@ -138,32 +139,66 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             async for response in generate_tokens(request, seq_id, self):
                 yield response
 
-    def _tokenizer(self):
-        if self.tokenizer is None:
-            raise FailedPrecondition(f"this model has no tokenizer ({self.info.tokenizer_note}); send token ids")
-        return self.tokenizer
+    async def _forward(self, request, to_step, stream: int) -> pb.ForwardResponse:
+        self.lanes.check_lane(stream)
 
-    async def _forward(self, step: Step, stream: int) -> pb.ForwardResponse:
+        def checked() -> Step:
+            step = to_step(request)
+            reserved = [i for i in step.seq_ids if i >= RESERVED_SEQ_IDS]
+            if reserved:
+                raise InvalidArgument(f"seq_id(s) {name_ids(reserved)} are >= 2^63, a range the worker keeps for "
+                                      f"Generate")
+            step.check(self.info.vocab_size, self.info.max_model_len)
+            return step
+
+        step = await self._off_loop_if_large(convert.step_id_count(request), checked)
         ids = step.seq_ids
-        structlog.contextvars.bind_contextvars(seq_ids=ids, stream=stream)
-        reserved = [i for i in ids if i >= RESERVED_SEQ_IDS]
-        if reserved:
-            raise InvalidArgument(f"seq_id(s) {reserved} are >= 2^63, a range the worker keeps for Generate")
-        step.check(self.info.vocab_size)
+        structlog.contextvars.bind_contextvars(seq_ids=ids[:NAMED_IDS], num_seqs=len(ids), stream=stream)
+        self._check_reply_fits(step)
         with self.state.admitted():
-            out, queue_us = await self.run_step(stream, step)
-        return convert.forward_response(out, queue_us)
+            out, queue_us = await self.run_step(stream, step, self._reply)
+        out.reply.queue_us = queue_us
+        return out.reply
 
-    async def run_step(self, stream: int, step: Step):
-        """Runs one engine step on the stream's lane; returns (StepOutput, queue_us)."""
+    def _check_reply_fits(self, step: Step) -> None:
+        """Refuses a step whose logits rows alone would not fit in one message, before it runs."""
+        row_bytes = 4 * self.info.vocab_size
+        if len(step.seq_ids) * row_bytes <= self.max_message_bytes:
+            return      # not even every output carrying logits would pass the limit
+        logits_bytes = self.engine.rows_returning_logits(step) * row_bytes
+        if logits_bytes > self.max_message_bytes:
+            raise ReplyTooLarge(logits_bytes, self.max_message_bytes, exact=False)
+
+    def _reply(self, out: StepOutput) -> pb.ForwardResponse:
+        """The step's answer, built on the lane before the step counts as done: one that could not be sent (over the
+        message limit) undoes the step."""
+        response = convert.forward_response(out, 0)
+        size = response.ByteSize() + QUEUE_US_BYTES
+        if size > self.max_message_bytes:
+            raise ReplyTooLarge(size, self.max_message_bytes)
+        return response
+
+    async def _off_loop_if_large(self, num_ids: int, work):
+        """work(), on a thread where the request is large enough to hold the event loop up."""
+        if num_ids <= INLINE_IDS:
+            return work()
+        return await asyncio.to_thread(work)
+
+    async def run_step(self, stream: int, step: Step, reply=None):
+        """Runs one engine step on the stream's lane; returns (StepOutput, queue_us). reply: Engine.step's."""
         self.lanes.check_lane(stream)
         pacer = self.pacers[stream]
         pacer.request_arrived()
         result = await self.run_on_lane(stream, step.seq_ids,
-                                        lambda cancelled: self.engine.step(step, cancelled, run_ahead=True),
+                                        lambda cancelled: self.engine.step(step, cancelled, run_ahead=True,
+                                                                           reply=reply),
                                         after=pacer)
         self.metrics.count_step(step)
         return result
+
+    def close(self) -> None:
+        self.text.close()
+        self._control.shutdown(wait=True)
 
     def release_in_order(self, stream: int, seq_ids: list[int]) -> None:
         """Frees sequences after the work already queued on the stream; not awaited, so it survives cancellation."""

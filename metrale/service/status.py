@@ -18,11 +18,16 @@ STATUS_OF = {
     errors.OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
     errors.OutOfKvBlocks: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.BatchTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.ReplyTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.SequenceBusy: grpc.StatusCode.ABORTED,
     errors.Draining: grpc.StatusCode.UNAVAILABLE,
     errors.Cancelled: grpc.StatusCode.CANCELLED,
+    errors.StepFailed: grpc.StatusCode.INTERNAL,
     errors.DeviceFault: grpc.StatusCode.INTERNAL,
 }
+# The services whose handlers raise WorkerErrors; health and reflection are grpc's own and keep their behaviour.
+WRAPPED_PREFIX = "/metrale.v1.Worker/"
 
 
 def status_of(error: errors.WorkerError) -> grpc.StatusCode:
@@ -41,6 +46,10 @@ def _details(error: errors.WorkerError) -> list:
         return [error_details_pb2.ErrorInfo(
             reason=error.limit_name.upper(), domain="metrale.v1",
             metadata={"count": str(error.count), error.limit_name: str(error.limit)})]
+    if isinstance(error, errors.ReplyTooLarge):
+        return [error_details_pb2.ErrorInfo(
+            reason="REPLY_TOO_LARGE", domain="metrale.v1",
+            metadata={"reply_bytes": str(error.reply_bytes), "max_message_bytes": str(error.limit_bytes)})]
     return []
 
 
@@ -70,8 +79,8 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
+        if handler is None or not handler_call_details.method.startswith(WRAPPED_PREFIX):
+            return handler
         rpc = handler_call_details.method.rsplit("/", 1)[-1]
         if handler.unary_unary is not None:
             return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary, rpc))
@@ -121,7 +130,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         log.exception("unexpected_error")
         self._metrics.rpc_errors.labels(rpc, grpc.StatusCode.INTERNAL.name).inc()
         timer.observe()
-        await context.abort(grpc.StatusCode.INTERNAL, f"unexpected error in {rpc}: {error!r}")
+        await context.abort(grpc.StatusCode.INTERNAL, f"unexpected error in {rpc}: {errors.describe(error)}")
 
 
 class _Timer:

@@ -261,3 +261,14 @@ def test_edge_values_stay_finite():
     assert sample(torch.empty(0, 1000), []).tokens == []
     with pytest.raises(ValueError, match="NaN"):  # nothing to sample from
         sample(torch.full((1, 10), float("nan")), [make_row(SamplingParams(temperature=1.0))])
+
+
+@pytest.mark.parametrize("temperature", [100.0, 1e37], ids=["max", "far past the range"])
+def test_a_flat_row_of_tiny_gaps_samples_at_a_high_temperature(temperature):
+    """Logits 1e-42 apart at temperature 100: s is subnormal, and the bucket scale 4095 / min(s) is past float32's
+    range (it had become inf, then NaN buckets, and the step an error that took the worker out of rotation)."""
+    x = -torch.arange(50000, dtype=torch.float32) * 1e-42
+    result = sample(x.expand(40, -1), [make_row(SamplingParams(temperature=temperature), seed=3, position=p)
+                                       for p in range(40)])
+    assert all(0 <= token < 50000 for token in result.tokens)
+    assert len(set(result.tokens)) > 30          # a near-uniform draw

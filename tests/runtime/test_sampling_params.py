@@ -12,19 +12,20 @@ VOCAB_SIZE = 1000
 ACCEPTED = [
     {},
     {"temperature": 0.0},
-    {"temperature": 1e-6},
+    {"temperature": 0.01},
     {"temperature": 100.0},
     {"top_k": 0},
     {"top_k": 1},
     {"top_k": VOCAB_SIZE * 10},  # larger than the vocabulary: everything stays
+    {"top_k": 2**32 - 1},
     {"top_p": 1.0},
     {"top_p": 1e-9},
     {"min_p": 0.0},
     {"min_p": 1.0},
     {"seed": 0},
     {"seed": 2**64 - 1},
-    {"repetition_penalty": 1e-6},
-    {"repetition_penalty": 10.0},
+    {"repetition_penalty": 0.01},
+    {"repetition_penalty": 100.0},
     {"presence_penalty": -2.0},
     {"presence_penalty": 2.0},
     {"frequency_penalty": -2.0},
@@ -35,15 +36,18 @@ ACCEPTED = [
 
 REJECTED = [
     ("temperature", -1e-6), ("temperature", math.nan), ("temperature", math.inf), ("temperature", "1"),
+    ("temperature", 1e-45), ("temperature", 0.0099), ("temperature", 100.01), ("temperature", 1e37),
     ("top_k", -1), ("top_k", 2.5), ("top_k", None),
     ("top_p", 0.0), ("top_p", -0.1), ("top_p", 1.0000001), ("top_p", math.nan),
     ("min_p", -1e-9), ("min_p", 1.01), ("min_p", math.nan),
     ("seed", -1), ("seed", 2**64), ("seed", 1.5),
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", math.inf),
+    ("repetition_penalty", 1e-45), ("repetition_penalty", 0.0099), ("repetition_penalty", 100.01),
     ("presence_penalty", 2.01), ("presence_penalty", -2.01), ("presence_penalty", math.nan),
     ("frequency_penalty", 2.01), ("frequency_penalty", -2.01), ("frequency_penalty", -math.inf),
     ("logit_bias", ((VOCAB_SIZE, 1.0),)), ("logit_bias", ((-1, 1.0),)), ("logit_bias", ((3, math.nan),)),
     ("logit_bias", ((3, math.inf),)), ("logit_bias", ((3,),)), ("logit_bias", ((2.0, 1.0),)),
+    ("logit_bias", ((3, 100.01),)), ("logit_bias", ((3, -3e38),)),
 ]
 
 
@@ -61,6 +65,11 @@ def test_validate_rejects_values_out_of_range_naming_field_and_value(field, valu
     assert "must" in message  # says what is allowed
     if field != "logit_bias":
         assert repr(value) in message
+
+
+def test_validate_rejects_more_biases_than_the_vocabulary_has_ids():
+    with pytest.raises(errors.InvalidArgument, match="logit_bias has 1001 entries"):
+        SamplingParams(logit_bias=tuple((i % VOCAB_SIZE, 0.0) for i in range(VOCAB_SIZE + 1))).validate(VOCAB_SIZE)
 
 
 def test_greedy_is_temperature_zero():

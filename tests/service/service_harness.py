@@ -17,7 +17,7 @@ WORKER_DEVICE = {"device": "cpu"}
 
 def start_worker(directory, metrics_port: int | None = None, worker: dict | None = None, **engine) -> InProcessWorker:
     """worker: more WorkerConfig fields (TLS, tokens); engine: EngineConfig fields."""
-    config = WorkerConfig(host="127.0.0.1", port=0, max_message_mb=4, drain_timeout=5.0, metrics_port=metrics_port,
+    config = WorkerConfig(host="127.0.0.1", port=0, drain_timeout=5.0, metrics_port=metrics_port,
                           engine=EngineConfig(device=WORKER_DEVICE["device"], **{"kv_blocks": 64, **engine}),
-                          **(worker or {}))
+                          **{"max_message_mb": 4, **(worker or {})})
     return serve_checkpoint(load_checkpoint(directory), config)

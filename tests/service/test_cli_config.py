@@ -32,6 +32,7 @@ NON_DEFAULT = {
     "run-ahead": ("off", "engine.run_ahead", "off"),
     "cuda-graph-batch-sizes": ("1,4,16", "engine.cuda_graph_batch_sizes", (1, 4, 16)),
     "max-message-mb": ("8", "max_message_mb", 8),
+    "max-text-bytes": ("4096", "max_text_bytes", 4096),
     "max-concurrent-rpcs": ("100", "max_concurrent_rpcs", 100),
     "keepalive-time": ("30", "keepalive_time", 30.0),
     "keepalive-timeout": ("5.5", "keepalive_timeout", 5.5),

@@ -1,5 +1,6 @@
 """A step that fails mid-way (device fault, cancellation, deadline) is undone: no sequence or block changes."""
 
+import math
 import time
 
 import grpc
@@ -34,39 +35,6 @@ def assert_twins_agree(stub, seq_id, token):
     assert ours.tokens == twin.tokens and ours.logits[0].data == twin.logits[0].data
 
 
-def fail_on_call(model, n):
-    """model.forward raises on its n-th call from now (1-based)."""
-    forward, calls = model.forward, []
-
-    def failing(*args):
-        calls.append(1)
-        if len(calls) == n:
-            raise RuntimeError("injected device fault")
-        return forward(*args)
-    model.forward = failing
-    return lambda: setattr(model, "forward", forward)
-
-
-def test_device_fault_in_a_later_round_undoes_the_whole_step(faulty):
-    stub = faulty.stub
-    token = make_pair(stub, 1)
-    before = stub.Info(pb.InfoRequest())
-    # Round 1: decode lane 1 + first chunk of new sequence 5; round 2 (fails): its second chunk.
-    restore = fail_on_call(faulty.engine.model, 2)
-    request = pb.MixedForwardRequest(decode=pb.DecodeRequest(seq_ids=[1], tokens=[token]), prefill=pb.PrefillRequest(
-        slices=[pb.PrefillSlice(seq_id=5, tokens=[4] * 40, is_last_chunk=True, chunk_size=20)]))
-    with pytest.raises(grpc.RpcError) as caught:
-        stub.MixedForward(request)
-    restore()
-    assert caught.value.code() == grpc.StatusCode.INTERNAL and "injected device fault" in caught.value.details()
-    after = stub.Info(pb.InfoRequest())
-    assert after.free_kv_blocks == before.free_kv_blocks and after.live_sequences == before.live_sequences
-    assert_twins_agree(stub, 1, token)
-    health = health_pb2_grpc.HealthStub(faulty.channel)
-    status = health.Check(health_pb2.HealthCheckRequest(service="metrale.v1.Worker")).status
-    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
-
-
 def test_cancelled_step_is_undone(faulty):
     stub = faulty.stub
     token = make_pair(stub, 2)
@@ -91,15 +59,66 @@ def test_cancelled_step_is_undone(faulty):
     stub.Prefill(pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=6, tokens=[4], is_last_chunk=True)]))
 
 
-def test_extreme_penalties_cannot_break_the_worker(faulty):
-    stub = faulty.stub
-    sampling = pb.SamplingParams(temperature=1.0, repetition_penalty=1e-45, logit_bias={3: 3e38, 4: 3e38}, seed=1)
-    r = stub.Prefill(pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=7, tokens=PROMPT + [3], is_last_chunk=True,
-                                                               sampling=sampling)]))
-    assert len(r.tokens) == 1
-    health = health_pb2_grpc.HealthStub(faulty.channel)
+def serving(worker) -> bool:
+    health = health_pb2_grpc.HealthStub(worker.channel)
     status = health.Check(health_pb2.HealthCheckRequest(service="metrale.v1.Worker")).status
-    assert status == health_pb2.HealthCheckResponse.SERVING
+    return status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.parametrize("sampling", [
+    pb.SamplingParams(temperature=0.01, repetition_penalty=0.01, logit_bias={3: 100.0, 4: -100.0}, seed=1),
+    pb.SamplingParams(temperature=100.0, repetition_penalty=100.0, presence_penalty=-2.0, frequency_penalty=2.0,
+                      top_k=2**32 - 1, top_p=1.4e-45, min_p=1.0, seed=2**64 - 1),
+])
+def test_the_edges_of_every_sampling_range_sample(faulty, sampling):
+    r = faulty.stub.Prefill(pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=7, tokens=PROMPT + [3], is_last_chunk=True,
+                                                                       sampling=sampling, output=OUT)]))
+    assert len(r.tokens) == 1 and serving(faulty)
+    r = faulty.stub.Decode(pb.DecodeRequest(seq_ids=[7], tokens=[r.tokens[0]]))
+    assert len(r.tokens) == 1 and serving(faulty)
+    faulty.stub.Release(pb.ReleaseRequest(seq_ids=[7]))
+
+
+BEAM = dict(request_id=1, prompt_tokens=PROMPT[:5], max_new_tokens=4)
+
+
+@pytest.mark.parametrize("edges", [dict(num_beams=32, length_penalty=4.0, no_repeat_ngram_size=512),
+                                   dict(num_beams=2, length_penalty=-4.0, no_repeat_ngram_size=1,
+                                        num_return_sequences=2, early_stopping=pb.EARLY_STOPPING_NEVER)])
+def test_the_edges_of_every_beam_range_search(faulty, edges):
+    r = faulty.stub.BeamGenerate(pb.BeamGenerateRequest(requests=[pb.BeamRequest(**BEAM, **edges)]))
+    hypotheses = r.results[0].hypotheses
+    assert len(hypotheses) == edges.get("num_return_sequences", 1) and all(math.isfinite(h.score) for h in hypotheses)
+    assert serving(faulty)
+# The requests that had put a worker into its device-fault state for good (issue: fault isolation).
+PAST_THE_RANGES = [
+    ("Prefill", pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=8, tokens=PROMPT, is_last_chunk=True,
+                                                          sampling=pb.SamplingParams(temperature=1e37, seed=1))])),
+    ("Generate", pb.GenerateRequest(prompt_tokens=PROMPT, max_new_tokens=2,
+                                    sampling=pb.SamplingParams(temperature=1e37, seed=1))),
+    ("BeamGenerate", pb.BeamGenerateRequest(requests=[pb.BeamRequest(num_beams=2, length_penalty=1100, **BEAM)])),
+    ("BeamGenerate", pb.BeamGenerateRequest(requests=[pb.BeamRequest(num_beams=2, no_repeat_ngram_size=2**31,
+                                                                     **BEAM)])),
+    ("BeamGenerate", pb.BeamGenerateRequest(requests=[pb.BeamRequest(num_beams=1, no_repeat_ngram_size=2**31,
+                                                                     **BEAM)])),
+    ("Prefill", pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=8, tokens=PROMPT, is_last_chunk=True,
+                                                          sampling=pb.SamplingParams(repetition_penalty=1e-45))])),
+    ("Prefill", pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=8, tokens=PROMPT, is_last_chunk=True,
+                                                          sampling=pb.SamplingParams(logit_bias={3: 3e38}))])),
+]
+
+
+@pytest.mark.parametrize("rpc, request_message", PAST_THE_RANGES, ids=lambda v: v if isinstance(v, str) else "")
+def test_values_past_a_documented_range_are_refused_and_the_worker_serves_on(faulty, rpc, request_message):
+    before = faulty.stub.Info(pb.InfoRequest())
+    with pytest.raises(grpc.RpcError) as caught:
+        result = getattr(faulty.stub, rpc)(request_message)
+        if rpc == "Generate":
+            list(result)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "must be" in caught.value.details()
+    after = faulty.stub.Info(pb.InfoRequest())
+    assert serving(faulty) and (after.free_kv_blocks, after.live_sequences) == (before.free_kv_blocks,
+                                                                                before.live_sequences)
 
 
 def test_generate_on_a_missing_stream_and_release_of_reserved_ids(faulty):

@@ -10,6 +10,7 @@ SIGTERM under load: the worker drains and exits 0 within its drain timeout.
 
 import random
 import re
+import subprocess
 import threading
 import time
 import urllib.request
@@ -20,6 +21,7 @@ import pytest
 
 from metrale.v1 import worker_pb2 as pb
 from metrale.v1 import worker_pb2_grpc
+from service_harness import WORKER_DEVICE
 from test_metrics import free_port
 from worker_process import WorkerProcess
 
@@ -191,6 +193,15 @@ def rss_kb(pid: int) -> int:
         return int(next(line.split()[1] for line in status if line.startswith("VmRSS:")))
 
 
+def device_memory_mb(pid: int) -> int | None:
+    """The worker's memory on the GPU (nvidia-smi), None on the CPU backend."""
+    if WORKER_DEVICE["device"] != "cuda":
+        return None
+    rows = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                          capture_output=True, text=True, check=True).stdout.splitlines()
+    return sum(int(used) for row in rows for p, used in [row.split(",")] if int(p) == pid)
+
+
 def replay(stub, record: Record, seq_id: int) -> list[int]:
     outputs = [stub.Prefill(pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=seq_id, tokens=record.prompt,
                                                                       is_last_chunk=True)])).tokens[0]]
@@ -212,10 +223,11 @@ def run_load(address: str, seconds: float, clients: int) -> tuple[Tally, list[Cl
 @pytest.fixture
 def loaded_worker(tiny_llama_dir, tmp_path):
     metrics_port = free_port()
+    device = WORKER_DEVICE["device"]
     worker = WorkerProcess(tiny_llama_dir, tmp_path / "worker.log",
                            args=("--kv-blocks", "512", "--max-model-len", "64", "--metrics-port", str(metrics_port),
-                                 "--drain-timeout", "20"))
-    worker.start()
+                                 "--drain-timeout", "20"), device=device)
+    worker.start(timeout=60.0 if device == "cpu" else 600.0)     # CUDA: kernels compiled, graphs captured
     yield worker, metrics_port
     if worker.process.poll() is None:
         worker.stop()
@@ -225,9 +237,10 @@ def test_64_clients_for_60_seconds(loaded_worker):
     worker, metrics_port = loaded_worker
     stub = worker.stub
     total_blocks = stub.Info(pb.InfoRequest()).num_kv_blocks
+    rss_start, device_start = rss_kb(worker.process.pid), device_memory_mb(worker.process.pid)
     tally, threads = run_load(worker.address, LOAD_SECONDS, CLIENTS)
     time.sleep(LOAD_SECONDS * 0.2)
-    rss_early = rss_kb(worker.process.pid)
+    rss_early, device_early = rss_kb(worker.process.pid), device_memory_mb(worker.process.pid)
     during = scrape(metrics_port)
     time.sleep(LOAD_SECONDS * 0.5)
     later = scrape(metrics_port)
@@ -237,16 +250,20 @@ def test_64_clients_for_60_seconds(loaded_worker):
     assert not tally.failures, tally.failures[:5]
     end = scrape(metrics_port)
     rss_late = rss_kb(worker.process.pid)
-    print(f"load: {len(tally.records)} sequences checked, {tally.decode_tokens} decode tokens, "
-          f"{sum(tally.invalid.values())} invalid, {tally.cancelled} cancelled, {tally.expired} expired; "
-          f"RSS {rss_early // 1024} -> {rss_late // 1024} MB")
+    info, device_end = stub.Info(pb.InfoRequest(), timeout=10), device_memory_mb(worker.process.pid)
+    print(f"load on {WORKER_DEVICE['device']}: {len(tally.records)} sequences checked, {tally.decode_tokens} decode "
+          f"tokens, {sum(tally.invalid.values())} invalid, {tally.cancelled} cancelled, {tally.expired} deadlines "
+          f"passed; {info.num_kv_blocks - info.free_kv_blocks} blocks held at the end; RSS {rss_start // 1024} -> "
+          f"{rss_early // 1024} -> {rss_late // 1024} MB; device memory {device_start} -> {device_early} -> "
+          f"{device_end} MB")
     assert len(tally.records) > CLIENTS and tally.cancelled + tally.expired > 0 and tally.invalid
 
     # Nothing held, the worker answers, memory flat.
-    info = stub.Info(pb.InfoRequest(), timeout=10)
     assert info.free_kv_blocks == total_blocks
     assert end["metrale_live_sequences"] == 0 and end["metrale_kv_blocks_used"] == 0
     assert rss_late - rss_early < 96 * 1024, (rss_early, rss_late)
+    # The memory plan: nothing allocated on the hot path (the first minutes may still load kernels lazily).
+    assert device_end == device_early
 
     # The counters moved while the clients ran, and end where the clients' own counts put them.
     decode = 'metrale_tokens_total{kind="decode"}'

@@ -38,10 +38,11 @@ def log_events(log_path: Path) -> list[dict]:
 class WorkerProcess:
     """start() launches the worker and waits for SERVING; stop() sends SIGTERM and returns the exit code."""
 
-    def __init__(self, model: Path, log_path: Path, args: tuple[str, ...] = (), env: dict | None = None):
+    def __init__(self, model: Path, log_path: Path, args: tuple[str, ...] = (), env: dict | None = None,
+                 device: str = "cpu"):
         # --log-format json: the port comes from the log; a flag wins over a METRALE_LOG_FORMAT in env.
         self.command = [sys.executable, "-m", "metrale.service.cli", "serve", "--model", str(model),
-                        "--device", "cpu", "--host", "127.0.0.1", "--port", "0", "--log-format", "json", *args]
+                        "--device", device, "--host", "127.0.0.1", "--port", "0", "--log-format", "json", *args]
         # The test's own METRALE_* variables must not leak in: only env's reach the worker.
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("METRALE_")}
         self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))

@@ -54,6 +54,9 @@ class Ops(Protocol):
     dtype: torch.dtype
     # False: one forward at a time (from prepare to sample), whatever the number of lanes.
     concurrent_forwards: bool
+    # Exceptions that mean the device itself failed (a driver or library status, a kernel's fault flag): the worker
+    # then stops serving. Any other exception in a step is a bug that fails its call alone.
+    device_errors: tuple[type[BaseException], ...]
 
     def plan(self, weight_bytes: int, shapes: MemoryShapes) -> None:
         """Places weights and workspaces before any upload; the KV pool comes after."""

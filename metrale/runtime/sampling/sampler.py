@@ -171,7 +171,8 @@ class _Draw:
             ids = np.flatnonzero(mask)  # all of mask is tied at the top of s
         else:
             # bucket 0 holds the largest s; s is monotone in x, so buckets follow the canonical order
-            scaled = np.floor(self.s * ((NUM_BUCKETS - 1) / lowest))
+            # in float64: a tiny lowest (a flat row at a high temperature) would overflow float32's scale
+            scaled = np.floor(self.s.astype(np.float64) * ((NUM_BUCKETS - 1) / lowest))
             bucket = np.clip(scaled, 0, NUM_BUCKETS - 1).astype(np.intp)
             mass = np.cumsum(np.bincount(bucket, weights=self.p * mask, minlength=NUM_BUCKETS))
             crossed = min(int(np.searchsorted(mass, target, side="right")), NUM_BUCKETS - 1)

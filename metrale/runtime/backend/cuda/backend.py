@@ -13,7 +13,7 @@ from metrale.runtime.backend.cuda import kernels
 from metrale.runtime.backend.cuda.batch import CudaBatch
 from metrale.runtime.backend.cuda.beam_search import DeviceBeamSearch, seed_of, state_arrays, state_bytes
 from metrale.runtime.backend.cuda.compiler import KernelCache, KernelLibrary
-from metrale.runtime.backend.cuda.device import ALIGNMENT, Arena, CudaDevice
+from metrale.runtime.backend.cuda.device import ALIGNMENT, Arena, CudaDevice, CUDAError
 from metrale.runtime.backend.cuda.gemm import CublasLt
 from metrale.runtime.backend.cuda.gemm_tuning import AlgoTuner
 from metrale.runtime.backend.cuda.graphs import DecodeGraphs, PrefillGraphs, no_collection
@@ -24,7 +24,7 @@ from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.backend.ops import MemoryShapes, RopeTable, rope_then_attention
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.beam.on_device import DeviceSearch
-from metrale.runtime.errors import InvalidArgument
+from metrale.runtime.errors import DeviceFault, InvalidArgument
 from metrale.runtime.sampling import SampleResult
 
 
@@ -34,6 +34,8 @@ class CudaBackend:
     # Each lane has its own stream and buffers; the weights are only read, and lanes never share a sequence.
     concurrent_forwards = True
     supports_beam = True
+    # A driver call's status (device.check, cuda.core's own calls), cuBLASLt's (a DeviceFault), a kernel's fault flag.
+    device_errors = (DeviceFault, CUDAError)
 
     def __init__(self, cache_dir: Path, dtype: str = "auto"):
         if dtype not in ("auto", "bfloat16"):

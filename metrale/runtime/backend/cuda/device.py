@@ -9,6 +9,12 @@ import numpy as np
 from cuda.bindings import driver
 from cuda.core import Device
 
+try:        # cuda.core's error for a failed driver call of its own; it exports no public name for it
+    from cuda.core._utils.cuda_utils import CUDAError
+except ImportError:
+    class CUDAError(Exception):
+        """Stands in where cuda.core keeps its error elsewhere: its calls then fail as unexpected errors."""
+
 from metrale.runtime.backend.cuda.tensor import DTYPES, DeviceTensor
 from metrale.runtime.errors import DeviceFault, FailedPrecondition
 

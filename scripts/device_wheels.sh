@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Builds .whl/: the wheels the lent GPU machine lacks (it has Python 3.12, torch, cuda-core, cuda-bindings, NVRTC,
+# cuBLAS and transformers, and no network). Carry .whl in every device call; scripts/device_env.sh installs it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p .whl
+python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
+  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform any -d .whl \
+  grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 grpcio-status==1.85.3 \
+  grpcio-tools==1.85.1 protobuf==7.36.2 googleapis-common-protos==1.76.0 \
+  structlog==26.1.0 prometheus-client==0.26.0 gguf==0.19.0 nvmath-python==1.0.0 \
+  pytest==9.0.3 pluggy iniconfig packaging hypothesis==6.155.2 sortedcontainers attrs pyyaml tqdm
+ls .whl

@@ -1,0 +1,138 @@
+"""Very large requests: the event loop stays free for health checks while they are worked on, text is bounded by
+bytes before it is tokenized, lengths are checked before ids, and errors and log lines name a few offenders and
+a count, never millions."""
+
+import random
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from metrale.runtime.config import EngineConfig
+from metrale.runtime.loading import load_checkpoint
+from metrale.service.config import WorkerConfig
+from metrale.v1 import worker_pb2 as pb
+from service_harness import serve_checkpoint
+from worker_process import WorkerProcess, log_events
+
+SENTENCE = "The capital of France is Paris, and the weather today is fine. "
+MAX_TEXT_BYTES = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def default_worker(default_gguf):
+    config = WorkerConfig(host="127.0.0.1", port=0, max_message_mb=64,
+                          engine=EngineConfig(device="cpu", kv_blocks=64))
+    running = serve_checkpoint(load_checkpoint(default_gguf), config)
+    yield running
+    running.stop()
+
+
+def health_gaps_while(worker, call) -> tuple[list[float], object]:
+    """Runs call() on a thread and checks health every 50 ms while it runs, each within 1 s; returns the gaps
+    (seconds) between one answer and the next, which include any time this process's interpreter was held up
+    too, and call's outcome (its result or its RpcError)."""
+    outcome, done = {}, threading.Event()
+
+    def run():
+        try:
+            outcome["value"] = call()
+        except grpc.RpcError as error:
+            outcome["value"] = error
+        done.set()
+
+    health = health_pb2_grpc.HealthStub(worker.channel)
+    thread = threading.Thread(target=run)
+    thread.start()
+    gaps, last = [], time.perf_counter()
+    while not done.wait(0.05):
+        status = health.Check(health_pb2.HealthCheckRequest(service="metrale.v1.Worker"), timeout=1.0).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+    thread.join()
+    return gaps, outcome["value"]
+
+
+def random_words(num_bytes: int) -> str:
+    """Text of made-up words, which the tokenizer's word cache cannot shortcut: ~2 s a megabyte here."""
+    rng = random.Random(0)
+    words = ("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 9)))
+             for _ in range(num_bytes))
+    return " ".join(words)[:num_bytes]
+
+
+def test_health_answers_while_a_megabyte_is_tokenized(default_worker):
+    text = random_words(MAX_TEXT_BYTES)
+    gaps, tokens = health_gaps_while(
+        default_worker, lambda: default_worker.stub.Tokenize(pb.TokenizeRequest(text=text), timeout=120).tokens)
+    assert len(tokens) > 100_000
+    assert len(gaps) >= 5, "the tokenization ended before health was checked during it"
+    assert max(gaps) < 1.0
+
+
+def test_text_over_the_byte_limit_is_refused_before_tokenizing(default_worker):
+    stub = default_worker.stub
+    text = SENTENCE * (3 * MAX_TEXT_BYTES // len(SENTENCE))
+    for call in (lambda: stub.Tokenize(pb.TokenizeRequest(text=text), timeout=5),
+                 lambda: list(stub.Generate(pb.GenerateRequest(prompt=text, max_new_tokens=1), timeout=5))):
+        with pytest.raises(grpc.RpcError) as caught:
+            call()
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "--max-text-bytes" in caught.value.details()
+    # Multi-byte characters count as their UTF-8 bytes: 300,000 four-byte characters are over a mebibyte.
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Tokenize(pb.TokenizeRequest(text="\U0001F600" * 300_000), timeout=5)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_prompt_past_max_model_len_is_refused_while_health_answers(default_worker):
+    stub = default_worker.stub
+    text = random_words(MAX_TEXT_BYTES // 2)          # ~280,000 tokens; max_model_len is 8192
+    gaps, error = health_gaps_while(
+        default_worker, lambda: list(stub.Generate(pb.GenerateRequest(prompt=text, max_new_tokens=1), timeout=60)))
+    assert isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.OUT_OF_RANGE
+    assert len(gaps) >= 5 and max(gaps) < 1.0
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Prefill(pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=1, tokens=[1] * 4_000_000,
+                                                                is_last_chunk=True)]), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.OUT_OF_RANGE and "max_model_len" in caught.value.details()
+    info = stub.Info(pb.InfoRequest())
+    assert info.live_sequences == 0 and info.free_kv_blocks == info.num_kv_blocks
+
+
+def test_a_million_unknown_ids_get_not_found_naming_a_few(default_worker):
+    ids = [(1 << 62) + i for i in range(1_000_000)]
+    gaps, error = health_gaps_while(
+        default_worker, lambda: default_worker.stub.Decode(pb.DecodeRequest(seq_ids=ids, tokens=[1] * len(ids)),
+                                                           timeout=60))
+    assert isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.NOT_FOUND
+    assert "(1000000 in all)" in error.details() and str(ids[0]) in error.details()
+    assert len(error.details()) < 500
+    assert max(gaps, default=0.0) < 1.0
+
+
+@pytest.fixture(scope="module")
+def worker_process(tiny_llama_dir, tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("big") / "worker.log"
+    process = WorkerProcess(tiny_llama_dir, log_path, args=("--kv-blocks", "32")).start()
+    yield process
+    process.stop()
+
+
+def test_a_default_client_gets_not_found_and_the_log_lines_stay_short(worker_process):
+    """A default client's metadata limit (8 KiB) is what had turned a long NOT_FOUND into RESOURCE_EXHAUSTED."""
+    for count in (400, 200_000):
+        ids = [(1 << 62) + 7 * i for i in range(count)]
+        with pytest.raises(grpc.RpcError) as caught:
+            worker_process.stub.Decode(pb.DecodeRequest(seq_ids=ids, tokens=[1] * count), timeout=60)
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND, caught.value.details()
+        released = worker_process.stub.Release(pb.ReleaseRequest(seq_ids=ids), timeout=60)
+        assert len(released.unknown_seq_ids) == count
+    lines = worker_process.log_path.read_text().splitlines()
+    failed = [e for e in log_events(worker_process.log_path) if e.get("event") == "request_failed"]
+    assert len(failed) == 2 and all(e["num_seqs"] == 400 or e["num_seqs"] == 200_000 for e in failed)
+    assert max(len(line) for line in lines) < 2000
