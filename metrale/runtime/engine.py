@@ -77,15 +77,31 @@ class Engine:
         else:
             output, undo = self._run(step, cancelled)
         if reply is not None:
-            try:
-                output.reply = reply(output)
-            except Exception as error:
-                with self._lock:
-                    self._restore(*undo)
-                raise self._failure(error, "building the step's answer") from error
+            self._reply_or_undo(output, reply, cancelled, undo)
         if run_ahead and self.runs_ahead:
-            output.ahead = self._reserve_ahead(step, output)
+            output.ahead = self._guess_next(step, output)
         return output
+
+    def _reply_or_undo(self, output: StepOutput, reply: Callable[[StepOutput], object],
+                       cancelled: Callable[[], bool], undo: tuple[dict, Plan]) -> None:
+        """output.reply = reply(output); the step undone where that fails, or where the call was cancelled
+        meanwhile (its answer would be lost)."""
+        try:
+            output.reply = reply(output)
+            if cancelled():
+                raise Cancelled()
+        except Exception as error:
+            with self._lock:
+                self._restore(*undo)
+            raise self._failure(error, "building the step's answer") from error
+
+    def _guess_next(self, step: Step, output: StepOutput) -> Ahead | None:
+        """_reserve_ahead, where a failure costs only the guess: the step itself is done and answered."""
+        try:
+            return self._reserve_ahead(step, output)
+        except Exception:
+            log.exception("run_ahead_failed")
+            return None
 
     def _run(self, step: Step, cancelled: Callable[[], bool]) -> tuple[StepOutput, tuple[dict, Plan]]:
         """The step's outputs, and what undoes it (_restore's arguments)."""

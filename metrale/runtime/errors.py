@@ -77,6 +77,16 @@ class Cancelled(WorkerError):
                          "its sequences are as they were before it")
 
 
+class ListsTooLarge(WorkerError):
+    """A step's per-row lists (penalised and biased ids, a beam step's banned ids) past the region the memory plan
+    keeps for them; the step is undone."""
+
+    def __init__(self, what: str, words: int, limit: int):
+        self.words, self.limit = words, limit
+        super().__init__(f"{what} take {words} words, over the {limit} the step's lists region holds; send fewer "
+                         f"sequences with penalties or logit_bias (or fewer beams) per step; nothing was changed")
+
+
 class ReplyTooLarge(WorkerError):
     """The answer would not fit in one gRPC message; the step is not committed."""
 

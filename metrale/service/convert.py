@@ -47,25 +47,28 @@ def step_from_mixed(m: pb.MixedForwardRequest) -> Step:
     return Step(decode=decode_lanes_from_pb(m.decode), prefill=tuple(slice_from_pb(s) for s in m.prefill.slices))
 
 
+# Repeated messages (slices, beam requests) counted one by one at most; past it a request counts as MANY ids.
+COUNTED_MESSAGES = 1 << 10
+MANY = 1 << 30
+
+
 def step_id_count(m) -> int:
-    """The sequence ids and tokens a Prefill, Decode or MixedForward request carries, counted without a walk over
-    them where one repeated field alone is large."""
+    """The ids a Prefill, Decode or MixedForward request carries (sequence ids, tokens, logit_bias entries), counted
+    without a walk over any one repeated field."""
     decode = m.decode if isinstance(m, pb.MixedForwardRequest) else m if isinstance(m, pb.DecodeRequest) else None
     prefill = m.prefill if isinstance(m, pb.MixedForwardRequest) else m if isinstance(m, pb.PrefillRequest) else None
     count = 2 * len(decode.seq_ids) if decode is not None else 0
     if prefill is not None:
-        count += len(prefill.slices)
-        if len(prefill.slices) <= 1 << 10:
-            count += sum(len(s.tokens) for s in prefill.slices)
-        else:
-            count += 1 << 20    # too many slices to count cheaply: large
+        if len(prefill.slices) > COUNTED_MESSAGES:
+            return MANY
+        count += sum(1 + len(s.tokens) + len(s.sampling.logit_bias) for s in prefill.slices)
     return count
 
 
 def beam_id_count(m: pb.BeamGenerateRequest) -> int:
     """The ids a BeamGenerate request carries, counted as step_id_count does."""
-    if len(m.requests) > 1 << 10:
-        return 1 << 20
+    if len(m.requests) > COUNTED_MESSAGES:
+        return MANY
     return sum(1 + len(r.prompt_tokens) + len(r.src_tokens) + len(r.decoder_prefix) for r in m.requests)
 
 

@@ -4,6 +4,7 @@ Nothing slow runs on the event loop: a request carrying many ids is converted an
 runs on its own threads (text.py), and steps on the device lanes."""
 
 import asyncio
+import contextlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -94,14 +95,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return convert.beam_response(results)
 
     async def Release(self, request, context):
-        if request.all:
-            ids = [i for i in self.engine.live_seq_ids() if i < RESERVED_SEQ_IDS]
-        else:
+        structlog.contextvars.bind_contextvars(seq_ids=list(request.seq_ids[:NAMED_IDS]),
+                                               num_seqs=len(request.seq_ids), all=request.all)
+
+        def split() -> tuple[list[int], list[int]]:
+            """The gateway's ids, once each; and Generate's, which to a gateway do not exist."""
+            if request.all:
+                return [i for i in self.engine.live_seq_ids() if i < RESERVED_SEQ_IDS], []
             ids = list(dict.fromkeys(request.seq_ids))
-        structlog.contextvars.bind_contextvars(seq_ids=ids[:NAMED_IDS], num_seqs=len(ids))
-        # Generate's sequences are its own: to a gateway they do not exist.
-        reserved = [i for i in ids if i >= RESERVED_SEQ_IDS]
-        ids = [i for i in ids if i < RESERVED_SEQ_IDS]
+            return [i for i in ids if i < RESERVED_SEQ_IDS], [i for i in ids if i >= RESERVED_SEQ_IDS]
+
+        ids, reserved = await self._off_loop_if_large(len(request.seq_ids), split)
         # Off the lanes: a Release must not wait behind steps on other sequences (capacity is freed under load).
         result = await asyncio.wrap_future(self.lanes.run_claimed(self._control, ids, lambda: self.engine.release(ids)))
         return pb.ReleaseResponse(released_seq_ids=result.released, unknown_seq_ids=result.unknown + reserved,
@@ -117,10 +121,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return pb.PrefillTailSplitResponse()
 
     async def NormalizeSsmStates(self, request, context):
-        live = set(self.engine.live_seq_ids())
-        unknown = [i for i in request.seq_ids if i not in live or i >= RESERVED_SEQ_IDS]
-        if unknown:
-            raise UnknownSequence(unknown)
+        def check() -> None:
+            live = set(self.engine.live_seq_ids())
+            unknown = [i for i in request.seq_ids if i not in live or i >= RESERVED_SEQ_IDS]
+            if unknown:
+                raise UnknownSequence(unknown)
+
+        await self._off_loop_if_large(len(request.seq_ids), check)
         return pb.NormalizeSsmStatesResponse()
 
     async def Tokenize(self, request, context):
@@ -149,12 +156,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 raise InvalidArgument(f"seq_id(s) {name_ids(reserved)} are >= 2^63, a range the worker keeps for "
                                       f"Generate")
             step.check(self.info.vocab_size, self.info.max_model_len)
+            self._check_reply_fits(step)
             return step
 
         step = await self._off_loop_if_large(convert.step_id_count(request), checked)
         ids = step.seq_ids
         structlog.contextvars.bind_contextvars(seq_ids=ids[:NAMED_IDS], num_seqs=len(ids), stream=stream)
-        self._check_reply_fits(step)
         with self.state.admitted():
             out, queue_us = await self.run_step(stream, step, self._reply)
         out.reply.queue_us = queue_us
@@ -209,9 +216,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         cancelled (client cancel, deadline), cancelled() turns true, and the engine undoes the step at its next
         round boundary."""
         cancel = threading.Event()
-        future = self.lanes.submit(stream, seq_ids, lambda: work(cancel.is_set), after)
+        future = asyncio.wrap_future(self.lanes.submit(stream, seq_ids, lambda: work(cancel.is_set), after))
         try:
-            return await asyncio.wrap_future(future)
+            return await asyncio.shield(future)
         except asyncio.CancelledError:
             cancel.set()
+            # The call stays admitted (--max-concurrent-rpcs) until its lane is done with it: a client cancelling at
+            # once cannot queue unbounded work.
+            with contextlib.suppress(BaseException):
+                await future
             raise

@@ -19,6 +19,7 @@ STATUS_OF = {
     errors.OutOfKvBlocks: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.BatchTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.ReplyTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.ListsTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.SequenceBusy: grpc.StatusCode.ABORTED,
     errors.Draining: grpc.StatusCode.UNAVAILABLE,

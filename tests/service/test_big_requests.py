@@ -136,3 +136,18 @@ def test_a_default_client_gets_not_found_and_the_log_lines_stay_short(worker_pro
     failed = [e for e in log_events(worker_process.log_path) if e.get("event") == "request_failed"]
     assert len(failed) == 2 and all(e["num_seqs"] == 400 or e["num_seqs"] == 200_000 for e in failed)
     assert max(len(line) for line in lines) < 2000
+
+
+def test_health_answers_while_a_request_of_large_bias_maps_is_checked(default_worker):
+    """60 slices, each with a logit_bias over the whole vocabulary: 26 MB of map entries to convert and check
+    (seconds of Python), off the event loop."""
+    bias = {i: 0.5 for i in range(49152)}
+    slices = [pb.PrefillSlice(seq_id=100 + i, tokens=[1, 2, 3], is_last_chunk=True,
+                              sampling=pb.SamplingParams(logit_bias=bias)) for i in range(60)]
+    request = pb.PrefillRequest(slices=slices)
+    gaps, outcome = health_gaps_while(default_worker, lambda: default_worker.stub.Prefill(request, timeout=120))
+    assert not isinstance(outcome, grpc.RpcError) or outcome.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, outcome
+    assert len(gaps) >= 5 and max(gaps) < 1.0
+    default_worker.stub.Release(pb.ReleaseRequest(all=True))
+    info = default_worker.stub.Info(pb.InfoRequest())
+    assert info.live_sequences == 0 and info.free_kv_blocks == info.num_kv_blocks

@@ -13,7 +13,8 @@ from metrale.v1 import worker_pb2 as pb
 from service_harness import start_worker
 
 PROMPTS = {1: [5, 17, 99, 3, 42, 200, 7, 8, 150, 33], 2: [9, 8, 7, 6, 5, 4, 3, 2, 1, 250, 11, 12, 13, 14, 15, 16, 17]}
-OUT = pb.OutputOptions(logprobs=True, return_logits=True)
+# No return_logits: with run-ahead on, the worker then guesses each next decode step, whose undo is tested too.
+OUT = pb.OutputOptions(logprobs=True, top_logprobs=5)
 DECODE_STEPS = 4
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -33,8 +34,9 @@ def decode(stub, tokens: list[int]) -> pb.ForwardResponse:
 
 
 def answers(response: pb.ForwardResponse) -> tuple:
-    """What a replay must match bit for bit: the sampled tokens, their logprobs and the logits rows."""
-    return tuple(response.tokens), tuple(response.logprobs), tuple(row.data for row in response.logits)
+    """What a replay must match bit for bit: the sampled tokens, their logprobs and the top logprobs."""
+    top = tuple((tuple(t.token_ids), tuple(t.logprobs)) for t in response.top_logprobs)
+    return tuple(response.tokens), tuple(response.logprobs), top
 
 
 @pytest.fixture(scope="module")
@@ -143,11 +145,14 @@ def test_an_exception_in_any_phase_fails_that_call_alone(tiny_llama_dir, replay,
         before = stub.Info(pb.InfoRequest())
         tokens = list(first.tokens)
         rpc, request = make_call(tokens)
+        taken = worker.engine.ahead_counts.taken
         with monkeypatch.context() as patch:
             inject(worker, patch)
             with pytest.raises(grpc.RpcError) as caught:
                 getattr(stub, rpc)(request)
         assert caught.value.code() == grpc.StatusCode.INTERNAL, caught.value.details()
+        if run_ahead == "on" and make_call is decode_call:     # the failed call had taken the guessed step
+            assert worker.engine.ahead_counts.taken == taken + 1
         assert "injected in" in caught.value.details()
         assert health(worker) == SERVING
         after = stub.Info(pb.InfoRequest())

@@ -14,7 +14,7 @@ from metrale.service.config import WorkerConfig
 from metrale.service.server import server_options
 from metrale.v1 import worker_pb2 as pb
 from metrale.v1 import worker_pb2_grpc
-from service_harness import start_worker
+from service_harness import WORKER_DEVICE, start_worker
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +76,32 @@ def one_mb(wide_vocab_dir):
     worker = start_worker(wide_vocab_dir, max_model_len=64, worker=dict(max_message_mb=1))
     yield worker
     worker.stop()
+
+
+def test_a_step_past_the_lists_region_is_refused_and_changes_nothing(wide_vocab_dir):
+    """60 rows, each biasing all 65536 ids: on the CUDA backend 23.6M words of per-row lists, past the 16.8M its
+    region holds; the step is undone with RESOURCE_EXHAUSTED (it had been a device fault). The CPU has no such
+    region and samples them."""
+    worker = start_worker(wide_vocab_dir, max_model_len=64, kv_blocks=128, worker=dict(max_message_mb=64))
+    try:
+        bias = {i: 0.5 for i in range(65536)}
+        slices = [pb.PrefillSlice(seq_id=i + 1, tokens=[1, 2, 3], is_last_chunk=True,
+                                  sampling=pb.SamplingParams(logit_bias=bias)) for i in range(60)]
+        try:
+            worker.stub.Prefill(pb.PrefillRequest(slices=slices), timeout=300)
+            code = grpc.StatusCode.OK
+        except grpc.RpcError as error:
+            code = error.code()
+            assert "lists region" in error.details()
+        cuda = WORKER_DEVICE["device"] == "cuda"
+        assert code == (grpc.StatusCode.RESOURCE_EXHAUSTED if cuda else grpc.StatusCode.OK)
+        health = health_pb2_grpc.HealthStub(worker.channel)
+        check = health.Check(health_pb2.HealthCheckRequest(service="metrale.v1.Worker"), timeout=5)
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
+        info = worker.stub.Info(pb.InfoRequest())
+        assert info.live_sequences == (60 if code == grpc.StatusCode.OK else 0)
+    finally:
+        worker.stop()
 
 
 LOGITS = pb.OutputOptions(return_logits=True)

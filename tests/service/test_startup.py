@@ -225,11 +225,17 @@ def test_the_grpc_and_metrics_ports_bind_exclusively():
     options = server_options(WorkerConfig())
     assert EXCLUSIVE_PORT in options
     pool = futures.ThreadPoolExecutor(1)
-    first, second = grpc.server(pool, options=options), grpc.server(pool, options=[EXCLUSIVE_PORT])
+    # Without the option two servers share a port: the failure this guards against.
+    shared = [grpc.server(pool) for _ in range(2)]
+    port = shared[0].add_insecure_port("127.0.0.1:0")
+    assert shared[1].add_insecure_port(f"127.0.0.1:{port}") == port
+    # Two workers' servers, as they are built: the second cannot bind.
+    first, second = grpc.server(pool, options=options), grpc.server(pool, options=options)
     port = first.add_insecure_port("127.0.0.1:0")
     with pytest.raises(RuntimeError, match="Failed to bind"):
         second.add_insecure_port(f"127.0.0.1:{port}")
-    first.stop(None)
+    for server in (*shared, first):
+        server.stop(None)
     pool.shutdown()
     metrics, _ = prometheus_client.start_http_server(0, addr="127.0.0.1")
     try:

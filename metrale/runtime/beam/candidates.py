@@ -7,7 +7,6 @@ from typing import Protocol
 
 import torch
 
-from metrale.runtime.errors import DeviceFault
 
 
 class Candidates(Protocol):
@@ -49,5 +48,5 @@ def finite(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch
     """A step's candidates, refused where a logits row had NaN or no finite maximum (the backend's id -1, or NaN
     log-probabilities): there is nothing to rank, as the sampler finds nothing to sample."""
     if bool((ids < 0).any()) or bool(torch.isnan(values).any()):
-        raise DeviceFault("a logits row has no finite maximum (NaN or +inf logits): no beam to continue")
+        raise ValueError("a logits row has no finite maximum (NaN or +inf logits): no beam to continue")
     return values, ids

@@ -24,7 +24,7 @@ from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.backend.ops import MemoryShapes, RopeTable, rope_then_attention
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.beam.on_device import DeviceSearch
-from metrale.runtime.errors import DeviceFault, InvalidArgument
+from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.sampling import SampleResult
 
 
@@ -34,8 +34,9 @@ class CudaBackend:
     # Each lane has its own stream and buffers; the weights are only read, and lanes never share a sequence.
     concurrent_forwards = True
     supports_beam = True
-    # A driver call's status (device.check, cuda.core's own calls), cuBLASLt's (a DeviceFault), a kernel's fault flag.
-    device_errors = (DeviceFault, CUDAError)
+    # cuda.core's failed driver calls; the backend's own checks (device.check, cuBLASLt's status, a kernel's fault
+    # flag) raise DeviceFault, which is a device fault wherever it comes from.
+    device_errors = (CUDAError,)
 
     def __init__(self, cache_dir: Path, dtype: str = "auto"):
         if dtype not in ("auto", "bfloat16"):

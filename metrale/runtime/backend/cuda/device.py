@@ -9,11 +9,8 @@ import numpy as np
 from cuda.bindings import driver
 from cuda.core import Device
 
-try:        # cuda.core's error for a failed driver call of its own; it exports no public name for it
-    from cuda.core._utils.cuda_utils import CUDAError
-except ImportError:
-    class CUDAError(Exception):
-        """Stands in where cuda.core keeps its error elsewhere: its calls then fail as unexpected errors."""
+# cuda.core's error for a failed driver call of its own (it exports no public name for it): a device fault.
+from cuda.core._utils.cuda_utils import CUDAError  # noqa: F401 (the backend's device_errors)
 
 from metrale.runtime.backend.cuda.tensor import DTYPES, DeviceTensor
 from metrale.runtime.errors import DeviceFault, FailedPrecondition
@@ -69,7 +66,7 @@ class CudaDevice:
     def copy_to_device(self, dst: DeviceTensor, host: np.ndarray, stream) -> None:
         """Asynchronous on `stream` (a cuda.core Stream); `host` must stay alive until the stream is synchronized."""
         if host.nbytes != dst.nbytes or not dst.is_contiguous:
-            raise DeviceFault(f"copy of {host.nbytes} bytes into a {dst.shape} {dst.dtype} tensor")
+            raise ValueError(f"copy of {host.nbytes} bytes into a {dst.shape} {dst.dtype} tensor")
         check(driver.cuMemcpyHtoDAsync(dst.ptr, host.ctypes.data, host.nbytes, int(stream.handle)))
 
     def pinned(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:

@@ -18,7 +18,7 @@ from metrale.runtime.backend.cuda.sampler import OUT_WORDS, DeviceSampler
 from metrale.runtime.backend.cuda.tensor import DTYPES, DeviceTensor
 from metrale.runtime.backend.ops import LM_HEAD_PADDING_ROWS, MemoryShapes
 from metrale.runtime.batch import ForwardBatch
-from metrale.runtime.errors import DeviceFault, InvalidArgument
+from metrale.runtime.errors import InvalidArgument, ListsTooLarge
 
 GEMM_WORKSPACE_BYTES = 32 << 20
 # A step's small per-row lists (the sampler's penalty entries and biases, a beam step's banned ids).
@@ -150,7 +150,7 @@ class Lane:
         """int32 or float32 arrays back to back in the lane's lists region, in one copy; their device views."""
         host = np.concatenate([np.ascontiguousarray(p, dtype=p.dtype).reshape(-1).view(np.int32) for p in parts])
         if host.size > self.lists.numel:
-            raise DeviceFault(f"{what} ({host.size} words) overflow their region; lower max_model_len")
+            raise ListsTooLarge(what, host.size, self.lists.numel)
         if host.size:
             self.copy_to_device(DeviceTensor(self.lists.ptr, host.shape, "int32"), host)
         tensors, offset = [], 0
