@@ -72,11 +72,3 @@ def device_memory_gb(device: str) -> str:
     free, total = torch.cuda.mem_get_info()
     return f"{(total - free) / 1e9:.1f} of {total / 1e9:.1f} GB in use"
 
-
-def time_per_pair(stream, pair, count: int) -> float:
-    """Seconds per (first, second) launch pair of a chain: pair(i) -> the i-th pair's two zero-argument launches,
-    `count` pairs back to back as one CUDA graph (gemm_tuning.time_per_launch)."""
-    from metrale.runtime.backend.cuda.gemm_tuning import time_per_launch
-
-    launches = [launch for i in range(count) for launch in pair(i)]
-    return time_per_launch(stream, launches) * 2

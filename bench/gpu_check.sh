@@ -4,24 +4,18 @@
 #            the sampler) and the API tests with their workers on the CUDA backend          (~4 min)
 #   load     tests/service/test_load.py with its worker process on the CUDA backend: 64 clients for 60 s with faults,
 #            sequential-replay equality, no leaked block, RSS and device memory flat, SIGTERM drain      (~3 min)
-#   kernels  bench/gpu_attention.py and bench/gpu_skinny_gemm.py                             (~1 min)
+#   kernels  bench/gpu_attention.py, bench/gpu_skinny_gemm.py and bench/gpu_gemm_algos.py (cuBLASLt's candidate
+#            algorithms for NLLB-200's decode linears)                                                (~1 min)
 #   smollm2  bench/gpu_decode.py at the default model's shape, with the peer, gRPC and transformers (~2 min)
 #   llama    bench/gpu_decode.py at the Llama-3-8B shape, every batch, prefill, peer and gRPC (~4 min)
 #   profile  bench/gpu_profile.py at both shapes, batches 1 and 256: where a step's time goes (~2 min)
 #   beam     bench/beam_generate.py at the NLLB-200-600M shape, batches 1, 16 and 64, next to transformers
 #   search   bench/gpu_beam_candidates.py (the device search's candidates alone) and the NLLB beam step's kernel
 #            table at 16 requests (bench/beam_generate.py --kernels, PDL off)                              (~1 min)
-#   probes   bench/gpu_pdl_linear.py (a split-K linear of our own that takes part in PDL, against cuBLASLt's, after
-#            a norm), bench/gpu_l2_prefetch.py (linears and the LM head after a kernel that prefetches their
-#            weights into L2) and bench/gpu_graph_gap.py (a graph launch's cost, device and host)          (~2 min)
 #   mha      bench/gpu_mha_attention.py: the multi-head decode attention kernels at NLLB's beam step shapes, with each
 #            bench/variants/decode_attention_mha/NAME.cu (carry bench/variants) timed beside the package's  (~1 min)
-#   persistent  bench/gpu_grid_barrier.py, gpu_persistent_gemm.py and gpu_persistent_layer.py: a persistent
-#            kernel's phase, and a whole decoder layer as one, checked against torch                  (~2 min)
-#   cutlass  bench/gpu_cutlass_gemm.py run over the cubins in .cutlass/ (carry it; `build` makes them where the
-#            CUTLASS headers are): CUTLASS's GEMMs against cuBLASLt, alone and after a norm        (~2 min)
 # Usage (from the repository root, with .whl carried):
-#   bash bench/gpu_check.sh [tests|load|kernels|smollm2|llama|profile|beam|search|probes|mha|persistent|cutlass]...
+#   bash bench/gpu_check.sh [tests|load|kernels|smollm2|llama|profile|beam|search|mha]...
 # (default: tests). Logs and JSON land in $OUT (default /tmp/gpu-check).
 set -uo pipefail
 source scripts/device_env.sh || exit 1
@@ -54,7 +48,10 @@ for part in "${@:-tests}"; do
     kernels)
       python3 -m bench.gpu_attention > "$OUT/attention.txt" 2>&1; summary+=("== attention" "$(cat "$OUT/attention.txt")")
       python3 -m bench.gpu_skinny_gemm > "$OUT/skinny_gemm.txt" 2>&1
-      summary+=("== skinny gemm" "$(cat "$OUT/skinny_gemm.txt")") ;;
+      summary+=("== skinny gemm" "$(cat "$OUT/skinny_gemm.txt")")
+      python3 -m bench.gpu_gemm_algos --tokens 4,16,64,256 --algos 24 > "$OUT/gemm_algos.txt" 2>&1 \
+        || summary+=("kernels: FAILED (see gemm_algos.txt)")
+      summary+=("== gemm algos" "$(grep -v '^# gpu' "$OUT/gemm_algos.txt")") ;;
     smollm2)
       run_bench smollm2 bench.gpu_decode --shape smollm2-135m --batches 1,32 --prefill '' --hf-generate ;;
     llama)
@@ -70,17 +67,6 @@ for part in "${@:-tests}"; do
       METRALE_PDL=0 python3 -m bench.beam_generate --shape nllb-600m --device cuda --batches 16 --reps 3 --kernels 40 \
         > "$OUT/beam_kernels.txt" 2>&1 || summary+=("search: FAILED (see beam_kernels.txt)")
       summary+=("== beam step kernels (PDL off)" "$(grep -A24 'kernels of one step' "$OUT/beam_kernels.txt")") ;;
-    probes)
-      python3 -m bench.gpu_pdl_linear > "$OUT/pdl_linear.txt" 2>&1 || summary+=("probes: FAILED (see pdl_linear.txt)")
-      summary+=("== pdl linear" "$(grep -v '^# gpu' "$OUT/pdl_linear.txt")")
-      python3 -m bench.gpu_l2_prefetch --spin-ns 20000 > "$OUT/l2_prefetch.txt" 2>&1 \
-        || summary+=("probes: FAILED (see l2_prefetch.txt)")
-      summary+=("== l2 prefetch" "$(grep -v '^# gpu' "$OUT/l2_prefetch.txt")")
-      python3 -m bench.gpu_graph_gap > "$OUT/graph_gap.txt" 2>&1 || summary+=("probes: FAILED (see graph_gap.txt)")
-      summary+=("== graph gap" "$(grep -v -i 'warn' "$OUT/graph_gap.txt" | grep -v '^# gpu')") ;;
-    ffn)
-      python3 -m bench.gpu_fused_ffn > "$OUT/fused_ffn.txt" 2>&1 || summary+=("ffn: FAILED (see fused_ffn.txt)")
-      summary+=("== fused ffn" "$(grep -v '^# gpu' "$OUT/fused_ffn.txt")") ;;
     mha)
       variants=()
       for f in bench/variants/decode_attention_mha/*.cu; do
@@ -89,19 +75,6 @@ for part in "${@:-tests}"; do
       python3 -m bench.gpu_mha_attention "${variants[@]}" > "$OUT/mha_attention.txt" 2>&1 \
         || summary+=("mha: FAILED (see mha_attention.txt)")
       summary+=("== mha attention" "$(grep -v '^# gpu' "$OUT/mha_attention.txt")") ;;
-    persistent)
-      python3 -m bench.gpu_grid_barrier > "$OUT/grid_barrier.txt" 2>&1
-      summary+=("== grid barrier" "$(cat "$OUT/grid_barrier.txt")")
-      python3 -m bench.gpu_persistent_gemm --json "$OUT/persistent_gemm.json" > "$OUT/persistent_gemm.txt" 2>&1 \
-        || summary+=("persistent: FAILED (see persistent_gemm.txt)")
-      summary+=("== persistent gemm" "$(cat "$OUT/persistent_gemm.txt")")
-      python3 -m bench.gpu_persistent_layer --json "$OUT/persistent_layer.json" > "$OUT/persistent_layer.txt" 2>&1 \
-        || summary+=("persistent layer: FAILED (see persistent_layer.txt)")
-      summary+=("== persistent layer" "$(tail -4 "$OUT/persistent_layer.txt")") ;;
-    cutlass)
-      python3 -m bench.gpu_cutlass_gemm run --cubins .cutlass --json "$OUT/cutlass.json" > "$OUT/cutlass.txt" 2>&1 \
-        || summary+=("cutlass: FAILED (see cutlass.txt)")
-      summary+=("== cutlass" "$(grep -v '^# ' "$OUT/cutlass.txt")") ;;
     profile)
       for shape in smollm2-135m llama3-8b; do
         python3 -m bench.gpu_profile --shape "$shape" --batches 1,256 --steps 20 > "$OUT/profile-$shape.txt" 2>&1

@@ -1,8 +1,10 @@
 """Every kernel compiles with NVRTC to cubin for Hopper, Ada and Ampere; no GPU needed."""
 
+from importlib import resources
+
 import pytest
 
-from metrale.runtime.backend.cuda.compiler import KernelCache, compile_cubin, kernel_sources
+from metrale.runtime.backend.cuda.compiler import KernelCache, compile_cubin, kernel_sources, with_headers
 
 ARCHS = ("sm_90a", "sm_89", "sm_80")
 SOURCES = kernel_sources()
@@ -20,6 +22,12 @@ def test_headers_are_pasted_in_once():
     assert "#include" not in source
     assert source.count("__device__ __forceinline__ float bf16_to_float(") == 1
     assert source.count("struct Tile {") == 1 and source.count("struct DecodeArgs {") == 1
+
+
+def test_a_source_from_outside_the_kernel_folder_gets_the_same_headers():
+    # bench/kernel_variant.py compiles an edited copy of a package .cu, read from elsewhere, through with_headers.
+    copy = (resources.files("metrale") / "cuda_kernels" / "decode_attention_mha.cu").read_text()
+    assert with_headers(copy) == SOURCES["decode_attention_mha"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -34,8 +34,8 @@ def kernel_sources() -> dict[str, str]:
 
 
 def with_headers(source: str) -> str:
-    """A source from outside cuda_kernels/ (a benchmark's prototype kernel) with the .cuh headers it includes from
-    there inlined, as kernel_sources() inlines them."""
+    """A source from outside cuda_kernels/ (a benchmark's variant of a package kernel, bench/kernel_variant.py) with
+    the .cuh headers it includes from there inlined, as kernel_sources() inlines them."""
     return _inline_headers(source, resources.files("metrale") / "cuda_kernels", set())
 
 

@@ -5,9 +5,9 @@ another it lists: NLLB-200's LM head at 64 rows 164 us against 143, its 1024 x 1
 against 3.8 (bench/gpu_gemm_algos.py, H200). A tuner times the heuristic's first few on the call's own operands
 and keeps the fastest. The timing must see the weights as the step does: a decode step reads each weight once,
 from HBM, while back-to-back launches over one small weight would read it from L2 (and favour algorithms that lose
-in the step: bench/NOTES.md, session 5). So each candidate runs as a CUDA graph of launches cycling through copies
-of the weight that together span L2_SPAN times the L2, placed in a scratch region (the KV pool before any
-sequence holds it); a weight that spans that alone runs over itself.
+in the step). So each candidate runs as a CUDA graph of launches cycling through copies of the weight that together
+span L2_SPAN times the L2, placed in a scratch region (the KV pool before any sequence holds it); a weight that
+spans that alone runs over itself.
 
 The backend tunes during warm-up only: CublasLt.linear calls tune() for a shape it meets for the first time while
 a tuner is set (cuda/backend.py's warm-up runs each decode bucket's forward once, eagerly, before capturing it).

@@ -7,11 +7,11 @@ from metrale.runtime.backend.cuda.tensor import DeviceTensor
 # Linears of at most this many rows with weights of at most this many elements run on the skinny-GEMM kernel:
 # on an H200 (bench/gpu_skinny_gemm.py) it beats cuBLASLt by 1.05-1.13x on 6144 x 4096 and 4096 x 4096 and by
 # 1.4-2.0x on small matrices at 1 to 8 rows, and trails on 4096 x 28672, the 128k-vocab lm_head and 16 rows. On
-# 4096 x 14336 it trails alone (0.81x since its activation loads became plain loads for PDL) but not in a step:
+# 4096 x 14336 it trails alone (0.81x, its activation loads being plain loads for PDL) but not in a step:
 # routing that shape to cuBLASLt (split-K plus a reduce kernel) left the Llama batch-1 step unchanged.
 SKINNY_MAX_M = 8
 SKINNY_MAX_WEIGHT = 64 << 20
-# linear_layer_norm's split-K partials (bench/gpu_gemm_algos.py --splits, bench/NOTES.md session 12): K's slices by
+# linear_layer_norm's split-K partials (timed by bench/gpu_gemm_algos.py --splits): K's slices by
 # rows, for K up to SPLIT_LONG_K and past it. Past 64 rows only a long K pays for the norm's reads of the partials
 # (fc2 at 256 rows: 9.4 -> 6.3 us with 4 slices; a 1024 x 1024 linear: 4.1 -> 3.7 us, less than the norm's extra).
 SPLIT_LONG_K = 2048
