@@ -29,6 +29,10 @@ class ModelInfo:
     pad_token_id: int | None
     # Why there is no tokenizer, where there is none.
     tokenizer_note: str = ""
+    # The architecture's hyper-connection streams (0 = none), multi-head latent attention, SSM layers.
+    hc_mult: int = 0
+    is_mla: bool = False
+    has_ssm: bool = False
 
 
 def build_engine(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path | None = None
@@ -55,7 +59,8 @@ def build_engine(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path |
                      dtype=str(backend.dtype).removeprefix("torch."), device=backend.device,
                      vocab_size=model_config.vocab_size, max_model_len=max_model_len, eos_token_ids=eos,
                      bos_token_id=model_config.bos_token_id, pad_token_id=model_config.pad_token_id,
-                     tokenizer_note=checkpoint.metadata.get("tokenizer_unsupported", "the checkpoint has none"))
+                     tokenizer_note=checkpoint.metadata.get("tokenizer_unsupported", "the checkpoint has none"),
+                     hc_mult=model_config.hc_mult, is_mla=model_config.is_mla, has_ssm=model_config.has_ssm)
     return engine, info
 
 
@@ -78,4 +83,5 @@ def _memory_shapes(c, config: EngineConfig, max_model_len: int) -> MemoryShapes:
 def _blocks_that_fit(backend, c, config: EngineConfig) -> int:
     element_size = backend.dtype.itemsize
     block_bytes = 2 * c.num_layers * config.kv_block_size * c.num_kv_heads * c.head_dim * element_size
-    return max(1, backend.available_kv_bytes(config.kv_memory_fraction) // block_bytes)
+    fraction = config.kv_memory_fraction or backend.default_kv_memory_fraction
+    return max(1, backend.available_kv_bytes(fraction) // block_bytes)

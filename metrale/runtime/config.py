@@ -14,9 +14,10 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     kv_block_size: int = 16
-    # The KV pool: kv_blocks when set, else kv_memory_fraction of the memory left after the weights.
+    # The KV pool: kv_blocks when set, else kv_memory_fraction of the memory left after the weights and workspaces;
+    # None: the backend's default (its default_kv_memory_fraction).
     kv_blocks: int | None = None
-    kv_memory_fraction: float = 0.25
+    kv_memory_fraction: float | None = None
     max_batch_tokens: int = 8192
     # Most sequences one forward samples (decode lanes plus finishing prompts).
     max_seqs: int = 512
@@ -39,7 +40,7 @@ class EngineConfig:
             raise InvalidArgument(f"kv_block_size must be a power of two, got {self.kv_block_size}")
         if self.kv_blocks is not None and self.kv_blocks < 1:
             raise InvalidArgument(f"kv_blocks must be >= 1, got {self.kv_blocks}")
-        if not 0.0 < self.kv_memory_fraction <= 1.0:
+        if self.kv_memory_fraction is not None and not 0.0 < self.kv_memory_fraction <= 1.0:
             raise InvalidArgument(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         if self.max_batch_tokens < 1:
             raise InvalidArgument(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")

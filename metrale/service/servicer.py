@@ -59,8 +59,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             model_id=i.model_id, architecture=i.architecture, dtype=i.dtype, device=i.device,
             vocab_size=i.vocab_size, max_model_len=i.max_model_len, kv_block_size=c.kv_block_size,
             num_kv_blocks=stats.num_kv_blocks, free_kv_blocks=stats.free_kv_blocks,
-            is_mla=False, hc_mult=1, supports_beam=self.engine.supports_beam,
-            is_encoder_decoder=self.engine.is_encoder_decoder, has_ssm=False,
+            is_mla=i.is_mla, hc_mult=i.hc_mult, supports_beam=self.engine.supports_beam,
+            is_encoder_decoder=self.engine.is_encoder_decoder, has_ssm=i.has_ssm,
             eos_token_ids=list(i.eos_token_ids), bos_token_id=i.bos_token_id, pad_token_id=i.pad_token_id,
             num_streams=self.lanes.num_lanes, max_batch_tokens=c.max_batch_tokens, version=VERSION,
             live_sequences=stats.live_sequences)

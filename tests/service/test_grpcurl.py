@@ -101,7 +101,7 @@ def test_info(worker, address):
     assert info["max_model_len"] == MAX_MODEL_LEN
     assert info["device"] == "cpu" and info["dtype"] == "float32"
     assert info["eos_token_ids"] == [2] and info["bos_token_id"] == 1
-    assert info["is_mla"] is False and info["supports_beam"] is True and info["hc_mult"] == 1
+    assert info["is_mla"] is False and info["supports_beam"] is True and info["hc_mult"] == 0
     python = worker.stub.Info(pb.InfoRequest())
     assert info["version"] == python.version and info["model_id"] == python.model_id
 

@@ -19,6 +19,8 @@ class CpuBackend:
     device = "cpu"
     concurrent_forwards = True
     device_errors = ()      # torch's CPU kernels cannot fault a device: an error there is a bug of ours
+    # Of the free RAM: the CPU backend shares its machine (development, CI, the default model).
+    default_kv_memory_fraction = 0.25
     supports_beam = True
     decode_graph_rows = 0
     prefill_graphs = False

@@ -57,6 +57,8 @@ class Ops(Protocol):
     # Exceptions that mean the device itself failed (a driver or library status, a kernel's fault flag): the worker
     # then stops serving. Any other exception in a step is a bug that fails its call alone.
     device_errors: tuple[type[BaseException], ...]
+    # The share of available_kv_bytes the KV pool takes where --kv-memory-fraction is not given.
+    default_kv_memory_fraction: float
 
     def plan(self, weight_bytes: int, shapes: MemoryShapes) -> None:
         """Places weights and workspaces before any upload; the KV pool comes after."""

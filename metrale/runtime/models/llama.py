@@ -31,6 +31,11 @@ class DecoderConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     pad_token_id: int | None = None
+    # What Info reports of the architecture: hyper-connection streams (mHC; 0 = none), multi-head latent attention,
+    # SSM layers. This family has none of them.
+    hc_mult: int = 0
+    is_mla: bool = False
+    has_ssm: bool = False
 
     @classmethod
     def from_hf(cls, hf: dict, **family) -> "DecoderConfig":

@@ -37,6 +37,11 @@ class M2M100Config:
     bos_token_id: int | None
     layer_norm_eps: float = 1e-5
     is_encoder_decoder: bool = True
+    # What Info reports of the architecture: hyper-connection streams (mHC; 0 = none), multi-head latent attention,
+    # SSM layers. This family has none of them.
+    hc_mult: int = 0
+    is_mla: bool = False
+    has_ssm: bool = False
 
     @property
     def head_dim(self) -> int:

@@ -37,6 +37,9 @@ class CudaBackend:
     # cuda.core's failed driver calls; the backend's own checks (device.check, cuBLASLt's status, a kernel's fault
     # flag) raise DeviceFault, which is a device fault wherever it comes from.
     device_errors = (CUDAError,)
+    # Of the device memory left after the weights and the lanes' workspaces: the GPU is the worker's. The 10% margin
+    # is for what comes after the pool (graph capture, cuBLASLt's and the driver's own allocations).
+    default_kv_memory_fraction = 0.9
 
     def __init__(self, cache_dir: Path, dtype: str = "auto"):
         if dtype not in ("auto", "bfloat16"):
