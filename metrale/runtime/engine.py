@@ -58,7 +58,7 @@ class Engine:
         # Held around each forward where the backend cannot run two at once.
         self._forward_lock = contextlib.nullcontext() if model.ops.concurrent_forwards else threading.Lock()
         # Guessed next decode steps (run_ahead.py) by seq_id; each sequence is in at most one.
-        self.runs_ahead = config.run_ahead == "on" or (config.run_ahead == "auto" and model.ops.device == "cuda")
+        self.runs_ahead = config.run_ahead == "on" or (config.run_ahead == "auto" and model.ops.runs_ahead_by_default)
         self._ahead: dict[int, Ahead] = {}
         # Requests waiting for blocks that guesses hold: no new guess is made meanwhile.
         self._blocks_wanted = 0

@@ -59,6 +59,9 @@ class Ops(Protocol):
     device_errors: tuple[type[BaseException], ...]
     # The share of available_kv_bytes the KV pool takes where --kv-memory-fraction is not given.
     default_kv_memory_fraction: float
+    # Whether --run-ahead auto runs each lane's guessed next decode step: where the device works while the host
+    # answers (run_ahead.py).
+    runs_ahead_by_default: bool
 
     def plan(self, weight_bytes: int, shapes: MemoryShapes) -> None:
         """Places weights and workspaces before any upload; the KV pool comes after."""

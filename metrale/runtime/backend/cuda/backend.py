@@ -40,6 +40,7 @@ class CudaBackend:
     # Of the device memory left after the weights and the lanes' workspaces: the GPU is the worker's. The 10% margin
     # is for what comes after the pool (graph capture, cuBLASLt's and the driver's own allocations).
     default_kv_memory_fraction = 0.9
+    runs_ahead_by_default = True
 
     def __init__(self, cache_dir: Path, dtype: str = "auto"):
         if dtype not in ("auto", "bfloat16"):
