@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="nllb-600m", choices=sorted(SHAPES))
     parser.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
+    parser.add_argument("--pdl", default="on", choices=("on", "off"),
+                        help="CUDA: programmatic dependent launch (off: each kernel's own time, for kernel tables)")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--source-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -88,7 +90,8 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as directory:
         reference.save_pretrained(directory)
         engine, _ = build_engine(load_checkpoint(Path(directory)),
-                                 EngineConfig(device=args.device, num_streams=args.lanes))
+                                 EngineConfig(device=args.device, num_streams=args.lanes,
+                                              programmatic_launch=args.pdl == "on"))
     lanes = DeviceLanes(args.lanes, on_thread_start=engine.bind_lane) if args.lanes > 1 else None
     if args.prompt_by_token:
         for lane in engine.model.ops.lanes:

@@ -64,7 +64,7 @@ for part in "${@:-tests}"; do
       python3 -m bench.gpu_beam_candidates > "$OUT/beam_candidates.txt" 2>&1 \
         || summary+=("search: FAILED (see beam_candidates.txt)")
       summary+=("== beam candidates" "$(grep -v '^#' "$OUT/beam_candidates.txt")")
-      METRALE_PDL=0 python3 -m bench.beam_generate --shape nllb-600m --device cuda --batches 16 --reps 3 --kernels 40 \
+      python3 -m bench.beam_generate --shape nllb-600m --device cuda --pdl off --batches 16 --reps 3 --kernels 40 \
         > "$OUT/beam_kernels.txt" 2>&1 || summary+=("search: FAILED (see beam_kernels.txt)")
       summary+=("== beam step kernels (PDL off)" "$(grep -A24 'kernels of one step' "$OUT/beam_kernels.txt")") ;;
     mha)

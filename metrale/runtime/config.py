@@ -28,6 +28,8 @@ class EngineConfig:
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     # Run each lane's guessed next decode step while the gateway reads the last (run_ahead.py); auto: on cuda.
     run_ahead: str = "auto"
+    # CUDA on Hopper: kernels launched with programmatic dependent launch (docs/cuda_backend.md); off for A/B timing.
+    programmatic_launch: bool = True
 
     def __post_init__(self):
         if self.device not in DEVICES:

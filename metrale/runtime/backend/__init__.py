@@ -26,13 +26,13 @@ def cuda_available() -> bool:
         return False
 
 
-def create_backend(device: str, dtype: str, cache_dir: Path) -> Ops:
-    """device: 'auto' (CUDA where a GPU is present), 'cpu' or 'cuda'."""
+def create_backend(device: str, dtype: str, cache_dir: Path, programmatic_launch: bool = True) -> Ops:
+    """device: 'auto' (CUDA where a GPU is present), 'cpu' or 'cuda'; programmatic_launch: CUDA's PDL on Hopper."""
     if device == "cuda" or (device == "auto" and cuda_available()):
         if not cuda_available():
             raise FailedPrecondition("--device cuda, but no CUDA device is visible")
         from metrale.runtime.backend.cuda.backend import CudaBackend
-        return CudaBackend(cache_dir / "kernels", dtype)
+        return CudaBackend(cache_dir / "kernels", dtype, programmatic_launch)
     from metrale.runtime.backend.cpu import CpuBackend
     return CpuBackend(dtype)
 

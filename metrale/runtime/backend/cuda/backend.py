@@ -42,11 +42,11 @@ class CudaBackend:
     default_kv_memory_fraction = 0.9
     runs_ahead_by_default = True
 
-    def __init__(self, cache_dir: Path, dtype: str = "auto"):
+    def __init__(self, cache_dir: Path, dtype: str = "auto", programmatic_launch: bool = True):
         if dtype not in ("auto", "bfloat16"):
             raise InvalidArgument(f"the CUDA backend runs bfloat16, not {dtype}")
         self.cuda = CudaDevice()
-        self.lib = KernelLibrary(self.cuda.arch, KernelCache(cache_dir))
+        self.lib = KernelLibrary(self.cuda.arch, KernelCache(cache_dir), programmatic_launch)
         self._weights: Arena | None = None
         self._kv_pool: DeviceTensor | None = None
         self.lanes: list[Lane] = []

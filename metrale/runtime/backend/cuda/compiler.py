@@ -93,7 +93,8 @@ class KernelCache:
 class KernelLibrary:
     """Every kernel of metrale/cuda_kernels loaded for one device: get('rms_norm_residual') -> Kernel."""
 
-    def __init__(self, arch: str, cache: KernelCache):
+    def __init__(self, arch: str, cache: KernelCache, programmatic_launch: bool = True):
+        """programmatic_launch: launch with PDL where the arch has it (Hopper and up)."""
         self._kernels = {}
         self._modules = {}
         self._resident = {}
@@ -104,7 +105,7 @@ class KernelLibrary:
         for name, source in kernel_sources().items():
             self._modules[name] = ObjectCode.from_cubin(cache.cubin(name, source, arch))
         self.arch = arch
-        use_programmatic_launch(int(arch[3:].rstrip("af")) >= 90 and os.environ.get("METRALE_PDL", "1") != "0")
+        use_programmatic_launch(programmatic_launch and int(arch[3:].rstrip("af")) >= 90)
 
     def get(self, kernel_name: str, module: str):
         kernel = self._kernels.get((module, kernel_name))
