@@ -7,6 +7,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from metrale.service import convert
 from metrale.v1 import worker_pb2 as pb
 from service_harness import start_worker
 
@@ -57,6 +58,33 @@ def test_cancelled_step_is_undone(faulty):
     # Sequence 2 is free again (its claim dropped) and exactly as before.
     assert_twins_agree(stub, 2, token)
     stub.Prefill(pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=6, tokens=[4], is_last_chunk=True)]))
+
+
+def test_a_step_cancelled_while_its_answer_is_built_is_undone(faulty, monkeypatch):
+    """The cancel comes after the last forward, while the answer is being built: the step is undone all the same,
+    and the call stays counted as in flight until its lane is done with it."""
+    stub = faulty.stub
+    token = make_pair(stub, 3)
+    before = stub.Info(pb.InfoRequest())
+    building, forward_response = [], convert.forward_response
+
+    def slow(*args):
+        building.append(1)
+        time.sleep(0.6)
+        return forward_response(*args)
+
+    monkeypatch.setattr(convert, "forward_response", slow)
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Decode(pb.DecodeRequest(seq_ids=[3], tokens=[token]), timeout=0.3)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and building
+    assert faulty.server.state.in_flight == 1        # its lane is still building the answer
+    deadline = time.monotonic() + 30
+    while faulty.server.state.in_flight and time.monotonic() < deadline:
+        time.sleep(0.02)
+    monkeypatch.setattr(convert, "forward_response", forward_response)
+    after = stub.Info(pb.InfoRequest())
+    assert (after.free_kv_blocks, after.live_sequences) == (before.free_kv_blocks, before.live_sequences)
+    assert_twins_agree(stub, 3, token)          # sequence 3 did not advance
 
 
 def serving(worker) -> bool:
