@@ -2,8 +2,6 @@
 
 import argparse
 import asyncio
-import errno
-import re
 import signal
 import sys
 from pathlib import Path
@@ -14,7 +12,7 @@ import structlog
 from metrale.runtime.errors import ModelLoadError, WorkerError
 from metrale.service.config import WorkerConfig, add_serve_flags, config_from_args
 from metrale.service.log import configure_logging
-from metrale.service.preflight import PortUnavailable, check_before_load
+from metrale.service.preflight import check_before_load
 
 if TYPE_CHECKING:
     from metrale.runtime.loading import Checkpoint
@@ -44,14 +42,7 @@ def run_serve(config: WorkerConfig) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     path = model_path(config)
     log.info("loading", model=str(path))
-    checkpoint = load_model(path)
-    try:
-        asyncio.run(serve(checkpoint, config))
-    except (RuntimeError, OSError) as error:
-        failure = bind_failure(error, config)
-        if failure is None:
-            raise
-        raise failure from None
+    asyncio.run(serve(load_model(path), config))
 
 
 def load_model(path: Path) -> "Checkpoint":
@@ -64,21 +55,6 @@ def load_model(path: Path) -> "Checkpoint":
         raise                              # the loader's own errors already name the file and the problem
     except Exception as error:             # whatever safetensors, gguf, numpy or torch raise on a bad file
         raise ModelLoadError(path, _one_line(f"{type(error).__name__}: {error}")) from error
-
-
-def bind_failure(error: Exception, config: WorkerConfig) -> WorkerError | None:
-    """The port a failed bind names, as PortUnavailable; None for any other error. The ports were free before the
-    load (preflight), so another process took one during it."""
-    # grpc's add_*_port: RuntimeError("Failed to bind to address <host>:<port>; set GRPC_VERBOSITY=...").
-    failed = re.match(r"Failed to bind to address (\S+);", str(error))
-    if isinstance(error, RuntimeError) and failed:
-        address = failed.group(1)
-        flag = "--port" if address.endswith(f":{config.port}") else "--health-port"
-        return PortUnavailable(address, flag, "address in use, or not an address of this host")
-    # prometheus_client's server is the only socket Python itself binds.
-    if isinstance(error, OSError) and error.errno == errno.EADDRINUSE and config.metrics_port:
-        return PortUnavailable(f"{config.host}:{config.metrics_port}", "--metrics-port", "address in use")
-    return None
 
 
 def _one_line(text: str) -> str:

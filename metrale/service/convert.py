@@ -72,10 +72,10 @@ def beam_id_count(m: pb.BeamGenerateRequest) -> int:
     return sum(1 + len(r.prompt_tokens) + len(r.src_tokens) + len(r.decoder_prefix) for r in m.requests)
 
 
-def forward_response(out: StepOutput, queue_us: int) -> pb.ForwardResponse:
+def forward_response(out: StepOutput) -> pb.ForwardResponse:
+    """The step's outputs; queue_us is the caller's to set once the lane has said it."""
     response = pb.ForwardResponse(seq_ids=[o.seq_id for o in out.outputs], tokens=[o.token for o in out.outputs],
-                                  logprobs=[o.logprob for o in out.outputs], forward_us=out.forward_us,
-                                  queue_us=queue_us)
+                                  logprobs=[o.logprob for o in out.outputs], forward_us=out.forward_us)
     for o in out.outputs:
         if o.top_logprobs is not None:
             ids, logprobs = o.top_logprobs

@@ -1,6 +1,7 @@
 """Builds and runs the gRPC server: Worker, health and reflection; drains on SIGTERM."""
 
 import asyncio
+import errno
 import signal
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from metrale.runtime.lanes import DeviceLanes
 from metrale.runtime.loading import Checkpoint
 from metrale.service.config import WorkerConfig
 from metrale.service.metrics import WorkerMetrics
+from metrale.service.preflight import PortUnavailable
 from metrale.service.security import TokenAuthInterceptor, read_tokens, server_credentials
 from metrale.service.admission import ServingState
 from metrale.service.servicer import WorkerServicer
@@ -49,13 +51,15 @@ class WorkerServer:
             reflection.enable_server_reflection(names, self.server)
         credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
         address = f"{config.host}:{config.port}"
-        self.port = (self.server.add_secure_port(address, credentials) if credentials
-                     else self.server.add_insecure_port(address))
+        self.port = bind(lambda: (self.server.add_secure_port(address, credentials) if credentials
+                                  else self.server.add_insecure_port(address)), address, "--port")
         self.health_server, self.health_port = None, None
         if config.health_port is not None:      # plaintext, health only: for probes that cannot speak TLS
             self.health_server = grpc.aio.server(options=[EXCLUSIVE_PORT])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
-            self.health_port = self.health_server.add_insecure_port(f"{config.host}:{config.health_port}")
+            health_address = f"{config.host}:{config.health_port}"
+            self.health_port = bind(lambda: self.health_server.add_insecure_port(health_address), health_address,
+                                    "--health-port")
         self._stopped = asyncio.Event()
         self._fault_task = None
 
@@ -66,7 +70,8 @@ class WorkerServer:
 
     async def start(self) -> None:
         if self.config.metrics_port:
-            self.metrics.serve(self.config.host, self.config.metrics_port)
+            host, port = self.config.host, self.config.metrics_port
+            bind(lambda: self.metrics.serve(host, port), f"{host}:{port}", "--metrics-port")
         await self.server.start()
         if self.health_server is not None:
             await self.health_server.start()
@@ -111,6 +116,18 @@ class WorkerServer:
 # grpc sets SO_REUSEPORT by default: a second worker on the same port would also start, and the kernel would
 # split new connections between the two at random. Without it, the second one's bind fails.
 EXCLUSIVE_PORT = ("grpc.so_reuseport", 0)
+
+
+def bind(listen, address: str, flag: str):
+    """listen(), a port's bind; its failure as PortUnavailable naming the flag. The ports were free before the load
+    (preflight.py): another process took this one since."""
+    try:
+        return listen()
+    except RuntimeError as error:         # grpc's add_*_port: "Failed to bind to address ..."
+        raise PortUnavailable(address, flag, "address in use, or not an address of this host") from error
+    except OSError as error:              # prometheus_client's HTTP server
+        problem = "address in use" if error.errno == errno.EADDRINUSE else error.strerror or str(error)
+        raise PortUnavailable(address, flag, problem) from error
 
 
 def server_options(config: WorkerConfig) -> list[tuple[str, int]]:

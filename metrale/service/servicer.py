@@ -170,7 +170,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _check_reply_fits(self, step: Step) -> None:
         """Refuses a step whose logits rows alone would not fit in one message, before it runs."""
         row_bytes = 4 * self.info.vocab_size
-        if len(step.seq_ids) * row_bytes <= self.max_message_bytes:
+        if (len(step.decode) + len(step.prefill)) * row_bytes <= self.max_message_bytes:
             return      # not even every output carrying logits would pass the limit
         logits_bytes = self.engine.rows_returning_logits(step) * row_bytes
         if logits_bytes > self.max_message_bytes:
@@ -179,7 +179,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _reply(self, out: StepOutput) -> pb.ForwardResponse:
         """The step's answer, built on the lane before the step counts as done: one that could not be sent (over the
         message limit) undoes the step."""
-        response = convert.forward_response(out, 0)
+        response = convert.forward_response(out)
         size = response.ByteSize() + QUEUE_US_BYTES
         if size > self.max_message_bytes:
             raise ReplyTooLarge(size, self.max_message_bytes)
@@ -216,13 +216,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         cancelled (client cancel, deadline), cancelled() turns true, and the engine undoes the step at its next
         round boundary."""
         cancel = threading.Event()
-        future = asyncio.wrap_future(self.lanes.submit(stream, seq_ids, lambda: work(cancel.is_set), after))
+        submitted = self.lanes.submit(stream, seq_ids, lambda: work(cancel.is_set), after)
         try:
-            return await asyncio.shield(future)
+            return await asyncio.wrap_future(submitted)
         except asyncio.CancelledError:
+            # Cancelling the wait cancelled the work too where the lane had not started it; work under way stops at
+            # its next round boundary, and the call stays admitted (--max-concurrent-rpcs) until it has.
             cancel.set()
-            # The call stays admitted (--max-concurrent-rpcs) until its lane is done with it: a client cancelling at
-            # once cannot queue unbounded work.
             with contextlib.suppress(BaseException):
-                await future
+                await asyncio.wrap_future(submitted)
             raise

@@ -2,8 +2,11 @@
 
 import pytest
 
+from metrale.runtime.config import EngineConfig
+from metrale.runtime.loading import load_checkpoint
+from metrale.service.config import WorkerConfig
 from metrale.v1 import worker_pb2
-from service_harness import WORKER_DEVICE, start_worker
+from service_harness import WORKER_DEVICE, serve_checkpoint, start_worker
 from tiny_models import write_tiny
 
 
@@ -16,6 +19,15 @@ def worker_device(request):
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     return write_tiny("llama_tied", tmp_path_factory.mktemp("tiny") / "llama")
+
+
+@pytest.fixture(scope="module")
+def default_worker(default_gguf):
+    """The embedded default model (SmolLM2-135M, with its GGUF tokenizer) on the CPU, default message limits."""
+    config = WorkerConfig(host="127.0.0.1", port=0, engine=EngineConfig(device="cpu", kv_blocks=128))
+    running = serve_checkpoint(load_checkpoint(default_gguf), config)
+    yield running
+    running.stop()
 
 
 @pytest.fixture(scope="module")

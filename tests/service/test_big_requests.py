@@ -10,24 +10,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from metrale.runtime.config import EngineConfig
-from metrale.runtime.loading import load_checkpoint
-from metrale.service.config import WorkerConfig
 from metrale.v1 import worker_pb2 as pb
-from service_harness import serve_checkpoint
 from worker_process import WorkerProcess, log_events
 
 SENTENCE = "The capital of France is Paris, and the weather today is fine. "
 MAX_TEXT_BYTES = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def default_worker(default_gguf):
-    config = WorkerConfig(host="127.0.0.1", port=0, max_message_mb=64,
-                          engine=EngineConfig(device="cpu", kv_blocks=64))
-    running = serve_checkpoint(load_checkpoint(default_gguf), config)
-    yield running
-    running.stop()
 
 
 def health_gaps_while(worker, call) -> tuple[list[float], object]:

@@ -4,19 +4,7 @@ import grpc
 import pytest
 import transformers
 
-from metrale.runtime.config import EngineConfig
-from metrale.runtime.loading import load_checkpoint
-from metrale.service.config import WorkerConfig
 from metrale.v1 import worker_pb2 as pb
-from service_harness import serve_checkpoint
-
-
-@pytest.fixture(scope="module")
-def default_worker(default_gguf):
-    config = WorkerConfig(host="127.0.0.1", port=0, engine=EngineConfig(device="cpu", kv_blocks=128))
-    running = serve_checkpoint(load_checkpoint(default_gguf), config)
-    yield running
-    running.stop()
 
 
 def test_greedy_generate_says_paris(default_worker):
