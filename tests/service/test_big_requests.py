@@ -18,9 +18,9 @@ MAX_TEXT_BYTES = 1 << 20
 
 
 def health_gaps_while(worker, call) -> tuple[list[float], object]:
-    """Runs call() on a thread and checks health every 50 ms while it runs, each within 1 s; returns the gaps
-    (seconds) between one answer and the next, which include any time this process's interpreter was held up
-    too, and call's outcome (its result or its RpcError)."""
+    """Runs call() on a thread and checks health every 50 ms while it runs; returns the gaps (seconds) between one
+    answer and the next, which include any time this process's interpreter was held up too, and call's outcome
+    (its result or its RpcError)."""
     outcome, done = {}, threading.Event()
 
     def run():
@@ -35,13 +35,20 @@ def health_gaps_while(worker, call) -> tuple[list[float], object]:
     thread.start()
     gaps, last = [], time.perf_counter()
     while not done.wait(0.05):
-        status = health.Check(health_pb2.HealthCheckRequest(service="metrale.v1.Worker"), timeout=1.0).status
+        status = health.Check(health_pb2.HealthCheckRequest(service="metrale.v1.Worker"), timeout=30).status
         assert status == health_pb2.HealthCheckResponse.SERVING
         now = time.perf_counter()
         gaps.append(now - last)
         last = now
     thread.join()
     return gaps, outcome["value"]
+
+
+def assert_loop_was_free(gaps: list[float]) -> None:
+    """Health answered all through the call: many answers, none held up for a large part of the call's time (a
+    check run on the event loop shows one gap as long as the check). Relative, so a loaded machine cannot fail it."""
+    assert len(gaps) >= 5, "the call ended before health was checked during it"
+    assert max(gaps) < 0.5 * sum(gaps), gaps
 
 
 def random_words(num_bytes: int) -> str:
@@ -57,8 +64,7 @@ def test_health_answers_while_a_megabyte_is_tokenized(default_worker):
     gaps, tokens = health_gaps_while(
         default_worker, lambda: default_worker.stub.Tokenize(pb.TokenizeRequest(text=text), timeout=120).tokens)
     assert len(tokens) > 100_000
-    assert len(gaps) >= 5, "the tokenization ended before health was checked during it"
-    assert max(gaps) < 1.0
+    assert_loop_was_free(gaps)
 
 
 def test_text_over_the_byte_limit_is_refused_before_tokenizing(default_worker):
@@ -82,7 +88,7 @@ def test_a_prompt_past_max_model_len_is_refused_while_health_answers(default_wor
     gaps, error = health_gaps_while(
         default_worker, lambda: list(stub.Generate(pb.GenerateRequest(prompt=text, max_new_tokens=1), timeout=60)))
     assert isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.OUT_OF_RANGE
-    assert len(gaps) >= 5 and max(gaps) < 1.0
+    assert_loop_was_free(gaps)
     with pytest.raises(grpc.RpcError) as caught:
         stub.Prefill(pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=1, tokens=[1] * 4_000_000,
                                                                 is_last_chunk=True)]), timeout=10)
@@ -99,7 +105,7 @@ def test_a_million_unknown_ids_get_not_found_naming_a_few(default_worker):
     assert isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.NOT_FOUND
     assert "(1000000 in all)" in error.details() and str(ids[0]) in error.details()
     assert len(error.details()) < 500
-    assert max(gaps, default=0.0) < 1.0
+    assert_loop_was_free(gaps)
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +140,7 @@ def test_health_answers_while_a_request_of_large_bias_maps_is_checked(default_wo
     request = pb.PrefillRequest(slices=slices)
     gaps, outcome = health_gaps_while(default_worker, lambda: default_worker.stub.Prefill(request, timeout=120))
     assert not isinstance(outcome, grpc.RpcError) or outcome.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, outcome
-    assert len(gaps) >= 5 and max(gaps) < 1.0
+    assert_loop_was_free(gaps)
     default_worker.stub.Release(pb.ReleaseRequest(all=True))
     info = default_worker.stub.Info(pb.InfoRequest())
     assert info.live_sequences == 0 and info.free_kv_blocks == info.num_kv_blocks
