@@ -92,9 +92,9 @@ def main(argv: list[str] | None = None) -> dict:
         engine, _ = build_engine(load_checkpoint(Path(directory)),
                                  EngineConfig(device=args.device, num_streams=args.lanes,
                                               programmatic_launch=args.pdl == "on"))
-    lanes = DeviceLanes(args.lanes, on_thread_start=engine.bind_lane) if args.lanes > 1 else None
+    lanes = DeviceLanes(args.lanes, on_thread_start=engine.bind_stream) if args.lanes > 1 else None
     if args.prompt_by_token:
-        for lane in engine.model.ops.lanes:
+        for lane in engine.runner.lanes:
             lane.prompt_graphs = None
     reference.to(args.device)
     log(f"{args.shape}: {sum(p.numel() for p in reference.parameters()) / 1e6:.0f} M parameters, {dtype}, "
@@ -165,20 +165,21 @@ def main(argv: list[str] | None = None) -> dict:
 def timeline_marks(engine) -> list[tuple[object, str]]:
     """The host functions of a call's fixed part (before the search's first step) and of its steps."""
     from metrale.runtime import engine as engine_module
-    from metrale.runtime.backend.cuda import backend, beam_search, graphs, lane
+    from metrale.runtime.backend.cuda import beam_search, graphs, lane
+    from metrale.runtime.backend.cuda import runner as cuda_runner
     from metrale.runtime.beam import runner, search
     from metrale.runtime.models import m2m100
-    ops = type(engine.model.ops)
+    runner_type = type(engine.runner)
     marks = [(runner.BeamCall, "run"), (runner.BeamCall, "_encode"), (runner.BeamCall, "_prefill"),
              (runner.BeamCall, "_forward_by_token"), (runner.BeamCall, "_forward_whole"),
              (runner, "build_decode_batch"), (runner, "device_search"), (runner, "run_on_device"),
              (search.BeamGroup, "__init__"), (engine_module.Engine, "_reserve_beam_blocks"),
              (engine_module.Engine, "_quiesce"), (m2m100.M2M100ForConditionalGeneration, "encode"),
-             (m2m100.M2M100ForConditionalGeneration, "forward"), (ops, "run_forward"), (ops, "run_encoder"),
-             (ops, "run_prefill"), (ops, "device_beam_search"), (lane.Lane, "prepare"),
+             (m2m100.M2M100ForConditionalGeneration, "forward"), (runner_type, "run_forward"),
+             (runner_type, "run_encoder"), (runner_type, "device_beam_search"), (lane.Lane, "prepare"),
              (lane.Lane, "copy_to_device"), (lane.Lane, "beam_candidates"), (lane, "pack_batch"),
              (beam_search.DeviceBeamSearch, "__init__"), (beam_search.DeviceBeamSearch, "step"),
-             (beam_search.DeviceBeamSearch, "_read"), (backend, "state_arrays"), (engine_module, "build_batch"),
+             (beam_search.DeviceBeamSearch, "_read"), (cuda_runner, "state_arrays"), (engine_module, "build_batch"),
              (lane.Lane, "upload_lists"), (graphs.DecodeGraphs, "run"), (graphs.DecodeGraphs, "replay"),
              (graphs.PrefillGraphs, "run"),
              (beam_search.DeviceBeamSearch, "_upload"), (lane.LaneCandidates, "host")]

@@ -20,7 +20,7 @@ from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.beam.candidates import HostCandidates
 from metrale.runtime.beam.params import BeamParams, BeamRequest
 from metrale.runtime.beam.runner import BeamCall, BeamModel
-from metrale.runtime.kv_blocks import KvBlockManager
+from metrale.runtime.cache.blocks import BlockPool
 from metrale.runtime.planner import Limits
 
 VOCAB, EOS, PAD, START, BLOCK, MAX_LEN = 256206, 2, 1, 2, 16, 1024
@@ -63,7 +63,7 @@ class InstantModel:
 def run_call(requests, model: BeamModel) -> None:
     call = BeamCall(requests, Limits(MAX_LEN, 8192, BLOCK, 512, START, MAX_LEN), BLOCK, model)
     needed = call.blocks_needed()
-    call.run(KvBlockManager(needed, BLOCK, list(range(needed))), lambda: False)
+    call.run(BlockPool(needed, BLOCK, list(range(needed))), lambda: False)
 
 
 def main(argv: list[str] | None = None) -> list[Row]:

@@ -15,7 +15,7 @@ from bench.grpc_overhead import loopback_config, machine_line, quiet_logs
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.default_model import default_cache_dir, fetch_default_model
 from metrale.runtime.engine import Engine
-from metrale.runtime.kv_blocks import blocks_for
+from metrale.runtime.cache.blocks import blocks_for
 from metrale.runtime.loading import load_checkpoint
 from metrale.runtime.step import DecodeLane, PrefillSlice, Step
 from metrale.service.in_process import InProcessWorker
@@ -67,7 +67,7 @@ def weight_bytes(engine: Engine) -> int:
 
 def kv_bytes_per_token(engine: Engine) -> int:
     # Each layer's pool: [2 (k, v), num_blocks, kv_block_size, num_kv_heads, head_dim].
-    return sum(2 * kv.shape[3] * kv.shape[4] * kv.element_size() for kv in engine.kv_cache)
+    return sum(2 * kv.shape[3] * kv.shape[4] * kv.element_size() for kv in engine.cache.layers)
 
 
 def prompt_tokens(first_seq_id: int, batch: int, prompt_len: int, vocab_size: int) -> dict[int, tuple[int, ...]]:

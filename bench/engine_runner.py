@@ -17,9 +17,9 @@ class EngineRunner:
         self.engine = engine
         self.max_batch_tokens = max_batch_tokens
         self.next_seq_id = 0
-        self.backend = engine.model.ops
-        if hasattr(self.backend, "time_steps"):
-            self.backend.time_steps(True)
+        self.runner = engine.runner
+        if hasattr(self.runner, "time_steps"):
+            self.runner.time_steps(True)
 
     def new_ids(self, n: int) -> list[int]:
         ids = list(range(self.next_seq_id, self.next_seq_id + n))
@@ -54,7 +54,7 @@ class EngineRunner:
             next_tokens = {o.seq_id: o.token for o in out.outputs}
             if i >= warmup:
                 host_ms.append(elapsed_ms)
-                device = self.backend.last_device_ms() if hasattr(self.backend, "last_device_ms") else None
+                device = self.runner.last_device_ms() if hasattr(self.runner, "last_device_ms") else None
                 device_ms.append(device if device is not None else out.forward_us / 1e3)
         return device_ms, host_ms
 

@@ -25,7 +25,7 @@ from bench.phases import Run, log
 from bench.side_by_side import check_same_model, chunks_of, time_hf_generate, time_peer_prefill
 from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
-from metrale.runtime.kv_blocks import blocks_for
+from metrale.runtime.cache.blocks import blocks_for
 from metrale.service.config import WorkerConfig
 from metrale.service.in_process import InProcessWorker
 from metrale.service.server import WorkerServer

@@ -16,7 +16,7 @@ from bench.phases import host_profile, log
 from bench.model_shapes import SHAPES, decode_weight_bytes, kv_bytes_per_token, random_checkpoint, random_tokens
 from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
-from metrale.runtime.kv_blocks import blocks_for
+from metrale.runtime.cache.blocks import blocks_for
 from metrale.runtime.step import DecodeLane, PrefillSlice, Step
 
 
@@ -51,7 +51,6 @@ def main(argv=None) -> None:
     engine, _ = build_engine(random_checkpoint(shape, args.seed, "cuda"), config)
     torch.cuda.empty_cache()
     runner = EngineRunner(engine, max_batch_tokens)
-    backend = engine.model.ops
     weights, kv_token = decode_weight_bytes(shape), kv_bytes_per_token(shape)
     log(f"{args.shape}: copy bandwidth {bandwidth / 1e12:.2f} TB/s, weights {weights / 1e9:.3f} GB")
 
@@ -60,7 +59,7 @@ def main(argv=None) -> None:
         prompts = random_tokens(batch, args.context, shape.vocab, args.seed + 3)
         first = runner.prefill(prompts)
         device_ms, host_ms = runner.time_decode(first, 5, args.steps)
-        replay_ms = time_replays(backend, batch, args.steps)
+        replay_ms = time_replays(engine.runner, batch, args.steps)
         step, device = median(host_ms), median(device_ms)
         print(f"## decode batch {batch}, {args.context} context: floor {floor_ms:.3f} ms")
         print(f"engine.step (host clock)  p50 {step:.3f} ms  ({step / floor_ms:.2f}x floor)")
@@ -88,10 +87,10 @@ def median(values):
     return sorted(values)[len(values) // 2]
 
 
-def time_replays(backend, batch: int, steps: int) -> float:
+def time_replays(cuda_runner, batch: int, steps: int) -> float:
     """ms per replay of the batch's decode graph on this thread's lane (lane 0), launched back to back on the lane's
     stream (device time once the queue is full)."""
-    lane = backend.lane
+    lane = cuda_runner.lane
     graph, _ = lane.graphs._graphs[batch]
     return seconds_per_replay(graph, lane.stream, steps, warmup=3) * 1e3
 

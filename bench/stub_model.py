@@ -22,7 +22,7 @@ class StubEngine:
         self.ahead_counts = RunAheadCounts()
         self.supports_beam = self.is_encoder_decoder = False
 
-    def bind_lane(self, lane: int) -> None:
+    def bind_stream(self, stream: int) -> None:
         pass
 
     def stats(self) -> EngineStats:

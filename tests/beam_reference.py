@@ -94,9 +94,9 @@ class LogitsRecorder:
         self._batch = None
 
     def __enter__(self) -> "LogitsRecorder":
-        engine, ops = self.engine, self.engine.model.ops
+        engine, runner = self.engine, self.engine.runner
         encode, forward, copy_kv, candidates = (engine._beam_encode, engine._beam_forward, engine._copy_kv,
-                                                ops.beam_candidates)
+                                                runner.beam_candidates)
 
         def beam_encode(segments):
             self.sources = [int(segment.block_table.array()[0]) for segment in segments]
@@ -119,19 +119,19 @@ class LogitsRecorder:
             self._record(logits)
             return candidates(logits, banned, count)
         engine._beam_encode, engine._beam_forward, engine._copy_kv = beam_encode, beam_forward, copy
-        ops.beam_candidates = beam_candidates
+        runner.beam_candidates = beam_candidates
         return self
 
     def __exit__(self, *exc) -> None:
         del self.engine._beam_encode, self.engine._beam_forward, self.engine._copy_kv
-        del self.engine.model.ops.beam_candidates
+        del self.engine.runner.beam_candidates
 
     def _record(self, logits) -> None:
         batch, size = self._batch, self.block_size
         if isinstance(logits, torch.Tensor):
             values = logits.float()
         else:       # the CUDA backend's bf16 rows
-            bits = self.engine.model.ops.lane.copy_to_host(logits)
+            bits = self.engine.runner.lane.copy_to_host(logits)
             values = torch.from_numpy((bits.astype(np.uint32) << 16).view(np.float32))
         segments = np.searchsorted(np.asarray(batch.query_starts), batch.sample_rows.numpy(), side="right") - 1
         for values_row, row, segment in zip(values, batch.sample_rows.tolist(), segments.tolist()):
@@ -144,9 +144,9 @@ class LogitsRecorder:
 def round_logits_to_bf16(engine, monkeypatch) -> None:
     """The engine's forwards give their logits rounded to bf16, as the GPU's are (and LogitsRecorder records them
     so): equal logits are common then, and a search must rank them as the replay does (ties to the lower index)."""
-    run_forward = engine.model.ops.run_forward
-    monkeypatch.setattr(engine.model.ops, "run_forward",
-                        lambda forward, batch: run_forward(forward, batch).to(torch.bfloat16).float())
+    run_forward = engine.runner.run_forward
+    monkeypatch.setattr(engine.runner, "run_forward", lambda forward, batch, replayable:
+                        run_forward(forward, batch, replayable).to(torch.bfloat16).float())
 
 
 def replayed_hypotheses(model, recorder: LogitsRecorder, request: int, prompt, params: BeamParams, eos,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from metrale.runtime.kv_blocks import blocks_for
+from metrale.runtime.cache.blocks import blocks_for
 from metrale.runtime.sequence import BlockTable
 
 
@@ -23,6 +23,9 @@ class ForwardBatch:
     # Encoder-decoder models: the same rows over their sources' cross-attention K/V blocks (build_batch sets it;
     # the model attends over it without the causal limit).
     cross: "ForwardBatch | None" = None
+    # Models with recurrent layers: each segment's (source, destination) state slots; the forward reads the state
+    # from the source (-1: zeros) and writes the advanced state into the destination (cache/specs.RecurrentState).
+    state_slots: list[tuple[int, int]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -43,6 +46,8 @@ class Segment:
     samples: bool
     # Encoder-decoder models: the blocks holding the segment's source's cross-attention K/V, and its length.
     cross: tuple[BlockTable, int] | None = None
+    # Models with recurrent layers: the (source, destination) state slots (ForwardBatch.state_slots).
+    state: tuple[int, int] | None = None
 
 
 def build_batch(segments: list[Segment], kv_block_size: int) -> ForwardBatch:
@@ -51,6 +56,8 @@ def build_batch(segments: list[Segment], kv_block_size: int) -> ForwardBatch:
     batch = _one_token_batch(segments, kv_block_size) if one_token else _token_batch(segments, lens, kv_block_size)
     if any(seg.cross is not None for seg in segments):
         batch.cross = _cross_batch(batch, [seg.cross for seg in segments], kv_block_size)
+    if any(seg.state is not None for seg in segments):
+        batch.state_slots = [seg.state for seg in segments]
     return batch
 
 

@@ -1,15 +1,17 @@
-"""Builds a ready engine from a checkpoint: backend, model, KV pool, and what Info reports."""
+"""Builds a ready engine from a checkpoint: backend, model, cache, and what Info reports."""
 
 from dataclasses import dataclass
 from pathlib import Path
 
 from metrale.runtime.backend import create_backend
-from metrale.runtime.backend.ops import LM_HEAD_PADDING_ROWS, MemoryShapes
+from metrale.runtime.backend.layer_math import LM_HEAD_PADDING_ROWS
+from metrale.runtime.backend.runner import MemoryShapes, Runner
+from metrale.runtime.cache.manager import CacheManager, blocks_that_fit, state_slots_for
 from metrale.runtime.default_model import default_cache_dir
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.engine import Engine
 from metrale.runtime.errors import InvalidArgument
-from metrale.runtime.kv_blocks import blocks_for
+from metrale.runtime.cache.blocks import blocks_for
 from metrale.runtime.loading import Checkpoint
 from metrale.runtime.models import family_of
 
@@ -45,18 +47,17 @@ def build_engine(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path |
         raise InvalidArgument(f"max_model_len={max_model_len} is over the model's max_position_embeddings="
                               f"{model_config.max_position_embeddings}")
     backend = create_backend(config.device, config.dtype, cache_dir or default_cache_dir(), config.programmatic_launch)
-    backend.plan(_weight_bytes(checkpoint, model_config, max_model_len, family.model_class),
-                 _memory_shapes(model_config, config, max_model_len))
-    model = family.model_class(model_config, checkpoint.tensors, backend, max_model_len)
-    num_blocks = config.kv_blocks or _blocks_that_fit(backend, model_config, config)
-    kv_cache = backend.allocate_kv_cache(model_config.num_layers, num_blocks, config.kv_block_size,
-                                         model_config.num_kv_heads, model_config.head_dim)
-    engine = Engine(model, kv_cache, num_blocks, config, max_model_len)
-    backend.warm_up(engine.forward, config.cuda_graph_batch_sizes, max_model_len, engine.limits.max_source_len)
+    runner = backend.runner
+    runner.plan(_weight_bytes(checkpoint, model_config, max_model_len, family.model_class),
+                _memory_shapes(model_config, config, max_model_len))
+    model = family.model_class(model_config, checkpoint.tensors, backend.math, max_model_len)
+    cache = _allocate_cache(runner, model.cache_specs(), config, max_model_len)
+    engine = Engine(model, runner, cache, config, max_model_len)
+    runner.warm_up(engine.forward, config.cuda_graph_batch_sizes, max_model_len, engine.limits.max_source_len)
     tokenizer = checkpoint.tokenizer
     eos = model_config.eos_token_ids or tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
     info = ModelInfo(model_id=checkpoint.source, architecture=model_config.architecture,
-                     dtype=str(backend.dtype).removeprefix("torch."), device=backend.device,
+                     dtype=str(runner.dtype).removeprefix("torch."), device=runner.device,
                      vocab_size=model_config.vocab_size, max_model_len=max_model_len, eos_token_ids=eos,
                      bos_token_id=model_config.bos_token_id, pad_token_id=model_config.pad_token_id,
                      tokenizer_note=checkpoint.metadata.get("tokenizer_unsupported", "the checkpoint has none"),
@@ -77,11 +78,15 @@ def _memory_shapes(c, config: EngineConfig, max_model_len: int) -> MemoryShapes:
     return MemoryShapes(hidden=c.hidden_size, q_size=c.num_heads * c.head_dim, kv_size=c.num_kv_heads * c.head_dim,
                         intermediate=c.intermediate_size, vocab=c.vocab_size, max_batch_tokens=config.max_batch_tokens,
                         max_seqs=config.max_seqs, max_blocks_per_seq=blocks_for(max_model_len, config.kv_block_size),
-                        head_dim=c.head_dim, kv_block_size=config.kv_block_size, lanes=config.num_streams)
+                        head_dim=c.head_dim, kv_block_size=config.kv_block_size, streams=config.num_streams)
 
 
-def _blocks_that_fit(backend, c, config: EngineConfig) -> int:
-    element_size = backend.dtype.itemsize
-    block_bytes = 2 * c.num_layers * config.kv_block_size * c.num_kv_heads * c.head_dim * element_size
-    fraction = config.kv_memory_fraction or backend.default_kv_memory_fraction
-    return max(1, backend.available_kv_bytes(fraction) // block_bytes)
+def _allocate_cache(runner: Runner, specs: tuple, config: EngineConfig, max_model_len: int) -> CacheManager:
+    """The cache the model's specs describe: config.kv_blocks blocks, or as many as the share of the memory left
+    (kv_memory_fraction, else the runner's default) holds beside the recurrent layers' state slots."""
+    slots = state_slots_for(specs, config.max_seqs)
+    fraction = config.kv_memory_fraction or runner.default_kv_memory_fraction
+    num_blocks = config.kv_blocks or blocks_that_fit(specs, config.kv_block_size, runner.dtype.itemsize,
+                                                     runner.available_cache_bytes(fraction), slots, max_model_len)
+    layers = runner.allocate_cache(specs, num_blocks, config.kv_block_size, slots)
+    return CacheManager(specs, layers, config.kv_block_size, num_blocks, slots)

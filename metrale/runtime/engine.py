@@ -1,4 +1,5 @@
-"""The engine: runs validated steps over the sequence table, the KV pool and the model. Step = plan, run, sample."""
+"""The engine: runs validated steps over the sequence table, the cache and the model, through the backend's runner.
+Step = plan, run, sample."""
 
 import contextlib
 import threading
@@ -13,9 +14,11 @@ from metrale.runtime.beam.on_device import DeviceSearch, LockedSearch, OnDeviceS
 from metrale.runtime.beam.params import BeamRequest
 from metrale.runtime.beam.runner import SHORT_PROMPT, BeamCall, BeamModel, BeamResult
 from metrale.runtime.config import EngineConfig
-from metrale.runtime.errors import (Cancelled, DeviceFault, FailedPrecondition, OutOfKvBlocks, StepFailed, WorkerError,
-                                    describe)
-from metrale.runtime.kv_blocks import KvBlockManager, blocks_for
+from metrale.runtime.errors import (Cancelled, DeviceFault, FailedPrecondition, OutOfKvBlocks, OutOfStateSlots,
+                                    StepFailed, WorkerError, describe)
+from metrale.runtime.backend.runner import Runner
+from metrale.runtime.cache.blocks import BlockPool, blocks_for
+from metrale.runtime.cache.manager import CacheManager
 from metrale.runtime.planner import Chunk, Limits, Plan, plan_step
 from metrale.runtime.run_ahead import Ahead, RunAheadCounts
 from metrale.runtime.sampling import SampleRow, random_seed
@@ -40,15 +43,15 @@ class ReleaseResult:
 
 
 class Engine:
-    """Owns all model state. Steps on disjoint sequences may run on several lanes at once: planning and
+    """Owns all model state. Steps on disjoint sequences may run on several streams at once: planning and
     committing hold the state lock; the forward itself does not."""
 
-    def __init__(self, model, kv_cache: list, num_kv_blocks: int, config: EngineConfig, max_model_len: int):
+    def __init__(self, model, runner: Runner, cache: CacheManager, config: EngineConfig, max_model_len: int):
         self.model = model
-        self.kv_cache = kv_cache
+        self.runner = runner
+        self.cache = cache
         self.config = config
         self.sequences = SequenceTable()
-        self.blocks = KvBlockManager(num_kv_blocks, config.kv_block_size)
         encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
         self.limits = Limits(max_model_len, config.max_batch_tokens, config.kv_block_size, config.max_seqs,
                              model.config.decoder_start_token_id if encoder_decoder else None,
@@ -56,9 +59,9 @@ class Engine:
                              min(model.config.max_position_embeddings, max_model_len) if encoder_decoder else 0)
         self._lock = threading.Lock()
         # Held around each forward where the backend cannot run two at once.
-        self._forward_lock = contextlib.nullcontext() if model.ops.concurrent_forwards else threading.Lock()
+        self._forward_lock = contextlib.nullcontext() if runner.concurrent_forwards else threading.Lock()
         # Guessed next decode steps (run_ahead.py) by seq_id; each sequence is in at most one.
-        self.runs_ahead = config.run_ahead == "on" or (config.run_ahead == "auto" and model.ops.runs_ahead_by_default)
+        self.runs_ahead = config.run_ahead == "on" or (config.run_ahead == "auto" and runner.runs_ahead_by_default)
         self._ahead: dict[int, Ahead] = {}
         # Requests waiting for blocks that guesses hold: no new guess is made meanwhile.
         self._blocks_wanted = 0
@@ -78,6 +81,8 @@ class Engine:
             output, undo = self._run(step, cancelled)
         if reply is not None:
             self._reply_or_undo(output, reply, cancelled, undo)
+        with self._lock:
+            self._commit(undo[0])
         if run_ahead and self.runs_ahead:
             output.ahead = self._guess_next(step, output)
         return output
@@ -125,7 +130,7 @@ class Engine:
         alone."""
         if isinstance(error, WorkerError):
             return error
-        if isinstance(error, self.model.ops.device_errors):
+        if isinstance(error, self.runner.device_errors):
             return DeviceFault(f"the device failed {doing}: {describe(error)}")
         log.error("step_failed", doing=doing, exc_info=error)
         return StepFailed(f"an internal error while {doing}: {describe(error)}; the call changed nothing, the "
@@ -134,7 +139,7 @@ class Engine:
     def _plan(self, step: Step) -> tuple[Plan, dict]:
         """Plans the step and takes its blocks."""
         def take():
-            plan = plan_step(step, self.sequences, self.blocks.num_free, self.limits)
+            plan = plan_step(step, self.sequences, self.cache.blocks.num_free, self.limits)
             return plan, self._reserve(plan)
 
         try:
@@ -152,7 +157,7 @@ class Engine:
                 with self._lock:
                     try:
                         return take()
-                    except OutOfKvBlocks:
+                    except (OutOfKvBlocks, OutOfStateSlots):
                         if not self._ahead:
                             raise
                         self._blocks_wanted += not waiting
@@ -164,14 +169,15 @@ class Engine:
                     self._blocks_wanted -= 1
 
     def backend_counters(self) -> dict[str, int]:
-        """The backend's cumulative counts for the metrics (Ops.counters)."""
-        return self.model.ops.counters()
+        """The backend's cumulative counts for the metrics (Runner.counters)."""
+        return self.runner.counters()
 
     def stats(self) -> EngineStats:
         """Blocks held by guessed steps count as free: any request may have them."""
         with self._lock:
             guessed = sum(ahead.blocks_taken for ahead in set(self._ahead.values()))
-            return EngineStats(self.blocks.num_blocks, self.blocks.num_free + guessed, len(self.sequences))
+            blocks = self.cache.blocks
+            return EngineStats(blocks.num_blocks, blocks.num_free + guessed, len(self.sequences))
 
     def release(self, seq_ids: list[int] | None) -> ReleaseResult:
         """Frees the given sequences (None: all of them) and their blocks."""
@@ -195,15 +201,16 @@ class Engine:
 
     @property
     def supports_beam(self) -> bool:
-        return self.model.ops.supports_beam
+        """Beam search forks sequences' paged blocks; a recurrent state has no fork yet."""
+        return self.runner.supports_beam and not self.cache.has_state
 
     def beam_generate(self, requests: list[BeamRequest], eos_token_ids: tuple[int, ...], fill_token: int,
                       cancelled: Callable[[], bool] = lambda: False) -> list[BeamResult]:
         """Runs one BeamGenerate call (runtime/beam/): its KV blocks are reserved from the pool for the worst case
         up front (OutOfKvBlocks if they are not free) and all given back at the end. No sequence is touched."""
         if not self.supports_beam:
-            raise FailedPrecondition(f"beam search is not available on the {self.model.ops.device} backend yet "
-                                     f"(supports_beam=false)")
+            raise FailedPrecondition(f"beam search is not available for this model on the {self.runner.device} "
+                                     f"backend yet (supports_beam=false)")
         config, encoder_decoder = self.model.config, self.is_encoder_decoder
         model = BeamModel(self._beam_forward, self._copy_kv, eos_token_ids, fill_token, config.vocab_size,
                           self._beam_encode if encoder_decoder else None,
@@ -219,45 +226,44 @@ class Engine:
         finally:
             self._quiesce()
             with self._lock:
-                self.blocks.free(pool.ids)
+                self.cache.blocks.free(pool.ids)
 
     def _short_prompt(self, requests: int) -> int:
         """BeamModel.short_prompt: prompts of a few tokens run a token a forward where decode steps replay graphs,
         unless the whole prompts' one forward replays a graph too (an encoder-decoder's, where the backend has
         prefill graphs): one launch either way, and one forward instead of a few."""
-        ops = self.model.ops
-        if self.is_encoder_decoder and ops.prefill_graphs:
+        runner = self.runner
+        if self.is_encoder_decoder and runner.prefill_graphs:
             return 0
-        return SHORT_PROMPT if requests <= ops.decode_graph_rows else 0
+        return SHORT_PROMPT if requests <= runner.decode_graph_rows else 0
 
-    def _reserve_beam_blocks(self, needed: int) -> KvBlockManager:
+    def _reserve_beam_blocks(self, needed: int) -> BlockPool:
         """The call's own pool: a reservation out of the engine's, whose blocks its beams share by reference."""
-        return self._taking_blocks(lambda: KvBlockManager(needed, self.config.kv_block_size,
-                                                          self.blocks.allocate(needed)))
+        return self._taking_blocks(lambda: BlockPool(needed, self.config.kv_block_size,
+                                                     self.cache.blocks.allocate(needed)))
 
     def _beam_encode(self, segments: list[Segment]) -> None:
         with self._forward_lock:
-            self.model.encode(build_batch(segments, self.config.kv_block_size), self.kv_cache)
+            self._run_encoder(build_batch(segments, self.config.kv_block_size))
 
     def _beam_forward(self, batch: ForwardBatch, banned: list[list[int]], count: int):
-        """The batch's sampled rows' beam candidates (Ops.beam_candidates), queued; count 0: the forward alone
+        """The batch's sampled rows' beam candidates (Runner.beam_candidates), queued; count 0: the forward alone
         (queued, not waited for), None."""
-        ops = self.model.ops
         with self._forward_lock:
-            logits = ops.run_forward(self.forward, batch)
-            return ops.beam_candidates(logits, banned, count) if count else None
+            logits = self._run_forward(batch)
+            return self.runner.beam_candidates(logits, banned, count) if count else None
 
     def _beam_search_on_device(self, search: DeviceSearch) -> OnDeviceSearch | None:
         with self._forward_lock:
-            found = self.model.ops.device_beam_search(search, self.forward, self.kv_cache)
+            found = self.runner.device_beam_search(search, self.forward, self.cache.layers)
         return None if found is None else LockedSearch(found, self._forward_lock)
 
     def _copy_kv(self, copies: list[tuple[int, int, int]]) -> None:
-        self.model.ops.copy_kv_prefixes(self.kv_cache, copies)
+        self.runner.copy_block_prefixes(self.cache.layers, copies)
 
-    def bind_lane(self, lane: int) -> None:
-        """Run first on each device lane's thread: the backend binds the thread to the lane's stream."""
-        self.model.ops.bind_lane(lane)
+    def bind_stream(self, stream: int) -> None:
+        """Run first on each device stream's thread: the runner binds the thread to the stream."""
+        self.runner.bind_stream(stream)
 
     def rows_returning_logits(self, step: Step) -> int:
         """How many of the step's outputs will carry a logits row (OutputOptions.return_logits), known before it
@@ -276,10 +282,10 @@ class Engine:
             return self.sequences.ids()
 
     def _reserve(self, plan: Plan) -> dict:
-        """Creates new sequences and takes every block the step needs; returns what _restore needs. All or
-        nothing: what an error midway had done is undone."""
-        snapshot = {i: (seq.num_tokens, len(seq.block_table), seq.prompt_finished, seq.num_prompt_tokens)
-                    for i in plan.final_lengths if (seq := self.sequences.get(i)) is not None}
+        """Creates new sequences and takes every block and state slot the step needs; returns what _restore (or,
+        once the step is done, _commit) needs. All or nothing: what an error midway had done is undone."""
+        snapshot = {i: (seq.num_tokens, len(seq.block_table), seq.prompt_finished, seq.num_prompt_tokens,
+                        seq.state_slot) for i in plan.final_lengths if (seq := self.sequences.get(i)) is not None}
         try:
             self._take(plan)
         except BaseException:
@@ -288,23 +294,34 @@ class Engine:
         return snapshot
 
     def _take(self, plan: Plan) -> None:
+        """The plan's blocks and state slots in one reservation: its new sequences' cross blocks (their sources')
+        and the blocks its sequences grow by; a new state slot for each sequence where the model keeps a
+        recurrent state (the one before stays, as the step's snapshot)."""
         for s in plan.new_sequences:
             seed = s.sampling.seed if s.sampling.seed is not None else random_seed()
             self.sequences.add(Sequence(s.seq_id, s.sampling, s.output, seed))
-        block_size = self.blocks.kv_block_size
-        for seq_id, length in plan.sources.items():
+        size = self.cache.block_size
+        sources = {seq_id: blocks_for(length, size) for seq_id, length in plan.sources.items()}
+        grown = {seq_id: max(0, blocks_for(length, size) - len(self.sequences.get(seq_id).block_table))
+                 for seq_id, length in plan.final_lengths.items()}
+        stateful = list(plan.final_lengths) if self.cache.has_state else []
+        blocks, slots = self.cache.reserve(sum(sources.values()) + sum(grown.values()), len(stateful))
+        taken = 0
+        for seq_id, count in sources.items():
             seq = self.sequences.get(seq_id)
-            seq.cross_table, seq.source_len = BlockTable(self.blocks.allocate(blocks_for(length, block_size))), length
-        for seq_id, length in plan.final_lengths.items():
-            table = self.sequences.get(seq_id).block_table
-            missing = blocks_for(length, block_size) - len(table)
-            if missing > 0:
-                table.extend(self.blocks.allocate(missing))
+            seq.cross_table, seq.source_len = BlockTable(blocks[taken:taken + count]), plan.sources[seq_id]
+            taken += count
+        for seq_id, count in grown.items():
+            self.sequences.get(seq_id).block_table.extend(blocks[taken:taken + count])
+            taken += count
+        for seq_id, slot in zip(stateful, slots):
+            self.sequences.get(seq_id).state_slot = slot
 
     def _free(self, seq: Sequence) -> int:
-        """Gives a removed sequence's blocks back (its cross blocks too); returns how many."""
+        """Gives a removed sequence's blocks back (its cross blocks too) and its state slots; returns how many
+        blocks."""
         blocks = seq.block_table.tolist() + (seq.cross_table.tolist() if seq.cross_table is not None else [])
-        self.blocks.free(blocks)
+        self.cache.free(blocks, {slot for slot in (seq.state_slot, seq.state_source) if slot >= 0})
         return len(blocks)
 
     def _restore(self, snapshot: dict, plan: Plan) -> None:
@@ -316,10 +333,21 @@ class Engine:
                     self._free(created)
                 continue
             seq = self.sequences.get(seq_id)
-            num_tokens, num_blocks, finished, num_prompt = snapshot[seq_id]
+            num_tokens, num_blocks, finished, num_prompt, state_slot = snapshot[seq_id]
             del seq.tokens[num_tokens:]
-            self.blocks.free(seq.block_table.truncate(num_blocks))
+            self.cache.free(seq.block_table.truncate(num_blocks), [seq.state_slot] if seq.state_slot != state_slot
+                            else [])
             seq.prompt_finished, seq.num_prompt_tokens = finished, num_prompt
+            seq.state_slot = seq.state_source = state_slot
+
+    def _commit(self, snapshot: dict) -> None:
+        """The step is done: the state slots its sequences had before (their snapshots) are given back."""
+        if not self.cache.has_state:
+            return
+        for seq_id, (*_, state_slot) in snapshot.items():
+            seq = self.sequences.get(seq_id)
+            if state_slot >= 0 and (seq is None or seq.state_slot != state_slot):
+                self.cache.free([], [state_slot])
 
     def _reserve_ahead(self, step: Step, output: StepOutput) -> Ahead | None:
         """Reserves the guessed next step of a pure decode step: the same lanes, each with its sampled token."""
@@ -331,11 +359,11 @@ class Engine:
             if self._blocks_wanted or any(self.sequences.get(i).output.return_logits for i in sampled):
                 return None
             try:
-                plan = plan_step(guess, self.sequences, self.blocks.num_free, self.limits)
+                plan = plan_step(guess, self.sequences, self.cache.blocks.num_free, self.limits)
             except WorkerError:     # max_model_len, or no free block: no guess
                 return None
-            free = self.blocks.num_free
-            ahead = Ahead(guess.decode, plan, self._reserve(plan), free - self.blocks.num_free, self._run_guess)
+            free = self.cache.blocks.num_free
+            ahead = Ahead(guess.decode, plan, self._reserve(plan), free - self.cache.blocks.num_free, self._run_guess)
             for seq_id in sampled:
                 self._ahead[seq_id] = ahead
         return ahead
@@ -353,7 +381,7 @@ class Engine:
         """Waits for this lane's queued device work, so no kernel still writes the KV blocks an undo frees; a
         device too broken to wait on is already reported by the error being handled."""
         try:
-            self.model.ops.synchronize()
+            self.runner.synchronize()
         except Exception:
             pass
 
@@ -386,30 +414,42 @@ class Engine:
         """Runs the encoder over the round's new sources, writing their cross-attention K/V into their blocks."""
         segments = [Segment(seq.cross_table, 0, c.source, False) for c, seq in zip(chunks, sequences) if c.source]
         if segments:
-            self.model.encode(build_batch(segments, self.config.kv_block_size), self.kv_cache)
+            self._run_encoder(build_batch(segments, self.config.kv_block_size))
 
-    def forward(self, batch):
-        """The model over one flat batch, logits on the device (the backend calls it, or captures it)."""
-        return self.model.forward(batch, self.kv_cache)
+    def forward(self, batch: ForwardBatch):
+        """The model over one flat batch, logits on the device (the runner calls it, or captures it)."""
+        return self.model.forward(batch, self.cache.layers)
+
+    def encode(self, batch: ForwardBatch) -> None:
+        """An encoder-decoder's encoder over one batch of sources (the runner calls it, or captures it)."""
+        self.model.encode(batch, self.cache.layers)
+
+    def _run_forward(self, batch: ForwardBatch):
+        return self.runner.run_forward(self.forward, batch, self.model.replayable(batch))
+
+    def _run_encoder(self, batch: ForwardBatch) -> None:
+        self.runner.run_encoder(self.encode, batch, self.model.replayable(batch))
 
     def _run_round(self, chunks: tuple[Chunk, ...], cancelled: Callable[[], bool],
                    on_queued: Callable[[], None] | None = None) -> list[SequenceOutput]:
         sequences = [self.sequences.get(c.seq_id) for c in chunks]
+        stateful = self.cache.has_state
         segments = [Segment(seq.block_table, c.start, c.tokens, c.samples,
-                            (seq.cross_table, seq.source_len) if seq.cross_table is not None else None)
+                            (seq.cross_table, seq.source_len) if seq.cross_table is not None else None,
+                            (seq.state_source, seq.state_slot) if stateful else None)
                     for c, seq in zip(chunks, sequences)]
         batch = build_batch(segments, self.config.kv_block_size)
-        ops = self.model.ops
         with self._forward_lock:
             if self.is_encoder_decoder:
                 self._encode(chunks, sequences)
             # The logits live in the backend's memory until sampled: the lock covers both.
-            logits = ops.run_forward(self.forward, batch)
+            logits = self._run_forward(batch)
             if cancelled():
                 raise Cancelled()
             with self._lock:
                 for c, seq in zip(chunks, sequences):
                     seq.tokens.extend(c.tokens)
+                    seq.state_source = seq.state_slot
                     if not seq.prompt_finished:
                         seq.num_prompt_tokens = seq.num_tokens
                         seq.prompt_finished = c.ends_prompt
@@ -419,6 +459,6 @@ class Engine:
             # The token lists go by reference; the generated tokens are sliced out only where penalties read them.
             rows = [SampleRow(s.sampling, s.output, s.seed, s.num_tokens, s.tokens,
                               s.output_tokens if s.sampling.has_penalties else ()) for s in sampled]
-            result = ops.sample(logits, rows, on_queued)
+            result = self.runner.sample(logits, rows, on_queued)
         return [SequenceOutput(seq.seq_id, result.tokens[i], result.logprobs[i], result.top_logprobs[i],
                                result.logits[i]) for i, seq in enumerate(sampled)]

@@ -49,6 +49,16 @@ class OutOfKvBlocks(WorkerError):
                          f"{blocks_free} are free; release sequences or send fewer tokens")
 
 
+class OutOfStateSlots(WorkerError):
+    """No free slot for a recurrent layer's state: each live sequence of such a model holds one, and each sequence
+    a step advances one more until the step is done (the one before is its snapshot)."""
+
+    def __init__(self, slots_needed: int, slots_free: int):
+        self.slots_needed, self.slots_free = slots_needed, slots_free
+        super().__init__(f"not enough free recurrent-state slots: this request needs {slots_needed}, "
+                         f"{slots_free} are free; release sequences or send fewer")
+
+
 class BatchTooLarge(WorkerError):
     """One forward over a limit of the memory plan: max_batch_tokens or max_seqs."""
 

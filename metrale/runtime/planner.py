@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from metrale.runtime.errors import BatchTooLarge, FailedPrecondition, InvalidArgument, OutOfKvBlocks, OutOfRange, \
     UnknownSequence
-from metrale.runtime.kv_blocks import blocks_for
+from metrale.runtime.cache.blocks import blocks_for
 from metrale.runtime.sequence import SequenceTable
 from metrale.runtime.step import PrefillSlice, Step
 

@@ -72,6 +72,10 @@ class Sequence:
     # length; written once, by the sequence's first forward.
     cross_table: BlockTable | None = None
     source_len: int = 0
+    # Models with recurrent layers: the slot of the sequence's state (-1: none), and the slot its next forward
+    # reads the state from: the slot before, until a step's first forward has run (-1: a new sequence's zeros).
+    state_slot: int = -1
+    state_source: int = -1
 
     @property
     def num_tokens(self) -> int:

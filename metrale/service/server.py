@@ -32,7 +32,7 @@ class WorkerServer:
 
     def __init__(self, engine, info: ModelInfo, tokenizer, config: WorkerConfig):
         self.config = config
-        self.lanes = DeviceLanes(config.engine.num_streams, on_thread_start=engine.bind_lane)
+        self.lanes = DeviceLanes(config.engine.num_streams, on_thread_start=engine.bind_stream)
         self.state = ServingState(config.max_concurrent_rpcs)
         self.health = health.aio.HealthServicer()
         self.metrics = WorkerMetrics(engine)

@@ -17,6 +17,7 @@ STATUS_OF = {
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     errors.OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
     errors.OutOfKvBlocks: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.OutOfStateSlots: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.BatchTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.ReplyTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.ListsTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -43,6 +44,10 @@ def _details(error: errors.WorkerError) -> list:
         return [error_details_pb2.ErrorInfo(
             reason="KV_BLOCKS_EXHAUSTED", domain="metrale.v1",
             metadata={"blocks_needed": str(error.blocks_needed), "blocks_free": str(error.blocks_free)})]
+    if isinstance(error, errors.OutOfStateSlots):
+        return [error_details_pb2.ErrorInfo(
+            reason="STATE_SLOTS_EXHAUSTED", domain="metrale.v1",
+            metadata={"slots_needed": str(error.slots_needed), "slots_free": str(error.slots_free)})]
     if isinstance(error, errors.BatchTooLarge):
         return [error_details_pb2.ErrorInfo(
             reason=error.limit_name.upper(), domain="metrale.v1",

@@ -41,7 +41,7 @@ CASES = list(itertools.product((0.0, 1.0, 2.0), (True, False, "never")))
 @pytest.mark.parametrize("length_penalty, early_stopping", CASES)
 def test_batched_calls_match_transformers(models, length_penalty, early_stopping):
     engine, reference, eos = models
-    free = engine.blocks.num_free
+    free = engine.cache.blocks.num_free
     requests = []
     for i, (prompt, beams, ngram) in enumerate(zip(PROMPTS * 2, (1, 2, 4, 5, 5, 4, 2, 1), (0, 3) * 4)):
         params = BeamParams(num_beams=beams, max_new_tokens=6 + 3 * i, min_new_tokens=2 * (i % 3),
@@ -53,7 +53,7 @@ def test_batched_calls_match_transformers(models, length_penalty, early_stopping
     for request, result in zip(requests, results):
         expected = reference_hypotheses(reference, list(request.prompt_tokens), request.params, eos)
         assert_same(result.hypotheses, expected)
-    assert engine.blocks.num_free == free
+    assert engine.cache.blocks.num_free == free
     # Some hypotheses finished early (an EOS) and some ran to max_new_tokens: both paths were exercised.
     lengths = [(len(t), r.params.max_new_tokens) for r, res in zip(requests, results) for t, _ in res.hypotheses]
     assert any(n < m for n, m in lengths) and any(n == m for n, m in lengths)
@@ -78,11 +78,11 @@ def test_short_prompts_a_token_a_forward_match_transformers(models, monkeypatch,
     forward, each prompt ending at its own length: the same hypotheses as transformers, and no forward over more
     than one token of a prompt."""
     engine, reference, eos = models
-    monkeypatch.setattr(engine.model.ops, "decode_graph_rows", 256)
+    monkeypatch.setattr(engine.runner, "decode_graph_rows", 256)
     query_lens, forward = [], engine.model.forward
     monkeypatch.setattr(engine.model, "forward", lambda batch, kv: query_lens.append(max(batch.query_lens))
                         or forward(batch, kv))
-    free = engine.blocks.num_free
+    free = engine.cache.blocks.num_free
     prompts = [[5, 17, 99, 3], [250], [7, 8], [4, 66, 31]][:SHORT_PROMPT]
     requests = [BeamRequest(i, prompt_tokens=tuple(p), params=BeamParams(
         num_beams=beams, max_new_tokens=8, min_new_tokens=i, length_penalty=length_penalty,
@@ -93,14 +93,14 @@ def test_short_prompts_a_token_a_forward_match_transformers(models, monkeypatch,
         assert_same(result.hypotheses, reference_hypotheses(reference, list(request.prompt_tokens), request.params,
                                                              eos))
     assert query_lens and max(query_lens) == 1
-    assert engine.blocks.num_free == free
+    assert engine.cache.blocks.num_free == free
 
 
 def test_short_prompts_of_more_requests_than_a_decode_graph_holds_run_in_one_forward(models, monkeypatch):
     """Past the largest decode graph a token's forward would run eagerly, a launch per kernel each token: the
     prompts of such a call go in one forward instead, with the same hypotheses."""
     engine, reference, eos = models
-    monkeypatch.setattr(engine.model.ops, "decode_graph_rows", 2)
+    monkeypatch.setattr(engine.runner, "decode_graph_rows", 2)
     query_lens, forward = [], engine.model.forward
     monkeypatch.setattr(engine.model, "forward", lambda batch, kv: query_lens.append(max(batch.query_lens))
                         or forward(batch, kv))
@@ -136,39 +136,39 @@ def test_the_search_is_transformers_search_over_our_logits(models, monkeypatch, 
 
 def test_too_few_free_blocks_refuses_the_call_and_changes_nothing(models):
     engine, _, eos = models
-    free = engine.blocks.num_free
+    free = engine.cache.blocks.num_free
     huge = BeamRequest(1, prompt_tokens=tuple(PROMPTS[3]), params=BeamParams(num_beams=32, max_new_tokens=400))
     with pytest.raises(OutOfKvBlocks):
         engine.beam_generate([huge], eos, FILL)
-    assert engine.blocks.num_free == free
+    assert engine.cache.blocks.num_free == free
 
 
 def test_a_call_cancelled_mid_search_gives_every_block_back(models):
     engine, _, eos = models
-    free = engine.blocks.num_free
+    free = engine.cache.blocks.num_free
     checks = iter(range(100))
     requests = [BeamRequest(i, prompt_tokens=tuple(p), params=BeamParams(num_beams=4, max_new_tokens=30,
                                                                          min_new_tokens=30))
                 for i, p in enumerate(PROMPTS)]
     with pytest.raises(Cancelled):
         engine.beam_generate(requests, eos, FILL, cancelled=lambda: next(checks) == 5)   # before the 6th step
-    assert engine.blocks.num_free == free
+    assert engine.cache.blocks.num_free == free
 
 
 def test_more_continuations_than_the_vocabulary_is_refused(models):
     """keep = max(2, 1 + #EOS) x num_beams candidates per beam must exist: 32 beams and 8 EOS ids keep 288, over
     the tiny vocabulary's 256."""
     engine, _, _ = models
-    free = engine.blocks.num_free
+    free = engine.cache.blocks.num_free
     request = BeamRequest(1, prompt_tokens=tuple(PROMPTS[0]), params=BeamParams(num_beams=32, max_new_tokens=4))
     with pytest.raises(InvalidArgument, match="vocabulary"):
         engine.beam_generate([request], tuple(range(2, 10)), FILL)
-    assert engine.blocks.num_free == free
+    assert engine.cache.blocks.num_free == free
 
 
 def test_non_finite_logits_end_the_call_alone_and_every_block_back(models, monkeypatch):
     engine, _, eos = models
-    free = engine.blocks.num_free
+    free = engine.cache.blocks.num_free
     forward = engine.forward
     calls = iter(range(100))
 
@@ -181,7 +181,7 @@ def test_non_finite_logits_end_the_call_alone_and_every_block_back(models, monke
                                                                                  min_new_tokens=10))
     with pytest.raises(StepFailed, match="finite"):       # on the host: the model's logits, not the device, failed
         engine.beam_generate([request], eos, FILL)
-    assert engine.blocks.num_free == free
+    assert engine.cache.blocks.num_free == free
 
 
 def test_the_prompt_pass_hands_over_a_device_search(models, monkeypatch):
@@ -197,8 +197,8 @@ def test_the_prompt_pass_hands_over_a_device_search(models, monkeypatch):
                                                                          length_penalty=lp))
                 for i, (p, k, lp) in enumerate(zip(PROMPTS, (3, 1, 3, 2), (1.0, 0.5, 2.0, -1.0)))]
     seen, reads = [], []
-    monkeypatch.setattr(engine.model.ops, "device_beam_search", lambda search, *_: seen.append(search))
-    candidates = engine.model.ops.beam_candidates
+    monkeypatch.setattr(engine.runner, "device_beam_search", lambda search, *_: seen.append(search))
+    candidates = engine.runner.beam_candidates
 
     class Recorded:
         def __init__(self, found):
@@ -208,10 +208,10 @@ def test_the_prompt_pass_hands_over_a_device_search(models, monkeypatch):
             reads.append(len(seen))                        # how many hand-overs came before the read
             return self.found.host()
 
-    monkeypatch.setattr(engine.model.ops, "beam_candidates", lambda *args: Recorded(candidates(*args)))
-    free = engine.blocks.num_free
+    monkeypatch.setattr(engine.runner, "beam_candidates", lambda *args: Recorded(candidates(*args)))
+    free = engine.cache.blocks.num_free
     engine.beam_generate(requests, eos, FILL)             # stepped on the host: the CPU backend returns None
-    assert engine.blocks.num_free == free and len(seen) == 1
+    assert engine.cache.blocks.num_free == free and len(seen) == 1
     assert reads and min(reads) == 1
     search = seen[0]
     order = [0, 2, 1, 3]                                  # grouped by num_beams, in call order

@@ -45,10 +45,10 @@ def test_logits_match_transformers(models):
     engine, info, reference, _ = models
     assert info.architecture == "M2M100ForConditionalGeneration"
     decoder = [[START, 33, 61, 90, 14], [START, 44], [START, 9, 9, 1, 7]]   # a padding id (1) among them too
-    size, free = engine.config.kv_block_size, iter(range(engine.blocks.num_blocks))
+    size, free = engine.config.kv_block_size, iter(range(engine.cache.blocks.num_blocks))
     cross = [BlockTable([next(free) for _ in range(-(-len(s) // size))]) for s in SOURCES[:3]]
     engine.model.encode(build_batch([Segment(t, 0, s, False) for t, s in zip(cross, SOURCES)], size),
-                        engine.kv_cache)
+                        engine.cache.layers)
     segments = [Segment(BlockTable([next(free), next(free)]), 0, tokens, True, (table, len(source)))
                 for tokens, table, source in zip(decoder, cross, SOURCES)]
     batch = build_batch(segments, size)
@@ -67,11 +67,11 @@ def test_sources_with_padding_ids_encode_as_transformers(models):
     engine, _, reference, _ = models
     sources = [[5, 1, 17, 99, 2], [1, 1, 8, 2], [250, 2]]
     decoder = [[START, 33, 61], [START, 44], [START, 9]]
-    size, free = engine.config.kv_block_size, iter(range(engine.blocks.num_blocks))
+    size, free = engine.config.kv_block_size, iter(range(engine.cache.blocks.num_blocks))
     cross = [BlockTable([next(free) for _ in range(-(-len(s) // size))]) for s in sources]
     for group in ([0, 1], [2]):     # with padding ids; without
         engine.model.encode(build_batch([Segment(cross[i], 0, sources[i], False) for i in group], size),
-                            engine.kv_cache)
+                            engine.cache.layers)
     segments = [Segment(BlockTable([next(free)]), 0, tokens, True, (table, len(source)))
                 for tokens, table, source in zip(decoder, cross, sources)]
     batch = build_batch(segments, size)
@@ -87,7 +87,7 @@ def test_sources_with_padding_ids_encode_as_transformers(models):
                                                                                   (True, False, "never"))))
 def test_beam_search_matches_transformers(models, length_penalty, early_stopping):
     engine, _, reference, eos = models
-    free = engine.blocks.num_free
+    free = engine.cache.blocks.num_free
     requests = []
     for i, (source, beams, prefix) in enumerate(zip(SOURCES * 2, (1, 2, 4, 5, 5, 4, 2, 1),
                                                     ((), (200,), (), (201, 5)) * 2)):
@@ -100,7 +100,7 @@ def test_beam_search_matches_transformers(models, length_penalty, early_stopping
         expected = reference_hypotheses(reference, [START, *request.decoder_prefix], request.params, eos,
                                         source=list(request.src_tokens))
         assert_same(result.hypotheses, expected)
-    assert engine.blocks.num_free == free
+    assert engine.cache.blocks.num_free == free
 
 
 def generate_prefixed(engine, reference, eos, prefixes) -> None:
@@ -120,14 +120,14 @@ def test_short_prompts_a_token_a_forward_match_transformers(models, monkeypatch)
     Both as transformers' generate; NLLB's case, every prompt two tokens long, runs the first token's forward with
     no candidates (no prompt ends there)."""
     engine, _, reference, eos = models
-    monkeypatch.setattr(engine.model.ops, "decode_graph_rows", 256)
+    monkeypatch.setattr(engine.runner, "decode_graph_rows", 256)
     query_lens, forward = [], engine.model.forward
     monkeypatch.setattr(engine.model, "forward", lambda batch, kv: query_lens.append(max(batch.query_lens))
                         or forward(batch, kv))
     counts, beam_forward = [], engine._beam_forward
     monkeypatch.setattr(engine, "_beam_forward", lambda batch, banned, count: counts.append(count)
                         or beam_forward(batch, banned, count))
-    free = engine.blocks.num_free
+    free = engine.cache.blocks.num_free
     for prefixes, longest, alone in ((((200,), (), (201, 5)), 1, 0), (((200,), (201,), (5,)), 1, 1),
                                      (((1, 7), (200,)), 3, 0)):
         query_lens.clear()
@@ -135,7 +135,7 @@ def test_short_prompts_a_token_a_forward_match_transformers(models, monkeypatch)
         generate_prefixed(engine, reference, eos, prefixes)
         assert max(query_lens) == longest
         assert counts.count(0) == alone         # forwards run for their KV alone: no candidates taken
-    assert engine.blocks.num_free == free
+    assert engine.cache.blocks.num_free == free
 
 
 @pytest.mark.parametrize("length_penalty, early_stopping", [(0.0, True), (1.0, False), (2.0, "never")])
@@ -163,22 +163,27 @@ def test_the_search_is_transformers_search_over_our_logits(models, monkeypatch, 
 
 
 def test_prompts_go_in_one_forward_where_the_backend_replays_prefill_graphs(models, monkeypatch):
-    """Where the backend replays prefill graphs (Ops.prefill_graphs), NLLB-style prompts run in one forward
-    through Ops.run_prefill even where decode steps replay graphs too; a prompt holding the padding id runs in one
-    forward without it (its positions are counted on the host). Both as transformers' generate."""
+    """Where the runner replays prefill graphs (Runner.prefill_graphs), NLLB-style prompts run in one replayable
+    forward even where decode steps replay graphs too; a prompt holding the padding id runs in one forward that is
+    not replayable (its positions are counted on the host). Both as transformers' generate."""
     engine, _, reference, eos = models
-    ops = engine.model.ops
-    monkeypatch.setattr(ops, "decode_graph_rows", 256)
-    monkeypatch.setattr(ops, "prefill_graphs", True)
-    prefills, run_prefill = [], ops.run_prefill
-    monkeypatch.setattr(ops, "run_prefill", lambda forward, batch: prefills.append(list(batch.query_lens))
-                        or run_prefill(forward, batch))
-    free = engine.blocks.num_free
+    runner = engine.runner
+    monkeypatch.setattr(runner, "decode_graph_rows", 256)
+    monkeypatch.setattr(runner, "prefill_graphs", True)
+    prefills, run_forward = [], runner.run_forward
+
+    def recording(forward, batch, replayable):
+        if replayable and any(n != 1 for n in batch.query_lens):
+            prefills.append(list(batch.query_lens))
+        return run_forward(forward, batch, replayable)
+
+    monkeypatch.setattr(runner, "run_forward", recording)
+    free = engine.cache.blocks.num_free
     for prefixes, expected_prefills in ((((200,), (), (201, 5)), [[2, 1, 3]]), (((1, 7), (200,)), [])):
         prefills.clear()
         generate_prefixed(engine, reference, eos, prefixes)
         assert prefills == expected_prefills
-    assert engine.blocks.num_free == free
+    assert engine.cache.blocks.num_free == free
 
 
 def test_prefill_and_decode_follow_transformers(models):
@@ -196,7 +201,7 @@ def test_prefill_and_decode_follow_transformers(models):
         assert (ours - expected).norm() / expected.norm() < 1e-5
         assert [int(t) for t in ours[1:].argmax(-1)] == decoded[i][2:] + [next_tokens[i]]
     engine.release(list(sources))
-    assert engine.blocks.num_free == engine.blocks.num_blocks
+    assert engine.cache.blocks.num_free == engine.cache.blocks.num_blocks
 
 
 @pytest.mark.parametrize("slice_, error", [
@@ -208,7 +213,7 @@ def test_a_source_comes_whole_and_fits_the_encoder(models, slice_, error):
     engine, _, _, _ = models
     with pytest.raises(error):
         engine.step(Step(prefill=(slice_,)))
-    assert len(engine.sequences) == 0 and engine.blocks.num_free == engine.blocks.num_blocks
+    assert len(engine.sequences) == 0 and engine.cache.blocks.num_free == engine.cache.blocks.num_blocks
 
 
 def test_a_pytorch_model_bin_loads_as_the_safetensors_do(tmp_path):
@@ -231,14 +236,14 @@ def test_sources_short_of_blocks_change_nothing(models):
     refused whole, and a live sequence decodes on as before."""
     engine, _, _, _ = models
     live = engine.step(Step(prefill=(PrefillSlice(1, tuple(SOURCES[0])),))).outputs[0].token
-    free = engine.blocks.num_free
+    free = engine.cache.blocks.num_free
     too_many = tuple(PrefillSlice(10 + i, (5,) * 128) for i in range(free // 32 + 1))   # 32 blocks of 4 each
     with pytest.raises(OutOfKvBlocks):
         engine.step(Step(prefill=too_many))
-    assert engine.blocks.num_free == free and set(engine.sequences.ids()) == {1}
+    assert engine.cache.blocks.num_free == free and set(engine.sequences.ids()) == {1}
     after = engine.step(Step(decode=(DecodeLane(1, live),))).outputs[0].token
     engine.release([1])
     engine.step(Step(prefill=(PrefillSlice(2, tuple(SOURCES[0])),)))
     assert engine.step(Step(decode=(DecodeLane(2, live),))).outputs[0].token == after
     engine.release([2])
-    assert engine.blocks.num_free == engine.blocks.num_blocks
+    assert engine.cache.blocks.num_free == engine.cache.blocks.num_blocks

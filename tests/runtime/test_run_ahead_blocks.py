@@ -23,7 +23,7 @@ def test_a_request_short_of_blocks_gets_those_guesses_held(tmp_path):
     t1 = step(Step(prefill=(PrefillSlice(1, tuple(range(10, 25))),))).outputs[0].token    # 15 tokens: 1 block
     step(Step(decode=(DecodeLane(1, t1),)))                          # 16 tokens; its guess takes a 2nd block
     t3 = step(Step(prefill=(PrefillSlice(3, tuple(range(40, 55))),))).outputs[0].token    # 15 tokens: 1 block
-    assert engine.stats().free_kv_blocks == 2 and engine.blocks.num_free == 1
+    assert engine.stats().free_kv_blocks == 2 and engine.cache.blocks.num_free == 1
 
     settle = engine._settle_ahead
 
@@ -35,4 +35,4 @@ def test_a_request_short_of_blocks_gets_those_guesses_held(tmp_path):
 
     engine._settle_ahead = settle_then_another_lane_steps
     engine.step(Step(prefill=(PrefillSlice(2, tuple(range(60, 92))),)))                     # 32 tokens: 2 blocks
-    assert engine.blocks.num_free == 0 and sorted(engine.sequences.ids()) == [1, 2, 3]
+    assert engine.cache.blocks.num_free == 0 and sorted(engine.sequences.ids()) == [1, 2, 3]

@@ -95,7 +95,7 @@ def inject_validation(worker, monkeypatch):
 
 def inject_planning(worker, monkeypatch):
     # Raised by the first block allocation: after the step has created sequence 5, before it holds its blocks.
-    blocks = worker.engine.blocks
+    blocks = worker.engine.cache.blocks
     monkeypatch.setattr(blocks, "allocate", raising_on_call(1, RuntimeError("injected in planning"), blocks.allocate))
 
 
@@ -106,8 +106,8 @@ def inject_forward(worker, monkeypatch):
 
 
 def inject_sampling(worker, monkeypatch):
-    ops = worker.engine.model.ops
-    monkeypatch.setattr(ops, "sample", raising_on_call(1, ValueError("injected in sampling"), ops.sample))
+    runner = worker.engine.runner
+    monkeypatch.setattr(runner, "sample", raising_on_call(1, ValueError("injected in sampling"), runner.sample))
 
 
 def inject_beam_search(worker, monkeypatch):
@@ -180,8 +180,8 @@ def test_a_device_error_takes_the_worker_out_of_rotation_and_is_undone(tiny_llam
         stub = worker.stub
         tokens = prefill(stub)
         before = stub.Info(pb.InfoRequest())
-        ops, model = worker.engine.model.ops, worker.engine.model
-        monkeypatch.setattr(ops, "device_errors", (FakeDriverError,), raising=False)
+        runner, model = worker.engine.runner, worker.engine.model
+        monkeypatch.setattr(runner, "device_errors", (FakeDriverError,), raising=False)
         monkeypatch.setattr(model, "forward", raising_on_call(2, error, model.forward))
         with pytest.raises(grpc.RpcError) as caught:
             stub.MixedForward(mixed_call(tokens)[1])

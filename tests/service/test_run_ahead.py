@@ -107,8 +107,8 @@ def test_a_guess_never_takes_a_block_a_request_needs(workers):
     # 1 ends at 16 tokens, one full block: its guessed step takes a second block.
     r = start(workers, [1], prompt_len=15)
     r = decode(workers, [1], list(r.tokens))
-    assert ahead.engine.blocks.num_free == plain.engine.blocks.num_free - 1
-    assert ahead.stub.Info(pb.InfoRequest()).free_kv_blocks == plain.engine.blocks.num_free == 11
+    assert ahead.engine.cache.blocks.num_free == plain.engine.cache.blocks.num_free - 1
+    assert ahead.stub.Info(pb.InfoRequest()).free_kv_blocks == plain.engine.cache.blocks.num_free == 11
     # 11 blocks for 2: only if the guess gives its block back.
     start(workers, [2], prompt_len=11 * 16)
     # And now 1 has no block for its 17th token on either worker: the same RESOURCE_EXHAUSTED.

@@ -1,11 +1,18 @@
-"""Backends implement the ops a model family is written against (ops.py): cpu.py with torch, cuda/ with
-NVRTC kernels and cuBLASLt."""
+"""Backends implement the two interfaces: the layer math models are written against (layer_math.py) and the runner
+the engine drives (runner.py). cpu/ with torch, cuda/ with NVRTC kernels and cuBLASLt."""
 
 import functools
 from pathlib import Path
+from typing import NamedTuple
 
-from metrale.runtime.backend.ops import Ops, RopeTable
+from metrale.runtime.backend.layer_math import LayerMath
+from metrale.runtime.backend.runner import Runner
 from metrale.runtime.errors import FailedPrecondition
+
+
+class Backend(NamedTuple):
+    math: LayerMath
+    runner: Runner
 
 
 @functools.cache
@@ -26,15 +33,15 @@ def cuda_available() -> bool:
         return False
 
 
-def create_backend(device: str, dtype: str, cache_dir: Path, programmatic_launch: bool = True) -> Ops:
+def create_backend(device: str, dtype: str, cache_dir: Path, programmatic_launch: bool = True) -> Backend:
     """device: 'auto' (CUDA where a GPU is present), 'cpu' or 'cuda'; programmatic_launch: CUDA's PDL on Hopper."""
     if device == "cuda" or (device == "auto" and cuda_available()):
         if not cuda_available():
             raise FailedPrecondition("--device cuda, but no CUDA device is visible")
-        from metrale.runtime.backend.cuda.backend import CudaBackend
-        return CudaBackend(cache_dir / "kernels", dtype, programmatic_launch)
-    from metrale.runtime.backend.cpu import CpuBackend
-    return CpuBackend(dtype)
+        from metrale.runtime.backend.cuda import create_cuda_backend
+        return Backend(*create_cuda_backend(cache_dir, dtype, programmatic_launch))
+    from metrale.runtime.backend.cpu import create_cpu_backend
+    return Backend(*create_cpu_backend(dtype))
 
 
-__all__ = ["Ops", "RopeTable", "create_backend", "cuda_available"]
+__all__ = ["Backend", "LayerMath", "Runner", "create_backend", "cuda_available"]

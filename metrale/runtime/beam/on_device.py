@@ -1,4 +1,4 @@
-"""A call's search steps on the device, for backends that have them (Ops.device_beam_search): each step the
+"""A call's search steps on the device, for backends that have them (Runner.device_beam_search): each step the
 backend selects every request's next beams, forks their KV blocks and runs the next decode forward and its
 candidates without the host; the host launches the step and reads one done flag per request.
 
@@ -18,12 +18,8 @@ import numpy as np
 
 from metrale.runtime.beam.candidates import Candidates, rows_of
 from metrale.runtime.errors import Cancelled
-from metrale.runtime.kv_blocks import KvBlockManager, blocks_for
+from metrale.runtime.cache.blocks import BlockPool, blocks_for
 
-# The device step's limits (beam_step.cu): a request's candidates (num_beams x keep) and the continuations it keeps.
-MAX_CANDIDATES = 4096
-MAX_KEEP = 256
-MAX_BEAMS = 32                 # beam_step.cu's per-request arrays (MAX_SELECT_BEAMS)
 EARLY_STOPPING_CODES = {False: 0, True: 1, "never": 2}
 
 
@@ -92,12 +88,7 @@ class LockedSearch:
             return self.search.hypotheses(request, count)
 
 
-def fits_on_device(groups) -> bool:
-    return all(g.search.num_beams <= MAX_BEAMS and g.search.keep <= MAX_KEEP
-               and g.search.keep * g.search.num_beams <= MAX_CANDIDATES for g in groups)
-
-
-def device_search(groups, pool: KvBlockManager, block_size: int, encoder_decoder: bool) -> tuple[DeviceSearch, list]:
+def device_search(groups, pool: BlockPool, block_size: int, encoder_decoder: bool) -> tuple[DeviceSearch, list]:
     """The DeviceSearch the runner's prompt pass leaves, and its requests (the groups' members, in order). Host
     work only: nothing here waits for the device."""
     members = [m for g in groups for m in g.members]

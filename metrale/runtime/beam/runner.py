@@ -15,11 +15,11 @@ import torch
 
 from metrale.runtime.batch import ForwardBatch, Segment, build_batch, build_decode_batch
 from metrale.runtime.beam.candidates import Candidates, finite, rows_of
-from metrale.runtime.beam.on_device import DeviceSearch, OnDeviceSearch, device_search, fits_on_device, run_on_device
+from metrale.runtime.beam.on_device import DeviceSearch, OnDeviceSearch, device_search, run_on_device
 from metrale.runtime.beam.params import MAX_KEEP, BeamRequest
 from metrale.runtime.beam.search import BeamGroup
 from metrale.runtime.errors import BatchTooLarge, Cancelled, InvalidArgument, OutOfRange
-from metrale.runtime.kv_blocks import KvBlockManager, blocks_for
+from metrale.runtime.cache.blocks import BlockPool, blocks_for
 from metrale.runtime.planner import Limits
 from metrale.runtime.sequence import BlockTable
 
@@ -63,7 +63,7 @@ class _Group:
 @dataclass(frozen=True)
 class BeamModel:
     """What a call needs of the model, given by the engine. forward(batch, banned, count): the batch's sampled
-    rows' beam candidates, queued (Ops.beam_candidates: .host() gives values and ids [rows, count]); count 0: the
+    rows' beam candidates, queued (Runner.beam_candidates: .host() gives values and ids [rows, count]); count 0: the
     forward only (its tokens' KV), returning None;
     copy_kv(copies): (src block, dst block, tokens) KV copies; encode(segments): the encoder over source segments,
     writing their cross-attention K/V into the segments' blocks, and decoder_start the decoder's first token, for
@@ -75,7 +75,7 @@ class BeamModel:
     vocab_size: int
     encode: Callable[[list[Segment]], None] | None = None
     decoder_start: int | None = None
-    # Backends with a device search step (Ops.device_beam_search): the search from where the prompt pass left it,
+    # Backends with a device search step (Runner.device_beam_search): the search from where the prompt pass left it,
     # or None where it must be stepped on the host.
     search_on_device: Callable[[DeviceSearch], OnDeviceSearch | None] | None = None
     # Calls whose prompts are all at most this long run them a token a forward (decode steps, which replay graphs
@@ -110,9 +110,9 @@ class BeamCall:
         self.prompts = [decoder_prompt(r, model) for r in requests]
         self._check_limits()
 
-    def run(self, pool: KvBlockManager, cancelled: Callable[[], bool]) -> list[BeamResult]:
+    def run(self, pool: BlockPool, cancelled: Callable[[], bool]) -> list[BeamResult]:
         groups = self._prefill(pool, self._encode(pool))
-        if self.model.search_on_device is not None and fits_on_device(groups):
+        if self.model.search_on_device is not None:
             search, members = device_search(groups, pool, self.block_size, self.model.encode is not None)
             on_device = self.model.search_on_device(search)
             if on_device is not None:
@@ -178,7 +178,7 @@ class BeamCall:
     def blocks_needed(self) -> int:
         return sum(blocks_needed(r, len(p), self.block_size) for r, p in zip(self.requests, self.prompts))
 
-    def _encode(self, pool: KvBlockManager) -> list[list[int] | None]:
+    def _encode(self, pool: BlockPool) -> list[list[int] | None]:
         """Encoder-decoder models: every source through the encoder at once, its cross-attention K/V into blocks
         of its own; the blocks of each request (None for decoder-only models)."""
         if self.model.encode is None:
@@ -188,7 +188,7 @@ class BeamCall:
                            for r, blocks in zip(self.requests, cross)])
         return cross
 
-    def _prefill(self, pool: KvBlockManager, cross: list[list[int] | None]) -> list[_Group]:
+    def _prefill(self, pool: BlockPool, cross: list[list[int] | None]) -> list[_Group]:
         """Every prompt once; each request starts with num_beams beams on the prompt's blocks, its last row's
         candidates (member.prompt) the same for each (transformers runs num_beams copies of the prompt: the same
         rows). Requests are grouped by num_beams, in call order."""
@@ -254,7 +254,7 @@ class BeamCall:
                 found[live[row]] = (candidates, row)
         return found
 
-    def _fork(self, pool: KvBlockManager, member: _Request, parents: list[int], position: int) -> list:
+    def _fork(self, pool: BlockPool, member: _Request, parents: list[int], position: int) -> list:
         """The new running beams' blocks: each continues its parent's, and gets a block of its own where it writes
         its new token (at `position`) into a block another beam also holds, or starts a new one. Returns the KV
         copies that makes (src block, dst block, filled slots): a source stays held by another beam."""

@@ -1,10 +1,11 @@
-"""The Llama family decoder (Llama, and the variants Mistral, Qwen2 and Qwen3 configure), against the backend ops."""
+"""The Llama family decoder (Llama, and the variants Mistral, Qwen2 and Qwen3 configure), in layer math."""
 
 from dataclasses import dataclass
 
 import torch
 
-from metrale.runtime.backend.ops import Ops, RopeTable
+from metrale.runtime.backend.layer_math import LayerMath, RopeTable
+from metrale.runtime.cache.specs import PagedKv
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.models.rope import inverse_frequencies, rope_cos_sin, rope_parameters
@@ -71,19 +72,27 @@ def config_from_hf(hf: dict) -> DecoderConfig:
 
 
 class LlamaForCausalLM:
-    def __init__(self, config: DecoderConfig, tensors: dict[str, torch.Tensor], ops: Ops, max_model_len: int):
+    def __init__(self, config: DecoderConfig, tensors: dict[str, torch.Tensor], math: LayerMath, max_model_len: int):
         self.config = config
-        self.ops = ops
-        self.weights = _load_weights(config, tensors, ops)
+        self.math = math
+        self.weights = _load_weights(config, tensors, math)
         cos, sin = rope_cos_sin(inverse_frequencies(config.rope, config.head_dim), max_model_len)
-        self.rope = RopeTable(ops.upload_float32(cos), ops.upload_float32(sin))
+        self.rope = RopeTable(math.upload_float32(cos), math.upload_float32(sin))
         self.scale = config.head_dim ** -0.5
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
 
+    def cache_specs(self) -> tuple[PagedKv, ...]:
+        """Each layer's attention K/V."""
+        return (PagedKv(self.config.num_kv_heads, self.config.head_dim),) * self.config.num_layers
+
+    def replayable(self, batch: ForwardBatch) -> bool:
+        """The forward reads every batch only through prepare()."""
+        return True
+
     def forward(self, batch: ForwardBatch, kv_cache: list) -> torch.Tensor:
         """Runs every token of the batch; returns logits [N, vocab] of batch.sample_rows."""
-        ops, c, w = self.ops, self.config, self.weights
+        ops, c, w = self.math, self.config, self.weights
         meta = ops.prepare(batch)
         x = ops.embedding(w["embed"], meta.token_ids)             # [T, hidden]
         residual = None
@@ -93,13 +102,12 @@ class LlamaForCausalLM:
             h, residual = ops.rms_norm(h, layer["post_attention_layernorm.weight"], c.rms_norm_eps, residual)
             h = ops.silu_mul(ops.linear(h, layer["mlp.gate_up_proj"]))
             x = ops.linear(h, layer["mlp.down_proj.weight"])
-        # Only rows that sample need the final norm and the vocab projection.
-        rows = meta.sample_rows
-        x, _ = ops.rms_norm(ops.gather_rows(x, rows), w["norm"], c.rms_norm_eps, ops.gather_rows(residual, rows))
+        x, residual = ops.sampled_rows(x, residual, meta)
+        x, _ = ops.rms_norm(x, w["norm"], c.rms_norm_eps, residual)
         return ops.logits(x, w["lm_head"])
 
     def _attention(self, h, layer: dict, meta, kv):
-        ops, c = self.ops, self.config
+        ops, c = self.math, self.config
         qkv = ops.linear(h, layer["self_attn.qkv_proj"], layer.get("self_attn.qkv_bias"))   # [T, q + 2 kv]
         q, k, v = qkv[:, :self.q_size], qkv[:, self.q_size:self.q_size + self.kv_size], qkv[:, self.q_size + self.kv_size:]
         if c.qk_norm:
@@ -109,7 +117,7 @@ class LlamaForCausalLM:
         return ops.linear(o, layer["self_attn.o_proj.weight"], layer.get("self_attn.o_proj.bias"))
 
 
-def _load_weights(c: DecoderConfig, tensors: dict[str, torch.Tensor], ops: Ops) -> dict:
+def _load_weights(c: DecoderConfig, tensors: dict[str, torch.Tensor], ops: LayerMath) -> dict:
     def take(name: str) -> torch.Tensor:
         if name not in tensors:
             raise InvalidArgument(f"the checkpoint has no tensor {name!r} that {c.architecture} needs")

@@ -1,4 +1,4 @@
-"""M2M100 (NLLB-200's dense checkpoints) as an encoder-decoder against the backend ops.
+"""M2M100 (NLLB-200's dense checkpoints) as an encoder-decoder, in layer math.
 
 Both stacks are pre-norm Transformer layers with LayerNorm and biased projections, a ReLU feed-forward, and a
 final LayerNorm. Token embeddings are shared and scaled by sqrt(d_model) (scale_embedding); positions are
@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from metrale.runtime.backend.ops import Ops, RopeTable
+from metrale.runtime.backend.layer_math import LayerMath, Linear, RopeTable
 from metrale.runtime.batch import ForwardBatch
+from metrale.runtime.cache.specs import PagedKv
 from metrale.runtime.errors import InvalidArgument
 
 
@@ -92,8 +93,8 @@ def position_ids(tokens: torch.Tensor, start: int, padding_idx: int) -> torch.Te
 
 
 class M2M100ForConditionalGeneration:
-    def __init__(self, config: M2M100Config, tensors: dict[str, torch.Tensor], ops: Ops, max_model_len: int):
-        self.config, self.ops = config, ops
+    def __init__(self, config: M2M100Config, tensors: dict[str, torch.Tensor], ops: LayerMath, max_model_len: int):
+        self.config, self.math = config, ops
         # transformers counts a sequence's positions past this id only: a forward over several tokens holding it
         # is not a run of one-token forwards (BeamModel.position_padding_id).
         self.position_padding_id = config.pad_token_id
@@ -113,21 +114,28 @@ class M2M100ForConditionalGeneration:
         the LM head) and the sinusoidal position table, in bf16, 256-byte aligned."""
         return 2 * c.vocab_size * c.hidden_size + 2 * (c.max_position_embeddings + 2) * c.hidden_size + 512
 
+    def cache_specs(self) -> tuple[PagedKv, ...]:
+        """Each decoder layer's self-attention K/V; a source's cross-attention K/V take blocks of the same layers
+        (a sequence's cross table)."""
+        return (PagedKv(self.config.num_kv_heads, self.config.head_dim),) * self.config.num_layers
+
+    def replayable(self, batch: ForwardBatch) -> bool:
+        """Batches of one-token segments (decode steps) and batches without a padding id take their positions from
+        the device metadata; transformers' positions past a padding id in a longer segment are counted on the host,
+        from the batch itself."""
+        return (all(n == 1 for n in batch.query_lens)
+                or not bool((batch.token_ids == self.config.pad_token_id).any()))
+
     def encode(self, batch: ForwardBatch, kv_cache: list) -> None:
         """The encoder over every source of the batch (one segment each, from position 0, over the source's cross
         blocks); each decoder layer's cross-attention K/V of its states go into those blocks, where the decoder's
         cross-attention reads them. Until then the blocks serve the encoder: layer i keeps its self-attention K/V
         in them (in decoder layer i's cache, modulo the decoder's depth) and attends over them without the
-        causal limit, so the encoder needs no attention op of its own and no memory beyond the blocks.
-        Sources without a padding id take their positions from the device metadata, so the backend may replay the
-        pass as a graph (Ops.run_encoder); transformers' positions past a padding id are counted on the host."""
-        if bool((batch.token_ids == self.config.pad_token_id).any()):
-            self._encode(batch, kv_cache, host_positions=True)
-        else:
-            self.ops.run_encoder(lambda b: self._encode(b, kv_cache, host_positions=False), batch)
+        causal limit, so the encoder needs no attention op of its own and no memory beyond the blocks."""
+        self._encode(batch, kv_cache, host_positions=not self.replayable(batch))
 
     def _encode(self, batch: ForwardBatch, kv_cache: list, host_positions: bool) -> None:
-        ops, c, w = self.ops, self.config, self.weights
+        ops, c, w = self.math, self.config, self.weights
         meta = ops.prepare(batch)
         positions = (ops.device_ids(self._positions(batch)) if host_positions
                      else ops.fairseq_position_ids(meta, c.pad_token_id))
@@ -153,43 +161,32 @@ class M2M100ForConditionalGeneration:
 
     def forward(self, batch: ForwardBatch, kv_cache: list) -> torch.Tensor:
         """The decoder over every token of the batch; logits [N, vocab] of batch.sample_rows. batch.cross holds
-        the same rows over their sources' cross-attention blocks, written by encode(). Positions come from the
-        device metadata for decode rows (the backend's decode graphs capture them) and for segments without a
-        padding id, whose forward the backend may replay as a graph (Ops.run_prefill); transformers' positions
-        past a padding id are counted on the host."""
+        the same rows over their sources' cross-attention blocks, written by encode()."""
         if batch.cross is None:
             raise InvalidArgument("an encoder-decoder forward needs its sources' cross-attention blocks")
-        if all(n == 1 for n in batch.query_lens):
-            return self._decode(batch, kv_cache, host_positions=False)
-        if bool((batch.token_ids == self.config.pad_token_id).any()):
-            return self._decode(batch, kv_cache, host_positions=True)
-        return self.ops.run_prefill(lambda b: self._decode(b, kv_cache, host_positions=False), batch)
+        return self._decode(batch, kv_cache, host_positions=not self.replayable(batch))
 
     def _decode(self, batch: ForwardBatch, kv_cache: list, host_positions: bool) -> torch.Tensor:
-        ops, c, w = self.ops, self.config, self.weights
+        ops, c, w = self.math, self.config, self.weights
         meta, cross = ops.prepare(batch), ops.prepare(batch.cross, cross=True)
         positions = (ops.device_ids(self._positions(batch)) if host_positions
                      else ops.fairseq_position_ids(meta, c.pad_token_id))
         scale, eps = c.head_dim ** -0.5, c.layer_norm_eps
-        fc2 = None          # the layer before's: its output goes only into this layer's first norm
-        for layer, kv in zip(w["decoder"], kv_cache):
-            if fc2 is None:     # the token and position embeddings, gathered by the norm
+        for i, (layer, kv) in enumerate(zip(w["decoder"], kv_cache)):
+            if i == 0:      # the token and position embeddings, gathered by the norm
                 h, residual = ops.embedding_layer_norm(w["embed"], meta.token_ids, self.positions, positions,
                                                        *layer["self_attn_layer_norm"], eps)
             else:
-                h, residual = ops.linear_layer_norm(x, *fc2, *layer["self_attn_layer_norm"], eps, residual)
+                h, residual = ops.layer_norm(x, *layer["self_attn_layer_norm"], eps, residual)
             q, k, v = _split(ops.linear(h, *layer["qkv"]), c.hidden_size)
             o = ops.self_attention(q, k, v, self.no_rope, meta, kv, c.num_heads, c.head_dim, scale, None)
-            h, residual = ops.linear_layer_norm(o, *layer["out"], *layer["encoder_attn_layer_norm"], eps, residual)
-            o = ops.cross_attention(h, *layer["cross_q"], kv, cross, c.num_heads, c.head_dim, scale)
-            h, residual = ops.linear_layer_norm(o, *layer["cross_out"], *layer["final_layer_norm"], eps, residual)
-            x, fc2 = ops.linear_relu(h, *layer["fc1"]), layer["fc2"]
-        if batch.samples_every_row:         # decode steps: the last fc2 goes into the final norm as the others do
-            x, _ = ops.linear_layer_norm(x, *fc2, *w["decoder_norm"], eps, residual)
-        else:
-            x = ops.linear(x, *fc2)
-            rows = meta.sample_rows
-            x, _ = ops.layer_norm(ops.gather_rows(x, rows), *w["decoder_norm"], eps, ops.gather_rows(residual, rows))
+            h, residual = ops.layer_norm(Linear(o, *layer["out"]), *layer["encoder_attn_layer_norm"], eps, residual)
+            o = ops.paged_attention(Linear(h, *layer["cross_q"]), kv, cross, c.num_heads, c.head_dim, scale, None,
+                                    causal=False)
+            h, residual = ops.layer_norm(Linear(o, *layer["cross_out"]), *layer["final_layer_norm"], eps, residual)
+            x = Linear(ops.linear_relu(h, *layer["fc1"]), *layer["fc2"])
+        x, residual = ops.sampled_rows(x, residual, meta)
+        x, _ = ops.layer_norm(x, *w["decoder_norm"], eps, residual)
         return ops.logits(x, w["lm_head"])
 
     def _positions(self, batch: ForwardBatch) -> torch.Tensor:
@@ -205,7 +202,7 @@ def _split(x, hidden: int, parts: int = 3):
     return tuple(x[:, i * hidden:(i + 1) * hidden] for i in range(parts))
 
 
-def _load_weights(c: M2M100Config, tensors: dict[str, torch.Tensor], ops: Ops) -> dict:
+def _load_weights(c: M2M100Config, tensors: dict[str, torch.Tensor], ops: LayerMath) -> dict:
     def take(name: str) -> torch.Tensor:
         if name not in tensors:
             raise InvalidArgument(f"the checkpoint has no tensor {name!r} that {c.architecture} needs")

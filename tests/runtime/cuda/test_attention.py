@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("cuda.core")
 
 from gpu_reference import TOLERANCE, relative_error  # noqa: E402
-from metrale.runtime.backend.cpu import CpuBackend  # noqa: E402
+from metrale.runtime.backend.cpu import CpuLayerMath  # noqa: E402
 from metrale.runtime.backend.cuda.kernels.attention import (decode_workspace_elements,  # noqa: E402
                                                             paged_decode_attention, paged_prefill_attention)
 from metrale.runtime.backend.cuda.tensor import DeviceTensor  # noqa: E402
@@ -316,7 +316,7 @@ def test_prefill_peaked_scores(kernel_library, stream):
 
 @pytest.mark.parametrize("sliding_window", [-1, 5])
 def test_reference_matches_cpu_backend(sliding_window):
-    # The float64 reference above computes what CpuBackend.paged_attention computes (no GPU needed).
+    # The float64 reference above computes what CpuLayerMath.paged_attention computes (no GPU needed).
     num_heads, num_kv_heads, head_dim, block_size = 8, 2, 16, 4
     segments = [(1, 9), (6, 6), (3, 11), (1, 1)]
     contexts = [c for _, c in segments]
@@ -329,9 +329,9 @@ def test_reference_matches_cpu_backend(sliding_window):
                          torch.zeros(11, dtype=torch.int64), starts, [n for n, _ in segments], contexts,
                          [tables[s, :math.ceil(c / block_size)].tolist() for s, c in enumerate(contexts)],
                          torch.zeros(0, dtype=torch.int64))
-    backend = CpuBackend("float32")
+    cpu_math = CpuLayerMath("float32")
     window = None if sliding_window < 0 else sliding_window
-    cpu = backend.paged_attention(q, kv, backend.prepare(batch), num_kv_heads, head_dim, 0.3, window)
+    cpu = cpu_math.paged_attention(q, kv, cpu_math.prepare(batch), num_kv_heads, head_dim, 0.3, window)
     for s, (n, context) in enumerate(segments):
         rows = slice(starts[s], starts[s] + n)
         ours = reference_attention(q[rows].view(n, num_heads, head_dim), sequences[s].float(),

@@ -53,13 +53,13 @@ def compare_beams(engine, reference, requests, eos, encoder_decoder: bool, monke
     """Ours (the device search) against the host search (the same hypotheses), the host search against
     transformers' float32 search over our logits (check_search), and against transformers' float32 hypotheses
     where that search decides as over float32 logits; returns (requests decided alike, requests in all)."""
-    free = engine.blocks.num_free
+    free = engine.cache.blocks.num_free
     on_device = engine.beam_generate(requests, eos, FILL)
     with monkeypatch.context() as patch:
-        patch.setattr(engine.model.ops, "device_beam_search", lambda *args: None)
+        patch.setattr(engine.runner, "device_beam_search", lambda *args: None)
         with LogitsRecorder(engine) as recorder:
             on_host = engine.beam_generate(requests, eos, FILL)
-    assert engine.blocks.num_free == free
+    assert engine.cache.blocks.num_free == free
     decided = 0
     for i, (request, ours, host) in enumerate(zip(requests, on_device, on_host)):
         assert [t for t, _ in ours.hypotheses] == [t for t, _ in host.hypotheses], request.request_id
@@ -126,19 +126,19 @@ def test_device_search_step_matches_the_host_step(request, monkeypatch, case, le
     eos = (2, frequent_token(reference, inputs[0], **(dict(decoder_input_ids=torch.tensor([[START]], device="cuda"),
                                                           decoder_start_token_id=START) if encoder_decoder else {})))
     requests = beam_requests(inputs, encoder_decoder, length_penalty, early_stopping, prefixes)
-    free, ops = engine.blocks.num_free, engine.model.ops
-    searches, reads, lane = [], [], ops._bound.lane
-    original, copy_to_host = ops.device_beam_search, lane.copy_to_host
-    monkeypatch.setattr(ops, "device_beam_search", lambda *a: searches.append(original(*a)) or searches[-1])
+    free, runner = engine.cache.blocks.num_free, engine.runner
+    searches, reads, lane = [], [], runner.lane
+    original, copy_to_host = runner.device_beam_search, lane.copy_to_host
+    monkeypatch.setattr(runner, "device_beam_search", lambda *a: searches.append(original(*a)) or searches[-1])
     monkeypatch.setattr(lane, "copy_to_host", lambda *a: reads.append(len(searches)) or copy_to_host(*a))
     on_device = engine.beam_generate(requests, eos, FILL)
     assert len(searches) == 1 and searches[0] is not None and searches[0].generated > 1    # it did run there
     # Seeded, the host waited for nothing before the hand-over (no copy back), and the buffer is free again.
     assert searches[0].seeded == seeded and (min(reads) == 1) == seeded
     assert lane.latest_candidates is None or not seeded
-    monkeypatch.setattr(ops, "device_beam_search", lambda *a: None)
+    monkeypatch.setattr(runner, "device_beam_search", lambda *a: None)
     on_host = engine.beam_generate(requests, eos, FILL)
-    assert engine.blocks.num_free == free
+    assert engine.cache.blocks.num_free == free
     for ours, theirs in zip(on_device, on_host):
         assert [t for t, _ in ours.hypotheses] == [t for t, _ in theirs.hypotheses], ours.request_id
         assert torch.allclose(torch.tensor([s for _, s in ours.hypotheses]),
@@ -155,8 +155,8 @@ def test_non_finite_logits_end_the_device_call_with_a_fault(tmp_path, monkeypatc
     from metrale.runtime.errors import DeviceFault
 
     engine, _ = engine_on_cuda(write_tiny("llama_tied", tmp_path / "llama", **WEIGHTS), tmp_path / "cache")
-    ops, started = engine.model.ops, []
-    original = ops.device_beam_search
+    runner, started = engine.runner, []
+    original = runner.device_beam_search
 
     def poison():
         head = engine.model.weights["lm_head"]
@@ -172,11 +172,11 @@ def test_non_finite_logits_end_the_device_call_with_a_fault(tmp_path, monkeypatc
 
     if when == "prompt":
         poison()
-    monkeypatch.setattr(ops, "device_beam_search", poisoned)
-    free = engine.blocks.num_free
+    monkeypatch.setattr(runner, "device_beam_search", poisoned)
+    free = engine.cache.blocks.num_free
     request = BeamRequest(1, prompt_tokens=tuple(PROMPTS[1]), params=BeamParams(num_beams=4, max_new_tokens=10,
                                                                                  min_new_tokens=10))
     with pytest.raises(DeviceFault, match="finite"):
         engine.beam_generate([request], (2,), FILL)
-    assert started and started[0] is not None and engine.blocks.num_free == free
+    assert started and started[0] is not None and engine.cache.blocks.num_free == free
     assert started[0].seeded

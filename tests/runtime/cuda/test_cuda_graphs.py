@@ -39,8 +39,8 @@ def test_graph_replay_equals_eager(name, tmp_path):
     eager, _ = build_engine(checkpoint, EngineConfig(**common, cuda_graph_batch_sizes=()), tmp_path / "cache")
     graphed, _ = build_engine(checkpoint, EngineConfig(**common, cuda_graph_batch_sizes=(1, 4, 8)),
                               tmp_path / "cache")
-    backend = graphed.model.ops
-    assert backend.graphs is not None and backend.graphs.replays == 0
+    graphs = graphed.runner.lane.graphs
+    assert graphs is not None and graphs.replays == 0
     generator = torch.Generator().manual_seed(3)
     # 3 lanes (padded to the 4-lane graph) of different contexts, then 1 lane, then 7 (the 8-lane graph).
     for num_lanes in (3, 1, 7):
@@ -53,4 +53,4 @@ def test_graph_replay_equals_eager(name, tmp_path):
                 # Same math; the padded GEMM shapes and the attention split count (planned for max_model_len)
                 # may round differently in bf16.
                 assert relative_error(a, b) < 1e-2, f"{name}: lane {seq_id} differs from the eager step"
-    assert backend.graphs.replays == 3 * 6
+    assert graphs.replays == 3 * 6

@@ -58,11 +58,11 @@ def assert_same(got: dict, want: dict) -> None:
 
 def on_lanes(engine, work: list):
     """work[i]() on a thread bound to lane i, all of them started together; their results in lane order."""
-    ops = engine.model.ops
+    runner = engine.runner
     together = threading.Barrier(len(work), timeout=60)
 
     def run(lane: int):
-        ops.bind_lane(lane)
+        runner.bind_stream(lane)
         together.wait()
         return work[lane]()
 
@@ -72,38 +72,38 @@ def on_lanes(engine, work: list):
 
 
 def test_lanes_decode_at_once_as_one_lane_does_in_turn(engine):
-    ops = engine.model.ops
-    assert ops.concurrent_forwards and len(ops.lanes) == 2
+    runner = engine.runner
+    assert runner.concurrent_forwards and len(runner.lanes) == 2
     # Three sequences a lane (the 4-lane graph), prompts of different lengths (their prefills run eagerly).
     groups = [random_prompts(10, [5, 17, 30], seed=1), random_prompts(20, [9, 26, 41], seed=2)]
     in_turn = [generate(engine, prompts) for prompts in groups]    # this thread never bound a lane: lane 0
-    replays = [lane.graphs.replays for lane in ops.lanes]
+    replays = [lane.graphs.replays for lane in runner.lanes]
     at_once = on_lanes(engine, [functools.partial(generate, engine, prompts) for prompts in groups])
-    assert [lane.graphs.replays for lane in ops.lanes] == [count + STEPS for count in replays]
+    assert [lane.graphs.replays for lane in runner.lanes] == [count + STEPS for count in replays]
     for got, want in zip(at_once, in_turn):
         assert_same(got, want)
 
 
 def test_each_lane_has_its_own_stream(engine):
-    ops = engine.model.ops
-    handles = {int(lane.stream.handle) for lane in ops.lanes}
-    assert len(handles) == 2 and int(ops.cuda.stream.handle) not in handles
-    assert on_lanes(engine, [lambda: ops.lane, lambda: ops.lane]) == ops.lanes
-    assert ops.lane is ops.lanes[0]     # binding another thread left this one on lane 0
+    runner = engine.runner
+    handles = {int(lane.stream.handle) for lane in runner.lanes}
+    assert len(handles) == 2 and int(runner.cuda.stream.handle) not in handles
+    assert on_lanes(engine, [lambda: runner.lane, lambda: runner.lane]) == runner.lanes
+    assert runner.lane is runner.lanes[0]     # binding another thread left this one on lane 0
     for lane in (-1, 2):
-        with pytest.raises(InvalidArgument, match="lane"):
-            ops.bind_lane(lane)
+        with pytest.raises(InvalidArgument, match="stream"):
+            runner.bind_stream(lane)
 
 
 def test_each_lane_replays_its_own_graphs(engine):
-    ops = engine.model.ops
-    first, second = (lane.graphs for lane in ops.lanes)
+    runner = engine.runner
+    first, second = (lane.graphs for lane in runner.lanes)
     assert first is not second and first.batch_sizes == second.batch_sizes == GRAPH_SIZES
     before = (first.replays, second.replays)
     prompts = random_prompts(30, [7, 12], seed=3)
 
     def decode_on_second_lane():
-        ops.bind_lane(1)
+        runner.bind_stream(1)
         return generate(engine, prompts)
 
     with ThreadPoolExecutor(1) as pool:

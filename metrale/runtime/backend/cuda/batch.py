@@ -31,6 +31,8 @@ class CudaBatch:
     num_prefill: int
     max_decode_context: int
     max_prefill_query: int
+    # Every row becomes logits, in order (sample_rows is 0 .. T-1): sampled_rows gathers nothing.
+    samples_every_row: bool
     host: np.ndarray              # kept alive until the forward is synchronized
 
 
@@ -50,7 +52,8 @@ def pack_batch(batch: ForwardBatch, region: DeviceTensor, max_blocks: int, pad_t
     (context 0, KV slot -1), every lane sampled, in order: the fixed shapes of a decode graph. prefill: every
     segment goes to the prefill kernel (one-token ones too), padded to prefill.tokens rows (token 0, KV slot -1)
     and prefill.segments segments of no rows and no context, attention planned for prefill.max_query rows, the
-    sampled rows padded to prefill.sampled with row 0 (at least as many as the batch samples)."""
+    sampled rows padded to prefill.sampled with row 0 (at least as many as the batch samples), so never every row
+    in order (samples_every_row is False)."""
     lens, starts, contexts, n = batch.query_lens, batch.query_starts, batch.context_lens, batch.num_tokens
     if pad_to:
         single, multi, pad = range(len(lens)), (), pad_to - n
@@ -102,7 +105,7 @@ def pack_batch(batch: ForwardBatch, region: DeviceTensor, max_blocks: int, pad_t
     return CudaBatch(**views, num_tokens=rows, num_decode=decode_rows, num_prefill=prefill_rows,
                      max_decode_context=max((contexts[i] for i in single), default=0),
                      max_prefill_query=prefill.max_query if prefill else max((lens[i] for i in multi), default=0),
-                     host=host)
+                     samples_every_row=bool(pad_to) or (not prefill and batch.samples_every_row), host=host)
 
 
 def _fill_tables(out: np.ndarray, tables: list) -> None:

@@ -31,6 +31,18 @@ ARRAYS = ("num_beams", "beam_base", "prompt_len", "max_length", "min_new", "ngra
           "rows_beam", "active")
 FLOAT_ARRAYS = {"divisors", "running_scores", "scores", "cand_values"}
 NEG = -1.0e9
+# The step kernels' limits (beam_step.cu): a request's candidates (num_beams x keep) and the continuations it keeps.
+MAX_CANDIDATES = 4096
+MAX_KEEP = 256
+MAX_BEAMS = 32                 # beam_step.cu's per-request arrays (MAX_SELECT_BEAMS)
+
+
+def fits(search: DeviceSearch) -> bool:
+    """Whether every request's search fits the step kernels' arrays. A request keeps a multiple of its num_beams
+    (BeamGroup.keep: the same factor for all, the EOS ids being the call's), so the widest request keeps
+    keep_stride, and it alone need be checked."""
+    beams, keep = int(search.num_beams.max()), search.keep_stride
+    return beams <= MAX_BEAMS and keep <= MAX_KEEP and keep * beams <= MAX_CANDIDATES
 
 
 def seed_of(search: DeviceSearch, lane) -> LaneCandidates | None:

@@ -10,7 +10,7 @@ span L2_SPAN times the L2, placed in a scratch region (the KV pool before any se
 spans that alone runs over itself.
 
 The backend tunes during warm-up only: CublasLt.linear calls tune() for a shape it meets for the first time while
-a tuner is set (cuda/backend.py's warm-up runs each decode bucket's forward once, eagerly, before capturing it).
+a tuner is set (cuda/runner.py's warm-up runs each decode bucket's forward once, eagerly, before capturing it).
 """
 
 import statistics

@@ -16,7 +16,8 @@ from metrale.runtime.backend.cuda.device import ALIGNMENT, Arena, CudaDevice, Ri
 from metrale.runtime.backend.cuda.graphs import DecodeGraphs, PrefillGraphs
 from metrale.runtime.backend.cuda.sampler import OUT_WORDS, DeviceSampler
 from metrale.runtime.backend.cuda.tensor import DTYPES, DeviceTensor
-from metrale.runtime.backend.ops import LM_HEAD_PADDING_ROWS, MemoryShapes
+from metrale.runtime.backend.layer_math import LM_HEAD_PADDING_ROWS
+from metrale.runtime.backend.runner import MemoryShapes
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.errors import InvalidArgument, ListsTooLarge
 
@@ -134,7 +135,7 @@ class Lane:
         return prepared
 
     def beam_candidates(self, logits: DeviceTensor, banned: list[list[int]], count: int) -> "LaneCandidates":
-        """Ops.beam_candidates: the kernel over the lane's logits into its candidates buffer, queued. The buffer
+        """Runner.beam_candidates: the kernel over the lane's logits into its candidates buffer, queued. The buffer
         holds one step's: the candidates before are read back first (a no-op where the host has them)."""
         if self.latest_candidates is not None:
             self.latest_candidates.host()

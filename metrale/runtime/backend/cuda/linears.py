@@ -11,9 +11,10 @@ from metrale.runtime.backend.cuda.tensor import DeviceTensor
 # routing that shape to cuBLASLt (split-K plus a reduce kernel) left the Llama batch-1 step unchanged.
 SKINNY_MAX_M = 8
 SKINNY_MAX_WEIGHT = 64 << 20
-# linear_layer_norm's split-K partials (timed by bench/gpu_gemm_algos.py --splits): K's slices by
-# rows, for K up to SPLIT_LONG_K and past it. Past 64 rows only a long K pays for the norm's reads of the partials
-# (fc2 at 256 rows: 9.4 -> 6.3 us with 4 slices; a 1024 x 1024 linear: 4.1 -> 3.7 us, less than the norm's extra).
+# The split-K partials a linear hands the norm that reads it (layer_math.py; timed by bench/gpu_gemm_algos.py
+# --splits): K's slices by rows, for K up to SPLIT_LONG_K and past it. Past 64 rows only a long K pays for the
+# norm's reads of the partials (fc2 at 256 rows: 9.4 -> 6.3 us with 4 slices; a 1024 x 1024 linear: 4.1 -> 3.7 us,
+# less than the norm's extra).
 SPLIT_LONG_K = 2048
 SPLITS_BY_ROWS = ((SKINNY_MAX_M, 1, 1), (64, 4, 8), (256, 1, 4))      # (up to rows, short K, long K)
 

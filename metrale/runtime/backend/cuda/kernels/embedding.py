@@ -63,7 +63,8 @@ def _launch_row_copy(stream, kernel, out: DeviceTensor, source: DeviceTensor, in
 def fairseq_position_ids(lib, stream, ids: DeviceTensor, token_ids: DeviceTensor, positions: DeviceTensor,
                          padding_idx: int) -> None:
     """ids [T] int32 = padding_idx where token_ids [T] is padding_idx, else positions [T] + 1 + padding_idx:
-    M2M100's position ids of one-token segments, or of segments without a padding id (Ops.fairseq_position_ids)."""
+    M2M100's position ids of one-token segments, or of segments without a padding id
+    (LayerMath.fairseq_position_ids)."""
     for name, tensor in (("ids", ids), ("token_ids", token_ids), ("positions", positions)):
         require(tensor.dtype == "int32" and tensor.shape == token_ids.shape and len(tensor.shape) == 1,
                 f"fairseq_position_ids: {name} must be [T] int32 like token_ids, not {tensor.shape} {tensor.dtype}")

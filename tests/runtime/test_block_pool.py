@@ -3,11 +3,11 @@
 import pytest
 
 from metrale.runtime.errors import OutOfKvBlocks
-from metrale.runtime.kv_blocks import KvBlockManager
+from metrale.runtime.cache.blocks import BlockPool
 
 
 def test_a_shared_block_is_free_after_its_last_holder():
-    blocks = KvBlockManager(4, 16)
+    blocks = BlockPool(4, 16)
     a, b = blocks.allocate(2)
     blocks.share([a, a])                 # three holders of a, one of b
     assert blocks.is_shared(a) and not blocks.is_shared(b)
@@ -20,9 +20,9 @@ def test_a_shared_block_is_free_after_its_last_holder():
 
 
 def test_a_reservation_hands_out_only_its_own_ids():
-    engine = KvBlockManager(10, 16)
+    engine = BlockPool(10, 16)
     reserved = engine.allocate(3)
-    call = KvBlockManager(3, 16, reserved)
+    call = BlockPool(3, 16, reserved)
     assert sorted(call.allocate(3)) == sorted(reserved) and engine.num_free == 7
     with pytest.raises(OutOfKvBlocks):
         call.allocate(1)
@@ -31,7 +31,7 @@ def test_a_reservation_hands_out_only_its_own_ids():
 def test_a_reservation_maps_its_ids_to_indices_and_counts_holders():
     """What a device search takes over: each block id as its index in the reservation's ids, the free ones in
     allocate()'s order, each block's holders (0 where free)."""
-    call = KvBlockManager(5, 16, [40, 7, 99, 3, 12])
+    call = BlockPool(5, 16, [40, 7, 99, 3, 12])
     assert call.indices([99, 3, 40]).tolist() == [2, 3, 0] and call.indices([]).tolist() == []
     for stranger in ([5], [1000], [0]):
         with pytest.raises(ValueError):

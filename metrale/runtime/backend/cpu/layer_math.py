@@ -1,64 +1,23 @@
-"""The CPU backend: the ops of ops.py in plain torch. Development, CI and the embedded default model."""
-
-import math
-import os
+"""The CPU backend's layer math (layer_math.py's interface) in plain torch. Development, CI and the embedded
+default model."""
 
 import torch
 import torch.nn.functional as F
 
-from metrale.runtime.backend.ops import RopeTable, rope_then_attention
+from metrale.runtime.backend.layer_math import Linear, RopeTable, rope_then_attention
 from metrale.runtime.batch import ForwardBatch
-from metrale.runtime.beam.candidates import HostCandidates, best_first
 from metrale.runtime.errors import InvalidArgument
-from metrale.runtime.sampling import sample
 
-_DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class CpuBackend:
+class CpuLayerMath:
     device = "cpu"
-    concurrent_forwards = True
-    device_errors = ()      # torch's CPU kernels cannot fault a device: an error there is a bug of ours
-    # Of the free RAM: the CPU backend shares its machine (development, CI, the default model).
-    default_kv_memory_fraction = 0.25
-    runs_ahead_by_default = False       # the host computes the step itself: a guess would only compete with it
-    supports_beam = True
-    decode_graph_rows = 0
-    prefill_graphs = False
 
     def __init__(self, dtype: str = "auto"):
-        if dtype not in _DTYPES:
+        if dtype not in DTYPES:
             raise InvalidArgument(f"dtype {dtype!r} is not supported on the CPU backend")
-        self.dtype = _DTYPES[dtype]
-
-    def plan(self, weight_bytes, shapes) -> None:
-        """torch allocates as it goes on the CPU."""
-
-    def bind_lane(self, lane: int) -> None:
-        """The CPU ops keep no state per lane: nothing to bind."""
-
-    def synchronize(self) -> None:
-        """The CPU ops are done when they return."""
-
-    def beam_candidates(self, logits: torch.Tensor, banned: list[list[int]], count: int) -> HostCandidates:
-        log_probs = torch.log_softmax(logits.float(), dim=-1)
-        vocab = log_probs.shape[-1]
-        for row, ids in enumerate(banned):
-            inside = [i for i in ids if 0 <= i < vocab]
-            if inside:
-                log_probs[row, inside] = -math.inf
-        return HostCandidates(*best_first(log_probs, min(count, vocab)))
-
-    def counters(self) -> dict[str, int]:
-        return {"kernel_cache_hits": 0, "kernel_cache_misses": 0, "graph_replays": 0}
-
-    def device_beam_search(self, search, forward, kv_cache) -> None:
-        return None      # the host steps the search (BeamGroup)
-
-    def copy_kv_prefixes(self, kv_cache: list, copies: list[tuple[int, int, int]]) -> None:
-        for kv in kv_cache:      # [2, num_blocks, kv_block_size, num_kv_heads, head_dim]
-            for src, dst, n in copies:
-                kv[:, dst, :n] = kv[:, src, :n]
+        self.dtype = DTYPES[dtype]
 
     def upload(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.dtype).contiguous()
@@ -68,13 +27,6 @@ class CpuBackend:
 
     def upload_float32(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.float().contiguous()
-
-    def available_kv_bytes(self, fraction: float) -> int:
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * fraction)
-
-    def allocate_kv_cache(self, num_layers, num_blocks, kv_block_size, num_kv_heads, head_dim):
-        shape = (2, num_blocks, kv_block_size, num_kv_heads, head_dim)
-        return [torch.zeros(shape, dtype=self.dtype) for _ in range(num_layers)]
 
     def prepare(self, batch: ForwardBatch, cross: bool = False) -> "CpuBatch":
         return CpuBatch.from_batch(batch)
@@ -89,11 +41,13 @@ class CpuBackend:
         return F.embedding(token_ids, table)
 
     def rms_norm(self, x, weight, eps, residual=None):
+        x = self._computed(x)
         if residual is not None:
             x = x + residual
         return _rms(x, weight, eps), x
 
     def layer_norm(self, x, weight, bias, eps, residual=None):
+        x = self._computed(x)
         if residual is not None:
             x = x + residual
         return F.layer_norm(x, (x.shape[-1],), weight, bias, eps), x
@@ -101,9 +55,6 @@ class CpuBackend:
     def embedding_layer_norm(self, table, token_ids, positions_table, positions, weight, bias, eps):
         return self.layer_norm(self.embedding(table, token_ids), weight, bias, eps,
                                self.embedding(positions_table, positions))
-
-    def linear_layer_norm(self, x, weight, bias, norm_weight, norm_bias, eps, residual):
-        return self.layer_norm(self.linear(x, weight, bias), norm_weight, norm_bias, eps, residual)
 
     def relu(self, x):
         return F.relu(x)
@@ -138,6 +89,7 @@ class CpuBackend:
         flat[1, batch.slot_mapping] = v.view(k.shape[0], *kv.shape[3:])
 
     def paged_attention(self, q, kv, batch: "CpuBatch", num_kv_heads, head_dim, scale, sliding_window, causal=True):
+        q = self._computed(q)
         out = torch.empty_like(q)
         if batch.single_rows.numel():
             # Every one-token segment at once, over KV padded to the longest context.
@@ -157,36 +109,20 @@ class CpuBackend:
             out[start:start + n] = _attend(queries, keys, values, scale, sliding_window, causal).reshape(n, -1)
         return out
 
-    def cross_attention(self, x, weight, bias, kv, batch, num_kv_heads, head_dim, scale):
-        return self.paged_attention(self.linear(x, weight, bias), kv, batch, num_kv_heads, head_dim, scale, None,
-                                    causal=False)
-
     def silu_mul(self, gate_up):
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def gather_rows(self, x, rows):
-        return x[rows]
+    def sampled_rows(self, x, residual, batch: "CpuBatch"):
+        rows = batch.sample_rows
+        return self._computed(x)[rows], residual[rows]
+
+    def _computed(self, x):
+        """A Linear's value; a tensor as it is."""
+        return self.linear(x.x, x.weight, x.bias) if isinstance(x, Linear) else x
 
     def logits(self, x, lm_head):
         return F.linear(x, lm_head).float()
-
-    def warm_up(self, forward, graph_batch_sizes, max_context, max_source_len=0) -> None:
-        """Nothing to capture on the CPU."""
-
-    def run_forward(self, forward, batch):
-        return forward(batch)
-
-    def run_encoder(self, encode, batch):
-        encode(batch)
-
-    def run_prefill(self, forward, batch):
-        return forward(batch)
-
-    def sample(self, logits, rows, on_queued=None):
-        if on_queued is not None:   # the forward ran already: nothing is left to queue
-            on_queued()
-        return sample(logits, rows)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -224,6 +160,7 @@ class CpuBatch:
     def __init__(self, batch: ForwardBatch, single: list[int], multi: list[int]):
         self.token_ids, self.positions = batch.token_ids, batch.positions
         self.slot_mapping, self.sample_rows = batch.slot_mapping, batch.sample_rows
+        self.samples_every_row = batch.samples_every_row
         self.single_rows = torch.tensor([batch.query_starts[i] for i in single], dtype=torch.int64)
         contexts = [batch.context_lens[i] for i in single]
         self.single_context = max(contexts, default=0)

@@ -1,4 +1,5 @@
-"""The paged KV block pool: which blocks are free, handed out and taken back by id, and shared by reference."""
+"""The block pool of the paged layers (K/V, latent): which blocks are free, handed out and taken back by id, and
+shared by reference. A block holds kv_block_size tokens of every paged layer."""
 
 import numpy as np
 
@@ -9,8 +10,8 @@ def blocks_for(num_tokens: int, kv_block_size: int) -> int:
     return -(-num_tokens // kv_block_size)
 
 
-class KvBlockManager:
-    """Blocks 0 .. num_blocks - 1 (or the given ids: a reservation taken out of another manager, as a
+class BlockPool:
+    """Blocks 0 .. num_blocks - 1 (or the given ids: a reservation taken out of another pool, as a
     BeamGenerate call's). A block handed out has one holder; share() adds holders (beams that continue the same
     prefix), and free() gives a block back once its last holder frees it."""
 
@@ -46,7 +47,7 @@ class KvBlockManager:
         return block in self._shares
 
     def indices(self, blocks) -> np.ndarray:
-        """Each of `blocks` (ids of this manager) as its index in ids, int32."""
+        """Each of `blocks` (ids of this pool) as its index in ids, int32."""
         if self._order is None:
             ids = np.asarray(self.ids, dtype=np.int64)
             self._order = np.argsort(ids, kind="stable")
@@ -54,7 +55,7 @@ class KvBlockManager:
         wanted = np.asarray(blocks, dtype=np.int64)
         found = np.minimum(np.searchsorted(self._sorted, wanted), max(len(self.ids) - 1, 0))
         if len(wanted) and not np.array_equal(self._sorted[found], wanted):
-            raise ValueError("a block that is not this manager's")
+            raise ValueError("a block that is not this pool's")
         return self._order[found].astype(np.int32)
 
     def holders(self) -> tuple[np.ndarray, np.ndarray]:

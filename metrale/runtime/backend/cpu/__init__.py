@@ -1,0 +1,12 @@
+"""The CPU backend: layer math and runner in plain torch."""
+
+from metrale.runtime.backend.cpu.layer_math import DTYPES, CpuLayerMath
+from metrale.runtime.backend.cpu.runner import CpuRunner
+
+
+def create_cpu_backend(dtype: str) -> tuple[CpuLayerMath, CpuRunner]:
+    math = CpuLayerMath(dtype)
+    return math, CpuRunner(math.dtype)
+
+
+__all__ = ["DTYPES", "CpuLayerMath", "CpuRunner", "create_cpu_backend"]

@@ -1,0 +1,136 @@
+"""The layer math every model family is written against: linears, norms, activations, embeddings, rotary
+positions and attention over a layer's cache. Each backend implements it (cpu/, cuda/). Models know nothing of
+graphs, streams, sampling or beam search: that is the runner's (runner.py)."""
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+# Rows upload_lm_head may add to the LM head (the weight budget counts them).
+LM_HEAD_PADDING_ROWS = 64
+
+# A backend's tensor type: torch.Tensor on the CPU backend, a device buffer view on CUDA.
+Tensor = Any
+
+
+@dataclass(frozen=True)
+class RopeTable:
+    """cos/sin of position * inv_freq for every position: [max_positions, head_dim // 2] float32 each. identity:
+    cos 1 and sin 0 everywhere (a model without rotary embeddings), which a backend may skip."""
+    cos: Tensor
+    sin: Tensor
+    identity: bool = False
+
+
+@dataclass(frozen=True)
+class Linear:
+    """x @ weight.T (+ bias), not yet computed: a model hands it to the op that reads it (a norm's x, an attention's
+    queries, sampled_rows) where that op is its only reader, and the backend chooses whether to fuse the two (the
+    CUDA backend hands split-K partials to the reader at decode row counts) or to compute it first."""
+    x: Tensor
+    weight: Tensor
+    bias: Tensor | None = None
+
+
+class PreparedBatch(Protocol):
+    """A ForwardBatch as the backend holds it for one forward; models read these fields."""
+    token_ids: Tensor          # [T]
+    sample_rows: Tensor        # [N]
+    # Whether every row becomes logits, in order (a decode step's batch): sampled_rows then gathers nothing.
+    samples_every_row: bool
+
+
+class LayerMath(Protocol):
+    device: str
+    dtype: torch.dtype
+
+    def upload(self, tensor: torch.Tensor) -> Tensor:
+        """A weight in the backend's dtype and memory."""
+
+    def upload_lm_head(self, tensor: torch.Tensor) -> Tensor:
+        """upload() for the LM head [vocab, hidden] (logits() multiplies by it): a backend may pad its rows (at most
+        LM_HEAD_PADDING_ROWS more, zeros) for its GEMM; logits() still returns [N, vocab]."""
+
+    def upload_float32(self, tensor: torch.Tensor) -> Tensor:
+        """A float32 table (rope cos/sin) in the backend's memory."""
+
+    def prepare(self, batch, cross: bool = False) -> PreparedBatch:
+        """Moves a ForwardBatch's metadata to the device once per forward; cross=True: a forward's second batch (its
+        ForwardBatch.cross), kept beside the first."""
+
+    def embedding(self, table: Tensor, token_ids: Tensor) -> Tensor:
+        """[T] -> [T, hidden]."""
+
+    def device_ids(self, ids: torch.Tensor) -> Tensor:
+        """Host int64 ids [T] as an index tensor of this forward for embedding() (a model's own position ids)."""
+
+    def fairseq_position_ids(self, batch: PreparedBatch, padding_idx: int) -> Tensor:
+        """M2M100's position ids as transformers counts them, for a batch of one-token segments (decode steps) or
+        of segments holding no padding id (an encoder's sources): padding_idx where the token is padding_idx, else
+        position + 1 + padding_idx. From the batch's own metadata, so a graph can capture it."""
+
+    def rms_norm(self, x: "Tensor | Linear", weight: Tensor, eps: float, residual: Tensor | None = None
+                 ) -> tuple[Tensor, Tensor]:
+        """residual = x + residual (or x); returns (rms_norm(residual) * weight, residual)."""
+
+    def layer_norm(self, x: "Tensor | Linear", weight: Tensor, bias: Tensor, eps: float,
+                   residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """As rms_norm, with LayerNorm (mean and variance, weight and bias): (norm(x + residual), x + residual)."""
+
+    def embedding_layer_norm(self, table: Tensor, token_ids: Tensor, positions_table: Tensor, positions: Tensor,
+                             weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        """layer_norm(embedding(table, token_ids), weight, bias, eps, embedding(positions_table, positions)): an
+        embedding layer's two lookups and its first norm (the backend may gather the rows in the norm)."""
+
+    def head_rms_norm(self, x: Tensor, weight: Tensor, eps: float, head_dim: int) -> Tensor:
+        """RMSNorm over each head_dim slice of x [T, heads * head_dim] (Qwen3 q/k norm)."""
+
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        """x [T, in] @ weight[out, in].T (+ bias) -> [T, out]."""
+
+    def linear_relu(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        """relu(linear(x, weight, bias)): one GEMM with the activation in its epilogue where the backend can (the
+        same values: rounding to bf16 commutes with max(., 0))."""
+
+    def relu(self, x: Tensor) -> Tensor:
+        """max(x, 0), elementwise."""
+
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
+        """[T, 2 * I] -> silu(gate) * up, [T, I]."""
+
+    def write_kv(self, k: Tensor, v: Tensor, batch: PreparedBatch, kv: Tensor) -> None:
+        """K and V rows [T, kv_heads * head_dim] into the paged cache at the batch's slots (no rotation): an
+        encoder-decoder's cross-attention K/V."""
+
+    def rope_and_write_kv(self, q: Tensor, k: Tensor, v: Tensor, rope: RopeTable, batch: PreparedBatch, kv: Tensor,
+                          head_dim: int) -> Tensor:
+        """Rotates q and k (rotate-half layout) at the batch positions, writes k and v into kv at the batch
+        slots; returns rotated q [T, heads * head_dim]."""
+
+    def self_attention(self, q: Tensor, k: Tensor, v: Tensor, rope: RopeTable, batch: PreparedBatch, kv: Tensor,
+                       num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None) -> Tensor:
+        """rope_and_write_kv, then causal paged_attention of the rotated q: the batch's new tokens attending
+        their sequences' keys and their own -> [T, heads * head_dim]. A backend may do both in one pass."""
+
+    def paged_attention(self, q: "Tensor | Linear", kv: Tensor, batch: PreparedBatch, num_kv_heads: int,
+                        head_dim: int, scale: float, sliding_window: int | None, causal: bool = True) -> Tensor:
+        """Attention of each segment's queries over its paged KV -> [T, heads * head_dim]: causal, or (causal=False:
+        an encoder's self-attention, a decoder's cross-attention) over all of each segment's context."""
+
+    def sampled_rows(self, x: "Tensor | Linear", residual: Tensor, batch: PreparedBatch
+                     ) -> tuple["Tensor | Linear", Tensor]:
+        """x and residual at the rows that become logits (batch.sample_rows), for the final norm: only those need
+        it and the vocab projection. Where every row samples, x may stay a Linear for the norm to fuse."""
+
+    def logits(self, x: Tensor, lm_head: Tensor) -> Tensor:
+        """x [N, hidden] @ lm_head[vocab, hidden].T -> [N, vocab] float32."""
+
+
+def rope_then_attention(math: LayerMath, q: Tensor, k: Tensor, v: Tensor, rope: RopeTable, batch: PreparedBatch,
+                        kv: Tensor, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None
+                        ) -> Tensor:
+    """LayerMath.self_attention as its two ops, rope_and_write_kv then causal paged_attention: a backend's
+    self_attention where it has nothing fused for the batch."""
+    q = math.rope_and_write_kv(q, k, v, rope, batch, kv, head_dim)
+    return math.paged_attention(q, kv, batch, num_kv_heads, head_dim, scale, sliding_window)

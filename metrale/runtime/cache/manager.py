@@ -1,0 +1,51 @@
+"""The cache of every layer, as the model's specs describe it: one block pool for the paged layers (K/V, latent),
+one slot pool for the recurrent layers' states, and the layer tensors the runner allocated for them. Reservations
+are all or nothing across the two pools."""
+
+from metrale.runtime.cache.blocks import BlockPool, blocks_for
+from metrale.runtime.cache.specs import PAGED, LayerCache, RecurrentState, block_bytes, slot_bytes
+from metrale.runtime.cache.states import StatePool
+from metrale.runtime.errors import OutOfKvBlocks, OutOfStateSlots
+
+
+class CacheManager:
+    """layers[i] is layer i's cache as its spec says (runner.allocate_cache): a paged tensor, a tuple of state
+    tensors, or None."""
+
+    def __init__(self, specs: tuple[LayerCache, ...], layers: list, block_size: int, num_blocks: int,
+                 num_state_slots: int):
+        self.specs, self.layers, self.block_size = specs, layers, block_size
+        self.blocks = BlockPool(num_blocks, block_size)
+        self.states = StatePool(num_state_slots)
+
+    @property
+    def has_state(self) -> bool:
+        """Whether a sequence holds a state slot (the model has recurrent layers)."""
+        return any(isinstance(spec, RecurrentState) for spec in self.specs)
+
+    def reserve(self, num_blocks: int, num_slots: int) -> tuple[list[int], list[int]]:
+        """Blocks and state slots, both or neither: OutOfKvBlocks or OutOfStateSlots with nothing taken."""
+        if num_blocks > self.blocks.num_free:
+            raise OutOfKvBlocks(num_blocks, self.blocks.num_free)
+        if num_slots > self.states.num_free:
+            raise OutOfStateSlots(num_slots, self.states.num_free)
+        return self.blocks.allocate(num_blocks), self.states.allocate(num_slots)
+
+    def free(self, blocks: list[int], slots: list[int] = ()) -> None:
+        self.blocks.free(blocks)
+        self.states.free(list(slots))
+
+
+def state_slots_for(specs: tuple[LayerCache, ...], max_seqs: int) -> int:
+    """A recurrent model's state slots: max_seqs live sequences, each with a second slot for a step in flight."""
+    return 2 * max_seqs if any(isinstance(spec, RecurrentState) for spec in specs) else 0
+
+
+def blocks_that_fit(specs: tuple[LayerCache, ...], block_size: int, itemsize: int, available_bytes: int,
+                    num_state_slots: int, max_model_len: int) -> int:
+    """The blocks the memory left after the state slots holds (at least 1). A model with no paged layer still
+    counts its sequences' tokens in blocks, which then cost nothing: enough for every slot's longest sequence."""
+    per_block = block_bytes(specs, block_size, itemsize)
+    if not any(isinstance(spec, PAGED) for spec in specs):
+        return max(1, num_state_slots * blocks_for(max_model_len, block_size))
+    return max(1, (available_bytes - num_state_slots * slot_bytes(specs)) // per_block)
