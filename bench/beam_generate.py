@@ -27,7 +27,7 @@ from bench.timeline import host_costs, timeline
 from metrale.runtime.beam.params import BeamParams, BeamRequest
 from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
-from metrale.runtime.lanes import DeviceLanes
+from metrale.runtime.streams import StreamThreads
 from metrale.runtime.loading import load_checkpoint
 
 SHAPES = {
@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="print the host time of the call's functions, by the host's clock (5 calls per batch)")
     parser.add_argument("--timeline", type=int, default=0,
                         help="print the first N lines of one call's host phases and device activity, in time order")
-    parser.add_argument("--lanes", type=int, default=1,
-                        help="split each call's requests over this many device lanes (streams), run at once")
+    parser.add_argument("--streams", type=int, default=1,
+                        help="split each call's requests over this many device streams, run at once")
     parser.add_argument("--prompt-by-token", action="store_true",
                         help="run the decoder prompts a token a forward (decode graphs), not in one prefill graph")
     args = parser.parse_args(argv)
@@ -90,12 +90,12 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as directory:
         reference.save_pretrained(directory)
         engine, _ = build_engine(load_checkpoint(Path(directory)),
-                                 EngineConfig(device=args.device, num_streams=args.lanes,
+                                 EngineConfig(device=args.device, num_streams=args.streams,
                                               programmatic_launch=args.pdl == "on"))
-    lanes = DeviceLanes(args.lanes, on_thread_start=engine.bind_stream) if args.lanes > 1 else None
+    threads = StreamThreads(args.streams, on_thread_start=engine.bind_stream) if args.streams > 1 else None
     if args.prompt_by_token:
-        for lane in engine.runner.lanes:
-            lane.prompt_graphs = None
+        for ctx in engine.runner.streams:
+            ctx.prompt_graphs = None
     reference.to(args.device)
     log(f"{args.shape}: {sum(p.numel() for p in reference.parameters()) / 1e6:.0f} M parameters, {dtype}, "
         f"{args.device}")
@@ -114,10 +114,10 @@ def main(argv: list[str] | None = None) -> dict:
         decoder_input = torch.tensor([[START, target_language]] * batch, device=args.device)
 
         def ours_call():
-            if lanes is None:
+            if threads is None:
                 return engine.beam_generate(requests, (EOS,), PAD)
-            parts = [requests[i::args.lanes] for i in range(args.lanes)]
-            futures = [lanes.submit(i, [], lambda part=part: engine.beam_generate(part, (EOS,), PAD))
+            parts = [requests[i::args.streams] for i in range(args.streams)]
+            futures = [threads.submit(i, [], lambda part=part: engine.beam_generate(part, (EOS,), PAD))
                        for i, part in enumerate(parts) if part]
             found = {r.request_id: r for future in futures for r in future.result()[0]}
             return [found[r.request_id] for r in requests]
@@ -165,24 +165,25 @@ def main(argv: list[str] | None = None) -> dict:
 def timeline_marks(engine) -> list[tuple[object, str]]:
     """The host functions of a call's fixed part (before the search's first step) and of its steps."""
     from metrale.runtime import engine as engine_module
-    from metrale.runtime.backend.cuda import beam_search, graphs, lane
+    from metrale.runtime.backend.cuda import beam_search, graphs, stream_context
     from metrale.runtime.backend.cuda import runner as cuda_runner
-    from metrale.runtime.beam import runner, search
+    from metrale.runtime.beam import call, search
     from metrale.runtime.models import m2m100
     runner_type = type(engine.runner)
-    marks = [(runner.BeamCall, "run"), (runner.BeamCall, "_encode"), (runner.BeamCall, "_prefill"),
-             (runner.BeamCall, "_forward_by_token"), (runner.BeamCall, "_forward_whole"),
-             (runner, "build_decode_batch"), (runner, "device_search"), (runner, "run_on_device"),
+    context = stream_context.StreamContext
+    marks = [(call.BeamCall, "run"), (call.BeamCall, "_encode"), (call.BeamCall, "_prefill"),
+             (call.BeamCall, "_forward_by_token"), (call.BeamCall, "_forward_whole"),
+             (call, "build_decode_batch"), (call, "search_start"), (call, "run_device_search"),
              (search.BeamGroup, "__init__"), (engine_module.Engine, "_reserve_beam_blocks"),
              (engine_module.Engine, "_quiesce"), (m2m100.M2M100ForConditionalGeneration, "encode"),
              (m2m100.M2M100ForConditionalGeneration, "forward"), (runner_type, "run_forward"),
-             (runner_type, "run_encoder"), (runner_type, "device_beam_search"), (lane.Lane, "prepare"),
-             (lane.Lane, "copy_to_device"), (lane.Lane, "beam_candidates"), (lane, "pack_batch"),
-             (beam_search.DeviceBeamSearch, "__init__"), (beam_search.DeviceBeamSearch, "step"),
-             (beam_search.DeviceBeamSearch, "_read"), (cuda_runner, "state_arrays"), (engine_module, "build_batch"),
-             (lane.Lane, "upload_lists"), (graphs.DecodeGraphs, "run"), (graphs.DecodeGraphs, "replay"),
+             (runner_type, "run_encoder"), (runner_type, "device_search"), (context, "prepare"),
+             (context, "copy_to_device"), (context, "beam_candidates"), (stream_context, "pack_batch"),
+             (beam_search.CudaDeviceSearch, "__init__"), (beam_search.CudaDeviceSearch, "step"),
+             (beam_search.CudaDeviceSearch, "_read"), (cuda_runner, "state_arrays"), (engine_module, "build_batch"),
+             (context, "upload_lists"), (graphs.DecodeGraphs, "run"), (graphs.DecodeGraphs, "replay"),
              (graphs.PrefillGraphs, "run"),
-             (beam_search.DeviceBeamSearch, "_upload"), (lane.LaneCandidates, "host")]
+             (beam_search.CudaDeviceSearch, "_upload"), (stream_context.StreamCandidates, "host")]
     return [(owner, name) for owner, name in marks if hasattr(owner, name)]
 
 

@@ -19,7 +19,7 @@ from metrale.runtime.backend.cuda.batch import metadata_elements, pack_batch
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.beam.candidates import HostCandidates
 from metrale.runtime.beam.params import BeamParams, BeamRequest
-from metrale.runtime.beam.runner import BeamCall, BeamModel
+from metrale.runtime.beam.call import BeamCall, BeamModel
 from metrale.runtime.cache.blocks import BlockPool
 from metrale.runtime.planner import Limits
 

@@ -17,7 +17,7 @@ from metrale.runtime.default_model import default_cache_dir, fetch_default_model
 from metrale.runtime.engine import Engine
 from metrale.runtime.cache.blocks import blocks_for
 from metrale.runtime.loading import load_checkpoint
-from metrale.runtime.step import DecodeLane, PrefillSlice, Step
+from metrale.runtime.step import DecodeToken, PrefillSlice, Step
 from metrale.service.in_process import InProcessWorker
 from metrale.service.server import WorkerServer
 from metrale.v1 import worker_pb2 as pb
@@ -89,7 +89,7 @@ class EngineDecoder:
 
     def step(self) -> tuple[float, float]:
         """One decode step of every sequence; returns (wall ms, forward ms)."""
-        step = Step(decode=tuple(DecodeLane(seq_id, token) for seq_id, token in self.next_tokens.items()))
+        step = Step(decode=tuple(DecodeToken(seq_id, token) for seq_id, token in self.next_tokens.items()))
         started = time.perf_counter()
         out = self.engine.step(step)
         elapsed_ms = (time.perf_counter() - started) * 1e3

@@ -6,7 +6,7 @@ import time
 import torch
 
 from metrale.runtime.sampling import OutputOptions
-from metrale.runtime.step import DecodeLane, PrefillSlice, Step
+from metrale.runtime.step import DecodeToken, PrefillSlice, Step
 
 
 class EngineRunner:
@@ -47,7 +47,7 @@ class EngineRunner:
         engine's forward_us), and the host clock around Engine.step."""
         device_ms, host_ms = [], []
         for i in range(warmup + steps):
-            step = Step(decode=tuple(DecodeLane(seq_id, token) for seq_id, token in next_tokens.items()))
+            step = Step(decode=tuple(DecodeToken(seq_id, token) for seq_id, token in next_tokens.items()))
             started = time.perf_counter()
             out = self.engine.step(step)
             elapsed_ms = (time.perf_counter() - started) * 1e3

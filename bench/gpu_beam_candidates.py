@@ -25,18 +25,18 @@ L2_SPAN = 3
 STEPS = 24                   # steps a timed graph
 
 
-def search_state(lane, requests: int):
-    """A DeviceBeamSearch over `requests` NLLB prompts ([EOS, language]) of BEAMS beams, at its first step."""
-    from metrale.runtime.backend.cuda.beam_search import DeviceBeamSearch, state_arrays, state_bytes
+def search_state(ctx, requests: int):
+    """A CudaDeviceSearch over `requests` NLLB prompts ([EOS, language]) of BEAMS beams, at its first step."""
+    from metrale.runtime.backend.cuda.beam_search import CudaDeviceSearch, state_arrays, state_bytes
     from metrale.runtime.backend.cuda.tensor import DeviceTensor
     from metrale.runtime.beam.candidates import HostCandidates
-    from metrale.runtime.beam.on_device import DeviceSearch
+    from metrale.runtime.beam.on_device import SearchStart
 
     i32 = lambda values: np.asarray(values, dtype=np.int32)
     R, TB = requests, requests * BEAMS
     prompts = [[EOS, 256047]] * R
     seeds = HostCandidates(torch.zeros((R, KEEP)), torch.zeros((R, KEEP), dtype=torch.int64))
-    search = DeviceSearch(
+    search = SearchStart(
         num_beams=i32([BEAMS] * R), beam_base=i32(range(0, TB, BEAMS)), prompt_len=i32([2] * R),
         max_length=i32([34] * R), min_new=i32([32] * R), ngram=i32([0] * R), early_stopping=i32([0] * R),
         best_length=i32([-1] * R), source_len=i32([32] * R), prompts=prompts,
@@ -44,9 +44,9 @@ def search_state(lane, requests: int):
         block_ids=i32(range(8)), holders=i32([1] + [0] * 7), free=i32(range(7, 0, -1)),
         prompt_candidates=[(seeds, r) for r in range(R)], keep_stride=KEEP, block_size=16, max_len=34,
         table_width=1, encoder_decoder=False)
-    arrays = state_arrays(search, lane.shapes.max_blocks_per_seq)
+    arrays = state_arrays(search, ctx.shapes.max_blocks_per_seq)
     region = torch.empty(state_bytes(arrays, TB), dtype=torch.uint8, device="cuda")
-    state = DeviceBeamSearch(lane, search, arrays, forward=None, kv_cache=[], region=DeviceTensor.from_torch(region))
+    state = CudaDeviceSearch(ctx, search, arrays, forward=None, kv_cache=[], region=DeviceTensor.from_torch(region))
     state.region = region                                       # kept alive with the state
     return state
 
@@ -55,7 +55,7 @@ def run_case(libraries: dict, stream, requests: int) -> list[dict]:
     from metrale.runtime.backend.cuda.gemm_tuning import time_per_launch
     from metrale.runtime.backend.cuda.kernels.beam import beam_state_candidates
     from metrale.runtime.backend.cuda.tensor import DeviceTensor
-    from metrale.runtime.backend.cuda.testing import BareLane
+    from metrale.runtime.backend.cuda.testing import BareStreamContext
 
     rows = requests * BEAMS
     stride = -(-VOCAB // 64) * 64                               # rows padded as the LM head's are
@@ -68,13 +68,13 @@ def run_case(libraries: dict, stream, requests: int) -> list[dict]:
     first = logits[0].clone()                                   # a step writes its bans into its logits
     results, picked = [], {}
     for name, lib in libraries.items():
-        lane = BareLane(lib, stream)
-        state = search_state(lane, requests)
+        ctx = BareStreamContext(lib, stream)
+        state = search_state(ctx, requests)
         step = lambda view: beam_state_candidates(lib, stream, view, state.state, rows, 0, 0, KEEP, state.scratch)
         logits[0].copy_(first)
         torch.cuda.synchronize()
         step(views[0])
-        picked[name] = (lane.copy_to_host(state.views["cand_ids"]), lane.copy_to_host(state.views["cand_values"]))
+        picked[name] = (ctx.copy_to_host(state.views["cand_ids"]), ctx.copy_to_host(state.views["cand_values"]))
         seconds = time_per_launch(stream, [lambda v=views[i % copies]: step(v) for i in range(STEPS)])
         results.append({"variant": name, "requests": requests, "rows": rows, "us": seconds * 1e6,
                         "bytes": rows * VOCAB * 2})

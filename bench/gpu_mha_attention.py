@@ -54,7 +54,7 @@ class Case:
         from metrale.runtime.backend.cuda.kernels.attention import decode_workspace_elements
         heads, head_dim = shape.heads, shape.head_dim
         rows, width = shape.requests * shape.beams, heads * head_dim
-        self.shape, self.kind, self.context, self.rows = shape, kind, context, rows
+        self.shape, self.kind, self.resources, self.rows = shape, kind, context, rows
         owners = rows if kind == "self" else shape.requests     # the cross KV is the request's, shared by its beams
         per_owner = math.ceil(context / BLOCK)
         blocks = owners * per_owner
@@ -89,7 +89,7 @@ class Case:
             flat = kv.view(2, -1, heads, head_dim)
             flat[0, self.slots.long()] = self.qkv[:, width:2 * width].view(-1, heads, head_dim)
             flat[1, self.slots.long()] = self.qkv[:, 2 * width:].view(-1, heads, head_dim)
-        keys, values = (kv[p][self.tables.long()].view(self.rows, -1, heads, head_dim)[:, :self.context]
+        keys, values = (kv[p][self.tables.long()].view(self.rows, -1, heads, head_dim)[:, :self.resources]
                         .transpose(1, 2).float() for p in (0, 1))
         q = query.view(self.rows, heads, 1, head_dim).float()
         return F.scaled_dot_product_attention(q, keys, values, scale=head_dim ** -0.5).view(self.rows, width)
@@ -114,7 +114,7 @@ class Case:
             extra = {"q_partials": QueryPartials(SPLITS, D.from_torch(self.bias))}
             q = D.from_torch(self.partials)
         return lambda i: paged_decode_attention(lib, stream, out, q, caches[i % len(caches)], rows, contexts, tables,
-                                                workspace, heads, heads, head_dim, head_dim ** -0.5, -1, self.context,
+                                                workspace, heads, heads, head_dim, head_dim ** -0.5, -1, self.resources,
                                                 **extra)
 
 

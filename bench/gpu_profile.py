@@ -17,7 +17,7 @@ from bench.model_shapes import SHAPES, decode_weight_bytes, kv_bytes_per_token, 
 from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.cache.blocks import blocks_for
-from metrale.runtime.step import DecodeLane, PrefillSlice, Step
+from metrale.runtime.step import DecodeToken, PrefillSlice, Step
 
 
 def parse_args(argv):
@@ -67,8 +67,8 @@ def main(argv=None) -> None:
               f"sampling done); host alone: {step - device:.3f} ms")
         print(f"graph replay alone        {replay_ms:.3f} ms  ({replay_ms / floor_ms:.2f}x floor); sampling, copies "
               f"and gaps in the step: {device - replay_ms:.3f} ms")
-        lanes = tuple(DecodeLane(seq_id, token) for seq_id, token in first.items())
-        print(kernel_table(lambda: runner.engine.step(Step(decode=lanes)), args.kernels))
+        tokens = tuple(DecodeToken(seq_id, token) for seq_id, token in first.items())
+        print(kernel_table(lambda: runner.engine.step(Step(decode=tokens)), args.kernels))
         print(decode_profile(runner, first, args.steps, args.host_rows))
         runner.release_all()
 
@@ -88,11 +88,11 @@ def median(values):
 
 
 def time_replays(cuda_runner, batch: int, steps: int) -> float:
-    """ms per replay of the batch's decode graph on this thread's lane (lane 0), launched back to back on the lane's
+    """ms per replay of the batch's decode graph on this thread's stream (stream 0), launched back to back on the stream's
     stream (device time once the queue is full)."""
-    lane = cuda_runner.lane
-    graph, _ = lane.graphs._graphs[batch]
-    return seconds_per_replay(graph, lane.stream, steps, warmup=3) * 1e3
+    ctx = cuda_runner.ctx
+    graph, _ = ctx.graphs._graphs[batch]
+    return seconds_per_replay(graph, ctx.stream, steps, warmup=3) * 1e3
 
 
 def kernel_table(run_step, rows: int, after=None) -> str:

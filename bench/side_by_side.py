@@ -8,7 +8,7 @@ import torch
 from bench.engine_runner import EngineRunner
 from bench.peer_llama import DeviceTimer, peer_prefill, synchronize
 from metrale.runtime.sampling import OutputOptions
-from metrale.runtime.step import DecodeLane, PrefillSlice, Step
+from metrale.runtime.step import DecodeToken, PrefillSlice, Step
 
 
 def check_same_model(ours: EngineRunner, peer, tokens: torch.Tensor, decode_steps: int) -> dict:
@@ -31,7 +31,7 @@ def check_same_model(ours: EngineRunner, peer, tokens: torch.Tensor, decode_step
             if step == decode_steps:
                 break
             next_tokens = [o.token for o in out.outputs]
-            out = engine.step(Step(decode=tuple(DecodeLane(i, t) for i, t in zip(ids, next_tokens))))
+            out = engine.step(Step(decode=tuple(DecodeToken(i, t) for i, t in zip(ids, next_tokens))))
             position = torch.tensor([length + step], device=tokens.device)
             with torch.no_grad():
                 theirs = peer.model(torch.tensor(next_tokens, device=tokens.device).view(n, 1), position, peer.caches)

@@ -15,7 +15,7 @@ STUB_INFO = ModelInfo(model_id="stub", architecture="StubForBench", dtype="float
 
 
 class StubEngine:
-    """Engine's interface, instantly: every decode lane and last prefill chunk gets token 0, logprob 0.0."""
+    """Engine's interface, instantly: every decode token and last prefill chunk gets token 0, logprob 0.0."""
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -32,7 +32,7 @@ class StubEngine:
         return {"kernel_cache_hits": 0, "kernel_cache_misses": 0, "graph_replays": 0}
 
     def step(self, step: Step, cancelled=None, run_ahead: bool = False, reply=None) -> StepOutput:
-        seq_ids = [lane.seq_id for lane in step.decode] + [s.seq_id for s in step.prefill if s.is_last_chunk]
+        seq_ids = [ctx.seq_id for ctx in step.decode] + [s.seq_id for s in step.prefill if s.is_last_chunk]
         output = StepOutput([SequenceOutput(seq_id, 0, 0.0) for seq_id in seq_ids], forward_us=0)
         if reply is not None:
             output.reply = reply(output)
@@ -49,6 +49,6 @@ class StubEngine:
 
 
 def stub_worker_server(config: WorkerConfig) -> WorkerServer:
-    """The real WorkerServer (servicer, interceptor, lanes, options) around StubEngine; call it on the event loop
+    """The real WorkerServer (servicer, interceptor, stream threads, options) around StubEngine; call it on the event loop
     that will serve it."""
     return WorkerServer(StubEngine(config.engine), STUB_INFO, None, config)

@@ -131,7 +131,7 @@ class LogitsRecorder:
         if isinstance(logits, torch.Tensor):
             values = logits.float()
         else:       # the CUDA backend's bf16 rows
-            bits = self.engine.runner.lane.copy_to_host(logits)
+            bits = self.engine.runner.stream_context.copy_to_host(logits)
             values = torch.from_numpy((bits.astype(np.uint32) << 16).view(np.float32))
         segments = np.searchsorted(np.asarray(batch.query_starts), batch.sample_rows.numpy(), side="right") - 1
         for values_row, row, segment in zip(values, batch.sample_rows.tolist(), segments.tolist()):

@@ -3,7 +3,7 @@ decoder starts from its start token), then Decode a forced first token (as a tar
 the greedy tokens after it, every sequence batched, each step's logits kept."""
 
 from metrale.runtime.sampling import OutputOptions
-from metrale.runtime.step import DecodeLane, PrefillSlice, Step
+from metrale.runtime.step import DecodeToken, PrefillSlice, Step
 
 
 def forced_then_greedy(engine, sources: dict[int, list[int]], forced: dict[int, int], steps: int, start: int
@@ -16,7 +16,7 @@ def forced_then_greedy(engine, sources: dict[int, list[int]], forced: dict[int, 
     rows = {i: [o.logits] for i, o in zip(sources, out.outputs)}
     next_tokens = dict(forced)
     for _ in range(steps):
-        out = engine.step(Step(decode=tuple(DecodeLane(i, next_tokens[i]) for i in sources)))
+        out = engine.step(Step(decode=tuple(DecodeToken(i, next_tokens[i]) for i in sources)))
         for o in out.outputs:
             decoded[o.seq_id].append(next_tokens[o.seq_id])
             rows[o.seq_id].append(o.logits)

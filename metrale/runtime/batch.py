@@ -62,7 +62,7 @@ def build_batch(segments: list[Segment], kv_block_size: int) -> ForwardBatch:
 
 
 def _one_token_batch(segments: list[Segment], kv_block_size: int) -> ForwardBatch:
-    """Segments of one token each (decode lanes: the common case, kept cheap where there are few)."""
+    """Segments of one token each (decode tokens: the common case, kept cheap where there are few)."""
     token_ids, positions, slots, contexts, tables, sample_rows = [], [], [], [], [], []
     for row, seg in enumerate(segments):
         start, table = seg.start, seg.block_table

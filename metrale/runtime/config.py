@@ -19,14 +19,14 @@ class EngineConfig:
     kv_blocks: int | None = None
     kv_memory_fraction: float | None = None
     max_batch_tokens: int = 8192
-    # Most sequences one forward samples (decode lanes plus finishing prompts).
+    # Most sequences one forward samples (decode tokens plus finishing prompts).
     max_seqs: int = 512
     num_streams: int = 1
     # None: the model's own max_position_embeddings.
     max_model_len: int | None = None
     # Decode batch sizes captured as CUDA graphs at start (a decode step is padded to the next one); () = off.
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-    # Run each lane's guessed next decode step while the gateway reads the last (run_ahead.py); auto: on cuda.
+    # Run each stream's guessed next decode step while the gateway reads the last (run_ahead.py); auto: on cuda.
     run_ahead: str = "auto"
     # CUDA on Hopper: kernels launched with programmatic dependent launch (docs/cuda_backend.md); off for A/B timing.
     programmatic_launch: bool = True

@@ -10,20 +10,21 @@ from typing import Callable
 import structlog
 
 from metrale.runtime.batch import ForwardBatch, Segment, build_batch
-from metrale.runtime.beam.on_device import DeviceSearch, LockedSearch, OnDeviceSearch
+from metrale.runtime.beam.on_device import SearchStart, LockedDeviceSearch, DeviceSearch
 from metrale.runtime.beam.params import BeamRequest
-from metrale.runtime.beam.runner import SHORT_PROMPT, BeamCall, BeamModel, BeamResult
+from metrale.runtime.beam.call import SHORT_PROMPT, BeamCall, BeamModel, BeamResult
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.errors import (Cancelled, DeviceFault, FailedPrecondition, OutOfKvBlocks, OutOfStateSlots,
                                     StepFailed, WorkerError, describe)
 from metrale.runtime.backend.runner import Runner
-from metrale.runtime.cache.blocks import BlockPool, blocks_for
+from metrale.runtime.cache.blocks import BlockPool
 from metrale.runtime.cache.manager import CacheManager
 from metrale.runtime.planner import Chunk, Limits, Plan, plan_step
+from metrale.runtime.reservation import Reservations
 from metrale.runtime.run_ahead import Ahead, RunAheadCounts
-from metrale.runtime.sampling import SampleRow, random_seed
-from metrale.runtime.sequence import BlockTable, Sequence, SequenceTable
-from metrale.runtime.step import DecodeLane, SequenceOutput, Step, StepOutput
+from metrale.runtime.sampling import SampleRow
+from metrale.runtime.sequence import Sequence, SequenceTable
+from metrale.runtime.step import DecodeToken, SequenceOutput, Step, StepOutput
 
 log = structlog.get_logger()
 
@@ -52,6 +53,7 @@ class Engine:
         self.cache = cache
         self.config = config
         self.sequences = SequenceTable()
+        self.reservations = Reservations(self.sequences, cache)
         encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
         self.limits = Limits(max_model_len, config.max_batch_tokens, config.kv_block_size, config.max_seqs,
                              model.config.decoder_start_token_id if encoder_decoder else None,
@@ -73,7 +75,7 @@ class Engine:
         reply(output): the answer built from the outputs (output.reply) before the step counts as done; if it
         raises (an answer too large to send, a bug), the step is undone too.
         run_ahead: where the engine runs ahead (run_ahead.py), the output carries the guessed next step, which the
-        caller must run or skip (run_ahead.LanePacer) before its next step."""
+        caller must run or skip (run_ahead.StreamPacer) before its next step."""
         taken = self._settle_ahead(step.seq_ids, step, cancelled)
         if taken is not None:
             output, undo = taken.output, (taken.snapshot, taken.plan)
@@ -82,7 +84,7 @@ class Engine:
         if reply is not None:
             self._reply_or_undo(output, reply, cancelled, undo)
         with self._lock:
-            self._commit(undo[0])
+            self.reservations.commit(undo[0])
         if run_ahead and self.runs_ahead:
             output.ahead = self._guess_next(step, output)
         return output
@@ -97,7 +99,7 @@ class Engine:
                 raise Cancelled()
         except Exception as error:
             with self._lock:
-                self._restore(*undo)
+                self.reservations.restore(*undo)
             raise self._failure(error, "building the step's answer") from error
 
     def _guess_next(self, step: Step, output: StepOutput) -> Ahead | None:
@@ -109,7 +111,7 @@ class Engine:
             return None
 
     def _run(self, step: Step, cancelled: Callable[[], bool]) -> tuple[StepOutput, tuple[dict, Plan]]:
-        """The step's outputs, and what undoes it (_restore's arguments)."""
+        """The step's outputs, and what undoes it (Reservations.restore's arguments)."""
         plan, snapshot = self._plan(step)
         started = time.perf_counter()
         try:
@@ -117,9 +119,9 @@ class Engine:
         except Exception as error:
             self._quiesce()
             with self._lock:
-                self._restore(snapshot, plan)
+                self.reservations.restore(snapshot, plan)
             raise self._failure(error, "running the step") from error
-        # Rounds finish prompts in chunk order; the reply lists decode lanes, then prompts, in request order.
+        # Rounds finish prompts in chunk order; the reply lists decode tokens, then prompts, in request order.
         order = {seq_id: i for i, seq_id in enumerate(step.seq_ids)}
         outputs.sort(key=lambda out: order[out.seq_id])
         return StepOutput(outputs, int((time.perf_counter() - started) * 1e6)), (snapshot, plan)
@@ -140,7 +142,7 @@ class Engine:
         """Plans the step and takes its blocks."""
         def take():
             plan = plan_step(step, self.sequences, self.cache.blocks.num_free, self.limits)
-            return plan, self._reserve(plan)
+            return plan, self.reservations.reserve(plan)
 
         try:
             return self._taking_blocks(take)
@@ -191,7 +193,7 @@ class Engine:
                 if seq is None:
                     unknown.append(seq_id)
                     continue
-                freed += self._free(seq)
+                freed += self.reservations.free(seq)
                 released.append(seq_id)
             return ReleaseResult(released, unknown, freed)
 
@@ -214,7 +216,7 @@ class Engine:
         config, encoder_decoder = self.model.config, self.is_encoder_decoder
         model = BeamModel(self._beam_forward, self._copy_kv, eos_token_ids, fill_token, config.vocab_size,
                           self._beam_encode if encoder_decoder else None,
-                          config.decoder_start_token_id if encoder_decoder else None, self._beam_search_on_device,
+                          config.decoder_start_token_id if encoder_decoder else None, self._device_search,
                           self._short_prompt(len(requests)),
                           getattr(self.model, "position_padding_id", None))
         call = BeamCall(requests, self.limits, self.config.kv_block_size, model)
@@ -253,10 +255,10 @@ class Engine:
             logits = self._run_forward(batch)
             return self.runner.beam_candidates(logits, banned, count) if count else None
 
-    def _beam_search_on_device(self, search: DeviceSearch) -> OnDeviceSearch | None:
+    def _device_search(self, search: SearchStart) -> DeviceSearch | None:
         with self._forward_lock:
-            found = self.runner.device_beam_search(search, self.forward, self.cache.layers)
-        return None if found is None else LockedSearch(found, self._forward_lock)
+            found = self.runner.device_search(search, self.forward, self.cache.layers)
+        return None if found is None else LockedDeviceSearch(found, self._forward_lock)
 
     def _copy_kv(self, copies: list[tuple[int, int, int]]) -> None:
         self.runner.copy_block_prefixes(self.cache.layers, copies)
@@ -269,7 +271,7 @@ class Engine:
         """How many of the step's outputs will carry a logits row (OutputOptions.return_logits), known before it
         runs: for the answer's size."""
         with self._lock:
-            decode = [self.sequences.get(lane.seq_id) for lane in step.decode]
+            decode = [self.sequences.get(entry.seq_id) for entry in step.decode]
             continued = {s.seq_id: self.sequences.get(s.seq_id) for s in step.prefill if s.chunk_start}
         rows = sum(1 for seq in decode if seq is not None and seq.output.return_logits)
         for s in step.prefill:
@@ -281,80 +283,12 @@ class Engine:
         with self._lock:
             return self.sequences.ids()
 
-    def _reserve(self, plan: Plan) -> dict:
-        """Creates new sequences and takes every block and state slot the step needs; returns what _restore (or,
-        once the step is done, _commit) needs. All or nothing: what an error midway had done is undone."""
-        snapshot = {i: (seq.num_tokens, len(seq.block_table), seq.prompt_finished, seq.num_prompt_tokens,
-                        seq.state_slot) for i in plan.final_lengths if (seq := self.sequences.get(i)) is not None}
-        try:
-            self._take(plan)
-        except BaseException:
-            self._restore(snapshot, plan)
-            raise
-        return snapshot
-
-    def _take(self, plan: Plan) -> None:
-        """The plan's blocks and state slots in one reservation: its new sequences' cross blocks (their sources')
-        and the blocks its sequences grow by; a new state slot for each sequence where the model keeps a
-        recurrent state (the one before stays, as the step's snapshot)."""
-        for s in plan.new_sequences:
-            seed = s.sampling.seed if s.sampling.seed is not None else random_seed()
-            self.sequences.add(Sequence(s.seq_id, s.sampling, s.output, seed))
-        size = self.cache.block_size
-        sources = {seq_id: blocks_for(length, size) for seq_id, length in plan.sources.items()}
-        grown = {seq_id: max(0, blocks_for(length, size) - len(self.sequences.get(seq_id).block_table))
-                 for seq_id, length in plan.final_lengths.items()}
-        stateful = list(plan.final_lengths) if self.cache.has_state else []
-        blocks, slots = self.cache.reserve(sum(sources.values()) + sum(grown.values()), len(stateful))
-        taken = 0
-        for seq_id, count in sources.items():
-            seq = self.sequences.get(seq_id)
-            seq.cross_table, seq.source_len = BlockTable(blocks[taken:taken + count]), plan.sources[seq_id]
-            taken += count
-        for seq_id, count in grown.items():
-            self.sequences.get(seq_id).block_table.extend(blocks[taken:taken + count])
-            taken += count
-        for seq_id, slot in zip(stateful, slots):
-            self.sequences.get(seq_id).state_slot = slot
-
-    def _free(self, seq: Sequence) -> int:
-        """Gives a removed sequence's blocks back (its cross blocks too) and its state slots; returns how many
-        blocks."""
-        blocks = seq.block_table.tolist() + (seq.cross_table.tolist() if seq.cross_table is not None else [])
-        self.cache.free(blocks, {slot for slot in (seq.state_slot, seq.state_source) if slot >= 0})
-        return len(blocks)
-
-    def _restore(self, snapshot: dict, plan: Plan) -> None:
-        """Puts the plan's sequences back as the snapshot has them; those it created (where they got that far)
-        are removed."""
-        for seq_id in plan.final_lengths:
-            if seq_id not in snapshot:
-                if (created := self.sequences.remove(seq_id)) is not None:
-                    self._free(created)
-                continue
-            seq = self.sequences.get(seq_id)
-            num_tokens, num_blocks, finished, num_prompt, state_slot = snapshot[seq_id]
-            del seq.tokens[num_tokens:]
-            self.cache.free(seq.block_table.truncate(num_blocks), [seq.state_slot] if seq.state_slot != state_slot
-                            else [])
-            seq.prompt_finished, seq.num_prompt_tokens = finished, num_prompt
-            seq.state_slot = seq.state_source = state_slot
-
-    def _commit(self, snapshot: dict) -> None:
-        """The step is done: the state slots its sequences had before (their snapshots) are given back."""
-        if not self.cache.has_state:
-            return
-        for seq_id, (*_, state_slot) in snapshot.items():
-            seq = self.sequences.get(seq_id)
-            if state_slot >= 0 and (seq is None or seq.state_slot != state_slot):
-                self.cache.free([], [state_slot])
-
     def _reserve_ahead(self, step: Step, output: StepOutput) -> Ahead | None:
-        """Reserves the guessed next step of a pure decode step: the same lanes, each with its sampled token."""
+        """Reserves the guessed next step of a pure decode step: the same sequences, each with its sampled token."""
         if step.prefill or not step.decode:
             return None
         sampled = {out.seq_id: out.token for out in output.outputs}
-        guess = Step(decode=tuple(DecodeLane(lane.seq_id, sampled[lane.seq_id]) for lane in step.decode))
+        guess = Step(decode=tuple(DecodeToken(entry.seq_id, sampled[entry.seq_id]) for entry in step.decode))
         with self._lock:
             if self._blocks_wanted or any(self.sequences.get(i).output.return_logits for i in sampled):
                 return None
@@ -363,7 +297,8 @@ class Engine:
             except WorkerError:     # max_model_len, or no free block: no guess
                 return None
             free = self.cache.blocks.num_free
-            ahead = Ahead(guess.decode, plan, self._reserve(plan), free - self.cache.blocks.num_free, self._run_guess)
+            snapshot = self.reservations.reserve(plan)
+            ahead = Ahead(guess.decode, plan, snapshot, free - self.cache.blocks.num_free, self._run_guess)
             for seq_id in sampled:
                 self._ahead[seq_id] = ahead
         return ahead
@@ -378,7 +313,7 @@ class Engine:
         return StepOutput(outputs, int((time.perf_counter() - started) * 1e6))
 
     def _quiesce(self) -> None:
-        """Waits for this lane's queued device work, so no kernel still writes the KV blocks an undo frees; a
+        """Waits for this stream's queued device work, so no kernel still writes the KV blocks an undo frees; a
         device too broken to wait on is already reported by the error being handled."""
         try:
             self.runner.synchronize()
@@ -398,7 +333,7 @@ class Engine:
         taken = None
         with self._lock:
             for ahead in pending:
-                if self._ahead.get(ahead.seq_ids[0]) is not ahead:     # settled by another lane meanwhile
+                if self._ahead.get(ahead.seq_ids[0]) is not ahead:     # settled by another stream meanwhile
                     continue
                 for seq_id in ahead.seq_ids:
                     del self._ahead[seq_id]
@@ -406,7 +341,7 @@ class Engine:
                     taken = ahead
                     self.ahead_counts.taken += 1
                 else:
-                    self._restore(ahead.snapshot, ahead.plan)
+                    self.reservations.restore(ahead.snapshot, ahead.plan)
                     self.ahead_counts.undone += 1
         return taken
 

@@ -30,7 +30,7 @@ class Chunk:
     seq_id: int
     tokens: tuple[int, ...]
     start: int
-    # Its last token's logits are sampled: a decode lane, or the end of a prompt.
+    # Its last token's logits are sampled: a decode token, or the end of a prompt.
     samples: bool
     ends_prompt: bool = False
     # Encoder-decoder models: the source the encoder runs before this (first) chunk.
@@ -39,7 +39,7 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Plan:
-    # Forwards run in order; decode lanes all run in the first, before any prefill chunk.
+    # Forwards run in order; decode tokens all run in the first, before any prefill chunk.
     rounds: tuple[tuple[Chunk, ...], ...]
     # Slices with chunk_start=0: their sequences are created before the first round.
     new_sequences: tuple[PrefillSlice, ...]
@@ -55,10 +55,10 @@ def plan_step(step: Step, sequences: SequenceTable, num_free_blocks: int, limits
     rounds: list[list[Chunk]] = [[]]
     final_lengths, sources = {}, {}
     needed = 0
-    for lane, seq in zip(step.decode, held):
+    for entry, seq in zip(step.decode, held):
         start = len(seq.tokens)
-        rounds[0].append(Chunk(lane.seq_id, (lane.token,), start, samples=True))
-        final_lengths[lane.seq_id] = start + 1
+        rounds[0].append(Chunk(entry.seq_id, (entry.token,), start, samples=True))
+        final_lengths[entry.seq_id] = start + 1
         needed += blocks_for(start + 1, limits.kv_block_size) - len(seq.block_table)
     for s in step.prefill:
         if limits.decoder_start is not None:
@@ -97,16 +97,16 @@ def _blocks_held(sequences: SequenceTable, seq_id: int) -> int:
 
 
 def _check_decode(step: Step, sequences: SequenceTable, limits: Limits) -> list:
-    """The decode lanes' sequences, in order, once each is known to be able to take one more token."""
-    held = [sequences.get(lane.seq_id) for lane in step.decode]
+    """The decode tokens' sequences, in order, once each is known to be able to take one more token."""
+    held = [sequences.get(entry.seq_id) for entry in step.decode]
     if any(seq is None for seq in held):
-        raise UnknownSequence([lane.seq_id for lane, seq in zip(step.decode, held) if seq is None])
-    for lane, seq in zip(step.decode, held):
+        raise UnknownSequence([entry.seq_id for entry, seq in zip(step.decode, held) if seq is None])
+    for entry, seq in zip(step.decode, held):
         if not seq.prompt_finished:
-            raise FailedPrecondition(f"seq_id {lane.seq_id}: its prompt is not finished "
+            raise FailedPrecondition(f"seq_id {entry.seq_id}: its prompt is not finished "
                                      f"(no slice with is_last_chunk=true yet); it cannot decode")
         if seq.num_tokens + 1 > limits.max_model_len:
-            raise OutOfRange(f"seq_id {lane.seq_id}: holds {seq.num_tokens} tokens; one more passes "
+            raise OutOfRange(f"seq_id {entry.seq_id}: holds {seq.num_tokens} tokens; one more passes "
                              f"max_model_len={limits.max_model_len}")
     return held
 

@@ -1,4 +1,4 @@
-"""A step as the engine receives it: decode lanes plus prefill slices, and what it returns."""
+"""A step as the engine receives it: decode tokens plus prefill slices, and what it returns."""
 
 from dataclasses import dataclass, field
 
@@ -21,7 +21,7 @@ class PrefillSlice:
 
 
 @dataclass(frozen=True, slots=True)
-class DecodeLane:
+class DecodeToken:
     seq_id: int
     # Appended to the sequence; its KV is computed and the next token sampled.
     token: int
@@ -29,17 +29,17 @@ class DecodeLane:
 
 @dataclass(frozen=True)
 class Step:
-    decode: tuple[DecodeLane, ...] = ()
+    decode: tuple[DecodeToken, ...] = ()
     prefill: tuple[PrefillSlice, ...] = ()
 
     @property
     def seq_ids(self) -> list[int]:
-        return [lane.seq_id for lane in self.decode] + [s.seq_id for s in self.prefill]
+        return [entry.seq_id for entry in self.decode] + [s.seq_id for s in self.prefill]
 
     def check(self, vocab_size: int, max_model_len: int) -> None:
         """Checks what needs no sequence state, lengths before ids; raises InvalidArgument or OutOfRange."""
         if not self.decode and not self.prefill:
-            raise InvalidArgument("the step is empty: give decode lanes or prefill slices")
+            raise InvalidArgument("the step is empty: give decode tokens or prefill slices")
         for s in self.prefill:
             if s.chunk_start + len(s.tokens) > max_model_len:
                 raise OutOfRange(f"seq_id {s.seq_id}: chunk_start={s.chunk_start} and {len(s.tokens)} tokens pass "
@@ -48,8 +48,8 @@ class Step:
         duplicates = sorted({i for i in self.seq_ids if i in seen or seen.add(i)})
         if duplicates:
             raise InvalidArgument(f"seq_id(s) {name_ids(duplicates)} appear more than once in one request")
-        for lane in self.decode:
-            check_token_ids(f"seq_id {lane.seq_id}", (lane.token,), vocab_size)
+        for entry in self.decode:
+            check_token_ids(f"seq_id {entry.seq_id}", (entry.token,), vocab_size)
         for s in self.prefill:
             if not s.tokens:
                 raise InvalidArgument(f"seq_id {s.seq_id}: a prefill slice needs at least one token")
@@ -79,7 +79,7 @@ class SequenceOutput:
 class StepOutput:
     outputs: list[SequenceOutput] = field(default_factory=list)
     forward_us: int = 0
-    # The guessed next step the engine reserved after this one (run_ahead.Ahead), for the lane to run.
+    # The guessed next step the engine reserved after this one (run_ahead.Ahead), for the stream to run.
     ahead: object = None
     # The answer the caller built from the outputs inside the step (Engine.step's reply), for it to send.
     reply: object = None

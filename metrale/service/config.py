@@ -101,12 +101,12 @@ SERVE_FLAGS = [
      "takes; default 0.9 on cuda, 0.25 of free RAM on cpu", None),
     ("kv-block-size", int, "tokens per KV block (a power of two)", None),
     ("max-batch-tokens", int, "most tokens one forward may run", None),
-    ("max-seqs", int, "most sequences one forward samples (decode lanes plus finishing prompts)", None),
+    ("max-seqs", int, "most sequences one forward samples (decode tokens plus finishing prompts)", None),
     ("max-model-len", int, "longest sequence; default: the model's max_position_embeddings", None),
     ("cuda-graph-batch-sizes", _int_tuple, "decode batch sizes captured as CUDA graphs, e.g. 1,2,4,8 ('' = off)",
      None),
-    ("num-streams", int, "device streams (lanes) that run steps independently", None),
-    ("run-ahead", str, "run each lane's likely next decode step while the gateway reads the last one; "
+    ("num-streams", int, "device streams that run steps independently", None),
+    ("run-ahead", str, "run each stream's likely next decode step while the gateway reads the last one; "
      "auto: on for cuda", RUN_AHEAD),
     ("max-message-mb", int, "largest gRPC message, either way", None),
     ("max-concurrent-rpcs", int, "forward calls (steps, BeamGenerate, Generate) in flight at once; more get "

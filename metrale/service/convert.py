@@ -3,9 +3,9 @@
 import numpy as np
 
 from metrale.runtime.beam.params import BeamParams, BeamRequest
-from metrale.runtime.beam.runner import BeamResult
+from metrale.runtime.beam.call import BeamResult
 from metrale.runtime.sampling import OutputOptions, SamplingParams
-from metrale.runtime.step import DecodeLane, PrefillSlice, Step, StepOutput
+from metrale.runtime.step import DecodeToken, PrefillSlice, Step, StepOutput
 from metrale.runtime.errors import InvalidArgument
 from metrale.v1 import worker_pb2 as pb
 
@@ -28,11 +28,11 @@ def slice_from_pb(m: pb.PrefillSlice) -> PrefillSlice:
                         sampling=sampling_from_pb(m.sampling), output=output_from_pb(m.output))
 
 
-def decode_lanes_from_pb(m: pb.DecodeRequest) -> tuple[DecodeLane, ...]:
+def decode_tokens_from_pb(m: pb.DecodeRequest) -> tuple[DecodeToken, ...]:
     if len(m.seq_ids) != len(m.tokens):
         raise InvalidArgument(f"seq_ids has {len(m.seq_ids)} entries but tokens has {len(m.tokens)}; "
                               f"they are parallel arrays")
-    return tuple(DecodeLane(i, t) for i, t in zip(m.seq_ids, m.tokens))
+    return tuple(DecodeToken(i, t) for i, t in zip(m.seq_ids, m.tokens))
 
 
 def step_from_prefill(m: pb.PrefillRequest) -> Step:
@@ -40,11 +40,11 @@ def step_from_prefill(m: pb.PrefillRequest) -> Step:
 
 
 def step_from_decode(m: pb.DecodeRequest) -> Step:
-    return Step(decode=decode_lanes_from_pb(m))
+    return Step(decode=decode_tokens_from_pb(m))
 
 
 def step_from_mixed(m: pb.MixedForwardRequest) -> Step:
-    return Step(decode=decode_lanes_from_pb(m.decode), prefill=tuple(slice_from_pb(s) for s in m.prefill.slices))
+    return Step(decode=decode_tokens_from_pb(m.decode), prefill=tuple(slice_from_pb(s) for s in m.prefill.slices))
 
 
 # Repeated messages (slices, beam requests) counted one by one at most; past it a request counts as MANY ids.
@@ -73,7 +73,7 @@ def beam_id_count(m: pb.BeamGenerateRequest) -> int:
 
 
 def forward_response(out: StepOutput) -> pb.ForwardResponse:
-    """The step's outputs; queue_us is the caller's to set once the lane has said it."""
+    """The step's outputs; queue_us is the caller's to set once the stream has said it."""
     response = pb.ForwardResponse(seq_ids=[o.seq_id for o in out.outputs], tokens=[o.token for o in out.outputs],
                                   logprobs=[o.logprob for o in out.outputs], forward_us=out.forward_us)
     for o in out.outputs:

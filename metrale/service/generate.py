@@ -1,4 +1,4 @@
-"""Generate: one request's prefill and decode loop through the same device lanes as the step RPCs.
+"""Generate: one request's prefill and decode loop through the same streams as the step RPCs.
 
 A debugging aid for grpcurl, not a scheduler: it holds one sequence, streams each token, and releases it.
 """
@@ -6,7 +6,7 @@ A debugging aid for grpcurl, not a scheduler: it holds one sequence, streams eac
 import math
 
 from metrale.runtime.errors import InvalidArgument, OutOfRange
-from metrale.runtime.step import DecodeLane, PrefillSlice, Step
+from metrale.runtime.step import DecodeToken, PrefillSlice, Step
 from metrale.service import convert
 from metrale.v1 import worker_pb2 as pb
 
@@ -66,7 +66,7 @@ async def generate_tokens(request: pb.GenerateRequest, seq_id: int, servicer):
             yield response
             if reason:
                 return
-            step = Step(decode=(DecodeLane(seq_id, o.token),))
+            step = Step(decode=(DecodeToken(seq_id, o.token),))
     finally:
         # Queued behind this request's last step, which may still be running if the client cancelled.
         servicer.release_in_order(stream, [seq_id])

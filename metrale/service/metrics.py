@@ -70,7 +70,7 @@ class BackendCollector:
         lookups.add_metric(["miss"], counts["kernel_cache_misses"])
         yield lookups
         yield CounterMetricFamily("metrale_graph_replays",
-                                  "Decode steps and encoder passes run as a CUDA graph replay.",
+                                  "Forwards run as a CUDA graph replay: decode steps, encoder passes, decoder prompts.",
                                   value=counts["graph_replays"])
 
 

@@ -11,7 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from metrale.runtime.build import ModelInfo, build_engine
-from metrale.runtime.lanes import DeviceLanes
+from metrale.runtime.streams import StreamThreads
 from metrale.runtime.loading import Checkpoint
 from metrale.service.config import WorkerConfig
 from metrale.service.metrics import WorkerMetrics
@@ -32,11 +32,11 @@ class WorkerServer:
 
     def __init__(self, engine, info: ModelInfo, tokenizer, config: WorkerConfig):
         self.config = config
-        self.lanes = DeviceLanes(config.engine.num_streams, on_thread_start=engine.bind_stream)
+        self.threads = StreamThreads(config.engine.num_streams, on_thread_start=engine.bind_stream)
         self.state = ServingState(config.max_concurrent_rpcs)
         self.health = health.aio.HealthServicer()
         self.metrics = WorkerMetrics(engine)
-        self.servicer = WorkerServicer(engine, self.lanes, info, tokenizer, self.state, self.metrics, config)
+        self.servicer = WorkerServicer(engine, self.threads, info, tokenizer, self.state, self.metrics, config)
         self.options = server_options(config)
         interceptors = [StatusInterceptor(self._on_device_fault, self.metrics)]
         if config.auth_tokens_file:
@@ -95,7 +95,7 @@ class WorkerServer:
         await self.server.stop(grace=1.0)
         if self.health_server is not None:
             await self.health_server.stop(grace=0)
-        await asyncio.to_thread(self.lanes.close)
+        await asyncio.to_thread(self.threads.close)
         self.servicer.close()
         self._stopped.set()
         log.info("stopped")

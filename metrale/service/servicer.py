@@ -1,7 +1,7 @@
-"""The Worker servicer: one method per RPC; each converts, checks, submits to a device lane, and converts back.
+"""The Worker servicer: one method per RPC; each converts, checks, submits to a stream, and converts back.
 
 Nothing slow runs on the event loop: a request carrying many ids is converted and checked on a thread, text work
-runs on its own threads (text.py), and steps on the device lanes."""
+runs on its own threads (text.py), and steps on the streams."""
 
 import asyncio
 import contextlib
@@ -15,8 +15,8 @@ from metrale.runtime.build import VERSION, ModelInfo
 from metrale.runtime.engine import Engine
 from metrale.runtime.errors import (NAMED_IDS, FailedPrecondition, InvalidArgument, OutOfRange,
                                     ReplyTooLarge, UnknownSequence, name_ids)
-from metrale.runtime.lanes import DeviceLanes
-from metrale.runtime.run_ahead import LanePacer
+from metrale.runtime.streams import StreamThreads
+from metrale.runtime.run_ahead import StreamPacer
 from metrale.runtime.step import Step, StepOutput, check_token_ids
 from metrale.service import convert
 from metrale.service.admission import ServingState
@@ -36,22 +36,22 @@ QUEUE_US_BYTES = 11
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, engine: Engine, lanes: DeviceLanes, info: ModelInfo, tokenizer, state: ServingState,
+    def __init__(self, engine: Engine, threads: StreamThreads, info: ModelInfo, tokenizer, state: ServingState,
                  metrics: WorkerMetrics, config: WorkerConfig):
         self.metrics = metrics
         self.engine = engine
-        self.lanes = lanes
+        self.threads = threads
         self.info = info
         self.tokenizer = tokenizer
         self.text = TextWork(tokenizer, config.max_text_bytes, info.vocab_size, info.max_model_len,
                              info.tokenizer_note)
         self.state = state
         self.max_message_bytes = config.max_message_bytes
-        # Release's work, which needs no device: never queued behind a lane's steps.
+        # Release's work, which needs no device: never queued behind a stream's steps.
         self._control = ThreadPoolExecutor(1, thread_name_prefix="control")
         self._next_generate_id = RESERVED_SEQ_IDS
-        # Per stream: the order of a decode answer and the lane's guessed next step (run_ahead.py).
-        self.pacers = [LanePacer() for _ in range(lanes.num_lanes)]
+        # Per stream: the order of a decode answer and the stream's guessed next step (run_ahead.py).
+        self.pacers = [StreamPacer() for _ in range(threads.num_streams)]
 
     async def Info(self, request, context):
         i, c, stats = self.info, self.engine.config, self.engine.stats()
@@ -62,7 +62,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             is_mla=i.is_mla, hc_mult=i.hc_mult, supports_beam=self.engine.supports_beam,
             is_encoder_decoder=self.engine.is_encoder_decoder, has_ssm=i.has_ssm,
             eos_token_ids=list(i.eos_token_ids), bos_token_id=i.bos_token_id, pad_token_id=i.pad_token_id,
-            num_streams=self.lanes.num_lanes, max_batch_tokens=c.max_batch_tokens, version=VERSION,
+            num_streams=self.threads.num_streams, max_batch_tokens=c.max_batch_tokens, version=VERSION,
             live_sequences=stats.live_sequences)
 
     async def Prefill(self, request, context):
@@ -78,7 +78,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if not self.engine.supports_beam:
             raise FailedPrecondition(f"beam search is not available for {self.info.architecture} on the "
                                      f"{self.info.device} backend yet (Info.supports_beam=false)")
-        self.lanes.check_lane(request.stream)
+        self.threads.check_stream(request.stream)
         structlog.contextvars.bind_contextvars(request_ids=[r.request_id for r in request.requests[:NAMED_IDS]],
                                                num_requests=len(request.requests), stream=request.stream)
 
@@ -90,7 +90,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         requests = await self._off_loop_if_large(convert.beam_id_count(request), checked)
         eos, fill = self.info.eos_token_ids, self.info.pad_token_id or 0
         with self.state.admitted():
-            results, _ = await self.run_on_lane(
+            results, _ = await self.run_on_stream(
                 request.stream, [], lambda cancelled: self.engine.beam_generate(requests, eos, fill, cancelled))
         return convert.beam_response(results)
 
@@ -106,8 +106,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             return [i for i in ids if i < RESERVED_SEQ_IDS], [i for i in ids if i >= RESERVED_SEQ_IDS]
 
         ids, reserved = await self._off_loop_if_large(len(request.seq_ids), split)
-        # Off the lanes: a Release must not wait behind steps on other sequences (capacity is freed under load).
-        result = await asyncio.wrap_future(self.lanes.run_claimed(self._control, ids, lambda: self.engine.release(ids)))
+        # Off the streams: a Release must not wait behind steps on other sequences (capacity is freed under load).
+        result = await asyncio.wrap_future(self.threads.run_claimed(self._control, ids, lambda: self.engine.release(ids)))
         return pb.ReleaseResponse(released_seq_ids=result.released, unknown_seq_ids=result.unknown + reserved,
                                   blocks_freed=result.blocks_freed)
 
@@ -139,7 +139,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return pb.DetokenizeResponse(text=text)
 
     async def Generate(self, request, context):
-        self.lanes.check_lane(request.stream)
+        self.threads.check_stream(request.stream)
         seq_id = self._next_generate_id
         self._next_generate_id += 1
         with self.state.admitted():
@@ -147,7 +147,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 yield response
 
     async def _forward(self, request, to_step, stream: int) -> pb.ForwardResponse:
-        self.lanes.check_lane(stream)
+        self.threads.check_stream(stream)
 
         def checked() -> Step:
             step = to_step(request)
@@ -177,7 +177,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise ReplyTooLarge(logits_bytes, self.max_message_bytes, exact=False)
 
     def _reply(self, out: StepOutput) -> pb.ForwardResponse:
-        """The step's answer, built on the lane before the step counts as done: one that could not be sent (over the
+        """The step's answer, built on the stream's thread before the step counts as done: one that could not be sent (over the
         message limit) undoes the step."""
         response = convert.forward_response(out)
         size = response.ByteSize() + QUEUE_US_BYTES
@@ -192,11 +192,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return await asyncio.to_thread(work)
 
     async def run_step(self, stream: int, step: Step, reply=None):
-        """Runs one engine step on the stream's lane; returns (StepOutput, queue_us). reply: Engine.step's."""
-        self.lanes.check_lane(stream)
+        """Runs one engine step on the stream's thread; returns (StepOutput, queue_us). reply: Engine.step's."""
+        self.threads.check_stream(stream)
         pacer = self.pacers[stream]
         pacer.request_arrived()
-        result = await self.run_on_lane(stream, step.seq_ids,
+        result = await self.run_on_stream(stream, step.seq_ids,
                                         lambda cancelled: self.engine.step(step, cancelled, run_ahead=True,
                                                                            reply=reply),
                                         after=pacer)
@@ -209,18 +209,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def release_in_order(self, stream: int, seq_ids: list[int]) -> None:
         """Frees sequences after the work already queued on the stream; not awaited, so it survives cancellation."""
-        self.lanes.submit_in_order(stream, lambda: self.engine.release(seq_ids))
+        self.threads.submit_in_order(stream, lambda: self.engine.release(seq_ids))
 
-    async def run_on_lane(self, stream: int, seq_ids: list[int], work, after=None):
-        """Runs work(cancelled) on the stream's device lane; returns (result, queue_us). If this handler is
+    async def run_on_stream(self, stream: int, seq_ids: list[int], work, after=None):
+        """Runs work(cancelled) on the stream's stream; returns (result, queue_us). If this handler is
         cancelled (client cancel, deadline), cancelled() turns true, and the engine undoes the step at its next
         round boundary."""
         cancel = threading.Event()
-        submitted = self.lanes.submit(stream, seq_ids, lambda: work(cancel.is_set), after)
+        submitted = self.threads.submit(stream, seq_ids, lambda: work(cancel.is_set), after)
         try:
             return await asyncio.wrap_future(submitted)
         except asyncio.CancelledError:
-            # Cancelling the wait cancelled the work too where the lane had not started it; work under way stops at
+            # Cancelling the wait cancelled the work too where the stream had not started it; work under way stops at
             # its next round boundary, and the call stays admitted (--max-concurrent-rpcs) until it has.
             cancel.set()
             with contextlib.suppress(BaseException):

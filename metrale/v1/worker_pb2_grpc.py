@@ -116,7 +116,7 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def MixedForward(self, request, context):
-        """Decode lanes and prefill slices as one step.
+        """Decode tokens and prefill slices as one step.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

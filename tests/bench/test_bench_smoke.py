@@ -28,13 +28,13 @@ def test_grpc_overhead_measures_every_size(bench, capsys):
     assert "sequences" in capsys.readouterr().out
 
 
-def test_stub_engine_answers_one_token_per_lane(bench):
+def test_stub_engine_answers_one_token_per_decode_token(bench):
     from metrale.runtime.config import EngineConfig
-    from metrale.runtime.step import DecodeLane, PrefillSlice, Step
+    from metrale.runtime.step import DecodeToken, PrefillSlice, Step
 
     from bench.stub_model import StubEngine
 
-    step = Step(decode=(DecodeLane(5, 1), DecodeLane(7, 2)), prefill=(PrefillSlice(9, (1, 2), is_last_chunk=False),))
+    step = Step(decode=(DecodeToken(5, 1), DecodeToken(7, 2)), prefill=(PrefillSlice(9, (1, 2), is_last_chunk=False),))
     out = StubEngine(EngineConfig(device="cpu")).step(step)
     assert [(o.seq_id, o.token, o.logprob) for o in out.outputs] == [(5, 0, 0.0), (7, 0, 0.0)]
 

@@ -64,7 +64,7 @@ def test_peer_float32_matches_the_engine_in_prefill_and_decode(bench):
     from metrale.runtime.build import build_engine
     from metrale.runtime.config import EngineConfig
     from metrale.runtime.sampling import OutputOptions
-    from metrale.runtime.step import DecodeLane, PrefillSlice, Step
+    from metrale.runtime.step import DecodeToken, PrefillSlice, Step
 
     gd, pl = bench.gpu_decode, bench.peer_llama
     checkpoint = gd.random_checkpoint(gd.SHAPES["tiny"], seed=3)
@@ -84,7 +84,7 @@ def test_peer_float32_matches_the_engine_in_prefill_and_decode(bench):
     assert tokens.squeeze(1).tolist() == [o.token for o in out.outputs]
     position = torch.tensor([11])
     for _ in range(3):
-        out = engine.step(Step(decode=tuple(DecodeLane(i, t) for i, t in enumerate(tokens.squeeze(1).tolist()))))
+        out = engine.step(Step(decode=tuple(DecodeToken(i, t) for i, t in enumerate(tokens.squeeze(1).tolist()))))
         ours = torch.stack([o.logits for o in out.outputs])
         theirs = peer.model(tokens, position, peer.caches)
         assert ((ours - theirs).norm() / ours.norm()).item() < 1e-4

@@ -28,7 +28,7 @@ def test_block_table_grows_truncates_and_maps_slots():
 
 
 def mixed_segments():
-    # a decode lane at position 9, a prompt chunk of 6 tokens after 2 cached ones (not sampled), a new prompt of 3
+    # a decode token at position 9, a prompt chunk of 6 tokens after 2 cached ones (not sampled), a new prompt of 3
     return [Segment(BlockTable([5, 8, 2]), 9, (11,), True),
             Segment(BlockTable([1, 6]), 2, (20, 21, 22, 23, 24, 25), False),
             Segment(BlockTable([4]), 0, (30, 31, 32), True)]
@@ -70,13 +70,13 @@ def test_pack_batch_pads_a_decode_batch_to_its_graph():
     cuda_batch = pytest.importorskip("metrale.runtime.backend.cuda.batch")
     from metrale.runtime.backend.cuda.tensor import DeviceTensor
     region = DeviceTensor(1 << 32, (4096,), "int32")
-    lanes = [Segment(BlockTable([3, 9]), 6, (40,), True), Segment(BlockTable([7]), 2, (41,), True)]
-    packed = cuda_batch.pack_batch(build_batch(lanes, BLOCK), region, max_blocks=3, pad_to=4)
+    rows = [Segment(BlockTable([3, 9]), 6, (40,), True), Segment(BlockTable([7]), 2, (41,), True)]
+    packed = cuda_batch.pack_batch(build_batch(rows, BLOCK), region, max_blocks=3, pad_to=4)
 
     def read(view):
         offset = (view.ptr - region.ptr) // 4
         return packed.host[offset:offset + view.numel].reshape(view.shape).tolist()
-    # padding lanes: token 0 at position 0, KV slot -1 (written nowhere), context 0 (read nothing), all sampled
+    # padding rows: token 0 at position 0, KV slot -1 (written nowhere), context 0 (read nothing), all sampled
     assert read(packed.token_ids) == [40, 41, 0, 0] and read(packed.positions) == [6, 2, 0, 0]
     assert read(packed.slot_mapping) == [9 * 4 + 2, 7 * 4 + 2, -1, -1]
     assert read(packed.decode_rows) == [0, 1, 2, 3] and read(packed.decode_contexts) == [7, 3, 0, 0]

@@ -11,7 +11,7 @@ import torch
 
 from metrale.runtime.beam.candidates import best_first
 from metrale.runtime.beam.params import BeamParams, BeamRequest
-from metrale.runtime.beam.runner import SHORT_PROMPT
+from metrale.runtime.beam.call import SHORT_PROMPT
 from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.errors import Cancelled, InvalidArgument, OutOfKvBlocks, StepFailed
@@ -197,7 +197,7 @@ def test_the_prompt_pass_hands_over_a_device_search(models, monkeypatch):
                                                                          length_penalty=lp))
                 for i, (p, k, lp) in enumerate(zip(PROMPTS, (3, 1, 3, 2), (1.0, 0.5, 2.0, -1.0)))]
     seen, reads = [], []
-    monkeypatch.setattr(engine.runner, "device_beam_search", lambda search, *_: seen.append(search))
+    monkeypatch.setattr(engine.runner, "device_search", lambda search, *_: seen.append(search))
     candidates = engine.runner.beam_candidates
 
     class Recorded:

@@ -17,7 +17,7 @@ from metrale.runtime.config import EngineConfig
 from metrale.runtime.engine import Engine
 from metrale.runtime.errors import OutOfKvBlocks, OutOfStateSlots, StepFailed
 from metrale.runtime.sampling import OutputOptions
-from metrale.runtime.step import DecodeLane, PrefillSlice, Step
+from metrale.runtime.step import DecodeToken, PrefillSlice, Step
 
 VOCAB, HIDDEN, HEADS, HEAD_DIM, LATENT = 40, 16, 2, 8, 6
 BLOCK_SIZE, NUM_BLOCKS, NUM_SLOTS, MAX_LEN = 4, 14, 6, 64
@@ -145,7 +145,7 @@ def test_each_kind_of_layer_carries_its_cache_across_chunks_and_steps(toy):
         sampled = {o.seq_id: o.token for o in out.outputs}
         for seq_id, token in sampled.items():
             tokens[seq_id].append(token)
-        out = engine.step(Step(decode=tuple(DecodeLane(i, t) for i, t in sampled.items())))
+        out = engine.step(Step(decode=tuple(DecodeToken(i, t) for i, t in sampled.items())))
         for o in out.outputs:
             expected = model.reference(tokens[o.seq_id])[-1]
             torch.testing.assert_close(o.logits, expected, rtol=1e-5, atol=1e-5)
@@ -170,12 +170,12 @@ def test_a_step_undone_leaves_the_state_it_had(toy):
         raise RuntimeError("an answer that cannot be built")
 
     with pytest.raises(StepFailed):
-        engine.step(Step(decode=(DecodeLane(7, token),)), reply=failing)
+        engine.step(Step(decode=(DecodeToken(7, token),)), reply=failing)
     assert held(engine) == before
     other = engine.step(Step(prefill=(prefill(8, [2, 3]),)))      # takes the slot the undone step gave back
-    again = engine.step(Step(decode=(DecodeLane(7, token),)))
+    again = engine.step(Step(decode=(DecodeToken(7, token),)))
     torch.testing.assert_close(again.outputs[0].logits, model.reference(prompt + [token])[-1], rtol=1e-5, atol=1e-5)
-    again = engine.step(Step(decode=(DecodeLane(8, other.outputs[0].token),)))
+    again = engine.step(Step(decode=(DecodeToken(8, other.outputs[0].token),)))
     torch.testing.assert_close(again.outputs[0].logits, model.reference([2, 3, other.outputs[0].token])[-1],
                                rtol=1e-5, atol=1e-5)
     assert held(engine)[1] == NUM_SLOTS - 2
@@ -193,10 +193,10 @@ def test_exhaustion_of_either_pool_takes_nothing_from_the_other(toy):
     assert held(engine) == before
     # slots short: three decode rows and a new prompt need 4 slots, 3 are free
     with pytest.raises(OutOfStateSlots):
-        engine.step(Step(decode=tuple(DecodeLane(i, 1) for i in range(1, 4)), prefill=(prefill(9, [1, 2]),)))
+        engine.step(Step(decode=tuple(DecodeToken(i, 1) for i in range(1, 4)), prefill=(prefill(9, [1, 2]),)))
     assert held(engine) == before
     engine.release([2])
-    out = engine.step(Step(decode=(DecodeLane(1, 7), DecodeLane(3, 7)), prefill=(prefill(9, [1, 2]),)))
+    out = engine.step(Step(decode=(DecodeToken(1, 7), DecodeToken(3, 7)), prefill=(prefill(9, [1, 2]),)))
     for o, tokens in zip(out.outputs, ([1, 5, 6, 7], [3, 5, 6, 7], [1, 2])):
         torch.testing.assert_close(o.logits, model.reference(tokens)[-1], rtol=1e-5, atol=1e-5)
     assert held(engine)[1:] == (NUM_SLOTS - 3, NUM_BLOCKS - 3, [1, 3, 9])      # 4 tokens each fill one block

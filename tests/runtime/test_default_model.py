@@ -8,7 +8,7 @@ from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.loading import load_checkpoint
 from metrale.runtime.sampling import OutputOptions
-from metrale.runtime.step import DecodeLane, PrefillSlice, Step
+from metrale.runtime.step import DecodeToken, PrefillSlice, Step
 
 PROMPT = "The capital of France is"
 
@@ -33,7 +33,7 @@ def test_logits_match_transformers_on_the_same_gguf(reference, engine_and_tokeni
     ours, tokens = [out.outputs[0].logits], list(prompt)
     for _ in range(8):
         tokens.append(out.outputs[0].token)
-        out = engine.step(Step(decode=(DecodeLane(1, tokens[-1]),)))
+        out = engine.step(Step(decode=(DecodeToken(1, tokens[-1]),)))
         ours.append(out.outputs[0].logits)
     engine.release([1])
     with torch.no_grad():

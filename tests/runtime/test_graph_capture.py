@@ -1,4 +1,4 @@
-"""Graph capture's host state, no GPU needed: the collector stays off while any lane captures a CUDA graph, and
+"""Graph capture's host state, no GPU needed: the collector stays off while any stream captures a CUDA graph, and
 the padded shapes an encoder pass and a decoder's prompts replay a graph for."""
 
 import gc
@@ -57,8 +57,8 @@ def encoder_batch(lengths, sample=False):
 
 
 def test_encoder_passes_pad_to_powers_of_two_within_the_plan():
-    lane = SimpleNamespace(shapes=SimpleNamespace(max_batch_tokens=512, max_seqs=16))
-    encoder = graphs.PrefillGraphs.encoder(lane)
+    ctx = SimpleNamespace(shapes=SimpleNamespace(max_batch_tokens=512, max_seqs=16))
+    encoder = graphs.PrefillGraphs.encoder(ctx)
     assert encoder.padding(encoder_batch([5, 30, 7])) == PrefillPadding(64, 4, 64, sampled=0)
     assert encoder.padding(encoder_batch([40] * 9)) == PrefillPadding(512, 16, 64)
     assert encoder.padding(encoder_batch([40] * 13)) is None          # 1024 rows: over the plan, eager
@@ -67,8 +67,8 @@ def test_encoder_passes_pad_to_powers_of_two_within_the_plan():
 def test_decoder_prompts_pad_their_sampled_rows_too():
     """A decoder's prompts (a start token and a target language's, or a longer prefix) sample each segment's last
     row: those pad to a power of two with the segments, the rows from 16, the longest segment from its own length."""
-    lane = SimpleNamespace(shapes=SimpleNamespace(max_batch_tokens=512, max_seqs=16))
-    prompts = graphs.PrefillGraphs.prompts(lane)
+    ctx = SimpleNamespace(shapes=SimpleNamespace(max_batch_tokens=512, max_seqs=16))
+    prompts = graphs.PrefillGraphs.prompts(ctx)
     assert prompts.padding(encoder_batch([2] * 16, sample=True)) == PrefillPadding(32, 16, 2, sampled=16)
     assert prompts.padding(encoder_batch([2, 1, 3], sample=True)) == PrefillPadding(16, 4, 4, sampled=4)
     assert prompts.padding(encoder_batch([2, 1, 3])) == PrefillPadding(16, 4, 4, sampled=0)

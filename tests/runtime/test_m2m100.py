@@ -17,7 +17,7 @@ from metrale.runtime.config import EngineConfig
 from metrale.runtime.errors import FailedPrecondition, InvalidArgument, OutOfKvBlocks, OutOfRange
 from metrale.runtime.loading import load_checkpoint
 from metrale.runtime.sequence import BlockTable
-from metrale.runtime.step import DecodeLane, PrefillSlice, Step
+from metrale.runtime.step import DecodeToken, PrefillSlice, Step
 from beam_reference import (FILL, LogitsRecorder, assert_same, check_search, reference_hypotheses,
                             round_logits_to_bf16)
 from gateway_loop import forced_then_greedy
@@ -241,9 +241,9 @@ def test_sources_short_of_blocks_change_nothing(models):
     with pytest.raises(OutOfKvBlocks):
         engine.step(Step(prefill=too_many))
     assert engine.cache.blocks.num_free == free and set(engine.sequences.ids()) == {1}
-    after = engine.step(Step(decode=(DecodeLane(1, live),))).outputs[0].token
+    after = engine.step(Step(decode=(DecodeToken(1, live),))).outputs[0].token
     engine.release([1])
     engine.step(Step(prefill=(PrefillSlice(2, tuple(SOURCES[0])),)))
-    assert engine.step(Step(decode=(DecodeLane(2, live),))).outputs[0].token == after
+    assert engine.step(Step(decode=(DecodeToken(2, live),))).outputs[0].token == after
     engine.release([2])
     assert engine.cache.blocks.num_free == engine.cache.blocks.num_blocks

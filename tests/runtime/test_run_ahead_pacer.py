@@ -1,10 +1,10 @@
-"""LanePacer: a lane queues its guess before handing the answer over while the device step is the longer path,
+"""StreamPacer: a stream queues its guess before handing the answer over while the device step is the longer path,
 and hands the answer over first once the answer's round trip is the longer one."""
 
 import threading
 import time
 
-from metrale.runtime.run_ahead import LanePacer
+from metrale.runtime.run_ahead import StreamPacer
 from metrale.runtime.step import StepOutput
 
 
@@ -23,9 +23,9 @@ class FakeGuess:
         self.events.append("skipped")
 
 
-def drive(pacer: LanePacer, device_s: float, round_trip_s: float, steps: int) -> list[list[str]]:
-    """Steps of one lane: each answer's next request arrives round_trip_s after the answer was handed over (on
-    another thread, as the event loop's), and the lane takes it once its guess is done."""
+def drive(pacer: StreamPacer, device_s: float, round_trip_s: float, steps: int) -> list[list[str]]:
+    """Steps of one stream: each answer's next request arrives round_trip_s after the answer was handed over (on
+    another thread, as the event loop's), and the stream takes it once its guess is done."""
     orders = []
     for _ in range(steps):
         events, arrived = [], threading.Event()
@@ -42,12 +42,12 @@ def drive(pacer: LanePacer, device_s: float, round_trip_s: float, steps: int) ->
 
 
 def test_long_device_steps_queue_the_guess_first():
-    orders = drive(LanePacer(), device_s=0.02, round_trip_s=0.001, steps=4)
+    orders = drive(StreamPacer(), device_s=0.02, round_trip_s=0.001, steps=4)
     assert all(order[:2] == ["queued", "answer"] for order in orders)
 
 
 def test_long_round_trips_hand_the_answer_over_first():
-    pacer = LanePacer()
+    pacer = StreamPacer()
     orders = drive(pacer, device_s=0.001, round_trip_s=0.03, steps=4)
     assert orders[0][:2] == ["queued", "answer"]      # nothing measured yet
     assert all(order[:2] == ["answer", "queued"] for order in orders[1:])
@@ -56,5 +56,5 @@ def test_long_round_trips_hand_the_answer_over_first():
 
 def test_queued_work_skips_the_guess_and_answers():
     events = []
-    LanePacer()(StepOutput(ahead=FakeGuess(0.0, events)), False, lambda: events.append("answer"))
+    StreamPacer()(StepOutput(ahead=FakeGuess(0.0, events)), False, lambda: events.append("answer"))
     assert events == ["answer", "skipped"]

@@ -187,7 +187,7 @@ def test_a_cancelled_call_gives_every_block_back(llama):
     assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     deadline = time.monotonic() + 30
     while stub.Info(pb.InfoRequest()).free_kv_blocks != free and time.monotonic() < deadline:
-        time.sleep(0.05)     # the lane notices the cancel at its next step
+        time.sleep(0.05)     # the stream notices the cancel at its next step
     assert stub.Info(pb.InfoRequest()).free_kv_blocks == free
 
 

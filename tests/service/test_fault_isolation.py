@@ -72,7 +72,7 @@ def raising_on_call(n: int, error: Exception, call):
 
 
 def mixed_call(tokens: list[int]):
-    """Decode lane 1 plus a new, chunked sequence 5: a step of two rounds, with a sequence it creates."""
+    """Decode stream 1 plus a new, chunked sequence 5: a step of two rounds, with a sequence it creates."""
     return "MixedForward", pb.MixedForwardRequest(
         decode=pb.DecodeRequest(seq_ids=[1], tokens=tokens[:1]),
         prefill=pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=5, tokens=[4] * 40, is_last_chunk=True,
@@ -100,7 +100,7 @@ def inject_planning(worker, monkeypatch):
 
 
 def inject_forward(worker, monkeypatch):
-    # The second forward: the first round (decode lane 1, chunk 1 of sequence 5) is already committed.
+    # The second forward: the first round (decode token 1, chunk 1 of sequence 5) is already committed.
     model = worker.engine.model
     monkeypatch.setattr(model, "forward", raising_on_call(2, RuntimeError("injected in the forward"), model.forward))
 

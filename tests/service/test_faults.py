@@ -41,9 +41,9 @@ def test_cancelled_step_is_undone(faulty):
     token = make_pair(stub, 2)
     before = stub.Info(pb.InfoRequest())
     restores = []
-    engine = faulty.engine
-    engine._restore = lambda *args, restore=engine._restore: (restore(*args), restores.append(1))
-    # 500 one-token forwards (~0.6 s here) on a new sequence, decode lane 2 in the first: longer than the deadline.
+    reservations = faulty.engine.reservations
+    reservations.restore = lambda *args, restore=reservations.restore: (restore(*args), restores.append(1))
+    # 500 one-token forwards (~0.6 s here) on a new sequence, decode token 2 in the first: longer than the deadline.
     request = pb.MixedForwardRequest(decode=pb.DecodeRequest(seq_ids=[2], tokens=[token]), prefill=pb.PrefillRequest(
         slices=[pb.PrefillSlice(seq_id=6, tokens=[4] * 500, is_last_chunk=True, chunk_size=1)]))
     with pytest.raises(grpc.RpcError) as caught:
@@ -62,7 +62,7 @@ def test_cancelled_step_is_undone(faulty):
 
 def test_a_step_cancelled_while_its_answer_is_built_is_undone(faulty, monkeypatch):
     """The cancel comes after the last forward, while the answer is being built: the step is undone all the same,
-    and the call stays counted as in flight until its lane is done with it."""
+    and the call stays counted as in flight until its stream is done with it."""
     stub = faulty.stub
     token = make_pair(stub, 3)
     before = stub.Info(pb.InfoRequest())
@@ -77,7 +77,7 @@ def test_a_step_cancelled_while_its_answer_is_built_is_undone(faulty, monkeypatc
     with pytest.raises(grpc.RpcError) as caught:
         stub.Decode(pb.DecodeRequest(seq_ids=[3], tokens=[token]), timeout=0.3)
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and building
-    assert faulty.server.state.in_flight == 1        # its lane is still building the answer
+    assert faulty.server.state.in_flight == 1        # its stream is still building the answer
     deadline = time.monotonic() + 30
     while faulty.server.state.in_flight and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -68,22 +68,22 @@ def test_chunk_size_split_by_worker_equals_whole(stub):
     assert decode_n(stub, 2, r.tokens[0], 4) == whole_next
 
 
-def test_slices_finishing_in_different_rounds_with_decode_lanes(stub):
-    """Slices with different chunk sizes finish in different forwards, next to decode lanes; every output is
-    what the sequence gets alone, and the reply lists lanes then prompts in request order."""
-    lane_first = prefill(stub, 1, PROMPT[:7]).tokens[0]
-    lane_alone = stub.Decode(pb.DecodeRequest(seq_ids=[1], tokens=[lane_first]))
+def test_slices_finishing_in_different_rounds_with_decode_tokens(stub):
+    """Slices with different chunk sizes finish in different forwards, next to decode tokens; every output is
+    what the sequence gets alone, and the reply lists decode tokens then prompts in request order."""
+    decoding_first = prefill(stub, 1, PROMPT[:7]).tokens[0]
+    decoding_alone = stub.Decode(pb.DecodeRequest(seq_ids=[1], tokens=[decoding_first]))
     stub.Release(pb.ReleaseRequest(seq_ids=[1]))
     prefill(stub, 1, PROMPT[:7])
     alone = {seq_id: prefill(stub, seq_id + 100, PROMPT[:n]) for seq_id, n in ((10, 25), (11, 7), (12, 13))}
     slices = [pb.PrefillSlice(seq_id=10, tokens=PROMPT, is_last_chunk=True, chunk_size=4, output=LOGITS),
               pb.PrefillSlice(seq_id=11, tokens=PROMPT[:7], is_last_chunk=True, output=LOGITS),
               pb.PrefillSlice(seq_id=12, tokens=PROMPT[:13], is_last_chunk=True, chunk_size=5, output=LOGITS)]
-    mixed = stub.MixedForward(pb.MixedForwardRequest(decode=pb.DecodeRequest(seq_ids=[1], tokens=[lane_first]),
+    mixed = stub.MixedForward(pb.MixedForwardRequest(decode=pb.DecodeRequest(seq_ids=[1], tokens=[decoding_first]),
                                                      prefill=pb.PrefillRequest(slices=slices)))
     assert list(mixed.seq_ids) == [1, 10, 11, 12]
-    assert mixed.tokens[0] == lane_alone.tokens[0]
-    assert_same_logits(logits_of(mixed, 1), logits_of(lane_alone, 1))
+    assert mixed.tokens[0] == decoding_alone.tokens[0]
+    assert_same_logits(logits_of(mixed, 1), logits_of(decoding_alone, 1))
     for seq_id, r in alone.items():
         assert_same_logits(logits_of(mixed, seq_id), logits_of(r, seq_id + 100))
 
@@ -112,18 +112,18 @@ def test_batched_prefill_and_decode_equal_each_alone(stub):
             assert_same_logits(row, want_row)
 
 
-def test_finishing_prefill_never_leaks_into_decode_lanes(stub):
-    """The logits-row trap: a prefill finishing in a mixed step must not change any decode lane's output."""
+def test_finishing_prefill_never_leaks_into_decode_tokens(stub):
+    """The logits-row trap: a prefill finishing in a mixed step must not change any decode token's output."""
     for seq_id in (1, 2, 3):
         prefill(stub, seq_id, PROMPT[seq_id:seq_id + 10])
-    lanes = pb.DecodeRequest(seq_ids=[1, 2, 3], tokens=[40, 41, 42])
-    baseline = stub.Decode(lanes)
+    decode = pb.DecodeRequest(seq_ids=[1, 2, 3], tokens=[40, 41, 42])
+    baseline = stub.Decode(decode)
     logits = {i: logits_of(baseline, i) for i in (1, 2, 3)}
     stub.Release(pb.ReleaseRequest(seq_ids=[1, 2, 3]))
     for seq_id in (1, 2, 3):
         prefill(stub, seq_id, PROMPT[seq_id:seq_id + 10])
     finishing = pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=9, tokens=PROMPT, is_last_chunk=True, output=LOGITS)])
-    mixed = stub.MixedForward(pb.MixedForwardRequest(decode=lanes, prefill=finishing))
+    mixed = stub.MixedForward(pb.MixedForwardRequest(decode=decode, prefill=finishing))
     assert list(mixed.seq_ids) == [1, 2, 3, 9]
     assert list(mixed.tokens[:3]) == list(baseline.tokens)
     np.testing.assert_allclose(mixed.logprobs[:3], baseline.logprobs, rtol=0, atol=1e-5)

@@ -187,7 +187,7 @@ class FuzzedWorker:
 
     def settled_stats(self, expected: tuple[int, int], wait: float = 5.0) -> tuple[int, int]:
         """(free KV blocks, live sequences), once they are as expected or after `wait` s: Generate's sequence is
-        released on its lane just after its last answer leaves."""
+        released on its stream just after its last answer leaves."""
         deadline = time.monotonic() + wait
         while True:
             stats = self.worker.engine.stats()

@@ -29,7 +29,7 @@ def test_one_rpc_over_the_limit_is_resource_exhausted(limited, monkeypatch):
     entered, release = threading.Event(), threading.Event()
     step = engine.step
 
-    def held(*args, **kwargs):          # the first Prefill holds its RPC open on the device lane
+    def held(*args, **kwargs):          # the first Prefill holds its RPC open on the stream
         entered.set()
         release.wait(30)
         return step(*args, **kwargs)
@@ -162,7 +162,7 @@ def test_a_prefill_answer_over_the_message_limit_leaves_no_sequence(one_mb, monk
 
 @pytest.fixture
 def two_in_flight(tiny_llama_dir, monkeypatch):
-    """A worker allowing two forward calls at once, with two Prefills held open on their lanes."""
+    """A worker allowing two forward calls at once, with two Prefills held open on their streams."""
     worker = start_worker(tiny_llama_dir, max_model_len=96, num_streams=2, worker=dict(max_concurrent_rpcs=2))
     engine, step = worker.engine, worker.engine.step
     entered, release = threading.Semaphore(0), threading.Event()

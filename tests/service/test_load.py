@@ -45,9 +45,9 @@ class Record:
 class Tally:
     records: list = field(default_factory=list)
     failures: list = field(default_factory=list)
-    decode_tokens: int = 0          # decode lanes of requests answered OK
+    decode_tokens: int = 0          # decode tokens of requests answered OK
     prefill_tokens: int = 0
-    uncertain_decode_tokens: int = 0    # lanes of cancelled or expired requests (may or may not have run)
+    uncertain_decode_tokens: int = 0    # decode tokens of cancelled or expired requests (may or may not have run)
     uncertain_prefill_tokens: int = 0
     invalid: dict = field(default_factory=dict)   # (rpc, code) -> count
     cancelled: int = 0
@@ -174,11 +174,11 @@ class Client(threading.Thread):
                 time.sleep(0.01)
         raise AssertionError(f"seq {seq_id} stayed busy after its cancelled step")
 
-    def settle(self, error, lanes: int):
+    def settle(self, error, decode_tokens: int):
         if error is None:
-            self.tally.add(decode_tokens=lanes)
+            self.tally.add(decode_tokens=decode_tokens)
         elif error.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
-            self.tally.add(cancelled=1, uncertain_decode_tokens=lanes)
+            self.tally.add(cancelled=1, uncertain_decode_tokens=decode_tokens)
         else:
             raise AssertionError(f"Decode: {error.code()}: {error.details()}")
 

@@ -1,4 +1,4 @@
-"""Decode run-ahead: a worker that runs each lane's guessed next decode step answers every request exactly as one
+"""Decode run-ahead: a worker that runs each stream's guessed next decode step answers every request exactly as one
 that does not, whether the guess is taken, undone for another token or batch, or in the way of a Release or of
 a request that needs its KV block."""
 
@@ -80,8 +80,8 @@ def test_another_token_or_batch_undoes_the_guess(workers):
     r = decode(workers, [1, 2, 3], list(r.tokens))
     _, undone = counts(ahead)
     r = decode(workers, [1, 2, 3], [(t + 1) % 200 for t in r.tokens])     # not the sampled tokens
-    r = decode(workers, [1, 3], [r.tokens[0], r.tokens[2]])               # one lane dropped
-    r = decode(workers, [3, 1], [r.tokens[1], r.tokens[0]])               # the same lanes, reordered
+    r = decode(workers, [1, 3], [r.tokens[0], r.tokens[2]])               # one sequence dropped
+    r = decode(workers, [3, 1], [r.tokens[1], r.tokens[0]])               # the same sequences, reordered
     decode(workers, [3, 1, 2], [r.tokens[0], r.tokens[1], 9])             # one added
     assert counts(ahead)[1] - undone == 4
 
@@ -98,7 +98,7 @@ def test_prefill_and_release_undo_guesses(workers):
     r = decode(workers, [1, 2, 5], [3, 4, 5])
     both(workers, "Release", pb.ReleaseRequest(seq_ids=[2]))
     decode(workers, [1, 5], [r.tokens[0], r.tokens[2]])
-    # A prefill for another lane, while guesses on lane 0 are pending.
+    # A prefill for another stream, while guesses on stream 0 are pending.
     start(workers, [7], stream=1)
 
 
@@ -136,7 +136,7 @@ def test_generate_runs_ahead(workers):
 
 
 def test_concurrent_clients_switching_streams(workers):
-    """8 clients, each decoding its own sequence on alternating streams, so a guess made on one lane is met by
+    """8 clients, each decoding its own sequence on alternating streams, so a guess made on one stream is met by
     a request on the other: the same tokens as one client after another on the plain worker."""
     ahead, plain = workers
 

@@ -9,7 +9,7 @@ import torch
 
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.beam.candidates import Candidates
-from metrale.runtime.beam.on_device import DeviceSearch, OnDeviceSearch
+from metrale.runtime.beam.on_device import SearchStart, DeviceSearch
 from metrale.runtime.cache.specs import LayerCache
 from metrale.runtime.sampling import SampleResult
 
@@ -100,8 +100,8 @@ class Runner(Protocol):
         and ids [N, count] int64 (beam/candidates.py). Queued, not waited for: a device search seeds from the
         prompt pass's where they are. The logits may be overwritten."""
 
-    def device_beam_search(self, search: DeviceSearch, forward: Callable[[ForwardBatch], Tensor], layers: list
-                           ) -> OnDeviceSearch | None:
+    def device_search(self, search: SearchStart, forward: Callable[[ForwardBatch], Tensor], layers: list
+                           ) -> DeviceSearch | None:
         """A beam search whose steps run on the device from where the prompt pass left it (runtime/beam/
         on_device.py), on the calling thread's stream; None where the backend has no such step or the search
         does not fit its limits or its state region: the host steps it."""
@@ -111,5 +111,5 @@ class Runner(Protocol):
 
     def counters(self) -> dict[str, int]:
         """Cumulative counts for the metrics: kernel_cache_hits and kernel_cache_misses (compiled kernels found in,
-        or added to, the cache at start) and graph_replays (decode steps and encoder passes replayed as CUDA
-        graphs); 0 where the backend has none."""
+        or added to, the cache at start) and graph_replays (forwards replayed as CUDA graphs: decode steps, encoder
+        passes, decoder prompts); 0 where the backend has none."""

@@ -1,4 +1,4 @@
-"""A call's search steps on the device, for backends that have them (Runner.device_beam_search): each step the
+"""A call's search steps on the device, for backends that have them (Runner.device_search): each step the
 backend selects every request's next beams, forks their KV blocks and runs the next decode forward and its
 candidates without the host; the host launches the step and reads one done flag per request.
 
@@ -7,7 +7,7 @@ order. The candidates' log-sum-exp is summed per part of the row and combined in
 can differ from the host path's in its last bit (docs/beam_on_device.md, Exactness). The prompt pass (encoder
 and prefill) is the runner's, as on the host; what it leaves (each request's beams on its prompt's blocks, their
 first candidates where the backend computed them, the reservation's free blocks and holders) is handed over as one
-DeviceSearch, without waiting for the device.
+SearchStart, without waiting for the device.
 """
 
 import itertools
@@ -24,7 +24,7 @@ EARLY_STOPPING_CODES = {False: 0, True: 1, "never": 2}
 
 
 @dataclass
-class DeviceSearch:
+class SearchStart:
     """Where a call's search starts, as arrays: per request (R, in the order of `requests`), per beam (TB: request
     r's beams at beam_base[r] ..), per reserved block (B)."""
     num_beams: np.ndarray        # [R] int32
@@ -61,7 +61,7 @@ class DeviceSearch:
                 np.repeat(ids.numpy().astype(np.int32), self.num_beams, axis=0))
 
 
-class OnDeviceSearch(Protocol):
+class DeviceSearch(Protocol):
     searching: bool              # some request has not ended
 
     def step(self) -> None: ...
@@ -69,10 +69,10 @@ class OnDeviceSearch(Protocol):
     def hypotheses(self, request: int, count: int) -> list[tuple[list[int], float]]: ...
 
 
-class LockedSearch:
+class LockedDeviceSearch:
     """A search whose steps hold a lock (the engine's forward lock: a step's launches are one forward's)."""
 
-    def __init__(self, search: OnDeviceSearch, lock):
+    def __init__(self, search: DeviceSearch, lock):
         self.search, self.lock = search, lock
 
     @property
@@ -88,8 +88,8 @@ class LockedSearch:
             return self.search.hypotheses(request, count)
 
 
-def device_search(groups, pool: BlockPool, block_size: int, encoder_decoder: bool) -> tuple[DeviceSearch, list]:
-    """The DeviceSearch the runner's prompt pass leaves, and its requests (the groups' members, in order). Host
+def search_start(groups, pool: BlockPool, block_size: int, encoder_decoder: bool) -> tuple[SearchStart, list]:
+    """The SearchStart the runner's prompt pass leaves, and its requests (the groups' members, in order). Host
     work only: nothing here waits for the device."""
     members = [m for g in groups for m in g.members]
     searches = [(g.search, i) for g in groups for i in range(len(g.members))]
@@ -112,7 +112,7 @@ def device_search(groups, pool: BlockPool, block_size: int, encoder_decoder: boo
             powers[setting] = np.array([float(n) ** p.length_penalty for n in range(1, p.max_new_tokens + 1)],
                                        dtype=np.float64).astype(np.float32)
         divisors[row, 1:p.max_new_tokens + 1] = powers[setting]
-    search = DeviceSearch(
+    search = SearchStart(
         num_beams=k, beam_base=np.concatenate([[0], np.cumsum(k)[:-1]]).astype(np.int32), prompt_len=prompt_len,
         max_length=prompt_len + max_new, min_new=np.array([p.min_new_tokens for p in params], dtype=np.int32),
         ngram=np.array([p.no_repeat_ngram_size for p in params], dtype=np.int32),
@@ -131,7 +131,7 @@ def device_search(groups, pool: BlockPool, block_size: int, encoder_decoder: boo
     return search, members
 
 
-def run_on_device(search: OnDeviceSearch, members: list, cancelled: Callable[[], bool]) -> dict:
+def run_device_search(search: DeviceSearch, members: list, cancelled: Callable[[], bool]) -> dict:
     """Steps until every request's search ended; request_id -> its hypotheses."""
     while search.searching:
         if cancelled():

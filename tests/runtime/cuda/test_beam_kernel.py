@@ -10,7 +10,7 @@ pytest.importorskip("cuda.core")
 
 from metrale.runtime.backend.cuda.kernels.beam import beam_candidates, pack_banned  # noqa: E402
 from metrale.runtime.backend.cuda.tensor import DeviceTensor  # noqa: E402
-from metrale.runtime.backend.cuda.testing import BareLane  # noqa: E402
+from metrale.runtime.backend.cuda.testing import BareStreamContext  # noqa: E402
 from metrale.runtime.errors import InvalidArgument  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -32,7 +32,7 @@ def reference(logits: torch.Tensor, banned: list[list[int]], count: int) -> tupl
 def run(kernel_library, stream, logits: torch.Tensor, banned: list[list[int]], count: int):
     """logits: bf16."""
     n, vocab = logits.shape
-    # A column view of wider rows, as the lane's logits are (rows padded for the LM head's GEMM).
+    # A column view of wider rows, as the stream's logits are (rows padded for the LM head's GEMM).
     wide = torch.full((n, vocab + 3), 7.0, dtype=torch.bfloat16, device="cuda")
     wide[:, :vocab] = logits.cuda()
     device_logits = wide[:, :vocab]
@@ -106,10 +106,10 @@ def state_bans(prompt: list[int], ngram: int, short: bool, eos: tuple[int, ...])
 def test_device_search_candidates_match_float64(kernel_library, stream, count, tied):
     """beam_state_parts and beam_state_merge, the device search's candidates, against float64: NLLB's vocabulary
     split across blocks, bans computed on the device from each beam's tokens (a banned EOS the row's maximum)."""
-    from metrale.runtime.backend.cuda.beam_search import DeviceBeamSearch, state_arrays
+    from metrale.runtime.backend.cuda.beam_search import CudaDeviceSearch, state_arrays
     from metrale.runtime.backend.cuda.kernels.beam import beam_state_candidates
     from metrale.runtime.beam.candidates import HostCandidates
-    from metrale.runtime.beam.on_device import DeviceSearch
+    from metrale.runtime.beam.on_device import SearchStart
 
     vocab, eos = 256206, (2, 7)
     prompts = [[5, 9, 11, 5, 9, 40, 5, 9], [3, 3, 3, 3], [100, 200, 2, 7]]
@@ -117,7 +117,7 @@ def test_device_search_candidates_match_float64(kernel_library, stream, count, t
     R, TB = len(prompts), sum(beams)
     i32 = lambda values: np.asarray(values, dtype=np.int32)
     poisoned = HostCandidates(torch.full((R, count), POISON), torch.full((R, count), -7))
-    search = DeviceSearch(
+    search = SearchStart(
         num_beams=i32(beams), beam_base=i32([0, 4, 6]), prompt_len=i32([len(p) for p in prompts]),
         max_length=i32([len(p) + 8 for p in prompts]), min_new=i32(min_new), ngram=i32(ngram),
         early_stopping=i32([0] * R), best_length=i32([-1] * R), source_len=i32([0] * R), prompts=prompts,
@@ -126,8 +126,8 @@ def test_device_search_candidates_match_float64(kernel_library, stream, count, t
         prompt_candidates=[(poisoned, r) for r in range(R)], keep_stride=count, block_size=16, max_len=16,
         table_width=1, encoder_decoder=False)
     region = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
-    lane = BareLane(kernel_library, stream)
-    state = DeviceBeamSearch(lane, search, state_arrays(search, lane.shapes.max_blocks_per_seq), forward=None,
+    ctx = BareStreamContext(kernel_library, stream)
+    state = CudaDeviceSearch(ctx, search, state_arrays(search, ctx.shapes.max_blocks_per_seq), forward=None,
                              kv_cache=[], region=DeviceTensor.from_torch(region))
     generator = torch.Generator().manual_seed(count)
     if tied:
@@ -141,8 +141,8 @@ def test_device_search_candidates_match_float64(kernel_library, stream, count, t
     torch.cuda.synchronize()
     beam_state_candidates(kernel_library, stream, DeviceTensor.from_torch(device_logits), state.state, TB, 0, 0,
                           count, state.scratch)
-    ids = torch.from_numpy(lane.copy_to_host(state.views["cand_ids"])).long()
-    values = torch.from_numpy(lane.copy_to_host(state.views["cand_values"]))
+    ids = torch.from_numpy(ctx.copy_to_host(state.views["cand_ids"])).long()
+    values = torch.from_numpy(ctx.copy_to_host(state.views["cand_values"]))
     banned = [state_bans(p, n, m > 0, eos) for p, n, m, k in zip(prompts, ngram, min_new, beams) for _ in range(k)]
     assert banned[0] == [2, 7, 11, 40] and banned[4] == [3]
     want_values, want_ids = reference(logits, banned, count)

@@ -56,7 +56,7 @@ def compare_beams(engine, reference, requests, eos, encoder_decoder: bool, monke
     free = engine.cache.blocks.num_free
     on_device = engine.beam_generate(requests, eos, FILL)
     with monkeypatch.context() as patch:
-        patch.setattr(engine.runner, "device_beam_search", lambda *args: None)
+        patch.setattr(engine.runner, "device_search", lambda *args: None)
         with LogitsRecorder(engine) as recorder:
             on_host = engine.beam_generate(requests, eos, FILL)
     assert engine.cache.blocks.num_free == free
@@ -127,16 +127,16 @@ def test_device_search_step_matches_the_host_step(request, monkeypatch, case, le
                                                           decoder_start_token_id=START) if encoder_decoder else {})))
     requests = beam_requests(inputs, encoder_decoder, length_penalty, early_stopping, prefixes)
     free, runner = engine.cache.blocks.num_free, engine.runner
-    searches, reads, lane = [], [], runner.lane
-    original, copy_to_host = runner.device_beam_search, lane.copy_to_host
-    monkeypatch.setattr(runner, "device_beam_search", lambda *a: searches.append(original(*a)) or searches[-1])
-    monkeypatch.setattr(lane, "copy_to_host", lambda *a: reads.append(len(searches)) or copy_to_host(*a))
+    searches, reads, ctx = [], [], runner.stream_context
+    original, copy_to_host = runner.device_search, ctx.copy_to_host
+    monkeypatch.setattr(runner, "device_search", lambda *a: searches.append(original(*a)) or searches[-1])
+    monkeypatch.setattr(ctx, "copy_to_host", lambda *a: reads.append(len(searches)) or copy_to_host(*a))
     on_device = engine.beam_generate(requests, eos, FILL)
     assert len(searches) == 1 and searches[0] is not None and searches[0].generated > 1    # it did run there
     # Seeded, the host waited for nothing before the hand-over (no copy back), and the buffer is free again.
     assert searches[0].seeded == seeded and (min(reads) == 1) == seeded
-    assert lane.latest_candidates is None or not seeded
-    monkeypatch.setattr(runner, "device_beam_search", lambda *a: None)
+    assert ctx.latest_candidates is None or not seeded
+    monkeypatch.setattr(runner, "device_search", lambda *a: None)
     on_host = engine.beam_generate(requests, eos, FILL)
     assert engine.cache.blocks.num_free == free
     for ours, theirs in zip(on_device, on_host):
@@ -156,7 +156,7 @@ def test_non_finite_logits_end_the_device_call_with_a_fault(tmp_path, monkeypatc
 
     engine, _ = engine_on_cuda(write_tiny("llama_tied", tmp_path / "llama", **WEIGHTS), tmp_path / "cache")
     runner, started = engine.runner, []
-    original = runner.device_beam_search
+    original = runner.device_search
 
     def poison():
         head = engine.model.weights["lm_head"]
@@ -172,7 +172,7 @@ def test_non_finite_logits_end_the_device_call_with_a_fault(tmp_path, monkeypatc
 
     if when == "prompt":
         poison()
-    monkeypatch.setattr(runner, "device_beam_search", poisoned)
+    monkeypatch.setattr(runner, "device_search", poisoned)
     free = engine.cache.blocks.num_free
     request = BeamRequest(1, prompt_tokens=tuple(PROMPTS[1]), params=BeamParams(num_beams=4, max_new_tokens=10,
                                                                                  min_new_tokens=10))

@@ -41,7 +41,7 @@ def test_m2m100_logits_match_transformers(m2m100):
                 for tokens, table, source in zip(decoder, cross, SOURCES)]
     batch = build_batch(segments, size)
     batch.sample_rows = torch.arange(batch.num_tokens)         # every row's logits, not only the last
-    ours = as_float(engine.runner.lane.copy_to_host(run_forward(engine, batch)))     # the LM head's bf16 bits
+    ours = as_float(engine.runner.stream_context.copy_to_host(run_forward(engine, batch)))     # the LM head's bf16 bits
     errors, theirs = [], []
     with torch.no_grad():
         for (s, d), start in zip(zip(SOURCES, decoder), batch.query_starts):
@@ -58,7 +58,7 @@ def cross_kv(engine, layer: int, tables, sources) -> torch.Tensor:
     """The K and V one decoder layer's cache holds for each source's tokens, as float32 bit patterns (int32),
     source after source."""
     kv = engine.cache.layers[layer]
-    bits = torch.from_numpy(engine.runner.lane.copy_to_host(kv).astype("int32") << 16).reshape(kv.shape)
+    bits = torch.from_numpy(engine.runner.stream_context.copy_to_host(kv).astype("int32") << 16).reshape(kv.shape)
     return torch.cat([bits[:, table.array()].flatten(1, 2)[:, :len(source)] for table, source in zip(tables, sources)],
                      dim=1)
 
@@ -69,7 +69,7 @@ def test_m2m100_encoder_replays_a_graph_per_padded_shape(m2m100):
     (within bf16 rounding: cuBLASLt may take other kernels for 64 rows) and nothing past its sources."""
     engine, _, _, _ = m2m100
     size, layers = engine.config.kv_block_size, engine.cache.layers
-    graphs = engine.runner.lane.encoder_graphs
+    graphs = engine.runner.stream_context.encoder_graphs
     free = iter(range(engine.cache.blocks.num_blocks - 1, 0, -1))      # blocks no other test of the module holds
     untouched = BlockTable([next(free)])
     before = cross_kv(engine, 0, [untouched], [[0] * size])
@@ -96,7 +96,7 @@ def test_m2m100_decoder_prompts_replay_a_graph_per_padded_shape(m2m100):
     bf16 rounding) and writes nothing past its prompts."""
     engine, _, _, _ = m2m100
     runner, size, layers = engine.runner, engine.config.kv_block_size, engine.cache.layers
-    graphs, last = runner.lane.prompt_graphs, len(layers) - 1
+    graphs, last = runner.stream_context.prompt_graphs, len(layers) - 1
     free = iter(range(engine.cache.blocks.num_blocks - 1, 0, -1))      # blocks no other test of the module holds
     untouched = BlockTable([next(free)])
     before = cross_kv(engine, last, [untouched], [[0] * size])
@@ -111,9 +111,9 @@ def test_m2m100_decoder_prompts_replay_a_graph_per_padded_shape(m2m100):
                                 for t, p, c, s in zip(blocks, prompts, cross, sources)], size)
         assert graphs.padding(batch(tables)) == PrefillPadding(16, 4, 4, sampled=4)
         replays = graphs.replays
-        ours = as_float(runner.lane.copy_to_host(run_forward(engine, batch(tables))))
+        ours = as_float(runner.stream_context.copy_to_host(run_forward(engine, batch(tables))))
         assert graphs.replays == replays + 1 and ours.shape[0] == len(prompts)
-        expected = as_float(runner.lane.copy_to_host(engine.model._decode(batch(eager), layers, host_positions=False)))
+        expected = as_float(runner.stream_context.copy_to_host(engine.model._decode(batch(eager), layers, host_positions=False)))
         assert relative_error(ours, expected) < 1e-2
         for layer in (0, last):
             theirs = cross_kv(engine, layer, eager, prompts).view(torch.float32)
@@ -126,10 +126,10 @@ def test_m2m100_prefill_and_decode_follow_transformers(m2m100):
     greedy ones after it; each step's logits against transformers' decoder over the same tokens."""
     engine, _, reference, _ = m2m100
     sources = {1: SOURCES[1], 2: SOURCES[3]}
-    replays = engine.runner.lane.graphs.replays
+    replays = engine.runner.stream_context.graphs.replays
     decoded, rows, _ = forced_then_greedy(engine, sources, {1: 200, 2: 201}, 8, START)
     # the prefill's decoder rows (one start token each, after the encoder) and each Decode: a graph with its cross batch
-    assert engine.runner.lane.graphs.replays == replays + 9
+    assert engine.runner.stream_context.graphs.replays == replays + 9
     for i, source in sources.items():
         with torch.no_grad():
             expected = reference(input_ids=torch.tensor([source], device="cuda"),
@@ -159,7 +159,7 @@ def test_layer_norm_of_a_linear_equals_the_linear_then_the_norm(m2m100, rows, k)
     plain = math.layer_norm(math.linear(*args[:3]), *args[3:], 1e-5, DeviceTensor.from_torch(residual))
 
     def read(tensor):
-        return torch.from_numpy((math.lane.copy_to_host(tensor).astype(np.uint32) << 16).view(np.float32))
+        return torch.from_numpy((math.stream_context.copy_to_host(tensor).astype(np.uint32) << 16).view(np.float32))
     (out, added), (plain_out, plain_added) = [(read(a), read(b)) for a, b in (fused, plain)]
     linear = x.double() @ weight.double().T + bias.double()
     exact_added = linear.cpu() + residual.double().cpu()
@@ -193,7 +193,7 @@ def test_cross_attention_of_a_linear_equals_the_linear_then_the_attention(m2m100
                                 scale, None, causal=False)
     plain = math.paged_attention(math.linear(DeviceTensor.from_torch(x), weight, bias), kv, meta, c.num_heads,
                                  c.head_dim, scale, None, causal=False)
-    ours, plain, w, b = (as_float(math.lane.copy_to_host(t)).double() for t in (ours, plain, weight, bias))
+    ours, plain, w, b = (as_float(math.stream_context.copy_to_host(t)).double() for t in (ours, plain, weight, bias))
     q = (x.double().cpu() @ w.T + b).view(rows, c.num_heads, c.head_dim)
     keys = cross_kv(engine, 0, cross, SOURCES).view(torch.float32).double()     # [2, tokens of every source, ...]
     starts = np.cumsum([0] + [len(s) for s in SOURCES])

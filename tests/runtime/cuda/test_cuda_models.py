@@ -7,7 +7,7 @@ from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.loading import load_checkpoint
 from metrale.runtime.sampling import OutputOptions
-from metrale.runtime.step import DecodeLane, PrefillSlice, Step
+from metrale.runtime.step import DecodeToken, PrefillSlice, Step
 from tiny_models import TINY, write_tiny
 
 from gpu_reference import relative_error
@@ -33,7 +33,7 @@ def test_logits_and_greedy_tokens_match_transformers(name, tmp_path):
     ours, tokens = [out.outputs[0].logits], list(prompt)
     for _ in range(NUM_DECODES):
         tokens.append(out.outputs[0].token)
-        out = engine.step(Step(decode=(DecodeLane(7, tokens[-1]),)))
+        out = engine.step(Step(decode=(DecodeToken(7, tokens[-1]),)))
         ours.append(out.outputs[0].logits)
     with torch.no_grad():
         ids = torch.tensor([tokens], device="cuda")

@@ -73,7 +73,7 @@ class CpuRunner:
                 log_probs[row, inside] = -math.inf
         return HostCandidates(*best_first(log_probs, min(count, vocab)))
 
-    def device_beam_search(self, search, forward, layers) -> None:
+    def device_search(self, search, forward, layers) -> None:
         return None      # the host steps the search (BeamGroup)
 
     def copy_block_prefixes(self, layers: list, copies: list[tuple[int, int, int]]) -> None:

@@ -14,12 +14,12 @@ def create_cuda_backend(cache_dir: Path, dtype: str = "auto", programmatic_launc
     """The layer math and the runner over one device context; compiled kernels are cached under
     cache_dir/kernels. programmatic_launch: PDL on Hopper. Their modules are imported here, so that importing the
     package loads no cuda.* module."""
-    from metrale.runtime.backend.cuda.context import CudaContext
+    from metrale.runtime.backend.cuda.resources import CudaResources
     from metrale.runtime.backend.cuda.layer_math import CudaLayerMath
     from metrale.runtime.backend.cuda.runner import CudaRunner
 
-    context = CudaContext(cache_dir / "kernels", dtype, programmatic_launch)
-    return CudaLayerMath(context), CudaRunner(context)
+    resources = CudaResources(cache_dir / "kernels", dtype, programmatic_launch)
+    return CudaLayerMath(resources), CudaRunner(resources)
 
 
 __all__ = ["create_cuda_backend"]

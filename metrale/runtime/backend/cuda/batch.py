@@ -48,8 +48,8 @@ class PrefillPadding(NamedTuple):
 def pack_batch(batch: ForwardBatch, region: DeviceTensor, max_blocks: int, pad_to: int = 0,
                prefill: PrefillPadding | None = None) -> CudaBatch:
     """Lays the batch out in `region` (int32, large enough: see metadata_elements). pad_to: the batch is pure
-    decode (one token per segment, each sampled) and is padded to pad_to lanes that read and write nothing
-    (context 0, KV slot -1), every lane sampled, in order: the fixed shapes of a decode graph. prefill: every
+    decode (one token per segment, each sampled) and is padded to pad_to rows that read and write nothing
+    (context 0, KV slot -1), every row sampled, in order: the fixed shapes of a decode graph. prefill: every
     segment goes to the prefill kernel (one-token ones too), padded to prefill.tokens rows (token 0, KV slot -1)
     and prefill.segments segments of no rows and no context, attention planned for prefill.max_query rows, the
     sampled rows padded to prefill.sampled with row 0 (at least as many as the batch samples), so never every row

@@ -1,4 +1,4 @@
-"""A BeamGenerate call's search on the device (runtime/beam/on_device.py): its state laid out in the lane's beam
+"""A BeamGenerate call's search on the device (runtime/beam/on_device.py): its state laid out in the stream's beam
 state region (cuda_kernels/beam_state.cuh), and a step as kernel launches: select, fork, the KV copies, then the
 next decode forward (a graph replay where a bucket fits) with its metadata and candidates written by kernels
 from the state. The host reads the hypotheses once at the end.
@@ -16,9 +16,9 @@ from metrale.runtime.backend.cuda import kernels
 from metrale.runtime.backend.cuda.batch import pack_batch, padded_rows
 from metrale.runtime.backend.cuda.device import ALIGNMENT, Arena
 from metrale.runtime.backend.cuda.graphs import empty_decode_batch
-from metrale.runtime.backend.cuda.lane import LaneCandidates
+from metrale.runtime.backend.cuda.stream_context import StreamCandidates
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
-from metrale.runtime.beam.on_device import DeviceSearch
+from metrale.runtime.beam.on_device import SearchStart
 from metrale.runtime.errors import DeviceFault
 
 # beam_state.cuh's BeamState, field by field (8 bytes each): sizes, then arrays (name, dtype, shape of the search).
@@ -37,7 +37,7 @@ MAX_KEEP = 256
 MAX_BEAMS = 32                 # beam_step.cu's per-request arrays (MAX_SELECT_BEAMS)
 
 
-def fits(search: DeviceSearch) -> bool:
+def fits(search: SearchStart) -> bool:
     """Whether every request's search fits the step kernels' arrays. A request keeps a multiple of its num_beams
     (BeamGroup.keep: the same factor for all, the EOS ids being the call's), so the widest request keeps
     keep_stride, and it alone need be checked."""
@@ -45,16 +45,16 @@ def fits(search: DeviceSearch) -> bool:
     return beams <= MAX_BEAMS and keep <= MAX_KEEP and keep * beams <= MAX_CANDIDATES
 
 
-def seed_of(search: DeviceSearch, lane) -> LaneCandidates | None:
-    """The lane's candidates every request's prompt row is in, while its buffer still holds them (beam_seed copies
+def seed_of(search: SearchStart, ctx) -> StreamCandidates | None:
+    """The stream's candidates every request's prompt row is in, while its buffer still holds them (beam_seed copies
     them into the state on the device); None where they came from several forwards, or from elsewhere: the host
     reads them (state_arrays)."""
     found = search.prompt_candidates[0][0]
     one = all(candidates is found for candidates, _ in search.prompt_candidates)
-    return found if one and isinstance(found, LaneCandidates) and found.lane is lane and found.on_device else None
+    return found if one and isinstance(found, StreamCandidates) and found.ctx is ctx and found.on_device else None
 
 
-def state_arrays(s: DeviceSearch, max_blocks: int, seeded: bool = False) -> dict[str, np.ndarray]:
+def state_arrays(s: SearchStart, max_blocks: int, seeded: bool = False) -> dict[str, np.ndarray]:
     """Every array of the state at the start of the search (both halves of the double-buffered ones). seeded: the
     first candidates come from the device (beam_seed, by the extra array seed_rows: each beam's row there), not
     from the host."""
@@ -91,15 +91,15 @@ def state_arrays(s: DeviceSearch, max_blocks: int, seeded: bool = False) -> dict
     return arrays
 
 
-class DeviceBeamSearch:
-    """OnDeviceSearch on one lane. forward(batch): the model's decode forward (its ops read the lane's prepared
+class CudaDeviceSearch:
+    """DeviceSearch on one stream. forward(batch): the model's decode forward (its ops read the stream's prepared
     metadata); kv_cache: the pool's layers, for the KV copies."""
 
-    def __init__(self, lane, search: DeviceSearch, arrays: dict[str, np.ndarray], forward, kv_cache: list,
-                 region: DeviceTensor, seed: LaneCandidates | None = None):
+    def __init__(self, ctx, search: SearchStart, arrays: dict[str, np.ndarray], forward, kv_cache: list,
+                 region: DeviceTensor, seed: StreamCandidates | None = None):
         """arrays: state_arrays(search, ..., seeded=seed is not None), which state_bytes() sized the region for;
-        seed: seed_of(search, lane)."""
-        self.lane, self.lib, self.forward, self.kv_cache = lane, lane.lib, forward, kv_cache
+        seed: seed_of(search, ctx)."""
+        self.ctx, self.lib, self.forward, self.kv_cache = ctx, ctx.lib, forward, kv_cache
         self.search = search
         arena = Arena(region.ptr, region.nbytes, "beam state")
         header = arena.take((len(SIZES) + len(ARRAYS),), "int64")
@@ -107,7 +107,7 @@ class DeviceBeamSearch:
                       for name, a in arrays.items()}
         sizes = dict(num_requests=len(search.num_beams), total_beams=len(search.tables), max_len=search.max_len,
                      table_width=search.table_width, keep_stride=search.keep_stride, num_eos=len(search.eos),
-                     block_size=search.block_size, max_blocks=lane.shapes.max_blocks_per_seq,
+                     block_size=search.block_size, max_blocks=ctx.shapes.max_blocks_per_seq,
                      divisor_stride=search.divisors.shape[1])
         pointers = {name: view.ptr for name, view in self.views.items()}
         pointers["fault"] = pointers["done"] + 4 * sizes["num_requests"]
@@ -117,7 +117,7 @@ class DeviceBeamSearch:
                      + [(self.views[name], array) for name, array in arrays.items()])
         self.seeded = seed is not None
         if seed is not None:
-            kernels.beam_step.beam_seed(self.lib, lane.stream, self.views["cand_ids"], self.views["cand_values"],
+            kernels.beam_step.beam_seed(self.lib, ctx.stream, self.views["cand_ids"], self.views["cand_values"],
                                         seed.ids, seed.values, self.views["seed_rows"])
             seed.release()
         self.parity, self.generated = 0, 0
@@ -138,22 +138,22 @@ class DeviceBeamSearch:
             data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
             offset = view.ptr - region.ptr
             raw[offset:offset + data.size] = data
-        self.lane.copy_to_device(DeviceTensor(region.ptr, image.shape, "int32"), image)
+        self.ctx.copy_to_device(DeviceTensor(region.ptr, image.shape, "int32"), image)
 
     def copy(self, dst: DeviceTensor, host: np.ndarray) -> None:
-        """host (4- or 8-byte elements) into dst's first bytes, queued on the lane."""
+        """host (4- or 8-byte elements) into dst's first bytes, queued on the stream."""
         host = np.ascontiguousarray(host).reshape(-1)
         if not host.size:
             return
         words = host.view(np.int32 if host.itemsize == 4 else np.int64)
-        self.lane.copy_to_device(DeviceTensor(dst.ptr, words.shape, "int32" if host.itemsize == 4 else "int64"), words)
+        self.ctx.copy_to_device(DeviceTensor(dst.ptr, words.shape, "int32" if host.itemsize == 4 else "int64"), words)
 
     def step(self) -> None:
         """One search step: select, fork and copy; then, while requests may search on, the next forward and its
         candidates."""
-        lane, lib, stream = self.lane, self.lib, self.lane.stream
+        ctx, lib, stream = self.ctx, self.lib, self.ctx.stream
         kernels.beam_step.beam_select(lib, stream, self.state, len(self.active), self.parity, self.generated)
-        flags, flags_address = lane.beam_flags_half(self.generated % 2, self.num_requests + 1)
+        flags, flags_address = ctx.beam_flags_half(self.generated % 2, self.num_requests + 1)
         kernels.beam_step.beam_fork(lib, stream, self.state, len(self.active), self.parity, self.generated,
                                     flags_address)
         kernels.rope_kv.copy_kv_prefixes(lib, stream, self.kv_cache, self.views["copies"], self.total_beams)
@@ -193,36 +193,36 @@ class DeviceBeamSearch:
 
     def _forward(self) -> DeviceTensor:
         """The decode forward over the rows: its graph when a bucket fits, else run directly; logits [rows, V]."""
-        lane, graphs = self.lane, self.lane.graphs
+        ctx, graphs = self.ctx, self.ctx.graphs
         size = graphs.size_for(self.rows) if graphs else None
         if size:
             graphs.capture(self.forward, size)
             batch, cross = graphs.layout(size)
         else:
             batch, cross = self._layout(self.rows)
-        kernels.beam_step.beam_metadata(self.lib, lane.stream, self.state, self.parity, self.generated, self.rows,
+        kernels.beam_step.beam_metadata(self.lib, ctx.stream, self.state, self.parity, self.generated, self.rows,
                                         batch, cross)
         if size:
             return graphs.replay(size).rows(0, self.rows)
-        lane.ring.reset()
-        with lane.reuse_prepared(batch, cross):
+        ctx.ring.reset()
+        with ctx.reuse_prepared(batch, cross):
             return self.forward(empty_decode_batch(self.search.encoder_decoder))
 
     def _layout(self, rows: int):
-        """pack_batch's views for `rows` padded decode rows in the lane's metadata regions, attention planned for
+        """pack_batch's views for `rows` padded decode rows in the stream's metadata regions, attention planned for
         the longest context and source."""
-        lane, empty = self.lane, empty_decode_batch(self.search.encoder_decoder)
-        batch = pack_batch(empty, lane.metadata, lane.shapes.max_blocks_per_seq, pad_to=rows)
+        ctx, empty = self.ctx, empty_decode_batch(self.search.encoder_decoder)
+        batch = pack_batch(empty, ctx.metadata, ctx.shapes.max_blocks_per_seq, pad_to=rows)
         batch.max_decode_context = self.search.max_len
         if not self.search.encoder_decoder:
             return batch, None
-        cross = pack_batch(empty.cross, lane.cross_metadata, lane.shapes.max_blocks_per_seq, pad_to=rows)
+        cross = pack_batch(empty.cross, ctx.cross_metadata, ctx.shapes.max_blocks_per_seq, pad_to=rows)
         cross.max_decode_context = int(self.search.source_len.max())
         return batch, cross
 
     def hypotheses(self, request: int, count: int) -> list[tuple[list[int], float]]:
         if self._results is None:
-            self._results = {name: self.lane.copy_to_host(self.views[name])
+            self._results = {name: self.ctx.copy_to_host(self.views[name])
                              for name in ("sequences", "scores", "lengths", "result_parity")}
         res, s = self._results, self.search
         half, start = int(res["result_parity"][request]), int(s.prompt_len[request])

@@ -99,7 +99,7 @@ class KernelLibrary:
         self._modules = {}
         self._resident = {}
         self._max_block = {}
-        # A module is loaded into the context on its first get_kernel, and lanes launch from several threads.
+        # A module is loaded into the context on its first get_kernel, and streams launch from several threads.
         self._load_lock = threading.Lock()
         self.cache = cache
         for name, source in kernel_sources().items():

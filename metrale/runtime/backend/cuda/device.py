@@ -39,14 +39,14 @@ class CudaDevice:
         except Exception as error:
             raise FailedPrecondition(f"no usable CUDA device {index}: {error}") from None
         self.arch = arch_of(self.device)
-        # Allocations and weight uploads at start; forwards run on their lanes' streams (lane.py).
+        # Allocations and weight uploads at start; forwards run on their streams (stream_context.py).
         self.stream = self.device.create_stream()
         self._buffers = []
         self._current = threading.local()
         self._current.done = True
 
     def ensure_current(self) -> None:
-        """Makes the device's context current on this thread (once per thread): RPC lanes run steps on threads
+        """Makes the device's context current on this thread (once per thread): streams run steps on threads
         of their own, and the driver needs a current context to create events and copy."""
         if not getattr(self._current, "done", False):
             self.device.set_current()
@@ -97,7 +97,7 @@ class CudaDevice:
 
 
 class Arena:
-    """A bump allocator over one region: the weights, each lane's buffers and the KV pool, placed once at start."""
+    """A bump allocator over one region: the weights, each stream's buffers and the KV pool, placed once at start."""
 
     def __init__(self, base: int, nbytes: int, name: str):
         self.base, self.nbytes, self.name = base, nbytes, name

@@ -1,5 +1,5 @@
 """Dense GEMMs on cuBLASLt: out = x @ weight.T (+ bias), on the caller's stream and workspace, with the matmul
-descriptor, the matrix layouts and the heuristic's algorithm built once per shape and cached for every lane.
+descriptor, the matrix layouts and the heuristic's algorithm built once per shape and cached for every stream.
 
 cuBLASLt is reached through nvmath-python's low-level bindings (`nvmath.bindings.cublasLt`: raw pointers in,
 statuses out). Neither package is loaded until a CublasLt is created, so this module imports anywhere.
@@ -188,8 +188,8 @@ class _Matmul:
 
 
 class CublasLt:
-    """A cuBLASLt handle, the per-shape cache and a default workspace, shared by every stream lane: each call takes
-    its stream and its lane's own workspace (calls in flight on two streams must not share one). cuBLASLt may be
+    """A cuBLASLt handle, the per-shape cache and a default workspace, shared by every stream: each call takes
+    its stream and its stream's own workspace (calls in flight on two streams must not share one). cuBLASLt may be
     called from several host threads on one handle; the lock guards what is ours to share: creating a shape's
     descriptors, and a biased call's bias pointer, which sits in the shape's descriptor until the call is enqueued."""
 
@@ -224,7 +224,7 @@ class CublasLt:
         Stream).
         x, weight: bf16; out: bf16 or float32 (logits); bias: out's dtype. x and out may be column slices
         (row-strided); every pointer and row stride 16-byte aligned. Accumulates in fp32. workspace: the calling
-        lane's, at least as large as the one given at creation (the algorithms were chosen for that size); None:
+        stream's, at least as large as the one given at creation (the algorithms were chosen for that size); None:
         that one. splits > 1: out [splits * M, N] float32 takes the partial products of K's slices (LinearKey.splits),
         with no bias or relu."""
         if self._handle is None:
@@ -248,7 +248,7 @@ class CublasLt:
             if bias is None:
                 self._enqueue(stream, matmul, out, x, weight, workspace.ptr, workspace_bytes)
             else:
-                with self._lock:    # another lane's biased call of this shape would move the pointer
+                with self._lock:    # another stream's biased call of this shape would move the pointer
                     self._bias_pointer[0] = bias.ptr
                     lt.matmul_desc_set_attribute(matmul.desc, self._bias_pointer_attribute,
                                                  self._bias_pointer_address, 8)
@@ -264,7 +264,7 @@ class CublasLt:
                         matmul.algo, workspace_ptr, workspace_bytes, int(stream.handle))
 
     def _matmul_of(self, key: LinearKey) -> _Matmul:
-        """The shape's descriptors, built once: two lanes may meet a new shape at the same time."""
+        """The shape's descriptors, built once: two streams may meet a new shape at the same time."""
         with self._lock:
             matmul = self._matmuls.get(key)
             if matmul is None:

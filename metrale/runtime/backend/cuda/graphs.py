@@ -1,10 +1,10 @@
-"""Decode steps as CUDA graphs: one graph per stream lane and bucketed batch size, captured once, replayed with
+"""Decode steps as CUDA graphs: one graph per stream and bucketed batch size, captured once, replayed with
 new inputs.
 
 A decode forward is a fixed sequence of launches once its shapes are fixed: the batch is padded to its
-bucket with lanes that read and write nothing (context 0, KV slot -1), the metadata is copied into the same
+bucket with rows that read and write nothing (context 0, KV slot -1), the metadata is copied into the same
 region with the same layout, the activation workspace is reset to the same addresses, and attention is
-planned for max_model_len so its split count does not depend on the lanes' contexts. An encoder-decoder's
+planned for max_model_len so its split count does not depend on the rows' contexts. An encoder-decoder's
 graphs hold its cross-attention batch too, padded alike in its own region and planned for the longest source.
 Its encoder passes and its decoder's prompts replay graphs too (PrefillGraphs): one per padded shape of rows,
 segments, longest segment and sampled rows.
@@ -24,11 +24,11 @@ from metrale.runtime.batch import ForwardBatch
 
 
 class DecodeGraphs:
-    """One stream lane's graphs: captured over its buffers, launched on its stream."""
+    """One stream's graphs: captured over its buffers, launched on its stream."""
 
-    def __init__(self, lane, batch_sizes: tuple[int, ...], max_context: int, max_source_len: int = 0):
+    def __init__(self, ctx, batch_sizes: tuple[int, ...], max_context: int, max_source_len: int = 0):
         """max_source_len > 0: an encoder-decoder's graphs, each step with its cross-attention batch."""
-        self.lane = lane
+        self.ctx = ctx
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.max_context, self.max_source_len = max_context, max_source_len
         self._graphs: dict[int, tuple[object, DeviceTensor]] = {}
@@ -44,18 +44,18 @@ class DecodeGraphs:
         return next((size for size in self.batch_sizes if size >= batch.num_tokens), None)
 
     def run(self, forward: Callable, batch: ForwardBatch, size: int) -> DeviceTensor:
-        """Logits [B, vocab] of the batch's lanes, from the bucket's graph (captured on first use)."""
+        """Logits [B, vocab] of the batch's rows, from the bucket's graph (captured on first use)."""
         prepared = self._prepare(batch, size)
         if size not in self._graphs:
             self._graphs[size] = self._capture(forward, batch, prepared)
         graph, logits = self._graphs[size]
-        graph.launch(self.lane.stream)
+        graph.launch(self.ctx.stream)
         self.replays += 1
         return logits.rows(0, batch.num_tokens)
 
     def capture_all(self, forward: Callable) -> None:
-        """Warm-up, on a thread bound to this lane (forward's ops run on the calling thread's lane): every bucket
-        captured with padding lanes only."""
+        """Warm-up, on a thread bound to this stream (forward's ops run on the calling thread's stream): every bucket
+        captured with padding rows only."""
         for size in self.batch_sizes:
             self._captured(forward, size)
 
@@ -69,9 +69,9 @@ class DecodeGraphs:
         if size in self._layouts:
             return self._layouts[size]
         empty = empty_decode_batch(self.max_source_len > 0)
-        max_blocks = self.lane.shapes.max_blocks_per_seq
-        prepared = pack_batch(empty, self.lane.metadata, max_blocks, pad_to=size)
-        cross = (pack_batch(empty.cross, self.lane.cross_metadata, max_blocks, pad_to=size)
+        max_blocks = self.ctx.shapes.max_blocks_per_seq
+        prepared = pack_batch(empty, self.ctx.metadata, max_blocks, pad_to=size)
+        cross = (pack_batch(empty.cross, self.ctx.cross_metadata, max_blocks, pad_to=size)
                  if self.max_source_len else None)
         self._layouts[size] = prepared, cross
         return prepared, cross
@@ -80,7 +80,7 @@ class DecodeGraphs:
         """forward over the bucket's padded empty batch, eagerly: the launches its capture would record, run once
         (a linear's algorithm is tuned on its first call, which a capture cannot time)."""
         empty = empty_decode_batch(self.max_source_len > 0)
-        with self.lane.reuse_prepared(*self._prepare(empty, size)):
+        with self.ctx.reuse_prepared(*self._prepare(empty, size)):
             forward(empty)
 
     def capture(self, forward: Callable, size: int) -> None:
@@ -91,7 +91,7 @@ class DecodeGraphs:
     def replay(self, size: int) -> DeviceTensor:
         """The bucket's graph (capture()) over the metadata already in place (layout()); logits [size, vocab]."""
         graph, logits = self._graphs[size]
-        graph.launch(self.lane.stream)
+        graph.launch(self.ctx.stream)
         self.replays += 1
         return logits
 
@@ -102,23 +102,23 @@ class DecodeGraphs:
         return self._graphs[size]
 
     def _prepare(self, batch: ForwardBatch, size: int) -> tuple:
-        """The batch's metadata (and its cross batch's) padded to `size` lanes, attention planned for max_context
-        and max_source_len (not the lanes' own contexts), so the captured launches fit every replay."""
-        prepared = self.lane.prepare(batch, pad_to=size)
+        """The batch's metadata (and its cross batch's) padded to `size` rows, attention planned for max_context
+        and max_source_len (not the rows' own contexts), so the captured launches fit every replay."""
+        prepared = self.ctx.prepare(batch, pad_to=size)
         prepared.max_decode_context = self.max_context
         if batch.cross is None:
             return prepared, None
-        cross = self.lane.prepare(batch.cross, pad_to=size, cross=True)
+        cross = self.ctx.prepare(batch.cross, pad_to=size, cross=True)
         cross.max_decode_context = self.max_source_len
         return prepared, cross
 
     def _capture(self, forward: Callable, batch: ForwardBatch, prepared) -> tuple[object, DeviceTensor]:
         """The graph of forward(batch) over `prepared` (the batch padded to its bucket), and its logits."""
-        return capture(self.lane, lambda: forward(batch), prepared)
+        return capture(self.ctx, lambda: forward(batch), prepared)
 
 
 class PrefillGraphs:
-    """Prefill-shaped forwards on one lane as CUDA graphs, one per padded shape, captured on first use: an
+    """Prefill-shaped forwards on one stream as CUDA graphs, one per padded shape, captured on first use: an
     encoder-decoder's encoder passes (PrefillGraphs.encoder) and its decoder's prompts (PrefillGraphs.prompts: a
     beam search's start and target-language tokens). The rows, the segments, the longest segment and the sampled
     rows are each rounded up to a power of two (at least min_rows, 1, min_query and 1). Padding rows write no KV
@@ -126,24 +126,24 @@ class PrefillGraphs:
     computed, not returned). An eager pass is ~150 launches (~6 ms of host time at 16 sources on the H200's host);
     a replay is one launch."""
 
-    def __init__(self, lane, min_rows: int, min_query: int):
-        self.lane, self.min_rows, self.min_query = lane, min_rows, min_query
+    def __init__(self, ctx, min_rows: int, min_query: int):
+        self.ctx, self.min_rows, self.min_query = ctx, min_rows, min_query
         self._graphs: dict[PrefillPadding, tuple[object, object]] = {}
         self.replays = 0
 
     @classmethod
-    def encoder(cls, lane) -> "PrefillGraphs":
-        return cls(lane, min_rows=64, min_query=64)
+    def encoder(cls, ctx) -> "PrefillGraphs":
+        return cls(ctx, min_rows=64, min_query=64)
 
     @classmethod
-    def prompts(cls, lane) -> "PrefillGraphs":
+    def prompts(cls, ctx) -> "PrefillGraphs":
         """A few tokens a segment: rows from 16, segments planned for their own length."""
-        return cls(lane, min_rows=16, min_query=1)
+        return cls(ctx, min_rows=16, min_query=1)
 
     def padding(self, batch: ForwardBatch) -> PrefillPadding | None:
         """The graph shape the batch pads to, or None where the padded rows, segments or sampled rows exceed the
-        lane's plan, or where a segment samples more than its last row."""
-        shapes, sampled = self.lane.shapes, len(batch.sample_rows)
+        stream's plan, or where a segment samples more than its last row."""
+        shapes, sampled = self.ctx.shapes, len(batch.sample_rows)
         padding = PrefillPadding(_power_of_two(max(batch.num_tokens, self.min_rows)),
                                  _power_of_two(len(batch.query_lens)),
                                  _power_of_two(max(max(batch.query_lens, default=1), self.min_query)),
@@ -159,13 +159,13 @@ class PrefillGraphs:
         padding = self.padding(batch)
         if padding is None:
             return forward(batch)
-        prepared = self.lane.prepare(batch, prefill=padding)
+        prepared = self.ctx.prepare(batch, prefill=padding)
         cross = (None if batch.cross is None
-                 else self.lane.prepare(batch.cross, cross=True, prefill=padding._replace(sampled=0)))
+                 else self.ctx.prepare(batch.cross, cross=True, prefill=padding._replace(sampled=0)))
         if padding not in self._graphs:
-            self._graphs[padding] = capture(self.lane, lambda: forward(batch), (prepared, cross))
+            self._graphs[padding] = capture(self.ctx, lambda: forward(batch), (prepared, cross))
         graph, out = self._graphs[padding]
-        graph.launch(self.lane.stream)
+        graph.launch(self.ctx.stream)
         self.replays += 1
         return out.rows(0, len(batch.sample_rows)) if padding.sampled else out
 
@@ -174,17 +174,17 @@ def _power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def capture(lane, run: Callable[[], object], prepared: tuple) -> tuple[object, object]:
-    """The graph of run()'s launches on the lane's stream, its model reading `prepared` (the batch and cross batch
-    already in the lane's metadata regions), and what run() returned. If run() raises, the capture is ended (the
+def capture(ctx, run: Callable[[], object], prepared: tuple) -> tuple[object, object]:
+    """The graph of run()'s launches on the stream's stream, its model reading `prepared` (the batch and cross batch
+    already in the stream's metadata regions), and what run() returned. If run() raises, the capture is ended (the
     stream serves on) and the error goes up."""
-    stream = lane.stream
+    stream = ctx.stream
     stream.sync()
     builder = stream.create_graph_builder()
     with no_collection():
         builder.begin_building("thread_local")
         try:
-            with lane.reuse_prepared(*prepared):
+            with ctx.reuse_prepared(*prepared):
                 result = run()
         finally:
             builder.end_building()
@@ -193,7 +193,7 @@ def capture(lane, run: Callable[[], object], prepared: tuple) -> tuple[object, o
     return graph, result
 
 
-# Lanes capture on their own threads, and an encoder graph may be captured while another lane serves: the collector
+# Streams capture on their own threads, and an encoder graph may be captured while another stream serves: the collector
 # stays off from the first capture's start to the last one's end.
 _captures_lock = threading.Lock()
 _captures, _collector_was_on = 0, True

@@ -1,5 +1,5 @@
 """The CUDA layer math (backend/layer_math.py's interface) as NVRTC kernels and cuBLASLt GEMMs, each on the calling
-thread's stream lane (lane.py), so forwards on different lanes overlap on the device.
+thread's stream (stream_context.py), so forwards on different streams overlap on the device.
 
 No torch on this path: torch only hands over checkpoint tensors at load time."""
 
@@ -8,8 +8,8 @@ import torch
 
 from metrale.runtime.backend.cuda import kernels
 from metrale.runtime.backend.cuda.batch import CudaBatch
-from metrale.runtime.backend.cuda.context import CudaContext
-from metrale.runtime.backend.cuda.lane import Lane, padded_vocab
+from metrale.runtime.backend.cuda.resources import CudaResources
+from metrale.runtime.backend.cuda.stream_context import StreamContext, padded_vocab
 from metrale.runtime.backend.cuda.linears import k_splits, linear_into, partials
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.backend.layer_math import Linear, RopeTable, rope_then_attention
@@ -20,13 +20,13 @@ class CudaLayerMath:
     device = "cuda"
     dtype = torch.bfloat16
 
-    def __init__(self, context: CudaContext):
-        self.context, self.cuda, self.lib = context, context.cuda, context.lib
+    def __init__(self, resources: CudaResources):
+        self.resources, self.cuda, self.lib = resources, resources.cuda, resources.lib
 
     @property
-    def lane(self) -> Lane:
-        """The calling thread's lane."""
-        return self.context.bound.lane
+    def stream_context(self) -> StreamContext:
+        """The calling thread's stream context."""
+        return self.resources.bound.context
 
     def upload(self, tensor: torch.Tensor) -> DeviceTensor:
         return self._upload(tensor.to(torch.bfloat16), "bfloat16")
@@ -40,47 +40,47 @@ class CudaLayerMath:
 
     def _upload(self, tensor: torch.Tensor, dtype: str) -> DeviceTensor:
         host = tensor.contiguous().view(torch.int16 if dtype == "bfloat16" else torch.float32).numpy()
-        out = self.context.weights.take(tuple(tensor.shape), dtype)
+        out = self.resources.weights.take(tuple(tensor.shape), dtype)
         self.cuda.copy_to_device(out, host, self.cuda.stream)
         self.cuda.stream.sync()
         return out
 
     def prepare(self, batch: ForwardBatch, cross: bool = False) -> CudaBatch:
-        return self.context.bound.lane.prepare(batch, cross=cross)
+        return self.resources.bound.context.prepare(batch, cross=cross)
 
     def embedding(self, table, token_ids):
-        lane = self.context.bound.lane
-        out = lane.new(token_ids.shape[0], table.shape[1])
-        kernels.embedding.embedding(self.lib, lane.stream, out, table, token_ids)
+        ctx = self.resources.bound.context
+        out = ctx.new(token_ids.shape[0], table.shape[1])
+        kernels.embedding.embedding(self.lib, ctx.stream, out, table, token_ids)
         return out
 
     def device_ids(self, ids: torch.Tensor) -> DeviceTensor:
-        lane = self.context.bound.lane
-        out = lane.ring.take((ids.shape[0],), "int32")
-        lane.copy_to_device(out, ids.numpy().astype(np.int32))
+        ctx = self.resources.bound.context
+        out = ctx.ring.take((ids.shape[0],), "int32")
+        ctx.copy_to_device(out, ids.numpy().astype(np.int32))
         return out
 
     def fairseq_position_ids(self, batch: CudaBatch, padding_idx: int) -> DeviceTensor:
-        lane = self.context.bound.lane
-        out = lane.ring.take((batch.num_tokens,), "int32")
-        kernels.embedding.fairseq_position_ids(self.lib, lane.stream, out, batch.token_ids, batch.positions,
+        ctx = self.resources.bound.context
+        out = ctx.ring.take((batch.num_tokens,), "int32")
+        kernels.embedding.fairseq_position_ids(self.lib, ctx.stream, out, batch.token_ids, batch.positions,
                                                padding_idx)
         return out
 
     def rms_norm(self, x, weight, eps, residual=None):
         x = self._computed(x)
-        lane = self.context.bound.lane
-        out = lane.new(*x.shape)
-        residual_out = lane.new(*x.shape)
-        kernels.norm.rms_norm(self.lib, lane.stream, out, x, weight, eps, residual=residual, residual_out=residual_out)
+        ctx = self.resources.bound.context
+        out = ctx.new(*x.shape)
+        residual_out = ctx.new(*x.shape)
+        kernels.norm.rms_norm(self.lib, ctx.stream, out, x, weight, eps, residual=residual, residual_out=residual_out)
         return out, residual_out
 
     def layer_norm(self, x, weight, bias, eps, residual=None):
         if isinstance(x, Linear):
             return self._linear_layer_norm(x, weight, bias, eps, residual)
-        lane = self.context.bound.lane
-        out, residual_out = lane.new(*x.shape), lane.new(*x.shape)
-        kernels.norm.layer_norm(self.lib, lane.stream, out, x, weight, bias, eps, residual=residual,
+        ctx = self.resources.bound.context
+        out, residual_out = ctx.new(*x.shape), ctx.new(*x.shape)
+        kernels.norm.layer_norm(self.lib, ctx.stream, out, x, weight, bias, eps, residual=residual,
                                 residual_out=residual_out)
         return out, residual_out
 
@@ -94,34 +94,34 @@ class CudaLayerMath:
         splits = k_splits(m, weight.shape[1])
         if splits == 1 or residual is None:
             return self.layer_norm(self.linear(x, weight, linear.bias), norm_weight, norm_bias, eps, residual)
-        lane = self.context.bound.lane
-        summed = partials(self.context.gemm, lane, x, weight, splits)
-        out, residual_out = lane.new(m, n), lane.new(m, n)
-        kernels.norm.layer_norm_partials(self.lib, lane.stream, out, summed, splits, linear.bias, norm_weight,
+        ctx = self.resources.bound.context
+        summed = partials(self.resources.gemm, ctx, x, weight, splits)
+        out, residual_out = ctx.new(m, n), ctx.new(m, n)
+        kernels.norm.layer_norm_partials(self.lib, ctx.stream, out, summed, splits, linear.bias, norm_weight,
                                          norm_bias, eps, residual, residual_out)
         return out, residual_out
 
     def embedding_layer_norm(self, table, token_ids, positions_table, positions, weight, bias, eps):
-        lane, shape = self.context.bound.lane, (token_ids.shape[0], table.shape[1])
-        out, residual_out = lane.new(*shape), lane.new(*shape)
-        kernels.norm.layer_norm_gathered(self.lib, lane.stream, out, residual_out, table, token_ids, positions_table,
+        ctx, shape = self.resources.bound.context, (token_ids.shape[0], table.shape[1])
+        out, residual_out = ctx.new(*shape), ctx.new(*shape)
+        kernels.norm.layer_norm_gathered(self.lib, ctx.stream, out, residual_out, table, token_ids, positions_table,
                                          positions, weight, bias, eps)
         return out, residual_out
 
     def head_rms_norm(self, x, weight, eps, head_dim):
-        kernels.norm.head_rms_norm(self.lib, self.context.bound.lane.stream, x, weight, eps, head_dim)
+        kernels.norm.head_rms_norm(self.lib, self.resources.bound.context.stream, x, weight, eps, head_dim)
         return x
 
     def linear(self, x, weight, bias=None):
-        lane = self.context.bound.lane
-        out = lane.new(x.shape[0], weight.shape[0])
-        linear_into(self.lib, self.context.gemm, lane, out, x, weight, bias)
+        ctx = self.resources.bound.context
+        out = ctx.new(x.shape[0], weight.shape[0])
+        linear_into(self.lib, self.resources.gemm, ctx, out, x, weight, bias)
         return out
 
     def linear_relu(self, x, weight, bias=None):
-        lane = self.context.bound.lane
-        out = lane.new(x.shape[0], weight.shape[0])
-        linear_into(self.lib, self.context.gemm, lane, out, x, weight, bias, relu=True)
+        ctx = self.resources.bound.context
+        out = ctx.new(x.shape[0], weight.shape[0])
+        linear_into(self.lib, self.resources.gemm, ctx, out, x, weight, bias, relu=True)
         return out
 
     def _computed(self, x):
@@ -129,25 +129,25 @@ class CudaLayerMath:
         return self.linear(x.x, x.weight, x.bias) if isinstance(x, Linear) else x
 
     def relu(self, x):
-        lane = self.context.bound.lane
-        out = lane.new(*x.shape)
-        kernels.activation.relu(self.lib, lane.stream, out, x)
+        ctx = self.resources.bound.context
+        out = ctx.new(*x.shape)
+        kernels.activation.relu(self.lib, ctx.stream, out, x)
         return out
 
     def silu_mul(self, gate_up):
-        lane = self.context.bound.lane
-        out = lane.new(gate_up.shape[0], gate_up.shape[1] // 2)
-        kernels.activation.silu_mul(self.lib, lane.stream, out, gate_up)
+        ctx = self.resources.bound.context
+        out = ctx.new(gate_up.shape[0], gate_up.shape[1] // 2)
+        kernels.activation.silu_mul(self.lib, ctx.stream, out, gate_up)
         return out
 
     def write_kv(self, k, v, batch: CudaBatch, kv):
-        kernels.rope_kv.write_kv(self.lib, self.context.bound.lane.stream, k, v, batch.slot_mapping, kv)
+        kernels.rope_kv.write_kv(self.lib, self.resources.bound.context.stream, k, v, batch.slot_mapping, kv)
 
     def rope_and_write_kv(self, q, k, v, rope: RopeTable, batch: CudaBatch, kv, head_dim):
         # q, k and v are column slices of one qkv buffer, which the kernel takes whole.
         qkv = DeviceTensor(q.ptr, (q.shape[0], q.stride), q.dtype)
         num_heads, num_kv_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
-        kernels.rope_kv.rope_and_write_kv(self.lib, self.context.bound.lane.stream, qkv, rope.cos, rope.sin,
+        kernels.rope_kv.rope_and_write_kv(self.lib, self.resources.bound.context.stream, qkv, rope.cos, rope.sin,
                                           batch.positions, batch.slot_mapping, kv, num_heads, num_kv_heads, head_dim)
         return q
 
@@ -157,13 +157,13 @@ class CudaLayerMath:
         if batch.num_prefill or num_heads != num_kv_heads:
             return rope_then_attention(self, q, k, v, rope, batch, kv, num_kv_heads, head_dim, scale, sliding_window)
         # Decode rows of a multi-head model: one kernel rotates and writes each new token and attends it.
-        lane = self.context.bound.lane
-        out = lane.new(q.shape[0], q.shape[1])
+        ctx = self.resources.bound.context
+        out = ctx.new(q.shape[0], q.shape[1])
         cos, sin = (None, None) if rope.identity else (rope.cos, rope.sin)
         new_tokens = kernels.attention.NewTokens(k, v, cos, sin, batch.positions, batch.slot_mapping)
         kernels.attention.paged_decode_attention(
-            self.lib, lane.stream, out, q, kv, batch.decode_rows, batch.decode_contexts, batch.decode_tables,
-            lane.decode_partials, num_heads, num_kv_heads, head_dim, scale,
+            self.lib, ctx.stream, out, q, kv, batch.decode_rows, batch.decode_contexts, batch.decode_tables,
+            ctx.decode_partials, num_heads, num_kv_heads, head_dim, scale,
             -1 if sliding_window is None else sliding_window, batch.max_decode_context, new_tokens=new_tokens)
         return out
 
@@ -172,17 +172,17 @@ class CudaLayerMath:
             if not causal:
                 return self._linear_query_attention(q, kv, batch, num_kv_heads, head_dim, scale, sliding_window)
             q = self._computed(q)
-        lane = self.context.bound.lane
-        out = lane.new(q.shape[0], q.shape[1])
+        ctx = self.resources.bound.context
+        out = ctx.new(q.shape[0], q.shape[1])
         num_heads = q.shape[1] // head_dim
         window = -1 if sliding_window is None else sliding_window
         if batch.num_decode:
             kernels.attention.paged_decode_attention(
-                self.lib, lane.stream, out, q, kv, batch.decode_rows, batch.decode_contexts, batch.decode_tables,
-                lane.decode_partials, num_heads, num_kv_heads, head_dim, scale, window, batch.max_decode_context)
+                self.lib, ctx.stream, out, q, kv, batch.decode_rows, batch.decode_contexts, batch.decode_tables,
+                ctx.decode_partials, num_heads, num_kv_heads, head_dim, scale, window, batch.max_decode_context)
         if batch.num_prefill:
             kernels.attention.paged_prefill_attention(
-                self.lib, lane.stream, out, q, kv, batch.prefill_starts, batch.prefill_lens, batch.prefill_contexts,
+                self.lib, ctx.stream, out, q, kv, batch.prefill_starts, batch.prefill_lens, batch.prefill_contexts,
                 batch.prefill_tables, num_heads, num_kv_heads, head_dim, scale, window, batch.num_prefill,
                 batch.max_prefill_query, causal)
         return out
@@ -200,12 +200,12 @@ class CudaLayerMath:
         if splits == 1 or batch.num_prefill or not batch.num_decode or n != num_kv_heads * head_dim:
             return self.paged_attention(self.linear(x, weight, query.bias), kv, batch, num_kv_heads, head_dim, scale,
                                         sliding_window, causal=False)
-        lane = self.context.bound.lane
-        summed = partials(self.context.gemm, lane, x, weight, splits)
-        out = lane.new(m, n)
+        ctx = self.resources.bound.context
+        summed = partials(self.resources.gemm, ctx, x, weight, splits)
+        out = ctx.new(m, n)
         kernels.attention.paged_decode_attention(
-            self.lib, lane.stream, out, summed, kv, batch.decode_rows, batch.decode_contexts, batch.decode_tables,
-            lane.decode_partials, num_kv_heads, num_kv_heads, head_dim, scale,
+            self.lib, ctx.stream, out, summed, kv, batch.decode_rows, batch.decode_contexts, batch.decode_tables,
+            ctx.decode_partials, num_kv_heads, num_kv_heads, head_dim, scale,
             -1 if sliding_window is None else sliding_window, batch.max_decode_context,
             q_partials=kernels.attention.QueryPartials(splits, query.bias))
         return out
@@ -217,13 +217,13 @@ class CudaLayerMath:
         return self._gather_rows(self._computed(x), rows), self._gather_rows(residual, rows)
 
     def _gather_rows(self, x, rows):
-        lane = self.context.bound.lane
-        out = lane.new(rows.shape[0], x.shape[1], x.dtype)
-        kernels.embedding.gather_rows(self.lib, lane.stream, out, x, rows)
+        ctx = self.resources.bound.context
+        out = ctx.new(rows.shape[0], x.shape[1], x.dtype)
+        kernels.embedding.gather_rows(self.lib, ctx.stream, out, x, rows)
         return out
 
     def logits(self, x, lm_head):
-        lane = self.context.bound.lane
-        out = lane.logits.rows(0, x.shape[0]).columns(0, lm_head.shape[0])
-        linear_into(self.lib, self.context.gemm, lane, out, x, lm_head)
-        return out.columns(0, self.context.shapes.vocab)
+        ctx = self.resources.bound.context
+        out = ctx.logits.rows(0, x.shape[0]).columns(0, lm_head.shape[0])
+        linear_into(self.lib, self.resources.gemm, ctx, out, x, lm_head)
+        return out.columns(0, self.resources.shapes.vocab)

@@ -26,19 +26,19 @@ def k_splits(rows: int, k: int) -> int:
     return 1 if k % (8 * splits) else splits
 
 
-def linear_into(lib, gemm, lane, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
+def linear_into(lib, gemm, ctx, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
                 bias: DeviceTensor | None = None, relu: bool = False) -> None:
     """out = x @ weight.T (+ bias, then relu): decode-sized linears on the skinny-GEMM kernel where it beats
     cuBLASLt, the rest on cuBLASLt (either takes the relu in its epilogue)."""
     if (x.shape[0] <= SKINNY_MAX_M and weight.numel <= SKINNY_MAX_WEIGHT
             and kernels.skinny_gemm.supports(x, weight, out, bias)):
-        kernels.skinny_gemm.skinny_linear(lib, lane.stream, out, x, weight, bias, relu=relu)
+        kernels.skinny_gemm.skinny_linear(lib, ctx.stream, out, x, weight, bias, relu=relu)
     else:
-        gemm.linear(lane.stream, out, x, weight, bias, lane.gemm_workspace, relu=relu)
+        gemm.linear(ctx.stream, out, x, weight, bias, ctx.gemm_workspace, relu=relu)
 
 
-def partials(gemm, lane, x: DeviceTensor, weight: DeviceTensor, splits: int) -> DeviceTensor:
-    """x @ weight.T as `splits` K slices' float32 partials [splits * rows, N] (no bias), in the lane's ring."""
-    out = lane.new(splits * x.shape[0], weight.shape[0], "float32")
-    gemm.linear(lane.stream, out, x, weight, workspace=lane.gemm_workspace, splits=splits)
+def partials(gemm, ctx, x: DeviceTensor, weight: DeviceTensor, splits: int) -> DeviceTensor:
+    """x @ weight.T as `splits` K slices' float32 partials [splits * rows, N] (no bias), in the stream's ring."""
+    out = ctx.new(splits * x.shape[0], weight.shape[0], "float32")
+    gemm.linear(ctx.stream, out, x, weight, workspace=ctx.gemm_workspace, splits=splits)
     return out

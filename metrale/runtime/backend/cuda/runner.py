@@ -1,4 +1,4 @@
-"""The CUDA runner (backend/runner.py's interface): the memory plan and the KV pool, each thread's stream lane,
+"""The CUDA runner (backend/runner.py's interface): the memory plan and the KV pool, each thread's stream,
 forwards as CUDA graph replays where a captured shape fits, sampling and beam search on the device."""
 
 import math
@@ -7,16 +7,16 @@ import numpy as np
 import torch
 
 from metrale.runtime.backend.cuda import kernels
-from metrale.runtime.backend.cuda.beam_search import DeviceBeamSearch, fits, seed_of, state_arrays, state_bytes
-from metrale.runtime.backend.cuda.context import CudaContext
+from metrale.runtime.backend.cuda.beam_search import CudaDeviceSearch, fits, seed_of, state_arrays, state_bytes
+from metrale.runtime.backend.cuda.resources import CudaResources
 from metrale.runtime.backend.cuda.device import ALIGNMENT, Arena, CUDAError
 from metrale.runtime.backend.cuda.gemm_tuning import AlgoTuner
 from metrale.runtime.backend.cuda.graphs import DecodeGraphs, PrefillGraphs, no_collection
-from metrale.runtime.backend.cuda.lane import Lane, LaneCandidates
+from metrale.runtime.backend.cuda.stream_context import StreamContext, StreamCandidates
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.backend.runner import MemoryShapes
 from metrale.runtime.batch import ForwardBatch
-from metrale.runtime.beam.on_device import DeviceSearch
+from metrale.runtime.beam.on_device import SearchStart
 from metrale.runtime.cache.specs import NoCache, PagedKv
 from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.sampling import SampleResult
@@ -25,44 +25,44 @@ from metrale.runtime.sampling import SampleResult
 class CudaRunner:
     device = "cuda"
     dtype = torch.bfloat16
-    # Each lane has its own stream and buffers; the weights are only read, and lanes never share a sequence.
+    # Each stream has its own CUDA stream and buffers; the weights are only read, and streams never share a sequence.
     concurrent_forwards = True
     supports_beam = True
     # cuda.core's failed driver calls; the backend's own checks (device.check, cuBLASLt's status, a kernel's fault
     # flag) raise DeviceFault, which is a device fault wherever it comes from.
     device_errors = (CUDAError,)
-    # Of the device memory left after the weights and the lanes' workspaces: the GPU is the worker's. The 10% margin
+    # Of the device memory left after the weights and the streams' buffers: the GPU is the worker's. The 10% margin
     # is for what comes after the pool (graph capture, cuBLASLt's and the driver's own allocations).
     default_kv_memory_fraction = 0.9
     runs_ahead_by_default = True
 
-    def __init__(self, context: CudaContext):
-        self.context, self.cuda, self.lib = context, context.cuda, context.lib
+    def __init__(self, resources: CudaResources):
+        self.resources, self.cuda, self.lib = resources, resources.cuda, resources.lib
 
     def plan(self, weight_bytes: int, shapes: MemoryShapes) -> None:
-        self.context.plan(weight_bytes, shapes)
+        self.resources.plan(weight_bytes, shapes)
 
     @property
-    def lanes(self) -> list[Lane]:
-        """Every stream's lane, in stream order."""
-        return self.context.lanes
+    def streams(self) -> list[StreamContext]:
+        """Every stream's context, in stream order."""
+        return self.resources.streams
 
     @property
-    def lane(self) -> Lane:
-        """The calling thread's lane."""
-        return self.context.bound.lane
+    def stream_context(self) -> StreamContext:
+        """The calling thread's stream context."""
+        return self.resources.bound.context
 
     def bind_stream(self, stream: int) -> None:
-        """Runs the calling thread's forwards on that stream's lane from now on, and makes the device current on the
+        """Runs the calling thread's forwards on that stream from now on, and makes the device current on the
         thread."""
-        lanes = self.context.lanes
-        if not 0 <= stream < len(lanes):
-            raise InvalidArgument(f"stream {stream} does not exist; the memory plan has {len(lanes)}")
+        contexts = self.resources.streams
+        if not 0 <= stream < len(contexts):
+            raise InvalidArgument(f"stream {stream} does not exist; the memory plan has {len(contexts)}")
         self.cuda.ensure_current()
-        self.context.bound.lane = lanes[stream]
+        self.resources.bound.context = contexts[stream]
 
     def synchronize(self) -> None:
-        self.context.bound.lane.synchronize()
+        self.resources.bound.context.synchronize()
 
     def available_cache_bytes(self, fraction: float) -> int:
         return int(self.cuda.free_memory() * fraction)
@@ -81,124 +81,124 @@ class CudaRunner:
         if not pool_bytes:
             return [None] * len(specs)
         pool = Arena(self.cuda.allocate(pool_bytes), pool_bytes, "KV pool")
-        self.context.kv_pool = DeviceTensor(pool.base, (pool_bytes,), "uint8")
+        self.resources.kv_pool = DeviceTensor(pool.base, (pool_bytes,), "uint8")
         return [None if shape is None else pool.take(shape, "bfloat16") for shape in shapes]
 
     def warm_up(self, forward, graph_batch_sizes: tuple[int, ...], max_context: int, max_source_len: int = 0) -> None:
-        """Captures every lane's decode buckets now, each over that lane's buffers and stream, so serving never
-        captures; before the first lane's captures, its buckets run once eagerly to tune the linears
-        (_tune_linears). The calling thread is bound to each lane in turn: forward's ops run on the caller's lane."""
-        shapes, bound = self.context.shapes, self.context.bound
+        """Captures every stream's decode buckets now, each over that stream's buffers and stream, so serving never
+        captures; before the first stream's captures, its buckets run once eagerly to tune the linears
+        (_tune_linears). The calling thread is bound to each stream in turn: forward's ops run on the caller's stream."""
+        shapes, bound = self.resources.shapes, self.resources.bound
         usable = tuple(b for b in graph_batch_sizes if b <= min(shapes.max_seqs, shapes.max_batch_tokens))
         if not usable:
             return
-        caller = bound.lane
+        caller = bound.context
         try:
-            for index, lane in enumerate(self.context.lanes):
-                bound.lane = lane
-                lane.graphs = DecodeGraphs(lane, usable, max_context, max_source_len)
+            for index, ctx in enumerate(self.resources.streams):
+                bound.context = ctx
+                ctx.graphs = DecodeGraphs(ctx, usable, max_context, max_source_len)
                 if index == 0:
-                    self._tune_linears(lane, forward)
-                lane.graphs.capture_all(forward)
+                    self._tune_linears(ctx, forward)
+                ctx.graphs.capture_all(forward)
                 if max_source_len:      # captured as their shapes come
-                    lane.encoder_graphs = PrefillGraphs.encoder(lane)
-                    lane.prompt_graphs = PrefillGraphs.prompts(lane)
+                    ctx.encoder_graphs = PrefillGraphs.encoder(ctx)
+                    ctx.prompt_graphs = PrefillGraphs.prompts(ctx)
         finally:
-            bound.lane = caller
+            bound.context = caller
 
-    def _tune_linears(self, lane: Lane, forward) -> None:
+    def _tune_linears(self, ctx: StreamContext, forward) -> None:
         """Each decode bucket's forward once, eagerly, with the GEMM tuner on: every linear shape a graph will
         replay gets the algorithm that is fastest on its weights streamed from HBM (gemm_tuning.py). The KV pool,
         which no sequence holds yet, takes the weight copies the timing needs; what they leave there is never read
         (a sequence's keys are written before they are attended)."""
-        gemm, kv_pool = self.context.gemm, self.context.kv_pool
+        gemm, kv_pool = self.resources.gemm, self.resources.kv_pool
         if kv_pool is None:
             return
         gemm.tuner = AlgoTuner(kv_pool, self.cuda.device.properties.l2_cache_size)
         try:
             with no_collection():
-                for size in lane.graphs.batch_sizes:
-                    lane.graphs.rehearse(forward, size)
-            lane.synchronize()
+                for size in ctx.graphs.batch_sizes:
+                    ctx.graphs.rehearse(forward, size)
+            ctx.synchronize()
         finally:
             gemm.tuner = None
 
     @property
     def decode_graph_rows(self) -> int:
-        graphs = self.context.bound.lane.graphs
+        graphs = self.resources.bound.context.graphs
         return graphs.batch_sizes[-1] if graphs is not None else 0
 
     @property
     def prefill_graphs(self) -> bool:
-        return self.context.bound.lane.prompt_graphs is not None
+        return self.resources.bound.context.prompt_graphs is not None
 
     def run_forward(self, forward, batch: ForwardBatch, replayable: bool) -> DeviceTensor:
         """forward(batch) -> logits on the device. Decode steps replay a CUDA graph, and so do replayable forwards
-        over longer segments where the lane has prompt graphs. A forward that samples nothing is waited for here
+        over longer segments where the stream has prompt graphs. A forward that samples nothing is waited for here
         (sample() waits for the others): once its step returns, its sequences' KV blocks may be freed and handed to
-        a sequence on another lane's stream."""
-        lane = self.context.bound.lane
+        a sequence on another stream's stream."""
+        ctx = self.resources.bound.context
         self.cuda.ensure_current()
-        size = lane.graphs.bucket(batch) if lane.graphs else None
+        size = ctx.graphs.bucket(batch) if ctx.graphs else None
         if size:
-            logits = lane.graphs.run(forward, batch, size)
-        elif replayable and lane.prompt_graphs is not None and any(n != 1 for n in batch.query_lens):
-            logits = lane.prompt_graphs.run(forward, batch)
+            logits = ctx.graphs.run(forward, batch, size)
+        elif replayable and ctx.prompt_graphs is not None and any(n != 1 for n in batch.query_lens):
+            logits = ctx.prompt_graphs.run(forward, batch)
         else:
             logits = forward(batch)
         if not len(batch.sample_rows):
-            lane.synchronize()
+            ctx.synchronize()
         return logits
 
     def run_encoder(self, encode, batch: ForwardBatch, replayable: bool) -> None:
-        lane = self.context.bound.lane
+        ctx = self.resources.bound.context
         self.cuda.ensure_current()
-        if not replayable or lane.encoder_graphs is None:
+        if not replayable or ctx.encoder_graphs is None:
             encode(batch)
         else:
-            lane.encoder_graphs.run(encode, batch)
+            ctx.encoder_graphs.run(encode, batch)
 
     def sample(self, logits: DeviceTensor, rows, on_queued=None) -> SampleResult:
-        return self.context.bound.lane.sampler.sample(logits, rows, on_queued)
+        return self.resources.bound.context.sampler.sample(logits, rows, on_queued)
 
-    def beam_candidates(self, logits: DeviceTensor, banned: list[list[int]], count: int) -> LaneCandidates:
-        return self.context.bound.lane.beam_candidates(logits, banned, count)
+    def beam_candidates(self, logits: DeviceTensor, banned: list[list[int]], count: int) -> StreamCandidates:
+        return self.resources.bound.context.beam_candidates(logits, banned, count)
 
-    def device_beam_search(self, search: DeviceSearch, forward, layers: list) -> DeviceBeamSearch | None:
-        """None where the search exceeds the step kernels' limits (beam_search.fits) or the lane's state region."""
+    def device_search(self, search: SearchStart, forward, layers: list) -> CudaDeviceSearch | None:
+        """None where the search exceeds the step kernels' limits (beam_search.fits) or the stream's state region."""
         if not fits(search):
             return None
-        lane = self.context.bound.lane
-        seed = seed_of(search, lane)
-        arrays = state_arrays(search, self.context.shapes.max_blocks_per_seq, seeded=seed is not None)
-        if state_bytes(arrays, len(search.tables)) > lane.beam_state.nbytes:
+        ctx = self.resources.bound.context
+        seed = seed_of(search, ctx)
+        arrays = state_arrays(search, self.resources.shapes.max_blocks_per_seq, seeded=seed is not None)
+        if state_bytes(arrays, len(search.tables)) > ctx.beam_state.nbytes:
             return None
-        return DeviceBeamSearch(lane, search, arrays, forward, _paged(layers), lane.beam_state, seed)
+        return CudaDeviceSearch(ctx, search, arrays, forward, _paged(layers), ctx.beam_state, seed)
 
     def copy_block_prefixes(self, layers: list, copies: list[tuple[int, int, int]]) -> None:
-        lane = self.context.bound.lane
+        ctx = self.resources.bound.context
         host = np.asarray(copies, dtype=np.int32).reshape(-1, 3)
-        if len(host) > lane.kv_copies.shape[0]:
-            raise InvalidArgument(f"{len(host)} KV copies in one step, over the lane's {lane.kv_copies.shape[0]}")
-        rows = DeviceTensor(lane.kv_copies.ptr, host.shape, "int32")
-        lane.copy_to_device(rows, host)
-        kernels.rope_kv.copy_kv_prefixes(self.lib, lane.stream, _paged(layers), rows, len(host))
+        if len(host) > ctx.kv_copies.shape[0]:
+            raise InvalidArgument(f"{len(host)} KV copies in one step, over the stream's {ctx.kv_copies.shape[0]}")
+        rows = DeviceTensor(ctx.kv_copies.ptr, host.shape, "int32")
+        ctx.copy_to_device(rows, host)
+        kernels.rope_kv.copy_kv_prefixes(self.lib, ctx.stream, _paged(layers), rows, len(host))
 
     def counters(self) -> dict[str, int]:
         return {"kernel_cache_hits": self.lib.cache.hits, "kernel_cache_misses": self.lib.cache.misses,
-                "graph_replays": sum(graphs.replays for lane in self.context.lanes
-                                     for graphs in (lane.graphs, lane.encoder_graphs, lane.prompt_graphs)
+                "graph_replays": sum(graphs.replays for ctx in self.resources.streams
+                                     for graphs in (ctx.graphs, ctx.encoder_graphs, ctx.prompt_graphs)
                                      if graphs is not None)}
 
     def time_steps(self, enabled: bool) -> None:
-        """Benchmarks: events around each round's device work on every lane, from the end of its inputs' upload
+        """Benchmarks: events around each round's device work on every stream, from the end of its inputs' upload
         (the forward's first launch or graph replay comes next) to the end of sampling (the one copy back
-        excluded); last_device_ms() reads the calling thread's lane's latest round, None when it did not sample."""
-        for lane in self.context.lanes:
-            lane.time_steps(enabled)
+        excluded); last_device_ms() reads the calling thread's stream's latest round, None when it did not sample."""
+        for ctx in self.resources.streams:
+            ctx.time_steps(enabled)
 
     def last_device_ms(self) -> float | None:
-        return self.context.bound.lane.last_device_ms()
+        return self.resources.bound.context.last_device_ms()
 
 
 def _paged(layers: list) -> list[DeviceTensor]:

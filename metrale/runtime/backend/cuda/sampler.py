@@ -1,4 +1,4 @@
-"""Sampling on the device: the sampler kernels over a lane's logits (the LM head's bf16 rows widened to float32, as
+"""Sampling on the device: the sampler kernels over a stream's logits (the LM head's bf16 rows widened to float32, as
 transformers widens them), one small copy back (tokens, logprobs, top-n), and full logits rows only for the
 sequences that asked."""
 
@@ -17,28 +17,28 @@ OUT_WORDS = 2 + 2 * MAX_TOP_LOGPROBS
 
 
 class DeviceSampler:
-    def __init__(self, lane, params: DeviceTensor, widened: DeviceTensor, processed: DeviceTensor,
+    def __init__(self, ctx, params: DeviceTensor, widened: DeviceTensor, processed: DeviceTensor,
                  outputs: DeviceTensor):
-        """lane: the Lane whose stream it runs on (its lists region takes the penalty lists); params
+        """ctx: the StreamContext whose stream it runs on (its lists region takes the penalty lists); params
         [max_seqs, PARAM_WORDS] int32; widened and processed [max_seqs, vocab] float32; outputs
         [max_seqs * OUT_WORDS] int32."""
-        self.lane, self.params = lane, params
+        self.ctx, self.params = ctx, params
         self.widened, self.processed, self.outputs = widened, processed, outputs
 
     def sample(self, bf16_logits: DeviceTensor, rows, on_queued=None) -> SampleResult:
         """bf16_logits [len(rows), V]: the LM head's output rows."""
-        lane, lib, stream = self.lane, self.lane.lib, self.lane.stream
+        ctx, lib, stream = self.ctx, self.ctx.lib, self.ctx.stream
         n = len(rows)
         logits = self.widened.rows(0, n)
         kernels.widen_rows(lib, stream, logits, bf16_logits)
         host_params = kernels.pack_sampling_params(rows)
         params = DeviceTensor(self.params.ptr, host_params.shape, "int32")
-        lane.copy_to_device(params, host_params)
+        ctx.copy_to_device(params, host_params)
         processed = None
         if any(row.params.has_penalties for row in rows):
             processed = self.processed.rows(0, n)
             lists = kernels.pack_penalties(rows, logits.shape[1])
-            offsets, entries, biases = lane.upload_lists([lists.entry_offsets, lists.entries, lists.biases],
+            offsets, entries, biases = ctx.upload_lists([lists.entry_offsets, lists.entries, lists.biases],
                                                          "the penalty lists")
             kernels.apply_penalties(lib, stream, processed, logits, params, offsets, entries, biases)
         top_n = max(row.options.top_logprobs for row in rows)
@@ -49,10 +49,10 @@ class DeviceSampler:
         top_logprobs = DeviceTensor(base + 8 * n + 4 * n * MAX_TOP_LOGPROBS, (n, MAX_TOP_LOGPROBS), "float32")
         kernels.sample_rows(lib, stream, logits, params, tokens, logprobs, top_ids, top_logprobs, top_n,
                             processed=processed)
-        lane.mark_sampled()
+        ctx.mark_sampled()
         if on_queued is not None:
             on_queued()
-        host = lane.copy_to_host(DeviceTensor(base, (n * OUT_WORDS,), "int32"))
+        host = ctx.copy_to_host(DeviceTensor(base, (n * OUT_WORDS,), "int32"))
         return self._result(host, logits, rows, top_n)
 
     def _result(self, host: np.ndarray, logits: DeviceTensor, rows, top_n: int) -> SampleResult:
@@ -67,7 +67,7 @@ class DeviceSampler:
         for i, row in enumerate(rows):
             k = row.options.top_logprobs
             top.append((ids[i, :k].tolist(), values[i, :k].tolist()) if k else None)
-            raw.append(torch.from_numpy(self.lane.copy_to_host(logits.rows(i, i + 1))[0])
+            raw.append(torch.from_numpy(self.ctx.copy_to_host(logits.rows(i, i + 1))[0])
                        if row.options.return_logits else None)
         logprobs = [lp if row.options.logprobs else math.nan for lp, row in zip(logprobs, rows)]
         return SampleResult(tokens, logprobs, top, raw)

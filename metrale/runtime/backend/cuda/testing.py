@@ -5,9 +5,9 @@ from types import SimpleNamespace
 import numpy as np
 
 
-class BareLane:
-    """What DeviceBeamSearch lays its state out with, without a memory plan or graphs: the kernels, a table width,
-    and copies on one stream (host arrays kept alive until the lane is)."""
+class BareStreamContext:
+    """What CudaDeviceSearch lays its state out with, without a memory plan or graphs: the kernels, a table width,
+    and copies on one stream (host arrays kept alive until the stream is)."""
 
     def __init__(self, lib, stream, max_blocks_per_seq: int = 4):
         self.lib, self.stream, self.graphs = lib, stream, None

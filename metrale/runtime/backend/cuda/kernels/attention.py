@@ -131,7 +131,7 @@ def paged_decode_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_c
     block_tables [B, max_blocks] int32; workspace float32 of at least decode_workspace_elements(...)
     elements (read only when that is > 0; may be None then); sliding_window -1 for none. Not checked on the device (the caller
     guarantees): 1 <= context_lens[b] <= max_context <= max_blocks * block_size, block ids in [0, num_blocks),
-    seq_rows in [0, T). A sequence with context_lens[b] == 0 (a padding lane) leaves its row unwritten.
+    seq_rows in [0, T). A sequence with context_lens[b] == 0 (a padding row) leaves its row unwritten.
     The number of splits depends on B, num_kv_heads and max_context only, so a captured graph stays valid
     for any contexts up to max_context. partition: keys per split, overriding decode_partition (benchmarks).
     new_tokens (num_heads == num_kv_heads only): each sequence's newest key (context_lens[b] - 1) is its row's new

@@ -55,7 +55,7 @@ def supports(x: DeviceTensor, weight: DeviceTensor, out: DeviceTensor, bias: Dev
 
 def skinny_linear(lib, stream, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
                   bias: DeviceTensor | None = None, relu: bool = False) -> None:
-    """out [M, N] = x [M, K] @ weight [N, K].T (+ bias [N]) in one launch, for M <= 16 (decode lanes).
+    """out [M, N] = x [M, K] @ weight [N, K].T (+ bias [N]) in one launch, for M <= 16 (decode rows).
     x: bf16, may be a column slice (row stride a multiple of 8 elements); weight: bf16, contiguous; out: bf16 or
     float32 (logits), may be a column slice; bias: out's dtype. x and weight 16-byte aligned; K % 8 == 0.
     fp32 accumulation, rounded once to out's dtype (bias added, then max(., 0) if relu, before rounding). M == 0

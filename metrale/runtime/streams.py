@@ -1,4 +1,4 @@
-"""Device lanes: one thread per stream runs that stream's work in order. Handlers only submit.
+"""Stream threads: one thread per stream runs that stream's work in order. Handlers only submit.
 
 A sequence belongs to at most one submitted piece of work at a time; a second claim is refused.
 """
@@ -16,36 +16,36 @@ from metrale.runtime.errors import InvalidArgument, SequenceBusy
 log = structlog.get_logger()
 
 
-class DeviceLanes:
-    def __init__(self, num_lanes: int, on_thread_start: Callable[[int], None] = lambda lane: None):
-        """on_thread_start(lane) runs first on each lane's thread (the backend binds it to the lane's stream)."""
-        self._queues = [queue.SimpleQueue() for _ in range(num_lanes)]
+class StreamThreads:
+    def __init__(self, num_streams: int, on_thread_start: Callable[[int], None] = lambda stream: None):
+        """on_thread_start(stream) runs first on each stream's thread (the backend binds it to the stream's stream)."""
+        self._queues = [queue.SimpleQueue() for _ in range(num_streams)]
         self._claimed: set[int] = set()
         self._claim_lock = threading.Lock()
         self._on_thread_start = on_thread_start
-        self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"device-lane-{i}", daemon=True)
-                         for i in range(num_lanes)]
+        self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"stream-{i}", daemon=True)
+                         for i in range(num_streams)]
         for thread in self._threads:
             thread.start()
 
     @property
-    def num_lanes(self) -> int:
+    def num_streams(self) -> int:
         return len(self._queues)
 
-    def submit(self, lane: int, seq_ids: list[int], work: Callable[[], object],
+    def submit(self, stream: int, seq_ids: list[int], work: Callable[[], object],
                after: Callable[[object, bool, Callable[[], None]], None] | None = None) -> Future:
-        """Runs work() on the lane's thread; the future's result is (work's result, queue_us). With `after`, the
-        lane then calls after(result, lane_idle, hand_over) before its next work (lane_idle: nothing else is
-        queued on the lane), and the result reaches the future when after calls hand_over() (or returns)."""
-        self.check_lane(lane)
+        """Runs work() on the stream's thread; the future's result is (work's result, queue_us). With `after`, the
+        stream then calls after(result, stream_idle, hand_over) before its next work (stream_idle: nothing else is
+        queued on the stream), and the result reaches the future when after calls hand_over() (or returns)."""
+        self.check_stream(stream)
         claim = self._claim(seq_ids)
         future: Future = Future()
-        self._queues[lane].put((future, work, claim, time.perf_counter(), after))
+        self._queues[stream].put((future, work, claim, time.perf_counter(), after))
         return future
 
     def run_claimed(self, executor, seq_ids: list[int], work: Callable[[], object]) -> Future:
-        """Runs work() on `executor`, off the lanes, with the sequences claimed as a lane's work claims them: for
-        work that needs no device and must not wait behind a lane's queue (Release). The claims drop once work is
+        """Runs work() on `executor`, off the streams, with the sequences claimed as a stream's work claims them: for
+        work that needs no device and must not wait behind a stream's queue (Release). The claims drop once work is
         done, or if it never starts."""
         claim = self._claim(seq_ids)
         try:
@@ -56,16 +56,16 @@ class DeviceLanes:
         future.add_done_callback(lambda _: self._unclaim(claim))
         return future
 
-    def check_lane(self, lane: int) -> None:
-        if not 0 <= lane < len(self._queues):
-            raise InvalidArgument(f"stream {lane} does not exist; the worker has {len(self._queues)} streams")
+    def check_stream(self, stream: int) -> None:
+        if not 0 <= stream < len(self._queues):
+            raise InvalidArgument(f"stream {stream} does not exist; the worker has {len(self._queues)} streams")
 
-    def submit_in_order(self, lane: int, work: Callable[[], object]) -> Future:
-        """Runs work after everything already queued on the lane, claiming nothing: for clean-up of sequences
-        only this lane's queued work can touch (a cancelled Generate's)."""
-        self.check_lane(lane)
+    def submit_in_order(self, stream: int, work: Callable[[], object]) -> Future:
+        """Runs work after everything already queued on the stream, claiming nothing: for clean-up of sequences
+        only this stream's queued work can touch (a cancelled Generate's)."""
+        self.check_stream(stream)
         future: Future = Future()
-        self._queues[lane].put((future, work, set(), time.perf_counter(), None))
+        self._queues[stream].put((future, work, set(), time.perf_counter(), None))
         return future
 
     def close(self) -> None:
@@ -74,9 +74,9 @@ class DeviceLanes:
         for thread in self._threads:
             thread.join()
 
-    def _serve(self, lane: int) -> None:
-        work_queue = self._queues[lane]
-        self._on_thread_start(lane)
+    def _serve(self, stream: int) -> None:
+        work_queue = self._queues[stream]
+        self._on_thread_start(stream)
         while (item := work_queue.get()) is not None:
             future, work, claim, enqueued, after = item
             answer = _Answer(future, claim, self._unclaim)
@@ -91,8 +91,8 @@ class DeviceLanes:
             try:
                 if after is not None and answer.error is None:
                     after(answer.result[0], work_queue.empty(), answer)
-            except Exception:   # keep the lane alive; the answer still goes out below
-                log.exception("lane_follow_up_failed", lane=lane)
+            except Exception:   # keep the stream alive; the answer still goes out below
+                log.exception("stream_follow_up_failed", stream=stream)
             finally:
                 answer()
 

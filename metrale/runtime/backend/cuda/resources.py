@@ -1,18 +1,18 @@
 """What the CUDA layer math and the CUDA runner share: the device, the compiled kernels, the memory plan (the
-weights' arena, each stream's lane, the KV pool), cuBLASLt and the calling thread's binding to a lane."""
+weights' arena, each stream's context, the KV pool), cuBLASLt and the calling thread's binding to a stream."""
 
 from pathlib import Path
 
 from metrale.runtime.backend.cuda.compiler import KernelCache, KernelLibrary
 from metrale.runtime.backend.cuda.device import ALIGNMENT, Arena, CudaDevice
 from metrale.runtime.backend.cuda.gemm import CublasLt
-from metrale.runtime.backend.cuda.lane import Lane, LaneBinding, lane_buffers, lane_bytes
+from metrale.runtime.backend.cuda.stream_context import StreamContext, StreamBinding, stream_buffers, stream_bytes
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.backend.runner import MemoryShapes
 from metrale.runtime.errors import InvalidArgument
 
 
-class CudaContext:
+class CudaResources:
     """One device's state. Everything but the device and the kernels exists once plan() has run."""
 
     def __init__(self, kernel_dir: Path, dtype: str = "auto", programmatic_launch: bool = True):
@@ -22,28 +22,28 @@ class CudaContext:
         self.lib = KernelLibrary(self.cuda.arch, KernelCache(kernel_dir), programmatic_launch)
         self.shapes: MemoryShapes | None = None
         self.weights: Arena | None = None
-        self.lanes: list[Lane] = []
+        self.streams: list[StreamContext] = []
         self.gemm: CublasLt | None = None
-        self.bound: LaneBinding | None = None
+        self.bound: StreamBinding | None = None
         # The KV pool as bytes, once allocated: the GEMM tuner's scratch before any sequence holds a block.
         self.kv_pool: DeviceTensor | None = None
 
     def plan(self, weight_bytes: int, shapes: MemoryShapes) -> None:
-        """Places the weights and shapes.streams copies of a lane's buffers in one allocation; the KV pool takes
+        """Places the weights and shapes.streams copies of a stream's buffers in one allocation; the KV pool takes
         what is left, later."""
         if shapes.streams < 1:
             raise InvalidArgument(f"the memory plan needs at least one stream, not {shapes.streams}")
         self.shapes = shapes
-        buffers = lane_buffers(self.lib, shapes)
-        weights, per_lane = -(-weight_bytes // ALIGNMENT) * ALIGNMENT, lane_bytes(buffers)
-        base = self.cuda.allocate(weights + shapes.streams * per_lane)
+        buffers = stream_buffers(self.lib, shapes)
+        weights, per_stream = -(-weight_bytes // ALIGNMENT) * ALIGNMENT, stream_bytes(buffers)
+        base = self.cuda.allocate(weights + shapes.streams * per_stream)
         self.weights = Arena(base, weights, "weights")
-        self.lanes = [Lane(self.cuda, self.lib, shapes, Arena(base + weights + i * per_lane, per_lane, f"lane {i}"),
+        self.streams = [StreamContext(self.cuda, self.lib, shapes, Arena(base + weights + i * per_stream, per_stream, f"stream {i}"),
                            buffers) for i in range(shapes.streams)]
-        self.gemm = CublasLt(self.lanes[0].gemm_workspace)
-        self.bound = LaneBinding(self.lanes[0])
+        self.gemm = CublasLt(self.streams[0].gemm_workspace)
+        self.bound = StreamBinding(self.streams[0])
 
     @property
-    def lane(self) -> Lane:
-        """The calling thread's lane."""
-        return self.bound.lane
+    def stream_context(self) -> StreamContext:
+        """The calling thread's stream context."""
+        return self.bound.context

@@ -15,7 +15,7 @@ import torch
 
 from metrale.runtime.batch import ForwardBatch, Segment, build_batch, build_decode_batch
 from metrale.runtime.beam.candidates import Candidates, finite, rows_of
-from metrale.runtime.beam.on_device import DeviceSearch, OnDeviceSearch, device_search, run_on_device
+from metrale.runtime.beam.on_device import SearchStart, DeviceSearch, search_start, run_device_search
 from metrale.runtime.beam.params import MAX_KEEP, BeamRequest
 from metrale.runtime.beam.search import BeamGroup
 from metrale.runtime.errors import BatchTooLarge, Cancelled, InvalidArgument, OutOfRange
@@ -75,9 +75,9 @@ class BeamModel:
     vocab_size: int
     encode: Callable[[list[Segment]], None] | None = None
     decoder_start: int | None = None
-    # Backends with a device search step (Runner.device_beam_search): the search from where the prompt pass left it,
+    # Backends with a device search step (Runner.device_search): the search from where the prompt pass left it,
     # or None where it must be stepped on the host.
-    search_on_device: Callable[[DeviceSearch], OnDeviceSearch | None] | None = None
+    search_on_device: Callable[[SearchStart], DeviceSearch | None] | None = None
     # Calls whose prompts are all at most this long run them a token a forward (decode steps, which replay graphs
     # where the backend has them: cheaper than one prefill forward's launches for a few tokens); 0: never.
     short_prompt: int = 0
@@ -113,10 +113,10 @@ class BeamCall:
     def run(self, pool: BlockPool, cancelled: Callable[[], bool]) -> list[BeamResult]:
         groups = self._prefill(pool, self._encode(pool))
         if self.model.search_on_device is not None:
-            search, members = device_search(groups, pool, self.block_size, self.model.encode is not None)
+            search, members = search_start(groups, pool, self.block_size, self.model.encode is not None)
             on_device = self.model.search_on_device(search)
             if on_device is not None:
-                found = run_on_device(on_device, members, cancelled)
+                found = run_device_search(on_device, members, cancelled)
                 return [BeamResult(r.request_id, found[r.request_id]) for r in self.requests]
         candidates = [prompt_candidates(group) for group in groups]
         results: dict[int, BeamResult] = {}

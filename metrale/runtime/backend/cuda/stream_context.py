@@ -1,5 +1,5 @@
-"""A stream lane: one stream and every buffer a forward and its sampling write, so forwards on different lanes
-run at once on the device. The weights and the KV pool are shared: lanes never share a sequence, so the KV
+"""A stream's context: its CUDA stream and every buffer a forward and its sampling write, so forwards on different streams
+run at once on the device. The weights and the KV pool are shared: streams never share a sequence, so the KV
 blocks they write are disjoint."""
 
 import contextlib
@@ -33,8 +33,8 @@ TIMED = EventOptions(timing_enabled=True)
 Buffers = dict[str, tuple[tuple[int, ...], str]]
 
 
-def lane_buffers(lib, shapes: MemoryShapes) -> Buffers:
-    """name -> (shape, dtype) of every buffer one lane owns, sized by the engine's limits."""
+def stream_buffers(lib, shapes: MemoryShapes) -> Buffers:
+    """name -> (shape, dtype) of every buffer one stream owns, sized by the engine's limits."""
     t, seqs = shapes.max_batch_tokens, shapes.max_seqs
     per_layer = 2 * t * (4 * shapes.hidden + 2 * shapes.q_size + 2 * shapes.kv_size + 3 * shapes.intermediate)
     # Decode attention's per-split partial outputs, for the largest batch and context (not in the ring: their size
@@ -72,18 +72,18 @@ def padded_vocab(vocab: int) -> int:
     return -(-vocab // LM_HEAD_PADDING_ROWS) * LM_HEAD_PADDING_ROWS
 
 
-def lane_bytes(buffers: Buffers) -> int:
-    """The size of one lane's region: every buffer ALIGNMENT-aligned, as Arena.take places them."""
+def stream_bytes(buffers: Buffers) -> int:
+    """The size of one stream's region: every buffer ALIGNMENT-aligned, as Arena.take places them."""
     return sum(-(-math.prod(shape) * DTYPES[dtype][0] // ALIGNMENT) * ALIGNMENT for shape, dtype in buffers.values())
 
 
-class Lane:
-    """One lane's stream, buffers, sampler and decode graphs, and the host state of the forward in flight on it.
-    Used by one thread at a time: the thread bound to it (warm-up binds the main thread to each lane in turn)."""
+class StreamContext:
+    """One stream's stream, buffers, sampler and decode graphs, and the host state of the forward in flight on it.
+    Used by one thread at a time: the thread bound to it (warm-up binds the main thread to each stream in turn)."""
 
     def __init__(self, cuda: CudaDevice, lib, shapes: MemoryShapes, region: Arena, buffers: Buffers):
         self.cuda, self.lib, self.shapes = cuda, lib, shapes
-        # Non-blocking: never implicitly ordered after the legacy default stream, nor after another lane.
+        # Non-blocking: never implicitly ordered after the legacy default stream, nor after another stream.
         self.stream = cuda.device.create_stream(options=StreamOptions(nonblocking=True))
         taken = {name: region.take(shape, dtype) for name, (shape, dtype) in buffers.items()}
         workspace = taken["workspace"]
@@ -95,7 +95,7 @@ class Lane:
         self.sampler = DeviceSampler(self, taken["sample_params"], taken["widened"], taken["processed"],
                                      taken["sample_outputs"])
         self.candidates, self.lists = taken["beam_candidates"], taken["lists"]
-        self.latest_candidates: LaneCandidates | None = None      # what the candidates buffer holds
+        self.latest_candidates: StreamCandidates | None = None      # what the candidates buffer holds
         self.beam_state = taken["beam_state"]
         # A beam search step's done flags (and fault flag), written here by its fork kernel while the next step is
         # queued: two steps' worth, in pinned memory the device writes directly (no copy between the kernels).
@@ -115,7 +115,7 @@ class Lane:
 
     def prepare(self, batch: ForwardBatch, pad_to: int = 0, cross: bool = False,
                 prefill: PrefillPadding | None = None) -> CudaBatch:
-        """The batch's metadata on the device (pad_to: a decode graph's padded lanes; prefill: a prefill graph's
+        """The batch's metadata on the device (pad_to: a decode graph's padded rows; prefill: a prefill graph's
         padded shapes; see pack_batch); starts the forward's ring over. cross=True: the forward's second batch, in
         its own region; the ring goes on."""
         if self._prepared is not None:      # capturing: the batch already in place
@@ -134,8 +134,8 @@ class Lane:
             self._round_events = (self.stream.record(options=TIMED), None)
         return prepared
 
-    def beam_candidates(self, logits: DeviceTensor, banned: list[list[int]], count: int) -> "LaneCandidates":
-        """Runner.beam_candidates: the kernel over the lane's logits into its candidates buffer, queued. The buffer
+    def beam_candidates(self, logits: DeviceTensor, banned: list[list[int]], count: int) -> "StreamCandidates":
+        """Runner.beam_candidates: the kernel over the stream's logits into its candidates buffer, queued. The buffer
         holds one step's: the candidates before are read back first (a no-op where the host has them)."""
         if self.latest_candidates is not None:
             self.latest_candidates.host()
@@ -144,11 +144,11 @@ class Lane:
         ids = DeviceTensor(self.candidates.ptr, (n, count), "int32")
         values = DeviceTensor(self.candidates.ptr + 4 * n * count, (n, count), "float32")
         kernels.beam.beam_candidates(self.lib, self.stream, logits, offsets, banned_ids, ids, values)
-        self.latest_candidates = LaneCandidates(self, ids, values)
+        self.latest_candidates = StreamCandidates(self, ids, values)
         return self.latest_candidates
 
     def upload_lists(self, parts: list[np.ndarray], what: str) -> list[DeviceTensor]:
-        """int32 or float32 arrays back to back in the lane's lists region, in one copy; their device views."""
+        """int32 or float32 arrays back to back in the stream's lists region, in one copy; their device views."""
         host = np.concatenate([np.ascontiguousarray(p, dtype=p.dtype).reshape(-1).view(np.int32) for p in parts])
         if host.size > self.lists.numel:
             raise ListsTooLarge(what, host.size, self.lists.numel)
@@ -172,7 +172,7 @@ class Lane:
             self._prepared = self._prepared_cross = None
 
     def copy_to_device(self, dst: DeviceTensor, host: np.ndarray) -> None:
-        """Asynchronous on the lane's stream; `host` is kept alive until the stream is synchronized."""
+        """Asynchronous on the stream's stream; `host` is kept alive until the stream is synchronized."""
         self.cuda.copy_to_device(dst, host, self.stream)
         self._pending.append(host)
 
@@ -182,13 +182,13 @@ class Lane:
         return self.beam_flags[half, :count], self._beam_flags_device + half * self.beam_flags.strides[0]
 
     def copy_to_host(self, src: DeviceTensor) -> np.ndarray:
-        """Synchronous: waits for everything queued on the lane before it."""
+        """Synchronous: waits for everything queued on the stream before it."""
         host = self.cuda.copy_to_host(src, self.stream)
         self._pending.clear()
         return host
 
     def synchronize(self) -> None:
-        """Waits for everything queued on the lane."""
+        """Waits for everything queued on the stream."""
         self.stream.sync()
         self._pending.clear()
 
@@ -206,38 +206,39 @@ class Lane:
         return sampled - started if started is not None and sampled is not None else None
 
 
-class LaneCandidates:
-    """One beam step's candidates in the lane's candidates buffer (ids [N, count] int32, then values float32): read
-    back once, by the first host() (beam/candidates.py); a device search seeds from them while they are the lane's
-    latest (Lane.latest_candidates), and then releases them."""
+class StreamCandidates:
+    """One beam step's candidates in the stream's candidates buffer (ids [N, count] int32, then values float32): read
+    back once, by the first host() (beam/candidates.py); a device search seeds from them while they are the stream's
+    latest (StreamContext.latest_candidates), and then releases them."""
 
-    def __init__(self, lane: Lane, ids: DeviceTensor, values: DeviceTensor):
-        self.lane, self.ids, self.values = lane, ids, values
+    def __init__(self, ctx: StreamContext, ids: DeviceTensor, values: DeviceTensor):
+        self.ctx, self.ids, self.values = ctx, ids, values
         self._host: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def release(self) -> None:
         """Taken on the device (the copies queued): the buffer is the next candidates', with no read back first."""
         if self.on_device:
-            self.lane.latest_candidates = None
+            self.ctx.latest_candidates = None
 
     def host(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._host is None:
-            if not self.on_device:      # the lane reads back the latest before overwriting it: these were released
+            if not self.on_device:      # the stream reads back the latest before overwriting it: these were released
                 raise RuntimeError("beam candidates read on the host after a device search took them")
-            (n, count), lane = self.ids.shape, self.lane
-            out = lane.copy_to_host(DeviceTensor(self.ids.ptr, (2 * n * count,), "int32"))
+            (n, count), ctx = self.ids.shape, self.ctx
+            out = ctx.copy_to_host(DeviceTensor(self.ids.ptr, (2 * n * count,), "int32"))
             self._host = (torch.from_numpy(out[n * count:].view(np.float32).reshape(n, count).copy()),
                           torch.from_numpy(out[:n * count].reshape(n, count).astype(np.int64)))
         return self._host
 
     @property
     def on_device(self) -> bool:
-        """Still in the lane's buffer: no later candidates overwrote them."""
-        return self.lane.latest_candidates is self
+        """Still in the stream's buffer: no later candidates overwrote them."""
+        return self.ctx.latest_candidates is self
 
 
-class LaneBinding(threading.local):
-    """The calling thread's lane: lane 0 until the thread binds another (each device lane's thread does, once)."""
+class StreamBinding(threading.local):
+    """The calling thread's stream context: stream 0's until the thread binds another (each stream's thread does,
+    once)."""
 
-    def __init__(self, lane: Lane):
-        self.lane = lane
+    def __init__(self, context: StreamContext):
+        self.context = context
