@@ -95,7 +95,8 @@ class LogitsRecorder:
 
     def __enter__(self) -> "LogitsRecorder":
         engine, runner = self.engine, self.engine.runner
-        encode, forward, copy_kv, candidates = (engine._beam_encode, engine._beam_forward, engine._copy_kv,
+        forwards = engine.forwards
+        encode, forward, copy_kv, candidates = (forwards.beam_encode, forwards.beam_forward, forwards.copy_blocks,
                                                 runner.beam_candidates)
 
         def beam_encode(segments):
@@ -118,12 +119,13 @@ class LogitsRecorder:
         def beam_candidates(logits, banned, count):
             self._record(logits)
             return candidates(logits, banned, count)
-        engine._beam_encode, engine._beam_forward, engine._copy_kv = beam_encode, beam_forward, copy
+        forwards.beam_encode, forwards.beam_forward, forwards.copy_blocks = beam_encode, beam_forward, copy
         runner.beam_candidates = beam_candidates
         return self
 
     def __exit__(self, *exc) -> None:
-        del self.engine._beam_encode, self.engine._beam_forward, self.engine._copy_kv
+        forwards = self.engine.forwards
+        del forwards.beam_encode, forwards.beam_forward, forwards.copy_blocks
         del self.engine.runner.beam_candidates
 
     def _record(self, logits) -> None:

@@ -53,7 +53,7 @@ def build_engine(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path |
     model = family.model_class(model_config, checkpoint.tensors, backend.math, max_model_len)
     cache = _allocate_cache(runner, model.cache_specs(), config, max_model_len)
     engine = Engine(model, runner, cache, config, max_model_len)
-    runner.warm_up(engine.forward, config.cuda_graph_batch_sizes, max_model_len, engine.limits.max_source_len)
+    runner.warm_up(engine.forwards.forward, config.cuda_graph_batch_sizes, max_model_len, engine.limits.max_source_len)
     tokenizer = checkpoint.tokenizer
     eos = model_config.eos_token_ids or tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
     info = ModelInfo(model_id=checkpoint.source, architecture=model_config.architecture,

@@ -1,7 +1,6 @@
 """The engine: runs validated steps over the sequence table, the cache and the model, through the backend's runner.
 Step = plan, run, sample."""
 
-import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -9,22 +8,21 @@ from typing import Callable
 
 import structlog
 
-from metrale.runtime.batch import ForwardBatch, Segment, build_batch
-from metrale.runtime.beam.on_device import SearchStart, LockedDeviceSearch, DeviceSearch
-from metrale.runtime.beam.params import BeamRequest
-from metrale.runtime.beam.call import SHORT_PROMPT, BeamCall, BeamModel, BeamResult
-from metrale.runtime.config import EngineConfig
-from metrale.runtime.errors import (Cancelled, DeviceFault, FailedPrecondition, OutOfKvBlocks, OutOfStateSlots,
-                                    StepFailed, WorkerError, describe)
 from metrale.runtime.backend.runner import Runner
+from metrale.runtime.batch import Segment, build_batch
+from metrale.runtime.beam.call import SHORT_PROMPT, BeamCall, BeamModel, BeamResult
+from metrale.runtime.beam.params import BeamRequest
 from metrale.runtime.cache.blocks import BlockPool
 from metrale.runtime.cache.manager import CacheManager
+from metrale.runtime.config import EngineConfig
+from metrale.runtime.errors import Cancelled, DeviceFault, FailedPrecondition, StepFailed, WorkerError, describe
+from metrale.runtime.forwards import Forwards
 from metrale.runtime.planner import Chunk, Limits, Plan, plan_step
 from metrale.runtime.reservation import Reservations
-from metrale.runtime.run_ahead import Ahead, RunAheadCounts
+from metrale.runtime.run_ahead import Ahead, Guesses, RunAheadCounts
 from metrale.runtime.sampling import SampleRow
 from metrale.runtime.sequence import Sequence, SequenceTable
-from metrale.runtime.step import DecodeToken, SequenceOutput, Step, StepOutput
+from metrale.runtime.step import SequenceOutput, Step, StepOutput
 
 log = structlog.get_logger()
 
@@ -59,15 +57,10 @@ class Engine:
                              model.config.decoder_start_token_id if encoder_decoder else None,
                              # a source's cross-attention K/V take blocks as a sequence's self-attention K/V do
                              min(model.config.max_position_embeddings, max_model_len) if encoder_decoder else 0)
+        self.forwards = Forwards(model, runner, cache, config.kv_block_size)
         self._lock = threading.Lock()
-        # Held around each forward where the backend cannot run two at once.
-        self._forward_lock = contextlib.nullcontext() if runner.concurrent_forwards else threading.Lock()
-        # Guessed next decode steps (run_ahead.py) by seq_id; each sequence is in at most one.
         self.runs_ahead = config.run_ahead == "on" or (config.run_ahead == "auto" and runner.runs_ahead_by_default)
-        self._ahead: dict[int, Ahead] = {}
-        # Requests waiting for blocks that guesses hold: no new guess is made meanwhile.
-        self._blocks_wanted = 0
-        self.ahead_counts = RunAheadCounts()
+        self.guesses = Guesses(self._lock, self.sequences, cache, self.reservations, self.limits)
 
     def step(self, step: Step, cancelled: Callable[[], bool] = lambda: False, run_ahead: bool = False,
              reply: Callable[[StepOutput], object] | None = None) -> StepOutput:
@@ -76,7 +69,7 @@ class Engine:
         raises (an answer too large to send, a bug), the step is undone too.
         run_ahead: where the engine runs ahead (run_ahead.py), the output carries the guessed next step, which the
         caller must run or skip (run_ahead.StreamPacer) before its next step."""
-        taken = self._settle_ahead(step.seq_ids, step, cancelled)
+        taken = self.guesses.settle(step.seq_ids, step, cancelled)
         if taken is not None:
             output, undo = taken.output, (taken.snapshot, taken.plan)
         else:
@@ -103,9 +96,9 @@ class Engine:
             raise self._failure(error, "building the step's answer") from error
 
     def _guess_next(self, step: Step, output: StepOutput) -> Ahead | None:
-        """_reserve_ahead, where a failure costs only the guess: the step itself is done and answered."""
+        """Guesses.reserve, where a failure costs only the guess: the step itself is done and answered."""
         try:
-            return self._reserve_ahead(step, output)
+            return self.guesses.reserve(step, output, self._run_guess)
         except Exception:
             log.exception("run_ahead_failed")
             return None
@@ -145,30 +138,9 @@ class Engine:
             return plan, self.reservations.reserve(plan)
 
         try:
-            return self._taking_blocks(take)
+            return self.guesses.taking_blocks(take)
         except Exception as error:
             raise self._failure(error, "planning the step") from error
-
-    def _taking_blocks(self, take: Callable[[], object]):
-        """take() under the state lock. Where it is short of blocks while guesses hold some, no new guess is made
-        until it is done, and the held ones are undone, until take() succeeds or no guess holds a block: blocks
-        held by guesses are free for any request, as Info says."""
-        waiting = False
-        try:
-            while True:
-                with self._lock:
-                    try:
-                        return take()
-                    except (OutOfKvBlocks, OutOfStateSlots):
-                        if not self._ahead:
-                            raise
-                        self._blocks_wanted += not waiting
-                        waiting, guessed = True, list(self._ahead)
-                self._settle_ahead(guessed)
-        finally:
-            if waiting:
-                with self._lock:
-                    self._blocks_wanted -= 1
 
     def backend_counters(self) -> dict[str, int]:
         """The backend's cumulative counts for the metrics (Runner.counters)."""
@@ -177,7 +149,7 @@ class Engine:
     def stats(self) -> EngineStats:
         """Blocks held by guessed steps count as free: any request may have them."""
         with self._lock:
-            guessed = sum(ahead.blocks_taken for ahead in set(self._ahead.values()))
+            guessed = self.guesses.blocks_held()
             blocks = self.cache.blocks
             return EngineStats(blocks.num_blocks, blocks.num_free + guessed, len(self.sequences))
 
@@ -185,7 +157,7 @@ class Engine:
         """Frees the given sequences (None: all of them) and their blocks."""
         with self._lock:
             ids = self.sequences.ids() if seq_ids is None else seq_ids
-        self._settle_ahead(ids)
+        self.guesses.settle(ids)
         with self._lock:
             released, unknown, freed = [], [], 0
             for seq_id in ids:
@@ -196,6 +168,10 @@ class Engine:
                 freed += self.reservations.free(seq)
                 released.append(seq_id)
             return ReleaseResult(released, unknown, freed)
+
+    @property
+    def ahead_counts(self) -> RunAheadCounts:
+        return self.guesses.counts
 
     @property
     def is_encoder_decoder(self) -> bool:
@@ -214,9 +190,10 @@ class Engine:
             raise FailedPrecondition(f"beam search is not available for this model on the {self.runner.device} "
                                      f"backend yet (supports_beam=false)")
         config, encoder_decoder = self.model.config, self.is_encoder_decoder
-        model = BeamModel(self._beam_forward, self._copy_kv, eos_token_ids, fill_token, config.vocab_size,
-                          self._beam_encode if encoder_decoder else None,
-                          config.decoder_start_token_id if encoder_decoder else None, self._device_search,
+        forwards = self.forwards
+        model = BeamModel(forwards.beam_forward, forwards.copy_blocks, eos_token_ids, fill_token, config.vocab_size,
+                          forwards.beam_encode if encoder_decoder else None,
+                          config.decoder_start_token_id if encoder_decoder else None, forwards.device_search,
                           self._short_prompt(len(requests)),
                           getattr(self.model, "position_padding_id", None))
         call = BeamCall(requests, self.limits, self.config.kv_block_size, model)
@@ -241,27 +218,8 @@ class Engine:
 
     def _reserve_beam_blocks(self, needed: int) -> BlockPool:
         """The call's own pool: a reservation out of the engine's, whose blocks its beams share by reference."""
-        return self._taking_blocks(lambda: BlockPool(needed, self.config.kv_block_size,
+        return self.guesses.taking_blocks(lambda: BlockPool(needed, self.config.kv_block_size,
                                                      self.cache.blocks.allocate(needed)))
-
-    def _beam_encode(self, segments: list[Segment]) -> None:
-        with self._forward_lock:
-            self._run_encoder(build_batch(segments, self.config.kv_block_size))
-
-    def _beam_forward(self, batch: ForwardBatch, banned: list[list[int]], count: int):
-        """The batch's sampled rows' beam candidates (Runner.beam_candidates), queued; count 0: the forward alone
-        (queued, not waited for), None."""
-        with self._forward_lock:
-            logits = self._run_forward(batch)
-            return self.runner.beam_candidates(logits, banned, count) if count else None
-
-    def _device_search(self, search: SearchStart) -> DeviceSearch | None:
-        with self._forward_lock:
-            found = self.runner.device_search(search, self.forward, self.cache.layers)
-        return None if found is None else LockedDeviceSearch(found, self._forward_lock)
-
-    def _copy_kv(self, copies: list[tuple[int, int, int]]) -> None:
-        self.runner.copy_block_prefixes(self.cache.layers, copies)
 
     def bind_stream(self, stream: int) -> None:
         """Run first on each device stream's thread: the runner binds the thread to the stream."""
@@ -283,26 +241,6 @@ class Engine:
         with self._lock:
             return self.sequences.ids()
 
-    def _reserve_ahead(self, step: Step, output: StepOutput) -> Ahead | None:
-        """Reserves the guessed next step of a pure decode step: the same sequences, each with its sampled token."""
-        if step.prefill or not step.decode:
-            return None
-        sampled = {out.seq_id: out.token for out in output.outputs}
-        guess = Step(decode=tuple(DecodeToken(entry.seq_id, sampled[entry.seq_id]) for entry in step.decode))
-        with self._lock:
-            if self._blocks_wanted or any(self.sequences.get(i).output.return_logits for i in sampled):
-                return None
-            try:
-                plan = plan_step(guess, self.sequences, self.cache.blocks.num_free, self.limits)
-            except WorkerError:     # max_model_len, or no free block: no guess
-                return None
-            free = self.cache.blocks.num_free
-            snapshot = self.reservations.reserve(plan)
-            ahead = Ahead(guess.decode, plan, snapshot, free - self.cache.blocks.num_free, self._run_guess)
-            for seq_id in sampled:
-                self._ahead[seq_id] = ahead
-        return ahead
-
     def _run_guess(self, ahead: Ahead, on_queued: Callable[[], None]) -> StepOutput:
         started = time.perf_counter()
         try:
@@ -320,50 +258,11 @@ class Engine:
         except Exception:
             pass
 
-    def _settle_ahead(self, seq_ids: list[int], step: Step | None = None,
-                      cancelled: Callable[[], bool] = lambda: False) -> Ahead | None:
-        """Waits for the guesses on these sequences; returns the one that is exactly `step` (taken: its state
-        stays), and undoes every other one."""
-        with self._lock:
-            if not self._ahead:
-                return None
-            pending = list({id(a): a for i in seq_ids if (a := self._ahead.get(i)) is not None}.values())
-        for ahead in pending:
-            ahead.done.wait()
-        taken = None
-        with self._lock:
-            for ahead in pending:
-                if self._ahead.get(ahead.seq_ids[0]) is not ahead:     # settled by another stream meanwhile
-                    continue
-                for seq_id in ahead.seq_ids:
-                    del self._ahead[seq_id]
-                if step is not None and not step.prefill and ahead.matches(step.decode) and not cancelled():
-                    taken = ahead
-                    self.ahead_counts.taken += 1
-                else:
-                    self.reservations.restore(ahead.snapshot, ahead.plan)
-                    self.ahead_counts.undone += 1
-        return taken
-
     def _encode(self, chunks: tuple[Chunk, ...], sequences: list[Sequence]) -> None:
         """Runs the encoder over the round's new sources, writing their cross-attention K/V into their blocks."""
         segments = [Segment(seq.cross_table, 0, c.source, False) for c, seq in zip(chunks, sequences) if c.source]
         if segments:
-            self._run_encoder(build_batch(segments, self.config.kv_block_size))
-
-    def forward(self, batch: ForwardBatch):
-        """The model over one flat batch, logits on the device (the runner calls it, or captures it)."""
-        return self.model.forward(batch, self.cache.layers)
-
-    def encode(self, batch: ForwardBatch) -> None:
-        """An encoder-decoder's encoder over one batch of sources (the runner calls it, or captures it)."""
-        self.model.encode(batch, self.cache.layers)
-
-    def _run_forward(self, batch: ForwardBatch):
-        return self.runner.run_forward(self.forward, batch, self.model.replayable(batch))
-
-    def _run_encoder(self, batch: ForwardBatch) -> None:
-        self.runner.run_encoder(self.encode, batch, self.model.replayable(batch))
+            self.forwards.run_encoder(build_batch(segments, self.config.kv_block_size))
 
     def _run_round(self, chunks: tuple[Chunk, ...], cancelled: Callable[[], bool],
                    on_queued: Callable[[], None] | None = None) -> list[SequenceOutput]:
@@ -374,11 +273,11 @@ class Engine:
                             (seq.state_source, seq.state_slot) if stateful else None)
                     for c, seq in zip(chunks, sequences)]
         batch = build_batch(segments, self.config.kv_block_size)
-        with self._forward_lock:
+        with self.forwards.lock:
             if self.is_encoder_decoder:
                 self._encode(chunks, sequences)
             # The logits live in the backend's memory until sampled: the lock covers both.
-            logits = self._run_forward(batch)
+            logits = self.forwards.run(batch)
             if cancelled():
                 raise Cancelled()
             with self._lock:

@@ -19,8 +19,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from metrale.runtime.planner import Plan
-from metrale.runtime.step import DecodeToken, StepOutput
+from metrale.runtime.cache.manager import CacheManager
+from metrale.runtime.errors import OutOfKvBlocks, OutOfStateSlots, WorkerError
+from metrale.runtime.planner import Limits, Plan, plan_step
+from metrale.runtime.reservation import Reservations
+from metrale.runtime.sequence import SequenceTable
+from metrale.runtime.step import DecodeToken, Step, StepOutput
 
 
 @dataclass(eq=False)
@@ -63,6 +67,92 @@ class RunAheadCounts:
     # Guesses the next request took; guesses undone (run or skipped).
     taken: int = 0
     undone: int = 0
+
+
+class Guesses:
+    """The engine's guessed next steps by seq_id, each sequence in at most one; read and changed under the engine's
+    state lock, which it shares."""
+
+    def __init__(self, lock: threading.Lock, sequences: SequenceTable, cache: CacheManager,
+                 reservations: Reservations, limits: Limits):
+        self._lock, self.sequences, self.cache = lock, sequences, cache
+        self.reservations, self.limits = reservations, limits
+        self._ahead: dict[int, Ahead] = {}
+        # Requests waiting for blocks that guesses hold: no new guess is made meanwhile.
+        self._blocks_wanted = 0
+        self.counts = RunAheadCounts()
+
+    def blocks_held(self) -> int:
+        """The blocks the guesses hold, which count as free; the caller holds the lock."""
+        return sum(ahead.blocks_taken for ahead in set(self._ahead.values()))
+
+    def reserve(self, step: Step, output: StepOutput,
+                run_forward: Callable[[Ahead, Callable[[], None]], StepOutput]) -> Ahead | None:
+        """Reserves the guessed next step of a pure decode step: the same sequences, each with its sampled token;
+        None where no guess is made."""
+        if step.prefill or not step.decode:
+            return None
+        sampled = {out.seq_id: out.token for out in output.outputs}
+        guess = Step(decode=tuple(DecodeToken(entry.seq_id, sampled[entry.seq_id]) for entry in step.decode))
+        with self._lock:
+            if self._blocks_wanted or any(self.sequences.get(i).output.return_logits for i in sampled):
+                return None
+            try:
+                plan = plan_step(guess, self.sequences, self.cache.blocks.num_free, self.limits)
+            except WorkerError:     # max_model_len, or no free block: no guess
+                return None
+            free = self.cache.blocks.num_free
+            snapshot = self.reservations.reserve(plan)
+            ahead = Ahead(guess.decode, plan, snapshot, free - self.cache.blocks.num_free, run_forward)
+            for seq_id in sampled:
+                self._ahead[seq_id] = ahead
+        return ahead
+
+    def settle(self, seq_ids: list[int], step: Step | None = None,
+               cancelled: Callable[[], bool] = lambda: False) -> Ahead | None:
+        """Waits for the guesses on these sequences; returns the one that is exactly `step` (taken: its state
+        stays), and undoes every other one."""
+        with self._lock:
+            if not self._ahead:
+                return None
+            pending = list({id(a): a for i in seq_ids if (a := self._ahead.get(i)) is not None}.values())
+        for ahead in pending:
+            ahead.done.wait()
+        taken = None
+        with self._lock:
+            for ahead in pending:
+                if self._ahead.get(ahead.seq_ids[0]) is not ahead:     # settled by another stream meanwhile
+                    continue
+                for seq_id in ahead.seq_ids:
+                    del self._ahead[seq_id]
+                if step is not None and not step.prefill and ahead.matches(step.decode) and not cancelled():
+                    taken = ahead
+                    self.counts.taken += 1
+                else:
+                    self.reservations.restore(ahead.snapshot, ahead.plan)
+                    self.counts.undone += 1
+        return taken
+
+    def taking_blocks(self, take: Callable[[], object]):
+        """take() under the state lock. Where it is short of blocks or state slots while guesses hold some, no new
+        guess is made until it is done, and the held ones are undone, until take() succeeds or no guess holds any:
+        what guesses hold is free for any request, as Info says."""
+        waiting = False
+        try:
+            while True:
+                with self._lock:
+                    try:
+                        return take()
+                    except (OutOfKvBlocks, OutOfStateSlots):
+                        if not self._ahead:
+                            raise
+                        self._blocks_wanted += not waiting
+                        waiting, guessed = True, list(self._ahead)
+                self.settle(guessed)
+        finally:
+            if waiting:
+                with self._lock:
+                    self._blocks_wanted -= 1
 
 
 class StreamPacer:

@@ -169,14 +169,14 @@ def test_more_continuations_than_the_vocabulary_is_refused(models):
 def test_non_finite_logits_end_the_call_alone_and_every_block_back(models, monkeypatch):
     engine, _, eos = models
     free = engine.cache.blocks.num_free
-    forward = engine.forward
+    forward = engine.forwards.forward
     calls = iter(range(100))
 
     def poisoned(batch):
         logits = forward(batch)
         return logits.fill_(float("nan")) if next(calls) == 3 else logits     # the third decode step's logits
 
-    monkeypatch.setattr(engine, "forward", poisoned)
+    monkeypatch.setattr(engine.forwards, "forward", poisoned)
     request = BeamRequest(1, prompt_tokens=tuple(PROMPTS[1]), params=BeamParams(num_beams=4, max_new_tokens=10,
                                                                                  min_new_tokens=10))
     with pytest.raises(StepFailed, match="finite"):       # on the host: the model's logits, not the device, failed

@@ -53,7 +53,7 @@ def test_logits_match_transformers(models):
                 for tokens, table, source in zip(decoder, cross, SOURCES)]
     batch = build_batch(segments, size)
     batch.sample_rows = torch.arange(batch.num_tokens)         # every row's logits, not only the last
-    ours = engine.forward(batch)
+    ours = engine.forwards.forward(batch)
     with torch.no_grad():
         expected = torch.cat([reference(input_ids=torch.tensor([s]), decoder_input_ids=torch.tensor([d])).logits[0]
                               for s, d in zip(SOURCES, decoder)])
@@ -76,7 +76,7 @@ def test_sources_with_padding_ids_encode_as_transformers(models):
                 for tokens, table, source in zip(decoder, cross, sources)]
     batch = build_batch(segments, size)
     batch.sample_rows = torch.arange(batch.num_tokens)
-    ours = engine.forward(batch)
+    ours = engine.forwards.forward(batch)
     with torch.no_grad():
         expected = torch.cat([reference(input_ids=torch.tensor([s]), decoder_input_ids=torch.tensor([d])).logits[0]
                               for s, d in zip(sources, decoder)])
@@ -124,8 +124,8 @@ def test_short_prompts_a_token_a_forward_match_transformers(models, monkeypatch)
     query_lens, forward = [], engine.model.forward
     monkeypatch.setattr(engine.model, "forward", lambda batch, kv: query_lens.append(max(batch.query_lens))
                         or forward(batch, kv))
-    counts, beam_forward = [], engine._beam_forward
-    monkeypatch.setattr(engine, "_beam_forward", lambda batch, banned, count: counts.append(count)
+    counts, beam_forward = [], engine.forwards.beam_forward
+    monkeypatch.setattr(engine.forwards, "beam_forward", lambda batch, banned, count: counts.append(count)
                         or beam_forward(batch, banned, count))
     free = engine.cache.blocks.num_free
     for prefixes, longest, alone in ((((200,), (), (201, 5)), 1, 0), (((200,), (201,), (5,)), 1, 1),

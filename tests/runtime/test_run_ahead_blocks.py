@@ -25,7 +25,7 @@ def test_a_request_short_of_blocks_gets_those_guesses_held(tmp_path):
     t3 = step(Step(prefill=(PrefillSlice(3, tuple(range(40, 55))),))).outputs[0].token    # 15 tokens: 1 block
     assert engine.stats().free_kv_blocks == 2 and engine.cache.blocks.num_free == 1
 
-    settle = engine._settle_ahead
+    settle = engine.guesses.settle
 
     def settle_then_another_stream_steps(seq_ids, step_=None, cancelled=lambda: False):
         taken = settle(seq_ids, step_, cancelled)
@@ -33,6 +33,6 @@ def test_a_request_short_of_blocks_gets_those_guesses_held(tmp_path):
             step(Step(decode=(DecodeToken(3, t3),)))
         return taken
 
-    engine._settle_ahead = settle_then_another_stream_steps
+    engine.guesses.settle = settle_then_another_stream_steps
     engine.step(Step(prefill=(PrefillSlice(2, tuple(range(60, 92))),)))                     # 32 tokens: 2 blocks
     assert engine.cache.blocks.num_free == 0 and sorted(engine.sequences.ids()) == [1, 2, 3]

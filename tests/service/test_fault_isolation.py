@@ -113,8 +113,8 @@ def inject_sampling(worker, monkeypatch):
 def inject_beam_search(worker, monkeypatch):
     # The prompts' forward, after the call has reserved its blocks (later steps may run wholly on the device).
     engine = worker.engine
-    monkeypatch.setattr(engine, "_beam_forward", raising_on_call(1, RuntimeError("injected in the beam search"),
-                                                                 engine._beam_forward))
+    monkeypatch.setattr(engine.forwards, "beam_forward", raising_on_call(1, RuntimeError("injected in the beam search"),
+                                                                         engine.forwards.beam_forward))
 
 
 def inject_response(worker, monkeypatch):

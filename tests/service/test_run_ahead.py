@@ -121,7 +121,7 @@ def test_no_guess_past_max_model_len(workers):
     r = start(workers, [1], prompt_len=190)
     r = decode(workers, [1], list(r.tokens))          # 191 tokens; the guess takes the 192nd
     r = decode(workers, [1], list(r.tokens))          # 192: a guess would pass max_model_len, none is made
-    assert not ahead.engine._ahead
+    assert not ahead.engine.guesses._ahead
     code, _ = decode(workers, [1], list(r.tokens))
     assert code == grpc.StatusCode.OUT_OF_RANGE
 

@@ -22,12 +22,12 @@ pytestmark = pytest.mark.gpu
 
 def encode(engine, batch) -> None:
     """The encoder over the batch's sources as the engine runs it: a graph replay where one fits."""
-    engine.runner.run_encoder(engine.encode, batch, engine.model.replayable(batch))
+    engine.runner.run_encoder(engine.forwards.encode, batch, engine.model.replayable(batch))
 
 
 def run_forward(engine, batch):
     """The decoder's logits as the engine runs a forward: a graph replay where one fits."""
-    return engine.runner.run_forward(engine.forward, batch, engine.model.replayable(batch))
+    return engine.runner.run_forward(engine.forwards.forward, batch, engine.model.replayable(batch))
 
 
 def test_m2m100_logits_match_transformers(m2m100):
