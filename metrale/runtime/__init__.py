@@ -1,1 +1,1 @@
-"""The engine: sequences, paged KV, step planning, sampling and models. Knows nothing of gRPC."""
+"""The engine: sequences, the cache, step planning, sampling, models and backends. Knows nothing of gRPC."""

@@ -1,1 +1,1 @@
-"""Beam search (BeamGenerate): the search itself, its parameters, and the runner over the KV pool."""
+"""Beam search (BeamGenerate): the search itself, its parameters, and the call over the block pool."""

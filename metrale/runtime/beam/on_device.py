@@ -5,7 +5,7 @@ candidates without the host; the host launches the step and reads one done flag 
 The search is the one BeamGroup does (search.py), kernel for kernel: the same float32 arithmetic in the same
 order. The candidates' log-sum-exp is summed per part of the row and combined in float64, so a log-probability
 can differ from the host path's in its last bit (docs/beam_on_device.md, Exactness). The prompt pass (encoder
-and prefill) is the runner's, as on the host; what it leaves (each request's beams on its prompt's blocks, their
+and prefill) is the call's, as on the host; what it leaves (each request's beams on its prompt's blocks, their
 first candidates where the backend computed them, the reservation's free blocks and holders) is handed over as one
 SearchStart, without waiting for the device.
 """
@@ -89,7 +89,7 @@ class LockedDeviceSearch:
 
 
 def search_start(groups, pool: BlockPool, block_size: int, encoder_decoder: bool) -> tuple[SearchStart, list]:
-    """The SearchStart the runner's prompt pass leaves, and its requests (the groups' members, in order). Host
+    """The SearchStart the call's prompt pass leaves, and its requests (the groups' members, in order). Host
     work only: nothing here waits for the device."""
     members = [m for g in groups for m in g.members]
     searches = [(g.search, i) for g in groups for i in range(len(g.members))]
