@@ -9,13 +9,15 @@
 #   smollm2  bench/gpu_decode.py at the default model's shape, with the peer, gRPC and transformers (~2 min)
 #   llama    bench/gpu_decode.py at the Llama-3-8B shape, every batch, prefill, peer and gRPC (~4 min)
 #   profile  bench/gpu_profile.py at both shapes, batches 1 and 256: where a step's time goes (~2 min)
+#   prefix   bench/prefix_cache.py at the Llama-3-8B shape: 64 requests sharing a 4,096-token system prompt, each
+#            with a 64-token question, --prefix-cache on against off                                    (~3 min)
 #   beam     bench/beam_generate.py at the NLLB-200-600M shape, batches 1, 16 and 64, next to transformers
 #   search   bench/gpu_beam_candidates.py (the device search's candidates alone) and the NLLB beam step's kernel
 #            table at 16 requests (bench/beam_generate.py --kernels, PDL off)                              (~1 min)
 #   mha      bench/gpu_mha_attention.py: the multi-head decode attention kernels at NLLB's beam step shapes, with each
 #            bench/variants/decode_attention_mha/NAME.cu (carry bench/variants) timed beside the package's  (~1 min)
 # Usage (from the repository root, with .whl carried):
-#   bash bench/gpu_check.sh [tests|load|kernels|smollm2|llama|profile|beam|search|mha]...
+#   bash bench/gpu_check.sh [tests|load|kernels|smollm2|llama|profile|prefix|beam|search|mha]...
 # (default: tests). Logs and JSON land in $OUT (default /tmp/gpu-check).
 set -uo pipefail
 source scripts/device_env.sh || exit 1
@@ -56,6 +58,9 @@ for part in "${@:-tests}"; do
       run_bench smollm2 bench.gpu_decode --shape smollm2-135m --batches 1,32 --prefill '' --hf-generate ;;
     llama)
       run_bench llama3-8b bench.gpu_decode --shape llama3-8b ;;
+    prefix)
+      run_bench prefix-cache bench.prefix_cache --device cuda --shape llama3-8b --requests 64 --system 4096 \
+        --question 64 --decode-steps 16 --reps 3 ;;
     beam)
       python3 -m bench.beam_generate --shape nllb-600m --device cuda --batches 1,16,64 --reps 7 \
         --json "$OUT/beam.json" > "$OUT/beam.txt" 2> "$OUT/beam.err" || summary+=("beam: FAILED (see beam.err)")

@@ -35,6 +35,8 @@ class ModelInfo:
     hc_mult: int = 0
     is_mla: bool = False
     has_ssm: bool = False
+    # Whether prompts reuse cached blocks (--prefix-cache, where the model allows it).
+    prefix_cache: bool = False
 
 
 def build_engine(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path | None = None
@@ -51,7 +53,9 @@ def build_engine(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path |
     runner.plan(_weight_bytes(checkpoint, model_config, max_model_len, family.model_class),
                 _memory_shapes(model_config, config, max_model_len))
     model = family.model_class(model_config, checkpoint.tensors, backend.math, max_model_len)
-    cache = _allocate_cache(runner, model.cache_specs(), config, max_model_len)
+    cache = _allocate_cache(runner, model.cache_specs(), config, max_model_len,
+                            # an encoder-decoder's prompts are its sources, whose cross K/V no token prefix names
+                            config.prefix_cache and not getattr(model_config, "is_encoder_decoder", False))
     engine = Engine(model, runner, cache, config, max_model_len)
     runner.warm_up(engine.forwards.forward, config.cuda_graph_batch_sizes, max_model_len, engine.limits.max_source_len)
     tokenizer = checkpoint.tokenizer
@@ -61,7 +65,8 @@ def build_engine(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path |
                      vocab_size=model_config.vocab_size, max_model_len=max_model_len, eos_token_ids=eos,
                      bos_token_id=model_config.bos_token_id, pad_token_id=model_config.pad_token_id,
                      tokenizer_note=checkpoint.metadata.get("tokenizer_unsupported", "the checkpoint has none"),
-                     hc_mult=model_config.hc_mult, is_mla=model_config.is_mla, has_ssm=model_config.has_ssm)
+                     hc_mult=model_config.hc_mult, is_mla=model_config.is_mla, has_ssm=model_config.has_ssm,
+                     prefix_cache=cache.prefix_cache)
     return engine, info
 
 
@@ -81,12 +86,14 @@ def _memory_shapes(c, config: EngineConfig, max_model_len: int) -> MemoryShapes:
                         head_dim=c.head_dim, kv_block_size=config.kv_block_size, streams=config.num_streams)
 
 
-def _allocate_cache(runner: Runner, specs: tuple, config: EngineConfig, max_model_len: int) -> CacheManager:
+def _allocate_cache(runner: Runner, specs: tuple, config: EngineConfig, max_model_len: int,
+                    prefix_cache: bool) -> CacheManager:
     """The cache the model's specs describe: config.kv_blocks blocks, or as many as the share of the memory left
-    (kv_memory_fraction, else the runner's default) holds beside the recurrent layers' state slots."""
+    (kv_memory_fraction, else the runner's default) holds beside the recurrent layers' state slots. The prefix
+    cache needs every layer paged: a recurrent state has no snapshot per block yet."""
     slots = state_slots_for(specs, config.max_seqs)
     fraction = config.kv_memory_fraction or runner.default_kv_memory_fraction
     num_blocks = config.kv_blocks or blocks_that_fit(specs, config.kv_block_size, runner.dtype.itemsize,
                                                      runner.available_cache_bytes(fraction), slots, max_model_len)
     layers = runner.allocate_cache(specs, num_blocks, config.kv_block_size, slots)
-    return CacheManager(specs, layers, config.kv_block_size, num_blocks, slots)
+    return CacheManager(specs, layers, config.kv_block_size, num_blocks, slots, prefix_cache and not slots)

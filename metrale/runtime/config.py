@@ -30,6 +30,9 @@ class EngineConfig:
     run_ahead: str = "auto"
     # CUDA on Hopper: kernels launched with programmatic dependent launch (docs/cuda_backend.md); off for A/B timing.
     programmatic_launch: bool = True
+    # Full blocks of committed tokens are kept and reused by later prompts that start with the same tokens
+    # (cache/prefix.py).
+    prefix_cache: bool = True
 
     def __post_init__(self):
         if self.device not in DEVICES:

@@ -10,12 +10,14 @@ import structlog
 
 from metrale.runtime.backend.runner import Runner
 from metrale.runtime.batch import Segment, build_batch
-from metrale.runtime.beam.call import SHORT_PROMPT, BeamCall, BeamModel, BeamResult
+from metrale.runtime.beam.call import BeamCall, BeamResult
 from metrale.runtime.beam.params import BeamRequest
 from metrale.runtime.cache.blocks import BlockPool
 from metrale.runtime.cache.manager import CacheManager
+from metrale.runtime.cache.prefix import PrefixCounts, cached_of
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.errors import Cancelled, DeviceFault, FailedPrecondition, StepFailed, WorkerError, describe
+from metrale.runtime.forks import ForkResult, check_fork, fork
 from metrale.runtime.forwards import Forwards
 from metrale.runtime.planner import Chunk, Limits, Plan, plan_step
 from metrale.runtime.reservation import Reservations
@@ -32,6 +34,8 @@ class EngineStats:
     num_kv_blocks: int
     free_kv_blocks: int
     live_sequences: int
+    # Blocks only the prefix cache holds (counted in free_kv_blocks).
+    cached_kv_blocks: int = 0
 
 
 @dataclass
@@ -51,7 +55,8 @@ class Engine:
         self.cache = cache
         self.config = config
         self.sequences = SequenceTable()
-        self.reservations = Reservations(self.sequences, cache)
+        # What the prefix cache's chains start from beside a prompt's salt: the model.
+        self.reservations = Reservations(self.sequences, cache, getattr(model.config, "architecture", ""))
         encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
         self.limits = Limits(max_model_len, config.max_batch_tokens, config.kv_block_size, config.max_seqs,
                              model.config.decoder_start_token_id if encoder_decoder else None,
@@ -77,7 +82,7 @@ class Engine:
         if reply is not None:
             self._reply_or_undo(output, reply, cancelled, undo)
         with self._lock:
-            self.reservations.commit(undo[0])
+            self.reservations.commit(*undo)
         if run_ahead and self.runs_ahead:
             output.ahead = self._guess_next(step, output)
         return output
@@ -134,13 +139,22 @@ class Engine:
     def _plan(self, step: Step) -> tuple[Plan, dict]:
         """Plans the step and takes its blocks."""
         def take():
-            plan = plan_step(step, self.sequences, self.cache.blocks.num_free, self.limits)
-            return plan, self.reservations.reserve(plan)
+            matches = self.reservations.match_prompts(step)
+            plan = plan_step(step, self.sequences, self.cache.blocks.num_free, self.limits, cached_of(matches,
+                                                                                                      self.cache.blocks))
+            return plan, self.reservations.reserve(plan, matches)
 
         try:
             return self.guesses.taking_blocks(take)
         except Exception as error:
             raise self._failure(error, "planning the step") from error
+
+    def match_prefix(self, tokens: list[int], cache_salt: str = "") -> int:
+        """The leading tokens of a prompt the prefix cache would serve now (MatchPrefix); changes nothing."""
+        if not self.cache.prefix_cache or not tokens:
+            return 0
+        with self._lock:
+            return self.reservations.match(tokens, cache_salt).tokens
 
     def backend_counters(self) -> dict[str, int]:
         """The backend's cumulative counts for the metrics (Runner.counters)."""
@@ -151,7 +165,8 @@ class Engine:
         with self._lock:
             guessed = self.guesses.blocks_held()
             blocks = self.cache.blocks
-            return EngineStats(blocks.num_blocks, blocks.num_free + guessed, len(self.sequences))
+            return EngineStats(blocks.num_blocks, blocks.num_free + guessed, len(self.sequences),
+                               getattr(blocks, "num_cached", 0))
 
     def release(self, seq_ids: list[int] | None) -> ReleaseResult:
         """Frees the given sequences (None: all of them) and their blocks."""
@@ -169,9 +184,32 @@ class Engine:
                 released.append(seq_id)
             return ReleaseResult(released, unknown, freed)
 
+    def fork(self, parent_id: int, child_ids: list[int]) -> ForkResult:
+        """New sequences continuing the parent from where it is (forks.py), all or none; their block copies are
+        done on this stream before the call returns, so any stream may run a child next."""
+        self.guesses.settle([parent_id])
+        with self._lock:
+            parent = check_fork(self.sequences, self.cache, parent_id, child_ids)
+            result, copies = fork(self.sequences, self.cache, parent, child_ids)
+        try:
+            if copies:
+                self.forwards.copy_blocks(copies)
+                self.runner.synchronize()
+        except Exception as error:
+            with self._lock:
+                for child_id in child_ids:
+                    self.reservations.free(self.sequences.remove(child_id))
+            raise self._failure(error, "copying the forked blocks") from error
+        return result
+
     @property
     def ahead_counts(self) -> RunAheadCounts:
         return self.guesses.counts
+
+    @property
+    def prefix_counts(self) -> PrefixCounts | None:
+        """The prefix cache's hits, misses and evictions; None where it is off."""
+        return getattr(self.cache.blocks, "counts", None)
 
     @property
     def is_encoder_decoder(self) -> bool:
@@ -189,13 +227,7 @@ class Engine:
         if not self.supports_beam:
             raise FailedPrecondition(f"beam search is not available for this model on the {self.runner.device} "
                                      f"backend yet (supports_beam=false)")
-        config, encoder_decoder = self.model.config, self.is_encoder_decoder
-        forwards = self.forwards
-        model = BeamModel(forwards.beam_forward, forwards.copy_blocks, eos_token_ids, fill_token, config.vocab_size,
-                          forwards.beam_encode if encoder_decoder else None,
-                          config.decoder_start_token_id if encoder_decoder else None, forwards.device_search,
-                          self._short_prompt(len(requests)),
-                          getattr(self.model, "position_padding_id", None))
+        model = self.forwards.beam_model(len(requests), eos_token_ids, fill_token)
         call = BeamCall(requests, self.limits, self.config.kv_block_size, model)
         pool = self._reserve_beam_blocks(call.blocks_needed())
         try:
@@ -206,15 +238,6 @@ class Engine:
             self._quiesce()
             with self._lock:
                 self.cache.blocks.free(pool.ids)
-
-    def _short_prompt(self, requests: int) -> int:
-        """BeamModel.short_prompt: prompts of a few tokens run a token a forward where decode steps replay graphs,
-        unless the whole prompts' one forward replays a graph too (an encoder-decoder's, where the backend has
-        prefill graphs): one launch either way, and one forward instead of a few."""
-        runner = self.runner
-        if self.is_encoder_decoder and runner.prefill_graphs:
-            return 0
-        return SHORT_PROMPT if requests <= runner.decode_graph_rows else 0
 
     def _reserve_beam_blocks(self, needed: int) -> BlockPool:
         """The call's own pool: a reservation out of the engine's, whose blocks its beams share by reference."""
@@ -290,9 +313,10 @@ class Engine:
             sampled = [seq for c, seq in zip(chunks, sequences) if c.samples]
             if not sampled:
                 return []
+            cached = [seq.cached_tokens if c.ends_prompt else 0 for c, seq in zip(chunks, sequences) if c.samples]
             # The token lists go by reference; the generated tokens are sliced out only where penalties read them.
             rows = [SampleRow(s.sampling, s.output, s.seed, s.num_tokens, s.tokens,
                               s.output_tokens if s.sampling.has_penalties else ()) for s in sampled]
             result = self.runner.sample(logits, rows, on_queued)
         return [SequenceOutput(seq.seq_id, result.tokens[i], result.logprobs[i], result.top_logprobs[i],
-                               result.logits[i]) for i, seq in enumerate(sampled)]
+                               result.logits[i], cached[i]) for i, seq in enumerate(sampled)]

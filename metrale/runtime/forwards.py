@@ -7,6 +7,7 @@ import threading
 
 from metrale.runtime.backend.runner import Runner
 from metrale.runtime.batch import ForwardBatch, Segment, build_batch
+from metrale.runtime.beam.call import SHORT_PROMPT, BeamModel
 from metrale.runtime.beam.on_device import DeviceSearch, LockedDeviceSearch, SearchStart
 from metrale.runtime.cache.manager import CacheManager
 
@@ -53,3 +54,21 @@ class Forwards:
 
     def copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
         self.runner.copy_block_prefixes(self.cache.layers, copies)
+
+    def beam_model(self, num_requests: int, eos_token_ids: tuple[int, ...], fill_token: int) -> BeamModel:
+        """What a BeamCall of num_requests requests runs the model through."""
+        config = self.model.config
+        encoder_decoder = getattr(config, "is_encoder_decoder", False)
+        return BeamModel(self.beam_forward, self.copy_blocks, eos_token_ids, fill_token, config.vocab_size,
+                         self.beam_encode if encoder_decoder else None,
+                         config.decoder_start_token_id if encoder_decoder else None, self.device_search,
+                         self._short_prompt(num_requests, encoder_decoder),
+                         getattr(self.model, "position_padding_id", None))
+
+    def _short_prompt(self, num_requests: int, encoder_decoder: bool) -> int:
+        """BeamModel.short_prompt: prompts of a few tokens run a token a forward where decode steps replay graphs,
+        unless the whole prompts' one forward replays a graph too (an encoder-decoder's, where the runner has
+        prefill graphs): one launch either way, and one forward instead of a few."""
+        if encoder_decoder and self.runner.prefill_graphs:
+            return 0
+        return SHORT_PROMPT if num_requests <= self.runner.decode_graph_rows else 0

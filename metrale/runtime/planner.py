@@ -49,7 +49,11 @@ class Plan:
     sources: dict = field(default_factory=dict)
 
 
-def plan_step(step: Step, sequences: SequenceTable, num_free_blocks: int, limits: Limits) -> Plan:
+def plan_step(step: Step, sequences: SequenceTable, num_free_blocks: int, limits: Limits,
+              cached: dict[int, tuple[int, int]] | None = None) -> Plan:
+    """cached: seq_id -> (prompt tokens a new sequence's blocks found in the prefix cache hold, of those blocks the
+    ones only the cache holds, which taking draws from the free blocks)."""
+    cached = cached or {}
     held = _check_decode(step, sequences, limits)
     _check_prefill(step, sequences, limits)
     rounds: list[list[Chunk]] = [[]]
@@ -68,14 +72,15 @@ def plan_step(step: Step, sequences: SequenceTable, num_free_blocks: int, limits
             sources[s.seq_id] = len(s.tokens)
             needed += blocks_for(len(s.tokens), limits.kv_block_size)
             continue
-        size = s.chunk_size or len(s.tokens)
-        pieces = [s.tokens[i:i + size] for i in range(0, len(s.tokens), size)]
+        found, _ = cached.get(s.seq_id, (0, 0))      # computed already: the run starts after it
+        size = s.chunk_size or len(s.tokens) - found
+        pieces = [s.tokens[i:i + size] for i in range(found, len(s.tokens), size)]
         for r, piece in enumerate(pieces):
             last = r == len(pieces) - 1
             if r == len(rounds):
                 rounds.append([])
-            rounds[r].append(Chunk(s.seq_id, piece, s.chunk_start + r * size, samples=last and s.is_last_chunk,
-                                   ends_prompt=last and s.is_last_chunk))
+            rounds[r].append(Chunk(s.seq_id, piece, s.chunk_start + found + r * size,
+                                   samples=last and s.is_last_chunk, ends_prompt=last and s.is_last_chunk))
         final_lengths[s.seq_id] = s.chunk_start + len(s.tokens)
     biggest = max(sum(len(c.tokens) + len(c.source) for c in chunks) for chunks in rounds)
     if biggest > limits.max_batch_tokens:
@@ -85,6 +90,7 @@ def plan_step(step: Step, sequences: SequenceTable, num_free_blocks: int, limits
         raise BatchTooLarge(most_sequences, limits.max_seqs, "max_seqs")
     needed += sum(blocks_for(final_lengths[s.seq_id], limits.kv_block_size) - _blocks_held(sequences, s.seq_id)
                   for s in step.prefill)
+    needed += sum(only_cached - found // limits.kv_block_size for found, only_cached in cached.values())
     if needed > num_free_blocks:
         raise OutOfKvBlocks(needed, num_free_blocks)
     return Plan(tuple(tuple(r) for r in rounds), tuple(s for s in step.prefill if s.chunk_start == 0), final_lengths,

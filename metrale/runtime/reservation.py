@@ -5,9 +5,11 @@ it replaced back). Callers hold the engine's state lock."""
 
 from metrale.runtime.cache.blocks import blocks_for
 from metrale.runtime.cache.manager import CacheManager
+from metrale.runtime.cache.prefix import CachingBlockPool, Match, block_names, chain_root, match_prompt
 from metrale.runtime.planner import Plan
 from metrale.runtime.sampling import random_seed
 from metrale.runtime.sequence import BlockTable, Sequence, SequenceTable
+from metrale.runtime.step import Step
 
 # seq_id -> (num_tokens, num_blocks, prompt_finished, num_prompt_tokens, state_slot) of a sequence the step touches
 # that existed before it.
@@ -15,28 +17,44 @@ Snapshot = dict[int, tuple[int, int, bool, int, int]]
 
 
 class Reservations:
-    def __init__(self, sequences: SequenceTable, cache: CacheManager):
-        self.sequences, self.cache = sequences, cache
+    def __init__(self, sequences: SequenceTable, cache: CacheManager, namespace: str = ""):
+        """namespace: what the prefix cache's chains start from beside a prompt's salt (the model)."""
+        self.sequences, self.cache, self.namespace = sequences, cache, namespace
 
-    def reserve(self, plan: Plan) -> Snapshot:
-        """Creates the plan's new sequences and takes every block and state slot it needs; returns what restore (or,
-        once the step is done, commit) needs. All or nothing: what an error midway had done is undone."""
+    def match_prompts(self, step: Step) -> dict[int, Match]:
+        """What the prefix cache holds of each new sequence's prompt (every new sequence gets its chain's root)."""
+        if not self.cache.prefix_cache:
+            return {}
+        return {s.seq_id: self.match(s.tokens, s.cache_salt) for s in step.prefill if s.chunk_start == 0}
+
+    def match(self, tokens, cache_salt: str) -> Match:
+        """What the prefix cache holds of a prompt with this salt; changes nothing."""
+        root = chain_root(self.namespace, cache_salt)
+        return match_prompt(self.cache.blocks, root, tokens, self.cache.block_size)
+
+    def reserve(self, plan: Plan, matches: dict[int, Match] | None = None) -> Snapshot:
+        """Creates the plan's new sequences (matches: what the prefix cache holds of their prompts, attached to
+        them) and takes every block and state slot it needs; returns what restore (or, once the step is done,
+        commit) needs. All or nothing: what an error midway had done is undone."""
         snapshot = {i: (seq.num_tokens, len(seq.block_table), seq.prompt_finished, seq.num_prompt_tokens,
                         seq.state_slot) for i in plan.final_lengths if (seq := self.sequences.get(i)) is not None}
         try:
-            self._take(plan)
+            self._take(plan, matches or {})
         except BaseException:
             self.restore(snapshot, plan)
             raise
         return snapshot
 
-    def _take(self, plan: Plan) -> None:
+    def _take(self, plan: Plan, matches: dict[int, Match]) -> None:
         """One reservation for the new sequences' cross blocks (their sources'), the blocks the sequences grow by,
         and a new state slot per sequence where the model keeps a recurrent state (the one before stays, as the
-        step's snapshot)."""
+        step's snapshot); first, the cached blocks a new sequence's prompt starts with, by reference."""
         for s in plan.new_sequences:
             seed = s.sampling.seed if s.sampling.seed is not None else random_seed()
-            self.sequences.add(Sequence(s.seq_id, s.sampling, s.output, seed))
+            seq = Sequence(s.seq_id, s.sampling, s.output, seed)
+            self.sequences.add(seq)
+            if (match := matches.get(s.seq_id)) is not None:
+                self._attach(seq, match, s.tokens)
         size = self.cache.block_size
         sources = {seq_id: blocks_for(length, size) for seq_id, length in plan.sources.items()}
         grown = {seq_id: max(0, blocks_for(length, size) - len(self.sequences.get(seq_id).block_table))
@@ -54,6 +72,13 @@ class Reservations:
         for seq_id, slot in zip(stateful, slots):
             self.sequences.get(seq_id).state_slot = slot
 
+    def _attach(self, seq: Sequence, match: Match, prompt) -> None:
+        """The sequence starts as if it had computed the match's tokens itself."""
+        self.cache.blocks.attach(match)
+        seq.block_table.extend(match.blocks)
+        seq.tokens.extend(prompt[:match.tokens])
+        seq.cache_root, seq.block_names, seq.cached_tokens = match.root, list(match.names), match.tokens
+
     def restore(self, snapshot: Snapshot, plan: Plan) -> None:
         """Puts the plan's sequences back as the snapshot has them; those it created (where they got that far) are
         removed."""
@@ -70,14 +95,30 @@ class Reservations:
             seq.prompt_finished, seq.num_prompt_tokens = finished, num_prompt
             seq.state_slot = seq.state_source = state_slot
 
-    def commit(self, snapshot: Snapshot) -> None:
-        """The step is done: the state slots its sequences had before it (their snapshots) are given back."""
+    def commit(self, snapshot: Snapshot, plan: Plan) -> None:
+        """The step is done: the state slots its sequences had before it (their snapshots) are given back, and the
+        blocks it filled join the prefix cache (no undo can take their tokens back now)."""
+        if isinstance(self.cache.blocks, CachingBlockPool):
+            for seq_id in plan.final_lengths:
+                if (seq := self.sequences.get(seq_id)) is not None:
+                    self._register(seq)
         if not self.cache.has_state:
             return
         for seq_id, (*_, state_slot) in snapshot.items():
             seq = self.sequences.get(seq_id)
             if state_slot >= 0 and (seq is None or seq.state_slot != state_slot):
                 self.cache.free([], [state_slot])
+
+    def _register(self, seq: Sequence) -> None:
+        """Names the sequence's full blocks it has not named yet, and registers them."""
+        size, named = self.cache.block_size, len(seq.block_names)
+        if not seq.cache_root or len(seq.tokens) // size <= named:
+            return
+        names = block_names(seq.cache_root, seq.tokens, size, named, seq.block_names[-1] if named else None)
+        table = seq.block_table.array()
+        for i, name in enumerate(names, named):
+            self.cache.blocks.register(int(table[i]), name)
+        seq.block_names.extend(names)
 
     def free(self, seq: Sequence) -> int:
         """Gives a removed sequence's blocks back (its cross blocks too) and its state slots; returns how many

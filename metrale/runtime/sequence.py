@@ -76,6 +76,11 @@ class Sequence:
     # reads the state from: the slot before, until a step's first forward has run (-1: a new sequence's zeros).
     state_slot: int = -1
     state_source: int = -1
+    # The prefix cache (cache/prefix.py): the name every chain of this sequence starts from (the model and its
+    # salt), the names of its full blocks registered so far, and the prompt tokens its first slice found cached.
+    cache_root: bytes = b""
+    block_names: list[bytes] = field(default_factory=list)
+    cached_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,8 @@ class PrefillSlice:
     chunk_size: int = 0
     sampling: SamplingParams = SamplingParams()
     output: OutputOptions = OutputOptions()
+    # Prefix caching: blocks are shared only between prompts of the same salt (a gateway's tenant, say).
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +75,8 @@ class SequenceOutput:
     top_logprobs: tuple[list[int], list[float]] | None = None
     # [vocab_size] float32, only where the sequence asked.
     logits: torch.Tensor | None = None
+    # The prompt tokens the prefix cache served, in the output that finishes the prompt.
+    cached_tokens: int = 0
 
 
 @dataclass

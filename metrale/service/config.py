@@ -108,6 +108,8 @@ SERVE_FLAGS = [
     ("num-streams", int, "device streams that run steps independently", None),
     ("run-ahead", str, "run each stream's likely next decode step while the gateway reads the last one; "
      "auto: on for cuda", RUN_AHEAD),
+    ("prefix-cache", _bool, "keep full KV blocks and reuse them for prompts that start with the same tokens "
+     "(on|off)", None),
     ("max-message-mb", int, "largest gRPC message, either way", None),
     ("max-concurrent-rpcs", int, "forward calls (steps, BeamGenerate, Generate) in flight at once; more get "
      "RESOURCE_EXHAUSTED; health, Info and Release are never refused (unset: no limit)", None),

@@ -25,7 +25,8 @@ def output_from_pb(m: pb.OutputOptions) -> OutputOptions:
 def slice_from_pb(m: pb.PrefillSlice) -> PrefillSlice:
     return PrefillSlice(seq_id=m.seq_id, tokens=tuple(m.tokens), chunk_start=m.chunk_start,
                         is_last_chunk=m.is_last_chunk, chunk_size=m.chunk_size,
-                        sampling=sampling_from_pb(m.sampling), output=output_from_pb(m.output))
+                        sampling=sampling_from_pb(m.sampling), output=output_from_pb(m.output),
+                        cache_salt=m.cache_salt)
 
 
 def decode_tokens_from_pb(m: pb.DecodeRequest) -> tuple[DecodeToken, ...]:
@@ -75,7 +76,8 @@ def beam_id_count(m: pb.BeamGenerateRequest) -> int:
 def forward_response(out: StepOutput) -> pb.ForwardResponse:
     """The step's outputs; queue_us is the caller's to set once the stream has said it."""
     response = pb.ForwardResponse(seq_ids=[o.seq_id for o in out.outputs], tokens=[o.token for o in out.outputs],
-                                  logprobs=[o.logprob for o in out.outputs], forward_us=out.forward_us)
+                                  logprobs=[o.logprob for o in out.outputs], forward_us=out.forward_us,
+                                  cached_tokens=[o.cached_tokens for o in out.outputs])
     for o in out.outputs:
         if o.top_logprobs is not None:
             ids, logprobs = o.top_logprobs

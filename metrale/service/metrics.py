@@ -1,7 +1,7 @@
 """Prometheus metrics, on their own HTTP port (--metrics-port). One registry per server."""
 
 import prometheus_client as prom
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
@@ -25,6 +25,7 @@ class WorkerMetrics:
         used = prom.Gauge("metrale_kv_blocks_used", "KV blocks held by sequences.", registry=r)
         used.set_function(lambda: _blocks_used(engine.stats()))
         r.register(RunAheadCollector(engine))
+        r.register(PrefixCacheCollector(engine))
         r.register(BackendCollector(engine))
 
     def count_step(self, step) -> None:
@@ -53,6 +54,28 @@ class RunAheadCollector:
         family.add_metric(["taken"], counts.taken)
         family.add_metric(["undone"], counts.undone)
         yield family
+
+
+class PrefixCacheCollector:
+    """The prefix cache: blocks only it holds, prompt blocks looked up (found or not), blocks evicted."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        counts = self.engine.prefix_counts
+        hits, misses, evictions = (counts.hits, counts.misses, counts.evictions) if counts else (0, 0, 0)
+        yield GaugeMetricFamily("metrale_prefix_cache_blocks", "KV blocks only the prefix cache holds (counted as "
+                                "free).", value=self.engine.stats().cached_kv_blocks)
+        lookups = CounterMetricFamily("metrale_prefix_cache_lookups", "Full prompt blocks looked up in the prefix "
+                                      "cache, by result (hit: reused, or miss: computed).", labels=["result"])
+        lookups.add_metric(["hit"], hits)
+        lookups.add_metric(["miss"], misses)
+        yield lookups
+        yield GaugeMetricFamily("metrale_prefix_cache_hit_ratio", "Hits over lookups of prompt blocks so far (0 "
+                                "before any).", value=hits / (hits + misses) if hits + misses else 0.0)
+        yield CounterMetricFamily("metrale_prefix_cache_evictions", "Cached KV blocks evicted for new ones.",
+                                  value=evictions)
 
 
 class BackendCollector:

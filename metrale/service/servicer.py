@@ -63,7 +63,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             is_encoder_decoder=self.engine.is_encoder_decoder, has_ssm=i.has_ssm,
             eos_token_ids=list(i.eos_token_ids), bos_token_id=i.bos_token_id, pad_token_id=i.pad_token_id,
             num_streams=self.threads.num_streams, max_batch_tokens=c.max_batch_tokens, version=VERSION,
-            live_sequences=stats.live_sequences)
+            live_sequences=stats.live_sequences, prefix_cache=i.prefix_cache, cached_kv_blocks=stats.cached_kv_blocks)
 
     async def Prefill(self, request, context):
         return await self._forward(request, convert.step_from_prefill, request.stream)
@@ -129,6 +129,32 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
         await self._off_loop_if_large(len(request.seq_ids), check)
         return pb.NormalizeSsmStatesResponse()
+
+    async def MatchPrefix(self, request, context):
+        def matched() -> int:
+            if len(request.tokens) > self.info.max_model_len:
+                raise OutOfRange(f"{len(request.tokens)} tokens pass max_model_len={self.info.max_model_len}")
+            check_token_ids("MatchPrefix", request.tokens, self.info.vocab_size)
+            return self.engine.match_prefix(list(request.tokens), request.cache_salt)
+
+        return pb.MatchPrefixResponse(cached_tokens=await self._off_loop_if_large(len(request.tokens), matched))
+
+    async def Fork(self, request, context):
+        self.threads.check_stream(request.stream)
+        children = list(request.child_seq_ids)
+        reserved = [i for i in [request.parent_seq_id, *children] if i >= RESERVED_SEQ_IDS]
+        if reserved:
+            raise InvalidArgument(f"seq_id(s) {name_ids(reserved)} are >= 2^63, a range the worker keeps for "
+                                  f"Generate")
+        if len(children) > self.engine.config.max_seqs:
+            raise InvalidArgument(f"{len(children)} children: at most max_seqs={self.engine.config.max_seqs} a call")
+        structlog.contextvars.bind_contextvars(seq_ids=[request.parent_seq_id, *children[:NAMED_IDS]],
+                                               stream=request.stream)
+        ids = list(dict.fromkeys([request.parent_seq_id, *children]))
+        with self.state.admitted():
+            result, _ = await self.run_on_stream(
+                request.stream, ids, lambda cancelled: self.engine.fork(request.parent_seq_id, children))
+        return pb.ForkResponse(child_seq_ids=result.child_seq_ids, blocks_shared=result.blocks_shared)
 
     async def Tokenize(self, request, context):
         tokens = await self.text.encode(request.text, request.add_special_tokens)

@@ -23,7 +23,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "architecture", "dtype", "device", "vocab_size", "max_model_len", "kv_block_size", "num_kv_blocks", "free_kv_blocks", "is_mla", "hc_mult", "supports_beam", "is_encoder_decoder", "has_ssm", "eos_token_ids", "bos_token_id", "pad_token_id", "num_streams", "max_batch_tokens", "version", "live_sequences")
+    __slots__ = ("model_id", "architecture", "dtype", "device", "vocab_size", "max_model_len", "kv_block_size", "num_kv_blocks", "free_kv_blocks", "is_mla", "hc_mult", "supports_beam", "is_encoder_decoder", "has_ssm", "eos_token_ids", "bos_token_id", "pad_token_id", "num_streams", "max_batch_tokens", "version", "live_sequences", "prefix_cache", "cached_kv_blocks")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,8 @@ class InfoResponse(_message.Message):
     MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    CACHED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     dtype: str
@@ -66,7 +68,9 @@ class InfoResponse(_message.Message):
     max_batch_tokens: int
     version: str
     live_sequences: int
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., is_mla: _Optional[bool] = ..., hc_mult: _Optional[int] = ..., supports_beam: _Optional[bool] = ..., is_encoder_decoder: _Optional[bool] = ..., has_ssm: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., num_streams: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., version: _Optional[str] = ..., live_sequences: _Optional[int] = ...) -> None: ...
+    prefix_cache: bool
+    cached_kv_blocks: int
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., is_mla: _Optional[bool] = ..., hc_mult: _Optional[int] = ..., supports_beam: _Optional[bool] = ..., is_encoder_decoder: _Optional[bool] = ..., has_ssm: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., num_streams: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., version: _Optional[str] = ..., live_sequences: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., cached_kv_blocks: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias")
@@ -108,7 +112,7 @@ class OutputOptions(_message.Message):
     def __init__(self, logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., return_logits: _Optional[bool] = ...) -> None: ...
 
 class PrefillSlice(_message.Message):
-    __slots__ = ("seq_id", "tokens", "chunk_start", "is_last_chunk", "chunk_size", "sampling", "output")
+    __slots__ = ("seq_id", "tokens", "chunk_start", "is_last_chunk", "chunk_size", "sampling", "output", "cache_salt")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_START_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +120,7 @@ class PrefillSlice(_message.Message):
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     chunk_start: int
@@ -123,7 +128,8 @@ class PrefillSlice(_message.Message):
     chunk_size: int
     sampling: SamplingParams
     output: OutputOptions
-    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., chunk_start: _Optional[int] = ..., is_last_chunk: _Optional[bool] = ..., chunk_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., chunk_start: _Optional[int] = ..., is_last_chunk: _Optional[bool] = ..., chunk_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("slices", "stream")
@@ -172,7 +178,7 @@ class Logits(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
-    __slots__ = ("seq_ids", "tokens", "logprobs", "top_logprobs", "logits", "forward_us", "queue_us")
+    __slots__ = ("seq_ids", "tokens", "logprobs", "top_logprobs", "logits", "forward_us", "queue_us", "cached_tokens")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +186,7 @@ class ForwardResponse(_message.Message):
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_US_FIELD_NUMBER: _ClassVar[int]
     QUEUE_US_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -187,7 +194,8 @@ class ForwardResponse(_message.Message):
     logits: _containers.RepeatedCompositeFieldContainer[Logits]
     forward_us: int
     queue_us: int
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., logits: _Optional[_Iterable[_Union[Logits, _Mapping]]] = ..., forward_us: _Optional[int] = ..., queue_us: _Optional[int] = ...) -> None: ...
+    cached_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., logits: _Optional[_Iterable[_Union[Logits, _Mapping]]] = ..., forward_us: _Optional[int] = ..., queue_us: _Optional[int] = ..., cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BeamRequest(_message.Message):
     __slots__ = ("request_id", "src_tokens", "prompt_tokens", "decoder_prefix", "num_beams", "max_new_tokens", "min_new_tokens", "length_penalty", "early_stopping", "no_repeat_ngram_size", "num_return_sequences")
@@ -334,6 +342,38 @@ class GenerateRequest(_message.Message):
     stream: int
     add_special_tokens: bool
     def __init__(self, prompt: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., stream: _Optional[int] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
+
+class MatchPrefixRequest(_message.Message):
+    __slots__ = ("tokens", "cache_salt")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class MatchPrefixResponse(_message.Message):
+    __slots__ = ("cached_tokens",)
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    cached_tokens: int
+    def __init__(self, cached_tokens: _Optional[int] = ...) -> None: ...
+
+class ForkRequest(_message.Message):
+    __slots__ = ("parent_seq_id", "child_seq_ids", "stream")
+    PARENT_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    CHILD_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    parent_seq_id: int
+    child_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    stream: int
+    def __init__(self, parent_seq_id: _Optional[int] = ..., child_seq_ids: _Optional[_Iterable[int]] = ..., stream: _Optional[int] = ...) -> None: ...
+
+class ForkResponse(_message.Message):
+    __slots__ = ("child_seq_ids", "blocks_shared")
+    CHILD_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_SHARED_FIELD_NUMBER: _ClassVar[int]
+    child_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    blocks_shared: int
+    def __init__(self, child_seq_ids: _Optional[_Iterable[int]] = ..., blocks_shared: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token", "text", "logprob", "index", "finish_reason", "top_logprobs")

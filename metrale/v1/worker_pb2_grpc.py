@@ -89,6 +89,16 @@ class WorkerStub:
                 request_serializer=metrale_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=metrale_dot_v1_dot_worker__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.MatchPrefix = channel.unary_unary(
+                '/metrale.v1.Worker/MatchPrefix',
+                request_serializer=metrale_dot_v1_dot_worker__pb2.MatchPrefixRequest.SerializeToString,
+                response_deserializer=metrale_dot_v1_dot_worker__pb2.MatchPrefixResponse.FromString,
+                _registered_method=True)
+        self.Fork = channel.unary_unary(
+                '/metrale.v1.Worker/Fork',
+                request_serializer=metrale_dot_v1_dot_worker__pb2.ForkRequest.SerializeToString,
+                response_deserializer=metrale_dot_v1_dot_worker__pb2.ForkResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -169,6 +179,20 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MatchPrefix(self, request, context):
+        """How many leading tokens of a prompt the prefix cache would serve now; changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Fork(self, request, context):
+        """New sequences continuing a parent from where it is, sharing its blocks; all or none.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -226,6 +250,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=metrale_dot_v1_dot_worker__pb2.GenerateRequest.FromString,
                     response_serializer=metrale_dot_v1_dot_worker__pb2.GenerateResponse.SerializeToString,
+            ),
+            'MatchPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.MatchPrefix,
+                    request_deserializer=metrale_dot_v1_dot_worker__pb2.MatchPrefixRequest.FromString,
+                    response_serializer=metrale_dot_v1_dot_worker__pb2.MatchPrefixResponse.SerializeToString,
+            ),
+            'Fork': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fork,
+                    request_deserializer=metrale_dot_v1_dot_worker__pb2.ForkRequest.FromString,
+                    response_serializer=metrale_dot_v1_dot_worker__pb2.ForkResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -525,6 +559,60 @@ class Worker:
             '/metrale.v1.Worker/Generate',
             metrale_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
             metrale_dot_v1_dot_worker__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MatchPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/metrale.v1.Worker/MatchPrefix',
+            metrale_dot_v1_dot_worker__pb2.MatchPrefixRequest.SerializeToString,
+            metrale_dot_v1_dot_worker__pb2.MatchPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fork(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/metrale.v1.Worker/Fork',
+            metrale_dot_v1_dot_worker__pb2.ForkRequest.SerializeToString,
+            metrale_dot_v1_dot_worker__pb2.ForkResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -17,8 +17,19 @@ def bench(monkeypatch):
     import bench.beam_host
     import bench.cpu_decode
     import bench.grpc_overhead
+    import bench.prefix_cache
 
     return bench
+
+
+def test_prefix_cache_reports_both_modes(bench, tmp_path, capsys):
+    model = write_tiny("llama_tied", tmp_path / "llama")
+    result = bench.prefix_cache.main(["--model", str(model), "--requests", "3", "--system", "40", "--question", "3",
+                                      "--decode-steps", "1", "--reps", "1", "--json", str(tmp_path / "out.json")])
+    rows = {row["cache"]: row for row in result["rows"]}
+    # on: the system prompt's two full blocks served to each request; off: every token computed
+    assert rows["on"]["computed_tokens"] == 3 * (40 + 3 - 32) and rows["off"]["computed_tokens"] == 3 * 43
+    assert "off/on" in capsys.readouterr().out and (tmp_path / "out.json").exists()
 
 
 def test_grpc_overhead_measures_every_size(bench, capsys):

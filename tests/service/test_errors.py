@@ -21,7 +21,9 @@ TWINS = {1: 101, 2: 102}
 
 
 def slice_(seq_id, tokens, chunk_start=0, last=True, **kw):
-    return pb.PrefillSlice(seq_id=seq_id, tokens=tokens, chunk_start=chunk_start, is_last_chunk=last, **kw)
+    """Each sequence its own cache salt: twins compute their prompts alike, neither reusing the other's blocks."""
+    return pb.PrefillSlice(seq_id=seq_id, tokens=tokens, chunk_start=chunk_start, is_last_chunk=last,
+                           cache_salt=str(seq_id), **kw)
 
 
 @pytest.fixture

@@ -23,10 +23,11 @@ def faulty(tiny_llama_dir):
 
 
 def make_pair(stub, seq_id):
-    """seq_id and its twin seq_id + 100, both with a finished prompt."""
+    """seq_id and its twin seq_id + 100, both with a finished prompt, computed alike (each its own cache salt: the
+    twin reuses no block)."""
     for i in (seq_id, seq_id + 100):
         r = stub.Prefill(pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=i, tokens=PROMPT, is_last_chunk=True,
-                                                                   output=OUT)]))
+                                                                   output=OUT, cache_salt=str(i))]))
     return r.tokens[0]
 
 

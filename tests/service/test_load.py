@@ -1,6 +1,7 @@
 """Load and faults against a real worker process on loopback, bounded in time.
 
-64 clients for 60 s mix prefills, decodes, mixed steps and releases on sequences of their own, sprinkled with
+64 clients for 60 s mix prefills, decodes, mixed steps and releases on sequences of their own (most prompts start
+with one of a few shared system prompts, so the prefix cache serves them blocks other sequences hold), sprinkled with
 invalid requests (which must change nothing: the sequence they hit goes on and is checked), client cancellations
 and expired deadlines (on throwaway sequences, since a cancelled step may or may not have committed). At the end
 every checked sequence's tokens equal a sequential replay on the idle worker, no KV block is held, the worker's
@@ -31,6 +32,8 @@ VOCAB = 256
 CALL_TIMEOUT = 60.0
 # Statuses a valid request may meet under this load: none (every sequence is its client's own).
 VALID_OK = {grpc.StatusCode.OK}
+# System prompts of one and two KV blocks (16 tokens each) that most prompts start with.
+SHARED_PREFIXES = [[random.Random(100 + i).randrange(3, VOCAB) for _ in range(16 * (1 + i % 2))] for i in range(4)]
 
 
 @dataclass
@@ -86,7 +89,8 @@ class Client(threading.Thread):
             self.channel.close()
 
     def prompt(self) -> list[int]:
-        return [self.rng.randrange(3, VOCAB) for _ in range(self.rng.randint(1, 24))]
+        shared = self.rng.choice(SHARED_PREFIXES) if self.rng.random() < 0.75 else []
+        return shared + [self.rng.randrange(3, VOCAB) for _ in range(self.rng.randint(1, 12 if shared else 24))]
 
     def prefill(self, seq_id: int, prompt: list[int]) -> int:
         reply = self.stub.Prefill(pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=seq_id, tokens=prompt,
@@ -258,8 +262,10 @@ def test_64_clients_for_60_seconds(loaded_worker):
           f"{device_end} MB")
     assert len(tally.records) > CLIENTS and tally.cancelled + tally.expired > 0 and tally.invalid
 
-    # Nothing held, the worker answers, memory flat.
-    assert info.free_kv_blocks == total_blocks
+    # Nothing held (blocks only the prefix cache holds count as free, and are reported apart), the worker
+    # answers, memory flat.
+    assert info.free_kv_blocks == total_blocks and info.cached_kv_blocks > 0
+    assert end['metrale_prefix_cache_lookups_total{result="hit"}'] > 0
     assert end["metrale_live_sequences"] == 0 and end["metrale_kv_blocks_used"] == 0
     assert rss_late - rss_early < 96 * 1024, (rss_early, rss_late)
     # The memory plan: nothing allocated on the hot path (the first minutes may still load kernels lazily).

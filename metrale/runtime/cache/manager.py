@@ -3,6 +3,7 @@ one slot pool for the recurrent layers' states, and the layer tensors the runner
 are all or nothing across the two pools."""
 
 from metrale.runtime.cache.blocks import BlockPool, blocks_for
+from metrale.runtime.cache.prefix import CachingBlockPool
 from metrale.runtime.cache.specs import PAGED, LayerCache, RecurrentState, block_bytes, slot_bytes
 from metrale.runtime.cache.states import StatePool
 from metrale.runtime.errors import OutOfKvBlocks, OutOfStateSlots
@@ -13,10 +14,16 @@ class CacheManager:
     tensors, or None."""
 
     def __init__(self, specs: tuple[LayerCache, ...], layers: list, block_size: int, num_blocks: int,
-                 num_state_slots: int):
+                 num_state_slots: int, prefix_cache: bool = False):
+        """prefix_cache: the block pool keeps full blocks for later prompts (cache/prefix.py)."""
         self.specs, self.layers, self.block_size = specs, layers, block_size
-        self.blocks = BlockPool(num_blocks, block_size)
+        self.blocks = CachingBlockPool(num_blocks, block_size) if prefix_cache else BlockPool(num_blocks, block_size)
         self.states = StatePool(num_state_slots)
+
+    @property
+    def prefix_cache(self) -> bool:
+        """Whether full blocks are kept and reused (cache/prefix.py)."""
+        return isinstance(self.blocks, CachingBlockPool)
 
     @property
     def has_state(self) -> bool:
