@@ -43,7 +43,7 @@ for part in "${@:-tests}"; do
       run_pytest api-on-cuda --worker-device cuda tests/service/test_forward_api.py tests/service/test_errors.py \
         tests/service/test_concurrency.py tests/service/test_generate.py tests/service/test_faults.py \
         tests/service/test_metrics.py tests/service/test_run_ahead.py tests/service/test_beam_api.py \
-        tests/service/test_fault_isolation.py tests/service/test_limits.py ;;
+        tests/service/test_fault_isolation.py tests/service/test_limits.py tests/service/test_prefix_cache_api.py ;;
     load)
       run_pytest load-on-cuda --worker-device cuda -s tests/service/test_load.py
       summary+=("$(grep -E '^load on' "$OUT/load-on-cuda.log")") ;;
