@@ -232,3 +232,55 @@ def test_a_bad_fork_changes_nothing(tmp_path):
         assert (cached.stats(), sorted(cached.sequences.ids())) == before
     cached.fork(1, [10, 11, 12])
     assert cached.stats().free_kv_blocks == 0
+
+
+def test_beam_search_takes_the_blocks_the_cache_holds_and_finds_the_same_beams(tmp_path):
+    """Beam search reserves its worst case from the pool: with the cache holding most of the pool it evicts as it
+    needs, and its hypotheses are those of the cache-off engine."""
+    from metrale.runtime.beam.params import BeamParams, BeamRequest
+
+    cached, plain = engines(write_tiny("llama_tied", tmp_path / "llama"), kv_blocks=24, max_model_len=96)
+    for seq_id in range(5):                 # 4 cached blocks each: 20 of the 24 only the cache holds
+        generate(cached, seq_id, prompt_of(4 * BLOCK + 2, 40 + seq_id), steps=0)
+        cached.release([seq_id])
+    assert cached.stats().cached_kv_blocks == 20
+    requests = [BeamRequest(i, prompt_tokens=tuple(prompt_of(20, 50 + i)),
+                            params=BeamParams(num_beams=3, max_new_tokens=6, num_return_sequences=2))
+                for i in range(2)]
+    ours = cached.beam_generate(requests, (2,), 0)
+    assert cached.prefix_counts.evictions > 0
+    theirs = plain.beam_generate(requests, (2,), 0)
+    assert [r.hypotheses for r in ours] == [r.hypotheses for r in theirs]
+    assert cached.stats().free_kv_blocks == cached.stats().num_kv_blocks
+
+
+def test_run_ahead_guesses_on_sequences_that_share_cached_blocks(tmp_path):
+    """With run-ahead on, guessed steps (taken and undone) on sequences holding shared blocks give what the
+    cache-off engine gives, and leave every block accounted for."""
+    cached, plain = engines(write_tiny("llama_tied", tmp_path / "llama"), kv_blocks=40, run_ahead="on")
+    system = prompt_of(2 * BLOCK + 3, 60)
+
+    def step(engine, s):
+        out = engine.step(s, run_ahead=True)
+        if out.ahead is not None:
+            out.ahead.run(lambda: None)
+        return out
+
+    generate(cached, 9, system + [9], steps=0)          # the cache now holds the system prompt's blocks
+    outs = {}
+    for engine in (cached, plain):
+        out = step(engine, Step(prefill=tuple(PrefillSlice(i, tuple(system + [i])) for i in (3, 4))))
+        assert [o.cached_tokens for o in out.outputs] == ([2 * BLOCK] * 2 if engine is cached else [0, 0])
+        tokens = {o.seq_id: o.token for o in out.outputs}
+        history = []
+        for round_ in range(6):
+            ids = [3, 4] if round_ % 3 else [4]             # the guess for [3, 4] is undone when only 4 comes
+            out = step(engine, Step(decode=tuple(DecodeToken(i, tokens[i]) for i in ids)))
+            tokens.update({o.seq_id: o.token for o in out.outputs})
+            history.append([(o.seq_id, o.token) for o in out.outputs])
+        outs[engine is cached] = history
+        engine.release(None)
+        stats = engine.stats()
+        assert stats.free_kv_blocks == stats.num_kv_blocks and stats.live_sequences == 0
+    assert outs[True] == outs[False]
+    assert cached.ahead_counts.taken > 0 and cached.ahead_counts.undone > 0
