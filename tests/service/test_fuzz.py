@@ -74,8 +74,10 @@ VALID = {
     "NormalizeSsmStates": [{"seq_ids": [1]}],
     "Tokenize": [{"text": "hello world"}],
     "Detokenize": [{"tokens": [5, 6, 7]}],
+    "Fork": [{"parent_seq_id": 2, "child_seq_ids": [21, 22]}, {"parent_seq_id": 3, "child_seq_ids": [21]}],
+    "MatchPrefix": [{"tokens": list(range(5, 40))}, {"tokens": [4, 1], "cache_salt": "a"}],
 }
-WITH_LIVE_SEQUENCES = {"Decode", "MixedForward", "Release", "NormalizeSsmStates"}
+WITH_LIVE_SEQUENCES = {"Decode", "MixedForward", "Release", "NormalizeSsmStates", "Fork"}
 # Examples per RPC (others: 40): the file runs in ~60 s on two cores, most of it where requests reach the engine.
 EXAMPLES = {"Prefill": 700, "Decode": 100, "MixedForward": 500, "BeamGenerate": 400, "Generate": 500}
 
@@ -116,7 +118,7 @@ def requests_for(rpc: str) -> st.SearchStrategy:
 def seq_ids_in(request) -> set[int]:
     ids = set()
     for field, value in request.ListFields():
-        if field.name in ("seq_id", "seq_ids"):
+        if field.name in ("seq_id", "seq_ids", "parent_seq_id", "child_seq_ids"):
             ids.update(value if field.is_repeated else [value])
         elif field.type == F.TYPE_MESSAGE and not is_map(field):
             for sub in (value if field.is_repeated else [value]):
