@@ -1,4 +1,5 @@
-"""The KV block pool: blocks handed out once, shared by reference, and free again after their last holder."""
+"""The KV block pool: blocks handed out once, shared by reference, and free again after their last holder; the
+prefix cache's pool keeps named blocks after it, until an allocation evicts them."""
 
 import pytest
 
@@ -42,3 +43,21 @@ def test_a_reservation_maps_its_ids_to_indices_and_counts_holders():
     assert free.tolist() == [4, 3, 2]                    # 12, 3, 99: the next allocate() takes 99 first
     assert call.allocate(1) == [99]
     assert holders.tolist() == [3, 1, 0, 0, 0] and (first, second) == (40, 7)
+
+
+def test_the_prefix_cache_keeps_freed_named_blocks_and_evicts_leaves_first():
+    from metrale.runtime.cache.prefix import CachingBlockPool, block_names, chain_root
+
+    pool = CachingBlockPool(5, 4)
+    names = block_names(chain_root("model"), list(range(12)), 4)        # a sequence's three full blocks
+    blocks = pool.allocate(3)
+    for block, name in zip(blocks, names):
+        pool.register(block, name)
+    pool.free(blocks)
+    assert pool.num_free == 5 and pool.num_cached == 3 and pool.match(names) == blocks
+    assert pool.allocate(2) and pool.num_cached == 3              # the free list goes first
+    pool.allocate(1)                                               # then the leaf, freed first of the three
+    assert pool.match(names) == blocks[:2] and pool.counts.evictions == 1
+    with pytest.raises(OutOfKvBlocks):
+        pool.allocate(3)
+    assert pool.num_cached == 2                                    # a refused allocation evicts nothing

@@ -70,11 +70,16 @@ class BlockPool:
         return free, held
 
     def free(self, blocks: list[int]) -> None:
+        """Drops one holder of each block, last block first; a block whose last holder leaves is released."""
         for block in reversed(blocks):
             shares = self._shares.get(block)
             if shares is None:
-                self._free.append(block)
+                self._release(block)
             elif shares == 1:
                 del self._shares[block]
             else:
                 self._shares[block] = shares - 1
+
+    def _release(self, block: int) -> None:
+        """A block no one holds any more: free."""
+        self._free.append(block)

@@ -81,18 +81,12 @@ class CachingBlockPool(BlockPool):
             taken.append(block)
         return taken
 
-    def free(self, blocks: list[int]) -> None:
-        for block in reversed(blocks):
-            shares = self._shares.get(block)
-            if shares is None:
-                if block in self._name_of:
-                    self._cached[block] = None
-                else:
-                    self._free.append(block)
-            elif shares == 1:
-                del self._shares[block]
-            else:
-                self._shares[block] = shares - 1
+    def _release(self, block: int) -> None:
+        """A block no one holds any more: cached where it is registered (the newest of the cached), else free."""
+        if block in self._name_of:
+            self._cached[block] = None
+        else:
+            self._free.append(block)
 
     def register(self, block: int, name: bytes) -> None:
         """Names a full block whose step is done; a name another block already has keeps that block."""
