@@ -129,8 +129,10 @@ def main(argv: list[str] | None = None) -> dict:
     max_model_len = args.max_model_len or longest
     if max_model_len < longest:
         raise SystemExit(f"--max-model-len {max_model_len} is under the {longest} tokens this run needs")
+    # No prefix cache unless asked: each prefill rep computes the same tokens again, every one of them.
     config = EngineConfig(**{"device": device, "kv_blocks": kv_blocks, "max_batch_tokens": max_batch_tokens,
-                             "max_seqs": max(512, max_batch), "max_model_len": max_model_len, **extra})
+                             "max_seqs": max(512, max_batch), "max_model_len": max_model_len,
+                             "prefix_cache": False, **extra})
     result["engine_config"] = dataclasses.asdict(config)
     built, _ = run.phase("engine build", build_engine, checkpoint, config)
     ours = EngineRunner(built[0], max_batch_tokens) if built else None

@@ -45,9 +45,10 @@ def main(argv=None) -> None:
     kv_blocks = max(batches) * blocks_for(longest, block) + (prefill[0] * blocks_for(prefill[1], block)
                                                             if prefill else 0) + 8
     max_batch_tokens = max(8192, prefill[0] * prefill[1] if prefill else 0)
+    # No prefix cache: the profiled prefill computes the same tokens as its warm-up did, every one of them.
     config = EngineConfig(device="cuda", kv_blocks=kv_blocks, max_batch_tokens=max_batch_tokens,
                           max_model_len=max(longest, prefill[1] if prefill else 0),
-                          cuda_graph_batch_sizes=tuple(batches))
+                          cuda_graph_batch_sizes=tuple(batches), prefix_cache=False)
     engine, _ = build_engine(random_checkpoint(shape, args.seed, "cuda"), config)
     torch.cuda.empty_cache()
     runner = EngineRunner(engine, max_batch_tokens)
@@ -90,7 +91,7 @@ def median(values):
 def time_replays(cuda_runner, batch: int, steps: int) -> float:
     """ms per replay of the batch's decode graph on this thread's stream (stream 0), launched back to back on the stream's
     stream (device time once the queue is full)."""
-    ctx = cuda_runner.ctx
+    ctx = cuda_runner.stream_context
     graph, _ = ctx.graphs._graphs[batch]
     return seconds_per_replay(graph, ctx.stream, steps, warmup=3) * 1e3
 

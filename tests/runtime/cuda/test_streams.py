@@ -27,8 +27,9 @@ LOGPROBS = OutputOptions(logprobs=True)
 def engine(tmp_path_factory):
     folder = tmp_path_factory.mktemp("streams")
     directory = write_tiny("llama_tied", folder / "llama_tied", weight_std=0.04, norm_std=0.1)
+    # No prefix cache: the same prompts decode twice, and must run alike (not from cache) the second time.
     config = EngineConfig(device="cuda", kv_blocks=256, max_batch_tokens=1024, max_seqs=16, num_streams=2,
-                          cuda_graph_batch_sizes=GRAPH_SIZES)
+                          cuda_graph_batch_sizes=GRAPH_SIZES, prefix_cache=False)
     engine, _ = build_engine(load_checkpoint(directory), config, folder / "cache")
     return engine
 
