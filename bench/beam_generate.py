@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
 def timeline_marks(engine) -> list[tuple[object, str]]:
     """The host functions of a call's fixed part (before the search's first step) and of its steps."""
     from metrale.runtime import engine as engine_module
+    from metrale.runtime import forwards as forwards_module
     from metrale.runtime.backend.cuda import beam_search, graphs, stream_context
     from metrale.runtime.backend.cuda import runner as cuda_runner
     from metrale.runtime.beam import call, search
@@ -175,12 +176,14 @@ def timeline_marks(engine) -> list[tuple[object, str]]:
              (call.BeamCall, "_forward_by_token"), (call.BeamCall, "_forward_whole"),
              (call, "build_decode_batch"), (call, "search_start"), (call, "run_device_search"),
              (search.BeamGroup, "__init__"), (engine_module.Engine, "_reserve_beam_blocks"),
+             (forwards_module.Forwards, "beam_forward"), (forwards_module.Forwards, "beam_encode"),
              (engine_module.Engine, "_quiesce"), (m2m100.M2M100ForConditionalGeneration, "encode"),
              (m2m100.M2M100ForConditionalGeneration, "forward"), (runner_type, "run_forward"),
              (runner_type, "run_encoder"), (runner_type, "device_search"), (context, "prepare"),
              (context, "copy_to_device"), (context, "beam_candidates"), (stream_context, "pack_batch"),
              (beam_search.CudaDeviceSearch, "__init__"), (beam_search.CudaDeviceSearch, "step"),
-             (beam_search.CudaDeviceSearch, "_read"), (cuda_runner, "state_arrays"), (engine_module, "build_batch"),
+             (beam_search.CudaDeviceSearch, "_read"), (cuda_runner, "state_arrays"), (call, "build_batch"),
+             (forwards_module, "build_batch"),
              (context, "upload_lists"), (graphs.DecodeGraphs, "run"), (graphs.DecodeGraphs, "replay"),
              (graphs.PrefillGraphs, "run"),
              (beam_search.CudaDeviceSearch, "_upload"), (stream_context.StreamCandidates, "host")]
