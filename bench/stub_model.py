@@ -2,7 +2,8 @@
 
 from metrale.runtime.build import ModelInfo
 from metrale.runtime.config import EngineConfig
-from metrale.runtime.engine import EngineStats, ReleaseResult
+from metrale.runtime.engine import EngineStats
+from metrale.runtime.reservation import ReleaseResult
 from metrale.runtime.run_ahead import RunAheadCounts
 from metrale.runtime.step import SequenceOutput, Step, StepOutput
 from metrale.service.config import WorkerConfig

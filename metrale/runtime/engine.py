@@ -19,8 +19,8 @@ from metrale.runtime.config import EngineConfig
 from metrale.runtime.errors import Cancelled, DeviceFault, FailedPrecondition, StepFailed, WorkerError, describe
 from metrale.runtime.forks import ForkResult, check_fork, fork
 from metrale.runtime.forwards import Forwards
-from metrale.runtime.planner import Chunk, Limits, Plan, plan_step
-from metrale.runtime.reservation import Reservations
+from metrale.runtime.planner import Chunk, Limits, Plan, plan_step, rows_returning_logits
+from metrale.runtime.reservation import ReleaseResult, Reservations
 from metrale.runtime.run_ahead import Ahead, Guesses, RunAheadCounts
 from metrale.runtime.sampling import SampleRow
 from metrale.runtime.sequence import Sequence, SequenceTable
@@ -36,13 +36,6 @@ class EngineStats:
     live_sequences: int
     # Blocks only the prefix cache holds (counted in free_kv_blocks).
     cached_kv_blocks: int = 0
-
-
-@dataclass
-class ReleaseResult:
-    released: list[int]
-    unknown: list[int]
-    blocks_freed: int
 
 
 class Engine:
@@ -174,15 +167,7 @@ class Engine:
             ids = self.sequences.ids() if seq_ids is None else seq_ids
         self.guesses.settle(ids)
         with self._lock:
-            released, unknown, freed = [], [], 0
-            for seq_id in ids:
-                seq = self.sequences.remove(seq_id)
-                if seq is None:
-                    unknown.append(seq_id)
-                    continue
-                freed += self.reservations.free(seq)
-                released.append(seq_id)
-            return ReleaseResult(released, unknown, freed)
+            return self.reservations.release(ids)
 
     def fork(self, parent_id: int, child_ids: list[int]) -> ForkResult:
         """New sequences continuing the parent from where it is (forks.py), all or none; their block copies are
@@ -252,13 +237,7 @@ class Engine:
         """How many of the step's outputs will carry a logits row (OutputOptions.return_logits), known before it
         runs: for the answer's size."""
         with self._lock:
-            decode = [self.sequences.get(entry.seq_id) for entry in step.decode]
-            continued = {s.seq_id: self.sequences.get(s.seq_id) for s in step.prefill if s.chunk_start}
-        rows = sum(1 for seq in decode if seq is not None and seq.output.return_logits)
-        for s in step.prefill:
-            options = s.output if not s.chunk_start else getattr(continued[s.seq_id], "output", None)
-            rows += bool(s.is_last_chunk and options is not None and options.return_logits)
-        return rows
+            return rows_returning_logits(step, self.sequences)
 
     def live_seq_ids(self) -> list[int]:
         with self._lock:

@@ -97,6 +97,17 @@ def plan_step(step: Step, sequences: SequenceTable, num_free_blocks: int, limits
                 sources)
 
 
+def rows_returning_logits(step: Step, sequences: SequenceTable) -> int:
+    """How many of the step's outputs will carry a logits row (OutputOptions.return_logits), known before it
+    runs: for the answer's size."""
+    rows = sum(1 for entry in step.decode if (seq := sequences.get(entry.seq_id)) is not None
+               and seq.output.return_logits)
+    for s in step.prefill:
+        options = s.output if not s.chunk_start else getattr(sequences.get(s.seq_id), "output", None)
+        rows += bool(s.is_last_chunk and options is not None and options.return_logits)
+    return rows
+
+
 def _blocks_held(sequences: SequenceTable, seq_id: int) -> int:
     seq = sequences.get(seq_id)
     return len(seq.block_table) if seq else 0

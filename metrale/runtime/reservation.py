@@ -3,6 +3,8 @@ its sequences grow by, a state slot for each where the model keeps a recurrent s
 an undone step restores its sequences from the snapshot taken with it, a done step commits (gives the state slots
 it replaced back). Callers hold the engine's state lock."""
 
+from dataclasses import dataclass
+
 from metrale.runtime.cache.blocks import blocks_for
 from metrale.runtime.cache.manager import CacheManager
 from metrale.runtime.cache.prefix import CachingBlockPool, Match, block_names, chain_root, match_prompt
@@ -10,6 +12,13 @@ from metrale.runtime.planner import Plan
 from metrale.runtime.sampling import random_seed
 from metrale.runtime.sequence import BlockTable, Sequence, SequenceTable
 from metrale.runtime.step import Step
+
+@dataclass
+class ReleaseResult:
+    released: list[int]
+    unknown: list[int]
+    blocks_freed: int
+
 
 # seq_id -> (num_tokens, num_blocks, prompt_finished, num_prompt_tokens, state_slot) of a sequence the step touches
 # that existed before it.
@@ -119,6 +128,18 @@ class Reservations:
         for i, name in enumerate(names, named):
             self.cache.blocks.register(int(table[i]), name)
         seq.block_names.extend(names)
+
+    def release(self, seq_ids: list[int]) -> ReleaseResult:
+        """Removes the sequences and frees what they hold; ids not live are reported."""
+        released, unknown, freed = [], [], 0
+        for seq_id in seq_ids:
+            seq = self.sequences.remove(seq_id)
+            if seq is None:
+                unknown.append(seq_id)
+                continue
+            freed += self.free(seq)
+            released.append(seq_id)
+        return ReleaseResult(released, unknown, freed)
 
     def free(self, seq: Sequence) -> int:
         """Gives a removed sequence's blocks back (its cross blocks too) and its state slots; returns how many
