@@ -133,8 +133,8 @@ class Engine:
         """Plans the step and takes its blocks."""
         def take():
             matches = self.reservations.match_prompts(step)
-            plan = plan_step(step, self.sequences, self.cache.blocks.num_free, self.limits, cached_of(matches,
-                                                                                                      self.cache.blocks))
+            cached = cached_of(matches, self.cache.blocks)
+            plan = plan_step(step, self.sequences, self.cache.blocks.num_free, self.limits, cached)
             return plan, self.reservations.reserve(plan, matches)
 
         try:
@@ -159,7 +159,7 @@ class Engine:
             guessed = self.guesses.blocks_held()
             blocks = self.cache.blocks
             return EngineStats(blocks.num_blocks, blocks.num_free + guessed, len(self.sequences),
-                               getattr(blocks, "num_cached", 0))
+                               self.cache.num_cached)
 
     def release(self, seq_ids: list[int] | None) -> ReleaseResult:
         """Frees the given sequences (None: all of them) and their blocks."""
@@ -194,7 +194,7 @@ class Engine:
     @property
     def prefix_counts(self) -> PrefixCounts | None:
         """The prefix cache's hits, misses and evictions; None where it is off."""
-        return getattr(self.cache.blocks, "counts", None)
+        return self.cache.prefix_counts
 
     @property
     def is_encoder_decoder(self) -> bool:

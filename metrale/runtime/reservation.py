@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from metrale.runtime.cache.blocks import blocks_for
 from metrale.runtime.cache.manager import CacheManager
-from metrale.runtime.cache.prefix import CachingBlockPool, Match, block_names, chain_root, match_prompt
+from metrale.runtime.cache.prefix import Match, block_names, chain_root, match_prompt
 from metrale.runtime.planner import Plan
 from metrale.runtime.sampling import random_seed
 from metrale.runtime.sequence import BlockTable, Sequence, SequenceTable
@@ -107,9 +107,12 @@ class Reservations:
     def commit(self, snapshot: Snapshot, plan: Plan) -> None:
         """The step is done: the state slots its sequences had before it (their snapshots) are given back, and the
         blocks it filled join the prefix cache (no undo can take their tokens back now)."""
-        if isinstance(self.cache.blocks, CachingBlockPool):
-            for seq_id in plan.final_lengths:
-                if (seq := self.sequences.get(seq_id)) is not None:
+        if self.cache.prefix_cache:
+            size = self.cache.block_size
+            for seq_id, length in plan.final_lengths.items():
+                # only a sequence that filled a block (one decode step in kv_block_size) has one to name
+                before = snapshot[seq_id][0] if seq_id in snapshot else 0
+                if length // size > before // size and (seq := self.sequences.get(seq_id)) is not None:
                     self._register(seq)
         if not self.cache.has_state:
             return
@@ -123,7 +126,7 @@ class Reservations:
         size, named = self.cache.block_size, len(seq.block_names)
         if not seq.cache_root or len(seq.tokens) // size <= named:
             return
-        names = block_names(seq.cache_root, seq.tokens, size, named, seq.block_names[-1] if named else None)
+        names = block_names(seq.block_names[-1] if named else seq.cache_root, seq.tokens, size, named)
         table = seq.block_table.array()
         for i, name in enumerate(names, named):
             self.cache.blocks.register(int(table[i]), name)

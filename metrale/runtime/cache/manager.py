@@ -3,7 +3,7 @@ one slot pool for the recurrent layers' states, and the layer tensors the runner
 are all or nothing across the two pools."""
 
 from metrale.runtime.cache.blocks import BlockPool, blocks_for
-from metrale.runtime.cache.prefix import CachingBlockPool
+from metrale.runtime.cache.prefix import CachingBlockPool, PrefixCounts
 from metrale.runtime.cache.specs import PAGED, LayerCache, RecurrentState, block_bytes, slot_bytes
 from metrale.runtime.cache.states import StatePool
 from metrale.runtime.errors import OutOfKvBlocks, OutOfStateSlots
@@ -24,6 +24,16 @@ class CacheManager:
     def prefix_cache(self) -> bool:
         """Whether full blocks are kept and reused (cache/prefix.py)."""
         return isinstance(self.blocks, CachingBlockPool)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks only the prefix cache holds (counted as free); 0 where it is off."""
+        return self.blocks.num_cached if self.prefix_cache else 0
+
+    @property
+    def prefix_counts(self) -> PrefixCounts | None:
+        """The prefix cache's hits, misses and evictions; None where it is off."""
+        return self.blocks.counts if self.prefix_cache else None
 
     @property
     def has_state(self) -> bool:

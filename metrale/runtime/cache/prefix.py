@@ -28,9 +28,10 @@ def chain(parent: bytes, tokens) -> bytes:
     return hashlib.blake2b(parent + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
 
 
-def block_names(root: bytes, tokens, block_size: int, start: int = 0, parent: bytes | None = None) -> list[bytes]:
-    """The names of the full blocks of `tokens` from block `start` on (parent: the name of block start - 1)."""
-    names, name = [], root if parent is None else parent
+def block_names(parent: bytes, tokens, block_size: int, start: int = 0) -> list[bytes]:
+    """The names of the full blocks of `tokens` from block `start` on; parent: the name of block start - 1 (the
+    chain's root for block 0)."""
+    names, name = [], parent
     for i in range(start, len(tokens) // block_size):
         name = chain(name, tokens[i * block_size:(i + 1) * block_size])
         names.append(name)
