@@ -91,8 +91,8 @@ def test_slices_finishing_in_different_rounds_with_decode_tokens(stub):
 def test_batched_prefill_and_decode_equal_each_alone(stub):
     prompts = {10: PROMPT[:5], 11: PROMPT[3:20], 12: PROMPT}
     alone = {}
-    for seq_id, tokens in prompts.items():
-        r = prefill(stub, seq_id + 100, tokens)
+    for seq_id, tokens in prompts.items():  # a salt of their own: the batched prompts are computed, not cache hits
+        r = prefill(stub, seq_id + 100, tokens, cache_salt="alone")
         alone[seq_id] = [(r.tokens[0], r.logprobs[0], logits_of(r, seq_id + 100))]
         for _ in range(5):
             r = stub.Decode(pb.DecodeRequest(seq_ids=[seq_id + 100], tokens=[alone[seq_id][-1][0]]))

@@ -206,13 +206,35 @@ def device_memory_mb(pid: int) -> int | None:
     return sum(int(used) for row in rows for p, used in [row.split(",")] if int(p) == pid)
 
 
-def replay(stub, record: Record, seq_id: int) -> list[int]:
-    outputs = [stub.Prefill(pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=seq_id, tokens=record.prompt,
-                                                                      is_last_chunk=True)])).tokens[0]]
+# On the CUDA backend the tiny model runs in bf16, whose logits differ with how a forward is cut (batch, chunks, cached
+# blocks): a replay may pick the other token of a near tie. Float32 on the CPU must replay exactly.
+NEAR_TIE = {"cpu": 0.0, "cuda": 2e-2}
+
+
+@dataclass
+class Replay:
+    outputs: list[int]
+    near_ties: list[float]  # per step where the replay chose another token: the logprob gap to the recorded one
+
+
+def replay(stub, record: Record, seq_id: int) -> Replay:
+    """The record's prompt and fed tokens, alone on the idle worker. A step that returns another token than the
+    record's counts as the record's if the recorded token is a near tie in the replay's top 2."""
+    first = stub.Prefill(pb.PrefillRequest(slices=[pb.PrefillSlice(
+        seq_id=seq_id, tokens=record.prompt, is_last_chunk=True, output=pb.OutputOptions(top_logprobs=2))]))
+    answers = [first]
     for token in record.fed:
-        outputs.append(stub.Decode(pb.DecodeRequest(seq_ids=[seq_id], tokens=[token])).tokens[0])
+        answers.append(stub.Decode(pb.DecodeRequest(seq_ids=[seq_id], tokens=[token])))
     stub.Release(pb.ReleaseRequest(seq_ids=[seq_id]))
-    return outputs
+    outputs, near_ties = [], []
+    for answer, want in zip(answers, record.outputs):
+        got, top = answer.tokens[0], answer.top_logprobs[0]
+        logprob = dict(zip(top.token_ids, top.logprobs))
+        if got != want and want in logprob and logprob[got] - logprob[want] <= NEAR_TIE[WORKER_DEVICE["device"]]:
+            near_ties.append(logprob[got] - logprob[want])
+            got = want
+        outputs.append(got)
+    return Replay(outputs, near_ties)
 
 
 def run_load(address: str, seconds: float, clients: int) -> tuple[Tally, list[Client]]:
@@ -281,9 +303,13 @@ def test_64_clients_for_60_seconds(loaded_worker):
         assert end[f'metrale_rpc_errors_total{{code="{code}",rpc="{rpc}"}}'] == count
 
     # Every checked sequence, replayed alone on the idle worker, gives the same tokens.
-    mismatched = [(r.prompt, r.fed, r.outputs, got) for i, r in enumerate(tally.records)
-                  if (got := replay(stub, r, 9_000_000_000 + i)) != r.outputs]
+    replays = [replay(stub, r, 9_000_000_000 + i) for i, r in enumerate(tally.records)]
+    mismatched = [(r.prompt, r.fed, r.outputs, got.outputs) for r, got in zip(tally.records, replays)
+                  if got.outputs != r.outputs]
     assert not mismatched, mismatched[:3]
+    near_ties = [gap for got in replays for gap in got.near_ties]
+    print(f"replayed alone: {len(replays)} sequences, {len(near_ties)} near ties (logprob gaps {near_ties[:8]})")
+    assert len(near_ties) <= len(replays) // 1000, near_ties  # a tie now and then, not a pattern
     assert stub.Info(pb.InfoRequest(), timeout=10).free_kv_blocks == total_blocks
 
 
