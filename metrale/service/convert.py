@@ -73,11 +73,14 @@ def beam_id_count(m: pb.BeamGenerateRequest) -> int:
     return sum(1 + len(r.prompt_tokens) + len(r.src_tokens) + len(r.decoder_prefix) for r in m.requests)
 
 
-def forward_response(out: StepOutput) -> pb.ForwardResponse:
-    """The step's outputs; queue_us is the caller's to set once the stream has said it."""
-    response = pb.ForwardResponse(seq_ids=[o.seq_id for o in out.outputs], tokens=[o.token for o in out.outputs],
-                                  logprobs=[o.logprob for o in out.outputs], forward_us=out.forward_us,
-                                  cached_tokens=[o.cached_tokens for o in out.outputs])
+def forward_response(out: StepOutput, response: pb.ForwardResponse) -> pb.ForwardResponse:
+    """The step's outputs, written into response (empty: a new one, or a StepResponse's result); queue_us is the
+    caller's to set once the stream has said it."""
+    response.seq_ids[:] = [o.seq_id for o in out.outputs]
+    response.tokens[:] = [o.token for o in out.outputs]
+    response.logprobs[:] = [o.logprob for o in out.outputs]
+    response.cached_tokens[:] = [o.cached_tokens for o in out.outputs]
+    response.forward_us = out.forward_us
     for o in out.outputs:
         if o.top_logprobs is not None:
             ids, logprobs = o.top_logprobs

@@ -36,7 +36,8 @@ class WorkerServer:
         self.state = ServingState(config.max_concurrent_rpcs)
         self.health = health.aio.HealthServicer()
         self.metrics = WorkerMetrics(engine)
-        self.servicer = WorkerServicer(engine, self.threads, info, tokenizer, self.state, self.metrics, config)
+        self.servicer = WorkerServicer(engine, self.threads, info, tokenizer, self.state, self.metrics, config,
+                                       self._on_device_fault)
         self.options = server_options(config)
         interceptors = [StatusInterceptor(self._on_device_fault, self.metrics)]
         if config.auth_tokens_file:

@@ -23,6 +23,7 @@ from metrale.service.admission import ServingState
 from metrale.service.config import WorkerConfig
 from metrale.service.generate import generate_tokens
 from metrale.service.metrics import WorkerMetrics
+from metrale.service.steps import StepChannel
 from metrale.service.text import TextWork
 from metrale.v1 import worker_pb2 as pb
 from metrale.v1 import worker_pb2_grpc
@@ -37,8 +38,9 @@ QUEUE_US_BYTES = 11
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, engine: Engine, threads: StreamThreads, info: ModelInfo, tokenizer, state: ServingState,
-                 metrics: WorkerMetrics, config: WorkerConfig):
+                 metrics: WorkerMetrics, config: WorkerConfig, on_fault=lambda: None):
         self.metrics = metrics
+        self.on_fault = on_fault        # a device fault's report (health NOT_SERVING), for errors the channel answers
         self.engine = engine
         self.threads = threads
         self.info = info
@@ -172,7 +174,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             async for response in generate_tokens(request, seq_id, self):
                 yield response
 
-    async def _forward(self, request, to_step, stream: int) -> pb.ForwardResponse:
+    async def Steps(self, request_iterator, context):
+        await StepChannel(self, context).serve(request_iterator)
+
+    async def _forward(self, request, to_step, stream: int, envelope=None):
+        """Runs the request as one step; its answer: a ForwardResponse, or envelope (a StepResponse) with the
+        answer as its result, built on the stream's thread."""
         self.threads.check_stream(stream)
 
         def checked() -> Step:
@@ -189,8 +196,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         ids = step.seq_ids
         structlog.contextvars.bind_contextvars(seq_ids=ids[:NAMED_IDS], num_seqs=len(ids), stream=stream)
         with self.state.admitted():
-            out, queue_us = await self.run_step(stream, step, self._reply)
-        out.reply.queue_us = queue_us
+            out, queue_us = await self.run_step(stream, step, lambda out: self._reply(out, envelope))
+        (out.reply if envelope is None else out.reply.result).queue_us = queue_us
         return out.reply
 
     def _check_reply_fits(self, step: Step) -> None:
@@ -202,10 +209,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if logits_bytes > self.max_message_bytes:
             raise ReplyTooLarge(logits_bytes, self.max_message_bytes, exact=False)
 
-    def _reply(self, out: StepOutput) -> pb.ForwardResponse:
-        """The step's answer, built on the stream's thread before the step counts as done: one that could not be sent (over the
-        message limit) undoes the step."""
-        response = convert.forward_response(out)
+    def _reply(self, out: StepOutput, envelope=None):
+        """The step's answer, built on the stream's thread before the step counts as done: one that could not be sent
+        (over the message limit) undoes the step."""
+        response = pb.ForwardResponse() if envelope is None else envelope
+        convert.forward_response(out, response if envelope is None else envelope.result)
         size = response.ByteSize() + QUEUE_US_BYTES
         if size > self.max_message_bytes:
             raise ReplyTooLarge(size, self.max_message_bytes)

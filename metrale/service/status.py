@@ -59,12 +59,33 @@ def _details(error: errors.WorkerError) -> list:
     return []
 
 
-def to_grpc_status(error: errors.WorkerError) -> grpc.Status:
-    code = status_of(error)
-    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=str(error))
+def status_message(error: errors.WorkerError) -> status_pb2.Status:
+    """The error as google.rpc.Status: code, message and details."""
+    status = status_pb2.Status(code=getattr(code_pb2, status_of(error).name), message=str(error))
     for detail in _details(error):
         status.details.add().Pack(detail)
-    return rpc_status.to_status(status)
+    return status
+
+
+def to_grpc_status(error: errors.WorkerError) -> grpc.Status:
+    return rpc_status.to_status(status_message(error))
+
+
+def step_error(error: Exception, rpc: str, metrics, on_fault) -> status_pb2.Status:
+    """What a failed call does, for a step that fails inside a channel that stays open (Steps): counted, logged,
+    a device fault reported; its status as a message. An exception no code path expected is a bug: INTERNAL."""
+    if not isinstance(error, errors.WorkerError):
+        log.exception("unexpected_error", exc_info=error)
+        metrics.rpc_errors.labels(rpc, grpc.StatusCode.INTERNAL.name).inc()
+        return status_pb2.Status(code=code_pb2.INTERNAL,
+                                 message=f"unexpected error in {rpc}: {errors.describe(error)}")
+    status = status_message(error)
+    code = status_of(error)
+    metrics.rpc_errors.labels(rpc, code.name).inc()
+    log.warning("request_failed", code=code.name, message=str(error))
+    if isinstance(error, errors.DeviceFault):
+        on_fault()
+    return status
 
 
 async def abort_with(context: grpc.aio.ServicerContext, error: errors.WorkerError, on_fault=None) -> None:

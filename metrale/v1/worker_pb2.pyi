@@ -1,3 +1,4 @@
+from google.rpc import status_pb2 as _status_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -196,6 +197,28 @@ class ForwardResponse(_message.Message):
     queue_us: int
     cached_tokens: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., logits: _Optional[_Iterable[_Union[Logits, _Mapping]]] = ..., forward_us: _Optional[int] = ..., queue_us: _Optional[int] = ..., cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("step_id", "decode", "prefill", "mixed")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    MIXED_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    decode: DecodeRequest
+    prefill: PrefillRequest
+    mixed: MixedForwardRequest
+    def __init__(self, step_id: _Optional[int] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., mixed: _Optional[_Union[MixedForwardRequest, _Mapping]] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("step_id", "result", "error")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    result: ForwardResponse
+    error: _status_pb2.Status
+    def __init__(self, step_id: _Optional[int] = ..., result: _Optional[_Union[ForwardResponse, _Mapping]] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ...) -> None: ...
 
 class BeamRequest(_message.Message):
     __slots__ = ("request_id", "src_tokens", "prompt_tokens", "decoder_prefix", "num_beams", "max_new_tokens", "min_new_tokens", "length_penalty", "early_stopping", "no_repeat_ngram_size", "num_return_sequences")

@@ -99,6 +99,11 @@ class WorkerStub:
                 request_serializer=metrale_dot_v1_dot_worker__pb2.ForkRequest.SerializeToString,
                 response_deserializer=metrale_dot_v1_dot_worker__pb2.ForkResponse.FromString,
                 _registered_method=True)
+        self.Steps = channel.stream_stream(
+                '/metrale.v1.Worker/Steps',
+                request_serializer=metrale_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
+                response_deserializer=metrale_dot_v1_dot_worker__pb2.StepResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -193,6 +198,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Steps(self, request_iterator, context):
+        """A gateway's long-lived step channel: each request is a Decode, Prefill or MixedForward, answered by one
+        response in order per stream; a failed step answers with its error and the channel stays open.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -260,6 +273,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Fork,
                     request_deserializer=metrale_dot_v1_dot_worker__pb2.ForkRequest.FromString,
                     response_serializer=metrale_dot_v1_dot_worker__pb2.ForkResponse.SerializeToString,
+            ),
+            'Steps': grpc.stream_stream_rpc_method_handler(
+                    servicer.Steps,
+                    request_deserializer=metrale_dot_v1_dot_worker__pb2.StepRequest.FromString,
+                    response_serializer=metrale_dot_v1_dot_worker__pb2.StepResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -613,6 +631,33 @@ class Worker:
             '/metrale.v1.Worker/Fork',
             metrale_dot_v1_dot_worker__pb2.ForkRequest.SerializeToString,
             metrale_dot_v1_dot_worker__pb2.ForkResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Steps(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/metrale.v1.Worker/Steps',
+            metrale_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
+            metrale_dot_v1_dot_worker__pb2.StepResponse.FromString,
             options,
             channel_credentials,
             insecure,

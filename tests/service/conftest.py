@@ -7,7 +7,25 @@ from metrale.runtime.loading import load_checkpoint
 from metrale.service.config import WorkerConfig
 from metrale.v1 import worker_pb2
 from service_harness import WORKER_DEVICE, serve_checkpoint, start_worker
+from steps_stub import STEP_RPC
 from tiny_models import write_tiny
+
+
+# Modules whose tests run twice: the forward RPCs as unary calls, and over the Steps channel (steps_stub.py).
+STEP_RPC_MODULES = {"test_forward_api", "test_errors", "test_concurrency", "test_faults", "test_fault_isolation",
+                    "test_limits", "test_prefix_cache_api", "test_run_ahead", "test_metrics", "test_big_requests"}
+
+
+def pytest_generate_tests(metafunc):
+    if "step_rpc" in metafunc.fixturenames and metafunc.module.__name__.rsplit(".", 1)[-1] in STEP_RPC_MODULES:
+        metafunc.parametrize("step_rpc", ["unary", "steps"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def step_rpc(request):
+    STEP_RPC["mode"] = getattr(request, "param", "unary")
+    yield STEP_RPC["mode"]
+    STEP_RPC["mode"] = "unary"
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -5,10 +5,14 @@ from metrale.runtime.loading import load_checkpoint
 from metrale.service.config import WorkerConfig
 from metrale.service.in_process import InProcessWorker
 from metrale.service.server import WorkerServer
+from steps_stub import ModeStub
 
 
 def serve_checkpoint(checkpoint, config: WorkerConfig) -> InProcessWorker:
-    return InProcessWorker(lambda: WorkerServer.from_checkpoint(checkpoint, config))
+    """The worker, its stub's forward RPCs unary or over Steps as the test's step_rpc says (steps_stub.py)."""
+    running = InProcessWorker(lambda: WorkerServer.from_checkpoint(checkpoint, config))
+    running.stub = ModeStub(running.stub)
+    return running
 
 
 # The API tests' backend: "cpu" here; bench/gpu_check.sh runs them on "cuda" with --worker-device.

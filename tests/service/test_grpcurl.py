@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 
+import grpc
 import pytest
 
 from metrale.v1 import worker_pb2 as pb
@@ -190,3 +191,22 @@ def test_text_generate_and_tokenize_on_the_default_model(default_model_address):
 
     tokenized = json_messages(grpcurl(address, "metrale.v1.Worker/Tokenize", data={"text": prompt}).stdout)[0]
     assert tokenized["tokens"] == list(stub.Tokenize(pb.TokenizeRequest(text=prompt)).tokens)
+
+
+def test_steps_from_stdin(worker, address):
+    """grpcurl drives the Steps channel from stdin (-d @): a Prefill, a Decode of the same sequence and a bad step,
+    answered in order on one channel, the tokens those of the Python client's unary calls."""
+    steps = [{"step_id": 1, "prefill": {"slices": [{"seq_id": 1, "tokens": PROMPT, "is_last_chunk": True}]}},
+             {"step_id": 2, "decode": {"seq_ids": [1], "tokens": [4]}},
+             {"step_id": 3, "decode": {"seq_ids": [99], "tokens": [4]}}]
+    command = [grpcurl_binary(), "-plaintext", "-max-time", "30", "-d", "@", address, "metrale.v1.Worker/Steps"]
+    result = subprocess.run(command, input="\n".join(json.dumps(s) for s in steps), capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    answers = json_messages(result.stdout)
+    assert [a["step_id"] for a in answers] == ["1", "2", "3"]
+    first = worker.stub.Prefill(pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=2, tokens=PROMPT,
+                                                                          is_last_chunk=True)]))
+    then = worker.stub.Decode(pb.DecodeRequest(seq_ids=[2], tokens=[4]))
+    assert answers[0]["result"]["tokens"] == list(first.tokens) and answers[1]["result"]["tokens"] == list(then.tokens)
+    assert answers[2]["error"]["code"] == grpc.StatusCode.NOT_FOUND.value[0] and "99" in answers[2]["error"]["message"]

@@ -15,19 +15,20 @@ def prefill(stub, seq_id, tokens, salt=""):
                                                                   cache_salt=salt)]))
 
 
-def test_a_gateway_sees_what_the_cache_served(worker, stub):
+def test_a_gateway_sees_what_the_cache_served(worker, stub, step_rpc):
+    salt = step_rpc     # each run of the test its own cache (the module's worker serves both)
     registry = worker.server.metrics.registry
     hits = registry.get_sample_value("metrale_prefix_cache_lookups_total", {"result": "hit"})
     info = stub.Info(pb.InfoRequest())
     assert info.prefix_cache and info.kv_block_size == BLOCK
-    assert stub.MatchPrefix(pb.MatchPrefixRequest(tokens=SYSTEM + [9])).cached_tokens == 0
-    first = prefill(stub, 1, SYSTEM + [9])
+    assert stub.MatchPrefix(pb.MatchPrefixRequest(tokens=SYSTEM + [9], cache_salt=salt)).cached_tokens == 0
+    first = prefill(stub, 1, SYSTEM + [9], salt)
     assert list(first.cached_tokens) == [0]
-    assert stub.MatchPrefix(pb.MatchPrefixRequest(tokens=SYSTEM + [4, 4])).cached_tokens == 2 * BLOCK
+    assert stub.MatchPrefix(pb.MatchPrefixRequest(tokens=SYSTEM + [4, 4], cache_salt=salt)).cached_tokens == 2 * BLOCK
     assert stub.MatchPrefix(pb.MatchPrefixRequest(tokens=SYSTEM + [4], cache_salt="other")).cached_tokens == 0
     both = stub.Prefill(pb.PrefillRequest(slices=[
-        pb.PrefillSlice(seq_id=2, tokens=SYSTEM + [4, 4], is_last_chunk=True),
-        pb.PrefillSlice(seq_id=3, tokens=[5, 6, 7], is_last_chunk=True)]))
+        pb.PrefillSlice(seq_id=2, tokens=SYSTEM + [4, 4], is_last_chunk=True, cache_salt=salt),
+        pb.PrefillSlice(seq_id=3, tokens=[5, 6, 7], is_last_chunk=True, cache_salt=salt)]))
     assert list(both.seq_ids) == [2, 3] and list(both.cached_tokens) == [2 * BLOCK, 0]
     decoded = stub.Decode(pb.DecodeRequest(seq_ids=[2, 3], tokens=list(both.tokens)))
     assert list(decoded.cached_tokens) == [0, 0]
