@@ -34,7 +34,8 @@ def test_prefix_cache_reports_both_modes(bench, tmp_path, capsys):
 
 def test_grpc_overhead_measures_every_size(bench, capsys):
     rows = bench.grpc_overhead.main(["--sizes", "1,3", "--iterations", "5", "--warmup", "1"])
-    assert [r.num_sequences for r in rows] == [1, 3]
+    assert [(r.server, r.rpc, r.num_sequences) for r in rows] == [
+        (server, rpc, n) for server in ("worker", "echo") for n in (1, 3) for rpc in ("Decode", "Steps")]
     assert all(0 < r.p50_us <= r.p99_us for r in rows)
     assert "sequences" in capsys.readouterr().out
 
