@@ -77,7 +77,11 @@ VALID = {
     "Fork": [{"parent_seq_id": 2, "child_seq_ids": [21, 22]}, {"parent_seq_id": 3, "child_seq_ids": [21]}],
     "MatchPrefix": [{"tokens": list(range(5, 40))}, {"tokens": [4, 1], "cache_salt": "a"}],
 }
-WITH_LIVE_SEQUENCES = {"Decode", "MixedForward", "Release", "NormalizeSsmStates", "Fork"}
+# Steps: one channel carrying a Decode, Prefill or MixedForward of the above.
+VALID["Steps"] = ([{"step_id": 1, "decode": r} for r in VALID["Decode"]]
+                  + [{"step_id": 2, "prefill": r} for r in VALID["Prefill"][:2]]
+                  + [{"step_id": 3, "mixed": r} for r in VALID["MixedForward"][:2]])
+WITH_LIVE_SEQUENCES = {"Decode", "MixedForward", "Release", "NormalizeSsmStates", "Fork", "Steps"}
 # Examples per RPC (others: 40): the file runs in ~60 s on two cores, most of it where requests reach the engine.
 EXAMPLES = {"Prefill": 700, "Decode": 100, "MixedForward": 500, "BeamGenerate": 400, "Generate": 500}
 
@@ -205,6 +209,16 @@ class FuzzedWorker:
         self.stub.Prefill(pb.PrefillRequest(slices=slices), timeout=CALL_TIMEOUT)
 
     def call(self, rpc: str, request) -> tuple[grpc.StatusCode, str]:
+        if rpc == "Steps":      # the step's status is its answer's error; the channel's own, an RpcError
+            try:
+                answers = list(self.stub.Steps(iter([request]), timeout=CALL_TIMEOUT))
+            except grpc.RpcError as error:
+                return error.code(), error.details()
+            assert [a.step_id for a in answers] == [request.step_id], answers
+            error = answers[0].error if answers[0].HasField("error") else None
+            if error is None:
+                return grpc.StatusCode.OK, ""
+            return next(c for c in grpc.StatusCode if c.value[0] == error.code), error.message
         try:
             reply = getattr(self.stub, rpc)(request, timeout=CALL_TIMEOUT)
             if RPCS[rpc][1]:

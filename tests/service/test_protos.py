@@ -24,7 +24,7 @@ def test_service_has_every_rpc_of_the_contract():
     assert service.full_name == "metrale.v1.Worker"
     assert {m.name for m in service.methods} == {
         "Info", "Prefill", "Decode", "MixedForward", "BeamGenerate", "Release", "PrefillTailSplit",
-        "NormalizeSsmStates", "Tokenize", "Detokenize", "Generate", "MatchPrefix", "Fork"}
+        "NormalizeSsmStates", "Tokenize", "Detokenize", "Generate", "MatchPrefix", "Fork", "Steps"}
     info_fields = set(worker_pb2.InfoResponse.DESCRIPTOR.fields_by_name)
     assert {"model_id", "architecture", "dtype", "device", "vocab_size", "max_model_len", "kv_block_size",
             "num_kv_blocks", "free_kv_blocks", "is_mla", "hc_mult", "supports_beam", "is_encoder_decoder",
