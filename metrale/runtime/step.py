@@ -1,6 +1,8 @@
 """A step as the engine receives it: decode tokens plus prefill slices, and what it returns."""
 
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import NamedTuple
 
 import torch
 
@@ -22,8 +24,8 @@ class PrefillSlice:
     cache_salt: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class DecodeToken:
+class DecodeToken(NamedTuple):
+    """A tuple (made per sequence per step, from packed arrays: a tuple is the cheapest immutable record)."""
     seq_id: int
     # Appended to the sequence; its KV is computed and the next token sampled.
     token: int
@@ -34,8 +36,9 @@ class Step:
     decode: tuple[DecodeToken, ...] = ()
     prefill: tuple[PrefillSlice, ...] = ()
 
-    @property
+    @cached_property
     def seq_ids(self) -> list[int]:
+        """Decode's, then prefill's (read by the checks, the stream's claims, the engine and the logs: made once)."""
         return [entry.seq_id for entry in self.decode] + [s.seq_id for s in self.prefill]
 
     def check(self, vocab_size: int, max_model_len: int) -> None:
@@ -46,12 +49,13 @@ class Step:
             if s.chunk_start + len(s.tokens) > max_model_len:
                 raise OutOfRange(f"seq_id {s.seq_id}: chunk_start={s.chunk_start} and {len(s.tokens)} tokens pass "
                                  f"max_model_len={max_model_len}")
-        seen: set[int] = set()
-        duplicates = sorted({i for i in self.seq_ids if i in seen or seen.add(i)})
-        if duplicates:
+        if len(set(self.seq_ids)) < len(self.seq_ids):
+            seen: set[int] = set()
+            duplicates = sorted({i for i in self.seq_ids if i in seen or seen.add(i)})
             raise InvalidArgument(f"seq_id(s) {name_ids(duplicates)} appear more than once in one request")
-        for entry in self.decode:
-            check_token_ids(f"seq_id {entry.seq_id}", (entry.token,), vocab_size)
+        bad = next((entry for entry in self.decode if not 0 <= entry.token < vocab_size), None)
+        if bad is not None:
+            check_token_ids(f"seq_id {bad.seq_id}", (bad.token,), vocab_size)
         for s in self.prefill:
             if not s.tokens:
                 raise InvalidArgument(f"seq_id {s.seq_id}: a prefill slice needs at least one token")

@@ -33,7 +33,7 @@ def decode_tokens_from_pb(m: pb.DecodeRequest) -> tuple[DecodeToken, ...]:
     if len(m.seq_ids) != len(m.tokens):
         raise InvalidArgument(f"seq_ids has {len(m.seq_ids)} entries but tokens has {len(m.tokens)}; "
                               f"they are parallel arrays")
-    return tuple(DecodeToken(i, t) for i, t in zip(m.seq_ids, m.tokens))
+    return tuple(map(DecodeToken._make, zip(m.seq_ids, m.tokens)))
 
 
 def step_from_prefill(m: pb.PrefillRequest) -> Step:

@@ -27,11 +27,22 @@ class WorkerMetrics:
         r.register(RunAheadCollector(engine))
         r.register(PrefixCacheCollector(engine))
         r.register(BackendCollector(engine))
+        # The labelled series every step touches, looked up once (a lookup takes the metric's lock).
+        self._decode_tokens, self._prefill_tokens = self.tokens.labels("decode"), self.tokens.labels("prefill")
+        self._rpc_seconds: dict[str, prom.Histogram] = {}
 
     def count_step(self, step) -> None:
-        self.tokens.labels("decode").inc(len(step.decode))
-        self.tokens.labels("prefill").inc(sum(len(s.tokens) for s in step.prefill))
+        self._decode_tokens.inc(len(step.decode))
+        if step.prefill:
+            self._prefill_tokens.inc(sum(len(s.tokens) for s in step.prefill))
         self.step_sequences.observe(len(step.decode) + len(step.prefill))
+
+    def seconds_of(self, rpc: str):
+        """The rpc's series of metrale_rpc_seconds."""
+        series = self._rpc_seconds.get(rpc)
+        if series is None:
+            series = self._rpc_seconds[rpc] = self.rpc_seconds.labels(rpc)
+        return series
 
     def count_unauthenticated(self, method: str) -> None:
         """A call the token check refused: its body is never read and it never reaches the RPC's handler."""

@@ -5,7 +5,6 @@ runs on its own threads (text.py), and steps on the streams."""
 
 import asyncio
 import contextlib
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import structlog
@@ -184,8 +183,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
         def checked() -> Step:
             step = to_step(request)
-            reserved = [i for i in step.seq_ids if i >= RESERVED_SEQ_IDS]
-            if reserved:
+            if step.seq_ids and max(step.seq_ids) >= RESERVED_SEQ_IDS:
+                reserved = [i for i in step.seq_ids if i >= RESERVED_SEQ_IDS]
                 raise InvalidArgument(f"seq_id(s) {name_ids(reserved)} are >= 2^63, a range the worker keeps for "
                                       f"Generate")
             step.check(self.info.vocab_size, self.info.max_model_len)
@@ -249,7 +248,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """Runs work(cancelled) on the stream's stream; returns (result, queue_us). If this handler is
         cancelled (client cancel, deadline), cancelled() turns true, and the engine undoes the step at its next
         round boundary."""
-        cancel = threading.Event()
+        cancel = Flag()
         submitted = self.threads.submit(stream, seq_ids, lambda: work(cancel.is_set), after)
         try:
             return await asyncio.wrap_future(submitted)
@@ -260,3 +259,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             with contextlib.suppress(BaseException):
                 await asyncio.wrap_future(submitted)
             raise
+
+
+class Flag:
+    """A flag one thread sets and another reads (a bool's store and load are atomic under the GIL): the cancel of
+    one step, without the lock and condition of a threading.Event."""
+
+    __slots__ = ("_set",)
+
+    def __init__(self):
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set

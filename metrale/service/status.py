@@ -119,7 +119,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
     # raises): a client that scrapes the metrics after the answer sees the RPC counted.
     def _wrap_unary(self, behavior, rpc):
         async def wrapped(request, context):
-            timer = _Timer(self._metrics.rpc_seconds.labels(rpc))
+            timer = _Timer(self._metrics.seconds_of(rpc))
             with structlog.contextvars.bound_contextvars(rpc=rpc):
                 try:
                     return await behavior(request, context)
@@ -135,7 +135,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
 
     def _wrap_stream(self, behavior, rpc):
         async def wrapped(request, context):
-            timer = _Timer(self._metrics.rpc_seconds.labels(rpc))
+            timer = _Timer(self._metrics.seconds_of(rpc))
             with structlog.contextvars.bound_contextvars(rpc=rpc):
                 try:
                     async for item in behavior(request, context):

@@ -26,10 +26,6 @@ RPC = "Steps"
 KINDS = {"decode": convert.step_from_decode, "prefill": convert.step_from_prefill, "mixed": convert.step_from_mixed}
 
 
-# Sequences remembered with the newest step naming them; past this many, the answered ones are forgotten.
-HOLDING_LIMIT = 4096
-
-
 def seq_ids_of(request: pb.StepRequest, kind: str | None) -> list[int]:
     """The sequences a step request names (unchecked: the step's own checks come later)."""
     if kind == "decode":
@@ -48,24 +44,21 @@ class StepChannel:
         self.servicer = servicer
         self.context = context
         self._writing = asyncio.Lock()       # one write at a time on the call
-        self._in_flight: set[asyncio.Task] = set()
+        self._in_flight: dict[asyncio.Task, tuple[pb.StepRequest, str | None]] = {}    # unanswered steps
 
     async def serve(self, requests) -> None:
         last: dict[int, asyncio.Task] = {}      # per stream: its newest step, which the next one answers after
-        holding: dict[int, asyncio.Task] = {}   # per sequence: the newest step naming it
         try:
             async for request in requests:
                 kind = request.WhichOneof("step")
                 stream = getattr(request, kind).stream if kind else 0
-                ids = seq_ids_of(request, kind)
-                waits = {holding[i] for i in ids if i in holding and not holding[i].done()}
+                # Usually every earlier step is answered, and nothing is looked at; else the steps in flight that
+                # name one of this step's sequences.
+                waits = self._holding(seq_ids_of(request, kind)) if self._in_flight else set()
                 task = asyncio.ensure_future(self._answer(request, kind, last.get(stream), waits))
                 last[stream] = task
-                holding.update(dict.fromkeys(ids, task))
-                if len(holding) > HOLDING_LIMIT:
-                    holding = {i: t for i, t in holding.items() if not t.done()}
-                self._in_flight.add(task)
-                task.add_done_callback(self._in_flight.discard)
+                self._in_flight[task] = (request, kind)
+                task.add_done_callback(self._forget)
             while self._in_flight:               # the client is done writing: answer what it sent
                 await asyncio.wait(set(self._in_flight))
         finally:
@@ -75,6 +68,14 @@ class StepChannel:
                 task.cancel()
             with contextlib.suppress(BaseException):
                 await asyncio.gather(*self._in_flight, return_exceptions=True)
+
+    def _holding(self, seq_ids: list[int]) -> set[asyncio.Task]:
+        ids = set(seq_ids)
+        return {task for task, (request, kind) in self._in_flight.items()
+                if not task.done() and not ids.isdisjoint(seq_ids_of(request, kind))}
+
+    def _forget(self, task: asyncio.Task) -> None:
+        self._in_flight.pop(task, None)
 
     async def _answer(self, request: pb.StepRequest, kind: str | None, previous: asyncio.Task | None,
                       waits: set[asyncio.Task]) -> None:
@@ -93,7 +94,7 @@ class StepChannel:
             except Exception as error:
                 response.ClearField("result")
                 response.error.CopyFrom(step_error(error, RPC, self.servicer.metrics, self.servicer.on_fault))
-        self.servicer.metrics.rpc_seconds.labels(RPC).observe(time.perf_counter() - started)
+        self.servicer.metrics.seconds_of(RPC).observe(time.perf_counter() - started)
         if previous is not None:
             with contextlib.suppress(BaseException):        # its failure is its own response's
                 await previous
