@@ -1,7 +1,6 @@
 """A step as the engine receives it: decode tokens plus prefill slices, and what it returns."""
 
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import NamedTuple
 
 import torch
@@ -36,10 +35,11 @@ class Step:
     decode: tuple[DecodeToken, ...] = ()
     prefill: tuple[PrefillSlice, ...] = ()
 
-    @cached_property
-    def seq_ids(self) -> list[int]:
-        """Decode's, then prefill's (read by the checks, the stream's claims, the engine and the logs: made once)."""
-        return [entry.seq_id for entry in self.decode] + [s.seq_id for s in self.prefill]
+    # Decode's, then prefill's: read by the checks, the stream's claims, the engine and the logs, so made once.
+    seq_ids: list[int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "seq_ids", [entry.seq_id for entry in self.decode] + [s.seq_id for s in self.prefill])
 
     def check(self, vocab_size: int, max_model_len: int) -> None:
         """Checks what needs no sequence state, lengths before ids; raises InvalidArgument or OutOfRange."""

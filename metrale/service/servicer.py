@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import structlog
 
 from metrale.runtime.beam.params import check_requests
@@ -22,6 +23,7 @@ from metrale.service.admission import ServingState
 from metrale.service.config import WorkerConfig
 from metrale.service.generate import generate_tokens
 from metrale.service.metrics import WorkerMetrics
+from metrale.service.status import step_error
 from metrale.service.steps import StepChannel
 from metrale.service.text import TextWork
 from metrale.v1 import worker_pb2 as pb
@@ -174,11 +176,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 yield response
 
     async def Steps(self, request_iterator, context):
-        await StepChannel(self, context).serve(request_iterator)
+        try:
+            await StepChannel(self, context).serve(request_iterator)
+        except Exception as error:      # the channel's own failure (a step's is its answer): INTERNAL, counted
+            if isinstance(error, grpc.aio.AbortError):
+                raise
+            status = step_error(error, "Steps", self.metrics, self.on_fault)
+            await context.abort(grpc.StatusCode.INTERNAL, status.message)
 
-    async def _forward(self, request, to_step, stream: int, envelope=None):
+    async def _forward(self, request, to_step, stream: int, envelope=None, admit: bool = True):
         """Runs the request as one step; its answer: a ForwardResponse, or envelope (a StepResponse) with the
-        answer as its result, built on the stream's thread."""
+        answer as its result, built on the stream's thread. admit=False: the caller admitted it (a Steps channel,
+        at the step's arrival)."""
         self.threads.check_stream(stream)
 
         def checked() -> Step:
@@ -194,7 +203,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         step = await self._off_loop_if_large(convert.step_id_count(request), checked)
         ids = step.seq_ids
         structlog.contextvars.bind_contextvars(seq_ids=ids[:NAMED_IDS], num_seqs=len(ids), stream=stream)
-        with self.state.admitted():
+        with self.state.admitted() if admit else contextlib.nullcontext():
             out, queue_us = await self.run_step(stream, step, lambda out: self._reply(out, envelope))
         (out.reply if envelope is None else out.reply.result).queue_us = queue_us
         return out.reply

@@ -105,3 +105,33 @@ def test_a_cancelled_channel_undoes_its_step(worker, stub, monkeypatch):
     after = stub.Info(pb.InfoRequest())
     assert (after.free_kv_blocks, after.live_sequences) == (before.free_kv_blocks, before.live_sequences)
     assert stub.Prefill(prefill(5)).seq_ids == [5]        # the id is free: the step left nothing
+
+
+def test_a_cancel_leaves_nothing_of_steps_waiting_behind_another(worker, stub, monkeypatch):
+    """A decode waits for its sequence's slow prefill (stream 1); a prefill on the decode's stream (0) arrives after
+    it and so waits too. The channel's deadline passes: all three are undone or never run, none is left half done."""
+    engine, step = worker.engine, worker.engine.step
+    slow = []
+
+    def held(*args, **kwargs):
+        if not slow:
+            slow.append(1)
+            time.sleep(0.8)
+        return step(*args, **kwargs)
+
+    before = stub.Info(pb.InfoRequest())
+    monkeypatch.setattr(engine, "step", held)
+    requests, responses = open_channel(stub, timeout=0.4)
+    requests.put(pb.StepRequest(step_id=1, prefill=pb.PrefillRequest(
+        slices=[pb.PrefillSlice(seq_id=100, tokens=PROMPT, is_last_chunk=True)], stream=1)))
+    requests.put(pb.StepRequest(step_id=2, decode=pb.DecodeRequest(seq_ids=[100], tokens=[4])))
+    requests.put(pb.StepRequest(step_id=3, prefill=prefill(200)))
+    with pytest.raises(grpc.RpcError) as caught:
+        list(responses)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 30
+    while worker.server.state.in_flight and time.monotonic() < deadline:
+        time.sleep(0.02)
+    monkeypatch.setattr(engine, "step", step)
+    after = stub.Info(pb.InfoRequest())
+    assert (after.free_kv_blocks, after.live_sequences) == (before.free_kv_blocks, before.live_sequences)
