@@ -83,6 +83,17 @@ def test_steps_on_two_streams_each_answer_in_order(stub):
     assert order[-1] == 1
 
 
+def assert_nothing_left(worker, stub, before, restore) -> None:
+    """Once the worker has no step in flight (and restore() put the engine back), blocks and sequences are as
+    before the channel."""
+    deadline = time.monotonic() + 30
+    while worker.server.state.in_flight and time.monotonic() < deadline:
+        time.sleep(0.02)
+    restore()
+    after = stub.Info(pb.InfoRequest())
+    assert (after.free_kv_blocks, after.live_sequences) == (before.free_kv_blocks, before.live_sequences)
+
+
 def test_a_cancelled_channel_undoes_its_step(worker, stub, monkeypatch):
     """The channel's deadline passes while its step runs: the step is undone as a cancelled unary call's is."""
     engine, step = worker.engine, worker.engine.step
@@ -98,12 +109,7 @@ def test_a_cancelled_channel_undoes_its_step(worker, stub, monkeypatch):
     with pytest.raises(grpc.RpcError) as caught:
         next(responses)
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    deadline = time.monotonic() + 30
-    while worker.server.state.in_flight and time.monotonic() < deadline:
-        time.sleep(0.02)
-    monkeypatch.setattr(engine, "step", step)
-    after = stub.Info(pb.InfoRequest())
-    assert (after.free_kv_blocks, after.live_sequences) == (before.free_kv_blocks, before.live_sequences)
+    assert_nothing_left(worker, stub, before, lambda: monkeypatch.setattr(engine, "step", step))
     assert stub.Prefill(prefill(5)).seq_ids == [5]        # the id is free: the step left nothing
 
 
@@ -129,9 +135,4 @@ def test_a_cancel_leaves_nothing_of_steps_waiting_behind_another(worker, stub, m
     with pytest.raises(grpc.RpcError) as caught:
         list(responses)
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    deadline = time.monotonic() + 30
-    while worker.server.state.in_flight and time.monotonic() < deadline:
-        time.sleep(0.02)
-    monkeypatch.setattr(engine, "step", step)
-    after = stub.Info(pb.InfoRequest())
-    assert (after.free_kv_blocks, after.live_sequences) == (before.free_kv_blocks, before.live_sequences)
+    assert_nothing_left(worker, stub, before, lambda: monkeypatch.setattr(engine, "step", step))
