@@ -3,12 +3,12 @@
 Each StepRequest is a Decode, Prefill or MixedForward, run exactly as the unary RPC runs it (the same checks,
 admission, stream, atomicity and cancellation); its StepResponse carries the unary answer, or the status the unary
 call would have ended with, and the channel stays open. Requests are submitted in the order they arrive, except
-that a step naming a sequence an earlier step of the channel still holds waits for that step (a gateway may send a
-sequence's Decode right behind its Prefill; two unary calls would get ABORTED); responses go out in arrival order
-per stream, each as soon as its step (and every earlier step of its stream) is answered. Steps on different streams overlap and may answer out of order: step_id
-says which is which. Cancelling the channel cancels its steps in flight, which are undone as a cancelled unary
-call's step is.
-"""
+that a step naming a sequence an earlier unanswered step of the channel names waits for that step (a gateway may
+send a sequence's Decode right behind its Prefill; two unary calls would get ABORTED), and the later steps of its
+stream wait behind it. Responses go out in arrival order per stream, each once its step and every earlier step of
+its stream are answered; steps on different streams overlap and may answer out of order (step_id says which is
+which). Cancelling the channel cancels its unanswered steps, which are undone, or never run, as a cancelled unary
+call's step is."""
 
 import asyncio
 import time
