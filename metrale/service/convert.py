@@ -48,6 +48,8 @@ def step_from_mixed(m: pb.MixedForwardRequest) -> Step:
     return Step(decode=decode_tokens_from_pb(m.decode), prefill=tuple(slice_from_pb(s) for s in m.prefill.slices))
 
 
+# A request carrying more ids (sequence ids and tokens) than this is converted and checked off the event loop.
+INLINE_IDS = 1 << 14
 # Repeated messages (slices, beam requests) counted one by one at most; past it a request counts as MANY ids.
 COUNTED_MESSAGES = 1 << 10
 MANY = 1 << 30

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import structlog
 
 from metrale.runtime.beam.params import check_requests
@@ -19,11 +18,11 @@ from metrale.runtime.streams import StreamThreads
 from metrale.runtime.run_ahead import StreamPacer
 from metrale.runtime.step import Step, StepOutput, check_token_ids
 from metrale.service import convert
+from metrale.service.convert import INLINE_IDS
 from metrale.service.admission import ServingState
 from metrale.service.config import WorkerConfig
 from metrale.service.generate import generate_tokens
 from metrale.service.metrics import WorkerMetrics
-from metrale.service.status import step_error
 from metrale.service.steps import StepChannel
 from metrale.service.text import TextWork
 from metrale.v1 import worker_pb2 as pb
@@ -31,8 +30,6 @@ from metrale.v1 import worker_pb2_grpc
 
 # Generate's own sequences take ids from here up; gateways use ids below.
 RESERVED_SEQ_IDS = 1 << 63
-# A request carrying more ids (sequence ids and tokens) than this is converted and checked off the event loop.
-INLINE_IDS = 1 << 14
 # The most bytes ForwardResponse.queue_us adds once the answer is built (tag and a 10-byte varint).
 QUEUE_US_BYTES = 11
 
@@ -176,13 +173,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 yield response
 
     async def Steps(self, request_iterator, context):
-        try:
-            await StepChannel(self, context).serve(request_iterator)
-        except Exception as error:      # the channel's own failure (a step's is its answer): INTERNAL, counted
-            if isinstance(error, grpc.aio.AbortError):
-                raise
-            status = step_error(error, "Steps", self.metrics, self.on_fault)
-            await context.abort(grpc.StatusCode.INTERNAL, status.message)
+        await StepChannel(self, context).serve(request_iterator)
 
     async def _forward(self, request, to_step, stream: int, envelope=None, admit: bool = True):
         """Runs the request as one step; its answer: a ForwardResponse, or envelope (a StepResponse) with the

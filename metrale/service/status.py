@@ -67,37 +67,25 @@ def status_message(error: errors.WorkerError) -> status_pb2.Status:
     return status
 
 
-def to_grpc_status(error: errors.WorkerError) -> grpc.Status:
-    return rpc_status.to_status(status_message(error))
-
-
-def step_error(error: Exception, rpc: str, metrics, on_fault) -> status_pb2.Status:
-    """What a failed call does, for a step that fails inside a channel that stays open (Steps): counted, logged,
-    a device fault reported; its status as a message. An exception no code path expected is a bug: INTERNAL."""
+def report_error(error: Exception, rpc: str, metrics, on_fault) -> status_pb2.Status:
+    """What every failed call, and every failed step of a Steps channel, does: counted, logged, a device fault
+    reported; its status. An exception no code path expected is a bug, not the device: INTERNAL, with its
+    traceback in the log."""
     if not isinstance(error, errors.WorkerError):
         log.exception("unexpected_error", exc_info=error)
         metrics.rpc_errors.labels(rpc, grpc.StatusCode.INTERNAL.name).inc()
         return status_pb2.Status(code=code_pb2.INTERNAL,
                                  message=f"unexpected error in {rpc}: {errors.describe(error)}")
-    status = status_message(error)
     code = status_of(error)
     metrics.rpc_errors.labels(rpc, code.name).inc()
     log.warning("request_failed", code=code.name, message=str(error))
     if isinstance(error, errors.DeviceFault):
         on_fault()
-    return status
-
-
-async def abort_with(context: grpc.aio.ServicerContext, error: errors.WorkerError, on_fault=None) -> None:
-    status = to_grpc_status(error)
-    log.warning("request_failed", code=status.code.name, message=str(error))
-    if isinstance(error, errors.DeviceFault) and on_fault is not None:
-        on_fault()
-    await context.abort(status.code, status.details, status.trailing_metadata)
+    return status_message(error)
 
 
 class StatusInterceptor(grpc.aio.ServerInterceptor):
-    """Turns a WorkerError raised by any handler into its status code, and times every RPC;
+    """Turns an exception raised by any Worker handler into its status code (report_error), and times every RPC;
     on_fault runs for device faults."""
 
     def __init__(self, on_fault, metrics):
@@ -110,25 +98,23 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
             return handler
         rpc = handler_call_details.method.rsplit("/", 1)[-1]
         if handler.unary_unary is not None:
-            return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary, rpc))
+            return handler._replace(unary_unary=self._wrap_call(handler.unary_unary, rpc, timed=True))
         if handler.unary_stream is not None:
             return handler._replace(unary_stream=self._wrap_stream(handler.unary_stream, rpc))
+        if handler.stream_stream is not None:   # Steps: each step is timed and answered by the channel itself
+            return handler._replace(stream_stream=self._wrap_call(handler.stream_stream, rpc, timed=False))
         return handler
 
     # An RPC's time is observed before its answer or its error status leaves (abort sends the status as it
     # raises): a client that scrapes the metrics after the answer sees the RPC counted.
-    def _wrap_unary(self, behavior, rpc):
+    def _wrap_call(self, behavior, rpc, timed: bool):
         async def wrapped(request, context):
-            timer = _Timer(self._metrics.seconds_of(rpc))
+            timer = _Timer(self._metrics.seconds_of(rpc) if timed else None)
             with structlog.contextvars.bound_contextvars(rpc=rpc):
                 try:
                     return await behavior(request, context)
-                except errors.WorkerError as error:
-                    self._metrics.rpc_errors.labels(rpc, status_of(error).name).inc()
-                    timer.observe()
-                    await abort_with(context, error, self._on_fault)
                 except Exception as error:
-                    await self._abort_on_bug(context, rpc, error, timer)
+                    await self._abort(context, rpc, error, timer)
                 finally:
                     timer.observe()
         return wrapped
@@ -140,24 +126,18 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                 try:
                     async for item in behavior(request, context):
                         yield item
-                except errors.WorkerError as error:
-                    self._metrics.rpc_errors.labels(rpc, status_of(error).name).inc()
-                    timer.observe()
-                    await abort_with(context, error, self._on_fault)
                 except Exception as error:
-                    await self._abort_on_bug(context, rpc, error, timer)
+                    await self._abort(context, rpc, error, timer)
                 finally:
                     timer.observe()
         return wrapped
 
-    async def _abort_on_bug(self, context, rpc: str, error: Exception, timer: "_Timer") -> None:
-        """An exception no code path expected: a bug, not the device. INTERNAL, logged with its traceback."""
+    async def _abort(self, context, rpc: str, error: Exception, timer: "_Timer") -> None:
         if isinstance(error, grpc.aio.AbortError):
             raise error
-        log.exception("unexpected_error")
-        self._metrics.rpc_errors.labels(rpc, grpc.StatusCode.INTERNAL.name).inc()
         timer.observe()
-        await context.abort(grpc.StatusCode.INTERNAL, f"unexpected error in {rpc}: {errors.describe(error)}")
+        status = rpc_status.to_status(report_error(error, rpc, self._metrics, self._on_fault))
+        await context.abort(status.code, status.details, status.trailing_metadata)
 
 
 class _Timer:

@@ -17,7 +17,7 @@ import structlog
 
 from metrale.runtime.errors import InvalidArgument
 from metrale.service import convert
-from metrale.service.status import step_error
+from metrale.service.status import report_error
 from metrale.v1 import worker_pb2 as pb
 
 log = structlog.get_logger()
@@ -26,8 +26,6 @@ RPC = "Steps"
 MAX_UNANSWERED = 64
 # Sequences remembered with their newest step; past this many, those of answered steps are forgotten.
 HOLDER_LIMIT = 1 << 16
-# A step naming more ids than this is not looked through on the event loop (as in the unary handlers).
-INLINE_IDS = 1 << 14
 # The request each kind of step carries, and its step.
 KINDS = {"decode": convert.step_from_decode, "prefill": convert.step_from_prefill, "mixed": convert.step_from_mixed}
 
@@ -131,7 +129,7 @@ class StepChannel:
                 raise
             except Exception as error:
                 response.ClearField("result")
-                response.error.CopyFrom(step_error(error, RPC, self.servicer.metrics, self.servicer.on_fault))
+                response.error.CopyFrom(report_error(error, RPC, self.servicer.metrics, self.servicer.on_fault))
         self.servicer.metrics.seconds_of(RPC).observe(time.perf_counter() - started)
         if previous is not None and not previous.done():
             await asyncio.wait((previous,))     # its outcome is its own response's; a cancel of this one still ends it
@@ -140,4 +138,4 @@ class StepChannel:
 
 
 def _large(request: pb.StepRequest, kind: str | None) -> bool:
-    return kind is not None and convert.step_id_count(getattr(request, kind)) > INLINE_IDS
+    return kind is not None and convert.step_id_count(getattr(request, kind)) > convert.INLINE_IDS

@@ -20,6 +20,7 @@ from hypothesis import strategies as st  # noqa: E402
 from fuzz_values import build, is_map, message, mutate  # noqa: E402
 from metrale.v1 import worker_pb2 as pb  # noqa: E402
 from service_harness import start_worker  # noqa: E402
+from steps_stub import StepError  # noqa: E402
 
 DOCUMENTED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
               grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.RESOURCE_EXHAUSTED}
@@ -215,10 +216,10 @@ class FuzzedWorker:
             except grpc.RpcError as error:
                 return error.code(), error.details()
             assert [a.step_id for a in answers] == [request.step_id], answers
-            error = answers[0].error if answers[0].HasField("error") else None
-            if error is None:
+            if not answers[0].HasField("error"):
                 return grpc.StatusCode.OK, ""
-            return next(c for c in grpc.StatusCode if c.value[0] == error.code), error.message
+            error = StepError(answers[0].error)
+            return error.code(), error.details()
         try:
             reply = getattr(self.stub, rpc)(request, timeout=CALL_TIMEOUT)
             if RPCS[rpc][1]:
