@@ -18,7 +18,8 @@ class TimedRow:
 @dataclass
 class DecodeRow(TimedRow):
     batch: int
-    # "metrale", "grpc" (metrale through gRPC, running ahead), "grpc-sync" (through gRPC, no run-ahead) or "peer"
+    # "metrale", "grpc" (metrale through gRPC, running ahead), "steps" (the same over one Steps stream),
+    # "grpc-sync" (unary, no run-ahead) or "peer"
     impl: str
     floor_ms: float
     # metrale: device time per step (CUDA events from the forward's launch to the end of sampling; on the CPU,
@@ -71,18 +72,23 @@ class PrefillRow(TimedRow):
 
 
 def format_decode_table(rows: list[DecodeRow]) -> str:
+    """One line per row; `x peer` = p50 / the peer's p50 at the batch; `host %` (rows through gRPC) = the share of
+    the round trip's p50 over the engine's device step p50 at the batch: what the host adds to the GPU's step."""
     peer = {r.batch: r for r in rows if r.impl == "peer" and r.ok}
+    device = {r.batch: r for r in rows if r.impl == "metrale" and r.ok}
     lines = [f"{'batch':>5}  {'impl':<9}  {'p50 ms':>8}  {'mean ms':>8}  {'other ms':>8}  {'tokens/s':>9}  "
-             f"{'floor ms':>8}  {'x floor':>7}  {'x peer':>6}"]
+             f"{'floor ms':>8}  {'x floor':>7}  {'x peer':>6}  {'host %':>6}"]
     for r in rows:
         if not r.ok:
             lines.append(f"{r.batch:>5}  {r.impl:<9}  {'-':>8}  {'-':>8}  {'-':>8}  {'-':>9}  {r.floor_ms:>8.3f}  "
-                         f"{'-':>7}  {'-':>6}  {r.note}")
+                         f"{'-':>7}  {'-':>6}  {'-':>6}  {r.note}")
             continue
         other = f"{r.other_p50_ms:.3f}" if r.other_p50_ms is not None else "-"
         vs_peer = f"{r.p50_ms / peer[r.batch].p50_ms:.2f}" if r.impl != "peer" and r.batch in peer else "-"
+        through_grpc = r.impl not in ("metrale", "peer", "hf-eager") and r.batch in device
+        host = f"{100 * (1 - device[r.batch].p50_ms / r.p50_ms):.1f}" if through_grpc else "-"
         lines.append(f"{r.batch:>5}  {r.impl:<9}  {r.p50_ms:>8.3f}  {r.mean_ms:>8.3f}  {other:>8}  "
-                     f"{r.tokens_per_s:>9.0f}  {r.floor_ms:>8.3f}  {r.times_floor:>7.2f}  {vs_peer:>6}"
+                     f"{r.tokens_per_s:>9.0f}  {r.floor_ms:>8.3f}  {r.times_floor:>7.2f}  {vs_peer:>6}  {host:>6}"
                      + (f"  {r.note}" if r.note else ""))
     return "\n".join(lines)
 

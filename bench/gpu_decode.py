@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
         decode_rows.append(decode_engine_row(run, args, ours, batch, prompts, floor_ms))
         if worker:
             decode_rows.append(decode_grpc_row(run, args, worker, shape, batch, floor_ms))
+            decode_rows.append(decode_grpc_row(run, args, worker, shape, batch, floor_ms, rpc="steps"))
             decode_rows.append(decode_grpc_row(run, args, worker, shape, batch, floor_ms, run_ahead=False))
         if peer and peer_failed:
             decode_rows.append(DecodeRow(batch, "peer", floor_ms, note=f"skipped: the peer failed at {peer_failed}"))
@@ -231,8 +232,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"(weights {weights / 1e9:.2f} GB + KV of the timed steps' mean context) / copy bandwidth "
           f"{bandwidth / 1e12:.3f} TB/s; metrale: device time (CUDA events from the end of the step's input upload "
           f"to the end of sampling), other = host clock around Engine.step; grpc: a client process's Decode round "
-          f"trip with the engine running ahead (the next step runs while the answer travels), grpc-sync: the same "
-          f"without, other = round trip - forward_us - queue_us (transport, dispatch, conversion and the step's "
+          f"trip with the engine running ahead (the next step runs while the answer travels), steps: the same over one "
+          f"open Steps stream, grpc-sync: unary without run-ahead, other = round trip - forward_us - queue_us (transport, dispatch, conversion and the step's "
           f"planning; negative where the run-ahead hid it); peer: CUDA events around each graph replay, other = host wall per step; ratios of p50")
     print(format_decode_table(decode_rows))
     if prefill_rows:
@@ -290,17 +291,18 @@ def decode_engine_row(run: Run, args, ours, batch: int, prompts: torch.Tensor, f
     return row
 
 
-def decode_grpc_row(run: Run, args, worker, shape, batch: int, floor_ms: float, run_ahead: bool = True
-                    ) -> DecodeRow:
-    """The same decode through the worker's gRPC API, from a client in a process of its own; run_ahead=False
-    turns the engine's run-ahead off for the row (each step starts when its request arrives)."""
-    row = DecodeRow(batch, "grpc" if run_ahead else "grpc-sync", floor_ms)
+def decode_grpc_row(run: Run, args, worker, shape, batch: int, floor_ms: float, run_ahead: bool = True,
+                    rpc: str = "unary") -> DecodeRow:
+    """The same decode through the worker's gRPC API, from a client in a process of its own, a unary Decode a
+    step or (rpc="steps") a message a step on one Steps stream; run_ahead=False turns the engine's run-ahead off
+    for the row (each step starts when its request arrives)."""
+    row = DecodeRow(batch, "steps" if rpc == "steps" else "grpc" if run_ahead else "grpc-sync", floor_ms)
     engine, runs_ahead = worker.engine, worker.engine.runs_ahead
     engine.runs_ahead = run_ahead and runs_ahead
     try:
         times, row.note = run.phase(f"decode batch {batch} {row.impl}", decode_round_trips_in_subprocess,
                                     worker.address, batch, args.context, args.steps, args.warmup, shape.vocab,
-                                    args.seed + 3)
+                                    args.seed + 3, 300.0, rpc)
     finally:
         engine.runs_ahead = runs_ahead
     if times:

@@ -1,13 +1,15 @@
 """A gateway's decode loop through gRPC, run in a process of its own (so the client does not share the worker's
 interpreter lock): prefill `batch` prompts, then decode, each step fed the tokens of the last, timed per round
-trip on the client. Used by bench/gpu_decode.py; run alone it prints JSON.
+trip on the client; each step a unary Decode, or a message on one open Steps stream. Used by bench/gpu_decode.py;
+run alone it prints JSON.
 
-python3 -m bench.grpc_client ADDRESS --batch 1 --context 1024 --steps 32 --warmup 5 --vocab 128256
+python3 -m bench.grpc_client ADDRESS --batch 1 --context 1024 --steps 32 --warmup 5 --vocab 128256 [--rpc steps]
 """
 
 import argparse
 import json
 import multiprocessing
+import queue
 import time
 
 import grpc
@@ -19,9 +21,11 @@ from metrale.v1 import worker_pb2_grpc
 
 
 def decode_round_trips(address: str, batch: int, context: int, steps: int, warmup: int, vocab: int,
-                       seed: int = 0, first_seq_id: int = 1 << 40, breakdown: list | None = None) -> list[float]:
-    """ms per Decode round trip for the timed steps; the sequences are released at the end. breakdown, if
-    given, receives (round trip ms, the worker's forward_us / 1e3, its queue_us / 1e3) per timed step."""
+                       seed: int = 0, first_seq_id: int = 1 << 40, breakdown: list | None = None,
+                       rpc: str = "unary") -> list[float]:
+    """ms per Decode round trip for the timed steps; the sequences are released at the end. rpc: "unary" (a
+    Decode call a step) or "steps" (a StepRequest a step on one Steps stream, as a gateway keeps open). breakdown,
+    if given, receives (round trip ms, the worker's forward_us / 1e3, its queue_us / 1e3) per timed step."""
     generator = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, vocab, (batch, context), generator=generator).tolist()
     ids = list(range(first_seq_id, first_seq_id + batch))
@@ -35,11 +39,12 @@ def decode_round_trips(address: str, batch: int, context: int, steps: int, warmu
             response = stub.Prefill(pb.PrefillRequest(slices=slices))
             tokens.update(zip(response.seq_ids, response.tokens))
         times = []
+        decode = stub.Decode if rpc == "unary" else StepStream(stub)
         try:
             for step in range(warmup + steps):
                 request = pb.DecodeRequest(seq_ids=ids, tokens=[tokens[i] for i in ids])
                 started = time.perf_counter()
-                response = stub.Decode(request)
+                response = decode(request)
                 elapsed = (time.perf_counter() - started) * 1e3
                 tokens = dict(zip(response.seq_ids, response.tokens))
                 if step >= warmup:
@@ -47,28 +52,54 @@ def decode_round_trips(address: str, batch: int, context: int, steps: int, warmu
                     if breakdown is not None:
                         breakdown.append((elapsed, response.forward_us / 1e3, response.queue_us / 1e3))
         finally:
+            if rpc == "steps":
+                decode.close()
             stub.Release(pb.ReleaseRequest(seq_ids=ids))
     return times
 
 
-def _child(queue, args) -> None:
+class StepStream:
+    """One open Steps stream, called like stub.Decode: each call sends a step and waits for its answer."""
+
+    def __init__(self, stub):
+        self.requests = queue.SimpleQueue()
+        self.responses = stub.Steps(iter(self.requests.get, None))
+        self.step_id = 0
+
+    def __call__(self, request: pb.DecodeRequest) -> pb.ForwardResponse:
+        self.step_id += 1
+        self.requests.put(pb.StepRequest(step_id=self.step_id, decode=request))
+        answer = next(self.responses)
+        if answer.HasField("error"):
+            raise RuntimeError(f"step {answer.step_id} failed: {answer.error.message}")
+        return answer.result
+
+    def close(self) -> None:
+        self.requests.put(None)
+        for _ in self.responses:     # the stream ends once the worker has seen the end of the requests
+            pass
+
+
+def _child(results, args, rpc) -> None:
     try:
         breakdown = []
-        decode_round_trips(*args, breakdown=breakdown)
-        queue.put(("ok", breakdown))
+        decode_round_trips(*args, breakdown=breakdown, rpc=rpc)
+        results.put(("ok", breakdown))
     except Exception as error:   # reported to the parent, which raises
-        queue.put(("error", repr(error)))
+        results.put(("error", repr(error)))
 
 
 def decode_round_trips_in_subprocess(address: str, batch: int, context: int, steps: int, warmup: int,
-                                     vocab: int, seed: int = 0, timeout: float = 300.0) -> list[tuple]:
+                                     vocab: int, seed: int = 0, timeout: float = 300.0, rpc: str = "unary"
+                                     ) -> list[tuple]:
     """decode_round_trips in a fresh (spawned) process: (round trip, forward, queue) ms per timed step."""
     context_ = multiprocessing.get_context("spawn")
-    queue = context_.Queue()
-    process = context_.Process(target=_child, args=(queue, (address, batch, context, steps, warmup, vocab, seed)))
+    results = context_.Queue()
+    process = context_.Process(target=_child, args=(results, (address, batch, context, steps, warmup, vocab, seed),
+                                                    rpc))
     process.start()
     try:
-        status, value = queue.get(timeout=timeout)
+        status, value = results.get(timeout=timeout)
     finally:
         process.join(10)
         if process.is_alive():
@@ -86,9 +117,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--vocab", type=int, required=True)
+    parser.add_argument("--rpc", default="unary", choices=("unary", "steps"))
     args = parser.parse_args()
     print(json.dumps(decode_round_trips(args.address, args.batch, args.context, args.steps, args.warmup,
-                                        args.vocab)))
+                                        args.vocab, rpc=args.rpc)))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from typing import Callable
 
 import structlog
 
-from metrale.runtime.backend.runner import Runner
+from metrale.runtime.backend.runner import QueuedSample, Runner
 from metrale.runtime.batch import Segment, build_batch
 from metrale.runtime.beam.call import BeamCall, BeamResult
 from metrale.runtime.beam.params import BeamRequest
@@ -66,29 +66,53 @@ class Engine:
         reply(output): the answer built from the outputs (output.reply) before the step counts as done; if it
         raises (an answer too large to send, a bug), the step is undone too.
         run_ahead: where the engine runs ahead (run_ahead.py), the output carries the guessed next step, which the
-        caller must run or skip (run_ahead.StreamPacer) before its next step."""
+        caller must run or skip (run_ahead.StreamPacer) before its next step. Where the step takes a guess whose
+        successor is reserved, the successor's device work is queued first, and the answer built while it runs."""
         taken = self.guesses.settle(step.seq_ids, step, cancelled)
+        successor = None
         if taken is not None:
             output, undo = taken.output, (taken.snapshot, taken.plan)
+            successor = self._queue_successor(taken, run_ahead)
         else:
             output, undo = self._run(step, cancelled)
         if reply is not None:
-            self._reply_or_undo(output, reply, cancelled, undo)
+            self._reply_or_undo(output, reply, cancelled, undo, successor)
         with self._lock:
             self.reservations.commit(*undo)
         if run_ahead and self.runs_ahead:
-            output.ahead = self._guess_next(step, output)
+            output.ahead = successor or self._guess_next(step, output)
         return output
 
+    def _queue_successor(self, taken: Ahead, run_ahead: bool) -> Ahead | None:
+        """The taken guess's successor (settle made it the sequences' guess) with its device work queued; None
+        where there is none, or where the caller does not run ahead (it is then undone)."""
+        successor = taken.next
+        if successor is None:
+            return None
+        if not (run_ahead and self.runs_ahead):
+            self.guesses.abandon(successor)
+            return None
+        try:
+            successor.launched = self._launch_round(successor.plan.rounds[0], lambda: False)
+        except Exception:
+            log.exception("run_ahead_failed")
+            self._quiesce()
+            self.guesses.abandon(successor)
+            return None
+        return successor
+
     def _reply_or_undo(self, output: StepOutput, reply: Callable[[StepOutput], object],
-                       cancelled: Callable[[], bool], undo: tuple[dict, Plan]) -> None:
+                       cancelled: Callable[[], bool], undo: tuple[dict, Plan], successor: Ahead | None) -> None:
         """output.reply = reply(output); the step undone where that fails, or where the call was cancelled
-        meanwhile (its answer would be lost)."""
+        meanwhile (its answer would be lost): its queued successor first."""
         try:
             output.reply = reply(output)
             if cancelled():
                 raise Cancelled()
         except Exception as error:
+            if successor is not None:
+                self._quiesce()
+                self.guesses.abandon(successor)
             with self._lock:
                 self.reservations.restore(*undo)
             raise self._failure(error, "building the step's answer") from error
@@ -244,13 +268,27 @@ class Engine:
             return self.sequences.ids()
 
     def _run_guess(self, ahead: Ahead, on_queued: Callable[[], None]) -> StepOutput:
+        """Queues the guess (where the engine has not already), reserves its successor while the device works,
+        then waits for the guess's outputs."""
         started = time.perf_counter()
         try:
-            outputs = self._run_round(ahead.plan.rounds[0], lambda: False, on_queued)
+            launched = ahead.launched or self._launch_round(ahead.plan.rounds[0], lambda: False)
+            on_queued()
+            self._reserve_successor(ahead)
+            outputs = self._finish_round(launched)
         except Exception:
             self._quiesce()     # before whoever settles the guess gives its blocks back
             raise
+        finally:
+            ahead.launched = None
         return StepOutput(outputs, int((time.perf_counter() - started) * 1e6))
+
+    def _reserve_successor(self, ahead: Ahead) -> None:
+        """Guesses.reserve_next, where a failure costs only the successor."""
+        try:
+            self.guesses.reserve_next(ahead)
+        except Exception:
+            log.exception("run_ahead_failed")
 
     def _quiesce(self) -> None:
         """Waits for this stream's queued device work, so no kernel still writes the KV blocks an undo frees; a
@@ -266,8 +304,11 @@ class Engine:
         if segments:
             self.forwards.run_encoder(build_batch(segments, self.config.kv_block_size))
 
-    def _run_round(self, chunks: tuple[Chunk, ...], cancelled: Callable[[], bool],
-                   on_queued: Callable[[], None] | None = None) -> list[SequenceOutput]:
+    def _run_round(self, chunks: tuple[Chunk, ...], cancelled: Callable[[], bool]) -> list[SequenceOutput]:
+        return self._finish_round(self._launch_round(chunks, cancelled))
+
+    def _launch_round(self, chunks: tuple[Chunk, ...], cancelled: Callable[[], bool]) -> "Launched":
+        """Queues the round's forward and sampling; its sequences hold its tokens from here on."""
         sequences = [self.sequences.get(c.seq_id) for c in chunks]
         stateful = self.cache.has_state
         segments = [Segment(seq.block_table, c.start, c.tokens, c.samples,
@@ -291,11 +332,27 @@ class Engine:
                         seq.prompt_finished = c.ends_prompt
             sampled = [seq for c, seq in zip(chunks, sequences) if c.samples]
             if not sampled:
-                return []
+                return Launched([], [], None)
             cached = [seq.cached_tokens if c.ends_prompt else 0 for c, seq in zip(chunks, sequences) if c.samples]
             # The token lists go by reference; the generated tokens are sliced out only where penalties read them.
             rows = [SampleRow(s.sampling, s.output, s.seed, s.num_tokens, s.tokens,
                               s.output_tokens if s.sampling.has_penalties else ()) for s in sampled]
-            result = self.runner.sample(logits, rows, on_queued)
+            return Launched(sampled, cached, self.runner.queue_sample(logits, rows))
+
+    @staticmethod
+    def _finish_round(launched: "Launched") -> list[SequenceOutput]:
+        """Waits for a launched round's sampling; its outputs."""
+        if launched.sampling is None:
+            return []
+        result = launched.sampling.result()
         return [SequenceOutput(seq.seq_id, result.tokens[i], result.logprobs[i], result.top_logprobs[i],
-                               result.logits[i], cached[i]) for i, seq in enumerate(sampled)]
+                               result.logits[i], launched.cached[i]) for i, seq in enumerate(launched.sampled)]
+
+
+@dataclass(slots=True)
+class Launched:
+    """A round whose device work is queued: the sequences it samples, the prompt tokens the prefix cache served
+    each (where the round finishes the prompt), and the queued sampling (None where it samples none)."""
+    sampled: list[Sequence]
+    cached: list[int]
+    sampling: QueuedSample | None

@@ -9,6 +9,12 @@ it, the way a failed step is undone, and then runs as if it had never been. Both
 bit for bit: the guessed step is the step the request would have run, with the same batch, positions and
 Philox offsets.
 
+The guesses chain: while a guess runs on the device, the stream plans and reserves the one after it (its
+tokens are the ones the running guess will sample, filled in once they are known), so when the next request takes
+the running guess the engine queues its successor at once, before it answers: the device goes from one step to the
+next without waiting for the host's planning, answer and bookkeeping. A successor only ever runs once the request
+before it took its predecessor; undoing a guess undoes its successor first.
+
 The guess is never made for sequences that asked for logits (their gateway samples for itself), nor where the
 step cannot be planned (max_model_len, no free KV block). Blocks a guess holds count as free: a request that
 runs short of blocks undoes every guess and plans again.
@@ -30,7 +36,8 @@ from metrale.runtime.step import DecodeToken, Step, StepOutput
 @dataclass(eq=False)
 class Ahead:
     """A reserved guess: its plan, the state to restore if it is not taken, and (once done) its outputs."""
-    decode: tuple[DecodeToken, ...]
+    # None for a successor until its predecessor's tokens are known (fill()).
+    decode: tuple[DecodeToken, ...] | None
     plan: Plan
     snapshot: dict
     blocks_taken: int
@@ -38,13 +45,27 @@ class Ahead:
     run_forward: Callable[["Ahead", Callable[[], None]], StepOutput] = field(repr=False)
     done: threading.Event = field(default_factory=threading.Event)
     output: StepOutput | None = None
+    # Its device work, once queued ahead of run() (the engine's Launched round): run() then only finishes it.
+    launched: object = None
+    # The guess after this one, reserved while this one runs (not queued until a request takes this one).
+    next: "Ahead | None" = None
 
     @property
     def seq_ids(self) -> list[int]:
-        return [entry.seq_id for entry in self.decode]
+        return [chunk.seq_id for chunk in self.plan.rounds[0]]
+
+    @property
+    def queued(self) -> bool:
+        return self.launched is not None
 
     def matches(self, decode: tuple[DecodeToken, ...]) -> bool:
         return self.output is not None and decode == self.decode
+
+    def fill(self, tokens: list[int]) -> None:
+        """A successor's tokens: what its predecessor sampled, in order."""
+        self.decode = tuple(map(DecodeToken._make, zip(self.seq_ids, tokens)))
+        for chunk, token in zip(self.plan.rounds[0], tokens):
+            chunk.tokens = (token,)
 
     def run(self, on_queued: Callable[[], None]) -> None:
         """Runs the guessed step (on the stream's thread); on_queued() once its device work is queued. A failure
@@ -83,8 +104,8 @@ class Guesses:
         self.counts = RunAheadCounts()
 
     def blocks_held(self) -> int:
-        """The blocks the guesses hold, which count as free; the caller holds the lock."""
-        return sum(ahead.blocks_taken for ahead in set(self._ahead.values()))
+        """The blocks the guesses (and their successors) hold, which count as free; the caller holds the lock."""
+        return sum(a.blocks_taken + (a.next.blocks_taken if a.next else 0) for a in set(self._ahead.values()))
 
     def reserve(self, step: Step, output: StepOutput,
                 run_forward: Callable[[Ahead, Callable[[], None]], StepOutput]) -> Ahead | None:
@@ -93,25 +114,42 @@ class Guesses:
         if step.prefill or not step.decode:
             return None
         sampled = {out.seq_id: out.token for out in output.outputs}
-        guess = Step(decode=tuple(DecodeToken(entry.seq_id, sampled[entry.seq_id]) for entry in step.decode))
         with self._lock:
             if self._blocks_wanted or any(self.sequences.get(i).output.return_logits for i in sampled):
                 return None
-            try:
-                plan = plan_step(guess, self.sequences, self.cache.blocks.num_free, self.limits)
-            except WorkerError:     # max_model_len, or no free block: no guess
-                return None
-            free = self.cache.blocks.num_free
-            snapshot = self.reservations.reserve(plan)
-            ahead = Ahead(guess.decode, plan, snapshot, free - self.cache.blocks.num_free, run_forward)
-            for seq_id in sampled:
-                self._ahead[seq_id] = ahead
+            guess = Step(decode=tuple(DecodeToken(entry.seq_id, sampled[entry.seq_id]) for entry in step.decode))
+            ahead = self._reserve(guess, run_forward)
+            if ahead is not None:
+                for seq_id in sampled:
+                    self._ahead[seq_id] = ahead
         return ahead
+
+    def reserve_next(self, ahead: Ahead) -> Ahead | None:
+        """Reserves the successor of a guess whose device work is queued (its sequences hold its tokens): the same
+        sequences again, tokens to be filled. Not registered: settle() does that when a request takes `ahead`."""
+        with self._lock:
+            if self._blocks_wanted:
+                return None
+            ahead.next = self._reserve(Step(decode=tuple(DecodeToken(i, 0) for i in ahead.seq_ids)),
+                                       ahead.run_forward)
+            if ahead.next is not None:
+                ahead.next.decode = None
+        return ahead.next
+
+    def _reserve(self, guess: Step, run_forward) -> Ahead | None:
+        """The guess planned and its blocks taken; None where it cannot be planned. The caller holds the lock."""
+        try:
+            plan = plan_step(guess, self.sequences, self.cache.blocks.num_free, self.limits)
+        except WorkerError:     # max_model_len, or no free block: no guess
+            return None
+        free = self.cache.blocks.num_free
+        snapshot = self.reservations.reserve(plan)
+        return Ahead(guess.decode, plan, snapshot, free - self.cache.blocks.num_free, run_forward)
 
     def settle(self, seq_ids: list[int], step: Step | None = None,
                cancelled: Callable[[], bool] = lambda: False) -> Ahead | None:
         """Waits for the guesses on these sequences; returns the one that is exactly `step` (taken: its state
-        stays), and undoes every other one."""
+        stays, and its successor, its tokens filled, becomes the sequences' guess), and undoes every other one."""
         with self._lock:
             if not self._ahead:
                 return None
@@ -128,10 +166,31 @@ class Guesses:
                 if step is not None and not step.prefill and ahead.matches(step.decode) and not cancelled():
                     taken = ahead
                     self.counts.taken += 1
+                    if (successor := ahead.next) is not None:
+                        successor.fill([out.token for out in ahead.output.outputs])
+                        for seq_id in successor.seq_ids:
+                            self._ahead[seq_id] = successor
                 else:
-                    self.reservations.restore(ahead.snapshot, ahead.plan)
-                    self.counts.undone += 1
+                    self._undo(ahead)
         return taken
+
+    def abandon(self, ahead: Ahead) -> None:
+        """Undoes a taken guess's successor that the engine queued and then could not go on with (its device work
+        waited for by the caller, on its stream's thread)."""
+        with self._lock:
+            for seq_id in ahead.seq_ids:
+                if self._ahead.get(seq_id) is ahead:
+                    del self._ahead[seq_id]
+            self._undo(ahead)
+        ahead.done.set()
+
+    def _undo(self, ahead: Ahead) -> None:
+        """Gives back what the guess (and, first, its unqueued successor) reserved. The caller holds the lock."""
+        if ahead.next is not None:
+            self.reservations.restore(ahead.next.snapshot, ahead.next.plan)
+            ahead.next = None
+        self.reservations.restore(ahead.snapshot, ahead.plan)
+        self.counts.undone += 1
 
     def taking_blocks(self, take: Callable[[], object]):
         """take() under the state lock. Where it is short of blocks or state slots while guesses hold some, no new
@@ -184,7 +243,7 @@ class StreamPacer:
 
     def __call__(self, output: StepOutput, stream_idle: bool, hand_over: Callable[[], None]) -> None:
         ahead = output.ahead
-        if ahead is None or not stream_idle:
+        if ahead is None or not (stream_idle or ahead.queued):
             hand_over()
             if ahead is not None:
                 ahead.skip()

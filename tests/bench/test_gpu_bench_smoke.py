@@ -34,8 +34,8 @@ def test_gpu_decode_runs_every_phase_on_the_cpu(bench, tmp_path, capsys):
     assert result["errors"] == []
     decode = result["decode_rows"]
     assert [(r.batch, r.impl) for r in decode] == [
-        (1, "metrale"), (1, "grpc"), (1, "grpc-sync"), (1, "peer"),
-        (2, "metrale"), (2, "grpc"), (2, "grpc-sync"), (2, "peer")]
+        (1, "metrale"), (1, "grpc"), (1, "steps"), (1, "grpc-sync"), (1, "peer"),
+        (2, "metrale"), (2, "grpc"), (2, "steps"), (2, "grpc-sync"), (2, "peer")]
     assert all(r.ok and len(r.step_ms) == 2 and r.floor_ms > 0 and r.tokens_per_s > 0 for r in decode)
     assert all(len(r.other_ms) == 2 for r in decode if r.impl == "metrale")   # host clock of each step
     prefill = result["prefill_rows"]
@@ -45,9 +45,9 @@ def test_gpu_decode_runs_every_phase_on_the_cpu(bench, tmp_path, capsys):
     # Same model on both sides (engine float32 on the CPU, peer bf16).
     assert result["check"]["finite"] and result["check"]["relative_error"] < 5e-2
     out = capsys.readouterr().out
-    assert out.startswith("# gpu_decode:") and "x floor" in out and "x GEMM" in out
+    assert out.startswith("# gpu_decode:") and "x floor" in out and "x GEMM" in out and "host %" in out
     written = json.loads((tmp_path / "out.json").read_text())
-    assert len(written["decode"]) == 8 and written["copy_bandwidth_bytes_per_s"] > 0
+    assert len(written["decode"]) == 10 and written["copy_bandwidth_bytes_per_s"] > 0
 
 
 def test_gpu_decode_skip_peer_and_engine_config(bench, tmp_path):
@@ -159,11 +159,13 @@ def test_tables_show_failures_and_ratios(bench):
     gd = bench.gpu_decode
     rows = [gd.DecodeRow(1, "metrale", 4.0, [5.0, 5.0, 6.0], [4.5]), gd.DecodeRow(1, "peer", 4.0, [5.5, 5.5],
                                                                                   [5.6]),
+            gd.DecodeRow(1, "steps", 4.0, [6.25], [1.0]),
             gd.DecodeRow(8, "metrale", 4.2, note="failed: DeviceFault: boom"), gd.DecodeRow(8, "peer", 4.2, [6.0])]
     table = gd.format_decode_table(rows).splitlines()
-    assert len(table) == 5
-    assert table[1].split()[:3] == ["1", "metrale", "5.000"] and table[1].split()[-2:] == ["1.25", "0.91"]
-    assert "failed: DeviceFault: boom" in table[3]
+    assert len(table) == 6
+    assert table[1].split()[:3] == ["1", "metrale", "5.000"] and table[1].split()[-3:] == ["1.25", "0.91", "-"]
+    assert table[3].split()[-3:] == ["1.56", "1.14", "20.0"]    # the host's share: 1 - 5.0 / 6.25
+    assert "failed: DeviceFault: boom" in table[4]
     prefill = [gd.PrefillRow(1, 4096, "metrale", 1e12, 1e15, [2.0]), gd.PrefillRow(1, 4096, "peer", 1e12, 1e15, [],
                                                                                    note="skipped: time budget")]
     lines = gd.format_prefill_table(prefill).splitlines()

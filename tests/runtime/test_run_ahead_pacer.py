@@ -10,6 +10,7 @@ from metrale.runtime.step import StepOutput
 
 class FakeGuess:
     """Queues in no time, then 'runs on the device' for device_s."""
+    queued = False
 
     def __init__(self, device_s: float, events: list):
         self.device_s, self.events = device_s, events

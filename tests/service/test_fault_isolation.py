@@ -107,7 +107,8 @@ def inject_forward(worker, monkeypatch):
 
 def inject_sampling(worker, monkeypatch):
     runner = worker.engine.runner
-    monkeypatch.setattr(runner, "sample", raising_on_call(1, ValueError("injected in sampling"), runner.sample))
+    monkeypatch.setattr(runner, "queue_sample", raising_on_call(1, ValueError("injected in sampling"),
+                                                            runner.queue_sample))
 
 
 def inject_beam_search(worker, monkeypatch):

@@ -16,6 +16,11 @@ from metrale.runtime.sampling import SampleResult
 Tensor = object
 
 
+class QueuedSample(Protocol):
+    def result(self) -> SampleResult:
+        """Waits for the queued sampling; its outputs on the host."""
+
+
 @dataclass(frozen=True)
 class MemoryShapes:
     """What a backend's memory plan is sized by: the model's dimensions and the engine's limits."""
@@ -89,10 +94,11 @@ class Runner(Protocol):
     def run_encoder(self, encode: Callable[[ForwardBatch], None], batch: ForwardBatch, replayable: bool) -> None:
         """encode(batch): an encoder-decoder's encoder pass, replayed as run_forward's may be."""
 
-    def sample(self, logits: Tensor, rows: list, on_queued: Callable[[], None] | None = None) -> SampleResult:
-        """The next token of each row (runtime/sampling's rule), its logprob, top-n and, where asked, the raw
-        logits row on the host. on_queued() runs once the device work is queued, before the wait for it (a stream
-        hands over its last answer there, so the event loop's work overlaps the device's, not the host's)."""
+    def queue_sample(self, logits: Tensor, rows: list) -> "QueuedSample":
+        """Queues the sampling of each row (runtime/sampling's rule) on the calling thread's stream; the result()
+        of what it returns waits for it: each row's next token, its logprob, top-n and, where asked, the raw
+        logits row, on the host. Between the two the host may queue more (a stream's guessed next step is
+        planned there) or hand an answer over; the stream's next queue_sample comes after this one's result()."""
 
     def beam_candidates(self, logits: Tensor, banned: list[list[int]], count: int) -> Candidates:
         """Beam search's candidates: for each logits row, log_softmax in float32, its banned ids (transformers'

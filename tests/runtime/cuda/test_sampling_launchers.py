@@ -58,6 +58,22 @@ def test_pack_sampling_params():
     assert fields["top_logprobs"].tolist() == [7, 0]
 
 
+def test_pack_sampling_params_shares_each_pair_of_params_and_options():
+    """Rows that share parameter objects, and equal ones that do not, pack as each row alone packs."""
+    shared, options = SamplingParams(temperature=0.8, top_p=0.5, seed=3), OutputOptions(logprobs=True)
+    params = [shared, SamplingParams(), shared, SamplingParams(temperature=0.8, top_p=0.5, seed=3),
+              SamplingParams(repetition_penalty=1.3, top_k=2**40)]
+    rows = [SampleRow(p, options if i % 2 else OutputOptions(top_logprobs=i), seed=(i * 2**61 + 5) % 2**64,
+                      position=2**32 * i + 7, history=[], output_tokens=[]) for i, p in enumerate(params)]
+    rows.append(SampleRow(rows[0].params, rows[0].options, seed=1, position=2, history=[], output_tokens=[]))
+    cache = {}
+    together = pack_sampling_params(rows, cache)
+    assert together.tolist() == [pack_sampling_params([row])[0].tolist() for row in rows]
+    assert len(cache) == 5 and pack_sampling_params(rows[::-1], cache).tolist() == together.tolist()[::-1]
+    fields = together.view(PARAMS_DTYPE).reshape(len(rows))
+    assert fields["top_k"][4] == 2**31 - 1 and fields["position_hi"].tolist() == [0, 1, 2, 3, 4, 0]
+
+
 def test_pack_penalties_lists_each_token_once():
     params = SamplingParams(temperature=1.0, repetition_penalty=1.2, frequency_penalty=0.5,
                             logit_bias=((9, 1.0), (3, 2.0), (9, -0.5)))

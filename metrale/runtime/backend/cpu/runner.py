@@ -8,7 +8,7 @@ import torch
 
 from metrale.runtime.beam.candidates import HostCandidates, best_first
 from metrale.runtime.cache.specs import NoCache, PagedKv, PagedLatent, RecurrentState
-from metrale.runtime.sampling import sample
+from metrale.runtime.sampling import SampleResult, sample
 
 
 class CpuRunner:
@@ -59,10 +59,9 @@ class CpuRunner:
     def run_encoder(self, encode, batch, replayable):
         encode(batch)
 
-    def sample(self, logits, rows, on_queued=None):
-        if on_queued is not None:   # the forward ran already: nothing is left to queue
-            on_queued()
-        return sample(logits, rows)
+    def queue_sample(self, logits, rows) -> "ReadySample":
+        """Sampled at once: the forward ran already, nothing is left to queue."""
+        return ReadySample(sample(logits, rows))
 
     def beam_candidates(self, logits: torch.Tensor, banned: list[list[int]], count: int) -> HostCandidates:
         log_probs = torch.log_softmax(logits.float(), dim=-1)
@@ -88,3 +87,15 @@ class CpuRunner:
 
     def counters(self) -> dict[str, int]:
         return {"kernel_cache_hits": 0, "kernel_cache_misses": 0, "graph_replays": 0}
+
+
+class ReadySample:
+    """A sampling done when it was queued (Runner.queue_sample's answer on the CPU)."""
+
+    __slots__ = ("_result",)
+
+    def __init__(self, result: SampleResult):
+        self._result = result
+
+    def result(self) -> SampleResult:
+        return self._result

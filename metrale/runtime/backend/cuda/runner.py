@@ -9,6 +9,7 @@ import torch
 from metrale.runtime.backend.cuda import kernels
 from metrale.runtime.backend.cuda.beam_search import CudaDeviceSearch, fits, seed_of, state_arrays, state_bytes
 from metrale.runtime.backend.cuda.resources import CudaResources
+from metrale.runtime.backend.cuda.sampler import QueuedRows
 from metrale.runtime.backend.cuda.device import ALIGNMENT, Arena, CUDAError
 from metrale.runtime.backend.cuda.gemm_tuning import AlgoTuner
 from metrale.runtime.backend.cuda.graphs import DecodeGraphs, PrefillGraphs, no_collection
@@ -19,7 +20,6 @@ from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.beam.on_device import SearchStart
 from metrale.runtime.cache.specs import NoCache, PagedKv
 from metrale.runtime.errors import InvalidArgument
-from metrale.runtime.sampling import SampleResult
 
 
 class CudaRunner:
@@ -158,8 +158,8 @@ class CudaRunner:
         else:
             ctx.encoder_graphs.run(encode, batch)
 
-    def sample(self, logits: DeviceTensor, rows, on_queued=None) -> SampleResult:
-        return self.resources.bound.context.sampler.sample(logits, rows, on_queued)
+    def queue_sample(self, logits: DeviceTensor, rows) -> QueuedRows:
+        return self.resources.bound.context.sampler.queue(logits, rows)
 
     def beam_candidates(self, logits: DeviceTensor, banned: list[list[int]], count: int) -> StreamCandidates:
         return self.resources.bound.context.beam_candidates(logits, banned, count)

@@ -24,14 +24,17 @@ class DeviceSampler:
         [max_seqs * OUT_WORDS] int32."""
         self.ctx, self.params = ctx, params
         self.widened, self.processed, self.outputs = widened, processed, outputs
+        # pack_sampling_params's packed (params, options) pairs: a sequence's are the same objects at every step.
+        self.packed_pairs: dict = {}
 
-    def sample(self, bf16_logits: DeviceTensor, rows, on_queued=None) -> SampleResult:
-        """bf16_logits [len(rows), V]: the LM head's output rows."""
+    def queue(self, bf16_logits: DeviceTensor, rows) -> "QueuedRows":
+        """Queues the sampling of bf16_logits [len(rows), V] (the LM head's output rows) on the stream; the
+        outputs stay in the stream's outputs region until the answer's result() reads them back."""
         ctx, lib, stream = self.ctx, self.ctx.lib, self.ctx.stream
         n = len(rows)
         logits = self.widened.rows(0, n)
         kernels.widen_rows(lib, stream, logits, bf16_logits)
-        host_params = kernels.pack_sampling_params(rows)
+        host_params = kernels.pack_sampling_params(rows, self.packed_pairs)
         params = DeviceTensor(self.params.ptr, host_params.shape, "int32")
         ctx.copy_to_device(params, host_params)
         processed = None
@@ -50,24 +53,38 @@ class DeviceSampler:
         kernels.sample_rows(lib, stream, logits, params, tokens, logprobs, top_ids, top_logprobs, top_n,
                             processed=processed)
         ctx.mark_sampled()
-        if on_queued is not None:
-            on_queued()
-        host = ctx.copy_to_host(DeviceTensor(base, (n * OUT_WORDS,), "int32"))
-        return self._result(host, logits, rows, top_n)
+        return QueuedRows(self, logits, rows)
 
-    def _result(self, host: np.ndarray, logits: DeviceTensor, rows, top_n: int) -> SampleResult:
+    def result(self, logits: DeviceTensor, rows) -> SampleResult:
+        """Waits for the stream, then reads the outputs region (and the logits rows asked for) back."""
         n = len(rows)
+        host = self.ctx.copy_to_host(DeviceTensor(self.outputs.ptr, (n * OUT_WORDS,), "int32"))
         tokens = host[:n].tolist()
         if any(t < 0 for t in tokens):
             raise DeviceFault("a logits row has no finite maximum (NaN or +inf logits): nothing to sample")
         logprobs = host[n:2 * n].view(np.float32).tolist()
-        ids = host[2 * n:2 * n + n * MAX_TOP_LOGPROBS].reshape(n, MAX_TOP_LOGPROBS)
-        values = host[2 * n + n * MAX_TOP_LOGPROBS:].view(np.float32).reshape(n, MAX_TOP_LOGPROBS)
-        top, raw = [], []
-        for i, row in enumerate(rows):
-            k = row.options.top_logprobs
-            top.append((ids[i, :k].tolist(), values[i, :k].tolist()) if k else None)
-            raw.append(torch.from_numpy(self.ctx.copy_to_host(logits.rows(i, i + 1))[0])
-                       if row.options.return_logits else None)
-        logprobs = [lp if row.options.logprobs else math.nan for lp, row in zip(logprobs, rows)]
+        options = [row.options for row in rows]
+        top, raw = [None] * n, [None] * n
+        if any(o.top_logprobs or o.return_logits for o in options):
+            ids = host[2 * n:2 * n + n * MAX_TOP_LOGPROBS].reshape(n, MAX_TOP_LOGPROBS)
+            values = host[2 * n + n * MAX_TOP_LOGPROBS:].view(np.float32).reshape(n, MAX_TOP_LOGPROBS)
+            for i, o in enumerate(options):
+                if k := o.top_logprobs:
+                    top[i] = (ids[i, :k].tolist(), values[i, :k].tolist())
+                if o.return_logits:
+                    raw[i] = torch.from_numpy(self.ctx.copy_to_host(logits.rows(i, i + 1))[0])
+        if not all(o.logprobs for o in options):
+            logprobs = [lp if o.logprobs else math.nan for lp, o in zip(logprobs, options)]
         return SampleResult(tokens, logprobs, top, raw)
+
+
+class QueuedRows:
+    """A stream's queued sampling (Runner.queue_sample's answer on CUDA): read back by result()."""
+
+    __slots__ = ("sampler", "logits", "rows")
+
+    def __init__(self, sampler: DeviceSampler, logits: DeviceTensor, rows):
+        self.sampler, self.logits, self.rows = sampler, logits, rows
+
+    def result(self) -> SampleResult:
+        return self.sampler.result(self.logits, self.rows)

@@ -10,7 +10,7 @@ import numpy as np
 from metrale.runtime.backend.cuda.launch import launch_kernel, require
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.errors import InvalidArgument
-from metrale.runtime.sampling.params import MAX_TOP_LOGPROBS
+from metrale.runtime.sampling.params import MAX_TOP_LOGPROBS, OutputOptions, SamplingParams
 from metrale.runtime.sampling.sampler import SampleRow
 
 MODULE = "sampling"
@@ -21,6 +21,8 @@ ENTRY_WORDS = 5                # penalty entry: token id, output count, in histo
 FLAG_GREEDY, FLAG_PENALISED, FLAG_LOGPROBS = 1, 2, 4
 TOP_P_OFF = 2.0
 NULL = np.uint64(0)
+MASK64, LOW32, SHIFT32 = 2**64 - 1, np.uint64(0xFFFFFFFF), np.uint64(32)
+PACKED_PAIRS_LIMIT = 1 << 14    # pack_sampling_params's cache starts over past this many pairs
 WIDEN_THREADS = 256            # as in sampling.cu
 WIDEN_PER_THREAD = 16          # widen_rows: about this many values a thread, so vocab / 4096 blocks a row,
 WIDEN_MAX_CHUNKS = 64          # at most this many
@@ -43,21 +45,41 @@ class PenaltyLists:
     biases: np.ndarray         # [B] float32, each token's logit_bias values in the request's order
 
 
-def pack_sampling_params(rows: Sequence[SampleRow]) -> np.ndarray:
-    """[N, PARAM_WORDS] int32: each row's SampleParams as sample_rows and apply_penalties read them."""
-    packed = np.zeros(len(rows), dtype=PARAMS_DTYPE)
-    for i, row in enumerate(rows):
-        params, options = row.params, row.options
-        flags = ((FLAG_GREEDY if params.is_greedy else 0) | (FLAG_PENALISED if params.has_penalties else 0)
-                 | (FLAG_LOGPROBS if options.logprobs else 0))
-        seed, position = row.seed & (2**64 - 1), row.position & (2**64 - 1)
-        # the CPU's cut: keep a token while the float64 mass before it is < top_p, i.e. <= nextafter(top_p, -1)
-        top_p_limit = math.nextafter(params.top_p, -1.0) if params.top_p < 1.0 else TOP_P_OFF
-        packed[i] = (top_p_limit, params.temperature, params.min_p, params.repetition_penalty,
-                     params.frequency_penalty, params.presence_penalty, min(params.top_k, 2**31 - 1),
-                     seed & 0xFFFFFFFF, seed >> 32, position & 0xFFFFFFFF, position >> 32, flags,
-                     options.top_logprobs)
-    return packed.view(np.int32).reshape(len(rows), PARAM_WORDS)
+def pack_sampling_params(rows: Sequence[SampleRow], packed_pairs: dict | None = None) -> np.ndarray:
+    """[N, PARAM_WORDS] int32: each row's SampleParams as sample_rows and apply_penalties read them. packed_pairs:
+    a cache the caller keeps across calls (a sequence's parameter and option objects are the same at every step):
+    the fields of each (params, options) pair are packed once, the seeds and positions as whole columns."""
+    cache = {} if packed_pairs is None else packed_pairs
+    if len(cache) > PACKED_PAIRS_LIMIT:
+        cache.clear()
+
+    def fields_of(row: SampleRow) -> bytes:
+        key = (id(row.params), id(row.options))
+        entry = cache.get(key)
+        if entry is None:       # the entry holds the objects, so their ids stay theirs while it lives
+            entry = cache[key] = (row.params, row.options, _pair_fields(row.params, row.options))
+        return entry[2]
+
+    n = len(rows)
+    words = np.frombuffer(b"".join(map(fields_of, rows)), dtype=np.int32).reshape(n, PARAM_WORDS).copy()
+    packed = words.view(PARAMS_DTYPE).reshape(n)
+    seeds = np.fromiter((row.seed & MASK64 for row in rows), dtype=np.uint64, count=n)
+    positions = np.fromiter((row.position & MASK64 for row in rows), dtype=np.uint64, count=n)
+    packed["seed_lo"], packed["seed_hi"] = seeds & LOW32, seeds >> SHIFT32
+    packed["position_lo"], packed["position_hi"] = positions & LOW32, positions >> SHIFT32
+    return words
+
+
+def _pair_fields(params: SamplingParams, options: OutputOptions) -> bytes:
+    """The SampleParams image of a parameter and option pair, seed and position 0."""
+    flags = ((FLAG_GREEDY if params.is_greedy else 0) | (FLAG_PENALISED if params.has_penalties else 0)
+             | (FLAG_LOGPROBS if options.logprobs else 0))
+    # the CPU's cut: keep a token while the float64 mass before it is < top_p, i.e. <= nextafter(top_p, -1)
+    top_p_limit = math.nextafter(params.top_p, -1.0) if params.top_p < 1.0 else TOP_P_OFF
+    packed = np.zeros(1, dtype=PARAMS_DTYPE)
+    packed[0] = (top_p_limit, params.temperature, params.min_p, params.repetition_penalty, params.frequency_penalty,
+                 params.presence_penalty, min(params.top_k, 2**31 - 1), 0, 0, 0, 0, flags, options.top_logprobs)
+    return packed.tobytes()
 
 
 def pack_penalties(rows: Sequence[SampleRow], vocab_size: int) -> PenaltyLists:
