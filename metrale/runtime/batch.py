@@ -26,6 +26,8 @@ class ForwardBatch:
     # Models with recurrent layers: each segment's (source, destination) state slots; the forward reads the state
     # from the source (-1: zeros) and writes the advanced state into the destination (cache/specs.RecurrentState).
     state_slots: list[tuple[int, int]] | None = None
+    # What a runner built from this batch ahead of running it (Runner.stage), its own to read.
+    staged: object = None
 
     @property
     def num_tokens(self) -> int:

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 import structlog
+import torch
 
 from metrale.runtime.backend.runner import QueuedSample, Runner
-from metrale.runtime.batch import Segment, build_batch
+from metrale.runtime.batch import ForwardBatch, Segment, build_batch
 from metrale.runtime.beam.call import BeamCall, BeamResult
 from metrale.runtime.beam.params import BeamRequest
 from metrale.runtime.cache.blocks import BlockPool
@@ -93,7 +94,7 @@ class Engine:
             self.guesses.abandon(successor)
             return None
         try:
-            successor.launched = self._launch_round(successor.plan.rounds[0], lambda: False)
+            successor.launched = self._launch_round(successor.plan.rounds[0], lambda: False, successor.staged)
         except Exception:
             log.exception("run_ahead_failed")
             self._quiesce()
@@ -284,9 +285,11 @@ class Engine:
         return StepOutput(outputs, int((time.perf_counter() - started) * 1e6))
 
     def _reserve_successor(self, ahead: Ahead) -> None:
-        """Guesses.reserve_next, where a failure costs only the successor."""
+        """Guesses.reserve_next, and the successor's inputs staged, where a failure costs only the successor."""
         try:
-            self.guesses.reserve_next(ahead)
+            if (successor := self.guesses.reserve_next(ahead)) is not None:
+                successor.staged = self._stage_round(successor.plan.rounds[0])
+                self.runner.stage(successor.staged.batch)
         except Exception:
             log.exception("run_ahead_failed")
 
@@ -307,15 +310,32 @@ class Engine:
     def _run_round(self, chunks: tuple[Chunk, ...], cancelled: Callable[[], bool]) -> list[SequenceOutput]:
         return self._finish_round(self._launch_round(chunks, cancelled))
 
-    def _launch_round(self, chunks: tuple[Chunk, ...], cancelled: Callable[[], bool]) -> "Launched":
-        """Queues the round's forward and sampling; its sequences hold its tokens from here on."""
+    def _stage_round(self, chunks: tuple[Chunk, ...]) -> "Staged":
+        """The round's host inputs, built before it is launched (a guess's successor: while its predecessor runs,
+        its tokens to be set at launch)."""
         sequences = [self.sequences.get(c.seq_id) for c in chunks]
         stateful = self.cache.has_state
         segments = [Segment(seq.block_table, c.start, c.tokens, c.samples,
                             (seq.cross_table, seq.source_len) if seq.cross_table is not None else None,
                             (seq.state_source, seq.state_slot) if stateful else None)
                     for c, seq in zip(chunks, sequences)]
-        batch = build_batch(segments, self.config.kv_block_size)
+        rows = None
+        if all(len(c.tokens) == 1 and c.samples for c in chunks) and \
+                not any(seq.sampling.has_penalties for seq in sequences):
+            # Each sampled at the position after its token; no row reads the tokens it holds by then.
+            rows = [SampleRow(seq.sampling, seq.output, seq.seed, c.start + 1, seq.tokens, ())
+                    for c, seq in zip(chunks, sequences)]
+        return Staged(sequences, build_batch(segments, self.config.kv_block_size), rows)
+
+    def _launch_round(self, chunks: tuple[Chunk, ...], cancelled: Callable[[], bool], staged: "Staged | None" = None
+                      ) -> "Launched":
+        """Queues the round's forward and sampling; its sequences hold its tokens from here on. staged: its
+        inputs built already (_stage_round), each chunk one token, set here from the chunks."""
+        if staged is None:
+            staged = self._stage_round(chunks)
+        else:
+            staged.batch.token_ids.copy_(torch.tensor([c.tokens[0] for c in chunks], dtype=torch.int64))
+        sequences, batch = staged.sequences, staged.batch
         with self.forwards.lock:
             if self.is_encoder_decoder:
                 self._encode(chunks, sequences)
@@ -335,8 +355,8 @@ class Engine:
                 return Launched([], [], None)
             cached = [seq.cached_tokens if c.ends_prompt else 0 for c, seq in zip(chunks, sequences) if c.samples]
             # The token lists go by reference; the generated tokens are sliced out only where penalties read them.
-            rows = [SampleRow(s.sampling, s.output, s.seed, s.num_tokens, s.tokens,
-                              s.output_tokens if s.sampling.has_penalties else ()) for s in sampled]
+            rows = staged.rows or [SampleRow(s.sampling, s.output, s.seed, s.num_tokens, s.tokens,
+                                             s.output_tokens if s.sampling.has_penalties else ()) for s in sampled]
             return Launched(sampled, cached, self.runner.queue_sample(logits, rows))
 
     @staticmethod
@@ -345,8 +365,18 @@ class Engine:
         if launched.sampling is None:
             return []
         result = launched.sampling.result()
-        return [SequenceOutput(seq.seq_id, result.tokens[i], result.logprobs[i], result.top_logprobs[i],
-                               result.logits[i], launched.cached[i]) for i, seq in enumerate(launched.sampled)]
+        return list(map(SequenceOutput._make, zip([seq.seq_id for seq in launched.sampled], result.tokens,
+                                                  result.logprobs, result.top_logprobs, result.logits,
+                                                  launched.cached)))
+
+
+@dataclass(slots=True)
+class Staged:
+    """A round's host inputs: its sequences, its batch, and its sampling rows where they could be made before its
+    launch (None: made at launch)."""
+    sequences: list[Sequence]
+    batch: ForwardBatch
+    rows: list[SampleRow] | None
 
 
 @dataclass(slots=True)

@@ -45,6 +45,8 @@ class Ahead:
     run_forward: Callable[["Ahead", Callable[[], None]], StepOutput] = field(repr=False)
     done: threading.Event = field(default_factory=threading.Event)
     output: StepOutput | None = None
+    # A successor's inputs, built while its predecessor runs (the engine's Staged round).
+    staged: object = None
     # Its device work, once queued ahead of run() (the engine's Launched round): run() then only finishes it.
     launched: object = None
     # The guess after this one, reserved while this one runs (not queued until a request takes this one).

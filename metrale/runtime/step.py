@@ -71,8 +71,8 @@ def check_token_ids(where: str, tokens, vocab_size: int) -> None:
         raise InvalidArgument(f"{where}: token id {bad} is out of range, vocab_size is {vocab_size}")
 
 
-@dataclass(slots=True)
-class SequenceOutput:
+class SequenceOutput(NamedTuple):
+    """A tuple, as DecodeToken (made per sequence per step, from the sampler's columns)."""
     seq_id: int
     token: int
     logprob: float

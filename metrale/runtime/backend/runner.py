@@ -91,6 +91,11 @@ class Runner(Protocol):
         the batch only through prepare() (the model says, model.replayable), so a graph captured for its padded
         shape may be replayed instead."""
 
+    def stage(self, batch: ForwardBatch) -> None:
+        """Builds on the host, ahead of run_forward, what running the batch will need (where the runner has such
+        work: a decode graph's metadata image), on the calling thread's stream; run_forward then only sets the
+        batch's token ids, which may change meanwhile (in place), and nothing else may."""
+
     def run_encoder(self, encode: Callable[[ForwardBatch], None], batch: ForwardBatch, replayable: bool) -> None:
         """encode(batch): an encoder-decoder's encoder pass, replayed as run_forward's may be."""
 

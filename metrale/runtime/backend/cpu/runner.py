@@ -56,6 +56,9 @@ class CpuRunner:
     def run_forward(self, forward, batch, replayable):
         return forward(batch)
 
+    def stage(self, batch) -> None:
+        """Nothing to build ahead on the CPU."""
+
     def run_encoder(self, encode, batch, replayable):
         encode(batch)
 

@@ -108,6 +108,11 @@ def pack_batch(batch: ForwardBatch, region: DeviceTensor, max_blocks: int, pad_t
                      samples_every_row=bool(pad_to) or (not prefill and batch.samples_every_row), host=host)
 
 
+def set_tokens(prepared: CudaBatch, token_ids) -> None:
+    """The batch's token ids (a [T] int64 tensor) into its packed image, which starts with them."""
+    prepared.host[:len(token_ids)] = token_ids.numpy()
+
+
 def _fill_tables(out: np.ndarray, tables: list) -> None:
     """Each block table (an int32 array or a list) into the start of its row of `out`, the rest left as it is."""
     if len(tables) <= 32:           # a row at a time is cheaper for a few

@@ -83,6 +83,12 @@ class DecodeGraphs:
         with self.ctx.reuse_prepared(*self._prepare(empty, size)):
             forward(empty)
 
+    def stage(self, batch: ForwardBatch, size: int) -> None:
+        """The batch's metadata (and its cross batch's) packed ahead of its run (StreamContext.stage)."""
+        self.ctx.stage(batch, pad_to=size)
+        if batch.cross is not None:
+            self.ctx.stage(batch.cross, pad_to=size, cross=True)
+
     def capture(self, forward: Callable, size: int) -> None:
         """The bucket's graph, captured now if it is not yet: before a caller writes the metadata replay() reads
         (capturing lays padding metadata over the region)."""

@@ -150,6 +150,13 @@ class CudaRunner:
             ctx.synchronize()
         return logits
 
+    def stage(self, batch: ForwardBatch) -> None:
+        """A decode step's padded metadata, packed for the stream's graph of its bucket."""
+        ctx = self.resources.bound.context
+        size = ctx.graphs.bucket(batch) if ctx.graphs else None
+        if size:
+            ctx.graphs.stage(batch, size)
+
     def run_encoder(self, encode, batch: ForwardBatch, replayable: bool) -> None:
         ctx = self.resources.bound.context
         self.cuda.ensure_current()

@@ -60,7 +60,7 @@ class DeviceSampler:
         n = len(rows)
         host = self.ctx.copy_to_host(DeviceTensor(self.outputs.ptr, (n * OUT_WORDS,), "int32"))
         tokens = host[:n].tolist()
-        if any(t < 0 for t in tokens):
+        if (host[:n] < 0).any():
             raise DeviceFault("a logits row has no finite maximum (NaN or +inf logits): nothing to sample")
         logprobs = host[n:2 * n].view(np.float32).tolist()
         options = [row.options for row in rows]

@@ -11,7 +11,7 @@ import torch
 from cuda.core import EventOptions, StreamOptions
 
 from metrale.runtime.backend.cuda import kernels
-from metrale.runtime.backend.cuda.batch import CudaBatch, PrefillPadding, metadata_elements, pack_batch
+from metrale.runtime.backend.cuda.batch import CudaBatch, PrefillPadding, metadata_elements, pack_batch, set_tokens
 from metrale.runtime.backend.cuda.device import ALIGNMENT, Arena, CudaDevice, RingArena
 from metrale.runtime.backend.cuda.graphs import DecodeGraphs, PrefillGraphs
 from metrale.runtime.backend.cuda.sampler import OUT_WORDS, DeviceSampler
@@ -120,12 +120,13 @@ class StreamContext:
         its own region; the ring goes on."""
         if self._prepared is not None:      # capturing: the batch already in place
             return self._prepared_cross if cross else self._prepared
-        rows = max(pad_to, prefill.tokens if prefill else 0, batch.num_tokens)
-        segments = max(pad_to, len(batch.sample_rows), *((prefill.segments, prefill.sampled) if prefill else ()))
-        if rows > self.shapes.max_batch_tokens or segments > self.shapes.max_seqs:
-            raise InvalidArgument("the forward is larger than the memory plan")
+        key = (self, pad_to, cross, prefill)
+        if batch.staged is not None and batch.staged[0] == key:     # packed ahead: only its tokens set now
+            prepared = batch.staged[1]
+            set_tokens(prepared, batch.token_ids)
+        else:
+            prepared = self.pack(batch, pad_to, cross, prefill)
         region = self.cross_metadata if cross else self.metadata
-        prepared = pack_batch(batch, region, self.shapes.max_blocks_per_seq, pad_to, prefill)
         self.copy_to_device(DeviceTensor(region.ptr, prepared.host.shape, "int32"), prepared.host)
         if cross:
             return prepared
@@ -133,6 +134,21 @@ class StreamContext:
         if self._timing:
             self._round_events = (self.stream.record(options=TIMED), None)
         return prepared
+
+    def pack(self, batch: ForwardBatch, pad_to: int = 0, cross: bool = False,
+             prefill: PrefillPadding | None = None) -> CudaBatch:
+        """The batch's metadata image for the stream's region, on the host (prepare() copies it over)."""
+        rows = max(pad_to, prefill.tokens if prefill else 0, batch.num_tokens)
+        segments = max(pad_to, len(batch.sample_rows), *((prefill.segments, prefill.sampled) if prefill else ()))
+        if rows > self.shapes.max_batch_tokens or segments > self.shapes.max_seqs:
+            raise InvalidArgument("the forward is larger than the memory plan")
+        region = self.cross_metadata if cross else self.metadata
+        return pack_batch(batch, region, self.shapes.max_blocks_per_seq, pad_to, prefill)
+
+    def stage(self, batch: ForwardBatch, pad_to: int = 0, cross: bool = False) -> None:
+        """Packs the batch's image ahead of its prepare() on this stream (which then sets only its tokens), while
+        the device runs the step before it: batch.staged. Prepared on another stream, the batch is packed again."""
+        batch.staged = ((self, pad_to, cross, None), self.pack(batch, pad_to, cross))
 
     def beam_candidates(self, logits: DeviceTensor, banned: list[list[int]], count: int) -> "StreamCandidates":
         """Runner.beam_candidates: the kernel over the stream's logits into its candidates buffer, queued. The buffer

@@ -1,0 +1,58 @@
+"""A decode batch packed ahead of its launch (Runner.stage, while the step before it runs) uploads exactly the image a
+batch packed at its launch uploads, its token ids set in place meanwhile included; prepared on another stream it
+is packed again for that stream's region. No GPU needed: the stream contexts are host-side stand-ins."""
+
+import functools
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("cuda.core")
+
+from metrale.runtime.backend.cuda.stream_context import StreamContext  # noqa: E402
+from metrale.runtime.backend.cuda.tensor import DeviceTensor  # noqa: E402
+from metrale.runtime.batch import Segment, build_batch  # noqa: E402
+from metrale.runtime.sequence import BlockTable  # noqa: E402
+
+BLOCK, MAX_BLOCKS = 16, 8
+
+
+def stream(base: int):
+    """What StreamContext.prepare, pack and stage read of a stream: its shapes, regions and copies."""
+    ctx = SimpleNamespace(_prepared=None, _timing=False, uploads=[], ring=SimpleNamespace(reset=lambda: None),
+                          shapes=SimpleNamespace(max_batch_tokens=64, max_seqs=16, max_blocks_per_seq=MAX_BLOCKS),
+                          metadata=DeviceTensor(base, (4096,), "int32"),
+                          cross_metadata=DeviceTensor(base + 1 << 20, (4096,), "int32"))
+    ctx.copy_to_device = lambda dst, host: ctx.uploads.append((dst.ptr, host.copy()))
+    for name in ("prepare", "pack", "stage"):
+        setattr(ctx, name, functools.partial(getattr(StreamContext, name), ctx))
+    return ctx
+
+
+def decode_batch(tokens):
+    segments = [Segment(BlockTable([3 * i + 1, 3 * i + 2]), 20 + i, (t,), True) for i, t in enumerate(tokens)]
+    return build_batch(segments, BLOCK)
+
+
+def test_a_staged_batch_uploads_what_a_batch_packed_at_launch_uploads():
+    ctx = stream(1 << 30)
+    staged = decode_batch([0, 0, 0])
+    ctx.stage(staged, pad_to=4)
+    staged.token_ids.copy_(torch.tensor([7, 8, 9]))      # the successor's tokens, known at its launch
+    ctx.prepare(staged, pad_to=4)
+    ctx.prepare(decode_batch([7, 8, 9]), pad_to=4)
+    (first_at, first), (second_at, second) = ctx.uploads
+    assert first_at == second_at == ctx.metadata.ptr and np.array_equal(first, second)
+    assert first[:4].tolist() == [7, 8, 9, 0]
+
+
+def test_a_batch_staged_for_one_stream_is_packed_again_on_another():
+    one, other = stream(1 << 30), stream(1 << 31)
+    batch = decode_batch([5, 6])
+    one.stage(batch, pad_to=2)
+    staged_image = batch.staged[1]
+    prepared = other.prepare(batch, pad_to=2)
+    assert prepared is not staged_image and prepared.token_ids.ptr == other.metadata.ptr
+    assert np.array_equal(other.uploads[0][1], staged_image.host)
