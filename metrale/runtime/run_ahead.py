@@ -245,9 +245,13 @@ class StreamPacer:
 
     def __call__(self, output: StepOutput, stream_idle: bool, hand_over: Callable[[], None]) -> None:
         ahead = output.ahead
-        if ahead is None or not (stream_idle or ahead.queued):
+        if ahead is None:
             hand_over()
-            if ahead is not None:
+            return
+        if not (stream_idle or ahead.queued):
+            try:
+                hand_over()
+            finally:        # whatever happens to the answer, the guess is settled: skipped, never left pending
                 ahead.skip()
             return
         handed, queued_at = False, None
@@ -264,9 +268,11 @@ class StreamPacer:
             queued_at = time.perf_counter()
             answer()
 
-        if self.answer_first:
-            answer()
-        ahead.run(on_queued)
+        try:
+            if self.answer_first:
+                answer()
+        finally:            # a queued guess is always waited for, so no later step finds it pending
+            ahead.run(on_queued)
         answer()    # a guess that failed before it was queued
         if queued_at is not None:
             self.device_s = _average(self.device_s, time.perf_counter() - queued_at)

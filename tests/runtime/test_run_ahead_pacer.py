@@ -4,6 +4,8 @@ and hands the answer over first once the answer's round trip is the longer one."
 import threading
 import time
 
+import pytest
+
 from metrale.runtime.run_ahead import StreamPacer
 from metrale.runtime.step import StepOutput
 
@@ -59,3 +61,21 @@ def test_queued_work_skips_the_guess_and_answers():
     events = []
     StreamPacer()(StepOutput(ahead=FakeGuess(0.0, events)), False, lambda: events.append("answer"))
     assert events == ["answer", "skipped"]
+
+
+def test_an_answer_that_cannot_be_handed_over_still_settles_the_guess():
+    """The guess is run (or skipped) even where handing the answer over raises: a guess left pending would hold its
+    sequences' next step forever."""
+    cases = {(True, True): ["answer", "queued"], (True, False): ["queued", "answer"],
+             (False, False): ["answer", "skipped"]}
+    for (stream_idle, answer_first), expected in cases.items():
+        events, pacer = [], StreamPacer()
+        pacer.round_trip_s = 1.0 if answer_first else 0.0
+
+        def hand_over():
+            events.append("answer")
+            raise RuntimeError("the call was cancelled meanwhile")
+
+        with pytest.raises(RuntimeError):
+            pacer(StepOutput(ahead=FakeGuess(0.0, events)), stream_idle, hand_over)
+        assert events == expected, (stream_idle, answer_first)
