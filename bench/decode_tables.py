@@ -30,6 +30,9 @@ class DecodeRow(TimedRow):
     # peer: host wall clock per step over the timed loop.
     other_ms: list[float] = field(default_factory=list)
     note: str = ""
+    # Rows through gRPC, where the backend times its rounds: the device's idle time before each step's forward,
+    # since the step before it ended sampling.
+    idle_ms: list[float] = field(default_factory=list)
 
     @property
     def mean_ms(self) -> float:
@@ -77,18 +80,21 @@ def format_decode_table(rows: list[DecodeRow]) -> str:
     peer = {r.batch: r for r in rows if r.impl == "peer" and r.ok}
     device = {r.batch: r for r in rows if r.impl == "metrale" and r.ok}
     lines = [f"{'batch':>5}  {'impl':<9}  {'p50 ms':>8}  {'mean ms':>8}  {'other ms':>8}  {'tokens/s':>9}  "
-             f"{'floor ms':>8}  {'x floor':>7}  {'x peer':>6}  {'host %':>6}"]
+             f"{'floor ms':>8}  {'x floor':>7}  {'x peer':>6}  {'host %':>6}  {'idle ms':>7}"]
     for r in rows:
         if not r.ok:
             lines.append(f"{r.batch:>5}  {r.impl:<9}  {'-':>8}  {'-':>8}  {'-':>8}  {'-':>9}  {r.floor_ms:>8.3f}  "
-                         f"{'-':>7}  {'-':>6}  {'-':>6}  {r.note}")
+                         f"{'-':>7}  {'-':>6}  {'-':>6}  {'-':>7}  {r.note}")
             continue
         other = f"{r.other_p50_ms:.3f}" if r.other_p50_ms is not None else "-"
         vs_peer = f"{r.p50_ms / peer[r.batch].p50_ms:.2f}" if r.impl != "peer" and r.batch in peer else "-"
         through_grpc = r.impl not in ("metrale", "peer", "hf-eager") and r.batch in device
         host = f"{100 * (1 - device[r.batch].p50_ms / r.p50_ms):.1f}" if through_grpc else "-"
+        idle = [t for t in r.idle_ms if t == t]     # NaN: a first round, with none before it
+        idle = f"{statistics.median(idle):.3f}" if idle else "-"
         lines.append(f"{r.batch:>5}  {r.impl:<9}  {r.p50_ms:>8.3f}  {r.mean_ms:>8.3f}  {other:>8}  "
-                     f"{r.tokens_per_s:>9.0f}  {r.floor_ms:>8.3f}  {r.times_floor:>7.2f}  {vs_peer:>6}  {host:>6}"
+                     f"{r.tokens_per_s:>9.0f}  {r.floor_ms:>8.3f}  {r.times_floor:>7.2f}  {vs_peer:>6}  {host:>6}  "
+                     f"{idle:>7}"
                      + (f"  {r.note}" if r.note else ""))
     return "\n".join(lines)
 

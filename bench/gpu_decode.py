@@ -233,7 +233,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"{bandwidth / 1e12:.3f} TB/s; metrale: device time (CUDA events from the end of the step's input upload "
           f"to the end of sampling), other = host clock around Engine.step; grpc: a client process's Decode round "
           f"trip with the engine running ahead (the next step runs while the answer travels), steps: the same over one "
-          f"open Steps stream, grpc-sync: unary without run-ahead, other = round trip - forward_us - queue_us (transport, dispatch, conversion and the step's "
+          f"open Steps stream, grpc-sync: unary without run-ahead, idle ms: p50 of the time the device sat idle "
+          f"between one step's sampling and the next step's forward (CUDA events), other = round trip - forward_us - queue_us (transport, dispatch, conversion and the step's "
           f"planning; negative where the run-ahead hid it); peer: CUDA events around each graph replay, other = host wall per step; ratios of p50")
     print(format_decode_table(decode_rows))
     if prefill_rows:
@@ -299,6 +300,9 @@ def decode_grpc_row(run: Run, args, worker, shape, batch: int, floor_ms: float, 
     row = DecodeRow(batch, "steps" if rpc == "steps" else "grpc" if run_ahead else "grpc-sync", floor_ms)
     engine, runs_ahead = worker.engine, worker.engine.runs_ahead
     engine.runs_ahead = run_ahead and runs_ahead
+    timed = getattr(engine.runner, "take_rounds", None)     # the device's rounds on stream 0, the client's
+    if timed:
+        timed()
     try:
         times, row.note = run.phase(f"decode batch {batch} {row.impl}", decode_round_trips_in_subprocess,
                                     worker.address, batch, args.context, args.steps, args.warmup, shape.vocab,
@@ -308,6 +312,8 @@ def decode_grpc_row(run: Run, args, worker, shape, batch: int, floor_ms: float, 
     if times:
         row.step_ms = [t[0] for t in times]
         row.other_ms = [t[0] - t[1] - t[2] for t in times]
+        if timed:       # the decode steps' rounds are the last ones (the prompts' came first)
+            row.idle_ms = [idle for _, idle in timed()[-args.steps:]]
         log(f"batch {batch} {row.impl}: round trip p50 {row.p50_ms:.3f} ms ({row.times_floor:.2f}x floor); outside the "
             f"forward rounds (transport, dispatch, conversion, planning) p50 {row.other_p50_ms:.3f} ms, queue p50 "
             f"{sorted(t[2] for t in times)[len(times) // 2]:.3f} ms")

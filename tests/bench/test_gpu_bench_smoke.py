@@ -159,12 +159,13 @@ def test_tables_show_failures_and_ratios(bench):
     gd = bench.gpu_decode
     rows = [gd.DecodeRow(1, "metrale", 4.0, [5.0, 5.0, 6.0], [4.5]), gd.DecodeRow(1, "peer", 4.0, [5.5, 5.5],
                                                                                   [5.6]),
-            gd.DecodeRow(1, "steps", 4.0, [6.25], [1.0]),
+            gd.DecodeRow(1, "steps", 4.0, [6.25], [1.0], idle_ms=[float("nan"), 0.5, 0.3, 0.4]),
             gd.DecodeRow(8, "metrale", 4.2, note="failed: DeviceFault: boom"), gd.DecodeRow(8, "peer", 4.2, [6.0])]
     table = gd.format_decode_table(rows).splitlines()
     assert len(table) == 6
-    assert table[1].split()[:3] == ["1", "metrale", "5.000"] and table[1].split()[-3:] == ["1.25", "0.91", "-"]
-    assert table[3].split()[-3:] == ["1.56", "1.14", "20.0"]    # the host's share: 1 - 5.0 / 6.25
+    assert table[1].split()[:3] == ["1", "metrale", "5.000"] and table[1].split()[-4:] == ["1.25", "0.91", "-", "-"]
+    # the host's share: 1 - 5.0 / 6.25; the device's idle time between steps, the first round's NaN left out
+    assert table[3].split()[-4:] == ["1.56", "1.14", "20.0", "0.400"]
     assert "failed: DeviceFault: boom" in table[4]
     prefill = [gd.PrefillRow(1, 4096, "metrale", 1e12, 1e15, [2.0]), gd.PrefillRow(1, 4096, "peer", 1e12, 1e15, [],
                                                                                    note="skipped: time budget")]

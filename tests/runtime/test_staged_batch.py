@@ -1,6 +1,7 @@
 """A decode batch packed ahead of its launch (Runner.stage, while the step before it runs) uploads exactly the image a
 batch packed at its launch uploads, its token ids set in place meanwhile included; prepared on another stream it
-is packed again for that stream's region. No GPU needed: the stream contexts are host-side stand-ins."""
+is packed again for that stream's region; a stream's timed rounds give each round's device time and the device's
+idle time before it. No GPU needed: the stream contexts are host-side stand-ins."""
 
 import functools
 from types import SimpleNamespace
@@ -56,3 +57,11 @@ def test_a_batch_staged_for_one_stream_is_packed_again_on_another():
     prepared = other.prepare(batch, pad_to=2)
     assert prepared is not staged_image and prepared.token_ids.ptr == other.metadata.ptr
     assert np.array_equal(other.uploads[0][1], staged_image.host)
+
+
+def test_timed_rounds_give_each_rounds_device_time_and_the_idle_time_before_it():
+    """StreamContext.take_rounds over events that subtract to ms (a CUDA event minus another is its elapsed ms)."""
+    ctx = SimpleNamespace(synchronize=lambda: None, _timed_rounds=[(0.0, 4.0), (4.5, 9.0), (None, 9.5), (10.0, 12.0)])
+    rounds = StreamContext.take_rounds(ctx)
+    assert np.isnan(rounds[0][1]) and rounds[0][0] == 4.0
+    assert rounds[1:] == [(4.5, 0.5), (2.0, 0.5)] and ctx._timed_rounds == []

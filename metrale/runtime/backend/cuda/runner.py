@@ -207,6 +207,12 @@ class CudaRunner:
     def last_device_ms(self) -> float | None:
         return self.resources.bound.context.last_device_ms()
 
+    def take_rounds(self) -> list[tuple[float, float]]:
+        """Benchmarks, with time_steps on: the calling thread's stream's rounds since the last call, each as (its
+        device ms, the ms its stream sat idle before it since the round before ended: what the host did not hide)
+        (StreamContext.take_rounds)."""
+        return self.resources.bound.context.take_rounds()
+
 
 def _paged(layers: list) -> list[DeviceTensor]:
     """The paged layers' tensors (NoCache layers hold None)."""

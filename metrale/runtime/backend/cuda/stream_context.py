@@ -29,6 +29,7 @@ BEAM_STATE_BYTES = 32 << 20
 # The activation workspace holds this many layers' tensors at max_batch_tokens (see RingArena).
 WORKSPACE_LAYERS = 3
 TIMED = EventOptions(timing_enabled=True)
+MAX_TIMED_ROUNDS = 1 << 16
 
 Buffers = dict[str, tuple[tuple[int, ...], str]]
 
@@ -108,6 +109,7 @@ class StreamContext:
         self._prepared: CudaBatch | None = None
         self._prepared_cross: CudaBatch | None = None
         self._timing, self._round_events = False, (None, None)
+        self._timed_rounds: list[tuple[object, object]] = []      # while timing: every sampled round's events
 
     def new(self, rows: int, cols: int, dtype: str = "bfloat16") -> DeviceTensor:
         """An activation tensor from the ring."""
@@ -211,11 +213,23 @@ class StreamContext:
     def time_steps(self, enabled: bool) -> None:
         self._timing = enabled
         self._round_events = (None, None)
+        self._timed_rounds.clear()
 
     def mark_sampled(self) -> None:
         """Called by the sampler once its last kernel is queued."""
         if self._timing:
             self._round_events = (self._round_events[0], self.stream.record(options=TIMED))
+            if len(self._timed_rounds) < MAX_TIMED_ROUNDS:
+                self._timed_rounds.append(self._round_events)
+
+    def take_rounds(self) -> list[tuple[float, float]]:
+        """The sampled rounds timed since the last call, in order, once the stream is done with them: (device ms,
+        ms the device had nothing of the stream's queued since the round before ended) each; the first round's
+        idle time is NaN."""
+        self.synchronize()
+        rounds, self._timed_rounds = self._timed_rounds, []
+        return [(end - start, start - rounds[i - 1][1] if i else math.nan)
+                for i, (start, end) in enumerate(rounds) if start is not None]
 
     def last_device_ms(self) -> float | None:
         started, sampled = self._round_events
