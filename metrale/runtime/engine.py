@@ -73,34 +73,46 @@ class Engine:
         successor = None
         if taken is not None:
             output, undo = taken.output, (taken.snapshot, taken.plan)
-            successor = self._queue_successor(taken, run_ahead)
+            successor = self._take_successor(taken, run_ahead)
         else:
             output, undo = self._run(step, cancelled)
         if reply is not None:
             self._reply_or_undo(output, reply, cancelled, undo, successor)
-        with self._lock:
-            self.reservations.commit(*undo)
+        try:
+            with self._lock:
+                self.reservations.commit(*undo)
+        except Exception as error:      # a bug: no queued successor may be left unwaited for
+            self._abandon(successor)
+            raise self._failure(error, "committing the step") from error
         if run_ahead and self.runs_ahead:
             output.ahead = successor or self._guess_next(step, output)
         return output
 
-    def _queue_successor(self, taken: Ahead, run_ahead: bool) -> Ahead | None:
-        """The taken guess's successor (settle made it the sequences' guess) with its device work queued; None
-        where there is none, or where the caller does not run ahead (it is then undone)."""
-        successor = taken.next
+    def _take_successor(self, taken: Ahead, run_ahead: bool) -> Ahead | None:
+        """The taken guess's successor (settle made it the sequences' guess), its device work queued where the runner
+        queues work (else the stream runs it after the answer, as any guess); None where there is none, or where the
+        caller does not run ahead (it is then undone)."""
+        successor, taken.next = taken.next, None
         if successor is None:
             return None
         if not (run_ahead and self.runs_ahead):
             self.guesses.abandon(successor)
             return None
+        if not self.runner.queues_work:
+            return successor
         try:
             successor.launched = self._launch_round(successor.plan.rounds[0], lambda: False, successor.staged)
         except Exception:
             log.exception("run_ahead_failed")
-            self._quiesce()
-            self.guesses.abandon(successor)
+            self._abandon(successor)
             return None
         return successor
+
+    def _abandon(self, successor: Ahead | None) -> None:
+        """Undoes a taken guess's successor, its queued device work waited for first."""
+        if successor is not None:
+            self._quiesce()
+            self.guesses.abandon(successor)
 
     def _reply_or_undo(self, output: StepOutput, reply: Callable[[StepOutput], object],
                        cancelled: Callable[[], bool], undo: tuple[dict, Plan], successor: Ahead | None) -> None:
@@ -111,9 +123,7 @@ class Engine:
             if cancelled():
                 raise Cancelled()
         except Exception as error:
-            if successor is not None:
-                self._quiesce()
-                self.guesses.abandon(successor)
+            self._abandon(successor)
             with self._lock:
                 self.reservations.restore(*undo)
             raise self._failure(error, "building the step's answer") from error
@@ -273,7 +283,7 @@ class Engine:
         then waits for the guess's outputs."""
         started = time.perf_counter()
         try:
-            launched = ahead.launched or self._launch_round(ahead.plan.rounds[0], lambda: False)
+            launched = ahead.launched or self._launch_round(ahead.plan.rounds[0], lambda: False, ahead.staged)
             on_queued()
             self._reserve_successor(ahead)
             outputs = self._finish_round(launched)
@@ -281,7 +291,7 @@ class Engine:
             self._quiesce()     # before whoever settles the guess gives its blocks back
             raise
         finally:
-            ahead.launched = None
+            ahead.launched = ahead.staged = None
         return StepOutput(outputs, int((time.perf_counter() - started) * 1e6))
 
     def _reserve_successor(self, ahead: Ahead) -> None:

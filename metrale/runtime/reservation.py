@@ -113,7 +113,7 @@ class Reservations:
                 # only a sequence that filled a block (one decode step in kv_block_size) has one to name
                 before = snapshot[seq_id][0] if seq_id in snapshot else 0
                 if length // size > before // size and (seq := self.sequences.get(seq_id)) is not None:
-                    self._register(seq)
+                    self._register(seq, length)
         if not self.cache.has_state:
             return
         for seq_id, (*_, state_slot) in snapshot.items():
@@ -121,12 +121,15 @@ class Reservations:
             if state_slot >= 0 and (seq is None or seq.state_slot != state_slot):
                 self.cache.free([], [state_slot])
 
-    def _register(self, seq: Sequence) -> None:
-        """Names the sequence's full blocks it has not named yet, and registers them."""
+    def _register(self, seq: Sequence, length: int) -> None:
+        """Names the full blocks of the sequence's first `length` tokens (the committed step's; a guess queued
+        after it may hold one more, which fills a block of its own where blocks are one token) it has not named
+        yet, and registers them."""
         size, named = self.cache.block_size, len(seq.block_names)
-        if not seq.cache_root or len(seq.tokens) // size <= named:
+        if not seq.cache_root or length // size <= named:
             return
-        names = block_names(seq.block_names[-1] if named else seq.cache_root, seq.tokens, size, named)
+        tokens = seq.tokens if len(seq.tokens) == length else seq.tokens[:length]
+        names = block_names(seq.block_names[-1] if named else seq.cache_root, tokens, size, named)
         table = seq.block_table.array()
         for i, name in enumerate(names, named):
             self.cache.blocks.register(int(table[i]), name)

@@ -1,6 +1,8 @@
 """Chained guesses: while a guess runs, its successor is reserved; the request that takes the guess queues the
-successor before its answer is built. Every answer, block and prefix-cache name is the same as without run-ahead,
-whether the successor is taken, undone by another request, or abandoned because the answer could not be built."""
+successor before its answer is built (where the runner queues work; the CPU's computes as it is called, so there
+the stream runs the successor after the answer, as any guess). Every answer, block and prefix-cache name is the same
+as without run-ahead, whether the successor is taken, undone by another request, or abandoned because the answer
+could not be built; with one-token blocks too, where the successor's token fills a block of its own."""
 
 import pytest
 
@@ -12,8 +14,10 @@ from metrale.runtime.sampling import SamplingParams
 from metrale.runtime.step import DecodeToken, PrefillSlice, Step
 from tiny_models import write_tiny
 
-BLOCK = 16
 SAMPLING = SamplingParams(temperature=0.9, top_k=40, seed=3)
+PENALISED = SamplingParams(temperature=0.9, top_k=40, seed=3, repetition_penalty=1.3, logit_bias=((5, 2.0),))
+# (KV block size, sampling): the staged sampling rows, made before the tokens they follow, only without penalties.
+CASES = [(16, SAMPLING), (1, SAMPLING), (16, PENALISED)]
 
 
 @pytest.fixture(scope="module")
@@ -21,17 +25,25 @@ def checkpoint(tmp_path_factory):
     return load_checkpoint(write_tiny("llama_tied", tmp_path_factory.mktemp("chain") / "llama"))
 
 
-def engine_of(checkpoint, run_ahead: str):
-    engine, _ = build_engine(checkpoint, EngineConfig(device="cpu", kv_blocks=24, kv_block_size=BLOCK,
+def engine_of(checkpoint, run_ahead: str, block: int, queues_work: bool = True):
+    engine, _ = build_engine(checkpoint, EngineConfig(device="cpu", kv_blocks=24 * 16 // block, kv_block_size=block,
                                                       run_ahead=run_ahead, max_model_len=160))
+    # The engine's order where the runner queues work (CUDA's), on the CPU's runner, which computes as it queues.
+    engine.runner.queues_work = queues_work
     return engine
+
+
+def pair(checkpoint, block: int, sampling, queues_work: bool = True) -> tuple["Stream", "Stream"]:
+    """A stream on an engine that runs ahead and one on an engine that does not."""
+    return (Stream(engine_of(checkpoint, "on", block, queues_work), sampling),
+            Stream(engine_of(checkpoint, "off", block), sampling))
 
 
 class Stream:
     """Drives an engine as a stream's thread does: the step, then (with run-ahead) its guess."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engine, sampling):
+        self.engine, self.sampling = engine, sampling
 
     def step(self, step: Step, reply=None):
         out = self.engine.step(step, run_ahead=True, reply=reply)
@@ -40,8 +52,8 @@ class Stream:
         return out
 
     def start(self, seq_ids, prompt_len=5):
-        slices = tuple(PrefillSlice(i, tuple((i * 7 + j * 5) % 200 for j in range(prompt_len)), sampling=SAMPLING)
-                       for i in seq_ids)
+        slices = tuple(PrefillSlice(i, tuple((i * 7 + j * 5) % 200 for j in range(prompt_len)),
+                                    sampling=self.sampling) for i in seq_ids)
         return self.tokens(self.step(Step(prefill=slices)))
 
     def decode(self, tokens: dict, reply=None) -> dict:
@@ -60,8 +72,10 @@ def state(engine) -> tuple:
     return sequences, names, engine.cache.blocks.num_free
 
 
-def test_the_successor_runs_before_the_answer_and_changes_no_token(checkpoint):
-    chained, plain = Stream(engine_of(checkpoint, "on")), Stream(engine_of(checkpoint, "off"))
+@pytest.mark.parametrize("block, sampling", CASES)
+@pytest.mark.parametrize("queues_work", [True, False])
+def test_the_successor_runs_before_the_answer_and_changes_no_token(checkpoint, block, sampling, queues_work):
+    chained, plain = pair(checkpoint, block, sampling, queues_work)
     tokens = chained.start([1, 2])
     assert tokens == plain.start([1, 2])
     held_at_reply = []
@@ -75,15 +89,17 @@ def test_the_successor_runs_before_the_answer_and_changes_no_token(checkpoint):
         expected = plain.decode(tokens)
         tokens = chained.decode(tokens, reply)
         assert tokens == expected
-    # The first decode runs as a real step; from the second on, each request takes a guess and queues its
-    # successor, whose token the sequence holds while the answer is built.
-    assert held_at_reply[0] == 6 and held_at_reply[1:] == list(range(8, 8 + 39))
+    # The first decode runs as a real step; from the second on, each request takes a guess and (where the runner
+    # queues work) queues its successor, whose token the sequence holds while the answer is built.
+    ahead = 1 if queues_work else 0
+    assert held_at_reply[0] == 6 and held_at_reply[1:] == list(range(7 + ahead, 7 + ahead + 39))
     assert chained.engine.ahead_counts.taken == 39
     assert state(chained.engine) == state(plain.engine)
 
 
-def test_another_request_undoes_the_guess_and_its_successor(checkpoint):
-    chained, plain = Stream(engine_of(checkpoint, "on")), Stream(engine_of(checkpoint, "off"))
+@pytest.mark.parametrize("block, sampling", CASES)
+def test_another_request_undoes_the_guess_and_its_successor(checkpoint, block, sampling):
+    chained, plain = pair(checkpoint, block, sampling)
     tokens = chained.start([1, 2, 3])
     plain.start([1, 2, 3])
     for _ in range(3):
@@ -102,8 +118,9 @@ def test_another_request_undoes_the_guess_and_its_successor(checkpoint):
     assert state(chained.engine) == state(plain.engine)
 
 
-def test_an_answer_that_fails_undoes_the_step_and_its_queued_successor(checkpoint):
-    chained, plain = Stream(engine_of(checkpoint, "on")), Stream(engine_of(checkpoint, "off"))
+@pytest.mark.parametrize("block, sampling", CASES)
+def test_an_answer_that_fails_undoes_the_step_and_its_queued_successor(checkpoint, block, sampling):
+    chained, plain = pair(checkpoint, block, sampling)
     tokens = chained.start([1, 2])
     plain.start([1, 2])
     for _ in range(3):

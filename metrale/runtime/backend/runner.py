@@ -51,6 +51,9 @@ class Runner(Protocol):
     # Whether --run-ahead auto runs each stream's guessed next decode step: where the device works while the host
     # answers (run_ahead.py).
     runs_ahead_by_default: bool
+    # Whether run_forward and queue_sample return once the work is queued, before it is done (the host may answer
+    # meanwhile): a taken guess's successor is then queued before the answer is built, else run after it.
+    queues_work: bool
     # Whether beam search runs here (BeamGenerate): it needs beam_candidates and copy_block_prefixes.
     supports_beam: bool
     # The most rows a decode forward replays a CUDA graph for (the largest decode bucket: such a step costs the host

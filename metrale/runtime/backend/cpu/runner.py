@@ -18,6 +18,7 @@ class CpuRunner:
     # Of the free RAM: the CPU backend shares its machine (development, CI, the default model).
     default_kv_memory_fraction = 0.25
     runs_ahead_by_default = False       # the host computes the step itself: a guess would only compete with it
+    queues_work = False
     supports_beam = True
     decode_graph_rows = 0
     prefill_graphs = False

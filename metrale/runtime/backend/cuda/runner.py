@@ -35,6 +35,7 @@ class CudaRunner:
     # is for what comes after the pool (graph capture, cuBLASLt's and the driver's own allocations).
     default_kv_memory_fraction = 0.9
     runs_ahead_by_default = True
+    queues_work = True
 
     def __init__(self, resources: CudaResources):
         self.resources, self.cuda, self.lib = resources, resources.cuda, resources.lib
