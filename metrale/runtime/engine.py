@@ -68,7 +68,8 @@ class Engine:
         raises (an answer too large to send, a bug), the step is undone too.
         run_ahead: where the engine runs ahead (run_ahead.py), the output carries the guessed next step, which the
         caller must run or skip (run_ahead.StreamPacer) before its next step. Where the step takes a guess whose
-        successor is reserved, the successor's device work is queued first, and the answer built while it runs."""
+        successor is reserved and the runner queues work, the successor's device work is queued first, and the
+        answer built while it runs."""
         taken = self.guesses.settle(step.seq_ids, step, cancelled)
         successor = None
         if taken is not None:
