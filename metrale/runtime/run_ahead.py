@@ -25,12 +25,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import structlog
+
 from metrale.runtime.cache.manager import CacheManager
 from metrale.runtime.errors import OutOfKvBlocks, OutOfStateSlots, WorkerError
 from metrale.runtime.planner import Limits, Plan, plan_step
 from metrale.runtime.reservation import Reservations
 from metrale.runtime.sequence import SequenceTable
 from metrale.runtime.step import DecodeToken, Step, StepOutput
+
+log = structlog.get_logger()
 
 
 @dataclass(eq=False)
@@ -72,10 +76,11 @@ class Ahead:
     def run(self, on_queued: Callable[[], None]) -> None:
         """Runs the guessed step (on the stream's thread); on_queued() once its device work is queued. A failure
         leaves no output to take: the request then runs the step itself and meets the error (a device fault)
-        there, as its own."""
+        there, as its own; it is logged here too, so that a guess path that always fails shows."""
         try:
             self.output = self.run_forward(self, on_queued)
         except Exception:
+            log.exception("run_ahead_failed")
             self.output = None
         finally:
             self.done.set()
