@@ -72,6 +72,8 @@ class StepStream:
         answer = next(self.responses)
         if answer.HasField("error"):
             raise RuntimeError(f"step {answer.step_id} failed: {answer.error.message}")
+        if answer.step_id != self.step_id:
+            raise RuntimeError(f"the answer to step {self.step_id} came as step {answer.step_id}")
         return answer.result
 
     def close(self) -> None:

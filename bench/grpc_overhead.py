@@ -11,7 +11,6 @@ import math
 import multiprocessing
 import os
 import platform
-import queue
 import statistics
 import sys
 import time
@@ -21,6 +20,7 @@ import grpc
 import structlog
 import torch
 
+from bench.grpc_client import StepStream
 from bench.stub_model import stub_worker_server
 from metrale.runtime.config import EngineConfig
 from metrale.service.config import WorkerConfig
@@ -74,24 +74,16 @@ def time_client(address: str, sizes: list[int], iterations: int, warmup: int, re
         stub = worker_pb2_grpc.WorkerStub(channel)
         for n in sizes:
             request = pb.DecodeRequest(seq_ids=range(n), tokens=[0] * n)
-            times = []
-            for i in range(warmup + iterations):
-                started = time.perf_counter_ns()
-                response = stub.Decode(request)
-                times.append((time.perf_counter_ns() - started) / 1e3)
-                assert len(response.tokens) == n
-            results.put(("Decode", n, times[warmup:]))
-            requests = queue.SimpleQueue()
-            responses = stub.Steps(iter(requests.get, None))
-            times = []
-            for i in range(warmup + iterations):
-                started = time.perf_counter_ns()
-                requests.put(pb.StepRequest(step_id=i, decode=request))
-                response = next(responses)
-                times.append((time.perf_counter_ns() - started) / 1e3)
-                assert response.step_id == i and len(response.result.tokens) == n
-            requests.put(None)
-            results.put(("Steps", n, times[warmup:]))
+            for rpc, decode in (("Decode", stub.Decode), ("Steps", StepStream(stub))):
+                times = []
+                for i in range(warmup + iterations):
+                    started = time.perf_counter_ns()
+                    response = decode(request)
+                    times.append((time.perf_counter_ns() - started) / 1e3)
+                    assert len(response.tokens) == n
+                if rpc == "Steps":
+                    decode.close()
+                results.put((rpc, n, times[warmup:]))
 
 
 class EchoServicer(worker_pb2_grpc.WorkerServicer):

@@ -296,11 +296,17 @@ class Engine:
         return StepOutput(outputs, int((time.perf_counter() - started) * 1e6))
 
     def _reserve_successor(self, ahead: Ahead) -> None:
-        """Guesses.reserve_next, and the successor's inputs staged, where a failure costs only the successor."""
+        """Guesses.reserve_next, and the successor's inputs staged, where a failure costs only the successor. Its
+        sampling rows too, unless one reads the tokens its sequence will hold by then (penalties): each row samples
+        at the position after its one token."""
         try:
             if (successor := self.guesses.reserve_next(ahead)) is not None:
-                successor.staged = self._stage_round(successor.plan.rounds[0])
-                self.runner.stage(successor.staged.batch)
+                chunks = successor.plan.rounds[0]
+                staged = successor.staged = self._stage_round(chunks)
+                if not any(seq.sampling.has_penalties for seq in staged.sequences):
+                    staged.rows = [SampleRow(seq.sampling, seq.output, seq.seed, c.start + 1, seq.tokens, ())
+                                   for c, seq in zip(chunks, staged.sequences)]
+                self.runner.stage(staged.batch)
         except Exception:
             log.exception("run_ahead_failed")
 
@@ -322,21 +328,15 @@ class Engine:
         return self._finish_round(self._launch_round(chunks, cancelled))
 
     def _stage_round(self, chunks: tuple[Chunk, ...]) -> "Staged":
-        """The round's host inputs, built before it is launched (a guess's successor: while its predecessor runs,
-        its tokens to be set at launch)."""
+        """The round's sequences and batch, built as it is launched or before (a guess's successor: while its
+        predecessor runs, its tokens to be set at launch)."""
         sequences = [self.sequences.get(c.seq_id) for c in chunks]
         stateful = self.cache.has_state
         segments = [Segment(seq.block_table, c.start, c.tokens, c.samples,
                             (seq.cross_table, seq.source_len) if seq.cross_table is not None else None,
                             (seq.state_source, seq.state_slot) if stateful else None)
                     for c, seq in zip(chunks, sequences)]
-        rows = None
-        if all(len(c.tokens) == 1 and c.samples for c in chunks) and \
-                not any(seq.sampling.has_penalties for seq in sequences):
-            # Each sampled at the position after its token; no row reads the tokens it holds by then.
-            rows = [SampleRow(seq.sampling, seq.output, seq.seed, c.start + 1, seq.tokens, ())
-                    for c, seq in zip(chunks, sequences)]
-        return Staged(sequences, build_batch(segments, self.config.kv_block_size), rows)
+        return Staged(sequences, build_batch(segments, self.config.kv_block_size))
 
     def _launch_round(self, chunks: tuple[Chunk, ...], cancelled: Callable[[], bool], staged: "Staged | None" = None
                       ) -> "Launched":
@@ -383,11 +383,11 @@ class Engine:
 
 @dataclass(slots=True)
 class Staged:
-    """A round's host inputs: its sequences, its batch, and its sampling rows where they could be made before its
+    """A round's host inputs: its sequences, its batch, and its sampling rows where they were made before its
     launch (None: made at launch)."""
     sequences: list[Sequence]
     batch: ForwardBatch
-    rows: list[SampleRow] | None
+    rows: list[SampleRow] | None = None
 
 
 @dataclass(slots=True)

@@ -39,9 +39,8 @@ log = structlog.get_logger()
 
 @dataclass(eq=False)
 class Ahead:
-    """A reserved guess: its plan, the state to restore if it is not taken, and (once done) its outputs."""
-    # None for a successor until its predecessor's tokens are known (fill()).
-    decode: tuple[DecodeToken, ...] | None
+    """A reserved guess: its plan (whose one round holds its tokens: a successor's are set by fill()), the state to
+    restore if it is not taken, and (once done) its outputs."""
     plan: Plan
     snapshot: dict
     blocks_taken: int
@@ -61,6 +60,11 @@ class Ahead:
         return [chunk.seq_id for chunk in self.plan.rounds[0]]
 
     @property
+    def decode(self) -> tuple[DecodeToken, ...]:
+        """The step the guess is: its sequences, each with its token."""
+        return tuple(DecodeToken(chunk.seq_id, chunk.tokens[0]) for chunk in self.plan.rounds[0])
+
+    @property
     def queued(self) -> bool:
         return self.launched is not None
 
@@ -69,7 +73,6 @@ class Ahead:
 
     def fill(self, tokens: list[int]) -> None:
         """A successor's tokens: what its predecessor sampled, in order."""
-        self.decode = tuple(map(DecodeToken._make, zip(self.seq_ids, tokens)))
         for chunk, token in zip(self.plan.rounds[0], tokens):
             chunk.tokens = (token,)
 
@@ -137,10 +140,9 @@ class Guesses:
         with self._lock:
             if self._blocks_wanted:
                 return None
+            # Tokens 0 until fill(): the plan needs the sequences and their lengths, not the tokens.
             ahead.next = self._reserve(Step(decode=tuple(DecodeToken(i, 0) for i in ahead.seq_ids)),
                                        ahead.run_forward)
-            if ahead.next is not None:
-                ahead.next.decode = None
         return ahead.next
 
     def _reserve(self, guess: Step, run_forward) -> Ahead | None:
@@ -151,7 +153,7 @@ class Guesses:
             return None
         free = self.cache.blocks.num_free
         snapshot = self.reservations.reserve(plan)
-        return Ahead(guess.decode, plan, snapshot, free - self.cache.blocks.num_free, run_forward)
+        return Ahead(plan, snapshot, free - self.cache.blocks.num_free, run_forward)
 
     def settle(self, seq_ids: list[int], step: Step | None = None,
                cancelled: Callable[[], bool] = lambda: False) -> Ahead | None:
