@@ -23,17 +23,37 @@ TINY = {
 }
 
 
+# State-space models (and hybrids): the Mamba2 mixer's shape shared by each; chunk_size 8, so that a 20-token
+# prompt's scan crosses chunks.
+MIXER = dict(n_groups=2, conv_kernel=4, chunk_size=8, vocab_size=256, hidden_size=64, max_position_embeddings=512,
+             bos_token_id=1, eos_token_id=2, pad_token_id=0)
+TINY_SSM = {
+    "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", dict(num_heads=8, head_dim=16, state_size=16,
+                                                         num_hidden_layers=3, layer_norm_epsilon=1e-5)),
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", dict(
+        layers_block_type=["mamba", "attention", "mlp", "mamba", "mlp"], num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=8, mamba_head_dim=16,
+        ssm_state_size=16)),
+}
+
+
 def write_tiny(name: str, directory: Path, seed: int = 0, shard: bool = False, weight_std: float = 0.15,
                norm_std: float = 0.5) -> Path:
-    """A random model of architecture `name` saved as safetensors in directory; weights scaled so the
-    logits are far from uniform. shard=True writes several files with an index."""
-    config_class, model_class, overrides = TINY[name]
-    config = getattr(transformers, config_class)(**{**BASE, **overrides})
+    """A random model of architecture `name` (TINY or TINY_SSM) saved as safetensors in directory; weights scaled
+    so the logits are far from uniform. shard=True writes several files with an index."""
+    ssm = name in TINY_SSM
+    config_class, model_class, overrides = (TINY_SSM if ssm else TINY)[name]
+    config = getattr(transformers, config_class)(**{**(MIXER if ssm else BASE), **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config).eval()
     with torch.no_grad():
-        for param in model.parameters():
+        for param_name, param in model.named_parameters():
             param.normal_(0.0, weight_std if param.dim() > 1 else norm_std).add_(1.0 if param.dim() == 1 else 0.0)
+            # A scan whose state lasts: per-token decay exp(dt * A) between ~0.5 and ~0.97, dt spread around 0.7.
+            if param_name.endswith("A_log"):
+                param.uniform_(-3.0, -0.5)
+            elif param_name.endswith("dt_bias"):
+                param.normal_(0.0, 1.0)
     model.save_pretrained(directory, max_shard_size="40KB" if shard else "1GB")
     return directory
 

@@ -1,4 +1,4 @@
-"""Each architecture's logits through the engine (Prefill, then Decode steps) against transformers."""
+"""Each architecture's logits through the engine (Prefill, then 64 greedy Decode steps) against transformers."""
 
 import pytest
 import torch
@@ -8,16 +8,16 @@ from metrale.runtime.config import EngineConfig
 from metrale.runtime.loading import load_checkpoint
 from metrale.runtime.sampling import OutputOptions
 from metrale.runtime.step import DecodeToken, PrefillSlice, Step
-from tiny_models import TINY, load_reference, write_tiny
+from tiny_models import TINY, TINY_SSM, load_reference, write_tiny
 
-NUM_DECODES = 8
+NUM_DECODES = 64
 
 
 def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
     return float((ours - reference).abs().max() / reference.abs().max())
 
 
-@pytest.mark.parametrize("name", sorted(TINY))
+@pytest.mark.parametrize("name", sorted(TINY) + sorted(TINY_SSM))
 def test_prefill_and_decode_logits_match_transformers(name, tmp_path):
     directory = write_tiny(name, tmp_path / name, shard=name == "llama3_untied")
     reference = load_reference(directory)

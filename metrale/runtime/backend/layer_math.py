@@ -1,5 +1,5 @@
 """The layer math every model family is written against: linears, norms, activations, embeddings, rotary
-positions and attention over a layer's cache. Each backend implements it (cpu/, cuda/). Models know nothing of
+positions, attention over a layer's cache and the state-space scan over a sequence's recurrent state. Each backend implements it (cpu/, cuda/). Models know nothing of
 graphs, streams, sampling or beam search: that is the runner's (runner.py)."""
 
 from dataclasses import dataclass
@@ -31,6 +31,34 @@ class Linear:
     x: Tensor
     weight: Tensor
     bias: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class SsmScan:
+    """A Mamba2 mixer's selective scan, uploaded: per head, A = -exp(A_log), the skip D and dt_bias, all float32
+    [num_heads]; dt = clamp(softplus(dt + dt_bias), dt_min, dt_max) at every token (prefill and decode alike, so a
+    prompt's split into chunks changes nothing); heads share B and C within each of n_groups groups; the scan runs
+    prefills in chunks of chunk_size tokens."""
+    A: Tensor
+    D: Tensor
+    dt_bias: Tensor
+    num_heads: int
+    head_dim: int
+    n_groups: int
+    state_size: int
+    chunk_size: int
+    dt_min: float = 0.0
+    dt_max: float = float("inf")
+
+    @property
+    def inner_size(self) -> int:
+        """The scan's width: num_heads * head_dim."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_size(self) -> int:
+        """The channels of the conv before the scan: x, then B and C of every group."""
+        return self.inner_size + 2 * self.n_groups * self.state_size
 
 
 class PreparedBatch(Protocol):
@@ -98,6 +126,25 @@ class LayerMath(Protocol):
 
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         """[T, 2 * I] -> silu(gate) * up, [T, I]."""
+
+    def relu_squared(self, x: Tensor) -> Tensor:
+        """max(x, 0) ** 2, elementwise (Nemotron-H's MLP)."""
+
+    def ssm_conv(self, x: Tensor, weight: Tensor, bias: Tensor | None, batch: PreparedBatch, conv_state: Tensor
+                 ) -> Tensor:
+        """SiLU of the causal depthwise conv1d (weight [C, K]) over each segment's rows of x [T, C], continuing from
+        the K - 1 inputs before them: the conv state [slots, C, K - 1] at the segment's source slot (zeros for -1),
+        oldest first. Writes the segment's last K - 1 inputs into its destination slot. -> [T, C]."""
+
+    def ssm_scan(self, xbc: Tensor, dt: Tensor, scan: SsmScan, batch: PreparedBatch, ssm_state: Tensor) -> Tensor:
+        """The selective scan of each segment's rows, continuing from the state [slots, heads, head_dim, state_size]
+        (float32) at its source slot (zeros for -1) and writing the state after its last row into its destination
+        slot: xbc [T, conv_size] is the conv's output (x, B, C), dt [T, heads] before its bias; returns
+        y = scan(x) + D * x, [T, heads * head_dim]."""
+
+    def gated_rms_norm(self, x: Tensor, gate: Tensor, weight: Tensor, eps: float, group_size: int) -> Tensor:
+        """RMSNorm of x * silu(gate) over each group_size slice, times weight (Mamba2's norm before out_proj;
+        float32 inside, the result in x's dtype times weight)."""
 
     def write_kv(self, k: Tensor, v: Tensor, batch: PreparedBatch, kv: Tensor) -> None:
         """K and V rows [T, kv_heads * head_dim] into the paged cache at the batch's slots (no rotation): an

@@ -4,7 +4,8 @@ default model."""
 import torch
 import torch.nn.functional as F
 
-from metrale.runtime.backend.layer_math import Linear, RopeTable, rope_then_attention
+from metrale.runtime.backend.cpu import ssm
+from metrale.runtime.backend.layer_math import Linear, RopeTable, SsmScan, rope_then_attention
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.errors import InvalidArgument
 
@@ -113,6 +114,18 @@ class CpuLayerMath:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def relu_squared(self, x):
+        return F.relu(x).square()
+
+    def ssm_conv(self, x, weight, bias, batch: "CpuBatch", conv_state):
+        return ssm.conv(x, weight, bias, batch, conv_state)
+
+    def ssm_scan(self, xbc, dt, scan: SsmScan, batch: "CpuBatch", ssm_state):
+        return ssm.scan(xbc, dt, scan, batch, ssm_state)
+
+    def gated_rms_norm(self, x, gate, weight, eps, group_size):
+        return ssm.gated_rms_norm(x, gate, weight, eps, group_size)
+
     def sampled_rows(self, x, residual, batch: "CpuBatch"):
         rows = batch.sample_rows
         return self._computed(x)[rows], residual[rows]
@@ -172,6 +185,12 @@ class CpuBatch:
             self.single_tables[row, :len(batch.block_tables[i])] = torch.tensor(batch.block_tables[i])
         self.multi_segments = [(batch.query_starts[i], batch.query_lens[i], batch.context_lens[i],
                                 torch.tensor(batch.block_tables[i], dtype=torch.int64)) for i in multi]
+        # Models with recurrent layers: the one-token segments' (source, destination) state slots as two tensors,
+        # and each longer segment's (start, length, (source, destination)).
+        slots = batch.state_slots or []
+        self.single_states = tuple(torch.tensor([slots[i][k] for i in single] if slots else [], dtype=torch.int64)
+                                   for k in (0, 1))
+        self.multi_states = [(batch.query_starts[i], batch.query_lens[i], slots[i]) for i in multi] if slots else []
         self._rope = None
         self._allowed = {}
 

@@ -1,0 +1,141 @@
+"""A stack of pre-norm residual blocks whose mixer is, layer by layer, a Mamba2 mixer, an attention without rotary
+positions, or a ReLU² MLP: Nemotron-H, and Mamba2 (every block a Mamba2 mixer). The layer kinds are data
+(config.layer_kinds), each with its own cache spec: a recurrent state, paged K/V, nothing."""
+
+from dataclasses import dataclass
+
+import torch
+
+from metrale.runtime.backend.layer_math import LayerMath, RopeTable
+from metrale.runtime.batch import ForwardBatch
+from metrale.runtime.cache.specs import NoCache, PagedKv
+from metrale.runtime.errors import InvalidArgument
+from metrale.runtime.models import mamba2_mixer
+from metrale.runtime.models.mamba2_mixer import MixerShape
+
+LAYER_KINDS = ("mamba", "attention", "mlp")
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    layer_kinds: tuple[str, ...]
+    mixer: MixerShape
+    norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    # The attention layers' and MLP layers' shapes (0 where the model has none).
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    intermediate_size: int = 0
+    mlp_bias: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    hc_mult: int = 0
+    is_mla: bool = False
+
+    def __post_init__(self):
+        unknown = sorted(set(self.layer_kinds) - set(LAYER_KINDS))
+        if unknown:
+            raise InvalidArgument(f"{self.architecture}: layer kind(s) {unknown} are not supported (supported: "
+                                  f"{', '.join(LAYER_KINDS)})")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_kinds)
+
+    @property
+    def has_ssm(self) -> bool:
+        return "mamba" in self.layer_kinds
+
+    @classmethod
+    def from_hf(cls, hf: dict, **family) -> "HybridConfig":
+        eos = hf.get("eos_token_id")
+        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        return cls(architecture=hf["architectures"][0], vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+                   max_position_embeddings=hf.get("max_position_embeddings") or mamba2_mixer.UNLIMITED_POSITIONS_MAX_LEN,
+                   tie_word_embeddings=hf.get("tie_word_embeddings", False), eos_token_ids=eos,
+                   bos_token_id=hf.get("bos_token_id"), pad_token_id=hf.get("pad_token_id"), **family)
+
+
+class HybridForCausalLM:
+    def __init__(self, config: HybridConfig, tensors: dict[str, torch.Tensor], math: LayerMath, max_model_len: int):
+        self.config = config
+        self.math = math
+        self.weights = _load_weights(config, tensors, math)
+        if "attention" in config.layer_kinds:
+            half = config.head_dim // 2
+            self.rope = RopeTable(math.upload_float32(torch.ones(max_model_len, half)),
+                                  math.upload_float32(torch.zeros(max_model_len, half)), identity=True)
+            self.scale = config.head_dim ** -0.5
+
+    def cache_specs(self) -> tuple:
+        c = self.config
+        spec = {"mamba": c.mixer.cache_spec(), "attention": PagedKv(c.num_kv_heads, c.head_dim), "mlp": NoCache()}
+        return tuple(spec[kind] for kind in c.layer_kinds)
+
+    def replayable(self, batch: ForwardBatch) -> bool:
+        """The forward reads every batch only through prepare()."""
+        return True
+
+    def forward(self, batch: ForwardBatch, cache: list) -> torch.Tensor:
+        """Runs every token of the batch; returns logits [N, vocab] of batch.sample_rows."""
+        ops, c, w = self.math, self.config, self.weights
+        meta = ops.prepare(batch)
+        x = ops.embedding(w["embed"], meta.token_ids)             # [T, hidden]
+        residual = None
+        for kind, layer, layer_cache in zip(c.layer_kinds, w["layers"], cache):
+            h, residual = ops.rms_norm(x, layer["norm"], c.norm_eps, residual)
+            if kind == "mamba":
+                x = mamba2_mixer.mixer(ops, h, layer, c.mixer, meta, layer_cache)
+            elif kind == "attention":
+                x = self._attention(h, layer, meta, layer_cache)
+            else:
+                x = ops.linear(ops.relu_squared(ops.linear(h, layer["up_proj"], layer.get("up_proj_bias"))),
+                               layer["down_proj"], layer.get("down_proj_bias"))
+        x, residual = ops.sampled_rows(x, residual, meta)
+        x, _ = ops.rms_norm(x, w["norm"], c.norm_eps, residual)
+        return ops.logits(x, w["lm_head"])
+
+    def _attention(self, h, layer: dict, meta, kv):
+        ops, c = self.math, self.config
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        qkv = ops.linear(h, layer["qkv_proj"])
+        q, k, v = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size], qkv[:, q_size + kv_size:]
+        o = ops.self_attention(q, k, v, self.rope, meta, kv, c.num_kv_heads, c.head_dim, self.scale, None)
+        return ops.linear(o, layer["o_proj"])
+
+
+def _load_weights(c: HybridConfig, tensors: dict[str, torch.Tensor], ops: LayerMath) -> dict:
+    # Checkpoints name the stack "backbone." (state-spaces, NVIDIA's own) or "model." (transformers 5).
+    prefix = "backbone." if "backbone.embeddings.weight" in tensors else "model."
+
+    def take(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise InvalidArgument(f"the checkpoint has no tensor {name!r} that {c.architecture} needs")
+        return tensors[name]
+
+    if c.tie_word_embeddings:
+        embed = lm_head = ops.upload_lm_head(take(prefix + "embeddings.weight"))
+    else:
+        embed, lm_head = ops.upload(take(prefix + "embeddings.weight")), ops.upload_lm_head(take("lm_head.weight"))
+    layers = []
+    for i, kind in enumerate(c.layer_kinds):
+        at = f"{prefix}layers.{i}."
+        layer = {"norm": ops.upload(take(at + "norm.weight"))}
+        if kind == "mamba":
+            layer.update(mamba2_mixer.load_mixer(take, at + "mixer.", c.mixer, ops))
+        elif kind == "attention":
+            layer["qkv_proj"] = ops.upload(torch.cat([take(f"{at}mixer.{p}_proj.weight") for p in "qkv"]))
+            layer["o_proj"] = ops.upload(take(at + "mixer.o_proj.weight"))
+        else:
+            for name in ("up_proj", "down_proj"):
+                layer[name] = ops.upload(take(f"{at}mixer.{name}.weight"))
+                if c.mlp_bias:
+                    layer[name + "_bias"] = ops.upload(take(f"{at}mixer.{name}.bias"))
+        layers.append(layer)
+    return {"embed": embed, "lm_head": lm_head, "norm": ops.upload(take(prefix + "norm_f.weight")), "layers": layers}

@@ -1,0 +1,91 @@
+"""The Mamba2 mixer, in layer math, as every SSM family here uses it (Mamba2, Nemotron-H, Falcon-H1, Granite 4.0-H):
+in_proj to the gate z, the conv's channels (x, B, C) and dt; the causal conv; the selective scan over the sequence's
+state; the gated RMSNorm; out_proj."""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from metrale.runtime.backend.layer_math import LayerMath, SsmScan
+from metrale.runtime.cache.specs import RecurrentState
+from metrale.runtime.errors import InvalidArgument
+
+# The longest sequence of a model whose config sets no position limit (a pure SSM has none): the default
+# max_model_len there; --max-model-len may set more.
+UNLIMITED_POSITIONS_MAX_LEN = 131072
+
+
+@dataclass(frozen=True)
+class MixerShape:
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    chunk_size: int
+    norm_eps: float
+    use_bias: bool = False
+    use_conv_bias: bool = True
+    dt_min: float = 0.0
+    dt_max: float = math.inf
+
+    def __post_init__(self):
+        if self.num_heads % self.n_groups:
+            raise InvalidArgument(f"mamba num_heads={self.num_heads} is not a multiple of n_groups={self.n_groups}")
+        if self.conv_kernel < 2 or self.chunk_size < 1:
+            raise InvalidArgument(f"conv_kernel={self.conv_kernel} and chunk_size={self.chunk_size} must be >= 2 "
+                                  f"and >= 1")
+
+    @property
+    def inner_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_size(self) -> int:
+        return self.inner_size + 2 * self.n_groups * self.state_size
+
+    def cache_spec(self) -> RecurrentState:
+        """The conv's last conv_kernel - 1 inputs, and the scan's state."""
+        return RecurrentState(((self.conv_size, self.conv_kernel - 1),
+                               (self.num_heads, self.head_dim, self.state_size)))
+
+
+def hf_float(value) -> float:
+    """A float of a config.json as transformers writes it ({"__float__": "Infinity"} for inf)."""
+    return float(value["__float__"]) if isinstance(value, dict) else float(value)
+
+
+def load_mixer(take, prefix: str, shape: MixerShape, ops: LayerMath) -> dict:
+    """The mixer's tensors under prefix (e.g. "model.layers.0.mixer."), uploaded; take(name) reads one."""
+    conv_weight = take(prefix + "conv1d.weight")          # [conv_size, 1, K]
+    w = {"in_proj": ops.upload(take(prefix + "in_proj.weight")),
+         "conv": ops.upload(conv_weight.reshape(conv_weight.shape[0], conv_weight.shape[-1])),
+         "gated_norm": ops.upload(take(prefix + "norm.weight")),
+         "out_proj": ops.upload(take(prefix + "out_proj.weight")),
+         "scan": SsmScan(A=ops.upload_float32(-torch.exp(take(prefix + "A_log").float())),
+                         D=ops.upload_float32(take(prefix + "D")),
+                         dt_bias=ops.upload_float32(take(prefix + "dt_bias")),
+                         num_heads=shape.num_heads, head_dim=shape.head_dim, n_groups=shape.n_groups,
+                         state_size=shape.state_size, chunk_size=shape.chunk_size, dt_min=shape.dt_min,
+                         dt_max=shape.dt_max)}
+    if shape.use_conv_bias:
+        w["conv_bias"] = ops.upload(take(prefix + "conv1d.bias"))
+    if shape.use_bias:
+        w["in_proj_bias"] = ops.upload(take(prefix + "in_proj.bias"))
+        w["out_proj_bias"] = ops.upload(take(prefix + "out_proj.bias"))
+    return w
+
+
+def mixer(ops: LayerMath, h, w: dict, shape: MixerShape, meta, state) -> object:
+    """h [T, hidden] -> [T, hidden]; state: the layer's (conv state, scan state) slot tensors."""
+    conv_state, ssm_state = state
+    inner, conv_size = shape.inner_size, shape.conv_size
+    projected = ops.linear(h, w["in_proj"], w.get("in_proj_bias"))        # [T, inner + conv_size + heads]
+    gate, xbc, dt = (projected[:, :inner], projected[:, inner:inner + conv_size],
+                     projected[:, inner + conv_size:])
+    xbc = ops.ssm_conv(xbc, w["conv"], w.get("conv_bias"), meta, conv_state)
+    y = ops.ssm_scan(xbc, dt, w["scan"], meta, ssm_state)                   # [T, inner]
+    y = ops.gated_rms_norm(y, gate, w["gated_norm"], shape.norm_eps, inner // shape.n_groups)
+    return ops.linear(y, w["out_proj"], w.get("out_proj_bias"))
