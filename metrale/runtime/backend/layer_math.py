@@ -55,11 +55,6 @@ class SsmScan:
         """The scan's width: num_heads * head_dim."""
         return self.num_heads * self.head_dim
 
-    @property
-    def conv_size(self) -> int:
-        """The channels of the conv before the scan: x, then B and C of every group."""
-        return self.inner_size + 2 * self.n_groups * self.state_size
-
 
 class PreparedBatch(Protocol):
     """A ForwardBatch as the backend holds it for one forward; models read these fields."""

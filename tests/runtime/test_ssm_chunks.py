@@ -1,0 +1,102 @@
+"""A state-space model's prompt split into chunks anywhere (gateway slices, the worker's own chunk_size, several
+sequences' slices in one step, decode lanes beside them) gives the logits of one chunk, within 1e-5 (float32, CPU):
+the conv and scan states carry across chunks exactly."""
+
+import random
+
+import pytest
+import torch
+
+from metrale.runtime.build import build_engine
+from metrale.runtime.config import EngineConfig
+from metrale.runtime.loading import load_checkpoint
+from metrale.runtime.sampling import OutputOptions
+from metrale.runtime.step import DecodeToken, PrefillSlice, Step
+from tiny_models import TINY_SSM, write_tiny
+
+BLOCK = 16
+PROMPT_LEN = 45
+DECODES = 6
+LOGITS = OutputOptions(return_logits=True)
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_SSM))
+def engine(request, tmp_path_factory):
+    directory = write_tiny(request.param, tmp_path_factory.mktemp(request.param))
+    engine, _ = build_engine(load_checkpoint(directory), EngineConfig(device="cpu", kv_blocks=96,
+                                                                      kv_block_size=BLOCK))
+    return engine
+
+
+def prompt(seed: int) -> tuple[int, ...]:
+    return tuple(torch.randint(3, 256, (PROMPT_LEN,), generator=torch.Generator().manual_seed(seed)).tolist())
+
+
+def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((ours - reference).abs().max() / reference.abs().max())
+
+
+def decode_logits(engine, seq_id: int, first) -> list[torch.Tensor]:
+    """The prompt's last logits, then DECODES greedy steps' logits; releases the sequence."""
+    rows, out = [first.logits], first
+    for _ in range(DECODES):
+        out = engine.step(Step(decode=(DecodeToken(seq_id, out.token),))).outputs[0]
+        rows.append(out.logits)
+    engine.release([seq_id])
+    return rows
+
+
+def one_chunk(engine, seq_id: int, tokens) -> list[torch.Tensor]:
+    out = engine.step(Step(prefill=(PrefillSlice(seq_id, tokens, output=LOGITS),))).outputs[0]
+    return decode_logits(engine, seq_id, out)
+
+
+def slices(tokens, cuts: list[int], seq_id: int) -> list[PrefillSlice]:
+    bounds = [0, *cuts, len(tokens)]
+    return [PrefillSlice(seq_id, tokens[a:b], chunk_start=a, is_last_chunk=b == len(tokens), output=LOGITS)
+            for a, b in zip(bounds, bounds[1:])]
+
+
+SPLITS = {"one token first": [1], "block - 1": [BLOCK - 1], "block": [BLOCK], "block + 1": [BLOCK + 1],
+          "every token": list(range(1, PROMPT_LEN)), "random": sorted(random.Random(5).sample(range(1, PROMPT_LEN), 6)),
+          "last token alone": [PROMPT_LEN - 1]}
+
+
+@pytest.mark.parametrize("split", sorted(SPLITS))
+def test_gateway_chunks_equal_one_chunk(engine, split):
+    tokens = prompt(1)
+    want = one_chunk(engine, 1, tokens)
+    for piece in slices(tokens, SPLITS[split], 2):
+        out = engine.step(Step(prefill=(piece,)))
+    got = decode_logits(engine, 2, out.outputs[0])
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert relative_error(a, b) < 1e-5, f"{split}: row {i}"
+
+
+@pytest.mark.parametrize("chunk_size", [1, BLOCK - 1, BLOCK, 7])
+def test_worker_chunk_size_equals_one_chunk(engine, chunk_size):
+    tokens = prompt(2)
+    want = one_chunk(engine, 1, tokens)
+    out = engine.step(Step(prefill=(PrefillSlice(2, tokens, chunk_size=chunk_size, output=LOGITS),)))
+    got = decode_logits(engine, 2, out.outputs[0])
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert relative_error(a, b) < 1e-5, f"chunk_size {chunk_size}: row {i}"
+
+
+def test_slices_batched_with_decode_lanes(engine):
+    """Three prompts cut differently, their slices sent together step by step, beside a sequence decoding."""
+    prompts = {10: prompt(3), 11: prompt(4), 12: prompt(5)}
+    want = {seq_id: one_chunk(engine, seq_id + 100, tokens) for seq_id, tokens in prompts.items()}
+    lane = engine.step(Step(prefill=(PrefillSlice(20, prompt(6)[:9]),))).outputs[0]
+    pending = {10: slices(prompts[10], [BLOCK, 2 * BLOCK], 10), 11: slices(prompts[11], [3, 17, 40], 11),
+               12: slices(prompts[12], [1, 2, BLOCK + 1], 12)}
+    firsts = {}
+    while any(pending.values()):
+        batch = tuple(queue.pop(0) for queue in pending.values() if queue)
+        out = engine.step(Step(decode=(DecodeToken(20, lane.token),), prefill=batch))
+        lane = next(o for o in out.outputs if o.seq_id == 20)
+        firsts.update({o.seq_id: o for o in out.outputs if o.seq_id != 20})
+    for seq_id in prompts:
+        got = decode_logits(engine, seq_id, firsts[seq_id])
+        for i, (a, b) in enumerate(zip(got, want[seq_id])):
+            assert relative_error(a, b) < 1e-5, f"seq {seq_id}: row {i}"
