@@ -10,6 +10,8 @@ from metrale.runtime.default_model import default_cache_dir, fetch_default_model
 def pytest_addoption(parser):
     parser.addoption("--worker-device", default="cpu", choices=("cpu", "cuda"),
                      help="backend of the in-process workers of the API tests")
+    parser.addoption("--worker-model", default="llama_tied",
+                     help="the tiny architecture (tests/tiny_models.py) the API tests' workers serve")
 
 
 def pytest_configure(config):

@@ -13,11 +13,12 @@ from metrale.runtime.backend.runner import QueuedSample, Runner
 from metrale.runtime.batch import ForwardBatch, Segment, build_batch
 from metrale.runtime.beam.call import BeamCall, BeamResult
 from metrale.runtime.beam.params import BeamRequest
-from metrale.runtime.cache.blocks import BlockPool
+from metrale.runtime.cache.blocks import BlockPool, tail_split
 from metrale.runtime.cache.manager import CacheManager
 from metrale.runtime.cache.prefix import PrefixCounts, cached_of
 from metrale.runtime.config import EngineConfig
-from metrale.runtime.errors import Cancelled, DeviceFault, FailedPrecondition, StepFailed, WorkerError, describe
+from metrale.runtime.errors import Cancelled, DeviceFault, FailedPrecondition, StepFailed, UnknownSequence, WorkerError, \
+    describe
 from metrale.runtime.forks import ForkResult, check_fork, fork
 from metrale.runtime.forwards import Forwards
 from metrale.runtime.planner import Chunk, Limits, Plan, plan_step, rows_returning_logits
@@ -55,7 +56,8 @@ class Engine:
         self.limits = Limits(max_model_len, config.max_batch_tokens, config.kv_block_size, config.max_seqs,
                              model.config.decoder_start_token_id if encoder_decoder else None,
                              # a source's cross-attention K/V take blocks as a sequence's self-attention K/V do
-                             min(model.config.max_position_embeddings, max_model_len) if encoder_decoder else 0)
+                             min(model.config.max_position_embeddings, max_model_len) if encoder_decoder else 0,
+                             splits_at_tail=cache.has_state)
         self.forwards = Forwards(model, runner, cache, config.kv_block_size)
         self._lock = threading.Lock()
         self.runs_ahead = config.run_ahead == "on" or (config.run_ahead == "auto" and runner.runs_ahead_by_default)
@@ -204,6 +206,21 @@ class Engine:
         self.guesses.settle(ids)
         with self._lock:
             return self.reservations.release(ids)
+
+    def prefill_tail_split(self, num_tokens: int) -> int | None:
+        """Where a prompt of num_tokens should end a non-last chunk: the last block boundary strictly inside it, for
+        a model whose recurrent state is snapshotted at block boundaries; None for a model without one."""
+        return tail_split(num_tokens, self.config.kv_block_size) if self.cache.has_state else None
+
+    def normalize_states(self, seq_ids: list[int]) -> None:
+        """Brings the sequences' recurrent states to their canonical form: each the state after its last answered
+        step, in the slot the sequence holds, with no guessed step (run-ahead) advancing it; a guess that would is
+        undone. UnknownSequence, with nothing changed, where an id is not live. Idempotent."""
+        with self._lock:
+            unknown = [i for i in seq_ids if i not in self.sequences]
+        if unknown:
+            raise UnknownSequence(unknown)
+        self.guesses.settle(seq_ids)
 
     def fork(self, parent_id: int, child_ids: list[int]) -> ForkResult:
         """New sequences continuing the parent from where it is (forks.py), all or none; their block copies are

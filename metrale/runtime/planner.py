@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from metrale.runtime.errors import BatchTooLarge, FailedPrecondition, InvalidArgument, OutOfKvBlocks, OutOfRange, \
     UnknownSequence
-from metrale.runtime.cache.blocks import blocks_for
+from metrale.runtime.cache.blocks import blocks_for, tail_split
 from metrale.runtime.sequence import SequenceTable
 from metrale.runtime.step import PrefillSlice, Step
 
@@ -22,6 +22,9 @@ class Limits:
     # token; sources are at most max_source_len tokens.
     decoder_start: int | None = None
     max_source_len: int = 0
+    # Models with recurrent layers: a slice the worker splits by its chunk_size also ends a chunk at the prompt's
+    # tail split (cache/blocks.tail_split), where the state's snapshot lands.
+    splits_at_tail: bool = False
 
 
 @dataclass(slots=True)
@@ -72,14 +75,12 @@ def plan_step(step: Step, sequences: SequenceTable, num_free_blocks: int, limits
             sources[s.seq_id] = len(s.tokens)
             needed += blocks_for(len(s.tokens), limits.kv_block_size)
             continue
-        found, _ = cached.get(s.seq_id, (0, 0))      # computed already: the run starts after it
-        size = s.chunk_size or len(s.tokens) - found
-        pieces = [s.tokens[i:i + size] for i in range(found, len(s.tokens), size)]
-        for r, piece in enumerate(pieces):
-            last = r == len(pieces) - 1
+        cuts = _cuts(s, cached.get(s.seq_id, (0, 0))[0], limits)
+        for r, (a, b) in enumerate(zip(cuts, cuts[1:])):
+            last = b == len(s.tokens)
             if r == len(rounds):
                 rounds.append([])
-            rounds[r].append(Chunk(s.seq_id, piece, s.chunk_start + found + r * size,
+            rounds[r].append(Chunk(s.seq_id, s.tokens[a:b], s.chunk_start + a,
                                    samples=last and s.is_last_chunk, ends_prompt=last and s.is_last_chunk))
         final_lengths[s.seq_id] = s.chunk_start + len(s.tokens)
     biggest = max(sum(len(c.tokens) + len(c.source) for c in chunks) for chunks in rounds)
@@ -95,6 +96,18 @@ def plan_step(step: Step, sequences: SequenceTable, num_free_blocks: int, limits
         raise OutOfKvBlocks(needed, num_free_blocks)
     return Plan(tuple(tuple(r) for r in rounds), tuple(s for s in step.prefill if s.chunk_start == 0), final_lengths,
                 sources)
+
+
+def _cuts(s: PrefillSlice, found: int, limits: Limits) -> list[int]:
+    """Where the slice's forwards start and end, as offsets into its tokens: from `found` (tokens the prefix cache
+    computed already) to its end, in pieces of its chunk_size (if any), one also ending at the tail split."""
+    end = len(s.tokens)
+    cuts = list(range(found, end, s.chunk_size or end)) + [end]
+    if s.chunk_size and limits.splits_at_tail and s.is_last_chunk:
+        split = tail_split(s.chunk_start + end, limits.kv_block_size)
+        if split is not None and found < split - s.chunk_start < end:
+            cuts = sorted(set(cuts) | {split - s.chunk_start})
+    return cuts
 
 
 def rows_returning_logits(step: Step, sequences: SequenceTable) -> int:

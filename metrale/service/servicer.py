@@ -117,17 +117,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if len(request.tokens) > self.info.max_model_len:
             raise OutOfRange(f"{len(request.tokens)} tokens pass max_model_len={self.info.max_model_len}")
         check_token_ids("PrefillTailSplit", request.tokens, self.info.vocab_size)
-        # Attention-only models keep no SSM state, so any chunk end is fine: no split.
-        return pb.PrefillTailSplitResponse()
+        return pb.PrefillTailSplitResponse(split=self.engine.prefill_tail_split(len(request.tokens)))
 
     async def NormalizeSsmStates(self, request, context):
+        ids = list(dict.fromkeys(request.seq_ids))
+
         def check() -> None:
             live = set(self.engine.live_seq_ids())
-            unknown = [i for i in request.seq_ids if i not in live or i >= RESERVED_SEQ_IDS]
+            unknown = [i for i in ids if i not in live or i >= RESERVED_SEQ_IDS]
             if unknown:
                 raise UnknownSequence(unknown)
 
-        await self._off_loop_if_large(len(request.seq_ids), check)
+        await self._off_loop_if_large(len(ids), check)
+        # Off the streams, as Release: a guess on these sequences is settled, nothing waits behind other steps.
+        await asyncio.wrap_future(self.threads.run_claimed(self._control, ids, lambda: self.engine.normalize_states(ids)))
         return pb.NormalizeSsmStatesResponse()
 
     async def MatchPrefix(self, request, context):

@@ -20,9 +20,10 @@ PENALISED = SamplingParams(temperature=0.9, top_k=40, seed=3, repetition_penalty
 CASES = [(16, SAMPLING), (1, SAMPLING), (16, PENALISED)]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return load_checkpoint(write_tiny("llama_tied", tmp_path_factory.mktemp("chain") / "llama"))
+@pytest.fixture(scope="module", params=["llama_tied", "nemotron_h"])
+def checkpoint(request, tmp_path_factory):
+    """A Llama, and a hybrid whose sequences also hold a recurrent state that a guess advances into a slot."""
+    return load_checkpoint(write_tiny(request.param, tmp_path_factory.mktemp("chain") / request.param))
 
 
 def engine_of(checkpoint, run_ahead: str, block: int, queues_work: bool = True):
@@ -69,7 +70,7 @@ def state(engine) -> tuple:
     engine.guesses.settle(engine.sequences.ids())
     sequences = {i: list(engine.sequences.get(i).tokens) for i in engine.sequences.ids()}
     names = {i: list(engine.sequences.get(i).block_names) for i in engine.sequences.ids()}
-    return sequences, names, engine.cache.blocks.num_free
+    return sequences, names, engine.cache.blocks.num_free, engine.cache.states.num_free
 
 
 @pytest.mark.parametrize("block, sampling", CASES)

@@ -35,8 +35,10 @@ def worker_device(request):
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory):
-    return write_tiny("llama_tied", tmp_path_factory.mktemp("tiny") / "llama")
+def tiny_model_dir(request, tmp_path_factory):
+    """The API tests' model: a tiny random Llama, or the architecture --worker-model names."""
+    name = request.config.getoption("--worker-model")
+    return write_tiny(name, tmp_path_factory.mktemp("tiny") / name)
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +51,8 @@ def default_worker(default_gguf):
 
 
 @pytest.fixture(scope="module")
-def worker(tiny_llama_dir):
-    running = start_worker(tiny_llama_dir, max_model_len=96, max_batch_tokens=512, num_streams=2)
+def worker(tiny_model_dir):
+    running = start_worker(tiny_model_dir, max_model_len=96, max_batch_tokens=512, num_streams=2)
     yield running
     running.stop()
 

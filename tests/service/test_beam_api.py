@@ -26,9 +26,9 @@ def hypotheses(result) -> list[tuple[list[int], float]]:
     return [(list(h.tokens), h.score) for h in result.hypotheses]
 
 
-def test_a_batch_of_requests_matches_transformers(llama, tiny_llama_dir):
+def test_a_batch_of_requests_matches_transformers(llama, tiny_model_dir):
     stub = llama
-    references = load_references(tiny_llama_dir, WORKER_DEVICE["device"])
+    references = load_references(tiny_model_dir, WORKER_DEVICE["device"])
     requests = [
         pb.BeamRequest(request_id=7, prompt_tokens=[5, 17, 99, 3], num_beams=4, max_new_tokens=12,
                        num_return_sequences=3, no_repeat_ngram_size=2),
@@ -191,7 +191,7 @@ def test_a_cancelled_call_gives_every_block_back(llama):
     assert stub.Info(pb.InfoRequest()).free_kv_blocks == free
 
 
-def test_beam_search_beside_decoding_on_another_stream(llama, tiny_llama_dir):
+def test_beam_search_beside_decoding_on_another_stream(llama, tiny_model_dir):
     """A BeamGenerate call on stream 1 while a client decodes on stream 0: both get what they get alone."""
     stub = llama
     call = pb.BeamGenerateRequest(requests=[beam(request_id=i, prompt_tokens=[5 + i, 6, 7], num_beams=3,

@@ -110,9 +110,9 @@ def test_a_million_unknown_ids_get_not_found_naming_a_few(default_worker):
 
 
 @pytest.fixture(scope="module")
-def worker_process(tiny_llama_dir, tmp_path_factory):
+def worker_process(tiny_model_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("big") / "worker.log"
-    process = WorkerProcess(tiny_llama_dir, log_path, args=("--kv-blocks", "32")).start()
+    process = WorkerProcess(tiny_model_dir, log_path, args=("--kv-blocks", "32")).start()
     yield process
     process.stop()
 

@@ -40,9 +40,9 @@ def answers(response: pb.ForwardResponse) -> tuple:
 
 
 @pytest.fixture(scope="module")
-def replay(tiny_llama_dir) -> list[tuple]:
+def replay(tiny_model_dir) -> list[tuple]:
     """The live sequences' decode steps on a worker where nothing fails."""
-    worker = start(tiny_llama_dir, "off")
+    worker = start(tiny_model_dir, "off")
     try:
         tokens, steps = prefill(worker.stub), []
         for _ in range(DECODE_STEPS):
@@ -136,9 +136,9 @@ PHASES = {
 
 @pytest.mark.parametrize("run_ahead", ["off", "on"])
 @pytest.mark.parametrize("phase", list(PHASES))
-def test_an_exception_in_any_phase_fails_that_call_alone(tiny_llama_dir, replay, monkeypatch, phase, run_ahead):
+def test_an_exception_in_any_phase_fails_that_call_alone(tiny_model_dir, replay, monkeypatch, phase, run_ahead):
     inject, make_call = PHASES[phase]
-    worker = start(tiny_llama_dir, run_ahead)
+    worker = start(tiny_model_dir, run_ahead)
     try:
         stub = worker.stub
         first = decode(stub, prefill(stub))
@@ -175,8 +175,8 @@ class FakeDriverError(Exception):
 
 
 @pytest.mark.parametrize("error", [DeviceFault("injected kernel fault flag"), FakeDriverError("injected driver")])
-def test_a_device_error_takes_the_worker_out_of_rotation_and_is_undone(tiny_llama_dir, replay, monkeypatch, error):
-    worker = start(tiny_llama_dir, "off")
+def test_a_device_error_takes_the_worker_out_of_rotation_and_is_undone(tiny_model_dir, replay, monkeypatch, error):
+    worker = start(tiny_model_dir, "off")
     try:
         stub = worker.stub
         tokens = prefill(stub)

@@ -16,8 +16,8 @@ OUT = pb.OutputOptions(logprobs=True, return_logits=True)
 
 
 @pytest.fixture
-def faulty(tiny_llama_dir):
-    running = start_worker(tiny_llama_dir, max_model_len=512, max_batch_tokens=512)
+def faulty(tiny_model_dir):
+    running = start_worker(tiny_model_dir, max_model_len=512, max_batch_tokens=512)
     yield running
     running.stop()
 

@@ -1,5 +1,7 @@
 """Prefill, Decode and MixedForward through a real gRPC channel: chunking, batching, the logits-row trap."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -38,12 +40,14 @@ def decode_n(stub, seq_id, first_token, n):
     return tokens
 
 
-def test_info(stub, worker):
+def test_info(stub, worker, tiny_model_dir):
     info = stub.Info(pb.InfoRequest())
-    assert info.architecture == "LlamaForCausalLM"
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    assert info.architecture == config["architectures"][0]
+    assert info.has_ssm == (config["model_type"] in ("mamba2", "nemotron_h"))
     assert info.vocab_size == 256 and info.kv_block_size == 16 and info.num_kv_blocks == 64
     assert info.free_kv_blocks == 64 and info.num_streams == 2 and info.max_model_len == 96
-    assert info.supports_beam and not info.is_mla and info.eos_token_ids == [2]
+    assert info.supports_beam == (not info.has_ssm) and not info.is_mla and info.eos_token_ids == [2]
 
 
 @pytest.mark.parametrize("splits", [[25], [16, 9], [7, 11, 7], [1] * 25, [3, 13, 9]])

@@ -252,8 +252,8 @@ class FuzzedWorker:
 
 
 @pytest.fixture(scope="module")
-def fuzzed(tiny_llama_dir):
-    worker = FuzzedWorker(tiny_llama_dir)
+def fuzzed(tiny_model_dir):
+    worker = FuzzedWorker(tiny_model_dir)
     yield worker
     if worker.worker is not None:
         worker.worker.stop()

@@ -57,8 +57,8 @@ def json_messages(text: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def worker(tiny_llama_dir, tmp_path_factory):
-    process = WorkerProcess(tiny_llama_dir, tmp_path_factory.mktemp("grpcurl") / "worker.log",
+def worker(tiny_model_dir, tmp_path_factory):
+    process = WorkerProcess(tiny_model_dir, tmp_path_factory.mktemp("grpcurl") / "worker.log",
                             args=("--kv-blocks", str(NUM_KV_BLOCKS), "--max-model-len", str(MAX_MODEL_LEN)))
     process.start()
     yield process

@@ -18,8 +18,8 @@ from service_harness import WORKER_DEVICE, start_worker
 
 
 @pytest.fixture(scope="module")
-def limited(tiny_llama_dir):
-    worker = start_worker(tiny_llama_dir, max_model_len=96, worker=dict(max_concurrent_rpcs=1))
+def limited(tiny_model_dir):
+    worker = start_worker(tiny_model_dir, max_model_len=96, worker=dict(max_concurrent_rpcs=1))
     yield worker
     worker.stop()
 
@@ -161,9 +161,9 @@ def test_a_prefill_answer_over_the_message_limit_leaves_no_sequence(one_mb, monk
 
 
 @pytest.fixture
-def two_in_flight(tiny_llama_dir, monkeypatch):
+def two_in_flight(tiny_model_dir, monkeypatch):
     """A worker allowing two forward calls at once, with two Prefills held open on their streams."""
-    worker = start_worker(tiny_llama_dir, max_model_len=96, num_streams=2, worker=dict(max_concurrent_rpcs=2))
+    worker = start_worker(tiny_model_dir, max_model_len=96, num_streams=2, worker=dict(max_concurrent_rpcs=2))
     engine, step = worker.engine, worker.engine.step
     entered, release = threading.Semaphore(0), threading.Event()
 

@@ -247,10 +247,10 @@ def run_load(address: str, seconds: float, clients: int) -> tuple[Tally, list[Cl
 
 
 @pytest.fixture
-def loaded_worker(tiny_llama_dir, tmp_path):
+def loaded_worker(tiny_model_dir, tmp_path):
     metrics_port = free_port()
     device = WORKER_DEVICE["device"]
-    worker = WorkerProcess(tiny_llama_dir, tmp_path / "worker.log",
+    worker = WorkerProcess(tiny_model_dir, tmp_path / "worker.log",
                            args=("--kv-blocks", "512", "--max-model-len", "64", "--metrics-port", str(metrics_port),
                                  "--drain-timeout", "20"), device=device)
     worker.start(timeout=60.0 if device == "cpu" else 600.0)     # CUDA: kernels compiled, graphs captured

@@ -25,9 +25,9 @@ def scrape(port: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def metered(tiny_llama_dir):
+def metered(tiny_model_dir):
     port = free_port()
-    running = start_worker(tiny_llama_dir, kv_blocks=32, metrics_port=port)
+    running = start_worker(tiny_model_dir, kv_blocks=32, metrics_port=port)
     yield running, port
     running.stop()
 
@@ -59,9 +59,9 @@ def test_metrics_follow_the_requests(metered):
     assert m[("metrale_live_sequences", ())] == 0 and m[("metrale_kv_blocks_free", ())] == 32
 
 
-def test_run_ahead_counts(tiny_llama_dir):
+def test_run_ahead_counts(tiny_model_dir):
     port = free_port()
-    worker = start_worker(tiny_llama_dir, kv_blocks=32, metrics_port=port, run_ahead="on")
+    worker = start_worker(tiny_model_dir, kv_blocks=32, metrics_port=port, run_ahead="on")
     try:
         stub = worker.stub
         r = stub.Prefill(pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=1, tokens=[3, 4, 5], is_last_chunk=True)]))

@@ -55,7 +55,7 @@ def test_an_empty_match_is_zero(stub):
     assert stub.MatchPrefix(pb.MatchPrefixRequest()).cached_tokens == 0
 
 
-def test_the_documented_routing_loop_sends_a_prompt_to_the_worker_holding_its_prefix(tiny_llama_dir):
+def test_the_documented_routing_loop_sends_a_prompt_to_the_worker_holding_its_prefix(tiny_model_dir):
     """docs/api.md's gateway loop, run as written over two workers: the second prompt with the first's system
     prompt goes where that prompt went and is served from its cache; the tokens are those of a cold worker."""
     import re
@@ -67,8 +67,8 @@ def test_the_documented_routing_loop_sends_a_prompt_to_the_worker_holding_its_pr
     section = page[page.index("## Prefix cache"):page.index("## BeamGenerate")]
     namespace = {}
     exec(re.search(r"```python\n(.*?)```", section, re.S).group(1), namespace)
-    workers = [start_worker(tiny_llama_dir, max_model_len=96) for _ in range(2)]
-    workers.append(start_worker(tiny_llama_dir, max_model_len=96, prefix_cache=False))
+    workers = [start_worker(tiny_model_dir, max_model_len=96) for _ in range(2)]
+    workers.append(start_worker(tiny_model_dir, max_model_len=96, prefix_cache=False))
     try:
         first, second, cold = (w.stub for w in workers)
         assert not cold.Info(pb.InfoRequest()).prefix_cache

@@ -15,10 +15,10 @@ LOGPROBS = pb.OutputOptions(logprobs=True, top_logprobs=3)
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_llama_dir):
+def pair(tiny_model_dir):
     """Two workers on the same checkpoint: one runs ahead, one never does."""
-    ahead = start_worker(tiny_llama_dir, kv_blocks=12, max_model_len=192, num_streams=2, run_ahead="on")
-    plain = start_worker(tiny_llama_dir, kv_blocks=12, max_model_len=192, num_streams=2, run_ahead="off")
+    ahead = start_worker(tiny_model_dir, kv_blocks=12, max_model_len=192, num_streams=2, run_ahead="on")
+    plain = start_worker(tiny_model_dir, kv_blocks=12, max_model_len=192, num_streams=2, run_ahead="off")
     yield ahead, plain
     for worker in (ahead, plain):
         worker.stop()

@@ -38,16 +38,16 @@ def tokens_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tls_worker(tiny_llama_dir, pki, tokens_file):
-    worker = start_worker(tiny_llama_dir, max_model_len=96, worker=dict(
+def tls_worker(tiny_model_dir, pki, tokens_file):
+    worker = start_worker(tiny_model_dir, max_model_len=96, worker=dict(
         tls_cert=pki.files["server.crt"], tls_key=pki.files["server.key"], auth_tokens_file=tokens_file))
     yield worker
     worker.stop()
 
 
 @pytest.fixture(scope="module")
-def mtls_worker(tiny_llama_dir, pki):
-    worker = start_worker(tiny_llama_dir, max_model_len=96, worker=dict(
+def mtls_worker(tiny_model_dir, pki):
+    worker = start_worker(tiny_model_dir, max_model_len=96, worker=dict(
         tls_cert=pki.files["server.crt"], tls_key=pki.files["server.key"], tls_client_ca=pki.files["ca.crt"]))
     yield worker
     worker.stop()
@@ -170,8 +170,8 @@ def test_grpcurl_reaches_it_with_tls_and_a_token(tls_worker, pki):
     assert refused.returncode != 0 and "Unauthenticated" in refused.stderr
 
 
-def test_the_health_port_answers_probes_in_plaintext_and_serves_nothing_else(tiny_llama_dir, pki):
-    worker = start_worker(tiny_llama_dir, max_model_len=96, worker=dict(
+def test_the_health_port_answers_probes_in_plaintext_and_serves_nothing_else(tiny_model_dir, pki):
+    worker = start_worker(tiny_model_dir, max_model_len=96, worker=dict(
         tls_cert=pki.files["server.crt"], tls_key=pki.files["server.key"], health_port=0))
     try:
         with grpc.insecure_channel(f"127.0.0.1:{worker.server.health_port}") as ch:
@@ -233,14 +233,14 @@ def test_refusals_are_logged_as_one_line_per_interval(monkeypatch):
     assert len(counted) == 40
 
 
-def test_unauthenticated_large_calls_are_not_read(tiny_llama_dir, tmp_path, tokens_file):
+def test_unauthenticated_large_calls_are_not_read(tiny_model_dir, tmp_path, tokens_file):
     """Concurrent unauthenticated calls of 59 MB each never take their bodies into the worker's memory, and
     leave it serving: a call with a token works after them, health stays SERVING, and the log holds no flood."""
     from test_load import scrape
     from test_metrics import free_port
 
     metrics_port = free_port()
-    worker = WorkerProcess(tiny_llama_dir, tmp_path / "worker.log", args=(
+    worker = WorkerProcess(tiny_model_dir, tmp_path / "worker.log", args=(
         "--max-message-mb", "64", "--auth-tokens-file", tokens_file, "--metrics-port", str(metrics_port))).start()
     try:
         tokens = list(range(16_000_000))          # 59 MB of varints: under the 64 MB limit, so only auth refuses

@@ -107,12 +107,12 @@ def write_truncated_gguf(path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def broken_models(tiny_llama_dir, tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+def broken_models(tiny_model_dir, tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
     """name -> (model, its serve's result). All are served at once: each takes seconds of imports and load."""
     directory = tmp_path_factory.mktemp("broken_models")
     models = {"truncated gguf": write_truncated_gguf(directory / "truncated.gguf")}
     for name, mutate in BROKEN_SAFETENSORS.items():
-        models[name] = shutil.copytree(tiny_llama_dir, directory / name)
+        models[name] = shutil.copytree(tiny_model_dir, directory / name)
         weights = models[name] / "model.safetensors"
         weights.write_bytes(mutate(weights.read_bytes()))
     processes = {name: start(model) for name, model in models.items()}
@@ -154,40 +154,40 @@ TLS_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(TLS_CASES))
-def test_a_bad_tls_file_is_one_line_before_the_load(tiny_llama_dir, tls_files, case):
+def test_a_bad_tls_file_is_one_line_before_the_load(tiny_model_dir, tls_files, case):
     cert, key, client_ca, named, problem = TLS_CASES[case]
     args = ["--tls-cert", tls_files[cert], "--tls-key", tls_files[key]]
     if client_ca is not None:
         args += ["--tls-client-ca", tls_files[client_ca]]
-    refused_before_the_load(serve(tiny_llama_dir, *args), tls_files[named], problem)
+    refused_before_the_load(serve(tiny_model_dir, *args), tls_files[named], problem)
 
 
-def test_a_tokens_file_that_is_not_utf8_is_one_line_before_the_load(tiny_llama_dir, tmp_path):
+def test_a_tokens_file_that_is_not_utf8_is_one_line_before_the_load(tiny_model_dir, tmp_path):
     tokens = tmp_path / "tokens"
     tokens.write_bytes(b"# tokens\nalpha-\xff\xfe-token\n")
-    result = serve(tiny_llama_dir, "--auth-tokens-file", str(tokens))
+    result = serve(tiny_model_dir, "--auth-tokens-file", str(tokens))
     refused_before_the_load(result, str(tokens), "not UTF-8", "byte 15")
 
 
 @pytest.mark.parametrize("flag", ["--port", "--health-port", "--metrics-port"])
-def test_a_port_in_use_is_one_line_before_the_load(tiny_llama_dir, held_port, flag):
-    result = serve(tiny_llama_dir, flag, str(held_port))
+def test_a_port_in_use_is_one_line_before_the_load(tiny_model_dir, held_port, flag):
+    result = serve(tiny_model_dir, flag, str(held_port))
     refused_before_the_load(result, f"127.0.0.1:{held_port}", flag, "address in use")
 
 
-def test_the_ports_of_one_worker_must_differ(tiny_llama_dir):
+def test_the_ports_of_one_worker_must_differ(tiny_model_dir):
     port = free_port()
-    result = serve(tiny_llama_dir, "--port", str(port), "--health-port", str(port))
+    result = serve(tiny_model_dir, "--port", str(port), "--health-port", str(port))
     refused_before_the_load(result, "health_port must differ from port", str(port))
     with pytest.raises(InvalidArgument, match="metrics_port must differ from health_port"):
         WorkerConfig(port=0, health_port=9100, metrics_port=9100)
     assert WorkerConfig(port=0, health_port=0).health_port == 0     # 0: two free ports the kernel picks
 
 
-def test_two_workers_never_share_a_port(tiny_llama_dir, tmp_path):
-    first = WorkerProcess(tiny_llama_dir, tmp_path / "first.log", args=SERVE_ARGS).start()
+def test_two_workers_never_share_a_port(tiny_model_dir, tmp_path):
+    first = WorkerProcess(tiny_model_dir, tmp_path / "first.log", args=SERVE_ARGS).start()
     try:
-        second = serve(tiny_llama_dir, "--port", str(first.port))
+        second = serve(tiny_model_dir, "--port", str(first.port))
         refused_before_the_load(second, f"127.0.0.1:{first.port}", "address in use")
         assert first.health_status() == health_pb2.HealthCheckResponse.SERVING
         assert first.stub.Info(pb.InfoRequest(), timeout=10).vocab_size > 0
@@ -196,11 +196,11 @@ def test_two_workers_never_share_a_port(tiny_llama_dir, tmp_path):
 
 
 @pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
-def test_a_port_taken_during_the_load_is_one_line(tiny_llama_dir, flag):
+def test_a_port_taken_during_the_load_is_one_line(tiny_model_dir, flag):
     """The port is free at the check and taken while the model loads: the real bind (grpc's, or
     prometheus_client's) fails, and ends in the same line."""
     port = free_port()
-    process = start(tiny_llama_dir, flag, str(port))
+    process = start(tiny_model_dir, flag, str(port))
     with socket.socket() as holder:
         try:
             first_line = process.stdout.readline()   # the checks are done once "loading" is logged

@@ -10,6 +10,12 @@ def blocks_for(num_tokens: int, kv_block_size: int) -> int:
     return -(-num_tokens // kv_block_size)
 
 
+def tail_split(num_tokens: int, kv_block_size: int) -> int | None:
+    """The last block boundary strictly inside a prompt of num_tokens (None where there is none): where a chunk
+    ends so that a recurrent state's snapshot lands on a block before the prompt's tail."""
+    return (num_tokens - 1) // kv_block_size * kv_block_size or None
+
+
 class BlockPool:
     """Blocks 0 .. num_blocks - 1 (or the given ids: a reservation taken out of another pool, as a
     BeamGenerate call's). A block handed out has one holder; share() adds holders (beams that continue the same
