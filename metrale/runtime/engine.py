@@ -228,10 +228,11 @@ class Engine:
         self.guesses.settle([parent_id])
         with self._lock:
             parent = check_fork(self.sequences, self.cache, parent_id, child_ids)
-            result, copies = fork(self.sequences, self.cache, parent, child_ids)
+            result, copies, state_copies = fork(self.sequences, self.cache, parent, child_ids)
         try:
-            if copies:
+            if copies or state_copies:
                 self.forwards.copy_blocks(copies)
+                self.forwards.copy_states(state_copies)
                 self.runner.synchronize()
         except Exception as error:
             with self._lock:

@@ -1,6 +1,7 @@
 """Fork: children that continue a parent sequence from where it is, sharing its full blocks by reference; the
-partly filled last block is copied for each child, since a child writes into it. Callers hold the engine's state
-lock; the copies are the caller's to run on the device."""
+partly filled last block is copied for each child, since a child writes into it, and so is the parent's recurrent
+state (a model with recurrent layers), into a state slot of each child's own. Callers hold the engine's state lock;
+the copies are the caller's to run on the device."""
 
 import hashlib
 from dataclasses import dataclass, replace
@@ -37,21 +38,20 @@ def check_fork(sequences: SequenceTable, cache: CacheManager, parent_id: int, ch
         raise InvalidArgument(f"seq_id(s) {live[:8]} are live: a child must be a new sequence")
     if not parent.prompt_finished:
         raise FailedPrecondition(f"seq_id {parent_id}: its prompt is not finished; fork it once it is")
-    if cache.has_state:
-        raise FailedPrecondition("this model keeps a recurrent state per sequence, which fork does not copy yet")
     return parent
 
 
 def fork(sequences: SequenceTable, cache: CacheManager, parent: Sequence, child_ids: list[int]
-         ) -> tuple[ForkResult, list[tuple[int, int, int]]]:
+         ) -> tuple[ForkResult, list[tuple[int, int, int]], list[tuple[int, int]]]:
     """Creates the children: each shares the parent's full blocks (and cross blocks), and gets a block of its own
-    for the parent's partly filled last one, all taken at once (OutOfKvBlocks with nothing taken). Returns the
-    result and the block copies (src, dst, tokens) the device must make before a child runs."""
+    for the parent's partly filled last one and a state slot where the model keeps a recurrent state, all taken at
+    once (OutOfKvBlocks or OutOfStateSlots with nothing taken). Returns the result, the block copies (src, dst,
+    tokens) and the state copies (src slot, dst slot) the device must make before a child runs."""
     size = cache.block_size
     full, partial = divmod(parent.num_tokens, size)
     table = parent.block_table.tolist()
-    own, _ = cache.reserve(len(child_ids) if partial else 0, 0)
-    copies = []
+    own, slots = cache.reserve(len(child_ids) if partial else 0, len(child_ids) if cache.has_state else 0)
+    copies, state_copies = [], [(parent.state_slot, slot) for slot in slots]
     for i, child_id in enumerate(child_ids):
         blocks = table[:full]
         cache.blocks.share(blocks)
@@ -60,8 +60,10 @@ def fork(sequences: SequenceTable, cache: CacheManager, parent: Sequence, child_
             copies.append((table[full], own[i], partial))
         child = replace(parent, seq_id=child_id, seed=child_seed(parent.seed, child_id), tokens=list(parent.tokens),
                         block_table=BlockTable(blocks), block_names=list(parent.block_names), cached_tokens=0)
+        if slots:
+            child.state_slot = child.state_source = slots[i]
         if parent.cross_table is not None:
             cache.blocks.share(parent.cross_table.tolist())
             child.cross_table = BlockTable(parent.cross_table.tolist())
         sequences.add(child)
-    return ForkResult(list(child_ids), full), copies
+    return ForkResult(list(child_ids), full), copies, state_copies

@@ -55,6 +55,9 @@ class Forwards:
     def copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
         self.runner.copy_block_prefixes(self.cache.layers, copies)
 
+    def copy_states(self, copies: list[tuple[int, int]]) -> None:
+        self.runner.copy_state_slots(self.cache.layers, copies)
+
     def beam_model(self, num_requests: int, eos_token_ids: tuple[int, ...], fill_token: int) -> BeamModel:
         """What a BeamCall of num_requests requests runs the model through."""
         config = self.model.config

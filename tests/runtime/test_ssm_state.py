@@ -2,6 +2,7 @@
 the worker's own chunks ending there, NormalizeSsmStates settling a guess, and state slots that run out cleanly."""
 
 import pytest
+import torch
 
 from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
@@ -100,3 +101,33 @@ def test_a_step_that_cannot_get_state_slots_holds_nothing(checkpoints):
     assert sorted(engine.live_seq_ids()) == [1, 2, 3, 4]
     engine.release([4])
     assert engine.step(Step(decode=(DecodeToken(1, 4),))).outputs[0].seq_id == 1
+
+
+def test_forked_children_continue_from_a_copy_of_the_parents_state(checkpoints):
+    """Each child gets the parent's state in a slot of its own: greedy children continue as the parent does, and
+    one child's steps leave the parent's and its siblings' states as they were."""
+    engine = engine_of(checkpoints["nemotron_h"], max_seqs=4)
+    logits = OutputOptions(return_logits=True)
+    first = engine.step(Step(prefill=(PrefillSlice(1, tuple(range(5, 27)), output=logits),))).outputs[0].token
+    free = engine.cache.states.num_free
+    engine.fork(1, [2, 3])
+    assert engine.cache.states.num_free == free - 2
+    walked = engine.step(Step(decode=(DecodeToken(3, 9),)))          # child 3 goes elsewhere first
+    assert walked.outputs[0].seq_id == 3
+    outs = [engine.step(Step(decode=(DecodeToken(i, first),))).outputs[0] for i in (1, 2)]
+    torch.testing.assert_close(outs[1].logits, outs[0].logits, rtol=0, atol=0)
+    third = engine.step(Step(decode=(DecodeToken(3, first),))).outputs[0]
+    assert not torch.equal(third.logits, outs[0].logits)              # its own state, advanced by its own token
+    engine.release(None)
+    assert engine.cache.states.num_free == engine.cache.states.num_slots
+
+
+def test_a_fork_without_state_slots_changes_nothing(checkpoints):
+    engine = engine_of(checkpoints["nemotron_h"], max_seqs=2)              # four slots
+    engine.step(Step(prefill=(PrefillSlice(1, (5, 6, 7)),)))
+    before = (engine.cache.blocks.num_free, engine.cache.states.num_free, sorted(engine.live_seq_ids()))
+    with pytest.raises(OutOfStateSlots):
+        engine.fork(1, [2, 3, 4, 5])
+    assert (engine.cache.blocks.num_free, engine.cache.states.num_free, sorted(engine.live_seq_ids())) == before
+    engine.fork(1, [2, 3, 4])
+    assert engine.cache.states.num_free == 0

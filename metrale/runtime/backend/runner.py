@@ -123,6 +123,9 @@ class Runner(Protocol):
     def copy_block_prefixes(self, layers: list, copies: list[tuple[int, int, int]]) -> None:
         """For each (src block, dst block, n): the first n slots of src, in every paged layer, into dst."""
 
+    def copy_state_slots(self, layers: list, copies: list[tuple[int, int]]) -> None:
+        """For each (src slot, dst slot): the recurrent state of src, in every recurrent layer, into dst."""
+
     def counters(self) -> dict[str, int]:
         """Cumulative counts for the metrics: kernel_cache_hits and kernel_cache_misses (compiled kernels found in,
         or added to, the cache at start) and graph_replays (forwards replayed as CUDA graphs: decode steps, encoder

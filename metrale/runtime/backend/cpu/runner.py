@@ -89,6 +89,13 @@ class CpuRunner:
                 else:                       # K/V: [2, blocks, block_size, heads, head_dim]
                     layer[:, dst, :n] = layer[:, src, :n]
 
+    def copy_state_slots(self, layers: list, copies: list[tuple[int, int]]) -> None:
+        for layer in layers:
+            if isinstance(layer, tuple):         # a recurrent layer's state tensors [slots, ...]
+                for tensor in layer:
+                    for src, dst in copies:
+                        tensor[dst] = tensor[src]
+
     def counters(self) -> dict[str, int]:
         return {"kernel_cache_hits": 0, "kernel_cache_misses": 0, "graph_replays": 0}
 
