@@ -160,7 +160,7 @@ def replayed_hypotheses(model, recorder: LogitsRecorder, request: int, prompt, p
     order of equal values open)."""
     key = recorder.sources[request] if source is not None else None
 
-    def forward(*args, input_ids=None, decoder_input_ids=None, **kwargs):
+    def forward(*args, input_ids=None, decoder_input_ids=None, attention_mask=None, **kwargs):
         ids = (decoder_input_ids if decoder_input_ids is not None else input_ids).tolist()
         missing = [row for row in ids if (key, tuple(row)) not in recorder.rows]
         assert not missing, f"transformers' search reached {missing[0]}, which ours never ran"

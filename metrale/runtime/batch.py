@@ -107,9 +107,11 @@ def _token_batch(segments: list[Segment], lens: list[int], kv_block_size: int) -
 
 
 def build_decode_batch(tokens: list[int], positions: list[int], tables: list[list[int]], kv_block_size: int,
-                       crosses: list[tuple[BlockTable, int]] | None = None) -> ForwardBatch:
+                       crosses: list[tuple[BlockTable, int]] | None = None,
+                       states: list[tuple[int, int]] | None = None) -> ForwardBatch:
     """build_batch for segments of one new token each, all sampled (a beam search step), from plain lists: each
-    segment's token, its position and the block ids covering it; crosses as Segment.cross, per segment."""
+    segment's token, its position and the block ids covering it; crosses as Segment.cross and states as
+    Segment.state, per segment."""
     arrays = [np.asarray(t, dtype=np.int32) for t in tables]
     index, offset = np.divmod(np.asarray(positions, dtype=np.int64), kv_block_size)
     slots = np.fromiter((a[i] for a, i in zip(arrays, index.tolist())), dtype=np.int64, count=len(arrays))
@@ -119,6 +121,7 @@ def build_decode_batch(tokens: list[int], positions: list[int], tables: list[lis
                          [p + 1 for p in positions], arrays, rows)
     if crosses is not None:
         batch.cross = _cross_batch(batch, crosses, kv_block_size)
+    batch.state_slots = states
     return batch
 
 

@@ -256,8 +256,7 @@ class Engine:
 
     @property
     def supports_beam(self) -> bool:
-        """Beam search forks sequences' paged blocks; a recurrent state has no fork yet."""
-        return self.runner.supports_beam and not self.cache.has_state
+        return self.runner.supports_beam
 
     def beam_generate(self, requests: list[BeamRequest], eos_token_ids: tuple[int, ...], fill_token: int,
                       cancelled: Callable[[], bool] = lambda: False) -> list[BeamResult]:
@@ -268,20 +267,24 @@ class Engine:
                                      f"backend yet (supports_beam=false)")
         model = self.forwards.beam_model(len(requests), eos_token_ids, fill_token)
         call = BeamCall(requests, self.limits, self.config.kv_block_size, model)
-        pool = self._reserve_beam_blocks(call.blocks_needed())
+        pool, slots = self._reserve_beam_cache(call.blocks_needed(),
+                                               call.state_slots_needed() if self.cache.has_state else 0)
         try:
-            return call.run(pool, cancelled)
+            return call.run(pool, cancelled, slots if self.cache.has_state else None)
         except Exception as error:
             raise self._failure(error, "running the beam search") from error
         finally:
             self._quiesce()
             with self._lock:
-                self.cache.blocks.free(pool.ids)
+                self.cache.free(pool.ids, slots)
 
-    def _reserve_beam_blocks(self, needed: int) -> BlockPool:
-        """The call's own pool: a reservation out of the engine's, whose blocks its beams share by reference."""
-        return self.guesses.taking_blocks(lambda: BlockPool(needed, self.config.kv_block_size,
-                                                     self.cache.blocks.allocate(needed)))
+    def _reserve_beam_cache(self, num_blocks: int, num_slots: int) -> tuple[BlockPool, list[int]]:
+        """The call's own block pool (a reservation out of the engine's, whose blocks its beams share by
+        reference) and state slots, both or neither."""
+        def take():
+            blocks, slots = self.cache.reserve(num_blocks, num_slots)
+            return BlockPool(num_blocks, self.config.kv_block_size, blocks), slots
+        return self.guesses.taking_blocks(take)
 
     def bind_stream(self, stream: int) -> None:
         """Run first on each device stream's thread: the runner binds the thread to the stream."""

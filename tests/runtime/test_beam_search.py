@@ -23,9 +23,11 @@ from tiny_models import load_reference, write_tiny
 PROMPTS = [[5, 17, 99, 3, 42], [7, 8, 150, 33, 61, 2, 90, 14, 77, 101, 12], [250], [4, 66, 31, 9, 180, 44, 71] * 3]
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    directory = write_tiny("llama_tied", tmp_path_factory.mktemp("beam") / "llama")
+@pytest.fixture(scope="module", params=["llama_tied", "nemotron_h"])
+def models(request, tmp_path_factory):
+    """A Llama, and a hybrid whose beams also carry recurrent states (seed 2: with the EOS ids below, each case
+    ends some hypotheses early and runs some to max_new_tokens, on both)."""
+    directory = write_tiny(request.param, tmp_path_factory.mktemp("beam") / request.param, seed=2)
     engine, _ = build_engine(load_checkpoint(directory), EngineConfig(device="cpu", kv_blocks=400, kv_block_size=4))
     reference = load_reference(directory)
     # A second EOS id: the token greedy search emits most, so hypotheses finish early and often.
@@ -41,7 +43,7 @@ CASES = list(itertools.product((0.0, 1.0, 2.0), (True, False, "never")))
 @pytest.mark.parametrize("length_penalty, early_stopping", CASES)
 def test_batched_calls_match_transformers(models, length_penalty, early_stopping):
     engine, reference, eos = models
-    free = engine.cache.blocks.num_free
+    free = engine.cache.blocks.num_free, engine.cache.states.num_free
     requests = []
     for i, (prompt, beams, ngram) in enumerate(zip(PROMPTS * 2, (1, 2, 4, 5, 5, 4, 2, 1), (0, 3) * 4)):
         params = BeamParams(num_beams=beams, max_new_tokens=6 + 3 * i, min_new_tokens=2 * (i % 3),
@@ -53,7 +55,7 @@ def test_batched_calls_match_transformers(models, length_penalty, early_stopping
     for request, result in zip(requests, results):
         expected = reference_hypotheses(reference, list(request.prompt_tokens), request.params, eos)
         assert_same(result.hypotheses, expected)
-    assert engine.cache.blocks.num_free == free
+    assert (engine.cache.blocks.num_free, engine.cache.states.num_free) == free
     # Some hypotheses finished early (an EOS) and some ran to max_new_tokens: both paths were exercised.
     lengths = [(len(t), r.params.max_new_tokens) for r, res in zip(requests, results) for t, _ in res.hypotheses]
     assert any(n < m for n, m in lengths) and any(n == m for n, m in lengths)
@@ -211,6 +213,9 @@ def test_the_prompt_pass_hands_over_a_device_search(models, monkeypatch):
     monkeypatch.setattr(engine.runner, "beam_candidates", lambda *args: Recorded(candidates(*args)))
     free = engine.cache.blocks.num_free
     engine.beam_generate(requests, eos, FILL)             # stepped on the host: the CPU backend returns None
+    if engine.cache.has_state:          # the device search carries no recurrent state: the host steps it always
+        assert engine.cache.blocks.num_free == free and seen == []
+        return
     assert engine.cache.blocks.num_free == free and len(seen) == 1
     assert reads and min(reads) == 1
     search = seen[0]

@@ -6,6 +6,9 @@ their KV in paged blocks from a reservation taken out of the engine's pool at th
 case, so a call never runs short half-way: it is refused with RESOURCE_EXHAUSTED instead) and all given back at
 the end, whatever happens. Beams share the blocks of their common prefix by reference; when beams that share a
 partly filled last block each append a token to it, all but one get a copy of the block's filled part first.
+A model with recurrent layers gives each request two sets of num_beams state slots, reserved with the blocks: a
+step's beams read their parents' states from the set the step before wrote, and write theirs into the other, so
+beams that continue one parent need no copy.
 """
 
 from dataclasses import dataclass
@@ -47,6 +50,12 @@ class _Request:
     source_len: int = 0
     # The candidates of the prompt's last token: a row of one forward's (left where the backend computed them).
     prompt: tuple[Candidates, int] | None = None
+    # Models with recurrent layers: the request's two sets of num_beams state slots, the slot holding each running
+    # beam's state, the set the next forward writes (0 or 1), and the slot each beam of that forward reads.
+    state_sets: tuple[list[int], list[int]] | None = None
+    beam_states: list[int] | None = None
+    writes: int = 1
+    sources: list[int] | None = None
 
     def __post_init__(self):
         # What each of its beams' segments carries (built once: the blocks never change).
@@ -108,11 +117,15 @@ class BeamCall:
     def __init__(self, requests: list[BeamRequest], limits: Limits, block_size: int, model: BeamModel):
         self.requests, self.limits, self.block_size, self.model = requests, limits, block_size, model
         self.prompts = [decoder_prompt(r, model) for r in requests]
+        self.state_slots: list[int] | None = None
         self._check_limits()
 
-    def run(self, pool: BlockPool, cancelled: Callable[[], bool]) -> list[BeamResult]:
+    def run(self, pool: BlockPool, cancelled: Callable[[], bool], state_slots: list[int] | None = None
+            ) -> list[BeamResult]:
+        """state_slots: for a model with recurrent layers, state_slots_needed() slots reserved for the call."""
+        self.state_slots = state_slots
         groups = self._prefill(pool, self._encode(pool))
-        if self.model.search_on_device is not None:
+        if self.model.search_on_device is not None and state_slots is None:
             search, members = search_start(groups, pool, self.block_size, self.model.encode is not None)
             on_device = self.model.search_on_device(search)
             if on_device is not None:
@@ -178,6 +191,10 @@ class BeamCall:
     def blocks_needed(self) -> int:
         return sum(blocks_needed(r, len(p), self.block_size) for r, p in zip(self.requests, self.prompts))
 
+    def state_slots_needed(self) -> int:
+        """A model with recurrent layers: two sets of num_beams state slots per request."""
+        return sum(2 * r.params.num_beams for r in self.requests)
+
     def _encode(self, pool: BlockPool) -> list[list[int] | None]:
         """Encoder-decoder models: every source through the encoder at once, its cross-attention K/V into blocks
         of its own; the blocks of each request (None for decoder-only models)."""
@@ -214,6 +231,7 @@ class BeamCall:
                 member.prompt = found
             pending.clear()
 
+        free_slots = iter(self.state_slots or ())
         for r, prompt, cross_blocks, bans in zip(self.requests, self.prompts, cross, banned):
             # Token by token, a forward has a row per request (at most max_seqs, which the call was checked for).
             if (pending and not by_token
@@ -222,6 +240,10 @@ class BeamCall:
             blocks = pool.allocate(blocks_for(len(prompt), self.block_size))
             pool.share(blocks * (r.params.num_beams - 1))
             members.append(_Request(r, [blocks] * r.params.num_beams, cross_blocks, len(r.src_tokens)))
+            if self.state_slots is not None:        # the prompt's state into the first set's first slot
+                k = r.params.num_beams
+                sets = ([next(free_slots) for _ in range(k)], [next(free_slots) for _ in range(k)])
+                members[-1].state_sets, members[-1].beam_states = sets, [sets[0][0]] * k
             pending.append((prompt, blocks, members[-1], bans))
         flush()
         return [_Group(search, [members[i] for i in indices]) for search, indices in searches]
@@ -229,7 +251,9 @@ class BeamCall:
     def _forward_whole(self, pending: list, count: int) -> list[tuple[Candidates, int]]:
         """The pending prompts (prompt, blocks, member, bans) in one prefill forward: each one's last row's
         candidates, as (the forward's candidates, row)."""
-        segments = [Segment(BlockTable(blocks), 0, prompt, True, member.cross) for prompt, blocks, member, _ in pending]
+        segments = [Segment(BlockTable(blocks), 0, prompt, True, member.cross,
+                            None if member.beam_states is None else (-1, member.beam_states[0]))
+                    for prompt, blocks, member, _ in pending]
         found = self.model.forward(build_batch(segments, self.block_size), [b for *_, b in pending], count)
         return [(found, row) for row in range(len(pending))]
 
@@ -243,9 +267,12 @@ class BeamCall:
             live = [i for i, (prompt, *_) in enumerate(pending) if len(prompt) > j]
             last = [row for row, i in enumerate(live) if len(pending[i][0]) == j + 1]
             covering = blocks_for(j + 1, self.block_size)        # the blocks of positions 0..j, as build_batch's
+            states = None
+            if self.state_slots is not None:        # each prompt's state, in place, in its first slot
+                states = [(-1 if j == 0 else slot, slot) for slot in (pending[i][2].beam_states[0] for i in live)]
             batch = build_decode_batch([pending[i][0][j] for i in live], [j] * len(live),
                                        [pending[i][1][:covering] for i in live], self.block_size,
-                                       [pending[i][2].cross for i in live] if encoder_decoder else None)
+                                       [pending[i][2].cross for i in live] if encoder_decoder else None, states)
             if not last:        # no prompt ends here: its KV only (the host builds the next batch meanwhile)
                 self.model.forward(batch, [], 0)
                 continue
@@ -279,11 +306,13 @@ class BeamCall:
                 pool.free([blocks[index]])
                 blocks[index] = own
         member.beams = children
+        if member.beam_states is not None:
+            member.sources = [member.beam_states[p] for p in parents]
         return copies
 
     def _decode(self, groups: list[_Group]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One forward over every running beam; candidates (values, ids) [requests, beams, count] per group."""
-        tokens, positions, tables, crosses, banned = [], [], [], [], []
+        tokens, positions, tables, crosses, banned, states = [], [], [], [], [], []
         for group in groups:
             k = group.search.num_beams
             tokens += group.search.last_tokens().view(-1).tolist()
@@ -293,8 +322,13 @@ class BeamCall:
                 tables += member.beams
                 crosses += [member.cross] * k
                 banned += bans
+                if member.state_sets is not None:   # parents' states in, this step's into the other set
+                    written = member.state_sets[member.writes]
+                    states += zip(member.sources, written)
+                    member.beam_states, member.writes = written, 1 - member.writes
         batch = build_decode_batch(tokens, positions, tables, self.block_size,
-                                   crosses if self.model.encode is not None else None)
+                                   crosses if self.model.encode is not None else None,
+                                   states if self.state_slots is not None else None)
         values, ids = finite(*self.model.forward(batch, banned, max(group.search.keep for group in groups)).host())
         out, start = [], 0
         for group in groups:
