@@ -33,6 +33,9 @@ class EngineConfig:
     # Full blocks of committed tokens are kept and reused by later prompts that start with the same tokens
     # (cache/prefix.py).
     prefix_cache: bool = True
+    # Models with recurrent layers and the prefix cache: bytes of state snapshots kept at block boundaries
+    # (cache/states.py); None: as many snapshots as max_seqs.
+    ssm_snapshot_memory: int | None = None
 
     def __post_init__(self):
         if self.device not in DEVICES:

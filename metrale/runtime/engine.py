@@ -57,7 +57,7 @@ class Engine:
                              model.config.decoder_start_token_id if encoder_decoder else None,
                              # a source's cross-attention K/V take blocks as a sequence's self-attention K/V do
                              min(model.config.max_position_embeddings, max_model_len) if encoder_decoder else 0,
-                             splits_at_tail=cache.has_state)
+                             splits_at_tail=cache.has_state, snapshots=cache.has_state and cache.prefix_cache)
         self.forwards = Forwards(model, runner, cache, config.kv_block_size)
         self._lock = threading.Lock()
         self.runs_ahead = config.run_ahead == "on" or (config.run_ahead == "auto" and runner.runs_ahead_by_default)
@@ -373,6 +373,9 @@ class Engine:
                 self._encode(chunks, sequences)
             # The logits live in the backend's memory until sampled: the lock covers both.
             logits = self.forwards.run(batch)
+            snapshots = [(seq.state_slot, c.snapshot_slot) for c, seq in zip(chunks, sequences) if c.snapshot_slot >= 0]
+            if snapshots:       # the states after chunks that end on a block boundary, for the prefix cache
+                self.forwards.copy_states(snapshots)
             if cancelled():
                 raise Cancelled()
             with self._lock:

@@ -23,8 +23,10 @@ class Limits:
     decoder_start: int | None = None
     max_source_len: int = 0
     # Models with recurrent layers: a slice the worker splits by its chunk_size also ends a chunk at the prompt's
-    # tail split (cache/blocks.tail_split), where the state's snapshot lands.
+    # tail split (cache/blocks.tail_split), where the state's snapshot lands; with snapshots (the prefix cache on),
+    # every last slice does.
     splits_at_tail: bool = False
+    snapshots: bool = False
 
 
 @dataclass(slots=True)
@@ -38,6 +40,9 @@ class Chunk:
     ends_prompt: bool = False
     # Encoder-decoder models: the source the encoder runs before this (first) chunk.
     source: tuple[int, ...] = ()
+    # Models with recurrent layers and snapshots: the state slot the sequence's state after this chunk is copied
+    # into (a prefill chunk ending on a block boundary), -1 for none; the reservation takes it.
+    snapshot_slot: int = -1
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,9 @@ class Plan:
     final_lengths: dict
     # Encoder-decoder models: seq_id -> the length of a new sequence's source, whose cross blocks it takes.
     sources: dict = field(default_factory=dict)
+    # Models with recurrent layers: seq_id -> the snapshot slot a new sequence resumes from (pinned until the step
+    # is done or undone); filled by the reservation.
+    resumes: dict = field(default_factory=dict)
 
 
 def plan_step(step: Step, sequences: SequenceTable, num_free_blocks: int, limits: Limits,
@@ -103,7 +111,7 @@ def _cuts(s: PrefillSlice, found: int, limits: Limits) -> list[int]:
     computed already) to its end, in pieces of its chunk_size (if any), one also ending at the tail split."""
     end = len(s.tokens)
     cuts = list(range(found, end, s.chunk_size or end)) + [end]
-    if s.chunk_size and limits.splits_at_tail and s.is_last_chunk:
+    if (s.chunk_size or limits.snapshots) and limits.splits_at_tail and s.is_last_chunk:
         split = tail_split(s.chunk_start + end, limits.kv_block_size)
         if split is not None and found < split - s.chunk_start < end:
             cuts = sorted(set(cuts) | {split - s.chunk_start})

@@ -1,9 +1,11 @@
 """What a step holds of the cache, and how it is given back: a step's reservation (its new sequences, the blocks
 its sequences grow by, a state slot for each where the model keeps a recurrent state) is taken all or nothing;
 an undone step restores its sequences from the snapshot taken with it, a done step commits (gives the state slots
-it replaced back). Callers hold the engine's state lock."""
+it replaced back). With the prefix cache, a model with recurrent layers also keeps the state after each prefill
+chunk that ends on a block boundary (cache/states.py), and a new sequence resumes from the deepest one its prompt
+matches. Callers hold the engine's state lock."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from metrale.runtime.cache.blocks import blocks_for
 from metrale.runtime.cache.manager import CacheManager
@@ -37,9 +39,16 @@ class Reservations:
         return {s.seq_id: self.match(s.tokens, s.cache_salt) for s in step.prefill if s.chunk_start == 0}
 
     def match(self, tokens, cache_salt: str) -> Match:
-        """What the prefix cache holds of a prompt with this salt; changes nothing."""
+        """What the prefix cache holds of a prompt with this salt, that a new sequence can resume from (with
+        recurrent layers: up to the deepest block that has a state snapshot); changes nothing."""
         root = chain_root(self.namespace, cache_salt)
-        return match_prompt(self.cache.blocks, root, tokens, self.cache.block_size)
+        match = match_prompt(self.cache.blocks, root, tokens, self.cache.block_size)
+        if not self.cache.has_state or not match.blocks:
+            return match
+        states = self.cache.states
+        keep = next((n for n in range(len(match.names), 0, -1) if states.snapshot(match.names[n - 1]) is not None), 0)
+        return replace(match, blocks=match.blocks[:keep], names=match.names[:keep],
+                       tokens=keep * self.cache.block_size)
 
     def reserve(self, plan: Plan, matches: dict[int, Match] | None = None) -> Snapshot:
         """Creates the plan's new sequences (matches: what the prefix cache holds of their prompts, attached to
@@ -64,6 +73,10 @@ class Reservations:
             self.sequences.add(seq)
             if (match := matches.get(s.seq_id)) is not None:
                 self._attach(seq, match, s.tokens)
+                if match.blocks and self.cache.has_state:     # its state: the snapshot after the last block
+                    slot = self.cache.states.snapshot(match.names[-1])
+                    self.cache.states.pin(slot)
+                    seq.state_source = plan.resumes[s.seq_id] = slot
         size = self.cache.block_size
         sources = {seq_id: blocks_for(length, size) for seq_id, length in plan.sources.items()}
         grown = {seq_id: max(0, blocks_for(length, size) - len(self.sequences.get(seq_id).block_table))
@@ -80,6 +93,18 @@ class Reservations:
             taken += count
         for seq_id, slot in zip(stateful, slots):
             self.sequences.get(seq_id).state_slot = slot
+        if self.cache.has_state and self.cache.prefix_cache:
+            self._take_snapshot_slots(plan)
+
+    def _take_snapshot_slots(self, plan: Plan) -> None:
+        """A slot for the state after each prefill chunk that ends on a block boundary, where one is free: a
+        snapshot is worth keeping, not worth failing a step for."""
+        size, states = self.cache.block_size, self.cache.states
+        for chunks in plan.rounds:
+            for c in chunks:
+                prefill = not c.samples or c.ends_prompt        # not a decode token
+                if prefill and (c.start + len(c.tokens)) % size == 0 and states.num_free:
+                    c.snapshot_slot = states.allocate(1)[0]
 
     def _attach(self, seq: Sequence, match: Match, prompt) -> None:
         """The sequence starts as if it had computed the match's tokens itself."""
@@ -103,6 +128,7 @@ class Reservations:
             self.cache.free(seq.block_table.truncate(num_blocks), replaced)
             seq.prompt_finished, seq.num_prompt_tokens = finished, num_prompt
             seq.state_slot = seq.state_source = state_slot
+        self._settle_snapshots(plan, keep=False)
 
     def commit(self, snapshot: Snapshot, plan: Plan) -> None:
         """The step is done: the state slots its sequences had before it (their snapshots) are given back, and the
@@ -116,10 +142,29 @@ class Reservations:
                     self._register(seq, length)
         if not self.cache.has_state:
             return
+        self._settle_snapshots(plan, keep=True)
         for seq_id, (*_, state_slot) in snapshot.items():
             seq = self.sequences.get(seq_id)
             if state_slot >= 0 and (seq is None or seq.state_slot != state_slot):
                 self.cache.free([], [state_slot])
+
+    def _settle_snapshots(self, plan: Plan, keep: bool) -> None:
+        """The step's snapshot slots kept under their blocks' names (keep: the step is done and its blocks named)
+        or given back, and the snapshots its new sequences resumed from unpinned."""
+        states, size = self.cache.states, self.cache.block_size
+        for chunks in plan.rounds:
+            for c in chunks:
+                if c.snapshot_slot < 0:
+                    continue
+                seq, block = self.sequences.get(c.seq_id), (c.start + len(c.tokens)) // size - 1
+                if keep and seq is not None and block < len(seq.block_names):
+                    states.keep_snapshot(seq.block_names[block], c.snapshot_slot)
+                else:
+                    states.free([c.snapshot_slot])
+                c.snapshot_slot = -1
+        for slot in plan.resumes.values():
+            states.unpin(slot)
+        plan.resumes.clear()
 
     def _register(self, seq: Sequence, length: int) -> None:
         """Names the full blocks of the sequence's first `length` tokens (the committed step's; a guess queued

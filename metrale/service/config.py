@@ -110,6 +110,8 @@ SERVE_FLAGS = [
      "auto: on for cuda", RUN_AHEAD),
     ("prefix-cache", _bool, "keep full KV blocks and reuse them for prompts that start with the same tokens "
      "(on|off)", None),
+    ("ssm-snapshot-memory", int, "bytes of SSM state snapshots the prefix cache keeps at block boundaries, for "
+     "models with Mamba2 layers; default: as many snapshots as --max-seqs", None),
     ("max-message-mb", int, "largest gRPC message, either way", None),
     ("max-concurrent-rpcs", int, "forward calls (steps, BeamGenerate, Generate) in flight at once; more get "
      "RESOURCE_EXHAUSTED; health, Info and Release are never refused (unset: no limit)", None),

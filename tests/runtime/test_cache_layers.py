@@ -227,6 +227,17 @@ def test_the_pool_is_sized_by_the_specs():
     assert slot_bytes(specs) == 4 * HIDDEN
 
 
-def test_beam_search_is_refused_for_a_model_with_recurrent_state(toy):
+def test_beam_search_takes_state_slots_with_its_blocks_and_gives_both_back(toy):
+    """Two sets of num_beams state slots a request (the toy has 6 slots): 3 beams fit, 4 do not, and neither call
+    leaves a block or slot held."""
+    from metrale.runtime.beam.params import BeamParams, BeamRequest
+
     _, engine = toy
-    assert not engine.supports_beam
+    free = engine.cache.blocks.num_free, engine.cache.states.num_free
+    found = engine.beam_generate([BeamRequest(1, prompt_tokens=(3, 4, 5), params=BeamParams(
+        num_beams=3, max_new_tokens=4))], (2,), 0)
+    assert found[0].hypotheses and (engine.cache.blocks.num_free, engine.cache.states.num_free) == free
+    with pytest.raises(OutOfStateSlots):
+        engine.beam_generate([BeamRequest(1, prompt_tokens=(3, 4, 5), params=BeamParams(num_beams=4,
+                                                                                      max_new_tokens=4))], (2,), 0)
+    assert (engine.cache.blocks.num_free, engine.cache.states.num_free) == free

@@ -90,7 +90,7 @@ def test_normalize_with_an_unknown_id_changes_nothing(checkpoints):
 
 def test_a_step_that_cannot_get_state_slots_holds_nothing(checkpoints):
     """max_seqs=2: four slots, each held by one of four live sequences; a step on any of them finds none free."""
-    engine = engine_of(checkpoints["nemotron_h"], max_seqs=2)
+    engine = engine_of(checkpoints["nemotron_h"], max_seqs=2, prefix_cache=False)
     engine.step(Step(prefill=(PrefillSlice(1, (5, 6, 7)), PrefillSlice(2, (8, 9)))))
     engine.step(Step(prefill=(PrefillSlice(3, (5, 6, 7)), PrefillSlice(4, (8, 9)))))
     blocks, slots = engine.cache.blocks.num_free, engine.cache.states.num_free
@@ -123,7 +123,7 @@ def test_forked_children_continue_from_a_copy_of_the_parents_state(checkpoints):
 
 
 def test_a_fork_without_state_slots_changes_nothing(checkpoints):
-    engine = engine_of(checkpoints["nemotron_h"], max_seqs=2)              # four slots
+    engine = engine_of(checkpoints["nemotron_h"], max_seqs=2, prefix_cache=False)     # four slots
     engine.step(Step(prefill=(PrefillSlice(1, (5, 6, 7)),)))
     before = (engine.cache.blocks.num_free, engine.cache.states.num_free, sorted(engine.live_seq_ids()))
     with pytest.raises(OutOfStateSlots):
@@ -131,3 +131,61 @@ def test_a_fork_without_state_slots_changes_nothing(checkpoints):
     assert (engine.cache.blocks.num_free, engine.cache.states.num_free, sorted(engine.live_seq_ids())) == before
     engine.fork(1, [2, 3, 4])
     assert engine.cache.states.num_free == 0
+
+
+def greedy_run(engine, seq_id: int, prompt, steps: int = 6):
+    """The prompt's last logits and cached_tokens, then `steps` greedy tokens with their logits."""
+    out = engine.step(Step(prefill=(PrefillSlice(seq_id, tuple(prompt), output=OutputOptions(return_logits=True)),)))
+    first = out.outputs[0]
+    rows, token = [first.logits], first.token
+    tokens = []
+    for _ in range(steps):
+        o = engine.step(Step(decode=(DecodeToken(seq_id, token),))).outputs[0]
+        rows.append(o.logits)
+        tokens.append(token := o.token)
+    return first.cached_tokens, rows, tokens
+
+
+def test_a_prompt_resumes_from_the_snapshot_at_its_deepest_cached_block(checkpoints):
+    """A 45-token prompt runs as 32 + 13 tokens (the tail split) and leaves the state after token 32 as a snapshot;
+    a prompt sharing its first 40 tokens resumes there (32 cached) and continues as a cold engine does."""
+    cached = engine_of(checkpoints["nemotron_h"])
+    cold = engine_of(checkpoints["nemotron_h"], prefix_cache=False)
+    first = list(range(5, 50))
+    greedy_run(cached, 1, first, steps=0)
+    assert cached.cache.states.num_snapshots == 1
+    cached.release([1])
+    second = first[:40] + list(range(100, 110))
+    assert cached.match_prefix(second) == 32
+    hit, rows, tokens = greedy_run(cached, 2, second)
+    miss, want_rows, want_tokens = greedy_run(cold, 2, second)
+    assert (hit, miss) == (32, 0) and tokens == want_tokens
+    for a, b in zip(rows, want_rows):
+        assert float((a - b).abs().max() / b.abs().max()) < 1e-5
+    cached.release(None)
+    assert cached.cache.states.num_free == cached.cache.states.num_slots       # snapshots count as free
+
+
+def test_match_prefix_reports_only_prefixes_a_snapshot_resumes(checkpoints):
+    """Blocks 0-2 of a 60-token prompt are cached but only the state after block 2 (its tail split, 48) is kept:
+    a prompt sharing 40 tokens matches 2 cached blocks and can resume from neither."""
+    engine = engine_of(checkpoints["nemotron_h"])
+    prompt = list(range(5, 65))
+    greedy_run(engine, 1, prompt, steps=0)
+    assert engine.match_prefix(prompt[:50] + [7, 8]) == 48
+    assert engine.match_prefix(prompt[:40] + [7, 8]) == 0
+    llama = engine_of(checkpoints["llama_tied"])
+    greedy_run(llama, 1, prompt, steps=0)
+    assert llama.match_prefix(prompt[:40] + [7, 8]) == 32
+
+
+def test_snapshots_are_kept_within_their_budget_least_recently_used_first(checkpoints):
+    from metrale.runtime.cache.specs import slot_bytes
+
+    probe = engine_of(checkpoints["nemotron_h"])
+    engine = engine_of(checkpoints["nemotron_h"], ssm_snapshot_memory=2 * slot_bytes(probe.cache.specs))
+    prompts = [list(range(5 + 50 * i, 5 + 50 * i + 20)) for i in range(3)]          # one snapshot each, at 16
+    for seq_id, prompt in enumerate(prompts):
+        greedy_run(engine, seq_id, prompt, steps=0)
+    assert engine.cache.states.num_snapshots == 2
+    assert [engine.match_prefix(p) for p in prompts] == [0, 16, 16]

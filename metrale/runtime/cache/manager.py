@@ -14,11 +14,12 @@ class CacheManager:
     tensors, or None."""
 
     def __init__(self, specs: tuple[LayerCache, ...], layers: list, block_size: int, num_blocks: int,
-                 num_state_slots: int, prefix_cache: bool = False):
-        """prefix_cache: the block pool keeps full blocks for later prompts (cache/prefix.py)."""
+                 num_state_slots: int, prefix_cache: bool = False, max_snapshots: int = 0):
+        """prefix_cache: the block pool keeps full blocks for later prompts (cache/prefix.py), and, of a model with
+        recurrent layers, up to max_snapshots states at block boundaries (cache/states.py)."""
         self.specs, self.layers, self.block_size = specs, layers, block_size
         self.blocks = CachingBlockPool(num_blocks, block_size) if prefix_cache else BlockPool(num_blocks, block_size)
-        self.states = StatePool(num_state_slots)
+        self.states = StatePool(num_state_slots, max_snapshots if prefix_cache else 0)
 
     @property
     def prefix_cache(self) -> bool:
@@ -53,9 +54,18 @@ class CacheManager:
         self.states.free(list(slots))
 
 
-def state_slots_for(specs: tuple[LayerCache, ...], max_seqs: int) -> int:
-    """A recurrent model's state slots: max_seqs live sequences, each with a second slot for a step in flight."""
-    return 2 * max_seqs if any(isinstance(spec, RecurrentState) for spec in specs) else 0
+def state_slots_for(specs: tuple[LayerCache, ...], max_seqs: int, max_snapshots: int = 0) -> int:
+    """A recurrent model's state slots: max_seqs live sequences, each with a second slot for a step in flight, and
+    the prefix cache's snapshots."""
+    return 2 * max_seqs + max_snapshots if any(isinstance(spec, RecurrentState) for spec in specs) else 0
+
+
+def snapshots_for(specs: tuple[LayerCache, ...], snapshot_bytes: int | None, max_seqs: int) -> int:
+    """How many state snapshots snapshot_bytes hold (None: max_seqs); 0 for a model without recurrent layers."""
+    per_slot = slot_bytes(specs)
+    if not per_slot:
+        return 0
+    return max_seqs if snapshot_bytes is None else snapshot_bytes // per_slot
 
 
 def blocks_that_fit(specs: tuple[LayerCache, ...], block_size: int, itemsize: int, available_bytes: int,
