@@ -52,6 +52,8 @@ class EngineConfig:
             raise InvalidArgument(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         if self.max_batch_tokens < 1:
             raise InvalidArgument(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
+        if self.ssm_snapshot_memory is not None and self.ssm_snapshot_memory < 0:
+            raise InvalidArgument(f"ssm_snapshot_memory must be >= 0 bytes, got {self.ssm_snapshot_memory}")
         if self.max_seqs < 1:
             raise InvalidArgument(f"max_seqs must be >= 1, got {self.max_seqs}")
         if not 1 <= self.num_streams <= 64:

@@ -159,14 +159,14 @@ def test_every_worker_flag_is_reachable_from_values(chart):
                          "max-message-mb": 8, "max-text-bytes": 4096, "drain-timeout": 2.5, "reflection": False,
                          "log-format": "console",
                          "max-concurrent-rpcs": 128, "keepalive-time": 30, "keepalive-timeout": 7.5,
-                         "keepalive-min-client-ping": 5}}
+                         "keepalive-min-client-ping": 5, "ssm-snapshot-memory": 2000000000}}
     assert set(values["worker"]) == settable
     config = parsed_args(render(chart, values))
     engine = config.engine
     assert (engine.device, engine.dtype, engine.kv_blocks, engine.kv_memory_fraction, engine.kv_block_size) == (
         "cpu", "bfloat16", 1000000, 0.5, 32)
     assert (engine.max_batch_tokens, engine.max_seqs, engine.max_model_len, engine.num_streams) == (4096, 64, 2048, 3)
-    assert (engine.run_ahead, engine.prefix_cache) == ("off", False)
+    assert (engine.run_ahead, engine.prefix_cache, engine.ssm_snapshot_memory) == ("off", False, 2000000000)
     assert (config.max_message_mb, config.max_text_bytes, config.drain_timeout, config.reflection,
             config.log_format) == (8, 4096, 2.5, False, "console")
     assert (config.max_concurrent_rpcs, config.keepalive_time, config.keepalive_timeout,
