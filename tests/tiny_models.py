@@ -34,6 +34,19 @@ TINY_SSM = {
         layers_block_type=["mamba", "attention", "mlp", "mamba", "mlp"], num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=8, mamba_head_dim=16,
         ssm_state_size=16)),
+    # Its µP multipliers all away from 1, the mixer's gated norm on (before the gate) and biases on.
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", dict(
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, mamba_d_ssm=128,
+        mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=8,
+        mamba_rms_norm=True, mamba_norm_before_gate=True, mamba_proj_bias=True, projectors_bias=True,
+        attention_bias=True, embedding_multiplier=1.5, lm_head_multiplier=0.7, key_multiplier=0.9,
+        attention_in_multiplier=1.2, attention_out_multiplier=0.8, ssm_in_multiplier=1.1, ssm_out_multiplier=0.6,
+        ssm_multipliers=[1.3, 0.9, 1.1, 0.8, 1.2], mlp_multipliers=[1.4, 0.7], rms_norm_eps=1e-5)),
+    # As its released checkpoints: no norm in the mixer (the gate alone), tied embeddings.
+    "falcon_h1_tied": ("FalconH1Config", "FalconH1ForCausalLM", dict(
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, mamba_d_ssm=128,
+        mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=8, mamba_rms_norm=False,
+        tie_word_embeddings=True, embedding_multiplier=2.0, lm_head_multiplier=0.5)),
 }
 
 

@@ -137,9 +137,17 @@ class LayerMath(Protocol):
         slot: xbc [T, conv_size] is the conv's output (x, B, C), dt [T, heads] before its bias; returns
         y = scan(x) + D * x, [T, heads * head_dim]."""
 
-    def gated_rms_norm(self, x: Tensor, gate: Tensor, weight: Tensor, eps: float, group_size: int) -> Tensor:
+    def gated_rms_norm(self, x: Tensor, gate: Tensor, weight: Tensor, eps: float, group_size: int,
+                       norm_before_gate: bool = False) -> Tensor:
         """RMSNorm of x * silu(gate) over each group_size slice, times weight (Mamba2's norm before out_proj;
-        float32 inside, the result in x's dtype times weight)."""
+        float32 inside, the result in x's dtype times weight); norm_before_gate: RMSNorm(x) * weight * silu(gate)
+        (float32 to the end)."""
+
+    def mul_silu(self, x: Tensor, gate: Tensor) -> Tensor:
+        """x * silu(gate), elementwise (a Mamba2 mixer without its norm)."""
+
+    def add(self, x: Tensor, y: Tensor) -> Tensor:
+        """x + y, elementwise (two mixers' outputs of one layer: Falcon-H1's attention and Mamba2)."""
 
     def write_kv(self, k: Tensor, v: Tensor, batch: PreparedBatch, kv: Tensor) -> None:
         """K and V rows [T, kv_heads * head_dim] into the paged cache at the batch's slots (no rotation): an

@@ -21,6 +21,7 @@ def config_from_hf(hf: dict) -> HybridConfig:
     shape = MixerShape(hidden_size=hidden, num_heads=num_heads, head_dim=head_dim,
                        state_size=hf.get("state_size", 128), n_groups=hf.get("n_groups", 8),
                        conv_kernel=hf.get("conv_kernel", 4), chunk_size=hf.get("chunk_size", 256), norm_eps=eps,
-                       use_bias=hf.get("use_bias", False), use_conv_bias=hf.get("use_conv_bias", True),
+                       in_bias=hf.get("use_bias", False), out_bias=hf.get("use_bias", False),
+                       use_conv_bias=hf.get("use_conv_bias", True),
                        dt_min=dt_min, dt_max=dt_max)
     return HybridConfig.from_hf(hf, layer_kinds=("mamba",) * hf["num_hidden_layers"], mixer=shape, norm_eps=eps)

@@ -14,6 +14,7 @@ from metrale.runtime.errors import InvalidArgument
 # The longest sequence of a model whose config sets no position limit (a pure SSM has none): the default
 # max_model_len there; --max-model-len may set more.
 UNLIMITED_POSITIONS_MAX_LEN = 131072
+NORMS = ("after_gate", "before_gate", "none")
 
 
 @dataclass(frozen=True)
@@ -26,14 +27,20 @@ class MixerShape:
     conv_kernel: int
     chunk_size: int
     norm_eps: float
-    use_bias: bool = False
+    in_bias: bool = False
+    out_bias: bool = False
     use_conv_bias: bool = True
     dt_min: float = 0.0
     dt_max: float = math.inf
+    # How the scan's output meets the gate z before out_proj: "after_gate" RMSNorm(y * silu(z)) (Mamba2's),
+    # "before_gate" RMSNorm(y) * silu(z), "none" y * silu(z); the norm over each of n_groups groups.
+    norm: str = "after_gate"
 
     def __post_init__(self):
         if self.num_heads % self.n_groups:
             raise InvalidArgument(f"mamba num_heads={self.num_heads} is not a multiple of n_groups={self.n_groups}")
+        if self.norm not in NORMS:
+            raise InvalidArgument(f"mixer norm {self.norm!r} is not one of {NORMS}")
         if self.conv_kernel < 2 or self.chunk_size < 1:
             raise InvalidArgument(f"conv_kernel={self.conv_kernel} and chunk_size={self.chunk_size} must be >= 2 "
                                   f"and >= 1")
@@ -57,24 +64,30 @@ def hf_float(value) -> float:
     return float(value["__float__"]) if isinstance(value, dict) else float(value)
 
 
-def load_mixer(take, prefix: str, shape: MixerShape, ops: LayerMath) -> dict:
-    """The mixer's tensors under prefix (e.g. "model.layers.0.mixer."), uploaded; take(name) reads one."""
+def load_mixer(take, prefix: str, shape: MixerShape, ops: LayerMath, in_scale: torch.Tensor | None = None,
+               input_scale: float = 1.0, out_scale: float = 1.0) -> dict:
+    """The mixer's tensors under prefix (e.g. "model.layers.0.mixer."), uploaded; take(name) reads one. Falcon-H1's
+    multipliers, folded into the weights and biases: in_scale [in_proj rows] of in_proj's output, input_scale of
+    its input, out_scale of out_proj's output."""
     conv_weight = take(prefix + "conv1d.weight")          # [conv_size, 1, K]
-    w = {"in_proj": ops.upload(take(prefix + "in_proj.weight")),
+    in_scale = torch.ones(1) if in_scale is None else in_scale.float()
+    w = {"in_proj": ops.upload(take(prefix + "in_proj.weight").float() * (in_scale * input_scale)[:, None]),
          "conv": ops.upload(conv_weight.reshape(conv_weight.shape[0], conv_weight.shape[-1])),
-         "gated_norm": ops.upload(take(prefix + "norm.weight")),
-         "out_proj": ops.upload(take(prefix + "out_proj.weight")),
+         "out_proj": ops.upload(take(prefix + "out_proj.weight").float() * out_scale),
          "scan": SsmScan(A=ops.upload_float32(-torch.exp(take(prefix + "A_log").float())),
                          D=ops.upload_float32(take(prefix + "D")),
                          dt_bias=ops.upload_float32(take(prefix + "dt_bias")),
                          num_heads=shape.num_heads, head_dim=shape.head_dim, n_groups=shape.n_groups,
                          state_size=shape.state_size, chunk_size=shape.chunk_size, dt_min=shape.dt_min,
                          dt_max=shape.dt_max)}
+    if shape.norm != "none":
+        w["gated_norm"] = ops.upload(take(prefix + "norm.weight"))
     if shape.use_conv_bias:
         w["conv_bias"] = ops.upload(take(prefix + "conv1d.bias"))
-    if shape.use_bias:
-        w["in_proj_bias"] = ops.upload(take(prefix + "in_proj.bias"))
-        w["out_proj_bias"] = ops.upload(take(prefix + "out_proj.bias"))
+    if shape.in_bias:
+        w["in_proj_bias"] = ops.upload(take(prefix + "in_proj.bias").float() * in_scale)
+    if shape.out_bias:
+        w["out_proj_bias"] = ops.upload(take(prefix + "out_proj.bias").float() * out_scale)
     return w
 
 
@@ -87,5 +100,9 @@ def mixer(ops: LayerMath, h, w: dict, shape: MixerShape, meta, state) -> object:
                      projected[:, inner + conv_size:])
     xbc = ops.ssm_conv(xbc, w["conv"], w.get("conv_bias"), meta, conv_state)
     y = ops.ssm_scan(xbc, dt, w["scan"], meta, ssm_state)                   # [T, inner]
-    y = ops.gated_rms_norm(y, gate, w["gated_norm"], shape.norm_eps, inner // shape.n_groups)
+    if shape.norm == "none":
+        y = ops.mul_silu(y, gate)
+    else:
+        y = ops.gated_rms_norm(y, gate, w["gated_norm"], shape.norm_eps, inner // shape.n_groups,
+                               norm_before_gate=shape.norm == "before_gate")
     return ops.linear(y, w["out_proj"], w.get("out_proj_bias"))

@@ -35,7 +35,8 @@ def config_from_hf(hf: dict) -> HybridConfig:
     mixer = MixerShape(hidden_size=hf["hidden_size"], num_heads=hf.get("mamba_num_heads", 128),
                        head_dim=hf.get("mamba_head_dim", 64), state_size=hf.get("ssm_state_size", 128),
                        n_groups=hf.get("n_groups", 8), conv_kernel=hf.get("conv_kernel", 4),
-                       chunk_size=hf.get("chunk_size", 128), norm_eps=eps, use_bias=hf.get("use_bias", False),
+                       chunk_size=hf.get("chunk_size", 128), norm_eps=eps, in_bias=hf.get("use_bias", False),
+                       out_bias=hf.get("use_bias", False),
                        use_conv_bias=hf.get("use_conv_bias", True),
                        # transformers' and mamba_ssm's Nemotron-H mixer: no upper limit, time_step_min below
                        dt_min=hf.get("time_step_min", 0.001), dt_max=math.inf)

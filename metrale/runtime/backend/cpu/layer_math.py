@@ -123,8 +123,14 @@ class CpuLayerMath:
     def ssm_scan(self, xbc, dt, scan: SsmScan, batch: "CpuBatch", ssm_state):
         return ssm.scan(xbc, dt, scan, batch, ssm_state)
 
-    def gated_rms_norm(self, x, gate, weight, eps, group_size):
-        return ssm.gated_rms_norm(x, gate, weight, eps, group_size)
+    def gated_rms_norm(self, x, gate, weight, eps, group_size, norm_before_gate=False):
+        return ssm.gated_rms_norm(x, gate, weight, eps, group_size, norm_before_gate)
+
+    def mul_silu(self, x, gate):
+        return x * F.silu(gate)
+
+    def add(self, x, y):
+        return x + y
 
     def sampled_rows(self, x, residual, batch: "CpuBatch"):
         rows = batch.sample_rows

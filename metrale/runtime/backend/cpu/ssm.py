@@ -52,12 +52,15 @@ def scan(xbc: torch.Tensor, dt: torch.Tensor, p: SsmScan, batch, ssm_state: torc
     return y.reshape(xbc.shape[0], -1).to(xbc.dtype)
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int
-                   ) -> torch.Tensor:
-    """LayerMath.gated_rms_norm, as transformers' MambaRMSNormGated with the gate (norm after the gate)."""
-    h = x.float() * F.silu(gate.float())
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int,
+                   norm_before_gate: bool = False) -> torch.Tensor:
+    """LayerMath.gated_rms_norm, as transformers' MambaRMSNormGated with the gate (norm after the gate), or
+    FalconH1RMSNormGated with norm_before_gate."""
+    h = x.float() if norm_before_gate else x.float() * F.silu(gate.float())
     grouped = h.view(*h.shape[:-1], -1, group_size)
     grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
+    if norm_before_gate:
+        return (weight.float() * grouped.view(h.shape) * F.silu(gate.float())).to(x.dtype)
     return weight * grouped.view(h.shape).to(x.dtype)
 
 
