@@ -47,6 +47,16 @@ TINY_SSM = {
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, mamba_d_ssm=128,
         mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=8, mamba_rms_norm=False,
         tie_word_embeddings=True, embedding_multiplier=2.0, lm_head_multiplier=0.5)),
+    # Granite 4.0-H's dense form, without positions in attention (as released) and its multipliers away from 1.
+    "granite_hybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        layer_types=["mamba", "attention", "mamba"], num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, shared_intermediate_size=96, num_local_experts=0, mamba_n_heads=8, mamba_d_head=16,
+        mamba_d_state=16, mamba_chunk_size=8, position_embedding_type="nope", tie_word_embeddings=True,
+        attention_multiplier=0.2, embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=2.5)),
+    "granite_hybrid_rope": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        layer_types=["attention", "mamba"], num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        shared_intermediate_size=96, num_local_experts=0, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+        mamba_chunk_size=8, position_embedding_type="rope", attention_bias=True, mamba_proj_bias=True)),
 }
 
 

@@ -44,7 +44,7 @@ def test_info(stub, worker, tiny_model_dir):
     info = stub.Info(pb.InfoRequest())
     config = json.loads((tiny_model_dir / "config.json").read_text())
     assert info.architecture == config["architectures"][0]
-    assert info.has_ssm == (config["model_type"] in ("mamba2", "nemotron_h", "falcon_h1"))
+    assert info.has_ssm == (config["model_type"] in ("mamba2", "nemotron_h", "falcon_h1", "granitemoehybrid"))
     assert info.vocab_size == 256 and info.kv_block_size == 16 and info.num_kv_blocks == 64
     assert info.free_kv_blocks == 64 and info.num_streams == 2 and info.max_model_len == 96
     assert info.supports_beam and not info.is_mla and info.eos_token_ids == [2]

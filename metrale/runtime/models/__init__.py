@@ -4,7 +4,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from metrale.runtime.errors import InvalidArgument
-from metrale.runtime.models import falcon_h1, hybrid, llama, m2m100, mamba2, mistral, nemotron_h, qwen2, qwen3
+from metrale.runtime.models import falcon_h1, granite_hybrid, hybrid, llama, m2m100, mamba2, mistral, nemotron_h, \
+    qwen2, qwen3
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ ARCHITECTURES: dict[str, Family] = {
     "Mamba2ForCausalLM": Family(mamba2.config_from_hf, hybrid.HybridForCausalLM),
     "NemotronHForCausalLM": Family(nemotron_h.config_from_hf, hybrid.HybridForCausalLM),
     "FalconH1ForCausalLM": Family(falcon_h1.config_from_hf, falcon_h1.FalconH1ForCausalLM),
+    "GraniteMoeHybridForCausalLM": Family(granite_hybrid.config_from_hf, granite_hybrid.GraniteHybridForCausalLM),
 }
 
 

@@ -11,6 +11,7 @@ from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.cache.specs import PagedKv
 from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.models import mamba2_mixer
+from metrale.runtime.models.attention import packed_attention
 from metrale.runtime.models.mamba2_mixer import MixerShape, hf_float
 from metrale.runtime.models.rope import inverse_frequencies, rope_cos_sin, rope_parameters
 
@@ -96,8 +97,6 @@ class FalconH1ForCausalLM:
         cos, sin = rope_cos_sin(inverse_frequencies(config.rope, config.head_dim), max_model_len)
         self.rope = RopeTable(math.upload_float32(cos), math.upload_float32(sin))
         self.scale = config.head_dim ** -0.5
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
 
     def cache_specs(self) -> tuple:
         """Two per layer: its attention's K/V, then its Mamba2 mixer's state."""
@@ -118,20 +117,14 @@ class FalconH1ForCausalLM:
             kv, state = cache[2 * i], cache[2 * i + 1]
             h, residual = ops.rms_norm(x, layer["input_layernorm"], c.rms_norm_eps, residual)
             mixed = mamba2_mixer.mixer(ops, h, layer, c.mixer, meta, state)
-            x = ops.add(mixed, self._attention(h, layer, meta, kv))
+            x = ops.add(mixed, packed_attention(ops, h, layer, meta, kv, self.rope, c.num_heads, c.num_kv_heads,
+                                                c.head_dim, self.scale))
             h, residual = ops.rms_norm(x, layer["pre_ff_layernorm"], c.rms_norm_eps, residual)
             h = ops.silu_mul(ops.linear(h, layer["gate_up_proj"], layer.get("gate_up_bias")))
             x = ops.linear(h, layer["down_proj"], layer.get("down_bias"))
         x, residual = ops.sampled_rows(x, residual, meta)
         x, _ = ops.rms_norm(x, w["norm"], c.rms_norm_eps, residual)
         return ops.logits(x, w["lm_head"])
-
-    def _attention(self, h, layer: dict, meta, kv):
-        ops, c = self.math, self.config
-        qkv = ops.linear(h, layer["qkv_proj"], layer.get("qkv_bias"))
-        q, k, v = qkv[:, :self.q_size], qkv[:, self.q_size:self.q_size + self.kv_size], qkv[:, self.q_size + self.kv_size:]
-        o = ops.self_attention(q, k, v, self.rope, meta, kv, c.num_kv_heads, c.head_dim, self.scale, None)
-        return ops.linear(o, layer["o_proj"], layer.get("o_bias"))
 
 
 def _mixer_in_scale(c: FalconH1Config) -> torch.Tensor:

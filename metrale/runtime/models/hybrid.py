@@ -11,6 +11,7 @@ from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.cache.specs import NoCache, PagedKv
 from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.models import mamba2_mixer
+from metrale.runtime.models.attention import packed_attention
 from metrale.runtime.models.mamba2_mixer import MixerShape
 
 LAYER_KINDS = ("mamba", "attention", "mlp")
@@ -93,21 +94,14 @@ class HybridForCausalLM:
             if kind == "mamba":
                 x = mamba2_mixer.mixer(ops, h, layer, c.mixer, meta, layer_cache)
             elif kind == "attention":
-                x = self._attention(h, layer, meta, layer_cache)
+                x = packed_attention(ops, h, layer, meta, layer_cache, self.rope, c.num_heads, c.num_kv_heads,
+                                     c.head_dim, self.scale)
             else:
                 x = ops.linear(ops.relu_squared(ops.linear(h, layer["up_proj"], layer.get("up_proj_bias"))),
                                layer["down_proj"], layer.get("down_proj_bias"))
         x, residual = ops.sampled_rows(x, residual, meta)
         x, _ = ops.rms_norm(x, w["norm"], c.norm_eps, residual)
         return ops.logits(x, w["lm_head"])
-
-    def _attention(self, h, layer: dict, meta, kv):
-        ops, c = self.math, self.config
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        qkv = ops.linear(h, layer["qkv_proj"])
-        q, k, v = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size], qkv[:, q_size + kv_size:]
-        o = ops.self_attention(q, k, v, self.rope, meta, kv, c.num_kv_heads, c.head_dim, self.scale, None)
-        return ops.linear(o, layer["o_proj"])
 
 
 def _load_weights(c: HybridConfig, tensors: dict[str, torch.Tensor], ops: LayerMath) -> dict:
