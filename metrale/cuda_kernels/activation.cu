@@ -1,4 +1,5 @@
-// MLP activations: the gated out = silu(gate) * up in fp32, rounded to bf16 once; and ReLU (M2M100 / NLLB).
+// MLP activations: the gated out = silu(gate) * up in fp32, rounded to bf16 once; ReLU (M2M100 / NLLB) and its
+// square (Nemotron-H); elementwise add and x * silu(gate) (the SSM hybrids).
 #include "common.cuh"
 
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
@@ -38,4 +39,49 @@ extern "C" __global__ void relu(uint4* out, long long out_stride, const uint4* x
     const int column = (int)(unit - row * units_per_row);
     const uint4 v = x[row * x_stride + column];
     out[row * out_stride + column] = make_uint4(relu_pair(v.x), relu_pair(v.y), relu_pair(v.z), relu_pair(v.w));
+}
+
+__device__ __forceinline__ unsigned int relu_squared_pair(unsigned int x) {
+    const float2 v = bf16x2_to_float2(x);
+    const float a = fmaxf(v.x, 0.f), b = fmaxf(v.y, 0.f);
+    return float2_to_bf16x2(a * a, b * b);
+}
+
+// out [T, I] = max(x, 0)^2, bf16 (Nemotron-H's MLP); as relu.
+extern "C" __global__ void relu_squared(uint4* out, long long out_stride, const uint4* x, long long x_stride,
+                                        int num_tokens, int units_per_row) {
+    wait_for_previous_kernel();
+    const long long unit = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (unit >= (long long)num_tokens * units_per_row) return;
+    const long long row = unit / units_per_row;
+    const int column = (int)(unit - row * units_per_row);
+    const uint4 v = x[row * x_stride + column];
+    out[row * out_stride + column] = make_uint4(relu_squared_pair(v.x), relu_squared_pair(v.y),
+                                                relu_squared_pair(v.z), relu_squared_pair(v.w));
+}
+
+__device__ __forceinline__ unsigned int add_pair(unsigned int x, unsigned int y) {
+    const float2 a = bf16x2_to_float2(x), b = bf16x2_to_float2(y);
+    return float2_to_bf16x2(a.x + b.x, a.y + b.y);
+}
+
+__device__ __forceinline__ unsigned int mul_silu_pair(unsigned int x, unsigned int gate) {
+    const float2 a = bf16x2_to_float2(x), g = bf16x2_to_float2(gate);
+    return float2_to_bf16x2(a.x * silu(g.x), a.y * silu(g.y));
+}
+
+// out [T, I] = x + y (op 0) or x * silu(y) (op 1), bf16 in and out, fp32 math rounded once; row strides in
+// 16-byte units, I % 8 == 0; one 16-byte unit per thread.
+extern "C" __global__ void binary(uint4* out, long long out_stride, const uint4* x, long long x_stride, const uint4* y,
+                                  long long y_stride, int num_tokens, int units_per_row, int op) {
+    wait_for_previous_kernel();
+    const long long unit = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (unit >= (long long)num_tokens * units_per_row) return;
+    const long long row = unit / units_per_row;
+    const int column = (int)(unit - row * units_per_row);
+    const uint4 a = x[row * x_stride + column], b = y[row * y_stride + column];
+    out[row * out_stride + column] = op == 0
+        ? make_uint4(add_pair(a.x, b.x), add_pair(a.y, b.y), add_pair(a.z, b.z), add_pair(a.w, b.w))
+        : make_uint4(mul_silu_pair(a.x, b.x), mul_silu_pair(a.y, b.y), mul_silu_pair(a.z, b.z),
+                     mul_silu_pair(a.w, b.w));
 }

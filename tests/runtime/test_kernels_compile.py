@@ -12,7 +12,7 @@ SOURCES = kernel_sources()
 
 def test_every_kernel_family_is_there():
     assert {"embedding", "norm", "activation", "rope_kv", "decode_attention", "decode_attention_mha",
-            "prefill_attention", "sampling", "beam", "beam_step", "gemv"} <= set(SOURCES)
+            "prefill_attention", "sampling", "beam", "beam_step", "gemv", "ssm"} <= set(SOURCES)
 
 
 def test_headers_are_pasted_in_once():

@@ -1,4 +1,5 @@
-"""Launchers for cuda_kernels/activation.cu: the gated MLP activation, and ReLU."""
+"""Launchers for cuda_kernels/activation.cu: the gated MLP activation, ReLU and its square, and the elementwise add
+and x * silu(gate) of the SSM hybrids."""
 
 import numpy as np
 
@@ -23,6 +24,39 @@ def relu(lib, stream, out: DeviceTensor, x: DeviceTensor) -> None:
     """out [T, I] = max(x, 0), bf16. Needs I % 8 == 0 and 16-byte aligned rows (either may be strided)."""
     require(len(x.shape) == 2 and out.shape == x.shape, f"relu: out {out.shape} and x {x.shape} must be one [T, I]")
     _launch_elementwise("relu", lib, stream, out, x)
+
+
+def relu_squared(lib, stream, out: DeviceTensor, x: DeviceTensor) -> None:
+    """out [T, I] = max(x, 0) ** 2, bf16; as relu."""
+    require(len(x.shape) == 2 and out.shape == x.shape,
+            f"relu_squared: out {out.shape} and x {x.shape} must be one [T, I]")
+    _launch_elementwise("relu_squared", lib, stream, out, x)
+
+
+def add(lib, stream, out: DeviceTensor, x: DeviceTensor, y: DeviceTensor) -> None:
+    """out [T, I] = x + y, bf16, rounded once."""
+    _launch_binary(0, lib, stream, out, x, y)
+
+
+def mul_silu(lib, stream, out: DeviceTensor, x: DeviceTensor, gate: DeviceTensor) -> None:
+    """out [T, I] = x * silu(gate), bf16, fp32 math rounded once."""
+    _launch_binary(1, lib, stream, out, x, gate)
+
+
+def _launch_binary(op: int, lib, stream, out: DeviceTensor, x: DeviceTensor, y: DeviceTensor) -> None:
+    require(len(x.shape) == 2 and out.shape == x.shape == y.shape,
+            f"binary: out {out.shape}, x {x.shape} and y {y.shape} must be one [T, I]")
+    require(all(t.dtype == "bfloat16" for t in (out, x, y)), "binary: out, x and y must be bfloat16")
+    num_tokens, width = out.shape
+    require(width % 8 == 0, f"binary: I = {width} must be a multiple of 8")
+    for tensor, name in ((out, "out"), (x, "x"), (y, "y")):
+        require_aligned(tensor, 16, f"binary: {name}")
+    units_per_row = width // 8
+    if num_tokens == 0:
+        return
+    launch_kernel(stream, lib.get("binary", MODULE), ceil_div(num_tokens * units_per_row, BLOCK), BLOCK, out,
+                  np.int64(out.stride // 8), x, np.int64(x.stride // 8), y, np.int64(y.stride // 8), num_tokens,
+                  units_per_row, op)
 
 
 def _launch_elementwise(name: str, lib, stream, out: DeviceTensor, x: DeviceTensor) -> None:
