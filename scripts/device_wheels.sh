@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Builds .whl/: the wheels the lent GPU machine lacks (it has Python 3.12, torch, cuda-core, cuda-bindings, NVRTC,
-# cuBLAS and transformers, and no network). Carry .whl in every device call; scripts/device_env.sh installs it.
+# cuBLAS and transformers 5.17, and no network). Carry .whl in every device call; scripts/device_env.sh installs it.
+# transformers 5.24 (and a huggingface-hub it takes) as the tests' reference on the CPU: 5.17's Mamba2 normalises
+# its gated RMSNorm over the whole width instead of per group (n_groups > 1), as mamba_ssm does not.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl
@@ -10,5 +12,6 @@ python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.
   grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 grpcio-status==1.85.3 \
   grpcio-tools==1.85.1 protobuf==7.36.2 googleapis-common-protos==1.76.0 \
   structlog==26.1.0 prometheus-client==0.26.0 gguf==0.19.0 nvmath-python==1.0.0 \
-  pytest==9.0.3 pluggy iniconfig packaging hypothesis==6.155.2 sortedcontainers attrs pyyaml tqdm
+  pytest==9.0.3 pluggy iniconfig packaging hypothesis==6.155.2 sortedcontainers attrs pyyaml tqdm \
+  transformers==5.24.0 huggingface-hub==1.33.0 click
 ls .whl
