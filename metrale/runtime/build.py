@@ -7,6 +7,7 @@ from metrale.runtime.backend import create_backend
 from metrale.runtime.backend.layer_math import LM_HEAD_PADDING_ROWS
 from metrale.runtime.backend.runner import MemoryShapes, Runner
 from metrale.runtime.cache.manager import CacheManager, blocks_that_fit, snapshots_for, state_slots_for
+from metrale.runtime.cache.specs import PAGED, slot_bytes
 from metrale.runtime.default_model import default_cache_dir
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.engine import Engine
@@ -90,11 +91,17 @@ def _allocate_cache(runner: Runner, specs: tuple, config: EngineConfig, max_mode
                     prefix_cache: bool) -> CacheManager:
     """The cache the model's specs describe: config.kv_blocks blocks, or as many as the share of the memory left
     (kv_memory_fraction, else the runner's default) holds beside the recurrent layers' state slots (and, with the
-    prefix cache, their snapshots)."""
+    prefix cache, their snapshots). The slots take at most that share (half of it where the model also has paged
+    layers): fewer than 2 x max_seqs + snapshots where those would not fit, and a step that then finds none free
+    is refused (OutOfStateSlots)."""
     snapshots = snapshots_for(specs, config.ssm_snapshot_memory, config.max_seqs) if prefix_cache else 0
-    slots = state_slots_for(specs, config.max_seqs, snapshots)
     fraction = config.kv_memory_fraction or runner.default_kv_memory_fraction
-    num_blocks = config.kv_blocks or blocks_that_fit(specs, config.kv_block_size, runner.dtype.itemsize,
-                                                     runner.available_cache_bytes(fraction), slots, max_model_len)
+    slots = state_slots_for(specs, config.max_seqs, snapshots)
+    available = runner.available_cache_bytes(fraction) if slots or not config.kv_blocks else 0
+    if slots:
+        paged = any(isinstance(spec, PAGED) for spec in specs)
+        slots = min(slots, max(2, (available // 2 if paged else available) // slot_bytes(specs)))
+    num_blocks = config.kv_blocks or blocks_that_fit(specs, config.kv_block_size, runner.dtype.itemsize, available,
+                                                     slots, max_model_len)
     layers = runner.allocate_cache(specs, num_blocks, config.kv_block_size, slots)
     return CacheManager(specs, layers, config.kv_block_size, num_blocks, slots, prefix_cache, snapshots)

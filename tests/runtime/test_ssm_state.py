@@ -189,3 +189,14 @@ def test_snapshots_are_kept_within_their_budget_least_recently_used_first(checkp
         greedy_run(engine, seq_id, prompt, steps=0)
     assert engine.cache.states.num_snapshots == 2
     assert [engine.match_prefix(p) for p in prompts] == [0, 16, 16]
+
+
+def test_state_slots_take_at_most_half_the_cache_memory_of_a_hybrid(checkpoints, monkeypatch):
+    """A machine whose cache share holds 10 slots' bytes: the hybrid gets 5 slots (half), not 2 x max_seqs."""
+    from metrale.runtime.backend.cpu.runner import CpuRunner
+    from metrale.runtime.cache.specs import slot_bytes
+
+    per_slot = slot_bytes(engine_of(checkpoints["nemotron_h"]).cache.specs)
+    monkeypatch.setattr(CpuRunner, "available_cache_bytes", lambda self, fraction: 10 * per_slot)
+    engine = engine_of(checkpoints["nemotron_h"], max_seqs=64)
+    assert engine.cache.states.num_slots == 5
