@@ -96,7 +96,8 @@ def _allocate_cache(runner: Runner, specs: tuple, config: EngineConfig, max_mode
     is refused (OutOfStateSlots)."""
     snapshots = snapshots_for(specs, config.ssm_snapshot_memory, config.max_seqs) if prefix_cache else 0
     fraction = config.kv_memory_fraction or runner.default_kv_memory_fraction
-    slots = state_slots_for(specs, config.max_seqs, snapshots)
+    runs_ahead = config.run_ahead == "on" or (config.run_ahead == "auto" and runner.runs_ahead_by_default)
+    slots = state_slots_for(specs, config.max_seqs, snapshots, runs_ahead)
     available = runner.available_cache_bytes(fraction) if slots or not config.kv_blocks else 0
     if slots:
         paged = any(isinstance(spec, PAGED) for spec in specs)

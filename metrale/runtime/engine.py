@@ -57,7 +57,7 @@ class Engine:
                              model.config.decoder_start_token_id if encoder_decoder else None,
                              # a source's cross-attention K/V take blocks as a sequence's self-attention K/V do
                              min(model.config.max_position_embeddings, max_model_len) if encoder_decoder else 0,
-                             splits_at_tail=cache.has_state, snapshots=cache.has_state and cache.prefix_cache)
+                             splits_at_tail=cache.has_state, snapshots=cache.states.max_snapshots > 0)
         self.forwards = Forwards(model, runner, cache, config.kv_block_size)
         self._lock = threading.Lock()
         self.runs_ahead = config.run_ahead == "on" or (config.run_ahead == "auto" and runner.runs_ahead_by_default)
@@ -226,9 +226,10 @@ class Engine:
         """New sequences continuing the parent from where it is (forks.py), all or none; their block copies are
         done on this stream before the call returns, so any stream may run a child next."""
         self.guesses.settle([parent_id])
-        with self._lock:
-            parent = check_fork(self.sequences, self.cache, parent_id, child_ids)
-            result, copies, state_copies = fork(self.sequences, self.cache, parent, child_ids)
+        # under the state lock, taking back the blocks and state slots other sequences' guesses hold where it must
+        result, copies, state_copies = self.guesses.taking_blocks(
+            lambda: fork(self.sequences, self.cache, check_fork(self.sequences, self.cache, parent_id, child_ids),
+                         child_ids))
         try:
             if copies or state_copies:
                 self.forwards.copy_blocks(copies)

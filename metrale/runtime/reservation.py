@@ -50,20 +50,21 @@ class Reservations:
         return replace(match, blocks=match.blocks[:keep], names=match.names[:keep],
                        tokens=keep * self.cache.block_size)
 
-    def reserve(self, plan: Plan, matches: dict[int, Match] | None = None) -> Snapshot:
+    def reserve(self, plan: Plan, matches: dict[int, Match] | None = None, evict_snapshots: bool = True) -> Snapshot:
         """Creates the plan's new sequences (matches: what the prefix cache holds of their prompts, attached to
         them) and takes every block and state slot it needs; returns what restore (or, once the step is done,
-        commit) needs. All or nothing: what an error midway had done is undone."""
+        commit) needs. All or nothing: what an error midway had done is undone. evict_snapshots False: state slots
+        only from the free ones (a guess's)."""
         snapshot = {i: (seq.num_tokens, len(seq.block_table), seq.prompt_finished, seq.num_prompt_tokens,
                         seq.state_slot) for i in plan.final_lengths if (seq := self.sequences.get(i)) is not None}
         try:
-            self._take(plan, matches or {})
+            self._take(plan, matches or {}, evict_snapshots)
         except BaseException:
             self.restore(snapshot, plan)
             raise
         return snapshot
 
-    def _take(self, plan: Plan, matches: dict[int, Match]) -> None:
+    def _take(self, plan: Plan, matches: dict[int, Match], evict_snapshots: bool = True) -> None:
         """One reservation for the new sequences' cross blocks (their sources'), the blocks the sequences grow by,
         and a new state slot per sequence where the model keeps a recurrent state (the one before stays, as the
         step's snapshot); first, the cached blocks a new sequence's prompt starts with, by reference."""
@@ -82,7 +83,8 @@ class Reservations:
         grown = {seq_id: max(0, blocks_for(length, size) - len(self.sequences.get(seq_id).block_table))
                  for seq_id, length in plan.final_lengths.items()}
         stateful = list(plan.final_lengths) if self.cache.has_state else []
-        blocks, slots = self.cache.reserve(sum(sources.values()) + sum(grown.values()), len(stateful))
+        blocks, slots = self.cache.reserve(sum(sources.values()) + sum(grown.values()), len(stateful),
+                                           evict_snapshots)
         taken = 0
         for seq_id, count in sources.items():
             seq = self.sequences.get(seq_id)
@@ -103,8 +105,8 @@ class Reservations:
         for chunks in plan.rounds:
             for c in chunks:
                 prefill = not c.samples or c.ends_prompt        # not a decode token
-                if prefill and (c.start + len(c.tokens)) % size == 0 and states.num_free:
-                    c.snapshot_slot = states.allocate(1)[0]
+                if prefill and (c.start + len(c.tokens)) % size == 0:
+                    c.snapshot_slot = states.take_snapshot_slot()
 
     def _attach(self, seq: Sequence, match: Match, prompt) -> None:
         """The sequence starts as if it had computed the match's tokens itself."""
@@ -160,7 +162,7 @@ class Reservations:
                 if keep and seq is not None and block < len(seq.block_names):
                     states.keep_snapshot(seq.block_names[block], c.snapshot_slot)
                 else:
-                    states.free([c.snapshot_slot])
+                    states.drop_snapshot_slot(c.snapshot_slot)
                 c.snapshot_slot = -1
         for slot in plan.resumes.values():
             states.unpin(slot)

@@ -152,7 +152,10 @@ class Guesses:
         except WorkerError:     # max_model_len, or no free block: no guess
             return None
         free = self.cache.blocks.num_free
-        snapshot = self.reservations.reserve(plan)
+        try:        # a guess takes only free state slots: it never evicts a snapshot
+            snapshot = self.reservations.reserve(plan, evict_snapshots=False)
+        except OutOfStateSlots:
+            return None
         return Ahead(plan, snapshot, free - self.cache.blocks.num_free, run_forward)
 
     def settle(self, seq_ids: list[int], step: Step | None = None,

@@ -72,7 +72,8 @@ def test_normalize_undoes_a_guess_and_changes_no_answer(checkpoints):
     assert ahead.cache.states.num_free > held           # the guess's slot given back
     ahead.normalize_states([1])                         # idempotent
     token = plain.step(Step(decode=(DecodeToken(1, token),))).outputs[0].token
-    assert ahead.cache.states.num_free == plain.cache.states.num_free
+    held = [e.cache.states.num_slots - e.cache.states.num_free for e in (ahead, plain)]
+    assert held[0] == held[1]               # the sequence's slot alone, on both
     for _ in range(4):          # the state a guess had advanced is the one before it again: the same tokens follow
         a, b = (engine.step(Step(decode=(DecodeToken(1, token),))).outputs[0] for engine in (ahead, plain))
         assert a.token == b.token and a.logprob == b.logprob
@@ -200,3 +201,72 @@ def test_state_slots_take_at_most_half_the_cache_memory_of_a_hybrid(checkpoints,
     monkeypatch.setattr(CpuRunner, "available_cache_bytes", lambda self, fraction: 10 * per_slot)
     engine = engine_of(checkpoints["nemotron_h"], max_seqs=64)
     assert engine.cache.states.num_slots == 5
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_a_guess_and_its_successor_fit_beside_every_sequence_and_evict_no_snapshot(checkpoints, prefix_cache):
+    """Run-ahead on: a third slot per sequence for a guess's successor; a guess takes only free slots."""
+    engine = engine_of(checkpoints["nemotron_h"], max_seqs=2, run_ahead="on", prefix_cache=prefix_cache)
+    if prefix_cache:                        # two snapshots kept
+        for seq_id in (10, 11):
+            engine.step(Step(prefill=(PrefillSlice(seq_id, tuple(range(5 + seq_id, 40 + seq_id))),)))
+            engine.release([seq_id])
+    out = engine.step(Step(prefill=(PrefillSlice(1, (5, 6, 7)), PrefillSlice(2, (8, 9)))))
+    tokens = {o.seq_id: o.token for o in out.outputs}
+    out = engine.step(Step(decode=tuple(DecodeToken(i, t) for i, t in tokens.items())), run_ahead=True)
+    out.ahead.run(lambda: None)
+    assert out.ahead.next is not None
+    assert engine.cache.states.num_snapshots == (2 if prefix_cache else 0)
+
+
+def test_snapshots_to_come_stay_within_the_budget_and_starve_no_step(checkpoints):
+    """A prompt split into 7 block-ending chunks, in flight, takes at most max_snapshots (2) slots for its
+    snapshots: a step on another stream still finds the slot it needs."""
+    engine = engine_of(checkpoints["nemotron_h"], max_seqs=2, ssm_snapshot_memory=2 * slot_size(checkpoints))
+    engine.step(Step(prefill=(PrefillSlice(1, (5, 6, 7)),)))
+    plan, undo = engine._plan(Step(prefill=(PrefillSlice(2, tuple(range(100, 220)), chunk_size=16),)))
+    assert sum(c.snapshot_slot >= 0 for chunks in plan.rounds for c in chunks) == 2
+    engine.step(Step(decode=(DecodeToken(1, 4),)))
+    with engine._lock:
+        engine.reservations.restore(undo, plan)
+    engine.release(None)
+    assert engine.cache.states.num_free == engine.cache.states.num_slots
+
+
+def test_fork_takes_back_the_slots_guesses_hold(checkpoints):
+    """Six slots (max_seqs 2, run-ahead on): four live sequences and a guess with its successor hold them all."""
+    engine = engine_of(checkpoints["nemotron_h"], max_seqs=2, prefix_cache=False, run_ahead="on")
+    engine.step(Step(prefill=(PrefillSlice(3, (5, 6)), PrefillSlice(4, (7, 8)))))
+    out = engine.step(Step(prefill=(PrefillSlice(1, (5, 6, 7)), PrefillSlice(2, (8, 9)))))
+    token = {o.seq_id: o.token for o in out.outputs}[2]
+    out = engine.step(Step(decode=(DecodeToken(2, token),)), run_ahead=True)
+    out.ahead.run(lambda: None)
+    assert engine.cache.states.num_free == 0
+    engine.fork(1, [5])
+    assert 5 in engine.live_seq_ids()
+
+
+def test_no_snapshot_budget_takes_no_snapshot(checkpoints):
+    engine = engine_of(checkpoints["nemotron_h"], max_seqs=2, ssm_snapshot_memory=0)
+    copies = []
+    engine.forwards.copy_states = copies.append
+    engine.step(Step(prefill=(PrefillSlice(1, tuple(range(5, 60)), chunk_size=8),)))
+    assert copies == [] and engine.cache.states.num_snapshots == 0
+
+
+def test_a_new_sequence_reads_zeros_whatever_a_freed_slot_holds(checkpoints):
+    engine = engine_of(checkpoints["nemotron_h"], max_seqs=2, prefix_cache=False)
+    engine.step(Step(prefill=(PrefillSlice(1, (5, 6, 7)),)))
+    engine.release([1])
+    for layer in engine.cache.layers:
+        if isinstance(layer, tuple):
+            for tensor in layer:
+                tensor.fill_(float("nan"))
+    out = engine.step(Step(prefill=(PrefillSlice(2, (5, 6, 7, 8), output=OutputOptions(return_logits=True)),)))
+    assert torch.isfinite(out.outputs[0].logits).all()
+
+
+def slot_size(checkpoints) -> int:
+    from metrale.runtime.cache.specs import slot_bytes
+
+    return slot_bytes(engine_of(checkpoints["nemotron_h"]).cache.specs)

@@ -41,12 +41,14 @@ class CacheManager:
         """Whether a sequence holds a state slot (the model has recurrent layers)."""
         return any(isinstance(spec, RecurrentState) for spec in self.specs)
 
-    def reserve(self, num_blocks: int, num_slots: int) -> tuple[list[int], list[int]]:
-        """Blocks and state slots, both or neither: OutOfKvBlocks or OutOfStateSlots with nothing taken."""
+    def reserve(self, num_blocks: int, num_slots: int, evict_snapshots: bool = True) -> tuple[list[int], list[int]]:
+        """Blocks and state slots, both or neither: OutOfKvBlocks or OutOfStateSlots with nothing taken.
+        evict_snapshots False: slots only from the free ones, no snapshot evicted for them."""
         if num_blocks > self.blocks.num_free:
             raise OutOfKvBlocks(num_blocks, self.blocks.num_free)
-        if num_slots > self.states.num_free:
-            raise OutOfStateSlots(num_slots, self.states.num_free)
+        free_slots = self.states.num_free if evict_snapshots else self.states.num_unused
+        if num_slots > free_slots:
+            raise OutOfStateSlots(num_slots, free_slots)
         return self.blocks.allocate(num_blocks), self.states.allocate(num_slots)
 
     def free(self, blocks: list[int], slots: list[int] = ()) -> None:
@@ -54,10 +56,12 @@ class CacheManager:
         self.states.free(list(slots))
 
 
-def state_slots_for(specs: tuple[LayerCache, ...], max_seqs: int, max_snapshots: int = 0) -> int:
-    """A recurrent model's state slots: max_seqs live sequences, each with a second slot for a step in flight, and
-    the prefix cache's snapshots."""
-    return 2 * max_seqs + max_snapshots if any(isinstance(spec, RecurrentState) for spec in specs) else 0
+def state_slots_for(specs: tuple[LayerCache, ...], max_seqs: int, max_snapshots: int = 0, runs_ahead: bool = False
+                    ) -> int:
+    """A recurrent model's state slots: max_seqs live sequences, each with a second slot for a step in flight (and a
+    third for a guessed step's successor, where the engine runs ahead), and the prefix cache's snapshots."""
+    per_sequence = 3 if runs_ahead else 2
+    return per_sequence * max_seqs + max_snapshots if any(isinstance(spec, RecurrentState) for spec in specs) else 0
 
 
 def snapshots_for(specs: tuple[LayerCache, ...], snapshot_bytes: int | None, max_seqs: int) -> int:
@@ -74,5 +78,5 @@ def blocks_that_fit(specs: tuple[LayerCache, ...], block_size: int, itemsize: in
     counts its sequences' tokens in blocks, which then cost nothing: enough for every slot's longest sequence."""
     per_block = block_bytes(specs, block_size, itemsize)
     if not any(isinstance(spec, PAGED) for spec in specs):
-        return max(1, num_state_slots * blocks_for(max_model_len, block_size))
+        return max(1, num_state_slots * blocks_for(max_model_len, block_size) // 2)
     return max(1, (available_bytes - num_state_slots * slot_bytes(specs)) // per_block)

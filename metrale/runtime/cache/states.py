@@ -22,6 +22,7 @@ class StatePool:
         # Unpinned snapshots, least recently used first: evicted when the free slots run out.
         self._unpinned: OrderedDict[int, None] = OrderedDict()
         self._pins: dict[int, int] = {}
+        self._pending = 0           # slots taken for snapshots to come (take_snapshot_slot)
 
     @property
     def num_free(self) -> int:
@@ -29,8 +30,26 @@ class StatePool:
         return len(self._free) + len(self._unpinned)
 
     @property
+    def num_unused(self) -> int:
+        """Free slots alone (no snapshot evicted for them)."""
+        return len(self._free)
+
+    @property
     def num_snapshots(self) -> int:
         return len(self._slot_of)
+
+    def take_snapshot_slot(self) -> int:
+        """A slot for a snapshot to come (a step's, kept or freed when it is done), or -1 where none may be taken:
+        snapshots kept and to come stay within max_snapshots, the least recently used kept one making room, and
+        no other snapshot is evicted for it."""
+        if self.max_snapshots == 0:
+            return -1
+        if len(self._slot_of) + self._pending >= self.max_snapshots and self._unpinned:
+            self._evict()
+        if len(self._slot_of) + self._pending >= self.max_snapshots or not self._free:
+            return -1
+        self._pending += 1
+        return self._free.pop()
 
     def allocate(self, count: int) -> list[int]:
         if count > self.num_free:
@@ -46,15 +65,21 @@ class StatePool:
         self._free.extend(slot for slot in reversed(slots) if slot not in self._name_of)
 
     def keep_snapshot(self, name: bytes, slot: int) -> None:
-        """Makes an allocated slot holding the state after the block `name` a snapshot; where that block has one
-        already, or no snapshot may be kept, the slot is freed. The least recently used beyond max_snapshots go."""
-        if name in self._slot_of or self.max_snapshots == 0:
+        """Makes a slot take_snapshot_slot gave, now holding the state after the block `name`, a snapshot; where
+        that block has one already the slot is freed. The least recently used beyond max_snapshots go."""
+        self._pending -= 1
+        if name in self._slot_of:
             self.free([slot])
             return
         self._slot_of[name], self._name_of[slot] = slot, name
         self._unpinned[slot] = None
         while len(self._slot_of) > self.max_snapshots and self._unpinned:
             self._evict()
+
+    def drop_snapshot_slot(self, slot: int) -> None:
+        """Gives back a slot take_snapshot_slot gave, unused (its step undone, or its block unnamed)."""
+        self._pending -= 1
+        self.free([slot])
 
     def snapshot(self, name: bytes) -> int | None:
         """The slot of the snapshot after the block `name`, if one is kept; changes nothing."""

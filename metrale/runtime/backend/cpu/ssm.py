@@ -73,7 +73,7 @@ def _per_head(groups: torch.Tensor, p: SsmScan) -> torch.Tensor:
 def _read(state: torch.Tensor, sources: torch.Tensor) -> torch.Tensor:
     """The states at the source slots, zeros where a source is -1 (a new sequence)."""
     read = state[sources.clamp(min=0)]
-    return read * (sources >= 0).view(-1, *[1] * (state.dim() - 1))
+    return torch.where((sources >= 0).view(-1, *[1] * (state.dim() - 1)), read, 0.0)
 
 
 def _step(h, x, dt, b, c, A):
