@@ -231,9 +231,11 @@ class Engine:
             lambda: fork(self.sequences, self.cache, check_fork(self.sequences, self.cache, parent_id, child_ids),
                          child_ids))
         try:
-            if copies or state_copies:
+            if copies:
                 self.forwards.copy_blocks(copies)
+            if state_copies:
                 self.forwards.copy_states(state_copies)
+            if copies or state_copies:
                 self.runner.synchronize()
         except Exception as error:
             with self._lock:

@@ -192,6 +192,11 @@ class CudaRunner:
         ctx.copy_to_device(rows, host)
         kernels.rope_kv.copy_kv_prefixes(self.lib, ctx.stream, _paged(layers), rows, len(host))
 
+    def copy_state_slots(self, layers: list, copies: list[tuple[int, int]]) -> None:
+        """The CUDA backend keeps no recurrent state yet (allocate_cache refuses state slots): nothing to copy."""
+        if copies:
+            raise InvalidArgument("the CUDA backend keeps no recurrent state to copy")
+
     def counters(self) -> dict[str, int]:
         return {"kernel_cache_hits": self.lib.cache.hits, "kernel_cache_misses": self.lib.cache.misses,
                 "graph_replays": sum(graphs.replays for ctx in self.resources.streams
