@@ -376,9 +376,8 @@ class Engine:
                 self._encode(chunks, sequences)
             # The logits live in the backend's memory until sampled: the lock covers both.
             logits = self.forwards.run(batch)
-            snapshots = [(seq.state_slot, c.snapshot_slot) for c, seq in zip(chunks, sequences) if c.snapshot_slot >= 0]
-            if snapshots:       # the states after chunks that end on a block boundary, for the prefix cache
-                self.forwards.copy_states(snapshots)
+            if self.limits.snapshots:   # the states after chunks that end on a block boundary, for the prefix cache
+                self._copy_snapshots(chunks, sequences)
             if cancelled():
                 raise Cancelled()
             with self._lock:
@@ -396,6 +395,11 @@ class Engine:
             rows = staged.rows or [SampleRow(s.sampling, s.output, s.seed, s.num_tokens, s.tokens,
                                              s.output_tokens if s.sampling.has_penalties else ()) for s in sampled]
             return Launched(sampled, cached, self.runner.queue_sample(logits, rows))
+
+    def _copy_snapshots(self, chunks: tuple[Chunk, ...], sequences: list[Sequence]) -> None:
+        copies = [(seq.state_slot, c.snapshot_slot) for c, seq in zip(chunks, sequences) if c.snapshot_slot >= 0]
+        if copies:
+            self.forwards.copy_states(copies)
 
     @staticmethod
     def _finish_round(launched: "Launched") -> list[SequenceOutput]:

@@ -12,6 +12,7 @@ from metrale.runtime.cache.specs import PagedKv
 from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.models import mamba2_mixer
 from metrale.runtime.models.attention import packed_attention
+from metrale.runtime.models.checkpoint import eos_token_ids, tensor_reader
 from metrale.runtime.models.mamba2_mixer import MixerShape, hf_float
 from metrale.runtime.models.rope import inverse_frequencies, rope_cos_sin, rope_parameters
 
@@ -72,8 +73,7 @@ def config_from_hf(hf: dict) -> FalconH1Config:
                        norm_eps=eps, in_bias=hf.get("mamba_proj_bias", False),
                        out_bias=hf.get("projectors_bias", False), use_conv_bias=hf.get("mamba_conv_bias", True),
                        dt_min=dt_min, dt_max=dt_max, norm=norm)
-    eos = hf.get("eos_token_id")
-    eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    eos = eos_token_ids(hf)
     return FalconH1Config(
         architecture=hf["architectures"][0], vocab_size=hf["vocab_size"], hidden_size=hidden,
         intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"], num_heads=num_heads,
@@ -135,10 +135,7 @@ def _mixer_in_scale(c: FalconH1Config) -> torch.Tensor:
 
 
 def _load_weights(c: FalconH1Config, tensors: dict[str, torch.Tensor], ops: LayerMath) -> dict:
-    def take(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise InvalidArgument(f"the checkpoint has no tensor {name!r} that {c.architecture} needs")
-        return tensors[name].float()
+    take = tensor_reader(tensors, c.architecture, as_float=True)
 
     embed_table = take("model.embed_tokens.weight")
     head = embed_table if c.tie_word_embeddings else take("lm_head.weight")

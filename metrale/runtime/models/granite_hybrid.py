@@ -13,6 +13,7 @@ from metrale.runtime.cache.specs import PagedKv
 from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.models import mamba2_mixer
 from metrale.runtime.models.attention import packed_attention
+from metrale.runtime.models.checkpoint import eos_token_ids, tensor_reader
 from metrale.runtime.models.mamba2_mixer import MixerShape, hf_float
 from metrale.runtime.models.nemotron_h import KINDS
 from metrale.runtime.models.rope import inverse_frequencies, rope_cos_sin, rope_parameters
@@ -74,8 +75,7 @@ def config_from_hf(hf: dict) -> GraniteHybridConfig:
     if mixer.inner_size != hf.get("mamba_expand", 2) * hidden:
         raise InvalidArgument(f"mamba_n_heads x mamba_d_head ({mixer.inner_size}) is not mamba_expand x "
                               f"hidden_size ({hf.get('mamba_expand', 2) * hidden})")
-    eos = hf.get("eos_token_id")
-    eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    eos = eos_token_ids(hf)
     return GraniteHybridConfig(
         architecture=hf["architectures"][0], vocab_size=hf["vocab_size"], hidden_size=hidden,
         intermediate_size=hf["shared_intermediate_size"], layer_kinds=tuple(KINDS[kind] for kind in listed),
@@ -133,10 +133,7 @@ class GraniteHybridForCausalLM:
 
 
 def _load_weights(c: GraniteHybridConfig, tensors: dict[str, torch.Tensor], ops: LayerMath) -> dict:
-    def take(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise InvalidArgument(f"the checkpoint has no tensor {name!r} that {c.architecture} needs")
-        return tensors[name].float()
+    take = tensor_reader(tensors, c.architecture, as_float=True)
 
     table = take("model.embed_tokens.weight")
     head = table if c.tie_word_embeddings else take("lm_head.weight")

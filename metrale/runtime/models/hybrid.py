@@ -12,6 +12,7 @@ from metrale.runtime.cache.specs import NoCache, PagedKv
 from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.models import mamba2_mixer
 from metrale.runtime.models.attention import packed_attention
+from metrale.runtime.models.checkpoint import eos_token_ids, tensor_reader
 from metrale.runtime.models.mamba2_mixer import MixerShape
 
 LAYER_KINDS = ("mamba", "attention", "mlp")
@@ -55,8 +56,7 @@ class HybridConfig:
 
     @classmethod
     def from_hf(cls, hf: dict, **family) -> "HybridConfig":
-        eos = hf.get("eos_token_id")
-        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        eos = eos_token_ids(hf)
         return cls(architecture=hf["architectures"][0], vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
                    max_position_embeddings=hf.get("max_position_embeddings") or mamba2_mixer.UNLIMITED_POSITIONS_MAX_LEN,
                    tie_word_embeddings=hf.get("tie_word_embeddings", False), eos_token_ids=eos,
@@ -108,10 +108,7 @@ def _load_weights(c: HybridConfig, tensors: dict[str, torch.Tensor], ops: LayerM
     # Checkpoints name the stack "backbone." (state-spaces, NVIDIA's own) or "model." (transformers 5).
     prefix = "backbone." if "backbone.embeddings.weight" in tensors else "model."
 
-    def take(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise InvalidArgument(f"the checkpoint has no tensor {name!r} that {c.architecture} needs")
-        return tensors[name]
+    take = tensor_reader(tensors, c.architecture)
 
     if c.tie_word_embeddings:
         embed = lm_head = ops.upload_lm_head(take(prefix + "embeddings.weight"))

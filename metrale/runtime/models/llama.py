@@ -5,9 +5,10 @@ from dataclasses import dataclass
 import torch
 
 from metrale.runtime.backend.layer_math import LayerMath, RopeTable
-from metrale.runtime.cache.specs import PagedKv
 from metrale.runtime.batch import ForwardBatch
+from metrale.runtime.cache.specs import PagedKv
 from metrale.runtime.errors import InvalidArgument
+from metrale.runtime.models.checkpoint import eos_token_ids, tensor_reader
 from metrale.runtime.models.rope import inverse_frequencies, rope_cos_sin, rope_parameters
 
 
@@ -44,8 +45,7 @@ class DecoderConfig:
             raise InvalidArgument(f"hidden_act {hf['hidden_act']!r} is not supported (silu is)")
         if hf.get("mlp_bias"):
             raise InvalidArgument("mlp_bias=true is not supported")
-        eos = hf.get("eos_token_id")
-        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        eos = eos_token_ids(hf)
         num_heads = hf["num_attention_heads"]
         return cls(
             architecture=hf["architectures"][0], vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
@@ -118,10 +118,7 @@ class LlamaForCausalLM:
 
 
 def _load_weights(c: DecoderConfig, tensors: dict[str, torch.Tensor], ops: LayerMath) -> dict:
-    def take(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise InvalidArgument(f"the checkpoint has no tensor {name!r} that {c.architecture} needs")
-        return tensors[name]
+    take = tensor_reader(tensors, c.architecture)
 
     if c.tie_word_embeddings:       # one table, laid out as the LM head wants it (its ids index the same rows)
         embed = lm_head = ops.upload_lm_head(take("model.embed_tokens.weight"))

@@ -17,6 +17,7 @@ from metrale.runtime.backend.layer_math import LayerMath, Linear, RopeTable
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.cache.specs import PagedKv
 from metrale.runtime.errors import InvalidArgument
+from metrale.runtime.models.checkpoint import eos_token_ids, tensor_reader
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,7 @@ def config_from_hf(hf: dict) -> M2M100Config:
         # The encoder keeps its K/V in the decoder's cache blocks as scratch (encode), in the decoder's layout.
         raise InvalidArgument(f"encoder_attention_heads={hf['encoder_attention_heads']} differs from "
                               f"decoder_attention_heads={hf['decoder_attention_heads']}: not supported")
-    eos = hf.get("eos_token_id")
-    eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    eos = eos_token_ids(hf)
     return M2M100Config(
         architecture=hf["architectures"][0], vocab_size=hf["vocab_size"], hidden_size=hf["d_model"],
         num_encoder_layers=hf["encoder_layers"], num_layers=hf["decoder_layers"],
@@ -203,10 +203,7 @@ def _split(x, hidden: int, parts: int = 3):
 
 
 def _load_weights(c: M2M100Config, tensors: dict[str, torch.Tensor], ops: LayerMath) -> dict:
-    def take(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise InvalidArgument(f"the checkpoint has no tensor {name!r} that {c.architecture} needs")
-        return tensors[name]
+    take = tensor_reader(tensors, c.architecture)
 
     def pair(prefix: str) -> tuple:
         return ops.upload(take(prefix + ".weight")), ops.upload(take(prefix + ".bias"))

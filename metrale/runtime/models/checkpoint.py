@@ -1,0 +1,24 @@
+"""What every family reads of a Hugging Face checkpoint the same way: its tensors by name, and its EOS ids."""
+
+from typing import Callable
+
+import torch
+
+from metrale.runtime.errors import InvalidArgument
+
+
+def tensor_reader(tensors: dict[str, torch.Tensor], architecture: str, as_float: bool = False
+                  ) -> Callable[[str], torch.Tensor]:
+    """take(name): the checkpoint's tensor (float32 with as_float: a family that scales weights before upload), or
+    InvalidArgument naming the tensor the architecture needs."""
+    def take(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise InvalidArgument(f"the checkpoint has no tensor {name!r} that {architecture} needs")
+        return tensors[name].float() if as_float else tensors[name]
+    return take
+
+
+def eos_token_ids(hf: dict) -> tuple[int, ...]:
+    """config.json's eos_token_id (absent, one id, or a list) as a tuple."""
+    eos = hf.get("eos_token_id")
+    return () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
