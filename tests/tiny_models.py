@@ -25,6 +25,7 @@ TINY = {
 
 # State-space models (and hybrids): the Mamba2 mixer's shape shared by each; chunk_size 8, so that a 20-token
 # prompt's scan crosses chunks.
+# Attention heads of 32 (the CUDA kernels' smallest head_dim).
 MIXER = dict(n_groups=2, conv_kernel=4, chunk_size=8, vocab_size=256, hidden_size=64, max_position_embeddings=512,
              bos_token_id=1, eos_token_id=2, pad_token_id=0)
 TINY_SSM = {
@@ -32,11 +33,11 @@ TINY_SSM = {
                                                          num_hidden_layers=3, layer_norm_epsilon=1e-5)),
     "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", dict(
         layers_block_type=["mamba", "attention", "mlp", "mamba", "mlp"], num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=8, mamba_head_dim=16,
+        num_key_value_heads=2, head_dim=32, intermediate_size=96, mamba_num_heads=8, mamba_head_dim=16,
         ssm_state_size=16)),
     # Its µP multipliers all away from 1, the mixer's gated norm on (before the gate) and biases on.
     "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", dict(
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, mamba_d_ssm=128,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=96, mamba_d_ssm=128,
         mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=8,
         mamba_rms_norm=True, mamba_norm_before_gate=True, mamba_proj_bias=True, projectors_bias=True,
         attention_bias=True, embedding_multiplier=1.5, lm_head_multiplier=0.7, key_multiplier=0.9,
@@ -44,17 +45,17 @@ TINY_SSM = {
         ssm_multipliers=[1.3, 0.9, 1.1, 0.8, 1.2], mlp_multipliers=[1.4, 0.7], rms_norm_eps=1e-5)),
     # As its released checkpoints: no norm in the mixer (the gate alone), tied embeddings.
     "falcon_h1_tied": ("FalconH1Config", "FalconH1ForCausalLM", dict(
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, mamba_d_ssm=128,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=96, mamba_d_ssm=128,
         mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=8, mamba_rms_norm=False,
         tie_word_embeddings=True, embedding_multiplier=2.0, lm_head_multiplier=0.5)),
     # Granite 4.0-H's dense form, without positions in attention (as released) and its multipliers away from 1.
     "granite_hybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
-        layer_types=["mamba", "attention", "mamba"], num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, shared_intermediate_size=96, num_local_experts=0, mamba_n_heads=8, mamba_d_head=16,
+        layer_types=["mamba", "attention", "mamba"], num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, shared_intermediate_size=96, num_local_experts=0, mamba_n_heads=8, mamba_d_head=16,
         mamba_d_state=16, mamba_chunk_size=8, position_embedding_type="nope", tie_word_embeddings=True,
         attention_multiplier=0.2, embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=2.5)),
     "granite_hybrid_rope": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
-        layer_types=["attention", "mamba"], num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        layer_types=["attention", "mamba"], num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
         shared_intermediate_size=96, num_local_experts=0, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
         mamba_chunk_size=8, position_embedding_type="rope", attention_bias=True, mamba_proj_bias=True)),
 }

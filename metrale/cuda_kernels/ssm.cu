@@ -1,8 +1,9 @@
 // Mamba2's causal conv and selective scan over each segment's recurrent state (cache/specs.RecurrentState), and
 // its gated RMSNorm. Activations are bf16 with row strides in elements; states are float32, [slots, ...]
 // contiguous. A segment's tokens are rows seg_starts[s] .. + seg_lens[s] - 1 of the batch; its state is read from
-// slot sources[s] (-1: zeros) and written to slot destinations[s], which may be the same slot (every read of a
-// slot comes before the writes to it, in one thread or in an earlier launch) but is no other segment's source.
+// slot sources[s] (-1: zeros) and written to slot destinations[s] (-1: not kept, a graph's padding row), which may
+// be the same slot (every read of a slot comes before the writes to it, in one thread or in an earlier launch) but
+// is no other segment's source.
 #include "common.cuh"
 
 #define SSM_MAX_CONV_KERNEL 8       // conv_kernel <= 8 (4 in every released model)
@@ -53,7 +54,7 @@ extern "C" __global__ void ssm_conv_state(float* conv_state, const bf16* x, long
                                           int channels, int kernel_width) {
     wait_for_previous_kernel();
     const int c = blockIdx.x * blockDim.x + threadIdx.x, s = blockIdx.y;
-    if (c >= channels) return;
+    if (c >= channels || destinations[s] < 0) return;
     const int start = seg_starts[s], len = seg_lens[s], source = sources[s], history = kernel_width - 1;
     float kept[SSM_MAX_CONV_KERNEL];
     for (int k = 0; k < history; ++k) {
@@ -106,6 +107,7 @@ extern "C" __global__ void ssm_scan(bf16* y, long long y_stride, const bf16* xbc
             partial += __shfl_xor_sync(0xffffffffu, partial, offset);
         if (lane == 0) y[row * y_stride + head * head_dim + p] = float_to_bf16(partial + d * xv);
     }
+    if (destinations[s] < 0) return;
     float* out_state = ssm_state + destinations[s] * slot_size + row_offset;
     for (int i = 0; i < per_lane; ++i) out_state[lane + i * SSM_SCAN_LANES] = h[i];
 }
@@ -136,4 +138,20 @@ extern "C" __global__ void ssm_gated_norm(bf16* out, long long out_stride, const
         orow[i] = norm_before_gate ? float_to_bf16(w * v * inv * g)
                                    : float_to_bf16(w * bf16_to_float(float_to_bf16(v * g * inv)));
     }
+}
+
+// Copies whole state slots (a fork's, a snapshot's): for each state tensor i (base address bases[i], slot_words[i]
+// 16-byte words a slot) and each copy j, slot copies[j][0] to slot copies[j][1]. Grid: (ceil(largest slot's words /
+// blockDim.x / SSM_COPY_WORDS), tensors, copies).
+#define SSM_COPY_WORDS 4
+extern "C" __global__ void ssm_copy_slots(const unsigned long long* bases, const long long* slot_words,
+                                          const int* copies) {
+    wait_for_previous_kernel();
+    const long long words = slot_words[blockIdx.y];
+    uint4* base = reinterpret_cast<uint4*>(bases[blockIdx.y]);
+    const uint4* src = base + copies[2 * blockIdx.z] * words;
+    uint4* dst = base + copies[2 * blockIdx.z + 1] * words;
+    for (long long w = ((long long)blockIdx.x * SSM_COPY_WORDS) * blockDim.x + threadIdx.x, k = 0;
+         k < SSM_COPY_WORDS && w < words; ++k, w += blockDim.x)
+        dst[w] = src[w];
 }

@@ -1,6 +1,7 @@
 """A state-space model's prompt split into chunks anywhere (gateway slices, the worker's own chunk_size, several
 sequences' slices in one step, decode lanes beside them) gives the logits of one chunk, within 1e-5 (float32, CPU):
-the conv and scan states carry across chunks exactly."""
+the conv and scan states carry across chunks exactly. On CUDA (bf16) within bf16's rounding: a GEMM over other row
+counts rounds differently."""
 
 import random
 
@@ -20,11 +21,18 @@ DECODES = 6
 LOGITS = OutputOptions(return_logits=True)
 
 
-@pytest.fixture(scope="module", params=sorted(TINY_SSM))
+# The largest relative error of a chunked run's logits against one chunk's, by device.
+TOLERANCE = {"cpu": 1e-5, "cuda": 2e-2}
+
+
+@pytest.fixture(scope="module", params=[*sorted(TINY_SSM), *(pytest.param(f"{name} cuda", marks=pytest.mark.gpu)
+                                                             for name in sorted(TINY_SSM))])
 def engine(request, tmp_path_factory):
-    directory = write_tiny(request.param, tmp_path_factory.mktemp(request.param))
-    engine, _ = build_engine(load_checkpoint(directory), EngineConfig(device="cpu", kv_blocks=96,
-                                                                      kv_block_size=BLOCK))
+    name, _, device = request.param.partition(" ")
+    directory = write_tiny(name, tmp_path_factory.mktemp(name))
+    engine, _ = build_engine(load_checkpoint(directory),
+                             EngineConfig(device=device or "cpu", kv_blocks=96, kv_block_size=BLOCK, max_seqs=16,
+                                          max_batch_tokens=256), cache_dir=tmp_path_factory.mktemp("kernels"))
     return engine
 
 
@@ -70,7 +78,7 @@ def test_gateway_chunks_equal_one_chunk(engine, split):
         out = engine.step(Step(prefill=(piece,)))
     got = decode_logits(engine, 2, out.outputs[0])
     for i, (a, b) in enumerate(zip(got, want)):
-        assert relative_error(a, b) < 1e-5, f"{split}: row {i}"
+        assert relative_error(a, b) < TOLERANCE[engine.runner.device], f"{split}: row {i}"
 
 
 @pytest.mark.parametrize("chunk_size", [1, BLOCK - 1, BLOCK, 7])
@@ -80,7 +88,7 @@ def test_worker_chunk_size_equals_one_chunk(engine, chunk_size):
     out = engine.step(Step(prefill=(PrefillSlice(2, tokens, chunk_size=chunk_size, output=LOGITS),)))
     got = decode_logits(engine, 2, out.outputs[0])
     for i, (a, b) in enumerate(zip(got, want)):
-        assert relative_error(a, b) < 1e-5, f"chunk_size {chunk_size}: row {i}"
+        assert relative_error(a, b) < TOLERANCE[engine.runner.device], f"chunk_size {chunk_size}: row {i}"
 
 
 def test_slices_batched_with_decode_lanes(engine):
@@ -99,4 +107,4 @@ def test_slices_batched_with_decode_lanes(engine):
     for seq_id in prompts:
         got = decode_logits(engine, seq_id, firsts[seq_id])
         for i, (a, b) in enumerate(zip(got, want[seq_id])):
-            assert relative_error(a, b) < 1e-5, f"seq {seq_id}: row {i}"
+            assert relative_error(a, b) < TOLERANCE[engine.runner.device], f"seq {seq_id}: row {i}"

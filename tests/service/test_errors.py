@@ -95,7 +95,8 @@ BAD_REQUESTS = {
                         grpc.StatusCode.INVALID_ARGUMENT, ["2^63"]),
     "over max_batch_tokens": ("MixedForward", pb.MixedForwardRequest(
         decode=pb.DecodeRequest(seq_ids=[1], tokens=[4]),
-        prefill=pb.PrefillRequest(slices=[slice_(i, [4] * 90) for i in range(10, 16)])),
+        # Over in every forward, wherever a state-space model's tail split cuts each prompt (at 80).
+        prefill=pb.PrefillRequest(slices=[slice_(i, [4] * 90) for i in range(10, 17)])),
         grpc.StatusCode.RESOURCE_EXHAUSTED, ["max_batch_tokens=512"]),
 }
 

@@ -34,6 +34,8 @@ class MemoryShapes:
     max_blocks_per_seq: int
     head_dim: int
     kv_block_size: int
+    # Activation elements per token of a layer's state-space mixer (0: none), beside its attention and MLP.
+    ssm_width: int = 0
     # Device streams: a backend that runs forwards at once gives each its own workspaces.
     streams: int = 1
 

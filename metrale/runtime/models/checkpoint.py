@@ -22,3 +22,9 @@ def eos_token_ids(hf: dict) -> tuple[int, ...]:
     """config.json's eos_token_id (absent, one id, or a list) as a tuple."""
     eos = hf.get("eos_token_id")
     return () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+
+
+def scaled_tied_head_bytes(config) -> int:
+    """A model's extra_weight_bytes where it scales its tied LM head apart from its embedding: with
+    tie_word_embeddings, the one checkpoint table uploaded twice (bf16, 256-byte aligned)."""
+    return 2 * config.vocab_size * config.hidden_size + 256 if config.tie_word_embeddings else 0

@@ -13,7 +13,7 @@ from metrale.runtime.cache.specs import PagedKv
 from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.models import mamba2_mixer
 from metrale.runtime.models.attention import packed_attention
-from metrale.runtime.models.checkpoint import eos_token_ids, tensor_reader
+from metrale.runtime.models.checkpoint import eos_token_ids, scaled_tied_head_bytes, tensor_reader
 from metrale.runtime.models.mamba2_mixer import MixerShape, hf_float
 from metrale.runtime.models.nemotron_h import KINDS
 from metrale.runtime.models.rope import inverse_frequencies, rope_cos_sin, rope_parameters
@@ -90,6 +90,9 @@ def config_from_hf(hf: dict) -> GraniteHybridConfig:
 
 
 class GraniteHybridForCausalLM:
+    # The embedding and the LM head scaled apart, from one table where they are tied.
+    extra_weight_bytes = staticmethod(scaled_tied_head_bytes)
+
     def __init__(self, config: GraniteHybridConfig, tensors: dict[str, torch.Tensor], math: LayerMath,
                  max_model_len: int):
         self.config = config

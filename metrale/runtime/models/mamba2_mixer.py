@@ -53,6 +53,13 @@ class MixerShape:
     def conv_size(self) -> int:
         return self.inner_size + 2 * self.n_groups * self.state_size
 
+    @property
+    def activation_width(self) -> int:
+        """Activation elements a token's pass through the mixer takes at the most: in_proj's output, the conv's, the
+        scan's, the norm's, out_proj's, and one hidden-wide sum (Falcon-H1's two mixers)."""
+        return (self.inner_size + self.conv_size + self.num_heads) + self.conv_size + 2 * self.inner_size \
+            + 2 * self.hidden_size
+
     def cache_spec(self) -> RecurrentState:
         """The conv's last conv_kernel - 1 inputs, and the scan's state."""
         return RecurrentState(((self.conv_size, self.conv_kernel - 1),

@@ -120,3 +120,52 @@ def test_the_hybrids_elementwise_ops(kernel_library, stream):
     assert relative_error(outs[0], torch.relu(x.double()) ** 2) < TOLERANCE[torch.bfloat16]
     assert relative_error(outs[1], x.double() + y.double()) < TOLERANCE[torch.bfloat16]
     assert relative_error(outs[2], x.double() * torch.nn.functional.silu(y.double())) < TOLERANCE[torch.bfloat16]
+
+
+def test_padding_segments_read_zeros_and_keep_nothing(kernel_library, stream):
+    """A decode graph's padding rows (one token, slots -1) and a prefill graph's padding segments (no rows) beside
+    the real ones: the real rows' outputs and every state slot as without them."""
+    torch.manual_seed(4)
+    heads, head_dim, n_groups, state_size, width = SHAPES[0]
+    inner, tokens = heads * head_dim, sum(n for n, _, _ in SEGMENTS)
+    channels = inner + 2 * n_groups * state_size
+    x, weight, dt = bf16(tokens + 2, channels), bf16(channels, width, scale=0.5), bf16(tokens + 2, heads)
+    A, D, dt_bias = -torch.rand(heads, device=DEVICE) - 0.05, torch.randn(heads, device=DEVICE), torch.zeros(
+        heads, device=DEVICE)
+    states = torch.randn(SLOTS, channels, width - 1, device=DEVICE), torch.randn(
+        SLOTS, heads, head_dim, state_size, device=DEVICE)
+    d = DeviceTensor.from_torch
+    results = []
+    for padding in ([], [(1, -1, -1), (1, -1, -1), (0, -1, -1)]):
+        segments, _, _kept = device_segments(SEGMENTS + padding)
+        conv_state, ssm_state = (state.clone() for state in states)
+        conv_out, y = torch.zeros_like(x), torch.zeros(tokens + 2, inner, dtype=torch.bfloat16, device=DEVICE)
+        torch.cuda.synchronize()
+        ssm.conv(kernel_library, stream, d(conv_out), d(x), d(weight), None, d(conv_state), segments)
+        ssm.scan(kernel_library, stream, d(y), d(conv_out), d(dt), d(A), d(D), d(dt_bias), d(ssm_state), segments,
+                 n_groups, 0.0, float("inf"))
+        stream.sync()
+        results.append((conv_out[:tokens].clone(), y[:tokens].clone(), conv_state.clone(), ssm_state.clone()))
+    for without, with_padding in zip(*results):
+        assert torch.equal(without, with_padding)
+
+
+def test_copy_slots_copies_whole_slots_of_every_tensor(kernel_library, stream):
+    torch.manual_seed(6)
+    tensors = [torch.randn(SLOTS, 40, 3, device=DEVICE), torch.randn(SLOTS, 8, 16, 16, device=DEVICE),
+               torch.randn(SLOTS, 1000, 3, device=DEVICE)]
+    before = [t.clone() for t in tensors]
+    copies = [(0, 3), (5, 1), (7, 7)]
+    as_int64 = lambda values: torch.tensor(values, dtype=torch.int64, device=DEVICE)  # noqa: E731
+    words = [t[0].numel() * 4 // 16 for t in tensors]
+    kept = [as_int64([t.data_ptr() for t in tensors]), as_int64(words),
+            torch.tensor(copies, dtype=torch.int32, device=DEVICE)]
+    table = ssm.StateTable(DeviceTensor.from_torch(kept[0]), DeviceTensor.from_torch(kept[1]), len(tensors),
+                           max(words))
+    torch.cuda.synchronize()
+    ssm.copy_slots(kernel_library, stream, table, DeviceTensor.from_torch(kept[2]), len(copies))
+    stream.sync()
+    for tensor, old in zip(tensors, before):
+        for src, dst in copies:
+            old[dst] = old[src]
+        assert torch.equal(tensor, old)

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from metrale.runtime.backend.cuda.kernels.ssm import Segments
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.batch import ForwardBatch
 
@@ -34,6 +35,8 @@ class CudaBatch:
     # Every row becomes logits, in order (sample_rows is 0 .. T-1): sampled_rows gathers nothing.
     samples_every_row: bool
     host: np.ndarray              # kept alive until the forward is synchronized
+    # Models with recurrent layers: every segment's rows and (source, destination) state slots, for the SSM kernels.
+    states: Segments | None = None
 
 
 class PrefillPadding(NamedTuple):
@@ -73,6 +76,10 @@ def pack_batch(batch: ForwardBatch, region: DeviceTensor, max_blocks: int, pad_t
               "decode_tables": (decode_rows, max_blocks), "prefill_starts": (prefill_rows,),
               "prefill_lens": (prefill_rows,), "prefill_contexts": (prefill_rows,),
               "prefill_tables": (prefill_rows, max_blocks)}
+    recurrent = batch.state_slots is not None
+    state_segments = pad_to or (prefill.segments if prefill else len(lens))
+    if recurrent:
+        shapes.update({name: (state_segments,) for name in STATE_PARTS})
     offsets, total = {}, 0
     for name, shape in shapes.items():
         offsets[name] = total
@@ -101,11 +108,34 @@ def pack_batch(batch: ForwardBatch, region: DeviceTensor, max_blocks: int, pad_t
         part("prefill_lens")[:segments] = [lens[i] for i in multi]
         part("prefill_contexts")[:segments] = [contexts[i] for i in multi]
         _fill_tables(part("prefill_tables"), [batch.block_tables[i] for i in multi])
+    if recurrent:
+        _fill_states(batch, part, pad_to)
     views = {name: DeviceTensor(region.ptr + offsets[name] * 4, shape, "int32") for name, shape in shapes.items()}
-    return CudaBatch(**views, num_tokens=rows, num_decode=decode_rows, num_prefill=prefill_rows,
+    states = None
+    if recurrent:
+        states = Segments(*(views.pop(name) for name in STATE_PARTS), count=state_segments,
+                          max_len=1 if pad_to else (prefill.max_query if prefill else max(lens, default=0)))
+    return CudaBatch(**views, states=states, num_tokens=rows, num_decode=decode_rows, num_prefill=prefill_rows,
                      max_decode_context=max((contexts[i] for i in single), default=0),
                      max_prefill_query=prefill.max_query if prefill else max((lens[i] for i in multi), default=0),
                      samples_every_row=bool(pad_to) or (not prefill and batch.samples_every_row), host=host)
+
+
+STATE_PARTS = ("state_starts", "state_lens", "state_sources", "state_destinations")
+
+
+def _fill_states(batch: ForwardBatch, part, pad_to: int) -> None:
+    """Every segment's rows and state slots, in segment order; padding segments (a graph's) read zeros and keep
+    nothing (slots -1): a decode graph's one row each, a prefill graph's none."""
+    count = len(batch.query_lens)
+    part("state_starts")[:count] = batch.query_starts
+    part("state_lens")[:count] = batch.query_lens
+    if pad_to:
+        part("state_starts")[count:] = np.arange(count, pad_to)
+        part("state_lens")[count:] = 1
+    for name, k in (("state_sources", 0), ("state_destinations", 1)):
+        part(name)[:count] = [slots[k] for slots in batch.state_slots]
+        part(name)[count:] = -1
 
 
 def set_tokens(prepared: CudaBatch, token_ids) -> None:
@@ -133,4 +163,4 @@ def padded_rows(rows: list, width: int) -> np.ndarray:
 
 def metadata_elements(max_batch_tokens: int, max_seqs: int, max_blocks: int) -> int:
     """int32 elements the metadata region needs at the most."""
-    return 4 * max_batch_tokens + 2 * max_seqs * (3 + max_blocks) + 4 * max_seqs
+    return 4 * max_batch_tokens + 2 * max_seqs * (3 + max_blocks) + 4 * max_seqs + len(STATE_PARTS) * max_seqs

@@ -26,9 +26,11 @@ from metrale.runtime.batch import ForwardBatch
 class DecodeGraphs:
     """One stream's graphs: captured over its buffers, launched on its stream."""
 
-    def __init__(self, ctx, batch_sizes: tuple[int, ...], max_context: int, max_source_len: int = 0):
-        """max_source_len > 0: an encoder-decoder's graphs, each step with its cross-attention batch."""
-        self.ctx = ctx
+    def __init__(self, ctx, batch_sizes: tuple[int, ...], max_context: int, max_source_len: int = 0,
+                 recurrent: bool = False):
+        """max_source_len > 0: an encoder-decoder's graphs, each step with its cross-attention batch. recurrent: a
+        model with recurrent layers, whose steps carry state slots (padding rows read zeros and keep nothing)."""
+        self.ctx, self.recurrent = ctx, recurrent
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.max_context, self.max_source_len = max_context, max_source_len
         self._graphs: dict[int, tuple[object, DeviceTensor]] = {}
@@ -68,7 +70,7 @@ class DecodeGraphs:
         device (the beam search step) and then calls replay()."""
         if size in self._layouts:
             return self._layouts[size]
-        empty = empty_decode_batch(self.max_source_len > 0)
+        empty = empty_decode_batch(self.max_source_len > 0, self.recurrent)
         max_blocks = self.ctx.shapes.max_blocks_per_seq
         prepared = pack_batch(empty, self.ctx.metadata, max_blocks, pad_to=size)
         cross = (pack_batch(empty.cross, self.ctx.cross_metadata, max_blocks, pad_to=size)
@@ -79,7 +81,7 @@ class DecodeGraphs:
     def rehearse(self, forward: Callable, size: int) -> None:
         """forward over the bucket's padded empty batch, eagerly: the launches its capture would record, run once
         (a linear's algorithm is tuned on its first call, which a capture cannot time)."""
-        empty = empty_decode_batch(self.max_source_len > 0)
+        empty = empty_decode_batch(self.max_source_len > 0, self.recurrent)
         with self.ctx.reuse_prepared(*self._prepare(empty, size)):
             forward(empty)
 
@@ -103,7 +105,7 @@ class DecodeGraphs:
 
     def _captured(self, forward: Callable, size: int) -> tuple[object, DeviceTensor]:
         if size not in self._graphs:
-            empty = empty_decode_batch(self.max_source_len > 0)
+            empty = empty_decode_batch(self.max_source_len > 0, self.recurrent)
             self._graphs[size] = self._capture(forward, empty, self._prepare(empty, size))
         return self._graphs[size]
 
@@ -226,11 +228,14 @@ def no_collection():
                 gc.enable()
 
 
-def empty_decode_batch(encoder_decoder: bool) -> ForwardBatch:
-    """A batch of no rows (padded to a bucket, every row padding), with an empty cross batch for encoder-decoders:
-    what a graph is captured over, and what a forward over metadata written on the device is given."""
+def empty_decode_batch(encoder_decoder: bool, recurrent: bool = False) -> ForwardBatch:
+    """A batch of no rows (padded to a bucket, every row padding), with an empty cross batch for encoder-decoders
+    and no state slots for recurrent models: what a graph is captured over, and what a forward over metadata written
+    on the device is given."""
     empty = ForwardBatch(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
                          torch.zeros(0, dtype=torch.int64), [], [], [], [], torch.zeros(0, dtype=torch.int64))
     if encoder_decoder:
         empty.cross = dataclasses.replace(empty)
+    if recurrent:
+        empty.state_slots = []
     return empty

@@ -12,8 +12,9 @@ from metrale.runtime.backend.cuda.resources import CudaResources
 from metrale.runtime.backend.cuda.stream_context import StreamContext, padded_vocab
 from metrale.runtime.backend.cuda.linears import k_splits, linear_into, partials
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
-from metrale.runtime.backend.layer_math import Linear, RopeTable, rope_then_attention
+from metrale.runtime.backend.layer_math import Linear, RopeTable, SsmScan, rope_then_attention
 from metrale.runtime.batch import ForwardBatch
+from metrale.runtime.errors import InvalidArgument
 
 
 class CudaLayerMath:
@@ -140,6 +141,43 @@ class CudaLayerMath:
         kernels.activation.silu_mul(self.lib, ctx.stream, out, gate_up)
         return out
 
+    def relu_squared(self, x):
+        ctx = self.resources.bound.context
+        out = ctx.new(*x.shape)
+        kernels.activation.relu_squared(self.lib, ctx.stream, out, x)
+        return out
+
+    def ssm_conv(self, x, weight, bias, batch: CudaBatch, conv_state):
+        ctx = self.resources.bound.context
+        out = ctx.new(*x.shape)
+        kernels.ssm.conv(self.lib, ctx.stream, out, x, weight, bias, conv_state, _states(batch))
+        return out
+
+    def ssm_scan(self, xbc, dt, scan: SsmScan, batch: CudaBatch, ssm_state):
+        ctx = self.resources.bound.context
+        y = ctx.new(xbc.shape[0], scan.inner_size)
+        kernels.ssm.scan(self.lib, ctx.stream, y, xbc, dt, scan.A, scan.D, scan.dt_bias, ssm_state, _states(batch),
+                         scan.n_groups, scan.dt_min, scan.dt_max)
+        return y
+
+    def gated_rms_norm(self, x, gate, weight, eps, group_size, norm_before_gate=False):
+        ctx = self.resources.bound.context
+        out = ctx.new(*x.shape)
+        kernels.ssm.gated_norm(self.lib, ctx.stream, out, x, gate, weight, eps, group_size, norm_before_gate)
+        return out
+
+    def mul_silu(self, x, gate):
+        ctx = self.resources.bound.context
+        out = ctx.new(*x.shape)
+        kernels.activation.mul_silu(self.lib, ctx.stream, out, x, gate)
+        return out
+
+    def add(self, x, y):
+        ctx = self.resources.bound.context
+        out = ctx.new(*x.shape)
+        kernels.activation.add(self.lib, ctx.stream, out, x, y)
+        return out
+
     def write_kv(self, k, v, batch: CudaBatch, kv):
         kernels.rope_kv.write_kv(self.lib, self.resources.bound.context.stream, k, v, batch.slot_mapping, kv)
 
@@ -227,3 +265,10 @@ class CudaLayerMath:
         out = ctx.logits.rows(0, x.shape[0]).columns(0, lm_head.shape[0])
         linear_into(self.lib, self.resources.gemm, ctx, out, x, lm_head)
         return out.columns(0, self.resources.shapes.vocab)
+
+
+def _states(batch: CudaBatch) -> "kernels.ssm.Segments":
+    """The batch's segments with their state slots; a forward of a recurrent model always has them."""
+    if batch.states is None:
+        raise InvalidArgument("a recurrent layer's forward without state slots")
+    return batch.states

@@ -14,11 +14,11 @@ from metrale.runtime.backend.cuda.device import ALIGNMENT, Arena, CUDAError
 from metrale.runtime.backend.cuda.gemm_tuning import AlgoTuner
 from metrale.runtime.backend.cuda.graphs import DecodeGraphs, PrefillGraphs, no_collection
 from metrale.runtime.backend.cuda.stream_context import StreamContext, StreamCandidates
-from metrale.runtime.backend.cuda.tensor import DeviceTensor
+from metrale.runtime.backend.cuda.tensor import DTYPES, DeviceTensor
 from metrale.runtime.backend.runner import MemoryShapes
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.beam.on_device import SearchStart
-from metrale.runtime.cache.specs import NoCache, PagedKv
+from metrale.runtime.cache.specs import NoCache, PagedKv, RecurrentState
 from metrale.runtime.errors import InvalidArgument
 
 
@@ -39,6 +39,7 @@ class CudaRunner:
 
     def __init__(self, resources: CudaResources):
         self.resources, self.cuda, self.lib = resources, resources.cuda, resources.lib
+        self._states: kernels.ssm.StateTable | None = None     # the recurrent layers' state tensors, where any
 
     def plan(self, weight_bytes: int, shapes: MemoryShapes) -> None:
         self.resources.plan(weight_bytes, shapes)
@@ -70,20 +71,43 @@ class CudaRunner:
 
     def allocate_cache(self, specs: tuple, num_blocks: int, block_size: int, num_state_slots: int) -> list:
         """One pool allocation holding a [2, blocks, block_size, heads, head_dim] bf16 tensor per PagedKv layer, at
-        equal strides where the layers are alike (copy_kv_prefixes needs that); None for a NoCache layer."""
+        equal strides where the layers are alike (copy_kv_prefixes needs that), then a RecurrentState layer's float32
+        [slots, *shape] tensors (a tuple each) and the table ssm_copy_slots reads them by; None for a NoCache
+        layer."""
         for spec in specs:
-            if not isinstance(spec, (PagedKv, NoCache)):
+            if not isinstance(spec, (PagedKv, RecurrentState, NoCache)):
                 raise InvalidArgument(f"the CUDA backend has no kernels for {type(spec).__name__} layers yet")
-        if num_state_slots:
-            raise InvalidArgument(f"the CUDA backend keeps no recurrent state, not {num_state_slots} slots")
-        shapes = [(2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim) if isinstance(spec, PagedKv) else None
-                  for spec in specs]
-        pool_bytes = sum(-(-math.prod(shape) * 2 // ALIGNMENT) * ALIGNMENT for shape in shapes if shape is not None)
+        paged = {i: (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+                 for i, spec in enumerate(specs) if isinstance(spec, PagedKv)}
+        states = {i: [(num_state_slots, *shape) for shape in spec.shapes]
+                  for i, spec in enumerate(specs) if isinstance(spec, RecurrentState) and num_state_slots}
+        tensors = [(shape, "bfloat16") for shape in paged.values()]
+        tensors += [(shape, "float32") for shapes in states.values() for shape in shapes]
+        count = sum(map(len, states.values()))
+        if count:
+            tensors += [((count,), "int64")] * 2            # the state table's bases and slot_words
+        pool_bytes = sum(-(-math.prod(shape) * DTYPES[dtype][0] // ALIGNMENT) * ALIGNMENT for shape, dtype in tensors)
         if not pool_bytes:
             return [None] * len(specs)
-        pool = Arena(self.cuda.allocate(pool_bytes), pool_bytes, "KV pool")
+        pool = Arena(self.cuda.allocate(pool_bytes), pool_bytes, "cache pool")
         self.resources.kv_pool = DeviceTensor(pool.base, (pool_bytes,), "uint8")
-        return [None if shape is None else pool.take(shape, "bfloat16") for shape in shapes]
+        layers: list = [pool.take(paged[i], "bfloat16") if i in paged else None for i in range(len(specs))]
+        for i, shapes in states.items():
+            layers[i] = tuple(pool.take(shape, "float32") for shape in shapes)
+        if count:
+            self._states = self._state_table(pool, [t for i in states for t in layers[i]])
+        return layers
+
+    def _state_table(self, pool: Arena, tensors: list[DeviceTensor]) -> kernels.ssm.StateTable:
+        """The state tensors' addresses and slot sizes, uploaded once."""
+        words = [t.nbytes // t.shape[0] // 16 for t in tensors]
+        if any(t.nbytes // t.shape[0] % 16 for t in tensors):
+            raise InvalidArgument("a recurrent state's slot is not a whole number of 16-byte words")
+        bases, slot_words = pool.take((len(tensors),), "int64"), pool.take((len(tensors),), "int64")
+        for device, host in ((bases, [t.ptr for t in tensors]), (slot_words, words)):
+            self.cuda.copy_to_device(device, np.asarray(host, dtype=np.int64), self.cuda.stream)
+        self.cuda.stream.sync()
+        return kernels.ssm.StateTable(bases, slot_words, len(tensors), max(words))
 
     def warm_up(self, forward, graph_batch_sizes: tuple[int, ...], max_context: int, max_source_len: int = 0) -> None:
         """Captures every stream's decode buckets now, each over that stream's buffers and stream, so serving never
@@ -97,7 +121,7 @@ class CudaRunner:
         try:
             for index, ctx in enumerate(self.resources.streams):
                 bound.context = ctx
-                ctx.graphs = DecodeGraphs(ctx, usable, max_context, max_source_len)
+                ctx.graphs = DecodeGraphs(ctx, usable, max_context, max_source_len, recurrent=self._states is not None)
                 if index == 0:
                     self._tune_linears(ctx, forward)
                 ctx.graphs.capture_all(forward)
@@ -193,9 +217,18 @@ class CudaRunner:
         kernels.rope_kv.copy_kv_prefixes(self.lib, ctx.stream, _paged(layers), rows, len(host))
 
     def copy_state_slots(self, layers: list, copies: list[tuple[int, int]]) -> None:
-        """The CUDA backend keeps no recurrent state yet (allocate_cache refuses state slots): nothing to copy."""
-        if copies:
-            raise InvalidArgument("the CUDA backend keeps no recurrent state to copy")
+        """Whole state slots of every recurrent layer, (source, destination) each, in one kernel."""
+        if not copies:
+            return
+        if self._states is None:
+            raise InvalidArgument("the model keeps no recurrent state to copy")
+        ctx = self.resources.bound.context
+        host = np.asarray(copies, dtype=np.int32).reshape(-1, 2)
+        if host.size > ctx.kv_copies.numel:
+            raise InvalidArgument(f"{len(host)} state copies in one step, over the stream's {ctx.kv_copies.numel // 2}")
+        rows = DeviceTensor(ctx.kv_copies.ptr, host.shape, "int32")
+        ctx.copy_to_device(rows, host)
+        kernels.ssm.copy_slots(self.lib, ctx.stream, self._states, rows, len(host))
 
     def counters(self) -> dict[str, int]:
         return {"kernel_cache_hits": self.lib.cache.hits, "kernel_cache_misses": self.lib.cache.misses,
@@ -221,5 +254,5 @@ class CudaRunner:
 
 
 def _paged(layers: list) -> list[DeviceTensor]:
-    """The paged layers' tensors (NoCache layers hold None)."""
-    return [layer for layer in layers if layer is not None]
+    """The paged layers' tensors (NoCache layers hold None, recurrent layers a tuple of state tensors)."""
+    return [layer for layer in layers if isinstance(layer, DeviceTensor)]

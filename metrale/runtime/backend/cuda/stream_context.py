@@ -37,12 +37,13 @@ Buffers = dict[str, tuple[tuple[int, ...], str]]
 def stream_buffers(lib, shapes: MemoryShapes) -> Buffers:
     """name -> (shape, dtype) of every buffer one stream owns, sized by the engine's limits."""
     t, seqs = shapes.max_batch_tokens, shapes.max_seqs
-    per_layer = 2 * t * (4 * shapes.hidden + 2 * shapes.q_size + 2 * shapes.kv_size + 3 * shapes.intermediate)
+    per_layer = 2 * t * (4 * shapes.hidden + 2 * shapes.q_size + 2 * shapes.kv_size + 3 * shapes.intermediate
+                         + shapes.ssm_width)
     # Decode attention's per-split partial outputs, for the largest batch and context (not in the ring: their size
-    # follows the split count, not max_batch_tokens).
+    # follows the split count, not max_batch_tokens); none without attention (a pure SSM).
     partials = kernels.attention.decode_workspace_bound(
         lib, min(seqs, t), shapes.q_size // shapes.head_dim, shapes.kv_size // shapes.head_dim, shapes.head_dim,
-        shapes.max_blocks_per_seq * shapes.kv_block_size)
+        shapes.max_blocks_per_seq * shapes.kv_block_size) if shapes.q_size else 0
     return {
         "workspace": ((WORKSPACE_LAYERS * per_layer + 4 * t * shapes.hidden * 2,), "uint8"),
         # The LM head's output in the model's dtype, as transformers' bf16 run has it; as wide as the LM head's

@@ -88,6 +88,7 @@ def decode_workspace_bound(lib, max_batch: int, num_heads: int, num_kv_heads: in
                            max_context: int) -> int:
     """float32 elements that cover decode_workspace_elements for every batch <= max_batch and context <=
     max_context on this device: the memory plan's decode workspace."""
+    require(head_dim in HEAD_DIMS, f"the CUDA attention kernels take head_dim {HEAD_DIMS}, not {head_dim}")
     slots = lib.resident_ctas(f"paged_decode_attention_hd{head_dim}", DECODE_MODULE, THREADS)
     tiles = ceil_div(ceil_div(max(max_context, 1), CONTEXT_QUANTUM) * CONTEXT_QUANTUM, KV_TILE)
     return max((b * num_heads * min(tiles, max_splits(b * num_kv_heads, slots)) * (head_dim + 1)

@@ -96,3 +96,26 @@ def gated_norm(lib, stream, out: DeviceTensor, x: DeviceTensor, gate: DeviceTens
     launch_kernel(stream, lib.get("ssm_gated_norm", MODULE), (width // group_size, num_tokens), NORM_BLOCK, out,
                   np.int64(out.stride), x, np.int64(x.stride), gate, np.int64(gate.stride), weight, group_size,
                   float(eps), int(norm_before_gate))
+
+
+COPY_BLOCK = 256
+COPY_WORDS = 4              # SSM_COPY_WORDS
+
+
+@dataclass(frozen=True)
+class StateTable:
+    """Every recurrent layer's state tensors as ssm_copy_slots reads them: bases (uint64 [n] addresses) and
+    slot_words (int64 [n], 16-byte words a slot), on the device; largest_slot_words the most of any tensor."""
+    bases: DeviceTensor
+    slot_words: DeviceTensor
+    count: int
+    largest_slot_words: int
+
+
+def copy_slots(lib, stream, table: StateTable, copies: DeviceTensor, num_copies: int) -> None:
+    """Whole slots of every state tensor, copies[j][0] -> copies[j][1] (int32 [num_copies, 2] on the device); no
+    copy's destination may be another's source."""
+    if num_copies == 0 or table.count == 0:
+        return
+    grid = (ceil_div(table.largest_slot_words, COPY_BLOCK * COPY_WORDS), table.count, num_copies)
+    launch_kernel(stream, lib.get("ssm_copy_slots", MODULE), grid, COPY_BLOCK, table.bases, table.slot_words, copies)
