@@ -1,5 +1,7 @@
-"""Random bf16 Llama checkpoints of the shapes the GPU benchmarks use, and their byte and FLOP accounting."""
+"""Random bf16 checkpoints of the shapes the GPU benchmarks use (Llama, and Nemotron-H's hybrid of Mamba2, attention
+and MLP layers), and their byte and FLOP accounting."""
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +37,46 @@ SHAPES = {
 }
 
 
+@dataclass(frozen=True)
+class HybridShape:
+    """A Nemotron-H hybrid: pattern lists its layers (M Mamba2, * attention, - ReLU² MLP)."""
+    hidden: int
+    pattern: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    mamba_heads: int
+    mamba_head_dim: int
+    state: int
+    groups: int
+    conv: int = 4
+    chunk: int = 128
+    max_positions: int = 16384
+
+    def count(self, kind: str) -> int:
+        return self.pattern.count(kind)
+
+    @property
+    def inner(self) -> int:
+        return self.mamba_heads * self.mamba_head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        return self.inner + 2 * self.groups * self.state
+
+
+HYBRID_SHAPES = {
+    "nemotron-h-8b": HybridShape(hidden=4096, pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+                                 heads=32, kv_heads=8, head_dim=128, ffn=21504, vocab=131072, mamba_heads=128,
+                                 mamba_head_dim=64, state=128, groups=8),
+    # For the CPU smoke test.
+    "hybrid-tiny": HybridShape(hidden=64, pattern="M*-M-", heads=2, kv_heads=1, head_dim=32, ffn=96, vocab=256,
+                               mamba_heads=8, mamba_head_dim=16, state=16, groups=2, chunk=8, max_positions=512),
+}
+
+
 # --- the model: a random checkpoint, and what a step must read or compute --------------------------------------
 
 def hf_config(shape: Shape) -> dict:
@@ -62,21 +104,64 @@ def tensor_shapes(shape: Shape) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def random_checkpoint(shape: Shape, seed: int = 0, generate_on: str = "cpu") -> Checkpoint:
+def hybrid_hf_config(shape: HybridShape) -> dict:
+    return {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "hidden_size": shape.hidden,
+            "hybrid_override_pattern": shape.pattern, "num_hidden_layers": len(shape.pattern),
+            "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim,
+            "intermediate_size": shape.ffn, "vocab_size": shape.vocab, "mamba_num_heads": shape.mamba_heads,
+            "mamba_head_dim": shape.mamba_head_dim, "ssm_state_size": shape.state, "n_groups": shape.groups,
+            "conv_kernel": shape.conv, "chunk_size": shape.chunk, "max_position_embeddings": shape.max_positions,
+            "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False, "use_bias": False, "use_conv_bias": True,
+            "mlp_hidden_act": "relu2", "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+            "torch_dtype": "bfloat16"}
+
+
+def hybrid_tensor_shapes(shape: HybridShape) -> dict[str, tuple[int, ...]]:
+    """Hugging Face names -> shapes, as transformers' NemotronHForCausalLM names them."""
+    h, q, kv, inner = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.inner
+    shapes = {"model.embeddings.weight": (shape.vocab, h), "model.norm_f.weight": (h,),
+              "lm_head.weight": (shape.vocab, h)}
+    for i, kind in enumerate(shape.pattern):
+        p = f"model.layers.{i}."
+        shapes[p + "norm.weight"] = (h,)
+        if kind == "M":
+            m = p + "mixer."
+            shapes.update({m + "in_proj.weight": (inner + shape.conv_channels + shape.mamba_heads, h),
+                           m + "conv1d.weight": (shape.conv_channels, 1, shape.conv),
+                           m + "conv1d.bias": (shape.conv_channels,), m + "A_log": (shape.mamba_heads,),
+                           m + "D": (shape.mamba_heads,), m + "dt_bias": (shape.mamba_heads,),
+                           m + "norm.weight": (inner,), m + "out_proj.weight": (h, inner)})
+        elif kind == "*":
+            shapes.update({p + "mixer.q_proj.weight": (q, h), p + "mixer.k_proj.weight": (kv, h),
+                           p + "mixer.v_proj.weight": (kv, h), p + "mixer.o_proj.weight": (h, q)})
+        else:
+            shapes.update({p + "mixer.up_proj.weight": (shape.ffn, h), p + "mixer.down_proj.weight": (h, shape.ffn)})
+    return shapes
+
+
+def random_checkpoint(shape: "Shape | HybridShape", seed: int = 0, generate_on: str = "cpu") -> Checkpoint:
     """Random bf16 weights in host memory (the engine and the peer both load from host tensors). Matrices
-    N(0, 0.02), norm weights 1 + N(0, 0.05): never zeros. generate_on='cuda' draws them on the GPU and copies
+    N(0, 0.02), norm weights 1 + N(0, 0.05): never zeros; a Mamba2 mixer's A_log uniform in [0, 2.5) (per-token
+    decays from ~0.3 to ~0.99) and its conv weights N(0, 0.3). generate_on='cuda' draws them on the GPU and copies
     them back, much faster than the CPU's generator for 8B parameters."""
     generator = torch.Generator(device=generate_on).manual_seed(seed)
+    hybrid = isinstance(shape, HybridShape)
     tensors = {}
-    for name, dims in tensor_shapes(shape).items():
+    for name, dims in (hybrid_tensor_shapes(shape) if hybrid else tensor_shapes(shape)).items():
         t = torch.randn(dims, generator=generator, device=generate_on, dtype=torch.bfloat16)
-        t = t.mul_(0.05).add_(1.0) if len(dims) == 1 else t.mul_(0.02)
+        if name.endswith("A_log"):
+            t = torch.rand(dims, generator=generator, device=generate_on, dtype=torch.bfloat16).mul_(2.5)
+        elif name.endswith("conv1d.weight"):
+            t = t.mul_(0.3)
+        else:
+            t = t.mul_(0.05).add_(1.0) if len(dims) == 1 else t.mul_(0.02)
         tensors[name] = t.cpu()
-    return Checkpoint(config=hf_config(shape), tensors=tensors, source=f"random bf16 {shape_name(shape)}")
+    return Checkpoint(config=hybrid_hf_config(shape) if hybrid else hf_config(shape), tensors=tensors,
+                      source=f"random bf16 {shape_name(shape)}")
 
 
-def shape_name(shape: Shape) -> str:
-    return next((name for name, s in SHAPES.items() if s == shape), "custom")
+def shape_name(shape: "Shape | HybridShape") -> str:
+    return next((name for name, s in {**SHAPES, **HYBRID_SHAPES}.items() if s == shape), "custom")
 
 
 def layer_matmul_params(shape: Shape) -> int:
@@ -109,3 +194,33 @@ def random_tokens(num_seqs: int, length: int, vocab: int, seed: int) -> torch.Te
     """[num_seqs, length] int64 ids above the usual special tokens; the same for the engine and the peer."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (num_seqs, length), generator=generator)
+
+
+def hybrid_decode_weight_bytes(shape: HybridShape) -> int:
+    """As decode_weight_bytes, for a hybrid: every layer's matrices, norms, conv and scan parameters, the final norm
+    and the vocab projection (the embedding gives one row per token)."""
+    per_token = hybrid_tensor_shapes(shape)
+    params = sum(math.prod(dims) for name, dims in per_token.items() if name != "model.embeddings.weight")
+    return 2 * params
+
+
+def hybrid_kv_bytes_per_token(shape: HybridShape) -> int:
+    return 2 * shape.count("*") * 2 * shape.kv_heads * shape.head_dim
+
+
+def hybrid_state_bytes(shape: HybridShape) -> int:
+    """A sequence's recurrent state, float32: every Mamba2 layer's conv inputs and scan state."""
+    per_layer = shape.conv_channels * (shape.conv - 1) + shape.mamba_heads * shape.mamba_head_dim * shape.state
+    return 4 * shape.count("M") * per_layer
+
+
+def hybrid_prefill_flops(shape: HybridShape, num_seqs: int, seq_len: int) -> float:
+    """Model FLOPs of prefilling num_seqs prompts of seq_len tokens: 2 x matmul params x tokens, the vocab projection
+    of each prompt's last token, causal attention, and the scan (its state update and read, 4 x heads x head_dim x
+    state a token)."""
+    tokens = num_seqs * seq_len
+    matrices = sum(math.prod(dims) for name, dims in hybrid_tensor_shapes(shape).items()
+                   if name.endswith("proj.weight"))
+    attention = 2 * shape.count("*") * shape.heads * shape.head_dim * num_seqs * seq_len * (seq_len + 1)
+    scan = 4 * shape.count("M") * shape.inner * shape.state * tokens
+    return float(2 * matrices * tokens + 2 * shape.vocab * shape.hidden * num_seqs + attention + scan)

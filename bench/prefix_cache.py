@@ -5,6 +5,8 @@ workers taking turns): time to first token of the batch, prompt tokens computed,
 Run from the repository root:
   python -m bench.prefix_cache                       (CPU: the embedded default model, 8 x (256 + 16) tokens)
   python -m bench.prefix_cache --device cuda --shape llama3-8b --requests 64 --system 4096 --question 64
+  python -m bench.prefix_cache --device cuda --shape nemotron-h-8b --requests 16 --system 4096 --question 64 \
+      --max-seqs 32                                  (a hybrid: prefill resumes from the SSM snapshot)
 """
 
 import argparse
@@ -16,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from bench.grpc_overhead import loopback_config, machine_line, quiet_logs
-from bench.model_shapes import SHAPES, random_checkpoint
+from bench.model_shapes import HYBRID_SHAPES, SHAPES, random_checkpoint
 from metrale.runtime.cache.blocks import blocks_for
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.default_model import default_cache_dir, fetch_default_model
@@ -80,7 +82,8 @@ def format_table(rows: list[Row]) -> str:
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="GGUF file or HF directory; default: the embedded model")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="random weights of this shape")
+    parser.add_argument("--shape", choices=sorted(SHAPES | HYBRID_SHAPES), default=None,
+                        help="random weights of this shape")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--system", type=int, default=256, help="tokens of the shared system prompt")
@@ -88,6 +91,8 @@ def parse_args(argv):
     parser.add_argument("--decode-steps", type=int, default=8)
     parser.add_argument("--max-batch-tokens", type=int, default=16384, help="the workers' limit per forward")
     parser.add_argument("--reps", type=int, default=3, help="reps of each mode, taking turns")
+    parser.add_argument("--max-seqs", type=int, default=512, help="the workers' max_seqs (a hybrid's state slots "
+                                                                  "follow it)")
     parser.add_argument("--json", default=None, help="write the figures here")
     return parser.parse_args(argv)
 
@@ -95,13 +100,13 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     print(machine_line("prefix_cache"))
-    checkpoint = (random_checkpoint(SHAPES[args.shape], 0, args.device) if args.shape
+    checkpoint = (random_checkpoint((SHAPES | HYBRID_SHAPES)[args.shape], 0, args.device) if args.shape
                   else load_checkpoint(args.model or fetch_default_model(default_cache_dir())))
     longest = args.system + max(args.question, 1) + args.decode_steps + 1
     blocks = (args.requests + 2) * blocks_for(longest, EngineConfig.kv_block_size) + 16
     workers = {mode: InProcessWorker(lambda on=(mode == "on"): WorkerServer.from_checkpoint(
         checkpoint, loopback_config(EngineConfig(device=args.device, prefix_cache=on, kv_blocks=blocks,
-                                                 max_model_len=longest, max_seqs=max(512, args.requests),
+                                                 max_model_len=longest, max_seqs=max(args.max_seqs, args.requests),
                                                  max_batch_tokens=args.max_batch_tokens))))
                for mode in ("on", "off")}
     rows = [Row(mode) for mode in workers]

@@ -112,6 +112,145 @@ extern "C" __global__ void ssm_scan(bf16* y, long long y_stride, const bf16* xbc
     for (int i = 0; i < per_lane; ++i) out_state[lane + i * SSM_SCAN_LANES] = h[i];
 }
 
+// The chunked scan of long segments (a prefill's), in three launches: every chunk of chunk_size tokens at once
+// (pass 0: from a zero state, its end state into chunk_states and its summed step * A into chunk_decays), then the
+// states carried across each segment's chunks (ssm_chunk_carry: chunk_states becomes each chunk's entering state, the
+// last one's end state goes to the destination slot), then every chunk at once again (pass 1: from its entering
+// state, y). Segment s's chunk c uses workspace slot start / chunk_size + s + c: distinct for segments in row order.
+// Within a chunk the recurrence is ssm_scan's, with SSM_STAGE tokens at a time staged in shared memory (coalesced
+// loads; the recurrence then waits on shared memory, not on HBM) and the state in PER_LANE = state_size / 8
+// registers a thread.
+#define SSM_STAGE 32
+struct SsmScanArgs {
+    bf16* y; long long y_stride; const bf16* xbc; long long xbc_stride; const bf16* dt; long long dt_stride;
+    const float* A; const float* D; const float* dt_bias; int num_heads, head_dim, n_groups, state_size;
+    float dt_min, dt_max;
+};
+
+// The staged tokens (declared once per kernel: each PER_LANE instantiation shares them).
+struct SsmStage {
+    bf16 x[SSM_STAGE * 128], b[SSM_STAGE * 256], c[SSM_STAGE * 256];
+    float step[SSM_STAGE];
+};
+
+// Tokens [start, start + count) of the batch for one head, from h; y written where given. Returns the sum of
+// step * A over the tokens.
+template <int PER_LANE>
+__device__ __forceinline__ float ssm_scan_tokens(const SsmScanArgs& g, SsmStage& stage, float (&h)[PER_LANE],
+                                                 int head, long long start, int count) {
+    const int p = threadIdx.x / SSM_SCAN_LANES, lane = threadIdx.x % SSM_SCAN_LANES;
+    const int inner = g.num_heads * g.head_dim, n = PER_LANE * SSM_SCAN_LANES;
+    const int group = head / (g.num_heads / g.n_groups);
+    const float a = g.A[head], d = g.D[head], bias = g.dt_bias[head];
+    float decay_sum = 0.f;
+    for (int t0 = 0; t0 < count; t0 += SSM_STAGE) {
+        const int staged = min(SSM_STAGE, count - t0);
+        __syncthreads();                    // the stage before is consumed
+        for (int i = threadIdx.x; i < staged * g.head_dim; i += blockDim.x) {
+            const int t = i / g.head_dim, q = i % g.head_dim;
+            stage.x[i] = g.xbc[(start + t0 + t) * g.xbc_stride + head * g.head_dim + q];
+        }
+        for (int i = threadIdx.x; i < staged * n; i += blockDim.x) {
+            const int t = i / n, q = i % n;
+            const bf16* B = g.xbc + (start + t0 + t) * g.xbc_stride + inner + group * n;
+            stage.b[i] = B[q];
+            stage.c[i] = B[g.n_groups * n + q];
+        }
+        for (int t = threadIdx.x; t < staged; t += blockDim.x) {
+            const float raw = bf16_to_float(g.dt[(start + t0 + t) * g.dt_stride + head]);
+            stage.step[t] = fminf(fmaxf(ssm_softplus(raw + bias), g.dt_min), g.dt_max);
+        }
+        __syncthreads();
+        for (int t = 0; t < staged; ++t) {
+            const float step = stage.step[t], decay = expf(step * a);
+            const float xv = bf16_to_float(stage.x[t * g.head_dim + p]);
+            const bf16* B = stage.b + t * n;
+            const bf16* C = stage.c + t * n;
+            decay_sum += step * a;
+            float partial = 0.f;
+#pragma unroll
+            for (int i = 0; i < PER_LANE; ++i) {
+                const int k = lane + i * SSM_SCAN_LANES;
+                h[i] = h[i] * decay + step * xv * bf16_to_float(B[k]);
+                partial += h[i] * bf16_to_float(C[k]);
+            }
+            if (g.y == nullptr) continue;
+#pragma unroll
+            for (int offset = SSM_SCAN_LANES / 2; offset > 0; offset >>= 1)
+                partial += __shfl_xor_sync(0xffffffffu, partial, offset);
+            if (lane == 0) g.y[(start + t0 + t) * g.y_stride + head * g.head_dim + p] = float_to_bf16(partial + d * xv);
+        }
+    }
+    return decay_sum;
+}
+
+template <int PER_LANE>
+__device__ __forceinline__ void ssm_scan_chunk(const SsmScanArgs& g, SsmStage& stage, float* chunk_states,
+                                               float* chunk_decays, long long slot, int start, int count, int pass) {
+    const int head = blockIdx.x, p = threadIdx.x / SSM_SCAN_LANES, lane = threadIdx.x % SSM_SCAN_LANES;
+    float* state = chunk_states + slot * g.num_heads * g.head_dim * g.state_size
+                 + ((long long)head * g.head_dim + p) * g.state_size;
+    float h[PER_LANE];
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) h[i] = pass ? state[lane + i * SSM_SCAN_LANES] : 0.f;
+    const float decay_sum = ssm_scan_tokens<PER_LANE>(g, stage, h, head, start, count);
+    if (pass) return;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) state[lane + i * SSM_SCAN_LANES] = h[i];
+    if (threadIdx.x == 0) chunk_decays[slot * g.num_heads + head] = decay_sum;
+}
+
+// Grid: (heads, segments, chunks of the longest); block: head_dim * SSM_SCAN_LANES threads. state_size in 16, 32,
+// ..., 256 (its registers a thread, a compile-time count).
+extern "C" __global__ void ssm_chunk_scan(bf16* y, long long y_stride, const bf16* xbc, long long xbc_stride,
+                                          const bf16* dt, long long dt_stride, const float* A, const float* D,
+                                          const float* dt_bias, int num_heads, int head_dim, int n_groups,
+                                          int state_size, float dt_min, float dt_max, float* chunk_states,
+                                          float* chunk_decays, const int* seg_starts, const int* seg_lens,
+                                          int chunk_size, int pass) {
+    wait_for_previous_kernel();
+    SsmScanArgs g{pass ? y : nullptr, y_stride, xbc, xbc_stride, dt, dt_stride, A, D, dt_bias, num_heads, head_dim,
+                  n_groups, state_size, dt_min, dt_max};
+    __shared__ SsmStage stage;
+    const int s = blockIdx.y, first = blockIdx.z * chunk_size, len = seg_lens[s];
+    if (first >= len) return;
+    const long long slot = seg_starts[s] / chunk_size + s + blockIdx.z;
+    const int start = seg_starts[s] + first, count = min(chunk_size, len - first);
+    switch (state_size / SSM_SCAN_LANES) {
+        case 2: ssm_scan_chunk<2>(g, stage, chunk_states, chunk_decays, slot, start, count, pass); break;
+        case 4: ssm_scan_chunk<4>(g, stage, chunk_states, chunk_decays, slot, start, count, pass); break;
+        case 8: ssm_scan_chunk<8>(g, stage, chunk_states, chunk_decays, slot, start, count, pass); break;
+        case 16: ssm_scan_chunk<16>(g, stage, chunk_states, chunk_decays, slot, start, count, pass); break;
+        case 32: ssm_scan_chunk<32>(g, stage, chunk_states, chunk_decays, slot, start, count, pass); break;
+    }
+}
+
+// Between ssm_chunk_scan's passes: each state element of one head of one segment, carried across its chunks from the
+// source slot (-1: zeros); chunk_states' entries become the states entering each chunk. Grid: (ceil(head_dim *
+// state_size / blockDim.x), heads, segments).
+extern "C" __global__ void ssm_chunk_carry(float* ssm_state, float* chunk_states, const float* chunk_decays,
+                                           const int* seg_starts, const int* seg_lens, const int* sources,
+                                           const int* destinations, int num_heads, int head_dim, int state_size,
+                                           int chunk_size) {
+    wait_for_previous_kernel();
+    const long long per_head = (long long)head_dim * state_size;
+    const long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const int head = blockIdx.y, s = blockIdx.z;
+    if (e >= per_head) return;
+    const int source = sources[s], destination = destinations[s];
+    const long long slot_size = num_heads * per_head, at = head * per_head + e;
+    const long long base = seg_starts[s] / chunk_size + s;
+    const int chunks = (seg_lens[s] + chunk_size - 1) / chunk_size;
+    float h = source >= 0 ? ssm_state[source * slot_size + at] : 0.f;
+    for (int c = 0; c < chunks; ++c) {
+        float* local = chunk_states + (base + c) * slot_size + at;
+        const float end_from_zero = *local;
+        *local = h;
+        h = expf(chunk_decays[(base + c) * num_heads + head]) * h + end_from_zero;
+    }
+    if (destination >= 0) ssm_state[destination * slot_size + at] = h;
+}
+
 // Mamba2's RMSNorm over each group_size slice of a row, with the gate: norm_before_gate 0 (Mamba2, Nemotron-H,
 // Granite): h = x * silu(gate) in fp32, out = bf16(weight * bf16(h * rsqrt(mean(h^2) + eps))), as transformers'
 // MambaRMSNormGated in bf16; 1 (Falcon-H1): out = bf16(weight * x * rsqrt(mean(x^2) + eps) * silu(gate)), all in

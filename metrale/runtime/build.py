@@ -85,7 +85,8 @@ def _memory_shapes(c, config: EngineConfig, max_model_len: int) -> MemoryShapes:
                         intermediate=c.intermediate_size, vocab=c.vocab_size, max_batch_tokens=config.max_batch_tokens,
                         max_seqs=config.max_seqs, max_blocks_per_seq=blocks_for(max_model_len, config.kv_block_size),
                         head_dim=c.head_dim, kv_block_size=config.kv_block_size, streams=config.num_streams,
-                        ssm_width=c.mixer.activation_width if getattr(c, "mixer", None) else 0)
+                        ssm_width=c.mixer.activation_width if getattr(c, "mixer", None) else 0,
+                        ssm_chunk_size=c.mixer.chunk_size if getattr(c, "mixer", None) else 0)
 
 
 def _allocate_cache(runner: Runner, specs: tuple, config: EngineConfig, max_model_len: int,

@@ -16,6 +16,7 @@ def bench(monkeypatch):
     # The scripts run as `python -m bench.<name>` from the repository root, which is not always on sys.path here.
     monkeypatch.syspath_prepend(str(ROOT))
     import bench.gpu_decode
+    import bench.gpu_ssm
     import bench.model_shapes
     import bench.peer_llama
 
@@ -48,6 +49,20 @@ def test_gpu_decode_runs_every_phase_on_the_cpu(bench, tmp_path, capsys):
     assert out.startswith("# gpu_decode:") and "x floor" in out and "x GEMM" in out and "host %" in out
     written = json.loads((tmp_path / "out.json").read_text())
     assert len(written["decode"]) == 10 and written["copy_bandwidth_bytes_per_s"] > 0
+
+
+def test_gpu_ssm_runs_every_phase_on_the_cpu(bench, tmp_path, capsys):
+    result = bench.gpu_ssm.main(["--shape", "hybrid-tiny", "--device", "cpu", "--batches", "1,2", "--contexts", "8,20",
+                                 "--steps", "2", "--warmup", "1", "--prefill", "32", "--prefill-reps", "1",
+                                 "--hf-steps", "2", "--copy-mb", "1", "--gemm-size", "32"])
+    assert result["errors"] == []
+    for rows in result["decode_rows"].values():
+        assert [(r.batch, r.impl) for r in rows] == [(1, "metrale"), (1, "steps"), (1, "hf-eager"), (2, "metrale"),
+                                                     (2, "steps")]
+        assert all(r.ok and r.floor_ms > 0 for r in rows)
+    assert result["prefill_rows"][0].ok and result["state_bytes_per_seq"] > 0
+    out = capsys.readouterr().out
+    assert out.startswith("# gpu_ssm:") and "## 20-token contexts" in out and "x GEMM" in out
 
 
 def test_gpu_decode_skip_peer_and_engine_config(bench, tmp_path):

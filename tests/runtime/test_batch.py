@@ -132,3 +132,49 @@ def test_pack_batch_pads_a_decoder_prompt_pass_and_its_samples():
     assert (packed.num_tokens, packed.num_prefill, packed.max_prefill_query) == (16, 4, 2)
     with pytest.raises(ValueError):     # fewer padded samples than the batch takes
         cuda_batch.pack_batch(batch, region, max_blocks=3, prefill=padding._replace(sampled=1))
+
+
+def test_pack_batch_lays_out_state_slots_short_segments_before_long_ones():
+    """A recurrent model's segments for its scan kernels: the ones longer than its scan chunk last (chunked), each
+    with its rows and (source, destination) slots."""
+    cuda_batch = pytest.importorskip("metrale.runtime.backend.cuda.batch")
+    from metrale.runtime.backend.cuda.tensor import DeviceTensor
+    region = DeviceTensor(1 << 32, (4096,), "int32")
+    segments = [Segment(BlockTable([1, 2, 3]), 0, tuple(range(9)), True, state=(-1, 0)),
+                Segment(BlockTable([5]), 2, (7,), True, state=(3, 4)),
+                Segment(BlockTable([6, 7]), 0, tuple(range(5)), True, state=(-1, 6)),
+                Segment(BlockTable([8, 9, 10]), 1, tuple(range(10)), True, state=(2, 2))]
+    packed = cuda_batch.pack_batch(build_batch(segments, BLOCK), region, max_blocks=3, scan_chunk=5)
+
+    def read(view):
+        offset = (view.ptr - region.ptr) // 4
+        return packed.host[offset:offset + view.numel].tolist()
+    states = packed.states
+    assert (states.count, states.max_len, states.long_count, states.short_max_len) == (4, 10, 2, 5)
+    short, long = states.short(), states.long()
+    assert read(short.starts) == [9, 10] and read(short.lens) == [1, 5]
+    assert read(short.sources) == [3, -1] and read(short.destinations) == [4, 6]
+    assert read(long.starts) == [0, 15] and read(long.lens) == [9, 10]
+    assert read(long.sources) == [-1, 2] and read(long.destinations) == [0, 2]
+    assert (short.count, short.max_len, long.count, long.max_len) == (2, 5, 2, 10)
+    # Without a chunk, every segment is short, in batch order; other models' batches carry no state parts.
+    plain = cuda_batch.pack_batch(build_batch(segments, BLOCK), region, max_blocks=3)
+    assert plain.states.long_count == 0 and plain.states.short() is plain.states
+    assert cuda_batch.pack_batch(build_batch(mixed_segments(), BLOCK), region, max_blocks=5).states is None
+
+
+def test_pack_batch_pads_a_recurrent_decode_batch_with_rows_that_keep_nothing():
+    cuda_batch = pytest.importorskip("metrale.runtime.backend.cuda.batch")
+    from metrale.runtime.backend.cuda.tensor import DeviceTensor
+    region = DeviceTensor(1 << 32, (4096,), "int32")
+    rows = [Segment(BlockTable([3, 9]), 6, (40,), True, state=(0, 5)), Segment(BlockTable([7]), 2, (41,), True,
+                                                                                state=(1, 6))]
+    packed = cuda_batch.pack_batch(build_batch(rows, BLOCK), region, max_blocks=3, pad_to=4, scan_chunk=8)
+
+    def read(view):
+        offset = (view.ptr - region.ptr) // 4
+        return packed.host[offset:offset + view.numel].tolist()
+    states = packed.states
+    assert (states.count, states.max_len, states.long_count) == (4, 1, 0)
+    assert read(states.starts) == [0, 1, 2, 3] and read(states.lens) == [1, 1, 1, 1]
+    assert read(states.sources) == [0, 1, -1, -1] and read(states.destinations) == [5, 6, -1, -1]

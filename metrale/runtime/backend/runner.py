@@ -36,6 +36,8 @@ class MemoryShapes:
     kv_block_size: int
     # Activation elements per token of a layer's state-space mixer (0: none), beside its attention and MLP.
     ssm_width: int = 0
+    # The tokens of a state-space mixer's scan chunk (0: none): longer segments are scanned chunk by chunk at once.
+    ssm_chunk_size: int = 0
     # Device streams: a backend that runs forwards at once gives each its own workspaces.
     streams: int = 1
 

@@ -55,10 +55,12 @@ class MixerShape:
 
     @property
     def activation_width(self) -> int:
-        """Activation elements a token's pass through the mixer takes at the most: in_proj's output, the conv's, the
-        scan's, the norm's, out_proj's, and one hidden-wide sum (Falcon-H1's two mixers)."""
+        """Activation elements (bf16-sized) a token's pass through the mixer takes at the most: in_proj's output, the
+        conv's, the scan's, the norm's, out_proj's, one hidden-wide sum (Falcon-H1's two mixers), and its share of a
+        chunked scan's workspace (two float32 states and decays a chunk: chunk_slots <= 2 tokens / chunk_size + 1)."""
+        workspace = 2 * 2 * (self.inner_size * self.state_size + self.num_heads)
         return (self.inner_size + self.conv_size + self.num_heads) + self.conv_size + 2 * self.inner_size \
-            + 2 * self.hidden_size
+            + 2 * self.hidden_size + -(-workspace // self.chunk_size)
 
     def cache_spec(self) -> RecurrentState:
         """The conv's last conv_kernel - 1 inputs, and the scan's state."""

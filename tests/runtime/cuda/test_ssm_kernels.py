@@ -33,7 +33,7 @@ def device_segments(segments) -> tuple[ssm.Segments, SimpleNamespace, list]:
     starts = [sum(lens[:i]) for i in range(len(lens))]
     as_int = lambda values: torch.tensor(values, dtype=torch.int32, device=DEVICE)  # noqa: E731
     kept = [as_int(starts), as_int(lens), as_int([s for _, s, _ in segments]), as_int([d for _, _, d in segments])]
-    device = ssm.Segments(*(DeviceTensor.from_torch(t) for t in kept), len(segments), max(lens))
+    device = ssm.Segments(*(DeviceTensor.from_torch(t) for t in kept), len(segments), max(lens, default=0))
     single = [i for i, n in enumerate(lens) if n == 1]
     batch = SimpleNamespace(
         single_rows=torch.tensor([starts[i] for i in single], dtype=torch.int64),
@@ -66,30 +66,44 @@ def test_conv_matches_the_cpu_math(kernel_library, stream, heads, head_dim, n_gr
     assert torch.equal(ours.cpu(), theirs)           # the inputs kept, exactly
 
 
+# Long segments (a prefill's): one chunk and a bit, many chunks, an exact multiple, from zero and continuing.
+LONG_SEGMENTS = [(9, 0, 1), (70, -1, 2), (300, 3, 3), (64, -1, 4)]
+# scan() a token at a time over SEGMENTS; chunked_scan() over LONG_SEGMENTS in chunks of 8 and of 32 tokens.
+SCANS = {"sequential": (SEGMENTS, 0), "chunks of 8": (LONG_SEGMENTS, 8), "chunks of 32": (LONG_SEGMENTS, 32)}
+
+
+@pytest.mark.parametrize("scan", sorted(SCANS))
 @pytest.mark.parametrize("heads, head_dim, n_groups, state_size, width", SHAPES)
-def test_scan_matches_the_cpu_math(kernel_library, stream, heads, head_dim, n_groups, state_size, width):
+def test_scan_matches_the_cpu_math(kernel_library, stream, heads, head_dim, n_groups, state_size, width, scan):
     torch.manual_seed(1)
+    cases, chunk = SCANS[scan]
     inner = heads * head_dim
-    segments, batch, _kept = device_segments(SEGMENTS)
-    tokens = sum(n for n, _, _ in SEGMENTS)
+    segments, batch, _kept = device_segments(cases)
+    tokens = sum(n for n, _, _ in cases)
     xbc, dt = bf16(tokens, inner + 2 * n_groups * state_size), bf16(tokens, heads)
     A = -torch.empty(heads, device=DEVICE).uniform_(0.05, 0.5)
     D, dt_bias = torch.randn(heads, device=DEVICE), torch.randn(heads, device=DEVICE) - 1.0
     state = 0.3 * torch.randn(SLOTS, heads, head_dim, state_size, device=DEVICE)
     y = torch.full((tokens, inner), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     ours = state.clone()
+    d = DeviceTensor.from_torch
+    inputs = (d(y), d(xbc), d(dt), d(A), d(D), d(dt_bias), d(ours), segments, n_groups, 0.001, float("inf"))
     torch.cuda.synchronize()
-    ssm.scan(kernel_library, stream, DeviceTensor.from_torch(y), DeviceTensor.from_torch(xbc),
-             DeviceTensor.from_torch(dt), DeviceTensor.from_torch(A), DeviceTensor.from_torch(D),
-             DeviceTensor.from_torch(dt_bias), DeviceTensor.from_torch(ours), segments, n_groups, 0.001, float("inf"))
+    if chunk:
+        slots = ssm.chunk_slots(tokens, segments, chunk)
+        workspace = (torch.full((slots, inner * state_size), float("nan"), device=DEVICE),
+                     torch.full((slots, heads), float("nan"), device=DEVICE))
+        ssm.chunked_scan(kernel_library, stream, *inputs, chunk, *(d(t) for t in workspace))
+    else:
+        ssm.scan(kernel_library, stream, *inputs)
     stream.sync()
     theirs = state.cpu()
-    params = SsmScan(A.cpu(), D.cpu(), dt_bias.cpu(), heads, head_dim, n_groups, state_size, chunk_size=8,
+    params = SsmScan(A.cpu(), D.cpu(), dt_bias.cpu(), heads, head_dim, n_groups, state_size, chunk_size=chunk or 8,
                      dt_min=0.001)
     want = reference.scan(xbc.float().cpu(), dt.float().cpu(), params, batch, theirs)
     assert relative_error(y, want) < TOLERANCE[torch.bfloat16]
     assert relative_error(ours, theirs) < TOLERANCE[torch.float32]      # the states after each segment
-    untouched = [slot for slot in range(SLOTS) if slot not in {d for *_, d in SEGMENTS}]
+    untouched = [slot for slot in range(SLOTS) if slot not in {d for *_, d in cases}]
     assert torch.equal(ours[untouched].cpu(), state[untouched].cpu())
 
 

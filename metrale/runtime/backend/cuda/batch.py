@@ -49,10 +49,11 @@ class PrefillPadding(NamedTuple):
 
 
 def pack_batch(batch: ForwardBatch, region: DeviceTensor, max_blocks: int, pad_to: int = 0,
-               prefill: PrefillPadding | None = None) -> CudaBatch:
+               prefill: PrefillPadding | None = None, scan_chunk: int = 0) -> CudaBatch:
     """Lays the batch out in `region` (int32, large enough: see metadata_elements). pad_to: the batch is pure
     decode (one token per segment, each sampled) and is padded to pad_to rows that read and write nothing
-    (context 0, KV slot -1), every row sampled, in order: the fixed shapes of a decode graph. prefill: every
+    (context 0, KV slot -1), every row sampled, in order: the fixed shapes of a decode graph. scan_chunk: a recurrent
+    model's scan chunk (segments longer than it go last in the state parts, Segments.long). prefill: every
     segment goes to the prefill kernel (one-token ones too), padded to prefill.tokens rows (token 0, KV slot -1)
     and prefill.segments segments of no rows and no context, attention planned for prefill.max_query rows, the
     sampled rows padded to prefill.sampled with row 0 (at least as many as the batch samples), so never every row
@@ -108,13 +109,21 @@ def pack_batch(batch: ForwardBatch, region: DeviceTensor, max_blocks: int, pad_t
         part("prefill_lens")[:segments] = [lens[i] for i in multi]
         part("prefill_contexts")[:segments] = [contexts[i] for i in multi]
         _fill_tables(part("prefill_tables"), [batch.block_tables[i] for i in multi])
+    order = list(range(len(lens)))
+    long_count = 0
     if recurrent:
-        _fill_states(batch, part, pad_to)
+        if scan_chunk and not pad_to and not prefill:
+            order = [i for i in order if lens[i] <= scan_chunk] + [i for i in order if lens[i] > scan_chunk]
+            long_count = sum(lens[i] > scan_chunk for i in order)
+        _fill_states(batch, order, part, pad_to)
     views = {name: DeviceTensor(region.ptr + offsets[name] * 4, shape, "int32") for name, shape in shapes.items()}
     states = None
     if recurrent:
+        short = order[:len(order) - long_count]
         states = Segments(*(views.pop(name) for name in STATE_PARTS), count=state_segments,
-                          max_len=1 if pad_to else (prefill.max_query if prefill else max(lens, default=0)))
+                          max_len=1 if pad_to else (prefill.max_query if prefill else max(lens, default=0)),
+                          long_count=long_count,
+                          short_max_len=max((lens[i] for i in short), default=1 if pad_to else 0))
     return CudaBatch(**views, states=states, num_tokens=rows, num_decode=decode_rows, num_prefill=prefill_rows,
                      max_decode_context=max((contexts[i] for i in single), default=0),
                      max_prefill_query=prefill.max_query if prefill else max((lens[i] for i in multi), default=0),
@@ -124,17 +133,17 @@ def pack_batch(batch: ForwardBatch, region: DeviceTensor, max_blocks: int, pad_t
 STATE_PARTS = ("state_starts", "state_lens", "state_sources", "state_destinations")
 
 
-def _fill_states(batch: ForwardBatch, part, pad_to: int) -> None:
-    """Every segment's rows and state slots, in segment order; padding segments (a graph's) read zeros and keep
-    nothing (slots -1): a decode graph's one row each, a prefill graph's none."""
-    count = len(batch.query_lens)
-    part("state_starts")[:count] = batch.query_starts
-    part("state_lens")[:count] = batch.query_lens
+def _fill_states(batch: ForwardBatch, order: list[int], part, pad_to: int) -> None:
+    """The segments' rows and state slots, in `order`; padding segments (a graph's) read zeros and keep nothing
+    (slots -1): a decode graph's one row each, a prefill graph's none."""
+    count = len(order)
+    part("state_starts")[:count] = [batch.query_starts[i] for i in order]
+    part("state_lens")[:count] = [batch.query_lens[i] for i in order]
     if pad_to:
         part("state_starts")[count:] = np.arange(count, pad_to)
         part("state_lens")[count:] = 1
     for name, k in (("state_sources", 0), ("state_destinations", 1)):
-        part(name)[:count] = [slots[k] for slots in batch.state_slots]
+        part(name)[:count] = [batch.state_slots[i][k] for i in order]
         part(name)[count:] = -1
 
 

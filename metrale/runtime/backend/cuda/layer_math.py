@@ -156,8 +156,17 @@ class CudaLayerMath:
     def ssm_scan(self, xbc, dt, scan: SsmScan, batch: CudaBatch, ssm_state):
         ctx = self.resources.bound.context
         y = ctx.new(xbc.shape[0], scan.inner_size)
-        kernels.ssm.scan(self.lib, ctx.stream, y, xbc, dt, scan.A, scan.D, scan.dt_bias, ssm_state, _states(batch),
+        states = _states(batch)
+        kernels.ssm.scan(self.lib, ctx.stream, y, xbc, dt, scan.A, scan.D, scan.dt_bias, ssm_state, states.short(),
                          scan.n_groups, scan.dt_min, scan.dt_max)
+        long = states.long()
+        if long.count:      # prefill segments longer than a chunk: every chunk at once
+            slots = kernels.ssm.chunk_slots(xbc.shape[0], long, scan.chunk_size)
+            chunk_states = ctx.ring.take((slots, scan.inner_size * scan.state_size), "float32")
+            chunk_decays = ctx.ring.take((slots, scan.num_heads), "float32")
+            kernels.ssm.chunked_scan(self.lib, ctx.stream, y, xbc, dt, scan.A, scan.D, scan.dt_bias, ssm_state, long,
+                                     scan.n_groups, scan.dt_min, scan.dt_max, scan.chunk_size, chunk_states,
+                                     chunk_decays)
         return y
 
     def gated_rms_norm(self, x, gate, weight, eps, group_size, norm_before_gate=False):

@@ -146,7 +146,7 @@ class StreamContext:
         if rows > self.shapes.max_batch_tokens or segments > self.shapes.max_seqs:
             raise InvalidArgument("the forward is larger than the memory plan")
         region = self.cross_metadata if cross else self.metadata
-        return pack_batch(batch, region, self.shapes.max_blocks_per_seq, pad_to, prefill)
+        return pack_batch(batch, region, self.shapes.max_blocks_per_seq, pad_to, prefill, self.shapes.ssm_chunk_size)
 
     def stage(self, batch: ForwardBatch, pad_to: int = 0, cross: bool = False) -> None:
         """Packs the batch's image ahead of its prepare() on this stream (which then sets only its tokens), while

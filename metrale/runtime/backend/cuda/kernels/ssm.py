@@ -13,19 +13,36 @@ CONV_BLOCK = 128
 CONV_TOKENS = 16            # SSM_CONV_TOKENS
 MAX_CONV_KERNEL = 8         # SSM_MAX_CONV_KERNEL
 SCAN_LANES = 8              # SSM_SCAN_LANES
-MAX_STATE_SIZE = 8 * 32     # SSM_SCAN_LANES * SSM_MAX_STATE_PER_LANE
 NORM_BLOCK = 256
 
 
 @dataclass(frozen=True)
 class Segments:
-    """A forward's segments as the SSM kernels read them: int32 [S] each, on the device; max_len the longest."""
+    """A forward's segments as the SSM kernels read them: int32 [S] each, on the device; max_len the longest. The
+    last long_count are long (chunked_scan's, longer than the model's scan chunk), in row order; short_max_len is
+    the longest of the others."""
     starts: DeviceTensor
     lens: DeviceTensor
     sources: DeviceTensor
     destinations: DeviceTensor
     count: int
     max_len: int
+    long_count: int = 0
+    short_max_len: int = 0
+
+    def short(self) -> "Segments":
+        """The segments before the long ones."""
+        if not self.long_count:
+            return self
+        return self._part(0, self.count - self.long_count, self.short_max_len)
+
+    def long(self) -> "Segments":
+        return self._part(self.count - self.long_count, self.long_count, self.max_len if self.long_count else 0)
+
+    def _part(self, first: int, count: int, max_len: int) -> "Segments":
+        views = (DeviceTensor(t.ptr + 4 * first, (count,), "int32")
+                 for t in (self.starts, self.lens, self.sources, self.destinations))
+        return Segments(*views, count=count, max_len=max_len)
 
 
 def conv(lib, stream, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None,
@@ -53,19 +70,69 @@ def conv(lib, stream, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, 
                   segments.destinations, channels, width)
 
 
+STATE_SIZES = (16, 32, 64, 128, 256)      # ssm_chunk_scan: state_size / SSM_SCAN_LANES registers a thread
+CARRY_BLOCK = 256
+
+
 def scan(lib, stream, y: DeviceTensor, xbc: DeviceTensor, dt: DeviceTensor, A: DeviceTensor, D: DeviceTensor,
          dt_bias: DeviceTensor, ssm_state: DeviceTensor, segments: Segments, n_groups: int, dt_min: float,
          dt_max: float) -> None:
     """y [T, heads * head_dim] = the selective scan of each segment from its state ([slots, heads, head_dim,
-    state_size] float32; the state after it into the destination slot) + D * x; xbc [T, inner + 2 * n_groups *
-    state_size] the conv's output, dt [T, heads] before its bias. A, D, dt_bias float32 [heads]."""
+    state_size] float32; the state after it into the destination slot) + D * x, a token at a time; xbc [T, inner +
+    2 * n_groups * state_size] the conv's output, dt [T, heads] before its bias. A, D, dt_bias float32 [heads]. One
+    block per segment and head: for decode steps and short segments (chunked_scan for long ones)."""
+    y, y_stride, xbc, xbc_stride, dt, dt_stride, A, D, dt_bias, num_heads, head_dim, n_groups, state_size, \
+        dt_min, dt_max = _scan_args(y, xbc, dt, A, D, dt_bias, ssm_state, n_groups, dt_min, dt_max)
+    if segments.count == 0:
+        return
+    launch_kernel(stream, lib.get("ssm_scan", MODULE), (num_heads, segments.count), head_dim * SCAN_LANES, y,
+                  y_stride, xbc, xbc_stride, dt, dt_stride, A, D, dt_bias, ssm_state, segments.starts, segments.lens,
+                  segments.sources, segments.destinations, num_heads, head_dim, n_groups, state_size, dt_min, dt_max)
+
+
+def chunk_slots(num_tokens: int, segments: Segments, chunk_size: int) -> int:
+    """Workspace slots chunked_scan needs for segments within num_tokens rows: a segment's chunk c takes slot
+    start // chunk_size + (its index) + c."""
+    return ceil_div(num_tokens, chunk_size) + segments.count
+
+
+def chunked_scan(lib, stream, y: DeviceTensor, xbc: DeviceTensor, dt: DeviceTensor, A: DeviceTensor,
+                 D: DeviceTensor, dt_bias: DeviceTensor, ssm_state: DeviceTensor, segments: Segments, n_groups: int,
+                 dt_min: float, dt_max: float, chunk_size: int, chunk_states: DeviceTensor,
+                 chunk_decays: DeviceTensor) -> None:
+    """scan() for long segments, every chunk of chunk_size tokens at once (ssm.cu ssm_chunk_scan): each chunk's
+    end state from zero, the states carried across each segment's chunks, then each chunk's y from its entering
+    state. chunk_states float32 [chunk_slots, heads * head_dim * state_size], chunk_decays float32 [chunk_slots,
+    heads]: workspace."""
+    args = _scan_args(y, xbc, dt, A, D, dt_bias, ssm_state, n_groups, dt_min, dt_max)
+    _, num_heads, head_dim, state_size = ssm_state.shape
+    slots = chunk_slots(xbc.shape[0], segments, chunk_size)
+    require(chunk_size >= 1, f"ssm chunked scan: chunk_size {chunk_size}")
+    require(chunk_states.dtype == chunk_decays.dtype == "float32"
+            and chunk_states.numel >= slots * num_heads * head_dim * state_size
+            and chunk_decays.numel >= slots * num_heads,
+            f"ssm chunked scan: the workspace holds fewer than {slots} chunk slots")
+    if segments.count == 0 or segments.max_len == 0:
+        return
+    grid = (num_heads, segments.count, ceil_div(segments.max_len, chunk_size))
+    kernel = lib.get("ssm_chunk_scan", MODULE)
+    tail = (chunk_states, chunk_decays, segments.starts, segments.lens, chunk_size)
+    launch_kernel(stream, kernel, grid, head_dim * SCAN_LANES, *args, *tail, 0)
+    launch_kernel(stream, lib.get("ssm_chunk_carry", MODULE),
+                  (ceil_div(head_dim * state_size, CARRY_BLOCK), num_heads, segments.count), CARRY_BLOCK, ssm_state,
+                  chunk_states, chunk_decays, segments.starts, segments.lens, segments.sources, segments.destinations,
+                  num_heads, head_dim, state_size, chunk_size)
+    launch_kernel(stream, kernel, grid, head_dim * SCAN_LANES, *args, *tail, 1)
+
+
+def _scan_args(y, xbc, dt, A, D, dt_bias, ssm_state, n_groups, dt_min, dt_max) -> tuple:
+    """The checked SsmScanArgs of ssm.cu's scan kernels."""
     _, num_heads, head_dim, state_size = ssm_state.shape
     inner = num_heads * head_dim
     require(ssm_state.dtype == "float32", "ssm scan: the state must be float32")
     require(head_dim % 4 == 0 and head_dim * SCAN_LANES <= 1024,
             f"ssm scan: head_dim {head_dim} must be a multiple of 4 and at most {1024 // SCAN_LANES}")
-    require(state_size % SCAN_LANES == 0 and state_size <= MAX_STATE_SIZE,
-            f"ssm scan: state_size {state_size} must be a multiple of {SCAN_LANES}, at most {MAX_STATE_SIZE}")
+    require(state_size in STATE_SIZES, f"ssm scan: state_size {state_size} must be one of {STATE_SIZES}")
     require(num_heads % n_groups == 0, f"ssm scan: {num_heads} heads in {n_groups} groups")
     require(xbc.shape[1] == inner + 2 * n_groups * state_size and y.shape == (xbc.shape[0], inner)
             and dt.shape == (xbc.shape[0], num_heads),
@@ -73,12 +140,8 @@ def scan(lib, stream, y: DeviceTensor, xbc: DeviceTensor, dt: DeviceTensor, A: D
     require(all(t.dtype == "bfloat16" for t in (y, xbc, dt)), "ssm scan: y, xbc and dt must be bfloat16")
     require(all(t.dtype == "float32" and t.shape == (num_heads,) for t in (A, D, dt_bias)),
             "ssm scan: A, D and dt_bias must be float32 [heads]")
-    if segments.count == 0:
-        return
-    launch_kernel(stream, lib.get("ssm_scan", MODULE), (num_heads, segments.count), head_dim * SCAN_LANES, y,
-                  np.int64(y.stride), xbc, np.int64(xbc.stride), dt, np.int64(dt.stride), A, D, dt_bias, ssm_state,
-                  segments.starts, segments.lens, segments.sources, segments.destinations, num_heads, head_dim,
-                  n_groups, state_size, float(dt_min), float(min(dt_max, np.finfo(np.float32).max)))
+    return (y, np.int64(y.stride), xbc, np.int64(xbc.stride), dt, np.int64(dt.stride), A, D, dt_bias, num_heads,
+            head_dim, n_groups, state_size, float(dt_min), float(min(dt_max, np.finfo(np.float32).max)))
 
 
 def gated_norm(lib, stream, out: DeviceTensor, x: DeviceTensor, gate: DeviceTensor, weight: DeviceTensor,

@@ -1,0 +1,181 @@
+"""GPU decode and prefill of a random bf16 hybrid of Mamba2, attention and MLP layers (default: the Nemotron-H-8B
+shape): the engine's device step and a gateway's Steps stream at each batch and context, against the floor (weights
++ attention KV + every sequence's SSM state read and written, over copy bandwidth) and transformers' eager generate
+at batch 1; then one long prompt's prefill, with the device time of its scan and of its GEMMs (CUPTI).
+
+Run from the repository root: python3 -m bench.gpu_ssm [--shape nemotron-h-8b] [--batches 1,32,128]
+"""
+
+import argparse
+import dataclasses
+import gc
+import sys
+
+import torch
+
+from bench.decode_tables import DecodeRow, PrefillRow, format_decode_table, format_prefill_table
+from bench.engine_runner import EngineRunner
+from bench.gpu_ceilings import copy_bandwidth, device_memory_gb, gemm_rate, gpu_machine_line
+from bench.gpu_decode import decode_engine_row, decode_grpc_row, write_json
+from bench.model_shapes import HYBRID_SHAPES, hybrid_decode_weight_bytes, hybrid_kv_bytes_per_token, \
+    hybrid_prefill_flops, hybrid_state_bytes, random_checkpoint, random_tokens
+from bench.phases import Run, log
+from bench.side_by_side import time_hf_generate
+from metrale.runtime.build import build_engine
+from metrale.runtime.cache.blocks import blocks_for
+from metrale.runtime.config import EngineConfig
+from metrale.service.config import WorkerConfig
+from metrale.service.in_process import InProcessWorker
+from metrale.service.server import WorkerServer
+
+# Kernel names -> the part of a prefill they do, first match wins (cuBLASLt's GEMMs go by several names).
+KERNEL_PARTS = (("scan", ("ssm_scan", "ssm_chunk")), ("conv", ("ssm_conv",)), ("attention", ("attention",)),
+                ("GEMMs", ("gemm", "nvjet", "cutlass", "xmma", "splitk", "linear_partials")))
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="nemotron-h-8b", choices=sorted(HYBRID_SHAPES))
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the smoke test's path")
+    parser.add_argument("--batches", default="1,32,128", help="decode batch sizes, comma-separated")
+    parser.add_argument("--contexts", default="1024,8192", help="tokens each sequence holds before decoding")
+    parser.add_argument("--steps", type=int, default=16, help="timed decode steps per batch and implementation")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first")
+    parser.add_argument("--prefill", type=int, default=8192, help="tokens of the one prompt whose prefill is timed")
+    parser.add_argument("--prefill-reps", type=int, default=3)
+    parser.add_argument("--hf-steps", type=int, default=8, help="tokens transformers generates per timing; 0: none")
+    parser.add_argument("--copy-mb", type=int, default=4096, help="bytes copied to measure copy bandwidth (MB)")
+    parser.add_argument("--gemm-size", type=int, default=8192, help="n of the n^3 bf16 GEMM for the GEMM rate")
+    parser.add_argument("--skip-grpc", action="store_true", help="no decode through gRPC")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--time-budget", type=float, default=540.0,
+                        help="seconds after which no new phase starts (the tables still print)")
+    parser.add_argument("--json", default=None, help="write every number here")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    shape, device = HYBRID_SHAPES[args.shape], args.device
+    batches = [int(b) for b in args.batches.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    longest = max(max(contexts) + args.warmup + args.steps + 1, args.prefill)
+    run = Run(args.time_budget, device)
+    result = {"args": vars(args), "shape": dataclasses.asdict(shape), "phases": run.phases, "errors": run.errors}
+    print(gpu_machine_line("gpu_ssm", device), flush=True)
+
+    bandwidth, _ = run.phase("copy bandwidth", copy_bandwidth, device, args.copy_mb * 10**6)
+    gemm, _ = run.phase("GEMM rate", gemm_rate, device, args.gemm_size)
+    if bandwidth is None or gemm is None:
+        raise SystemExit(f"the ceilings could not be measured: {run.errors}")
+    weights, kv_token, state = (hybrid_decode_weight_bytes(shape), hybrid_kv_bytes_per_token(shape),
+                                hybrid_state_bytes(shape))
+    result.update(copy_bandwidth_bytes_per_s=bandwidth, gemm_flops_per_s=gemm, weight_bytes=weights,
+                  kv_bytes_per_token=kv_token, state_bytes_per_seq=state)
+    log(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s, bf16 GEMM {gemm / 1e12:.1f} TFLOP/s; {args.shape}: weights "
+        f"read per step {weights / 1e9:.2f} GB, attention KV {kv_token / 1e3:.1f} kB/token, SSM state "
+        f"{state / 1e6:.1f} MB/sequence")
+    checkpoint, _ = run.phase("random checkpoint", random_checkpoint, shape, args.seed, device)
+    if checkpoint is None:
+        raise SystemExit(f"no checkpoint: {run.errors}")
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+    hf_rows = {}
+    for context in contexts if args.hf_steps else ():
+        row = hf_rows[context] = DecodeRow(1, "hf-eager", 0.0)
+        hf_ms, row.note = run.phase(f"transformers generate {context}", time_hf_generate, checkpoint, device,
+                                    random_tokens(1, context, shape.vocab, args.seed + 3), args.hf_steps)
+        row.step_ms = [hf_ms] if hf_ms else []
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+    max_batch = max(batches)
+    kv_blocks = max_batch * blocks_for(longest, EngineConfig.kv_block_size) + 8
+    config = EngineConfig(device=device, kv_blocks=kv_blocks, max_batch_tokens=max(8192, args.prefill),
+                          max_seqs=max_batch, max_model_len=longest, prefix_cache=False)
+    result["engine_config"] = dataclasses.asdict(config)
+    built, _ = run.phase("engine build", build_engine, checkpoint, config)
+    del checkpoint
+    gc.collect()
+    if not built:
+        raise SystemExit(f"no engine: {run.errors}")
+    ours = EngineRunner(built[0], config.max_batch_tokens)
+    log(f"engine: {config}; {built[0].cache.states.num_slots} state slots; device {device_memory_gb(device)}")
+    worker = None
+    if not args.skip_grpc:
+        server_config = WorkerConfig(host="127.0.0.1", port=0, reflection=False, drain_timeout=5.0, engine=config)
+        worker, _ = run.phase("grpc worker", InProcessWorker,
+                              lambda: WorkerServer(ours.engine, built[1], None, server_config))
+
+    tables = {}
+    for context in contexts:
+        rows = tables[context] = []
+        mean_context = context + args.warmup + (args.steps + 1) / 2
+        step_args = argparse.Namespace(context=context, steps=args.steps, warmup=args.warmup, seed=args.seed)
+        for batch in batches:
+            floor_ms = (weights + batch * (mean_context * kv_token + 2 * state)) / bandwidth * 1e3
+            prompts = random_tokens(batch, context, shape.vocab, args.seed + 3)
+            rows.append(decode_engine_row(run, step_args, ours, batch, prompts, floor_ms))
+            if worker:
+                rows.append(decode_grpc_row(run, step_args, worker, shape, batch, floor_ms, rpc="steps"))
+            if batch == 1 and context in hf_rows:
+                hf_rows[context].floor_ms = floor_ms
+                rows.append(hf_rows[context])
+    if worker:
+        worker.stop()
+
+    prefill_row = PrefillRow(1, args.prefill, "metrale", hybrid_prefill_flops(shape, 1, args.prefill), gemm)
+    prompt = random_tokens(1, args.prefill, shape.vocab, args.seed + 2)
+    times, prefill_row.note = run.phase("prefill", ours.time_prefill, prompt, 1, args.prefill_reps)
+    prefill_row.step_ms = times or []
+    parts, _ = run.phase("prefill kernels", prefill_kernel_parts, ours, prompt) if device == "cuda" else ({}, "")
+
+    result["decode"] = {c: [dict(dataclasses.asdict(r), p50_ms=r.p50_ms if r.ok else None) for r in rows]
+                        for c, rows in tables.items()}
+    result["prefill"] = dict(dataclasses.asdict(prefill_row), p50_ms=prefill_row.p50_ms if prefill_row.ok else None,
+                             kernel_parts_ms=parts)
+    result["elapsed_s"] = run.elapsed()
+    write_json(args.json, result)
+    print(f"# decode: {args.steps} timed steps after {args.warmup} warm-up; floor = (weights {weights / 1e9:.2f} GB + "
+          f"attention KV of the timed steps' mean context + SSM state {state / 1e6:.1f} MB a sequence read and "
+          f"written) / copy bandwidth {bandwidth / 1e12:.3f} TB/s; metrale: device time (CUDA events), other = host "
+          f"clock around Engine.step; steps: a client process's round trip over one Steps stream; hf-eager: "
+          f"transformers' generate, bf16, ms per token")
+    for context, rows in tables.items():
+        print(f"## {context}-token contexts")
+        print(format_decode_table(rows))
+    print(f"# prefill of one {args.prefill}-token prompt: model FLOPs (matrices, attention, scan) / p50 time, against "
+          f"bf16 GEMM {gemm / 1e12:.1f} TFLOP/s")
+    print(format_prefill_table([prefill_row]))
+    if parts:
+        busy = sum(parts.values())
+        print("# its kernels (CUPTI, device ms of one prefill): " + ", ".join(
+            f"{name} {ms:.2f} ({100 * ms / busy:.0f}%)" for name, ms in parts.items()))
+    print(f"# total {run.elapsed():.0f} s; phases (s): " + ", ".join(f"{k} {v:.1f}" for k, v in run.phases.items())
+          + (f"; ERRORS: {run.errors}" if run.errors else ""))
+    result["decode_rows"], result["prefill_rows"] = tables, [prefill_row]
+    return result
+
+
+def prefill_kernel_parts(ours: EngineRunner, prompt: torch.Tensor) -> dict[str, float]:
+    """Device ms of one prefill by part (KERNEL_PARTS, the rest as "other"), through torch.profiler (CUPTI)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ours.time_prefill(prompt, 0, 1)
+        torch.cuda.synchronize()
+    parts = {name: 0.0 for name, _ in KERNEL_PARTS} | {"other": 0.0}
+    for event in prof.profiler.kineto_results.events():
+        if event.device_type() != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.name().lower()
+        part = next((part for part, keys in KERNEL_PARTS if any(key in name for key in keys)), "other")
+        parts[part] += event.duration_ns() / 1e6
+    return parts
+
+
+if __name__ == "__main__":
+    from bench.grpc_overhead import quiet_logs
+    quiet_logs()
+    main()
+    sys.stdout.flush()
