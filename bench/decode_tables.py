@@ -88,7 +88,7 @@ def format_decode_table(rows: list[DecodeRow]) -> str:
             continue
         other = f"{r.other_p50_ms:.3f}" if r.other_p50_ms is not None else "-"
         vs_peer = f"{r.p50_ms / peer[r.batch].p50_ms:.2f}" if r.impl != "peer" and r.batch in peer else "-"
-        through_grpc = r.impl not in ("metrale", "peer", "hf-eager") and r.batch in device
+        through_grpc = r.impl not in ("metrale", "peer", "hf-eager", "hf-compile") and r.batch in device
         host = f"{100 * (1 - device[r.batch].p50_ms / r.p50_ms):.1f}" if through_grpc else "-"
         idle = [t for t in r.idle_ms if t == t]     # NaN: a first round, with none before it
         idle = f"{statistics.median(idle):.3f}" if idle else "-"

@@ -14,10 +14,14 @@
 #   beam     bench/beam_generate.py at the NLLB-200-600M shape, batches 1, 16 and 64, next to transformers
 #   search   bench/gpu_beam_candidates.py (the device search's candidates alone) and the NLLB beam step's kernel
 #            table at 16 requests (bench/beam_generate.py --kernels, PDL off)                              (~1 min)
+#   ssm      bench/gpu_ssm.py at the Nemotron-H-8B shape: decode at batches 1, 32, 128 with 1k and 8k contexts against
+#            the floor with the SSM state, transformers' eager generate, the 8k prefill and its kernels          (~7 min)
+#   ssm-prefix  bench/prefix_cache.py at the Nemotron-H-8B shape: 16 requests sharing a 4,096-token system prompt,
+#            resumed from the SSM snapshot (--prefix-cache on) against computed again (off)                   (~3 min)
 #   mha      bench/gpu_mha_attention.py: the multi-head decode attention kernels at NLLB's beam step shapes, with each
 #            bench/variants/decode_attention_mha/NAME.cu (carry bench/variants) timed beside the package's  (~1 min)
 # Usage (from the repository root, with .whl carried):
-#   bash bench/gpu_check.sh [tests|load|kernels|smollm2|llama|profile|prefix|beam|search|mha]...
+#   bash bench/gpu_check.sh [tests|load|kernels|smollm2|llama|profile|prefix|beam|search|ssm|ssm-prefix|mha]...
 # (default: tests). Logs and JSON land in $OUT (default /tmp/gpu-check).
 set -uo pipefail
 source scripts/device_env.sh || exit 1
@@ -43,7 +47,10 @@ for part in "${@:-tests}"; do
       run_pytest api-on-cuda --worker-device cuda tests/service/test_forward_api.py tests/service/test_errors.py \
         tests/service/test_concurrency.py tests/service/test_generate.py tests/service/test_faults.py \
         tests/service/test_metrics.py tests/service/test_run_ahead.py tests/service/test_beam_api.py \
-        tests/service/test_fault_isolation.py tests/service/test_limits.py tests/service/test_prefix_cache_api.py ;;
+        tests/service/test_fault_isolation.py tests/service/test_limits.py tests/service/test_prefix_cache_api.py
+      run_pytest api-on-cuda-hybrid --worker-device cuda --worker-model nemotron_h tests/service/test_forward_api.py \
+        tests/service/test_errors.py tests/service/test_beam_api.py tests/service/test_run_ahead.py \
+        tests/service/test_prefix_cache_api.py ;;
     load)
       run_pytest load-on-cuda --worker-device cuda -s tests/service/test_load.py
       summary+=("$(grep -E '^load on' "$OUT/load-on-cuda.log")") ;;
@@ -61,6 +68,11 @@ for part in "${@:-tests}"; do
     prefix)
       run_bench prefix-cache bench.prefix_cache --device cuda --shape llama3-8b --requests 64 --system 4096 \
         --question 64 --decode-steps 16 --reps 3 ;;
+    ssm)
+      run_bench ssm bench.gpu_ssm --shape nemotron-h-8b ;;
+    ssm-prefix)
+      run_bench ssm-prefix bench.prefix_cache --device cuda --shape nemotron-h-8b --requests 16 --system 4096 \
+        --question 64 --decode-steps 16 --reps 3 --max-seqs 32 ;;
     beam)
       python3 -m bench.beam_generate --shape nllb-600m --device cuda --batches 1,16,64 --reps 7 \
         --json "$OUT/beam.json" > "$OUT/beam.txt" 2> "$OUT/beam.err" || summary+=("beam: FAILED (see beam.err)")

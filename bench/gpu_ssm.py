@@ -44,6 +44,8 @@ def parse_args(argv):
     parser.add_argument("--prefill", type=int, default=8192, help="tokens of the one prompt whose prefill is timed")
     parser.add_argument("--prefill-reps", type=int, default=3)
     parser.add_argument("--hf-steps", type=int, default=8, help="tokens transformers generates per timing; 0: none")
+    parser.add_argument("--hf-compile", action="store_true",
+                        help="also time transformers' generate with its forward under torch.compile")
     parser.add_argument("--copy-mb", type=int, default=4096, help="bytes copied to measure copy bandwidth (MB)")
     parser.add_argument("--gemm-size", type=int, default=8192, help="n of the n^3 bf16 GEMM for the GEMM rate")
     parser.add_argument("--skip-grpc", action="store_true", help="no decode through gRPC")
@@ -81,12 +83,15 @@ def main(argv: list[str] | None = None) -> dict:
     if device == "cuda":
         torch.cuda.empty_cache()
 
-    hf_rows = {}
+    hf_rows: dict[int, list[DecodeRow]] = {}        # context -> transformers' rows at batch 1
     for context in contexts if args.hf_steps else ():
-        row = hf_rows[context] = DecodeRow(1, "hf-eager", 0.0)
-        hf_ms, row.note = run.phase(f"transformers generate {context}", time_hf_generate, checkpoint, device,
-                                    random_tokens(1, context, shape.vocab, args.seed + 3), args.hf_steps)
-        row.step_ms = [hf_ms] if hf_ms else []
+        prompt = random_tokens(1, context, shape.vocab, args.seed + 3)
+        for impl, compiled in (("hf-eager", False), ("hf-compile", True))[:2 if args.hf_compile else 1]:
+            row = DecodeRow(1, impl, 0.0)
+            hf_ms, row.note = run.phase(f"transformers {impl} {context}", time_hf_generate, checkpoint, device,
+                                        prompt, args.hf_steps, compiled)
+            row.step_ms = [hf_ms] if hf_ms else []
+            hf_rows.setdefault(context, []).append(row)
         if device == "cuda":
             torch.cuda.empty_cache()
 
@@ -119,9 +124,9 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append(decode_engine_row(run, step_args, ours, batch, prompts, floor_ms))
             if worker:
                 rows.append(decode_grpc_row(run, step_args, worker, shape, batch, floor_ms, rpc="steps"))
-            if batch == 1 and context in hf_rows:
-                hf_rows[context].floor_ms = floor_ms
-                rows.append(hf_rows[context])
+            for row in hf_rows.get(context, []) if batch == 1 else ():
+                row.floor_ms = floor_ms
+                rows.append(row)
     if worker:
         worker.stop()
 
@@ -141,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"attention KV of the timed steps' mean context + SSM state {state / 1e6:.1f} MB a sequence read and "
           f"written) / copy bandwidth {bandwidth / 1e12:.3f} TB/s; metrale: device time (CUDA events), other = host "
           f"clock around Engine.step; steps: a client process's round trip over one Steps stream; hf-eager: "
-          f"transformers' generate, bf16, ms per token")
+          f"transformers' generate, bf16, ms per token (hf-compile: its forward under torch.compile)")
     for context, rows in tables.items():
         print(f"## {context}-token contexts")
         print(format_decode_table(rows))

@@ -42,9 +42,10 @@ def check_same_model(ours: EngineRunner, peer, tokens: torch.Tensor, decode_step
 
 
 @torch.no_grad()
-def time_hf_generate(checkpoint, device: str, prompt: torch.Tensor, new_tokens: int) -> float:
+def time_hf_generate(checkpoint, device: str, prompt: torch.Tensor, new_tokens: int, compile: bool = False) -> float:
     """ms per generated token of Hugging Face transformers' eager generate (greedy, batch 1, bf16 on the GPU):
-    the time of new_tokens tokens less the time of one (the prefill), over new_tokens - 1."""
+    the time of new_tokens tokens less the time of one (the prefill), over new_tokens - 1. compile: its forward
+    under torch.compile (default mode), compiled by warm-up generates of every length timed."""
     import transformers
     config = transformers.AutoConfig.for_model(**checkpoint.config)
     with torch.device(device):
@@ -65,6 +66,10 @@ def time_hf_generate(checkpoint, device: str, prompt: torch.Tensor, new_tokens: 
                        do_sample=False, pad_token_id=0)
         synchronize(device)
         return time.perf_counter() - started
+    if compile:
+        model.forward = torch.compile(model.forward)
+        for n in (1, 2, new_tokens):                    # the prefill's and the steps' shapes, then dynamic ones
+            generate(n)
     generate(2)                                         # warm-up
     one = min(generate(1) for _ in range(2))
     many = min(generate(new_tokens) for _ in range(2))

@@ -22,8 +22,9 @@ SLOTS = 10
 # longer than the scan's chunk, and one whose state is updated in place. No segment's destination is another's
 # source (the engine never gives a forward such slots).
 SEGMENTS = [(1, 0, 1), (1, -1, 2), (17, -1, 3), (5, 4, 5), (1, 6, 6), (40, 7, 8)]
-# (heads, head_dim, n_groups, state_size, conv kernel): the tiny models' mixer, Nemotron-H-8B's, Falcon-H1's.
-SHAPES = [(8, 16, 2, 16, 4), (128, 64, 8, 128, 4), (24, 64, 1, 256, 4)]
+# (heads, head_dim, n_groups, state_size, conv kernel): the tiny models' mixer, Nemotron-H-8B's, Falcon-H1's, and the
+# widest block the scan kernels take (head_dim 128: 1024 threads) with the largest state.
+SHAPES = [(8, 16, 2, 16, 4), (128, 64, 8, 128, 4), (24, 64, 1, 256, 4), (4, 128, 2, 256, 4)]
 
 
 def device_segments(segments) -> tuple[ssm.Segments, SimpleNamespace, list]:
@@ -90,10 +91,13 @@ def test_scan_matches_the_cpu_math(kernel_library, stream, heads, head_dim, n_gr
     inputs = (d(y), d(xbc), d(dt), d(A), d(D), d(dt_bias), d(ours), segments, n_groups, 0.001, float("inf"))
     torch.cuda.synchronize()
     if chunk:
+        # One slot more than chunk_slots: it must stay as it is (no chunk's slot past the count).
         slots = ssm.chunk_slots(tokens, segments, chunk)
-        workspace = (torch.full((slots, inner * state_size), float("nan"), device=DEVICE),
-                     torch.full((slots, heads), float("nan"), device=DEVICE))
+        workspace = (torch.full((slots + 1, inner * state_size), float("nan"), device=DEVICE),
+                     torch.full((slots + 1, heads), float("nan"), device=DEVICE))
         ssm.chunked_scan(kernel_library, stream, *inputs, chunk, *(d(t) for t in workspace))
+        stream.sync()
+        assert all(t[slots].isnan().all() for t in workspace)
     else:
         ssm.scan(kernel_library, stream, *inputs)
     stream.sync()

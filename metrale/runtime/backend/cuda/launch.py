@@ -7,6 +7,10 @@ from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.errors import InvalidArgument
 
 
+# A grid's y and z extents at most.
+MAX_GRID_YZ = 65535
+
+
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 

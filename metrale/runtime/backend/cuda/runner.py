@@ -90,10 +90,12 @@ class CudaRunner:
         if not pool_bytes:
             return [None] * len(specs)
         pool = Arena(self.cuda.allocate(pool_bytes), pool_bytes, "cache pool")
-        self.resources.kv_pool = DeviceTensor(pool.base, (pool_bytes,), "uint8")
         layers: list = [pool.take(paged[i], "bfloat16") if i in paged else None for i in range(len(specs))]
         for i, shapes in states.items():
             layers[i] = tuple(pool.take(shape, "float32") for shape in shapes)
+        # The KV and state tensors, which the GEMM tuner may use as scratch before any sequence holds them (not the
+        # state table after them).
+        self.resources.kv_pool = DeviceTensor(pool.base, (pool.used,), "uint8")
         if count:
             self._states = self._state_table(pool, [t for i in states for t in layers[i]])
         return layers

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from metrale.runtime.backend.cuda.launch import ceil_div, launch_kernel, require, require_aligned
+from metrale.runtime.backend.cuda.launch import MAX_GRID_YZ, ceil_div, launch_kernel, require, require_aligned
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 
 DECODE_MODULE, MHA_MODULE, PREFILL_MODULE = "decode_attention", "decode_attention_mha", "prefill_attention"
@@ -22,7 +22,6 @@ MHA_WARPS = 4                  # as in decode_attention_mha.cu: heads (a warp ea
 # one KV tile; fitted on an H200 to timings of 1 to 256 sequences x 1024 to 32768 keys (bench/gpu_attention.py).
 SPLIT_OVERHEAD_TILES = 6
 CONTEXT_QUANTUM = 4 * KV_TILE  # decode: max_context is planned in steps of this many keys
-MAX_GRID_YZ = 65535
 LOG2_E = math.log2(math.e)
 
 

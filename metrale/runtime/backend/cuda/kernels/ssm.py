@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from metrale.runtime.backend.cuda.launch import ceil_div, launch_kernel, require
+from metrale.runtime.backend.cuda.launch import MAX_GRID_YZ, ceil_div, launch_kernel, require
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 
 MODULE = "ssm"
@@ -106,8 +106,8 @@ def chunked_scan(lib, stream, y: DeviceTensor, xbc: DeviceTensor, dt: DeviceTens
     heads]: workspace."""
     args = _scan_args(y, xbc, dt, A, D, dt_bias, ssm_state, n_groups, dt_min, dt_max)
     _, num_heads, head_dim, state_size = ssm_state.shape
-    slots = chunk_slots(xbc.shape[0], segments, chunk_size)
     require(chunk_size >= 1, f"ssm chunked scan: chunk_size {chunk_size}")
+    slots = chunk_slots(xbc.shape[0], segments, chunk_size)
     require(chunk_states.dtype == chunk_decays.dtype == "float32"
             and chunk_states.numel >= slots * num_heads * head_dim * state_size
             and chunk_decays.numel >= slots * num_heads,
@@ -154,6 +154,7 @@ def gated_norm(lib, stream, out: DeviceTensor, x: DeviceTensor, gate: DeviceTens
     require(width % group_size == 0 and weight.shape == (width,),
             f"ssm gated norm: width {width} in groups of {group_size}, weight {weight.shape}")
     require(all(t.dtype == "bfloat16" for t in (out, x, gate, weight)), "ssm gated norm: bf16 tensors only")
+    require(num_tokens <= MAX_GRID_YZ, f"ssm gated norm: {num_tokens} rows, over the grid's {MAX_GRID_YZ}")
     if num_tokens == 0:
         return
     launch_kernel(stream, lib.get("ssm_gated_norm", MODULE), (width // group_size, num_tokens), NORM_BLOCK, out,
