@@ -7,10 +7,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import structlog
-import torch
 
-from metrale.runtime.backend.runner import QueuedSample, Runner
-from metrale.runtime.batch import ForwardBatch, Segment, build_batch
+from metrale.runtime.backend.runner import Runner
 from metrale.runtime.beam.call import BeamCall, BeamResult
 from metrale.runtime.beam.params import BeamRequest
 from metrale.runtime.cache.blocks import BlockPool, tail_split
@@ -21,12 +19,13 @@ from metrale.runtime.errors import Cancelled, DeviceFault, FailedPrecondition, S
     describe
 from metrale.runtime.forks import ForkResult, check_fork, fork
 from metrale.runtime.forwards import Forwards
-from metrale.runtime.planner import Chunk, Limits, Plan, plan_step, rows_returning_logits
+from metrale.runtime.planner import Limits, Plan, plan_step, rows_returning_logits
 from metrale.runtime.reservation import ReleaseResult, Reservations
 from metrale.runtime.run_ahead import Ahead, Guesses, RunAheadCounts
 from metrale.runtime.sampling import SampleRow
-from metrale.runtime.sequence import Sequence, SequenceTable
-from metrale.runtime.step import SequenceOutput, Step, StepOutput
+from metrale.runtime.rounds import Rounds
+from metrale.runtime.sequence import SequenceTable
+from metrale.runtime.step import Step, StepOutput
 
 log = structlog.get_logger()
 
@@ -60,6 +59,8 @@ class Engine:
                              splits_at_tail=cache.has_state, snapshots=cache.states.max_snapshots > 0)
         self.forwards = Forwards(model, runner, cache, config.kv_block_size)
         self._lock = threading.Lock()
+        self.rounds = Rounds(self.sequences, cache, self.forwards, runner, self.limits, config.kv_block_size,
+                             encoder_decoder, self._lock)
         self.runs_ahead = config.run_ahead == "on" or (config.run_ahead == "auto" and runner.runs_ahead_by_default)
         self.guesses = Guesses(self._lock, self.sequences, cache, self.reservations, self.limits)
 
@@ -104,7 +105,7 @@ class Engine:
         if not self.runner.queues_work:
             return successor
         try:
-            successor.launched = self._launch_round(successor.plan.rounds[0], lambda: False, successor.staged)
+            successor.launched = self.rounds.launch(successor.plan.rounds[0], lambda: False, successor.staged)
         except Exception:
             log.exception("run_ahead_failed")
             self._abandon(successor)
@@ -144,7 +145,7 @@ class Engine:
         plan, snapshot = self._plan(step)
         started = time.perf_counter()
         try:
-            outputs = [out for chunks in plan.rounds for out in self._run_round(chunks, cancelled)]
+            outputs = [out for chunks in plan.rounds for out in self.rounds.run(chunks, cancelled)]
         except Exception as error:
             self._quiesce()
             with self._lock:
@@ -308,10 +309,10 @@ class Engine:
         then waits for the guess's outputs."""
         started = time.perf_counter()
         try:
-            launched = ahead.launched or self._launch_round(ahead.plan.rounds[0], lambda: False, ahead.staged)
+            launched = ahead.launched or self.rounds.launch(ahead.plan.rounds[0], lambda: False, ahead.staged)
             on_queued()
             self._reserve_successor(ahead)
-            outputs = self._finish_round(launched)
+            outputs = self.rounds.finish(launched)
         except Exception:
             self._quiesce()     # before whoever settles the guess gives its blocks back
             raise
@@ -326,7 +327,7 @@ class Engine:
         try:
             if (successor := self.guesses.reserve_next(ahead)) is not None:
                 chunks = successor.plan.rounds[0]
-                staged = successor.staged = self._stage_round(chunks)
+                staged = successor.staged = self.rounds.stage(chunks)
                 if not any(seq.sampling.has_penalties for seq in staged.sequences):
                     staged.rows = [SampleRow(seq.sampling, seq.output, seq.seed, c.start + 1, seq.tokens, ())
                                    for c, seq in zip(chunks, staged.sequences)]
@@ -341,90 +342,3 @@ class Engine:
             self.runner.synchronize()
         except Exception:
             pass
-
-    def _encode(self, chunks: tuple[Chunk, ...], sequences: list[Sequence]) -> None:
-        """Runs the encoder over the round's new sources, writing their cross-attention K/V into their blocks."""
-        segments = [Segment(seq.cross_table, 0, c.source, False) for c, seq in zip(chunks, sequences) if c.source]
-        if segments:
-            self.forwards.run_encoder(build_batch(segments, self.config.kv_block_size))
-
-    def _run_round(self, chunks: tuple[Chunk, ...], cancelled: Callable[[], bool]) -> list[SequenceOutput]:
-        return self._finish_round(self._launch_round(chunks, cancelled))
-
-    def _stage_round(self, chunks: tuple[Chunk, ...]) -> "Staged":
-        """The round's sequences and batch, built as it is launched or before (a guess's successor: while its
-        predecessor runs, its tokens to be set at launch)."""
-        sequences = [self.sequences.get(c.seq_id) for c in chunks]
-        stateful = self.cache.has_state
-        segments = [Segment(seq.block_table, c.start, c.tokens, c.samples,
-                            (seq.cross_table, seq.source_len) if seq.cross_table is not None else None,
-                            (seq.state_source, seq.state_slot) if stateful else None)
-                    for c, seq in zip(chunks, sequences)]
-        return Staged(sequences, build_batch(segments, self.config.kv_block_size))
-
-    def _launch_round(self, chunks: tuple[Chunk, ...], cancelled: Callable[[], bool], staged: "Staged | None" = None
-                      ) -> "Launched":
-        """Queues the round's forward and sampling; its sequences hold its tokens from here on. staged: its
-        inputs built already (_stage_round), each chunk one token, set here from the chunks."""
-        if staged is None:
-            staged = self._stage_round(chunks)
-        else:
-            staged.batch.token_ids.copy_(torch.tensor([c.tokens[0] for c in chunks], dtype=torch.int64))
-        sequences, batch = staged.sequences, staged.batch
-        with self.forwards.lock:
-            if self.is_encoder_decoder:
-                self._encode(chunks, sequences)
-            # The logits live in the backend's memory until sampled: the lock covers both.
-            logits = self.forwards.run(batch)
-            if self.limits.snapshots:   # the states after chunks that end on a block boundary, for the prefix cache
-                self._copy_snapshots(chunks, sequences)
-            if cancelled():
-                raise Cancelled()
-            with self._lock:
-                for c, seq in zip(chunks, sequences):
-                    seq.tokens.extend(c.tokens)
-                    seq.state_source = seq.state_slot
-                    if not seq.prompt_finished:
-                        seq.num_prompt_tokens = seq.num_tokens
-                        seq.prompt_finished = c.ends_prompt
-            sampled = [seq for c, seq in zip(chunks, sequences) if c.samples]
-            if not sampled:
-                return Launched([], [], None)
-            cached = [seq.cached_tokens if c.ends_prompt else 0 for c, seq in zip(chunks, sequences) if c.samples]
-            # The token lists go by reference; the generated tokens are sliced out only where penalties read them.
-            rows = staged.rows or [SampleRow(s.sampling, s.output, s.seed, s.num_tokens, s.tokens,
-                                             s.output_tokens if s.sampling.has_penalties else ()) for s in sampled]
-            return Launched(sampled, cached, self.runner.queue_sample(logits, rows))
-
-    def _copy_snapshots(self, chunks: tuple[Chunk, ...], sequences: list[Sequence]) -> None:
-        copies = [(seq.state_slot, c.snapshot_slot) for c, seq in zip(chunks, sequences) if c.snapshot_slot >= 0]
-        if copies:
-            self.forwards.copy_states(copies)
-
-    @staticmethod
-    def _finish_round(launched: "Launched") -> list[SequenceOutput]:
-        """Waits for a launched round's sampling; its outputs."""
-        if launched.sampling is None:
-            return []
-        result = launched.sampling.result()
-        return list(map(SequenceOutput._make, zip([seq.seq_id for seq in launched.sampled], result.tokens,
-                                                  result.logprobs, result.top_logprobs, result.logits,
-                                                  launched.cached)))
-
-
-@dataclass(slots=True)
-class Staged:
-    """A round's host inputs: its sequences, its batch, and its sampling rows where they were made before its
-    launch (None: made at launch)."""
-    sequences: list[Sequence]
-    batch: ForwardBatch
-    rows: list[SampleRow] | None = None
-
-
-@dataclass(slots=True)
-class Launched:
-    """A round whose device work is queued: the sequences it samples, the prompt tokens the prefix cache served
-    each (where the round finishes the prompt), and the queued sampling (None where it samples none)."""
-    sampled: list[Sequence]
-    cached: list[int]
-    sampling: QueuedSample | None

@@ -48,9 +48,9 @@ class Ahead:
     run_forward: Callable[["Ahead", Callable[[], None]], StepOutput] = field(repr=False)
     done: threading.Event = field(default_factory=threading.Event)
     output: StepOutput | None = None
-    # A successor's inputs, built while its predecessor runs (the engine's Staged round).
+    # A successor's inputs, built while its predecessor runs (rounds.Staged).
     staged: object = None
-    # Its device work, once queued ahead of run() (the engine's Launched round): run() then only finishes it.
+    # Its device work, once queued ahead of run() (rounds.Launched): run() then only finishes it.
     launched: object = None
     # The guess after this one, reserved while this one runs (not queued until a request takes this one).
     next: "Ahead | None" = None
