@@ -18,8 +18,8 @@ from bench.decode_tables import DecodeRow, PrefillRow, format_decode_table, form
 from bench.engine_runner import EngineRunner
 from bench.gpu_ceilings import copy_bandwidth, device_memory_gb, gemm_rate, gpu_machine_line
 from bench.grpc_client import decode_round_trips_in_subprocess
-from bench.model_shapes import SHAPES, decode_weight_bytes, kv_bytes_per_token, prefill_flops, random_checkpoint, \
-    random_tokens
+from bench.model_shapes import SHAPES, decode_step_bytes, decode_weight_bytes, kv_bytes_per_token, prefill_flops, \
+    random_checkpoint, random_tokens
 from bench.peer_llama import build_peer, check_compiled_decode, peer_prefill, time_peer_decode
 from bench.phases import Run, log
 from bench.side_by_side import check_same_model, chunks_of, time_hf_generate, time_peer_prefill
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
     mean_context = args.context + args.warmup + (args.steps + 1) / 2      # KV read per sequence, timed steps
     peer_failed = ""
     for batch in batches:
-        floor_ms = (weights + batch * mean_context * kv_token) / bandwidth * 1e3
+        floor_ms = decode_step_bytes(shape, batch, mean_context) / bandwidth * 1e3
         prompts = random_tokens(batch, args.context, shape.vocab, args.seed + 3)
         decode_rows.append(decode_engine_row(run, args, ours, batch, prompts, floor_ms))
         if worker:

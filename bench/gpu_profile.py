@@ -13,7 +13,7 @@ from bench.gpu_attention import seconds_per_replay
 from bench.gpu_ceilings import copy_bandwidth, gpu_machine_line
 from bench.engine_runner import EngineRunner
 from bench.phases import host_profile, log
-from bench.model_shapes import SHAPES, decode_weight_bytes, kv_bytes_per_token, random_checkpoint, random_tokens
+from bench.model_shapes import HYBRID_SHAPES, SHAPES, decode_step_bytes, random_checkpoint, random_tokens
 from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.cache.blocks import blocks_for
@@ -22,7 +22,7 @@ from metrale.runtime.step import DecodeToken, PrefillSlice, Step
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
+    parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES | HYBRID_SHAPES))
     parser.add_argument("--batches", default="1,32", help="decode batch sizes, comma-separated")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=50, help="timed steps per measurement")
@@ -35,7 +35,7 @@ def parse_args(argv):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    shape = SHAPES[args.shape]
+    shape = (SHAPES | HYBRID_SHAPES)[args.shape]
     batches = [int(b) for b in args.batches.split(",")]
     prefill = tuple(int(x) for x in args.prefill.lower().split("x")) if args.prefill else None
     print(gpu_machine_line("gpu_profile", "cuda"), flush=True)
@@ -52,11 +52,11 @@ def main(argv=None) -> None:
     engine, _ = build_engine(random_checkpoint(shape, args.seed, "cuda"), config)
     torch.cuda.empty_cache()
     runner = EngineRunner(engine, max_batch_tokens)
-    weights, kv_token = decode_weight_bytes(shape), kv_bytes_per_token(shape)
-    log(f"{args.shape}: copy bandwidth {bandwidth / 1e12:.2f} TB/s, weights {weights / 1e9:.3f} GB")
+    log(f"{args.shape}: copy bandwidth {bandwidth / 1e12:.2f} TB/s, weights {decode_step_bytes(shape, 0, 0) / 1e9:.3f} "
+        f"GB")
 
     for batch in batches:
-        floor_ms = (weights + batch * args.context * kv_token) / bandwidth * 1e3
+        floor_ms = decode_step_bytes(shape, batch, args.context) / bandwidth * 1e3
         prompts = random_tokens(batch, args.context, shape.vocab, args.seed + 3)
         first = runner.prefill(prompts)
         device_ms, host_ms = runner.time_decode(first, 5, args.steps)

@@ -17,8 +17,8 @@ from bench.decode_tables import DecodeRow, PrefillRow, format_decode_table, form
 from bench.engine_runner import EngineRunner
 from bench.gpu_ceilings import copy_bandwidth, device_memory_gb, gemm_rate, gpu_machine_line
 from bench.gpu_decode import decode_engine_row, decode_grpc_row, write_json
-from bench.model_shapes import HYBRID_SHAPES, hybrid_decode_weight_bytes, hybrid_kv_bytes_per_token, \
-    hybrid_prefill_flops, hybrid_state_bytes, random_checkpoint, random_tokens
+from bench.model_shapes import HYBRID_SHAPES, decode_step_bytes, hybrid_decode_weight_bytes, \
+    hybrid_kv_bytes_per_token, hybrid_prefill_flops, hybrid_state_bytes, random_checkpoint, random_tokens
 from bench.phases import Run, log
 from bench.side_by_side import time_hf_generate
 from metrale.runtime.build import build_engine
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
         mean_context = context + args.warmup + (args.steps + 1) / 2
         step_args = argparse.Namespace(context=context, steps=args.steps, warmup=args.warmup, seed=args.seed)
         for batch in batches:
-            floor_ms = (weights + batch * (mean_context * kv_token + 2 * state)) / bandwidth * 1e3
+            floor_ms = decode_step_bytes(shape, batch, mean_context) / bandwidth * 1e3
             prompts = random_tokens(batch, context, shape.vocab, args.seed + 3)
             rows.append(decode_engine_row(run, step_args, ours, batch, prompts, floor_ms))
             if worker:

@@ -224,3 +224,12 @@ def hybrid_prefill_flops(shape: HybridShape, num_seqs: int, seq_len: int) -> flo
     attention = 2 * shape.count("*") * shape.heads * shape.head_dim * num_seqs * seq_len * (seq_len + 1)
     scan = 4 * shape.count("M") * shape.inner * shape.state * tokens
     return float(2 * matrices * tokens + 2 * shape.vocab * shape.hidden * num_seqs + attention + scan)
+
+
+def decode_step_bytes(shape: "Shape | HybridShape", batch: int, context: float) -> float:
+    """What a decode step of `batch` sequences holding `context` tokens must move at the least (the floor's bytes):
+    the weights read, each sequence's KV read and, in a hybrid, each sequence's SSM state read and written."""
+    if isinstance(shape, HybridShape):
+        return hybrid_decode_weight_bytes(shape) + batch * (context * hybrid_kv_bytes_per_token(shape)
+                                                            + 2 * hybrid_state_bytes(shape))
+    return decode_weight_bytes(shape) + batch * context * kv_bytes_per_token(shape)
