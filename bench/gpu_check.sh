@@ -16,13 +16,15 @@
 #            table at 16 requests (bench/beam_generate.py --kernels, PDL off)                              (~1 min)
 #   ssm      bench/gpu_ssm.py at the Nemotron-H-8B shape: decode at batches 1, 32, 128 with 1k and 8k contexts against
 #            the floor with the SSM state, transformers' eager generate, the 8k prefill and its kernels          (~7 min)
+#   ssm-kernels  bench/gpu_ssm_kernels.py: the Mamba2 conv and scan alone at Nemotron-H-8B's mixer, decode batches and
+#            prompts, with each bench/variants/ssm/NAME.cu (carry bench/variants) timed beside the package's  (~1 min)
 #   ssm-profile  bench/gpu_profile.py at the Nemotron-H-8B shape, batches 1 and 128, and an 8k prefill's kernels (~3 min)
 #   ssm-prefix  bench/prefix_cache.py at the Nemotron-H-8B shape: 16 requests sharing a 4,096-token system prompt,
 #            resumed from the SSM snapshot (--prefix-cache on) against computed again (off)                   (~3 min)
 #   mha      bench/gpu_mha_attention.py: the multi-head decode attention kernels at NLLB's beam step shapes, with each
 #            bench/variants/decode_attention_mha/NAME.cu (carry bench/variants) timed beside the package's  (~1 min)
 # Usage (from the repository root, with .whl carried):
-#   bash bench/gpu_check.sh [tests|load|kernels|smollm2|llama|profile|prefix|beam|search|ssm|ssm-profile|ssm-prefix|mha]...
+#   bash bench/gpu_check.sh [tests|load|kernels|smollm2|llama|profile|prefix|beam|search|ssm|ssm-kernels|ssm-profile|ssm-prefix|mha]...
 # (default: tests). Logs and JSON land in $OUT (default /tmp/gpu-check).
 set -uo pipefail
 source scripts/device_env.sh || exit 1
@@ -71,6 +73,14 @@ for part in "${@:-tests}"; do
         --question 64 --decode-steps 16 --reps 3 ;;
     ssm)
       run_bench ssm bench.gpu_ssm --shape nemotron-h-8b ;;
+    ssm-kernels)
+      variants=()
+      for f in bench/variants/ssm/*.cu; do
+        [ -e "$f" ] && variants+=(--variant "$(basename "$f" .cu)=$f")
+      done
+      python3 -m bench.gpu_ssm_kernels "${variants[@]}" > "$OUT/ssm_kernels.txt" 2>&1 \
+        || summary+=("ssm-kernels: FAILED (see ssm_kernels.txt)")
+      summary+=("== ssm kernels" "$(grep -v '^# gpu' "$OUT/ssm_kernels.txt")") ;;
     ssm-profile)
       python3 -m bench.gpu_profile --shape nemotron-h-8b --batches 1,128 --steps 20 --prefill 1x8192 \
         > "$OUT/profile-nemotron-h-8b.txt" 2>&1 || summary+=("ssm-profile: FAILED (see profile-nemotron-h-8b.txt)")
