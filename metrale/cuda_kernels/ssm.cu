@@ -71,11 +71,11 @@ extern "C" __global__ void ssm_conv_state(float* conv_state, const bf16* x, long
 // clamp(softplus(dt + dt_bias), dt_min, dt_max): h = h * exp(step * A) + step * x[p] * B, and
 // y[p] = h . C + D * x[p]. xbc [T, inner + 2 * n_groups * state_size] holds x, then B and C of every group; heads
 // share their group's. Grid: (heads, segments); block: head_dim * SSM_SCAN_LANES threads.
-extern "C" __global__ void __launch_bounds__(1024) ssm_scan(bf16* y, long long y_stride, const bf16* xbc, long long xbc_stride, const bf16* dt,
-                                    long long dt_stride, const float* A, const float* D, const float* dt_bias,
-                                    float* ssm_state, const int* seg_starts, const int* seg_lens, const int* sources,
-                                    const int* destinations, int num_heads, int head_dim, int n_groups,
-                                    int state_size, float dt_min, float dt_max) {
+extern "C" __global__ void __launch_bounds__(1024)
+ssm_scan(bf16* y, long long y_stride, const bf16* xbc, long long xbc_stride, const bf16* dt, long long dt_stride,
+         const float* A, const float* D, const float* dt_bias, float* ssm_state, const int* seg_starts,
+         const int* seg_lens, const int* sources, const int* destinations, int num_heads, int head_dim, int n_groups,
+         int state_size, float dt_min, float dt_max) {
     wait_for_previous_kernel();
     const int head = blockIdx.x, s = blockIdx.y;
     const int p = threadIdx.x / SSM_SCAN_LANES, lane = threadIdx.x % SSM_SCAN_LANES;
@@ -202,12 +202,11 @@ __device__ __forceinline__ void ssm_scan_chunk(const SsmScanArgs& g, SsmStage& s
 
 // Grid: (heads, segments, chunks of the longest); block: head_dim * SSM_SCAN_LANES threads. state_size in 16, 32,
 // ..., 256 (its registers a thread, a compile-time count).
-extern "C" __global__ void __launch_bounds__(1024) ssm_chunk_scan(bf16* y, long long y_stride, const bf16* xbc, long long xbc_stride,
-                                          const bf16* dt, long long dt_stride, const float* A, const float* D,
-                                          const float* dt_bias, int num_heads, int head_dim, int n_groups,
-                                          int state_size, float dt_min, float dt_max, float* chunk_states,
-                                          float* chunk_decays, const int* seg_starts, const int* seg_lens,
-                                          int chunk_size, int pass) {
+extern "C" __global__ void __launch_bounds__(1024)
+ssm_chunk_scan(bf16* y, long long y_stride, const bf16* xbc, long long xbc_stride, const bf16* dt, long long dt_stride,
+               const float* A, const float* D, const float* dt_bias, int num_heads, int head_dim, int n_groups,
+               int state_size, float dt_min, float dt_max, float* chunk_states, float* chunk_decays,
+               const int* seg_starts, const int* seg_lens, int chunk_size, int pass) {
     wait_for_previous_kernel();
     SsmScanArgs g{pass ? y : nullptr, y_stride, xbc, xbc_stride, dt, dt_stride, A, D, dt_bias, num_heads, head_dim,
                   n_groups, state_size, dt_min, dt_max};
