@@ -24,40 +24,24 @@ extern "C" __global__ void silu_mul(uint4* out, long long out_stride, const uint
                                                 silu_mul_pair(g.z, u.z), silu_mul_pair(g.w, u.w));
 }
 
-__device__ __forceinline__ unsigned int relu_pair(unsigned int x) {
-    const float2 v = bf16x2_to_float2(x);
-    return float2_to_bf16x2(fmaxf(v.x, 0.f), fmaxf(v.y, 0.f));
-}
-
-// out [T, I] = max(x, 0), bf16; row strides in 16-byte units, I % 8 == 0; one 16-byte unit per thread.
-extern "C" __global__ void relu(uint4* out, long long out_stride, const uint4* x, long long x_stride, int num_tokens,
-                                int units_per_row) {
-    wait_for_previous_kernel();
-    const long long unit = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (unit >= (long long)num_tokens * units_per_row) return;
-    const long long row = unit / units_per_row;
-    const int column = (int)(unit - row * units_per_row);
-    const uint4 v = x[row * x_stride + column];
-    out[row * out_stride + column] = make_uint4(relu_pair(v.x), relu_pair(v.y), relu_pair(v.z), relu_pair(v.w));
-}
-
-__device__ __forceinline__ unsigned int relu_squared_pair(unsigned int x) {
+__device__ __forceinline__ unsigned int relu_pair(unsigned int x, int square) {
     const float2 v = bf16x2_to_float2(x);
     const float a = fmaxf(v.x, 0.f), b = fmaxf(v.y, 0.f);
-    return float2_to_bf16x2(a * a, b * b);
+    return square ? float2_to_bf16x2(a * a, b * b) : float2_to_bf16x2(a, b);
 }
 
-// out [T, I] = max(x, 0)^2, bf16 (Nemotron-H's MLP); as relu.
-extern "C" __global__ void relu_squared(uint4* out, long long out_stride, const uint4* x, long long x_stride,
-                                        int num_tokens, int units_per_row) {
+// out [T, I] = max(x, 0) (M2M100), or its square with square = 1 (Nemotron-H's MLP), bf16; row strides in 16-byte
+// units, I % 8 == 0; one 16-byte unit per thread.
+extern "C" __global__ void relu(uint4* out, long long out_stride, const uint4* x, long long x_stride, int num_tokens,
+                                int units_per_row, int square) {
     wait_for_previous_kernel();
     const long long unit = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (unit >= (long long)num_tokens * units_per_row) return;
     const long long row = unit / units_per_row;
     const int column = (int)(unit - row * units_per_row);
     const uint4 v = x[row * x_stride + column];
-    out[row * out_stride + column] = make_uint4(relu_squared_pair(v.x), relu_squared_pair(v.y),
-                                                relu_squared_pair(v.z), relu_squared_pair(v.w));
+    out[row * out_stride + column] = make_uint4(relu_pair(v.x, square), relu_pair(v.y, square),
+                                                relu_pair(v.z, square), relu_pair(v.w, square));
 }
 
 __device__ __forceinline__ unsigned int add_pair(unsigned int x, unsigned int y) {

@@ -73,9 +73,9 @@ extern "C" __global__ void ssm_conv_state(float* conv_state, const bf16* x, long
 // share their group's. Grid: (heads, segments); block: head_dim * SSM_SCAN_LANES threads.
 extern "C" __global__ void __launch_bounds__(1024)
 ssm_scan(bf16* y, long long y_stride, const bf16* xbc, long long xbc_stride, const bf16* dt, long long dt_stride,
-         const float* A, const float* D, const float* dt_bias, float* ssm_state, const int* seg_starts,
-         const int* seg_lens, const int* sources, const int* destinations, int num_heads, int head_dim, int n_groups,
-         int state_size, float dt_min, float dt_max) {
+         const float* A, const float* D, const float* dt_bias, int num_heads, int head_dim, int n_groups,
+         int state_size, float dt_min, float dt_max, float* ssm_state, const int* seg_starts, const int* seg_lens,
+         const int* sources, const int* destinations) {
     wait_for_previous_kernel();
     const int head = blockIdx.x, s = blockIdx.y;
     const int p = threadIdx.x / SSM_SCAN_LANES, lane = threadIdx.x % SSM_SCAN_LANES;

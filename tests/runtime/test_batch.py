@@ -150,13 +150,13 @@ def test_pack_batch_lays_out_state_slots_short_segments_before_long_ones():
         offset = (view.ptr - region.ptr) // 4
         return packed.host[offset:offset + view.numel].tolist()
     states = packed.states
-    assert (states.count, states.max_len, states.long_count, states.short_max_len) == (4, 10, 2, 5)
+    assert (states.count, states.max_len, states.long_count) == (4, 10, 2)
     short, long = states.short(), states.long()
     assert read(short.starts) == [9, 10] and read(short.lens) == [1, 5]
     assert read(short.sources) == [3, -1] and read(short.destinations) == [4, 6]
     assert read(long.starts) == [0, 15] and read(long.lens) == [9, 10]
     assert read(long.sources) == [-1, 2] and read(long.destinations) == [0, 2]
-    assert (short.count, short.max_len, long.count, long.max_len) == (2, 5, 2, 10)
+    assert (short.count, long.count, long.max_len) == (2, 2, 10) and short.max_len >= 5
     # Without a chunk, every segment is short, in batch order; other models' batches carry no state parts.
     plain = cuda_batch.pack_batch(build_batch(segments, BLOCK), region, max_blocks=3)
     assert plain.states.long_count == 0 and plain.states.short() is plain.states

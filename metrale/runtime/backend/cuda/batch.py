@@ -109,21 +109,19 @@ def pack_batch(batch: ForwardBatch, region: DeviceTensor, max_blocks: int, pad_t
         part("prefill_lens")[:segments] = [lens[i] for i in multi]
         part("prefill_contexts")[:segments] = [contexts[i] for i in multi]
         _fill_tables(part("prefill_tables"), [batch.block_tables[i] for i in multi])
-    order = list(range(len(lens)))
     long_count = 0
     if recurrent:
-        if scan_chunk and not pad_to and not prefill:
-            order = [i for i in order if lens[i] <= scan_chunk] + [i for i in order if lens[i] > scan_chunk]
-            long_count = sum(lens[i] > scan_chunk for i in order)
+        order = np.arange(len(lens))
+        if scan_chunk and not pad_to and not prefill:     # the long segments last, in row order (Segments.long)
+            is_long = np.asarray(lens) > scan_chunk
+            order, long_count = np.argsort(is_long, kind="stable"), int(is_long.sum())
         _fill_states(batch, order, part, pad_to)
     views = {name: DeviceTensor(region.ptr + offsets[name] * 4, shape, "int32") for name, shape in shapes.items()}
     states = None
     if recurrent:
-        short = order[:len(order) - long_count]
         states = Segments(*(views.pop(name) for name in STATE_PARTS), count=state_segments,
                           max_len=1 if pad_to else (prefill.max_query if prefill else max(lens, default=0)),
-                          long_count=long_count,
-                          short_max_len=max((lens[i] for i in short), default=1 if pad_to else 0))
+                          long_count=long_count)
     return CudaBatch(**views, states=states, num_tokens=rows, num_decode=decode_rows, num_prefill=prefill_rows,
                      max_decode_context=max((contexts[i] for i in single), default=0),
                      max_prefill_query=prefill.max_query if prefill else max((lens[i] for i in multi), default=0),
@@ -133,18 +131,18 @@ def pack_batch(batch: ForwardBatch, region: DeviceTensor, max_blocks: int, pad_t
 STATE_PARTS = ("state_starts", "state_lens", "state_sources", "state_destinations")
 
 
-def _fill_states(batch: ForwardBatch, order: list[int], part, pad_to: int) -> None:
+def _fill_states(batch: ForwardBatch, order: np.ndarray, part, pad_to: int) -> None:
     """The segments' rows and state slots, in `order`; padding segments (a graph's) read zeros and keep nothing
     (slots -1): a decode graph's one row each, a prefill graph's none."""
     count = len(order)
-    part("state_starts")[:count] = [batch.query_starts[i] for i in order]
-    part("state_lens")[:count] = [batch.query_lens[i] for i in order]
+    slots = np.asarray(batch.state_slots, dtype=np.int32).reshape(-1, 2)[order]
+    part("state_starts")[:count] = np.asarray(batch.query_starts)[order]
+    part("state_lens")[:count] = np.asarray(batch.query_lens)[order]
+    part("state_sources")[:count], part("state_destinations")[:count] = slots[:, 0], slots[:, 1]
+    part("state_sources")[count:] = part("state_destinations")[count:] = -1
     if pad_to:
         part("state_starts")[count:] = np.arange(count, pad_to)
         part("state_lens")[count:] = 1
-    for name, k in (("state_sources", 0), ("state_destinations", 1)):
-        part(name)[:count] = [batch.state_slots[i][k] for i in order]
-        part(name)[count:] = -1
 
 
 def set_tokens(prepared: CudaBatch, token_ids) -> None:

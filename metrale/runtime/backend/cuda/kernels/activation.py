@@ -23,14 +23,14 @@ def silu_mul(lib, stream, out: DeviceTensor, gate_up: DeviceTensor) -> None:
 def relu(lib, stream, out: DeviceTensor, x: DeviceTensor) -> None:
     """out [T, I] = max(x, 0), bf16. Needs I % 8 == 0 and 16-byte aligned rows (either may be strided)."""
     require(len(x.shape) == 2 and out.shape == x.shape, f"relu: out {out.shape} and x {x.shape} must be one [T, I]")
-    _launch_elementwise("relu", lib, stream, out, x)
+    _launch_elementwise("relu", lib, stream, out, x, 0)
 
 
 def relu_squared(lib, stream, out: DeviceTensor, x: DeviceTensor) -> None:
     """out [T, I] = max(x, 0) ** 2, bf16; as relu."""
     require(len(x.shape) == 2 and out.shape == x.shape,
             f"relu_squared: out {out.shape} and x {x.shape} must be one [T, I]")
-    _launch_elementwise("relu_squared", lib, stream, out, x)
+    _launch_elementwise("relu", lib, stream, out, x, 1)
 
 
 def add(lib, stream, out: DeviceTensor, x: DeviceTensor, y: DeviceTensor) -> None:
@@ -59,8 +59,9 @@ def _launch_binary(op: int, lib, stream, out: DeviceTensor, x: DeviceTensor, y: 
                   units_per_row, op)
 
 
-def _launch_elementwise(name: str, lib, stream, out: DeviceTensor, x: DeviceTensor) -> None:
-    """A flat grid over the 16-byte units of out [T, I], one per thread, reading the same row of x."""
+def _launch_elementwise(name: str, lib, stream, out: DeviceTensor, x: DeviceTensor, *flags: int) -> None:
+    """A flat grid over the 16-byte units of out [T, I], one per thread, reading the same row of x; flags: the
+    kernel's arguments after those (relu's square)."""
     require(out.dtype == "bfloat16" and x.dtype == "bfloat16", f"{name}: out and its input must be bfloat16")
     num_tokens, width = out.shape
     require(width % 8 == 0, f"{name}: I = {width} must be a multiple of 8")
@@ -70,4 +71,4 @@ def _launch_elementwise(name: str, lib, stream, out: DeviceTensor, x: DeviceTens
     if num_tokens == 0 or units_per_row == 0:
         return
     launch_kernel(stream, lib.get(name, MODULE), ceil_div(num_tokens * units_per_row, BLOCK), BLOCK, out,
-                  np.int64(out.stride // 8), x, np.int64(x.stride // 8), num_tokens, units_per_row)
+                  np.int64(out.stride // 8), x, np.int64(x.stride // 8), num_tokens, units_per_row, *flags)

@@ -18,9 +18,9 @@ NORM_BLOCK = 256
 
 @dataclass(frozen=True)
 class Segments:
-    """A forward's segments as the SSM kernels read them: int32 [S] each, on the device; max_len the longest. The
-    last long_count are long (chunked_scan's, longer than the model's scan chunk), in row order; short_max_len is
-    the longest of the others."""
+    """A forward's segments as the SSM kernels read them: int32 [S] each, on the device; max_len at least the longest
+    (the conv's grid). The last long_count are long (chunked_scan's, longer than the model's scan chunk), in row
+    order."""
     starts: DeviceTensor
     lens: DeviceTensor
     sources: DeviceTensor
@@ -28,21 +28,18 @@ class Segments:
     count: int
     max_len: int
     long_count: int = 0
-    short_max_len: int = 0
 
     def short(self) -> "Segments":
         """The segments before the long ones."""
-        if not self.long_count:
-            return self
-        return self._part(0, self.count - self.long_count, self.short_max_len)
+        return self._part(0, self.count - self.long_count) if self.long_count else self
 
     def long(self) -> "Segments":
-        return self._part(self.count - self.long_count, self.long_count, self.max_len if self.long_count else 0)
+        return self._part(self.count - self.long_count, self.long_count)
 
-    def _part(self, first: int, count: int, max_len: int) -> "Segments":
+    def _part(self, first: int, count: int) -> "Segments":
         views = (DeviceTensor(t.ptr + 4 * first, (count,), "int32")
                  for t in (self.starts, self.lens, self.sources, self.destinations))
-        return Segments(*views, count=count, max_len=max_len)
+        return Segments(*views, count=count, max_len=self.max_len if count else 0)
 
 
 def conv(lib, stream, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None,
@@ -81,13 +78,12 @@ def scan(lib, stream, y: DeviceTensor, xbc: DeviceTensor, dt: DeviceTensor, A: D
     state_size] float32; the state after it into the destination slot) + D * x, a token at a time; xbc [T, inner +
     2 * n_groups * state_size] the conv's output, dt [T, heads] before its bias. A, D, dt_bias float32 [heads]. One
     block per segment and head: for decode steps and short segments (chunked_scan for long ones)."""
-    y, y_stride, xbc, xbc_stride, dt, dt_stride, A, D, dt_bias, num_heads, head_dim, n_groups, state_size, \
-        dt_min, dt_max = _scan_args(y, xbc, dt, A, D, dt_bias, ssm_state, n_groups, dt_min, dt_max)
+    args = _scan_args(y, xbc, dt, A, D, dt_bias, ssm_state, n_groups, dt_min, dt_max)
     if segments.count == 0:
         return
-    launch_kernel(stream, lib.get("ssm_scan", MODULE), (num_heads, segments.count), head_dim * SCAN_LANES, y,
-                  y_stride, xbc, xbc_stride, dt, dt_stride, A, D, dt_bias, ssm_state, segments.starts, segments.lens,
-                  segments.sources, segments.destinations, num_heads, head_dim, n_groups, state_size, dt_min, dt_max)
+    _, num_heads, head_dim, _ = ssm_state.shape
+    launch_kernel(stream, lib.get("ssm_scan", MODULE), (num_heads, segments.count), head_dim * SCAN_LANES, *args,
+                  ssm_state, segments.starts, segments.lens, segments.sources, segments.destinations)
 
 
 def chunk_slots(num_tokens: int, segments: Segments, chunk_size: int) -> int:
@@ -126,7 +122,7 @@ def chunked_scan(lib, stream, y: DeviceTensor, xbc: DeviceTensor, dt: DeviceTens
 
 
 def _scan_args(y, xbc, dt, A, D, dt_bias, ssm_state, n_groups, dt_min, dt_max) -> tuple:
-    """The checked SsmScanArgs of ssm.cu's scan kernels."""
+    """The checked arguments that ssm.cu's scan kernels take first (SsmScanArgs' fields)."""
     _, num_heads, head_dim, state_size = ssm_state.shape
     inner = num_heads * head_dim
     require(ssm_state.dtype == "float32", "ssm scan: the state must be float32")
