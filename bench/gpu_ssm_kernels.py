@@ -2,7 +2,8 @@
 state, conv width 4): a decode step's conv and scan at each batch, as a fraction of copy bandwidth (every sequence's
 state read and written over the time), and one prompt's scan, token by token (`ssm_scan`) and chunked
 (`chunked_scan`, chunks of 128), in ms. `--variant NAME=FILE` times another ssm.cu beside the package's in the same
-run; each variant's outputs are checked against the package's.
+run; each variant's outputs are checked against the package's: the largest difference of y, and of the states
+(conv and SSM), over the largest magnitude of the package's.
 
 Run from the repository root: python3 -m bench.gpu_ssm_kernels [--variant before=/tmp/ssm.cu]
 """
@@ -74,14 +75,15 @@ def time_launch(stream, launch) -> float:
     return time_per_launch(stream, [launch] * LAUNCHES)
 
 
-def outputs(inputs: Inputs, launch, stream) -> torch.Tensor:
-    """One launch's outputs from fixed inputs (the states restored first): y and the states, flattened."""
+def outputs(inputs: Inputs, launch, stream) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch's outputs from fixed inputs (the states restored first): the activations (the conv's and y) and
+    the states, each flattened."""
     conv_state, ssm_state = inputs.conv_state.clone(), inputs.ssm_state.clone()
     torch.cuda.synchronize()
     launch()
     stream.sync()
-    out = torch.cat([inputs.conv_out.float().flatten(), inputs.y.float().flatten(), inputs.conv_state.flatten(),
-                     inputs.ssm_state.flatten()])
+    out = (torch.cat([inputs.conv_out.float().flatten(), inputs.y.float().flatten()]),
+           torch.cat([inputs.conv_state.flatten(), inputs.ssm_state.flatten()]))
     inputs.conv_state.copy_(conv_state)
     inputs.ssm_state.copy_(ssm_state)
     return out
@@ -98,7 +100,7 @@ def main(argv=None) -> list[dict]:
     state_bytes = 4 * (HEADS * HEAD_DIM * STATE + CHANNELS * (WIDTH - 1))
     print(f"# {HEADS} heads of {HEAD_DIM}, {GROUPS} groups, state {STATE}, conv {WIDTH}: {state_bytes / 1e6:.2f} MB of "
           f"state a sequence and layer; copy bandwidth {bandwidth / 1e12:.3f} TB/s")
-    print(f"{'case':<22} {'variant':<12} {'conv us':>8} {'scan us':>9} {'x copy':>6} {'max diff':>9}")
+    print(f"{'case':<22} {'variant':<12} {'conv us':>8} {'scan us':>9} {'x copy':>6} {'y diff':>9} {'state diff':>10}")
     results = []
     cases = [(f"decode batch {b}", [(1, 2 * i, 2 * i + 1) for i in range(b)], 2 * b, False) for b in DECODE_BATCHES]
     cases += [(f"prompt {n} {kind}", [(n, -1, 0)], 1, kind == "chunked") for n in PROMPTS
@@ -110,14 +112,15 @@ def main(argv=None) -> list[dict]:
             conv, scan = inputs.conv(lib, stream), inputs.scan(lib, stream, chunked)
             got = outputs(inputs, lambda: (conv(), scan()), stream)
             reference = got if reference is None else reference
-            diff = (got - reference).abs().max().item()
+            y_diff, state_diff = ((g - r).abs().max().item() / r.abs().max().item() for g, r in zip(got, reference))
             conv_us, scan_us = time_launch(stream, conv) * 1e6, time_launch(stream, scan) * 1e6
             decode = name.startswith("decode")
             moved = len(segments) * 2 * state_bytes if decode else float("nan")
             fraction = moved / ((conv_us + scan_us) / 1e6) / bandwidth if decode else float("nan")
             results.append({"case": name, "variant": variant, "conv_us": conv_us, "scan_us": scan_us,
-                            "fraction_of_copy": fraction, "max_diff": diff})
-            print(f"{name:<22} {variant:<12} {conv_us:8.1f} {scan_us:9.1f} {fraction:6.2f} {diff:9.2e}", flush=True)
+                            "fraction_of_copy": fraction, "y_diff": y_diff, "state_diff": state_diff})
+            print(f"{name:<22} {variant:<12} {conv_us:8.1f} {scan_us:9.1f} {fraction:6.2f} {y_diff:9.2e} "
+                  f"{state_diff:10.2e}", flush=True)
         del inputs
         torch.cuda.empty_cache()
     return results

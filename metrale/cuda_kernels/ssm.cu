@@ -9,7 +9,6 @@
 #define SSM_MAX_CONV_KERNEL 8       // conv_kernel <= 8 (4 in every released model)
 #define SSM_CONV_TOKENS 16          // tokens one thread convolves, for one channel
 #define SSM_SCAN_LANES 8            // threads sharing one row p of a head's state, each state_size / 8 columns
-#define SSM_MAX_STATE_PER_LANE 32   // state_size <= 256
 
 __device__ __forceinline__ float ssm_silu(float x) { return x / (1.f + expf(-x)); }
 
@@ -66,11 +65,65 @@ extern "C" __global__ void ssm_conv_state(float* conv_state, const bf16* x, long
     for (int k = 0; k < history; ++k) row[k] = kept[k];
 }
 
-// The selective scan of each segment, a token at a time, for one head: thread (p, lane) keeps row p of the head's
-// state [head_dim, state_size], columns lane, lane + 8, ..., in registers. Per token, with step =
-// clamp(softplus(dt + dt_bias), dt_min, dt_max): h = h * exp(step * A) + step * x[p] * B, and
-// y[p] = h . C + D * x[p]. xbc [T, inner + 2 * n_groups * state_size] holds x, then B and C of every group; heads
-// share their group's. Grid: (heads, segments); block: head_dim * SSM_SCAN_LANES threads.
+// The selective scan of one segment, a token at a time, for one head: thread (p, lane) keeps row p of the head's
+// state [head_dim, state_size], columns lane, lane + 8, ..., in registers (interleaved: a warp's loads of B, C and
+// the state are then consecutive bytes, which measured faster from global memory than each thread's columns side
+// by side). Per token, with step = clamp(softplus(dt + dt_bias), dt_min, dt_max): h = h * exp(step * A) + step *
+// x[p] * B, and y[p] = h . C + D * x[p]. The next token's dt, x, B and C are loaded before the current token's
+// update.
+template <int PER_LANE>
+__device__ __forceinline__ void ssm_scan_segment(const bf16* xbc, long long xbc_stride, const bf16* dt,
+                                                 long long dt_stride, bf16* y, long long y_stride, float a, float d,
+                                                 float bias, float* ssm_state, int start, int len, int source,
+                                                 int destination, int num_heads, int head_dim, int n_groups,
+                                                 float dt_min, float dt_max) {
+    const int head = blockIdx.x, p = threadIdx.x / SSM_SCAN_LANES, lane = threadIdx.x % SSM_SCAN_LANES;
+    const int state_size = PER_LANE * SSM_SCAN_LANES, inner = num_heads * head_dim;
+    const int group = head / (num_heads / n_groups);
+    const long long slot_size = (long long)num_heads * head_dim * state_size;
+    const long long row_offset = ((long long)head * head_dim + p) * state_size + lane;
+    float h[PER_LANE];
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i)
+        h[i] = source >= 0 ? ssm_state[source * slot_size + row_offset + i * SSM_SCAN_LANES] : 0.f;
+    float B[PER_LANE], C[PER_LANE], raw = 0.f, xv = 0.f;
+    auto load = [&](long long row) {
+        const bf16* token = xbc + row * xbc_stride;
+        raw = bf16_to_float(dt[row * dt_stride + head]);
+        xv = bf16_to_float(token[head * head_dim + p]);
+        const bf16* Bg = token + inner + group * state_size + lane;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) {
+            B[i] = bf16_to_float(Bg[i * SSM_SCAN_LANES]);
+            C[i] = bf16_to_float(Bg[n_groups * state_size + i * SSM_SCAN_LANES]);
+        }
+    };
+    if (len > 0) load(start);
+    for (int t = 0; t < len; ++t) {
+        const long long row = start + t;
+        const float step = fminf(fmaxf(ssm_softplus(raw + bias), dt_min), dt_max);
+        const float decay = expf(step * a), dx = step * xv, x_now = xv;
+        float partial = 0.f;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) {
+            h[i] = h[i] * decay + dx * B[i];
+            partial += h[i] * C[i];
+        }
+        if (t + 1 < len) load(row + 1);
+#pragma unroll
+        for (int offset = SSM_SCAN_LANES / 2; offset > 0; offset >>= 1)
+            partial += __shfl_xor_sync(0xffffffffu, partial, offset);
+        if (lane == 0) y[row * y_stride + head * head_dim + p] = float_to_bf16(partial + d * x_now);
+    }
+    if (destination < 0) return;
+    float* out_state = ssm_state + destination * slot_size + row_offset;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) out_state[i * SSM_SCAN_LANES] = h[i];
+}
+
+// ssm_scan_segment over every segment. xbc [T, inner + 2 * n_groups * state_size] holds x, then B and C of every
+// group; heads share their group's. Grid: (heads, segments); block: head_dim * SSM_SCAN_LANES threads; state_size
+// in 16, 32, ..., 256 (its registers a thread, a compile-time count).
 extern "C" __global__ void __launch_bounds__(1024)
 ssm_scan(bf16* y, long long y_stride, const bf16* xbc, long long xbc_stride, const bf16* dt, long long dt_stride,
          const float* A, const float* D, const float* dt_bias, int num_heads, int head_dim, int n_groups,
@@ -78,38 +131,17 @@ ssm_scan(bf16* y, long long y_stride, const bf16* xbc, long long xbc_stride, con
          const int* sources, const int* destinations) {
     wait_for_previous_kernel();
     const int head = blockIdx.x, s = blockIdx.y;
-    const int p = threadIdx.x / SSM_SCAN_LANES, lane = threadIdx.x % SSM_SCAN_LANES;
-    const int per_lane = state_size / SSM_SCAN_LANES, inner = num_heads * head_dim;
-    const int start = seg_starts[s], len = seg_lens[s], source = sources[s];
-    const int group = head / (num_heads / n_groups);
-    const long long slot_size = (long long)num_heads * head_dim * state_size;
-    const long long row_offset = ((long long)head * head_dim + p) * state_size;
-    float h[SSM_MAX_STATE_PER_LANE];
-    for (int i = 0; i < per_lane; ++i)
-        h[i] = source >= 0 ? ssm_state[source * slot_size + row_offset + lane + i * SSM_SCAN_LANES] : 0.f;
-    const float a = A[head], d = D[head], bias = dt_bias[head];
-    for (int t = 0; t < len; ++t) {
-        const long long row = start + t;
-        const float step = fminf(fmaxf(ssm_softplus(bf16_to_float(dt[row * dt_stride + head]) + bias), dt_min), dt_max);
-        const float decay = expf(step * a);
-        const bf16* token = xbc + row * xbc_stride;
-        const float xv = bf16_to_float(token[head * head_dim + p]);
-        const bf16* B = token + inner + group * state_size;
-        const bf16* C = B + n_groups * state_size;
-        float partial = 0.f;
-        for (int i = 0; i < per_lane; ++i) {
-            const int n = lane + i * SSM_SCAN_LANES;
-            h[i] = h[i] * decay + step * xv * bf16_to_float(B[n]);
-            partial += h[i] * bf16_to_float(C[n]);
-        }
-#pragma unroll
-        for (int offset = SSM_SCAN_LANES / 2; offset > 0; offset >>= 1)
-            partial += __shfl_xor_sync(0xffffffffu, partial, offset);
-        if (lane == 0) y[row * y_stride + head * head_dim + p] = float_to_bf16(partial + d * xv);
+#define SSM_SCAN_SEGMENT(K) ssm_scan_segment<K>(xbc, xbc_stride, dt, dt_stride, y, y_stride, A[head], D[head],         \
+        dt_bias[head], ssm_state, seg_starts[s], seg_lens[s], sources[s], destinations[s], num_heads, head_dim,     \
+        n_groups, dt_min, dt_max)
+    switch (state_size / SSM_SCAN_LANES) {
+        case 2: SSM_SCAN_SEGMENT(2); break;
+        case 4: SSM_SCAN_SEGMENT(4); break;
+        case 8: SSM_SCAN_SEGMENT(8); break;
+        case 16: SSM_SCAN_SEGMENT(16); break;
+        case 32: SSM_SCAN_SEGMENT(32); break;
     }
-    if (destinations[s] < 0) return;
-    float* out_state = ssm_state + destinations[s] * slot_size + row_offset;
-    for (int i = 0; i < per_lane; ++i) out_state[lane + i * SSM_SCAN_LANES] = h[i];
+#undef SSM_SCAN_SEGMENT
 }
 
 // The chunked scan of long segments (a prefill's), in three launches: every chunk of chunk_size tokens at once
@@ -119,7 +151,8 @@ ssm_scan(bf16* y, long long y_stride, const bf16* xbc, long long xbc_stride, con
 // state, y). Segment s's chunk c uses workspace slot start / chunk_size + s + c: distinct for segments in row order.
 // Within a chunk the recurrence is ssm_scan's, with SSM_STAGE tokens at a time staged in shared memory (coalesced
 // loads; the recurrence then waits on shared memory, not on HBM) and the state in PER_LANE = state_size / 8
-// registers a thread.
+// registers a thread: here each thread's columns side by side, so that B and C come from shared memory in vector
+// loads (a quarter of the shared-memory wavefronts of ssm_scan's interleaved columns).
 #define SSM_STAGE 32
 struct SsmScanArgs {
     bf16* y; long long y_stride; const bf16* xbc; long long xbc_stride; const bf16* dt; long long dt_stride;
@@ -128,10 +161,57 @@ struct SsmScanArgs {
 };
 
 // The staged tokens (declared once per kernel: each PER_LANE instantiation shares them).
-struct SsmStage {
+struct alignas(16) SsmStage {
     bf16 x[SSM_STAGE * 128], b[SSM_STAGE * 256], c[SSM_STAGE * 256];
     float step[SSM_STAGE];
 };
+
+// A thread's PER_LANE consecutive state columns of a staged bf16 row (B or C of one token) as floats, in vector
+// loads of up to 8 bf16 (the stage is 16-byte aligned; a thread's columns start at a multiple of PER_LANE).
+template <int PER_LANE>
+__device__ __forceinline__ void ssm_load_columns(float (&to)[PER_LANE], const bf16* from) {
+    constexpr int V = PER_LANE < 8 ? PER_LANE : 8;
+    struct alignas(2 * V) Pack { bf16 v[V]; };
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i += V) {
+        const Pack pack = *reinterpret_cast<const Pack*>(from + i);
+#pragma unroll
+        for (int k = 0; k < V; ++k) to[i + k] = bf16_to_float(pack.v[k]);
+    }
+}
+
+// One thread's PER_LANE consecutive fp32 state columns, from or to memory, in vectors of up to 4 (state rows are
+// 16-byte aligned: state_size is a multiple of 16; a thread's columns start at a multiple of PER_LANE).
+template <int PER_LANE>
+struct SsmStatePack {
+    static constexpr int V = PER_LANE < 4 ? PER_LANE : 4;
+    struct alignas(4 * V) Pack { float v[V]; };
+};
+
+template <int PER_LANE>
+__device__ __forceinline__ void ssm_read_state(float (&h)[PER_LANE], const float* from) {
+    using Pack = typename SsmStatePack<PER_LANE>::Pack;
+    constexpr int V = SsmStatePack<PER_LANE>::V;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i += V) {
+        const Pack pack = *reinterpret_cast<const Pack*>(from + i);
+#pragma unroll
+        for (int k = 0; k < V; ++k) h[i + k] = pack.v[k];
+    }
+}
+
+template <int PER_LANE>
+__device__ __forceinline__ void ssm_write_state(float* to, const float (&h)[PER_LANE]) {
+    using Pack = typename SsmStatePack<PER_LANE>::Pack;
+    constexpr int V = SsmStatePack<PER_LANE>::V;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i += V) {
+        Pack pack;
+#pragma unroll
+        for (int k = 0; k < V; ++k) pack.v[k] = h[i + k];
+        *reinterpret_cast<Pack*>(to + i) = pack;
+    }
+}
 
 // Tokens [start, start + count) of the batch for one head, from h; y written where given. Returns the sum of
 // step * A over the tokens.
@@ -163,16 +243,16 @@ __device__ __forceinline__ float ssm_scan_tokens(const SsmScanArgs& g, SsmStage&
         __syncthreads();
         for (int t = 0; t < staged; ++t) {
             const float step = stage.step[t], decay = expf(step * a);
-            const float xv = bf16_to_float(stage.x[t * g.head_dim + p]);
-            const bf16* B = stage.b + t * n;
-            const bf16* C = stage.c + t * n;
+            const float xv = bf16_to_float(stage.x[t * g.head_dim + p]), dx = step * xv;
+            float B[PER_LANE], C[PER_LANE];
+            ssm_load_columns<PER_LANE>(B, stage.b + t * n + lane * PER_LANE);
+            ssm_load_columns<PER_LANE>(C, stage.c + t * n + lane * PER_LANE);
             decay_sum += step * a;
             float partial = 0.f;
 #pragma unroll
             for (int i = 0; i < PER_LANE; ++i) {
-                const int k = lane + i * SSM_SCAN_LANES;
-                h[i] = h[i] * decay + step * xv * bf16_to_float(B[k]);
-                partial += h[i] * bf16_to_float(C[k]);
+                h[i] = h[i] * decay + dx * B[i];
+                partial += h[i] * C[i];
             }
             if (g.y == nullptr) continue;
 #pragma unroll
@@ -189,14 +269,16 @@ __device__ __forceinline__ void ssm_scan_chunk(const SsmScanArgs& g, SsmStage& s
                                                float* chunk_decays, long long slot, int start, int count, int pass) {
     const int head = blockIdx.x, p = threadIdx.x / SSM_SCAN_LANES, lane = threadIdx.x % SSM_SCAN_LANES;
     float* state = chunk_states + slot * g.num_heads * g.head_dim * g.state_size
-                 + ((long long)head * g.head_dim + p) * g.state_size;
+                 + ((long long)head * g.head_dim + p) * g.state_size + lane * PER_LANE;
     float h[PER_LANE];
+    if (pass) ssm_read_state<PER_LANE>(h, state);
+    else {
 #pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) h[i] = pass ? state[lane + i * SSM_SCAN_LANES] : 0.f;
+        for (int i = 0; i < PER_LANE; ++i) h[i] = 0.f;
+    }
     const float decay_sum = ssm_scan_tokens<PER_LANE>(g, stage, h, head, start, count);
     if (pass) return;
-#pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) state[lane + i * SSM_SCAN_LANES] = h[i];
+    ssm_write_state<PER_LANE>(state, h);
     if (threadIdx.x == 0) chunk_decays[slot * g.num_heads + head] = decay_sum;
 }
 

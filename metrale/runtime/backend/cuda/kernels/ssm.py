@@ -67,7 +67,7 @@ def conv(lib, stream, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, 
                   segments.destinations, channels, width)
 
 
-STATE_SIZES = (16, 32, 64, 128, 256)      # ssm_chunk_scan: state_size / SSM_SCAN_LANES registers a thread
+STATE_SIZES = (16, 32, 64, 128, 256)      # the scan kernels: state_size / SSM_SCAN_LANES registers a thread
 CARRY_BLOCK = 256
 
 
