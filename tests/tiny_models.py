@@ -23,6 +23,24 @@ TINY = {
 }
 
 
+# Mixtures of experts: BASE's attention with every router's kind (softmax normalised or not; DeepSeek-V3's sigmoid
+# over groups with its correction bias, scaling and shared experts), dense layers among the mixtures.
+TINY_MOE = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2, intermediate_size=64)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        tie_word_embeddings=False, head_dim=32, num_hidden_layers=3, num_experts=8, num_experts_per_tok=3,
+        moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[2])),
+    "qwen3_moe_sparse_step": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        tie_word_embeddings=True, head_dim=32, num_hidden_layers=4, num_experts=6, num_experts_per_tok=2,
+        moe_intermediate_size=48, norm_topk_prob=False, decoder_sparse_step=2)),
+    "dots1": ("Dots1Config", "Dots1ForCausalLM", dict(
+        tie_word_embeddings=False, head_dim=32, num_hidden_layers=3, n_routed_experts=16, num_experts_per_tok=4,
+        moe_intermediate_size=32, n_shared_experts=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, sliding_window=None)),
+}
+
+
 # State-space models (and hybrids): the Mamba2 mixer's shape shared by each; chunk_size 8, so that a 20-token
 # prompt's scan crosses chunks.
 # Attention heads of 32 (the CUDA kernels' smallest head_dim).
@@ -63,10 +81,10 @@ TINY_SSM = {
 
 def write_tiny(name: str, directory: Path, seed: int = 0, shard: bool = False, weight_std: float = 0.15,
                norm_std: float = 0.5) -> Path:
-    """A random model of architecture `name` (TINY or TINY_SSM) saved as safetensors in directory; weights scaled
+    """A random model of architecture `name` (TINY, TINY_MOE or TINY_SSM) saved as safetensors in directory; weights scaled
     so the logits are far from uniform. shard=True writes several files with an index."""
     ssm = name in TINY_SSM
-    config_class, model_class, overrides = (TINY_SSM if ssm else TINY)[name]
+    config_class, model_class, overrides = {**TINY, **TINY_MOE, **TINY_SSM}[name]
     config = getattr(transformers, config_class)(**{**(MIXER if ssm else BASE), **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config).eval()
@@ -78,6 +96,9 @@ def write_tiny(name: str, directory: Path, seed: int = 0, shard: bool = False, w
                 param.uniform_(-3.0, -0.5)
             elif param_name.endswith("dt_bias"):
                 param.normal_(0.0, 1.0)
+        for buffer_name, buffer in model.named_buffers():      # DeepSeek-V3's router: a bias that changes choices
+            if buffer_name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
     model.save_pretrained(directory, max_shard_size="40KB" if shard else "1GB")
     return directory
 

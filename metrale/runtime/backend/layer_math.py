@@ -1,6 +1,7 @@
 """The layer math every model family is written against: linears, norms, activations, embeddings, rotary
-positions, attention over a layer's cache and the state-space scan over a sequence's recurrent state. Each backend implements it (cpu/, cuda/). Models know nothing of
-graphs, streams, sampling or beam search: that is the runner's (runner.py)."""
+positions, attention over a layer's cache, mixtures of experts and the state-space scan over a sequence's recurrent
+state. Each backend implements it (cpu/, cuda/). Models know nothing of graphs, streams, sampling or beam search:
+that is the runner's (runner.py)."""
 
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -54,6 +55,36 @@ class SsmScan:
     def inner_size(self) -> int:
         """The scan's width: num_heads * head_dim."""
         return self.num_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class MoeRouter:
+    """A mixture-of-experts layer's router, uploaded. Each token's expert logits x @ weight.T ([experts, hidden])
+    become scores: softmax over the experts (Mixtral, Qwen3-MoE) or the sigmoid of each (DeepSeek-V3). The top_k
+    experts are chosen by score (+ correction_bias, float32 [experts], where given: the choice only, not the
+    weights), among the topk_group of n_group equal groups whose two best scores sum highest (n_group 1: all); ties
+    go to the lower expert id. Their weights are their scores, divided by their sum where normalize, times
+    scaling."""
+    weight: Tensor
+    top_k: int
+    scoring: str = "softmax"
+    normalize: bool = True
+    correction_bias: Tensor | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    scaling: float = 1.0
+
+    @property
+    def num_experts(self) -> int:
+        return self.weight.shape[0]
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts layer's experts, uploaded: expert e maps x to down[e] @ (silu(g) * u), where (g, u) are
+    the two halves of gate_up[e] @ x. gate_up [experts, 2 * width, hidden], down [experts, hidden, width]."""
+    gate_up: Tensor
+    down: Tensor
 
 
 class PreparedBatch(Protocol):
@@ -124,6 +155,9 @@ class LayerMath(Protocol):
 
     def relu_squared(self, x: Tensor) -> Tensor:
         """max(x, 0) ** 2, elementwise (Nemotron-H's MLP)."""
+
+    def moe(self, x: Tensor, router: MoeRouter, experts: Experts) -> Tensor:
+        """Each token routed (router) to its top_k experts: sum over them of weight * expert(x) -> [T, hidden]."""
 
     def ssm_conv(self, x: Tensor, weight: Tensor, bias: Tensor | None, batch: PreparedBatch, conv_state: Tensor
                  ) -> Tensor:

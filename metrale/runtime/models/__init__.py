@@ -4,8 +4,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from metrale.runtime.errors import InvalidArgument
-from metrale.runtime.models import falcon_h1, granite_hybrid, hybrid, llama, m2m100, mamba2, mistral, nemotron_h, \
-    qwen2, qwen3
+from metrale.runtime.models import dots1, falcon_h1, granite_hybrid, hybrid, llama, m2m100, mamba2, mistral, \
+    mixtral, nemotron_h, qwen2, qwen3, qwen3_moe
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,9 @@ ARCHITECTURES: dict[str, Family] = {
     "MistralForCausalLM": Family(mistral.config_from_hf, llama.LlamaForCausalLM),
     "Qwen2ForCausalLM": Family(qwen2.config_from_hf, llama.LlamaForCausalLM),
     "Qwen3ForCausalLM": Family(qwen3.config_from_hf, llama.LlamaForCausalLM),
+    "MixtralForCausalLM": Family(mixtral.config_from_hf, llama.LlamaForCausalLM),
+    "Qwen3MoeForCausalLM": Family(qwen3_moe.config_from_hf, llama.LlamaForCausalLM),
+    "Dots1ForCausalLM": Family(dots1.config_from_hf, llama.LlamaForCausalLM),
     "M2M100ForConditionalGeneration": Family(m2m100.config_from_hf, m2m100.M2M100ForConditionalGeneration),
     "Mamba2ForCausalLM": Family(mamba2.config_from_hf, hybrid.HybridForCausalLM),
     "NemotronHForCausalLM": Family(nemotron_h.config_from_hf, hybrid.HybridForCausalLM),

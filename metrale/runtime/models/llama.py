@@ -1,4 +1,5 @@
-"""The Llama family decoder (Llama, and the variants Mistral, Qwen2 and Qwen3 configure), in layer math."""
+"""The Llama family decoder (Llama, and the variants Mistral, Qwen2 and Qwen3 configure, and their mixtures of
+experts: Mixtral, Qwen3-MoE, dots.llm1), in layer math."""
 
 from dataclasses import dataclass
 
@@ -9,6 +10,7 @@ from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.cache.specs import PagedKv
 from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.models.checkpoint import eos_token_ids, tensor_reader
+from metrale.runtime.models.moe import MoeConfig, load_moe
 from metrale.runtime.models.rope import inverse_frequencies, rope_cos_sin, rope_parameters
 
 
@@ -30,6 +32,7 @@ class DecoderConfig:
     o_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    moe: MoeConfig | None = None        # the layers whose MLP is a mixture of experts, and its shape
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -58,10 +61,9 @@ class DecoderConfig:
 
 
 # Checkpoint tensors a layer fuses into one weight, in order: one GEMM instead of three or two.
-PACKED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
-LAYER_TENSORS = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight",
-                 "mlp.down_proj.weight")
+QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
+LAYER_TENSORS = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight")
 QK_NORM_TENSORS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 
 
@@ -100,11 +102,21 @@ class LlamaForCausalLM:
             h, residual = ops.rms_norm(x, layer["input_layernorm.weight"], c.rms_norm_eps, residual)
             h = self._attention(h, layer, meta, kv)
             h, residual = ops.rms_norm(h, layer["post_attention_layernorm.weight"], c.rms_norm_eps, residual)
-            h = ops.silu_mul(ops.linear(h, layer["mlp.gate_up_proj"]))
-            x = ops.linear(h, layer["mlp.down_proj.weight"])
+            x = self._mlp(h, layer)
         x, residual = ops.sampled_rows(x, residual, meta)
         x, _ = ops.rms_norm(x, w["norm"], c.rms_norm_eps, residual)
         return ops.logits(x, w["lm_head"])
+
+    def _mlp(self, h, layer: dict):
+        """The dense MLP, or the mixture of experts (plus its shared experts' MLP, where it has them)."""
+        ops = self.math
+        if "router" not in layer:
+            return ops.linear(ops.silu_mul(ops.linear(h, layer["mlp.gate_up_proj"])), layer["mlp.down_proj.weight"])
+        routed = ops.moe(h, layer["router"], layer["experts"])
+        if "shared.gate_up_proj" not in layer:
+            return routed
+        shared = ops.linear(ops.silu_mul(ops.linear(h, layer["shared.gate_up_proj"])), layer["shared.down_proj"])
+        return ops.add(routed, shared)
 
     def _attention(self, h, layer: dict, meta, kv):
         ops, c = self.math, self.config
@@ -125,14 +137,18 @@ def _load_weights(c: DecoderConfig, tensors: dict[str, torch.Tensor], ops: Layer
     else:
         embed, lm_head = ops.upload(take("model.embed_tokens.weight")), ops.upload_lm_head(take("lm_head.weight"))
     layers = []
+    moe_layers = set(c.moe.layers) if c.moe else set()
     for i in range(c.num_layers):
         prefix = f"model.layers.{i}."
         layer = {name: ops.upload(take(prefix + name)) for name in LAYER_TENSORS}
-        for packed, parts in PACKED.items():
-            layer[packed] = ops.upload(torch.cat([take(prefix + p + ".weight") for p in parts]))
+        layer["self_attn.qkv_proj"] = ops.upload(torch.cat([take(prefix + p + ".weight") for p in QKV]))
+        if i in moe_layers:
+            layer.update(load_moe(take, tensors.__contains__, prefix, c.moe, ops))
+        else:
+            layer["mlp.gate_up_proj"] = ops.upload(torch.cat([take(prefix + p + ".weight") for p in GATE_UP]))
+            layer["mlp.down_proj.weight"] = ops.upload(take(prefix + "mlp.down_proj.weight"))
         if c.qkv_bias:
-            parts = PACKED["self_attn.qkv_proj"]
-            layer["self_attn.qkv_bias"] = ops.upload(torch.cat([take(prefix + p + ".bias") for p in parts]))
+            layer["self_attn.qkv_bias"] = ops.upload(torch.cat([take(prefix + p + ".bias") for p in QKV]))
         if c.o_bias:
             layer["self_attn.o_proj.bias"] = ops.upload(take(prefix + "self_attn.o_proj.bias"))
         if c.qk_norm:

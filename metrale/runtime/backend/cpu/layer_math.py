@@ -4,8 +4,8 @@ default model."""
 import torch
 import torch.nn.functional as F
 
-from metrale.runtime.backend.cpu import ssm
-from metrale.runtime.backend.layer_math import Linear, RopeTable, SsmScan, rope_then_attention
+from metrale.runtime.backend.cpu import moe, ssm
+from metrale.runtime.backend.layer_math import Experts, Linear, MoeRouter, RopeTable, SsmScan, rope_then_attention
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.errors import InvalidArgument
 
@@ -116,6 +116,9 @@ class CpuLayerMath:
 
     def relu_squared(self, x):
         return F.relu(x).square()
+
+    def moe(self, x, router: MoeRouter, experts: Experts):
+        return moe.moe(x, router, experts)
 
     def ssm_conv(self, x, weight, bias, batch: "CpuBatch", conv_state):
         return ssm.conv(x, weight, bias, batch, conv_state)
