@@ -53,6 +53,12 @@ TINY_SSM = {
         layers_block_type=["mamba", "attention", "mlp", "mamba", "mlp"], num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, intermediate_size=96, mamba_num_heads=8, mamba_head_dim=16,
         ssm_state_size=16)),
+    # Its mixture-of-experts blocks: ReLU² experts routed over groups, a shared expert, MLP biases.
+    "nemotron_h_moe": ("NemotronHConfig", "NemotronHForCausalLM", dict(
+        layers_block_type=["mamba", "moe", "attention", "moe", "mlp"], num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, intermediate_size=96, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16,
+        n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=48, moe_shared_expert_intermediate_size=64,
+        n_group=4, topk_group=2, routed_scaling_factor=1.7, norm_topk_prob=True, mlp_bias=True)),
     # Its µP multipliers all away from 1, the mixer's gated norm on (before the gate) and biases on.
     "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", dict(
         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=96, mamba_d_ssm=128,
@@ -72,6 +78,13 @@ TINY_SSM = {
         num_key_value_heads=1, shared_intermediate_size=96, num_local_experts=0, mamba_n_heads=8, mamba_d_head=16,
         mamba_d_state=16, mamba_chunk_size=8, position_embedding_type="nope", tie_word_embeddings=True,
         attention_multiplier=0.2, embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=2.5)),
+    # Its mixture-of-experts form: experts beside every layer's shared MLP, the multipliers folded into both.
+    "granite_hybrid_moe": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        layer_types=["mamba", "attention", "mamba"], num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=48, shared_intermediate_size=96, num_local_experts=6,
+        num_experts_per_tok=2, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=8,
+        position_embedding_type="nope", attention_multiplier=0.2, embedding_multiplier=3.0, residual_multiplier=0.5,
+        logits_scaling=2.5)),
     "granite_hybrid_rope": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
         layer_types=["attention", "mamba"], num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
         shared_intermediate_size=96, num_local_experts=0, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,

@@ -75,7 +75,7 @@ def _weight_bytes(checkpoint: Checkpoint, c, max_model_len: int, model_class: ty
     """An upper bound: every checkpoint tensor in bf16, rope tables in float32, each 256-byte aligned, and what the
     model uploads beside its checkpoint's tensors (model_class.extra_weight_bytes, where it has one, and the LM head's
     padding rows)."""
-    tensors = sum(2 * t.numel() + 256 for t in checkpoint.tensors.values())
+    tensors = sum(2 * checkpoint.numel(name) + 256 for name in checkpoint.tensors)
     extra = getattr(model_class, "extra_weight_bytes", lambda config: 0)(c) + 2 * LM_HEAD_PADDING_ROWS * c.hidden_size
     return tensors + 2 * (4 * max_model_len * c.head_dim // 2 + 256) + extra
 
@@ -86,7 +86,8 @@ def _memory_shapes(c, config: EngineConfig, max_model_len: int) -> MemoryShapes:
                         max_seqs=config.max_seqs, max_blocks_per_seq=blocks_for(max_model_len, config.kv_block_size),
                         head_dim=c.head_dim, kv_block_size=config.kv_block_size, streams=config.num_streams,
                         ssm_width=c.mixer.activation_width if getattr(c, "mixer", None) else 0,
-                        ssm_chunk_size=c.mixer.chunk_size if getattr(c, "mixer", None) else 0)
+                        ssm_chunk_size=c.mixer.chunk_size if getattr(c, "mixer", None) else 0,
+                        moe_width=c.moe.activation_width(c.hidden_size) if getattr(c, "moe", None) else 0)
 
 
 def _allocate_cache(runner: Runner, specs: tuple, config: EngineConfig, max_model_len: int,

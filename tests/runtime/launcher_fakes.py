@@ -30,7 +30,8 @@ def parameter_types(module: str, kernel: str, macro: str | None = None) -> list[
     list, such as decode_attention.cuh's DECODE_PARAMS, are expanded)."""
     source = kernel_sources()[module].replace("\\\n", " ")
     if macro is None:
-        match = re.search(rf'extern "C" __global__ void {kernel}\(([^)]*)\)', source)
+        match = re.search(rf'extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s*)?{kernel}\(([^)]*)\)',
+                          source)
     else:
         match = re.search(rf'#define {macro}\(.*?__global__ void (?:__launch_bounds__\([^)]*\) )?[\w#]+\(([^)]*)\)',
                           source)

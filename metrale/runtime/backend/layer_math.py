@@ -63,8 +63,8 @@ class MoeRouter:
     become scores: softmax over the experts (Mixtral, Qwen3-MoE) or the sigmoid of each (DeepSeek-V3). The top_k
     experts are chosen by score (+ correction_bias, float32 [experts], where given: the choice only, not the
     weights), among the topk_group of n_group equal groups whose two best scores sum highest (n_group 1: all); ties
-    go to the lower expert id. Their weights are their scores, divided by their sum where normalize, times
-    scaling."""
+    go as torch.topk breaks them on the backend's device, as in transformers' run there (on CUDA: the lower expert
+    id). Their weights are their scores, divided by their sum where normalize, times scaling."""
     weight: Tensor
     top_k: int
     scoring: str = "softmax"
@@ -81,10 +81,17 @@ class MoeRouter:
 
 @dataclass(frozen=True)
 class Experts:
-    """A mixture-of-experts layer's experts, uploaded: expert e maps x to down[e] @ (silu(g) * u), where (g, u) are
-    the two halves of gate_up[e] @ x. gate_up [experts, 2 * width, hidden], down [experts, hidden, width]."""
-    gate_up: Tensor
+    """A mixture-of-experts layer's experts, uploaded: expert e maps x to down[e] @ act(up[e] @ x), down [experts,
+    hidden, width]. activation "silu": gated, up [experts, 2 * width, hidden] holds the gate's rows then the up's,
+    act = silu(gate) * up (Mixtral, Qwen3-MoE, DeepSeek-V3); "relu2": up [experts, width, hidden], act = max(., 0)^2
+    (Nemotron-H)."""
+    up: Tensor
     down: Tensor
+    activation: str = "silu"
+
+    @property
+    def width(self) -> int:
+        return self.down.shape[2]
 
 
 class PreparedBatch(Protocol):
@@ -156,8 +163,9 @@ class LayerMath(Protocol):
     def relu_squared(self, x: Tensor) -> Tensor:
         """max(x, 0) ** 2, elementwise (Nemotron-H's MLP)."""
 
-    def moe(self, x: Tensor, router: MoeRouter, experts: Experts) -> Tensor:
-        """Each token routed (router) to its top_k experts: sum over them of weight * expert(x) -> [T, hidden]."""
+    def moe(self, x: Tensor, router: MoeRouter, experts: Experts, shared: Tensor | None = None) -> Tensor:
+        """Each token routed (router) to its top_k experts: sum over them of weight * expert(x) (+ shared, the
+        shared experts' output, where given) -> [T, hidden]."""
 
     def ssm_conv(self, x: Tensor, weight: Tensor, bias: Tensor | None, batch: PreparedBatch, conv_state: Tensor
                  ) -> Tensor:

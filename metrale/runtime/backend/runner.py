@@ -38,6 +38,8 @@ class MemoryShapes:
     ssm_width: int = 0
     # The tokens of a state-space mixer's scan chunk (0: none): longer segments are scanned chunk by chunk at once.
     ssm_chunk_size: int = 0
+    # Activation elements per token of a layer's mixture of experts (0: none), beside its attention.
+    moe_width: int = 0
     # Device streams: a backend that runs forwards at once gives each its own workspaces.
     streams: int = 1
 

@@ -1,12 +1,14 @@
-"""Loads a Hugging Face model directory: config.json and *.safetensors, sharded (with an index) or not; or, where
-there are none, PyTorch's pytorch_model.bin (sharded or not), read with weights_only=True (no code runs)."""
+"""Loads a Hugging Face model directory: config.json and *.safetensors, sharded (with an index) or not, each tensor
+read from its file when the model takes it (so the host never holds the whole model); or, where there are none,
+PyTorch's pytorch_model.bin (sharded or not), read with weights_only=True (no code runs)."""
 
 import json
 import pickle
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.loading.checkpoint import Checkpoint
@@ -30,12 +32,38 @@ def torch_files(directory: Path) -> list[Path]:
     return _indexed(directory, TORCH_INDEX) or sorted(directory.glob("pytorch_model*.bin"))
 
 
-def load_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
+class SafetensorsFiles(Mapping):
+    """name -> tensor over a model's safetensors files, read when asked for (each time: a model takes each tensor
+    once, uploads it and lets it go); numel() from the files' headers without reading any tensor."""
+
+    def __init__(self, files: list[Path]):
+        self._handles = [safe_open(str(path), framework="pt") for path in files]
+        self._where = {name: handle for handle in self._handles for name in handle.keys()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, name) -> bool:
+        return name in self._where
+
+    def numel(self, name: str) -> int:
+        n = 1
+        for d in self._where[name].get_slice(name).get_shape():
+            n *= d
+        return n
+
+
+def load_tensors(directory: Path) -> Mapping[str, torch.Tensor]:
     if files := safetensors_files(directory):
-        for path in files:
-            tensors.update(load_file(str(path)))
-    elif files := torch_files(directory):
+        return SafetensorsFiles(files)
+    tensors = {}
+    if files := torch_files(directory):
         for path in files:
             try:
                 tensors.update(torch.load(path, map_location="cpu", weights_only=True))

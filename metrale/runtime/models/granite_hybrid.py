@@ -1,13 +1,14 @@
-"""Granite 4.0-H (GraniteMoeHybridForCausalLM) in its dense form: each layer a Mamba2 mixer or an attention (rotary
-or without positions, its own softmax scale), then a SwiGLU MLP, each added to the residual times
-residual_multiplier; the embedding and logits multipliers and residual_multiplier folded into the weights at load.
-The mixture-of-experts form (num_local_experts > 0) is refused until the MoE layer exists."""
+"""Granite 4.0-H (GraniteMoeHybridForCausalLM): each layer a Mamba2 mixer or an attention (rotary or without
+positions, its own softmax scale), then a SwiGLU MLP (with a mixture of SwiGLU experts beside it where
+num_local_experts > 0: softmax over the top-k logits, the same as softmax top-k normalised), each added to the
+residual times residual_multiplier; the embedding and logits multipliers and residual_multiplier folded into the
+weights at load."""
 
 from dataclasses import dataclass
 
 import torch
 
-from metrale.runtime.backend.layer_math import LayerMath, RopeTable
+from metrale.runtime.backend.layer_math import Experts, LayerMath, MoeRouter, RopeTable
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.cache.specs import PagedKv
 from metrale.runtime.errors import InvalidArgument
@@ -15,6 +16,7 @@ from metrale.runtime.models import mamba2_mixer
 from metrale.runtime.models.attention import packed_attention
 from metrale.runtime.models.checkpoint import eos_token_ids, scaled_tied_head_bytes, tensor_reader
 from metrale.runtime.models.mamba2_mixer import MixerShape, hf_float
+from metrale.runtime.models.moe import MoeConfig
 from metrale.runtime.models.nemotron_h import KINDS
 from metrale.runtime.models.rope import inverse_frequencies, rope_cos_sin, rope_parameters
 
@@ -39,6 +41,7 @@ class GraniteHybridConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    moe: MoeConfig | None = None        # the experts beside every layer's MLP (num_local_experts > 0)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -55,9 +58,6 @@ class GraniteHybridConfig:
 
 
 def config_from_hf(hf: dict) -> GraniteHybridConfig:
-    if hf.get("num_local_experts", 0) > 0:
-        raise InvalidArgument("GraniteMoeHybrid with mixture-of-experts layers (num_local_experts > 0) is not "
-                              "supported yet; its dense form is")
     if hf.get("hidden_act", "silu") != "silu":
         raise InvalidArgument(f"hidden_act {hf['hidden_act']!r} is not supported (silu is)")
     listed = hf.get("layer_types") or hf.get("layers_block_type") or []
@@ -76,6 +76,9 @@ def config_from_hf(hf: dict) -> GraniteHybridConfig:
         raise InvalidArgument(f"mamba_n_heads x mamba_d_head ({mixer.inner_size}) is not mamba_expand x "
                               f"hidden_size ({hf.get('mamba_expand', 2) * hidden})")
     eos = eos_token_ids(hf)
+    experts = hf.get("num_local_experts", 0)
+    moe = MoeConfig(num_experts=experts, top_k=hf["num_experts_per_tok"], width=hf["intermediate_size"],
+                    layers=tuple(range(len(listed))), module="block_sparse_moe") if experts > 0 else None
     return GraniteHybridConfig(
         architecture=hf["architectures"][0], vocab_size=hf["vocab_size"], hidden_size=hidden,
         intermediate_size=hf["shared_intermediate_size"], layer_kinds=tuple(KINDS[kind] for kind in listed),
@@ -86,7 +89,7 @@ def config_from_hf(hf: dict) -> GraniteHybridConfig:
         tie_word_embeddings=hf.get("tie_word_embeddings", False), attention_bias=hf.get("attention_bias", False),
         attention_scale=hf.get("attention_multiplier", 1.0), embedding_multiplier=hf.get("embedding_multiplier", 1.0),
         residual_multiplier=hf.get("residual_multiplier", 1.0), logits_scaling=hf.get("logits_scaling", 1.0),
-        eos_token_ids=eos, bos_token_id=hf.get("bos_token_id"), pad_token_id=hf.get("pad_token_id"))
+        moe=moe, eos_token_ids=eos, bos_token_id=hf.get("bos_token_id"), pad_token_id=hf.get("pad_token_id"))
 
 
 class GraniteHybridForCausalLM:
@@ -130,9 +133,23 @@ class GraniteHybridForCausalLM:
                                      c.head_dim, c.attention_scale)
             h, residual = ops.rms_norm(x, layer["post_attention_layernorm"], c.rms_norm_eps, residual)
             x = ops.linear(ops.silu_mul(ops.linear(h, layer["input_linear"])), layer["output_linear"])
+            if c.moe:
+                x = ops.moe(h, layer["router"], layer["experts"], x)
         x, residual = ops.sampled_rows(x, residual, meta)
         x, _ = ops.rms_norm(x, w["norm"], c.rms_norm_eps, residual)
         return ops.logits(x, w["lm_head"])
+
+
+def _load_experts(take, has, at: str, moe: MoeConfig, scale: float, ops: LayerMath) -> dict:
+    """The router and the experts, stacked in the checkpoint (input_linear [E, 2I, H], gate rows first, and
+    output_linear [E, H, I], scaled by residual_multiplier; transformers 5 names them experts.gate_up_proj and
+    experts.down_proj, and the router router.weight)."""
+    stacked = has(at + "experts.gate_up_proj")
+    router = take(at + ("router.weight" if stacked else "router.layer.weight"))
+    up = take(at + ("experts.gate_up_proj" if stacked else "input_linear.weight"))
+    down = take(at + ("experts.down_proj" if stacked else "output_linear.weight")) * scale
+    return {"router": MoeRouter(ops.upload(router), moe.top_k, "softmax", normalize=True),
+            "experts": Experts(ops.upload(up), ops.upload(down))}
 
 
 def _load_weights(c: GraniteHybridConfig, tensors: dict[str, torch.Tensor], ops: LayerMath) -> dict:
@@ -148,6 +165,8 @@ def _load_weights(c: GraniteHybridConfig, tensors: dict[str, torch.Tensor], ops:
                  "post_attention_layernorm": ops.upload(take(at + "post_attention_layernorm.weight")),
                  "input_linear": ops.upload(take(at + "shared_mlp.input_linear.weight")),
                  "output_linear": ops.upload(take(at + "shared_mlp.output_linear.weight") * scale)}
+        if c.moe:
+            layer.update(_load_experts(take, tensors.__contains__, at + "block_sparse_moe.", c.moe, scale, ops))
         if kind == "mamba":
             layer.update(mamba2_mixer.load_mixer(take, at + "mamba.", c.mixer, ops, out_scale=scale))
         else:

@@ -1,6 +1,6 @@
 """A stack of pre-norm residual blocks whose mixer is, layer by layer, a Mamba2 mixer, an attention without rotary
-positions, or a ReLU² MLP: Nemotron-H, and Mamba2 (every block a Mamba2 mixer). The layer kinds are data
-(config.layer_kinds), each with its own cache spec: a recurrent state, paged K/V, nothing."""
+positions, a ReLU² MLP or a mixture of ReLU² experts: Nemotron-H, and Mamba2 (every block a Mamba2 mixer). The
+layer kinds are data (config.layer_kinds), each with its own cache spec: a recurrent state, paged K/V, nothing."""
 
 from dataclasses import dataclass
 
@@ -14,8 +14,9 @@ from metrale.runtime.models import mamba2_mixer
 from metrale.runtime.models.attention import packed_attention
 from metrale.runtime.models.checkpoint import eos_token_ids, tensor_reader
 from metrale.runtime.models.mamba2_mixer import MixerShape
+from metrale.runtime.models.moe import MoeConfig, load_moe
 
-LAYER_KINDS = ("mamba", "attention", "mlp")
+LAYER_KINDS = ("mamba", "attention", "mlp", "moe")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class HybridConfig:
     head_dim: int = 0
     intermediate_size: int = 0
     mlp_bias: bool = False
+    moe: MoeConfig | None = None        # the mixture-of-experts layers' shape (where layer_kinds has any)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -76,7 +78,8 @@ class HybridForCausalLM:
 
     def cache_specs(self) -> tuple:
         c = self.config
-        spec = {"mamba": c.mixer.cache_spec(), "attention": PagedKv(c.num_kv_heads, c.head_dim), "mlp": NoCache()}
+        spec = {"mamba": c.mixer.cache_spec(), "attention": PagedKv(c.num_kv_heads, c.head_dim), "mlp": NoCache(),
+                "moe": NoCache()}
         return tuple(spec[kind] for kind in c.layer_kinds)
 
     def replayable(self, batch: ForwardBatch) -> bool:
@@ -96,12 +99,29 @@ class HybridForCausalLM:
             elif kind == "attention":
                 x = packed_attention(ops, h, layer, meta, layer_cache, self.rope, c.num_heads, c.num_kv_heads,
                                      c.head_dim, self.scale)
+            elif kind == "mlp":
+                x = self._mlp(h, layer)
             else:
-                x = ops.linear(ops.relu_squared(ops.linear(h, layer["up_proj"], layer.get("up_proj_bias"))),
-                               layer["down_proj"], layer.get("down_proj_bias"))
+                shared = self._mlp(h, layer["shared"]) if "shared" in layer else None
+                x = ops.moe(h, layer["router"], layer["experts"], shared)
         x, residual = ops.sampled_rows(x, residual, meta)
         x, _ = ops.rms_norm(x, w["norm"], c.norm_eps, residual)
         return ops.logits(x, w["lm_head"])
+
+    def _mlp(self, h, mlp: dict):
+        """A ReLU² MLP: a block's, or a mixture's shared experts."""
+        ops = self.math
+        return ops.linear(ops.relu_squared(ops.linear(h, mlp["up_proj"], mlp.get("up_proj_bias"))),
+                          mlp["down_proj"], mlp.get("down_proj_bias"))
+
+
+def _load_mlp(take, prefix: str, bias: bool, ops: LayerMath) -> dict:
+    mlp = {}
+    for name in ("up_proj", "down_proj"):
+        mlp[name] = ops.upload(take(f"{prefix}{name}.weight"))
+        if bias:
+            mlp[name + "_bias"] = ops.upload(take(f"{prefix}{name}.bias"))
+    return mlp
 
 
 def _load_weights(c: HybridConfig, tensors: dict[str, torch.Tensor], ops: LayerMath) -> dict:
@@ -123,10 +143,9 @@ def _load_weights(c: HybridConfig, tensors: dict[str, torch.Tensor], ops: LayerM
         elif kind == "attention":
             layer["qkv_proj"] = ops.upload(torch.cat([take(f"{at}mixer.{p}_proj.weight") for p in "qkv"]))
             layer["o_proj"] = ops.upload(take(at + "mixer.o_proj.weight"))
+        elif kind == "mlp":
+            layer.update(_load_mlp(take, at + "mixer.", c.mlp_bias, ops))
         else:
-            for name in ("up_proj", "down_proj"):
-                layer[name] = ops.upload(take(f"{at}mixer.{name}.weight"))
-                if c.mlp_bias:
-                    layer[name + "_bias"] = ops.upload(take(f"{at}mixer.{name}.bias"))
+            layer.update(load_moe(take, tensors.__contains__, at, c.moe, ops, shared_bias=c.mlp_bias))
         layers.append(layer)
     return {"embed": embed, "lm_head": lm_head, "norm": ops.upload(take(prefix + "norm_f.weight")), "layers": layers}

@@ -112,11 +112,10 @@ class LlamaForCausalLM:
         ops = self.math
         if "router" not in layer:
             return ops.linear(ops.silu_mul(ops.linear(h, layer["mlp.gate_up_proj"])), layer["mlp.down_proj.weight"])
-        routed = ops.moe(h, layer["router"], layer["experts"])
-        if "shared.gate_up_proj" not in layer:
-            return routed
-        shared = ops.linear(ops.silu_mul(ops.linear(h, layer["shared.gate_up_proj"])), layer["shared.down_proj"])
-        return ops.add(routed, shared)
+        shared = None
+        if "shared" in layer:
+            shared = ops.linear(ops.silu_mul(ops.linear(h, layer["shared"]["up_proj"])), layer["shared"]["down_proj"])
+        return ops.moe(h, layer["router"], layer["experts"], shared)
 
     def _attention(self, h, layer: dict, meta, kv):
         ops, c = self.math, self.config

@@ -23,12 +23,28 @@ class MoeConfig:
     topk_group: int = 1
     scaling: float = 1.0
     shared_width: int = 0               # the shared experts' MLP width, added to every token's (0: none)
+    activation: str = "silu"            # Experts': "silu" (gated) or "relu2"; the shared experts' too
     module: str = "mlp"                 # the layer's module in the checkpoint
-    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")   # each expert's gate, up, down
+    # Each expert's (and the shared experts') gate, up and down projections; no gate where not gated.
+    expert_names: tuple[str | None, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+    def activation_width(self, hidden: int) -> int:
+        """Activation elements (bf16-sized) a token of one mixture layer's forward takes beyond the dense layers':
+        its router logits (float32), its entries' ids, weights, rows and tiles (32-bit), the experts' up,
+        activated and output rows, the offsets and partial tiles of every expert (counted per token: a forward
+        has at least one), and the shared experts' MLP."""
+        routed = 2 * self.num_experts + self.top_k * (2 * 6 + 3 * self.width + hidden) + 2 * 3 * (self.num_experts + 1)
+        return routed + 3 * self.shared_width + hidden
+
+    @property
+    def gated(self) -> bool:
+        return self.activation == "silu"
 
     def __post_init__(self):
         if not 0 < self.top_k <= self.num_experts:
             raise InvalidArgument(f"num_experts_per_tok {self.top_k} must be in 1..{self.num_experts}")
+        if self.activation not in ("silu", "relu2"):
+            raise InvalidArgument(f"expert activation {self.activation!r} is not supported (silu, relu2 are)")
         if self.scoring not in ("softmax", "sigmoid"):
             raise InvalidArgument(f"router scoring {self.scoring!r} is not supported (softmax, sigmoid are)")
         if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
@@ -41,24 +57,37 @@ class MoeConfig:
 
 
 def load_moe(take: Callable[[str], torch.Tensor], has: Callable[[str], bool], prefix: str, moe: MoeConfig,
-             ops: LayerMath) -> dict:
+             ops: LayerMath, shared_bias: bool = False) -> dict:
     """Layer `prefix`'s mixture, uploaded: "router" (MoeRouter), "experts" (Experts) and, with shared experts,
-    "shared.gate_up_proj" and "shared.down_proj". One layer's experts are on the host at a time."""
+    "shared": their MLP's "up_proj" (gate rows then up rows where gated) and "down_proj" (with "up_proj_bias" and
+    "down_proj_bias" where shared_bias). One layer's experts are on the host at a time."""
     module = prefix + moe.module + "."
     correction = ops.upload_float32(take(module + "gate.e_score_correction_bias")) if moe.correction_bias else None
     router = MoeRouter(ops.upload(take(module + "gate.weight")), moe.top_k, moe.scoring, moe.normalize, correction,
                        moe.n_group, moe.topk_group, moe.scaling)
-    if has(module + "experts.gate_up_proj"):          # transformers 5's stacked experts
-        gate_up, down = take(module + "experts.gate_up_proj"), take(module + "experts.down_proj")
+    stacked = module + ("experts.gate_up_proj" if moe.gated else "experts.up_proj")
+    if has(stacked):                                  # transformers 5's stacked experts
+        up, down = take(stacked), take(module + "experts.down_proj")
     else:
-        gate, up, down_name = moe.expert_names
-        expert = lambda e, name: take(f"{module}experts.{e}.{name}.weight")  # noqa: E731
-        gate_up = torch.stack([torch.cat([expert(e, gate), expert(e, up)]) for e in range(moe.num_experts)])
-        down = torch.stack([expert(e, down_name) for e in range(moe.num_experts)])
-    layer = {"router": router, "experts": Experts(ops.upload(gate_up), ops.upload(down))}
+        up = torch.stack([_up(take, f"{module}experts.{e}.", moe) for e in range(moe.num_experts)])
+        down = torch.stack([take(f"{module}experts.{e}.{moe.expert_names[2]}.weight") for e in range(moe.num_experts)])
+    layer = {"router": router, "experts": Experts(ops.upload(up), ops.upload(down), moe.activation)}
     if moe.shared_width:
-        shared = module + "shared_experts."
-        layer["shared.gate_up_proj"] = ops.upload(torch.cat([take(shared + "gate_proj.weight"),
-                                                             take(shared + "up_proj.weight")]))
-        layer["shared.down_proj"] = ops.upload(take(shared + "down_proj.weight"))
+        at = module + "shared_experts."
+        gate, up, down_name = moe.expert_names
+        shared = {"up_proj": ops.upload(_up(take, at, moe)), "down_proj": ops.upload(take(f"{at}{down_name}.weight"))}
+        if shared_bias:
+            bias = take(f"{at}{up}.bias")
+            if moe.gated:
+                bias = torch.cat([take(f"{at}{gate}.bias"), bias])
+            shared.update(up_proj_bias=ops.upload(bias), down_proj_bias=ops.upload(take(f"{at}{down_name}.bias")))
+        layer["shared"] = shared
     return layer
+
+
+def _up(take: Callable[[str], torch.Tensor], prefix: str, moe: MoeConfig) -> torch.Tensor:
+    """An expert's first projection: its gate's rows then its up's where gated, else its up's."""
+    gate, up = moe.expert_names[:2]
+    if not moe.gated:
+        return take(f"{prefix}{up}.weight")
+    return torch.cat([take(f"{prefix}{gate}.weight"), take(f"{prefix}{up}.weight")])

@@ -117,8 +117,9 @@ class CpuLayerMath:
     def relu_squared(self, x):
         return F.relu(x).square()
 
-    def moe(self, x, router: MoeRouter, experts: Experts):
-        return moe.moe(x, router, experts)
+    def moe(self, x, router: MoeRouter, experts: Experts, shared=None):
+        routed = moe.moe(x, router, experts)
+        return routed if shared is None else routed + shared
 
     def ssm_conv(self, x, weight, bias, batch: "CpuBatch", conv_state):
         return ssm.conv(x, weight, bias, batch, conv_state)

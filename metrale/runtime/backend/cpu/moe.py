@@ -11,9 +11,13 @@ def route(x: torch.Tensor, router: MoeRouter) -> tuple[torch.Tensor, torch.Tenso
     """(weights [T, top_k] float32, expert ids [T, top_k] int64) of each token. Softmax routers take the logits in
     x's dtype (Mixtral, Qwen3-MoE), sigmoid routers in float32 (DeepSeek-V3)."""
     if router.scoring == "softmax":
-        scores = torch.softmax(F.linear(x, router.weight).float(), dim=-1)
-    else:
-        scores = torch.sigmoid(F.linear(x.float(), router.weight.float()))
+        return choose(F.linear(x, router.weight).float(), router)
+    return choose(F.linear(x.float(), router.weight.float()), router)
+
+
+def choose(logits: torch.Tensor, router: MoeRouter) -> tuple[torch.Tensor, torch.Tensor]:
+    """route() from the router's float32 logits [T, experts]."""
+    scores = torch.softmax(logits, dim=-1) if router.scoring == "softmax" else torch.sigmoid(logits)
     choice = scores if router.correction_bias is None else scores + router.correction_bias
     if router.n_group > 1:
         groups = choice.view(choice.shape[0], router.n_group, -1)
@@ -32,7 +36,12 @@ def moe(x: torch.Tensor, router: MoeRouter, experts: Experts) -> torch.Tensor:
     out = torch.zeros(x.shape, dtype=torch.float32)
     for expert in ids.unique().tolist():
         tokens, k = torch.where(ids == expert)
-        gate, up = F.linear(x[tokens], experts.gate_up[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, experts.down[expert])
+        up = F.linear(x[tokens], experts.up[expert])
+        if experts.activation == "silu":
+            gate, up = up.chunk(2, dim=-1)
+            activated = F.silu(gate) * up
+        else:
+            activated = F.relu(up).square()
+        y = F.linear(activated, experts.down[expert])
         out.index_add_(0, tokens, y.float() * weights[tokens, k, None])
     return out.to(x.dtype)

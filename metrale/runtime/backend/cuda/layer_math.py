@@ -12,7 +12,7 @@ from metrale.runtime.backend.cuda.resources import CudaResources
 from metrale.runtime.backend.cuda.stream_context import StreamContext, padded_vocab
 from metrale.runtime.backend.cuda.linears import k_splits, linear_into, partials
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
-from metrale.runtime.backend.layer_math import Linear, RopeTable, SsmScan, rope_then_attention
+from metrale.runtime.backend.layer_math import Experts, Linear, MoeRouter, RopeTable, SsmScan, rope_then_attention
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.errors import InvalidArgument
 
@@ -145,6 +145,36 @@ class CudaLayerMath:
         ctx = self.resources.bound.context
         out = ctx.new(*x.shape)
         kernels.activation.relu_squared(self.lib, ctx.stream, out, x)
+        return out
+
+    def moe(self, x, router: MoeRouter, experts: Experts, shared=None):
+        """The router's logits (a float32 GEMM), moe.cu's routing and grouping, the two grouped GEMMs with the
+        activation (activation.cu's) between them, and the weighted combine (with the shared experts' output): no host round trip."""
+        ctx, moe = self.resources.bound.context, kernels.moe
+        tokens, hidden = x.shape
+        num_experts, top_k, width = router.num_experts, router.top_k, experts.width
+        entries = tokens * top_k
+        logits = ctx.new(tokens, num_experts, "float32")
+        linear_into(self.lib, self.resources.gemm, ctx, logits, x, router.weight)
+        rows = moe.tile_rows(entries, num_experts)
+        take = ctx.ring.take
+        routed = moe.Routed(take((tokens, top_k), "int32"), take((tokens, top_k), "float32"),
+                            take((num_experts + 1,), "int32"), take((entries,), "int32"), take((entries,), "int32"),
+                            take((moe.max_tiles(entries, num_experts, rows), 2), "int32"), take((1,), "int32"), rows)
+        moe.route(self.lib, ctx.stream, routed.ids, routed.weights, logits, top_k, router.scoring == "softmax",
+                  router.normalize, router.correction_bias, router.n_group, router.topk_group, router.scaling)
+        moe.sort(self.lib, ctx.stream, routed, num_experts)
+        up = ctx.new(entries, experts.up.shape[1])
+        moe.grouped_gemm(self.lib, ctx.stream, up, x, experts.up, routed, gather_div=top_k)
+        activated = ctx.new(entries, width)
+        if experts.activation == "silu":
+            kernels.activation.silu_mul(self.lib, ctx.stream, activated, up)
+        else:
+            kernels.activation.relu_squared(self.lib, ctx.stream, activated, up)
+        expert_out = ctx.new(entries, hidden)
+        moe.grouped_gemm(self.lib, ctx.stream, expert_out, activated, experts.down, routed, gather_div=0)
+        out = ctx.new(tokens, hidden)
+        moe.combine(self.lib, ctx.stream, out, expert_out, routed, shared)
         return out
 
     def ssm_conv(self, x, weight, bias, batch: CudaBatch, conv_state):

@@ -38,7 +38,7 @@ def stream_buffers(lib, shapes: MemoryShapes) -> Buffers:
     """name -> (shape, dtype) of every buffer one stream owns, sized by the engine's limits."""
     t, seqs = shapes.max_batch_tokens, shapes.max_seqs
     per_layer = 2 * t * (4 * shapes.hidden + 2 * shapes.q_size + 2 * shapes.kv_size + 3 * shapes.intermediate
-                         + shapes.ssm_width)
+                         + shapes.ssm_width + shapes.moe_width)
     # Decode attention's per-split partial outputs, for the largest batch and context (not in the ring: their size
     # follows the split count, not max_batch_tokens); none without attention (a pure SSM).
     partials = kernels.attention.decode_workspace_bound(

@@ -1,0 +1,324 @@
+// A mixture-of-experts layer on the device, with no host round trip: the router's choice (moe_route), the chosen
+// (token, expert) entries grouped by expert (moe_sort), the experts' projections as one grouped GEMM launch each
+// over those groups (moe_grouped_gemm), and each token's weighted sum of its experts' outputs (moe_combine).
+// Every grid is sized by the batch's row count alone, so a decode step's launches are the same in every replay of
+// its CUDA graph; blocks past the work the device found exit at once.
+//
+// Entry i = t * top_k + j is token t's j-th chosen expert. Sorted by expert, entry sorted_entries[r] sits at row r,
+// expert e's rows being offsets[e] .. offsets[e + 1] - 1; positions[i] is entry i's row.
+#include "mma.cuh"
+
+#define MOE_MAX_EXPERTS 512     // experts a router scores (a warp's lanes hold 16 each)
+#define MOE_MAX_TOP_K 16
+#define MOE_PER_LANE (MOE_MAX_EXPERTS / 32)
+
+namespace {
+
+__device__ __forceinline__ float moe_minus_infinity() { return __int_as_float(0xff800000); }
+
+// The better of two (value, expert) candidates: the higher value, the lower expert on a tie (torch.topk's on CUDA).
+__device__ __forceinline__ bool moe_better(float value, int expert, float other_value, int other_expert) {
+    return value > other_value || (value == other_value && expert < other_expert);
+}
+
+// The warp's best candidate: every lane gets it.
+__device__ __forceinline__ void moe_warp_best(float& value, int& expert) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const float v = __shfl_xor_sync(0xffffffffu, value, offset);
+        const int e = __shfl_xor_sync(0xffffffffu, expert, offset);
+        if (moe_better(v, e, value, expert)) { value = v; expert = e; }
+    }
+}
+
+}  // namespace
+
+// One warp per token. logits [T, E] float32, row stride E. scoring 0: softmax over the experts (each logit first
+// rounded to bf16 where round_logits: transformers' softmax routers take the logits in the model's dtype); 1:
+// sigmoid of each. The choice adds correction_bias (float32 [E], or null) to the scores; with n_group > 1 only the
+// topk_group groups (of E / n_group consecutive experts) whose two best choice values sum highest take part. The
+// top_k choices go to ids [T, top_k] (best first) and their scores, divided by their sum where normalize (+ 1e-20
+// for sigmoid scores, as DeepSeek-V3), times scaling, to weights [T, top_k]. Block: 32 * warps threads.
+extern "C" __global__ void moe_route(const float* logits, int num_tokens, int num_experts, int top_k, int scoring,
+                                     int round_logits, int normalize, const float* correction_bias, int n_group,
+                                     int topk_group, float scaling, int* ids, float* weights) {
+    wait_for_previous_kernel();
+    const int lane = threadIdx.x & 31, token = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (token >= num_tokens) return;
+    const float* row = logits + (long long)token * num_experts;
+    float score[MOE_PER_LANE], choice[MOE_PER_LANE];
+    float largest = moe_minus_infinity();
+#pragma unroll
+    for (int i = 0; i < MOE_PER_LANE; ++i) {
+        const int e = lane + 32 * i;
+        float logit = e < num_experts ? row[e] : moe_minus_infinity();
+        if (round_logits && e < num_experts) logit = bf16_to_float(float_to_bf16(logit));
+        score[i] = logit;
+        largest = fmaxf(largest, logit);
+    }
+    if (scoring == 0) {
+        largest = warp_max(largest);
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < MOE_PER_LANE; ++i) {
+            score[i] = lane + 32 * i < num_experts ? expf(score[i] - largest) : 0.f;
+            sum += score[i];
+        }
+        sum = warp_sum(sum);
+#pragma unroll
+        for (int i = 0; i < MOE_PER_LANE; ++i) score[i] /= sum;
+    } else {
+#pragma unroll
+        for (int i = 0; i < MOE_PER_LANE; ++i) score[i] = 1.f / (1.f + expf(-score[i]));
+    }
+#pragma unroll
+    for (int i = 0; i < MOE_PER_LANE; ++i) {
+        const int e = lane + 32 * i;
+        choice[i] = e >= num_experts ? moe_minus_infinity()
+                  : correction_bias != nullptr ? score[i] + correction_bias[e] : score[i];
+    }
+    if (n_group > 1) {
+        // Each group's two best choice values, summed; then the topk_group best groups (lower group on a tie).
+        const int group_size = num_experts / n_group;
+        unsigned long long kept = 0;                          // a bit per group (n_group <= 64)
+        float group_score = moe_minus_infinity();                        // lane g holds group g's
+        for (int g = 0; g < n_group; ++g) {
+            float first = moe_minus_infinity(), second = moe_minus_infinity();
+            int first_expert = num_experts, second_expert = num_experts;
+#pragma unroll
+            for (int i = 0; i < MOE_PER_LANE; ++i) {
+                const int e = lane + 32 * i;
+                if (e / group_size != g || e >= num_experts) continue;
+                if (moe_better(choice[i], e, first, first_expert)) {
+                    second = first; second_expert = first_expert; first = choice[i]; first_expert = e;
+                } else if (moe_better(choice[i], e, second, second_expert)) {
+                    second = choice[i]; second_expert = e;
+                }
+            }
+            float best = first;
+            int best_expert = first_expert;
+            moe_warp_best(best, best_expert);                 // the group's best, then the best of the others
+            float runner_up = first_expert == best_expert ? second : first;
+            int runner_up_expert = first_expert == best_expert ? second_expert : first_expert;
+            moe_warp_best(runner_up, runner_up_expert);
+            if (lane == g) group_score = best + runner_up;
+        }
+        for (int pick = 0; pick < topk_group; ++pick) {
+            float value = (lane < n_group && !((kept >> lane) & 1ull)) ? group_score : moe_minus_infinity();
+            int group = lane < n_group ? lane : 64;
+            moe_warp_best(value, group);
+            kept |= 1ull << group;
+        }
+#pragma unroll
+        for (int i = 0; i < MOE_PER_LANE; ++i) {
+            const int e = lane + 32 * i;
+            if (e < num_experts && !((kept >> (e / group_size)) & 1ull)) choice[i] = moe_minus_infinity();
+        }
+    }
+    // top_k rounds of the warp's best choice; its score is the weight. Lane j keeps the j-th.
+    float my_weight = 0.f, total = 0.f;
+    int my_expert = 0;
+    for (int j = 0; j < top_k; ++j) {
+        float value = moe_minus_infinity();
+        int expert = MOE_MAX_EXPERTS, slot = 0;
+#pragma unroll
+        for (int i = 0; i < MOE_PER_LANE; ++i) {
+            const int e = lane + 32 * i;
+            if (e < num_experts && choice[i] != moe_minus_infinity() && moe_better(choice[i], e, value, expert)) {
+                value = choice[i]; expert = e; slot = i;
+            }
+        }
+        const int mine = expert;
+        moe_warp_best(value, expert);
+        float chosen = 0.f;
+#pragma unroll
+        for (int i = 0; i < MOE_PER_LANE; ++i)
+            if (mine == expert && slot == i) { chosen = score[i]; choice[i] = moe_minus_infinity(); }
+        chosen = __shfl_sync(0xffffffffu, chosen, expert & 31);
+        total += chosen;
+        if (lane == j) { my_weight = chosen; my_expert = expert; }
+    }
+    if (lane < top_k) {
+        const float divisor = normalize ? total + (scoring == 1 ? 1e-20f : 0.f) : 1.f;
+        ids[(long long)token * top_k + lane] = my_expert;
+        weights[(long long)token * top_k + lane] = my_weight / divisor * scaling;
+    }
+}
+
+// One block: the entries grouped by expert. counts -> offsets [E + 1]; each entry's row (positions) and each row's
+// entry (sorted_entries; rows of one expert in no set order: each row's product is its own); and the grouped
+// GEMM's tiles, (expert, first row) of every tile_rows rows of each expert's, into tiles [max_tiles, 2], their
+// number into tile_count[0]. Block: 1024 threads.
+extern "C" __global__ void __launch_bounds__(1024)
+moe_sort(const int* ids, int entries, int num_experts, int tile_rows, int max_tiles, int* offsets,
+         int* sorted_entries, int* positions, int* tiles, int* tile_count) {
+    wait_for_previous_kernel();
+    __shared__ int count[MOE_MAX_EXPERTS], cursor[MOE_MAX_EXPERTS + 1];
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) count[e] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < entries; i += blockDim.x) atomicAdd(&count[ids[i]], 1);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int row = 0, tile = 0;
+        for (int e = 0; e < num_experts; ++e) {
+            cursor[e] = row;
+            offsets[e] = row;
+            for (int first = 0; first < count[e] && tile < max_tiles; first += tile_rows, ++tile) {
+                tiles[2 * tile] = e;
+                tiles[2 * tile + 1] = row + first;
+            }
+            row += count[e];
+        }
+        offsets[num_experts] = row;
+        tile_count[0] = tile;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < entries; i += blockDim.x) {
+        const int row = atomicAdd(&cursor[ids[i]], 1);
+        sorted_entries[row] = i;
+        positions[i] = row;
+    }
+}
+
+// The grouped GEMM: for each tile (expert e, first row r0) of tile_count[0], rows r0 .. min(r0 + BM, offsets[e +
+// 1]) - 1 of out [rows, N] = a(row) [K] @ weight[e] [N, K]^T, where a(row) is row sorted_entries[row] / gather_div
+// of a [*, K] (gather_div > 0: a token's x for each of its entries) or row `row` of a (gather_div 0: the rows
+// already in sorted order). bf16 in, fp32 accumulate on tensor cores (mma.sync m16n8k16), bf16 out. K % 8 == 0;
+// a and weight 16-byte aligned (rows too). Grid: (ceil(N / BN), max_tiles); block: 128 threads, 4 warps each
+// owning BN / 4 columns of the tile, over BK = 32 of K at a time, double-buffered with cp.async.
+namespace {
+
+constexpr int GEMM_THREADS = 128, BN = 128, BK = 32, SMEM_ROW = BK + 8;   // padded rows: conflict-free fragments
+constexpr int WARP_N = BN / 4, N_TILES = WARP_N / 8;
+
+template <int BM>
+struct GemmTiles {
+    bf16 a[2][BM][SMEM_ROW];
+    bf16 w[2][BN][SMEM_ROW];
+};
+
+template <int BM>
+__device__ __forceinline__ void grouped_gemm(bf16* out, const bf16* a, long long a_stride, const bf16* weight,
+                                             const int* sorted_entries, int gather_div, const int* offsets,
+                                             const int* tiles, const int* tile_count, int n, int k) {
+    const int tile = blockIdx.y;
+    if (tile >= tile_count[0]) return;
+    const int expert = tiles[2 * tile], row0 = tiles[2 * tile + 1];
+    const int rows = min(BM, offsets[expert + 1] - row0), col0 = blockIdx.x * BN;
+    const bf16* w = weight + (long long)expert * n * k;
+    __shared__ GemmTiles<BM> s;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+
+    // This thread's 16-byte chunks of each stage: the a rows' (BM x 4 chunks) and the weight rows' (BN x 4).
+    auto load = [&](int stage, int k0) {
+        for (int c = threadIdx.x; c < BM * (BK / 8); c += GEMM_THREADS) {
+            const int r = c / (BK / 8), kc = k0 + (c % (BK / 8)) * 8;
+            const bool valid = r < rows && kc < k;
+            const int source = !valid ? 0 : gather_div ? sorted_entries[row0 + r] / gather_div : row0 + r;
+            copy_async_16(&s.a[stage][r][(c % (BK / 8)) * 8], a + (long long)source * a_stride + (valid ? kc : 0),
+                          valid);
+        }
+        for (int c = threadIdx.x; c < BN * (BK / 8); c += GEMM_THREADS) {
+            const int r = c / (BK / 8), kc = k0 + (c % (BK / 8)) * 8;
+            const bool valid = col0 + r < n && kc < k;
+            copy_async_16(&s.w[stage][r][(c % (BK / 8)) * 8], w + (valid ? (long long)(col0 + r) * k + kc : 0),
+                          valid);
+        }
+        copy_async_commit();
+    };
+
+    float acc[BM / 16][N_TILES][4] = {};
+    const int steps = (k + BK - 1) / BK;
+    load(0, 0);
+    for (int step = 0; step < steps; ++step) {
+        const int stage = step & 1;
+        if (step + 1 < steps) {
+            load(stage ^ 1, (step + 1) * BK);
+            copy_async_wait<1>();
+        } else {
+            copy_async_wait<0>();
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            unsigned b[N_TILES][2];
+#pragma unroll
+            for (int j = 0; j < N_TILES; ++j) {
+                const bf16* wrow = &s.w[stage][warp * WARP_N + j * 8 + g][kk + 2 * t];
+                b[j][0] = *reinterpret_cast<const unsigned*>(wrow);
+                b[j][1] = *reinterpret_cast<const unsigned*>(wrow + 8);
+            }
+#pragma unroll
+            for (int m = 0; m < BM / 16; ++m) {
+                const bf16* low = &s.a[stage][m * 16 + g][kk + 2 * t];
+                const bf16* high = &s.a[stage][m * 16 + g + 8][kk + 2 * t];
+                const unsigned frag[4] = {*reinterpret_cast<const unsigned*>(low),
+                                          *reinterpret_cast<const unsigned*>(high),
+                                          *reinterpret_cast<const unsigned*>(low + 8),
+                                          *reinterpret_cast<const unsigned*>(high + 8)};
+#pragma unroll
+                for (int j = 0; j < N_TILES; ++j) mma_bf16(acc[m][j], frag, b[j][0], b[j][1]);
+            }
+        }
+        __syncthreads();                        // the stage is consumed before the next load overwrites it
+    }
+    // acc[m][j]: rows m * 16 + (g, g + 8), columns warp * WARP_N + j * 8 + (2t, 2t + 1).
+#pragma unroll
+    for (int m = 0; m < BM / 16; ++m) {
+#pragma unroll
+        for (int j = 0; j < N_TILES; ++j) {
+            const int col = col0 + warp * WARP_N + j * 8 + 2 * t;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = m * 16 + g + 8 * half;
+                if (r >= rows) continue;
+                bf16* dst = out + (long long)(row0 + r) * n + col;
+                if (col + 1 < n)
+                    *reinterpret_cast<unsigned*>(dst) = float2_to_bf16x2(acc[m][j][2 * half], acc[m][j][2 * half + 1]);
+                else if (col < n)
+                    *dst = float_to_bf16(acc[m][j][2 * half]);
+            }
+        }
+    }
+}
+
+}  // namespace
+
+// BM = 16 rows a tile (decode: few rows an expert) and 64 (prefill).
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
+moe_grouped_gemm_m16(bf16* out, const bf16* a, long long a_stride, const bf16* weight, const int* sorted_entries,
+                     int gather_div, const int* offsets, const int* tiles, const int* tile_count, int n, int k) {
+    wait_for_previous_kernel();
+    grouped_gemm<16>(out, a, a_stride, weight, sorted_entries, gather_div, offsets, tiles, tile_count, n, k);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
+moe_grouped_gemm_m64(bf16* out, const bf16* a, long long a_stride, const bf16* weight, const int* sorted_entries,
+                     int gather_div, const int* offsets, const int* tiles, const int* tile_count, int n, int k) {
+    wait_for_previous_kernel();
+    grouped_gemm<64>(out, a, a_stride, weight, sorted_entries, gather_div, offsets, tiles, tile_count, n, k);
+}
+
+// out [T, H] = bf16(sum over j of weights[t, j] * expert_out[positions[t * top_k + j]] (+ shared[t], where given)),
+// in fp32. Grid: (ceil(H / (2 * blockDim.x)), T); each thread two columns.
+extern "C" __global__ void moe_combine(bf16* out, const bf16* expert_out, const float* weights,
+                                       const int* positions, const bf16* shared, int hidden, int top_k) {
+    wait_for_previous_kernel();
+    const int token = blockIdx.y, col = 2 * (blockIdx.x * blockDim.x + threadIdx.x);
+    if (col >= hidden) return;
+    float x = 0.f, y = 0.f;
+    for (int j = 0; j < top_k; ++j) {
+        const int entry = token * top_k + j;
+        const float w = weights[entry];
+        const float2 v = bf16x2_to_float2(
+            *reinterpret_cast<const unsigned*>(expert_out + (long long)positions[entry] * hidden + col));
+        x += w * v.x;
+        y += w * v.y;
+    }
+    if (shared != nullptr) {
+        const float2 v = bf16x2_to_float2(*reinterpret_cast<const unsigned*>(shared + (long long)token * hidden + col));
+        x += v.x;
+        y += v.y;
+    }
+    *reinterpret_cast<unsigned*>(out + (long long)token * hidden + col) = float2_to_bf16x2(x, y);
+}

@@ -1,0 +1,137 @@
+"""Launchers for cuda_kernels/moe.cu: a mixture-of-experts layer's routing, its entries grouped by expert, the
+experts' grouped GEMMs and the weighted combine. Every grid follows the batch's row count alone (graph-safe)."""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from metrale.runtime.backend.cuda.launch import ceil_div, launch_kernel, require
+from metrale.runtime.backend.cuda.tensor import DeviceTensor
+
+MODULE = "moe"
+MAX_EXPERTS = 512           # MOE_MAX_EXPERTS
+MAX_TOP_K = 16              # MOE_MAX_TOP_K
+MAX_GROUPS = 32             # a lane per group
+ROUTE_WARPS = 4
+SORT_THREADS = 1024
+GEMM_THREADS, GEMM_BN = 128, 128
+COMBINE_THREADS = 128
+# Rows of a grouped GEMM tile: 16 while the entries average at most DECODE_ROWS an expert, else 64.
+TILE_ROWS = {16: "moe_grouped_gemm_m16", 64: "moe_grouped_gemm_m64"}
+DECODE_ROWS = 16
+NULL = np.uint64(0)
+MAX_GRID_Y = 65535
+
+
+def tile_rows(entries: int, num_experts: int) -> int:
+    """The grouped GEMM's rows a tile for `entries` routed rows over num_experts experts."""
+    return 16 if entries <= DECODE_ROWS * num_experts else 64
+
+
+def max_tiles(entries: int, num_experts: int, rows: int) -> int:
+    """The most tiles `entries` rows make when each expert's rows are cut into tiles of `rows`: every expert
+    that has rows adds at most one partial tile."""
+    return entries // rows + min(num_experts, entries)
+
+
+@dataclass(frozen=True)
+class Routed:
+    """A batch's routed entries on the device: ids and weights [T, top_k] (moe_route's), and moe_sort's grouping:
+    offsets [E + 1], sorted_entries and positions [T * top_k], tiles [max_tiles, 2] and tile_count [1]."""
+    ids: DeviceTensor
+    weights: DeviceTensor
+    offsets: DeviceTensor
+    sorted_entries: DeviceTensor
+    positions: DeviceTensor
+    tiles: DeviceTensor
+    tile_count: DeviceTensor
+    tile_rows: int
+
+    @property
+    def entries(self) -> int:
+        return self.sorted_entries.shape[0]
+
+
+def route(lib, stream, ids: DeviceTensor, weights: DeviceTensor, logits: DeviceTensor, top_k: int, softmax: bool,
+          normalize: bool, correction_bias: DeviceTensor | None, n_group: int, topk_group: int,
+          scaling: float) -> None:
+    """ids [T, top_k] int32 and weights [T, top_k] float32 of each token's chosen experts from its router logits
+    [T, E] float32 (contiguous): MoeRouter's rule (layer_math.py), softmax routers' logits rounded to bf16 first."""
+    tokens, experts = logits.shape
+    require(logits.dtype == "float32" and logits.is_contiguous, "moe route: logits must be contiguous float32")
+    require(0 < experts <= MAX_EXPERTS, f"moe route: {experts} experts (at most {MAX_EXPERTS})")
+    require(0 < top_k <= min(MAX_TOP_K, experts), f"moe route: top_k {top_k} must be in 1..{min(MAX_TOP_K, experts)}")
+    require(ids.shape == (tokens, top_k) and ids.dtype == "int32" and ids.is_contiguous,
+            f"moe route: ids must be [{tokens}, {top_k}] int32")
+    require(weights.shape == (tokens, top_k) and weights.dtype == "float32" and weights.is_contiguous,
+            f"moe route: weights must be [{tokens}, {top_k}] float32")
+    require(n_group == 1 or (n_group <= MAX_GROUPS and experts % n_group == 0 and experts // n_group >= 2
+                             and 0 < topk_group <= n_group and top_k <= topk_group * (experts // n_group)),
+            f"moe route: {n_group} groups (topk_group {topk_group}) of {experts} experts cannot give top-{top_k}")
+    require(correction_bias is None or (correction_bias.shape == (experts,) and correction_bias.dtype == "float32"),
+            "moe route: correction_bias must be float32 [experts]")
+    if tokens == 0:
+        return
+    launch_kernel(stream, lib.get("moe_route", MODULE), ceil_div(tokens, ROUTE_WARPS), 32 * ROUTE_WARPS, logits,
+                  tokens, experts, top_k, 0 if softmax else 1, int(softmax), int(normalize),
+                  correction_bias if correction_bias is not None else NULL, n_group, topk_group, np.float32(scaling),
+                  ids, weights)
+
+
+def sort(lib, stream, routed: Routed, num_experts: int) -> None:
+    """routed's grouping of its ids' entries by expert (one block)."""
+    entries = routed.entries
+    require(routed.ids.numel == entries and routed.positions.shape == (entries,),
+            "moe sort: ids, sorted_entries and positions must hold T * top_k entries each")
+    require(routed.offsets.shape == (num_experts + 1,) and routed.tile_count.shape == (1,),
+            f"moe sort: offsets must be [{num_experts + 1}], tile_count [1]")
+    tiles = routed.tiles.shape[0]
+    require(tiles >= max_tiles(entries, num_experts, routed.tile_rows) and routed.tiles.shape == (tiles, 2),
+            f"moe sort: tiles must be [>= {max_tiles(entries, num_experts, routed.tile_rows)}, 2]")
+    launch_kernel(stream, lib.get("moe_sort", MODULE), 1, SORT_THREADS, routed.ids, entries, num_experts,
+                  routed.tile_rows, tiles, routed.offsets, routed.sorted_entries, routed.positions, routed.tiles,
+                  routed.tile_count)
+
+
+def grouped_gemm(lib, stream, out: DeviceTensor, a: DeviceTensor, weight: DeviceTensor, routed: Routed,
+                 gather_div: int) -> None:
+    """out [entries, N] (rows in sorted order) = each row's a @ its expert's weight [E, N, K].T, bf16 with fp32
+    accumulation: a's row sorted_entries[row] // gather_div (gather_div = top_k: x [T, K] by token) or, with
+    gather_div 0, a's row `row` (a [entries, K] already sorted). K % 8 == 0, 16-byte aligned rows."""
+    experts, n, k = weight.shape
+    require(weight.dtype == "bfloat16" and weight.is_contiguous, "moe gemm: weight must be contiguous bf16")
+    require(a.dtype == "bfloat16" and len(a.shape) == 2 and a.shape[1] == k,
+            f"moe gemm: a must be bf16 [*, {k}], not {a.shape} {a.dtype}")
+    require(out.shape == (routed.entries, n) and out.dtype == "bfloat16" and out.is_contiguous,
+            f"moe gemm: out must be contiguous bf16 [{routed.entries}, {n}]")
+    require(k % 8 == 0 and n % 2 == 0, f"moe gemm: K {k} must be a multiple of 8 and N {n} even")
+    require((a.ptr | weight.ptr | 2 * a.stride) % 16 == 0 and out.ptr % 4 == 0,
+            "moe gemm: a and weight must be 16-byte aligned (pointer and row stride)")
+    require(gather_div > 0 or a.shape[0] == routed.entries, "moe gemm: unsorted rows need gather_div")
+    require(routed.tiles.shape[0] <= MAX_GRID_Y, f"moe gemm: {routed.tiles.shape[0]} tiles (at most {MAX_GRID_Y})")
+    if routed.entries == 0:
+        return
+    grid = (ceil_div(n, GEMM_BN), routed.tiles.shape[0])
+    launch_kernel(stream, lib.get(TILE_ROWS[routed.tile_rows], MODULE), grid, GEMM_THREADS, out, a,
+                  np.int64(a.stride), weight, routed.sorted_entries, gather_div, routed.offsets, routed.tiles,
+                  routed.tile_count, n, k)
+
+
+def combine(lib, stream, out: DeviceTensor, expert_out: DeviceTensor, routed: Routed,
+            shared: DeviceTensor | None = None) -> None:
+    """out [T, H] = each token's sum of weight * its experts' rows of expert_out [entries, H] (+ shared [T, H]),
+    fp32, rounded once to bf16."""
+    tokens, hidden = out.shape
+    top_k = routed.weights.shape[1]
+    require(out.dtype == "bfloat16" and out.is_contiguous and hidden % 2 == 0,
+            "moe combine: out must be contiguous bf16 with an even width")
+    require(expert_out.shape == (tokens * top_k, hidden) and expert_out.is_contiguous,
+            f"moe combine: expert_out must be contiguous [{tokens * top_k}, {hidden}]")
+    require(shared is None or (shared.shape == (tokens, hidden) and shared.is_contiguous),
+            f"moe combine: shared must be contiguous [{tokens}, {hidden}]")
+    require(tokens <= MAX_GRID_Y, f"moe combine: {tokens} tokens (at most {MAX_GRID_Y})")
+    if tokens == 0:
+        return
+    grid = (ceil_div(hidden, 2 * COMBINE_THREADS), tokens)
+    launch_kernel(stream, lib.get("moe_combine", MODULE), grid, COMBINE_THREADS, out, expert_out, routed.weights,
+                  routed.positions, shared if shared is not None else NULL, hidden, top_k)

@@ -1,0 +1,159 @@
+"""moe.cu against the CPU backend's torch math (backend/cpu/moe.py) on the same inputs: the router's choice from the
+same float32 logits (softmax and DeepSeek-V3's grouped sigmoid, with exactly tied scores, which must go as
+torch.topk on the GPU breaks them, as transformers' run there does: the lower expert id), the grouping of the
+entries by expert, and a whole layer (route, sort, the grouped GEMMs with silu between, the combine with shared
+experts) at decode and prefill row counts, up to Qwen3-30B-A3B's mixture (128 experts, top-8, 2048 x 768)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("cuda.core")
+
+from gpu_reference import TOLERANCE, relative_error  # noqa: E402
+from metrale.runtime.backend.cpu.moe import choose  # noqa: E402
+from metrale.runtime.backend.cuda.kernels import activation, moe  # noqa: E402
+from metrale.runtime.backend.cuda.tensor import DeviceTensor  # noqa: E402
+from metrale.runtime.backend.layer_math import MoeRouter  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+DEVICE = "cuda"
+d = DeviceTensor.from_torch
+
+# (tokens, experts, top_k, softmax, n_group, topk_group): decode and prefill rows, every router kind.
+ROUTERS = [(1, 8, 2, True, 1, 1), (37, 128, 8, True, 1, 1), (300, 64, 6, True, 1, 1), (9, 256, 8, False, 8, 4),
+           (64, 32, 4, False, 4, 2), (5, 512, 16, False, 1, 1)]
+
+
+def logits_for(tokens: int, experts: int, softmax: bool, ties: bool) -> torch.Tensor:
+    """Random float32 logits (bf16-representable: the kernel rounds softmax routers' logits to bf16); with ties,
+    each odd expert's column a copy of the even one before it."""
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(tokens + experts)).bfloat16().float()
+    if ties:
+        logits[:, 1::2] = logits[:, 0::2]
+    return logits
+
+
+def device_route(kernel_library, stream, logits: torch.Tensor, router: MoeRouter, bias):
+    tokens = logits.shape[0]
+    ids = torch.full((tokens, router.top_k), -1, dtype=torch.int32, device=DEVICE)
+    weights = torch.full((tokens, router.top_k), float("nan"), device=DEVICE)
+    torch.cuda.synchronize()
+    moe.route(kernel_library, stream, d(ids), d(weights), d(logits.to(DEVICE)), router.top_k,
+              router.scoring == "softmax", router.normalize, None if bias is None else d(bias), router.n_group,
+              router.topk_group, router.scaling)
+    stream.sync()
+    return ids.long().cpu(), weights.cpu()
+
+
+def as_sets(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's (ids, weights) in expert order: the order of a token's choices changes no output."""
+    ids, order = ids.sort(dim=-1)
+    return ids, weights.gather(1, order)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("tokens, experts, top_k, softmax, n_group, topk_group", ROUTERS)
+def test_route_matches_the_cpu_math(kernel_library, stream, tokens, experts, top_k, softmax, n_group, topk_group,
+                                    ties):
+    logits = logits_for(tokens, experts, softmax, ties)
+    bias = None
+    if not softmax:
+        bias = 0.1 * torch.randn(experts, generator=torch.Generator().manual_seed(5))
+        if ties:
+            bias[1::2] = bias[0::2]
+    router = MoeRouter(None, top_k, "softmax" if softmax else "sigmoid", normalize=softmax or n_group > 1,
+                       correction_bias=bias, n_group=n_group, topk_group=topk_group, scaling=1.0 if softmax else 2.5)
+    on_device = router if bias is None else MoeRouter(None, top_k, router.scoring, router.normalize, bias.to(DEVICE),
+                                                      n_group, topk_group, router.scaling)
+    want_ids, want_weights = (t.cpu() for t in as_sets(*choose(logits.to(DEVICE), on_device)))
+    ids, weights = device_route(kernel_library, stream, logits, router, None if bias is None else bias.to(DEVICE))
+    got_ids, got_weights = as_sets(weights, ids)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_weights, want_weights, rtol=1e-5, atol=1e-7)
+
+
+def routed_buffers(tokens: int, experts: int, top_k: int) -> moe.Routed:
+    entries = tokens * top_k
+    rows = moe.tile_rows(entries, experts)
+    full = lambda *shape: torch.full(shape, -7, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    kept = [full(tokens, top_k), torch.empty(tokens, top_k, device=DEVICE), full(experts + 1), full(entries),
+            full(entries), full(moe.max_tiles(entries, experts, rows), 2), full(1)]
+    return moe.Routed(*(d(t) for t in kept), rows), kept
+
+
+@pytest.mark.parametrize("tokens, experts, top_k", [(1, 8, 2), (40, 16, 4), (300, 8, 2), (256, 128, 8)])
+def test_sort_groups_the_entries_by_expert(kernel_library, stream, tokens, experts, top_k):
+    routed, kept = routed_buffers(tokens, experts, top_k)
+    ids = torch.stack([torch.randperm(experts, generator=torch.Generator().manual_seed(t))[:top_k]
+                       for t in range(tokens)]).int()
+    kept[0].copy_(ids)
+    torch.cuda.synchronize()
+    moe.sort(kernel_library, stream, routed, experts)
+    stream.sync()
+    offsets, sorted_entries, positions, tiles, count = (t.cpu() for t in kept[2:])
+    flat = ids.flatten().long()
+    counts = torch.bincount(flat, minlength=experts)
+    assert torch.equal(offsets, torch.cat([torch.zeros(1), counts.cumsum(0)]).int())
+    assert torch.equal(sorted_entries[positions.long()], torch.arange(len(flat), dtype=torch.int32))
+    for e in range(experts):        # each expert's rows hold its entries
+        assert (flat[sorted_entries[offsets[e]:offsets[e + 1]].long()] == e).all()
+    rows = routed.tile_rows
+    want = [(e, offsets[e].item() + first) for e in range(experts) for first in range(0, counts[e].item(), rows)]
+    assert count.item() == len(want)
+    assert [tuple(t) for t in tiles[:len(want)].tolist()] == want
+
+
+def device_layer(kernel_library, stream, x, logits, router: MoeRouter, gate_up, down, bias, shared):
+    """CudaLayerMath.moe's launches with torch buffers, from the given router logits."""
+    tokens, hidden = x.shape
+    experts, top_k, width = gate_up.shape[0], router.top_k, down.shape[2]
+    routed, kept = routed_buffers(tokens, experts, top_k)
+    gate_up_rows = torch.empty(tokens * top_k, 2 * width, dtype=torch.bfloat16, device=DEVICE)
+    activated = torch.empty(tokens * top_k, width, dtype=torch.bfloat16, device=DEVICE)
+    expert_out = torch.empty(tokens * top_k, hidden, dtype=torch.bfloat16, device=DEVICE)
+    out = torch.full_like(x, float("nan"))
+    torch.cuda.synchronize()
+    moe.route(kernel_library, stream, routed.ids, routed.weights, d(logits.to(DEVICE)), top_k,
+              router.scoring == "softmax", router.normalize, None if bias is None else d(bias), router.n_group,
+              router.topk_group, router.scaling)
+    moe.sort(kernel_library, stream, routed, experts)
+    moe.grouped_gemm(kernel_library, stream, d(gate_up_rows), d(x), d(gate_up), routed, gather_div=top_k)
+    activation.silu_mul(kernel_library, stream, d(activated), d(gate_up_rows))
+    moe.grouped_gemm(kernel_library, stream, d(expert_out), d(activated), d(down), routed, gather_div=0)
+    moe.combine(kernel_library, stream, d(out), d(expert_out), routed, None if shared is None else d(shared))
+    stream.sync()
+    return out.float().cpu(), kept[0].long().cpu()
+
+
+# (tokens, experts, top_k, hidden, width, softmax, shared): 16-row tiles (decode) and 64-row tiles (prefill).
+LAYERS = [(1, 8, 2, 128, 64, True, False), (7, 16, 4, 256, 48, False, True), (300, 8, 2, 128, 96, True, False),
+          (4, 128, 8, 2048, 768, True, False), (512, 128, 8, 2048, 768, True, True)]
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, hidden, width, softmax, shared", LAYERS)
+def test_layer_matches_the_cpu_math(kernel_library, stream, tokens, experts, top_k, hidden, width, softmax, shared):
+    torch.manual_seed(0)
+    x = (torch.randn(tokens, hidden, device=DEVICE)).bfloat16()
+    gate_up = (0.05 * torch.randn(experts, 2 * width, hidden, device=DEVICE)).bfloat16()
+    down = (0.05 * torch.randn(experts, hidden, width, device=DEVICE)).bfloat16()
+    shared_out = torch.randn(tokens, hidden, device=DEVICE).bfloat16() if shared else None
+    bias = None if softmax else 0.1 * torch.randn(experts, device=DEVICE)
+    router = MoeRouter(None, top_k, "softmax" if softmax else "sigmoid", normalize=True,
+                       correction_bias=None if bias is None else bias.cpu(), n_group=1 if softmax else 4,
+                       topk_group=1 if softmax else 2, scaling=1.0 if softmax else 2.5)
+    logits = logits_for(tokens, experts, softmax, ties=False)
+    out, ids = device_layer(kernel_library, stream, x, logits, router, gate_up, down, bias, shared_out)
+
+    weights, want_ids = choose(logits.to(DEVICE), MoeRouter(None, top_k, router.scoring, True, bias, router.n_group,
+                                                            router.topk_group, router.scaling))
+    assert torch.equal(as_sets(weights.cpu(), ids)[0], as_sets(weights.cpu(), want_ids.cpu())[0])
+    # Each expert over its tokens, in float64 on the GPU.
+    want = torch.zeros(tokens, hidden, dtype=torch.float64, device=DEVICE)
+    for e in want_ids.unique().tolist():
+        token, j = torch.where(want_ids == e)
+        gate, up = (x[token].double() @ gate_up[e].double().T).chunk(2, dim=-1)
+        want.index_add_(0, token, weights[token, j, None].double() * ((F.silu(gate) * up) @ down[e].double().T))
+    if shared:
+        want += shared_out.double()
+    assert relative_error(out, want) < TOLERANCE[torch.bfloat16]

@@ -1,0 +1,76 @@
+"""moe.cu's launchers without a GPU: a layer's launches (route, sort, the two grouped GEMMs, combine) match each
+kernel's parameter list, their grids follow the row count alone (so a decode graph replays them as captured), and
+bad shapes are refused before anything is launched."""
+
+import numpy as np
+import pytest
+
+pytest.importorskip("cuda.core")
+
+from launcher_fakes import FakeLibrary, bf16, f32, i32, parameter_types, record_launches  # noqa: E402
+from metrale.runtime.backend.cuda.kernels import moe  # noqa: E402
+from metrale.runtime.errors import InvalidArgument  # noqa: E402
+
+EXPERTS, TOP_K, HIDDEN, WIDTH = 128, 8, 2048, 768
+
+
+def routed(tokens: int, experts: int = EXPERTS, top_k: int = TOP_K) -> moe.Routed:
+    entries = tokens * top_k
+    rows = moe.tile_rows(entries, experts)
+    return moe.Routed(i32(tokens, top_k), f32(tokens, top_k), i32(experts + 1), i32(entries), i32(entries),
+                      i32(moe.max_tiles(entries, experts, rows), 2), i32(1), rows)
+
+
+def layer(lib, tokens: int, bias: bool = False) -> None:
+    r = routed(tokens)
+    entries = tokens * TOP_K
+    moe.route(lib, None, r.ids, r.weights, f32(tokens, EXPERTS), TOP_K, not bias, True, f32(EXPERTS) if bias else None,
+              8 if bias else 1, 4 if bias else 1, 2.5)
+    moe.sort(lib, None, r, EXPERTS)
+    moe.grouped_gemm(lib, None, bf16(entries, 2 * WIDTH), bf16(tokens, HIDDEN), bf16(EXPERTS, 2 * WIDTH, HIDDEN), r,
+                     TOP_K)
+    moe.grouped_gemm(lib, None, bf16(entries, HIDDEN), bf16(entries, WIDTH), bf16(EXPERTS, HIDDEN, WIDTH), r, 0)
+    moe.combine(lib, None, bf16(tokens, HIDDEN), bf16(entries, HIDDEN), r, bf16(tokens, HIDDEN))
+
+
+@pytest.mark.parametrize("tokens, bias", [(1, False), (64, True), (256, False), (8192, True)])
+def test_a_layers_launches_match_the_kernels(monkeypatch, tokens, bias):
+    launches = record_launches(monkeypatch, moe)
+    layer(FakeLibrary(), tokens, bias)
+    names = [name for (_, name), *_ in launches]
+    assert names == ["moe_route", "moe_sort", moe.TILE_ROWS[moe.tile_rows(tokens * TOP_K, EXPERTS)],
+                     moe.TILE_ROWS[moe.tile_rows(tokens * TOP_K, EXPERTS)], "moe_combine"]
+    for (module, name), grid, block, args, _ in launches:
+        assert [type(a) for a in args] == parameter_types(module, name), name
+        grid = grid if isinstance(grid, tuple) else (grid,)
+        assert all(0 < g <= 65535 for g in grid[1:]) and 0 < grid[0] < 2 ** 31, (name, grid)
+        assert 32 <= block <= 1024 and block % 32 == 0
+    # The grouped GEMMs' grids: every tile a sort can make, whatever the routing.
+    entries = tokens * TOP_K
+    rows = moe.tile_rows(entries, EXPERTS)
+    assert launches[2][1][1] == moe.max_tiles(entries, EXPERTS, rows)
+
+
+def test_max_tiles_bounds_every_routing():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        experts, entries = int(rng.integers(1, 64)), int(rng.integers(1, 2000))
+        rows = moe.tile_rows(entries, experts)
+        counts = np.bincount(rng.integers(0, experts, entries), minlength=experts)
+        assert sum(-(-c // rows) for c in counts) <= moe.max_tiles(entries, experts, rows)
+
+
+@pytest.mark.parametrize("call", [
+    lambda lib: moe.route(lib, None, i32(4, 8), f32(4, 8), f32(4, 600), 8, True, True, None, 1, 1, 1.0),   # > 512
+    lambda lib: moe.route(lib, None, i32(4, 8), f32(4, 8), f32(4, 64), 8, False, True, None, 64, 2, 1.0),  # groups of 1
+    lambda lib: moe.route(lib, None, i32(4, 9), f32(4, 9), f32(4, 64), 9, False, True, None, 8, 1, 1.0),   # 9 > 1 x 8
+    lambda lib: moe.route(lib, None, i32(4, 4), f32(4, 8), f32(4, 64), 8, True, True, None, 1, 1, 1.0),   # ids shape
+    lambda lib: moe.grouped_gemm(lib, None, bf16(32, 100), bf16(4, 60), bf16(8, 100, 60), routed(4, 8, 8), 8),
+    lambda lib: moe.combine(lib, None, bf16(4, 64), bf16(4, 64), routed(4, 8, 8)),
+])
+def test_bad_shapes_are_refused_before_a_launch(monkeypatch, call):
+    launches = record_launches(monkeypatch, moe)
+    lib = FakeLibrary()
+    with pytest.raises(InvalidArgument):
+        call(lib)
+    assert launches == [] and lib.requested == []
