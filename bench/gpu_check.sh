@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything GPU on the lent H200, in parts that each fit one 10-minute call; a short summary last.
 #   tests    the gpu-marked tests (kernels against torch references, models against transformers, graphs,
-#            the sampler) and the API tests with their workers on the CUDA backend          (~4 min)
+#            the sampler) and the API tests with their workers on the CUDA backend          (~8 min)
+#   api-models  the API tests again with a hybrid (Nemotron-H) and a mixture of experts (dots.llm1) served (~3 min)
 #   load     tests/service/test_load.py with its worker process on the CUDA backend: 64 clients for 60 s with faults,
 #            sequential-replay equality, no leaked block, RSS and device memory flat, SIGTERM drain      (~3 min)
 #   kernels  bench/gpu_attention.py, bench/gpu_skinny_gemm.py and bench/gpu_gemm_algos.py (cuBLASLt's candidate
@@ -21,10 +22,13 @@
 #   ssm-profile  bench/gpu_profile.py at the Nemotron-H-8B shape, batches 1 and 128, and an 8k prefill's kernels (~3 min)
 #   ssm-prefix  bench/prefix_cache.py at the Nemotron-H-8B shape: 16 requests sharing a 4,096-token system prompt,
 #            resumed from the SSM snapshot (--prefix-cache on) against computed again (off)                   (~3 min)
+#   moe      bench/gpu_moe.py at the Qwen3-30B-A3B shape: transformers' generate at batch 1, the engine loaded from
+#            safetensors shards (where the disk holds them), decode at batches 1, 8, 64, 256 against the floor of the
+#            experts routed to, through Steps too, the 8 x 1k prefill, the MoE kernels' shares            (~9 min)
 #   mha      bench/gpu_mha_attention.py: the multi-head decode attention kernels at NLLB's beam step shapes, with each
 #            bench/variants/decode_attention_mha/NAME.cu (carry bench/variants) timed beside the package's  (~1 min)
 # Usage (from the repository root, with .whl carried):
-#   bash bench/gpu_check.sh [tests|load|kernels|smollm2|llama|profile|prefix|beam|search|ssm|ssm-kernels|ssm-profile|ssm-prefix|mha]...
+#   bash bench/gpu_check.sh [tests|api-models|load|kernels|smollm2|llama|profile|prefix|beam|search|ssm|ssm-kernels|ssm-profile|ssm-prefix|moe|mha]...
 # (default: tests). Logs and JSON land in $OUT (default /tmp/gpu-check).
 set -uo pipefail
 source scripts/device_env.sh || exit 1
@@ -50,10 +54,13 @@ for part in "${@:-tests}"; do
       run_pytest api-on-cuda --worker-device cuda tests/service/test_forward_api.py tests/service/test_errors.py \
         tests/service/test_concurrency.py tests/service/test_generate.py tests/service/test_faults.py \
         tests/service/test_metrics.py tests/service/test_run_ahead.py tests/service/test_beam_api.py \
-        tests/service/test_fault_isolation.py tests/service/test_limits.py tests/service/test_prefix_cache_api.py
+        tests/service/test_fault_isolation.py tests/service/test_limits.py tests/service/test_prefix_cache_api.py ;;
+    api-models)
       run_pytest api-on-cuda-hybrid --worker-device cuda --worker-model nemotron_h tests/service/test_forward_api.py \
         tests/service/test_errors.py tests/service/test_beam_api.py tests/service/test_run_ahead.py \
-        tests/service/test_prefix_cache_api.py ;;
+        tests/service/test_prefix_cache_api.py
+      run_pytest api-on-cuda-moe --worker-device cuda --worker-model dots1 tests/service/test_forward_api.py \
+        tests/service/test_errors.py tests/service/test_run_ahead.py ;;
     load)
       run_pytest load-on-cuda --worker-device cuda -s tests/service/test_load.py
       summary+=("$(grep -E '^load on' "$OUT/load-on-cuda.log")") ;;
@@ -73,6 +80,9 @@ for part in "${@:-tests}"; do
         --question 64 --decode-steps 16 --reps 3 ;;
     ssm)
       run_bench ssm bench.gpu_ssm --shape nemotron-h-8b ;;
+    moe)
+      run_bench moe bench.gpu_moe --shape qwen3-30b-a3b --checkpoint-dir /tmp/metrale-moe-checkpoint
+      rm -rf /tmp/metrale-moe-checkpoint ;;
     ssm-kernels)
       variants=()
       for f in bench/variants/ssm/*.cu; do

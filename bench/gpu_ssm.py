@@ -17,6 +17,7 @@ from bench.decode_tables import DecodeRow, PrefillRow, format_decode_table, form
 from bench.engine_runner import EngineRunner
 from bench.gpu_ceilings import copy_bandwidth, device_memory_gb, gemm_rate, gpu_machine_line
 from bench.gpu_decode import decode_engine_row, decode_grpc_row, write_json
+from bench.kernel_parts import GEMM_KEYS, device_ms_by_part, format_parts
 from bench.model_shapes import HYBRID_SHAPES, decode_step_bytes, hybrid_decode_weight_bytes, \
     hybrid_kv_bytes_per_token, hybrid_prefill_flops, hybrid_state_bytes, random_checkpoint, random_tokens
 from bench.phases import Run, log
@@ -30,7 +31,7 @@ from metrale.service.server import WorkerServer
 
 # Kernel names -> the part of a prefill they do, first match wins (cuBLASLt's GEMMs go by several names).
 KERNEL_PARTS = (("scan", ("ssm_scan", "ssm_chunk")), ("conv", ("ssm_conv",)), ("attention", ("attention",)),
-                ("GEMMs", ("gemm", "nvjet", "cutlass", "xmma", "splitk", "linear_partials")))
+                ("GEMMs", GEMM_KEYS))
 
 
 def parse_args(argv):
@@ -134,7 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
     prompt = random_tokens(1, args.prefill, shape.vocab, args.seed + 2)
     times, prefill_row.note = run.phase("prefill", ours.time_prefill, prompt, 1, args.prefill_reps)
     prefill_row.step_ms = times or []
-    parts, _ = run.phase("prefill kernels", prefill_kernel_parts, ours, prompt) if device == "cuda" else ({}, "")
+    parts, _ = run.phase("prefill kernels", device_ms_by_part, lambda: ours.time_prefill(prompt, 0, 1),
+                         KERNEL_PARTS) if device == "cuda" else ({}, "")
 
     result["decode"] = {c: [dict(dataclasses.asdict(r), p50_ms=r.p50_ms if r.ok else None) for r in rows]
                         for c, rows in tables.items()}
@@ -154,29 +156,11 @@ def main(argv: list[str] | None = None) -> dict:
           f"bf16 GEMM {gemm / 1e12:.1f} TFLOP/s")
     print(format_prefill_table([prefill_row]))
     if parts:
-        busy = sum(parts.values())
-        print("# its kernels (CUPTI, device ms of one prefill): " + ", ".join(
-            f"{name} {ms:.2f} ({100 * ms / busy:.0f}%)" for name, ms in parts.items()))
+        print("# its kernels (CUPTI, device ms of one prefill): " + format_parts(parts))
     print(f"# total {run.elapsed():.0f} s; phases (s): " + ", ".join(f"{k} {v:.1f}" for k, v in run.phases.items())
           + (f"; ERRORS: {run.errors}" if run.errors else ""))
     result["decode_rows"], result["prefill_rows"] = tables, [prefill_row]
     return result
-
-
-def prefill_kernel_parts(ours: EngineRunner, prompt: torch.Tensor) -> dict[str, float]:
-    """Device ms of one prefill by part (KERNEL_PARTS, the rest as "other"), through torch.profiler (CUPTI)."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        ours.time_prefill(prompt, 0, 1)
-        torch.cuda.synchronize()
-    parts = {name: 0.0 for name, _ in KERNEL_PARTS} | {"other": 0.0}
-    for event in prof.profiler.kineto_results.events():
-        if event.device_type() != torch.autograd.DeviceType.CUDA:
-            continue
-        name = event.name().lower()
-        part = next((part for part, keys in KERNEL_PARTS if any(key in name for key in keys)), "other")
-        parts[part] += event.duration_ns() / 1e6
-    return parts
 
 
 if __name__ == "__main__":

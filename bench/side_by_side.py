@@ -57,6 +57,12 @@ def time_hf_generate(checkpoint, device: str, prompt: torch.Tensor, new_tokens: 
                            f"unexpected {unexpected}")
     if "lm_head.weight" in missing:
         model.tie_weights()
+    return time_generate(model, device, prompt, new_tokens, compile)
+
+
+@torch.no_grad()
+def time_generate(model, device: str, prompt: torch.Tensor, new_tokens: int, compile: bool = False) -> float:
+    """time_hf_generate's timing of a transformers model already loaded."""
     ids = prompt.to(device)
 
     def generate(n: int) -> float:

@@ -16,6 +16,7 @@ def bench(monkeypatch):
     # The scripts run as `python -m bench.<name>` from the repository root, which is not always on sys.path here.
     monkeypatch.syspath_prepend(str(ROOT))
     import bench.gpu_decode
+    import bench.gpu_moe
     import bench.gpu_ssm
     import bench.model_shapes
     import bench.peer_llama
@@ -195,3 +196,18 @@ def test_gpu_decode_times_transformers_generate(bench, tmp_path):
     assert result["errors"] == []
     hf = [r for r in result["decode_rows"] if r.impl == "hf-eager"]
     assert len(hf) == 1 and hf[0].ok and hf[0].p50_ms > 0 and hf[0].floor_ms > 0
+
+
+def test_gpu_moe_runs_every_phase_on_the_cpu(bench, tmp_path, capsys):
+    result = bench.gpu_moe.main(["--shape", "moe-tiny", "--device", "cpu", "--batches", "1,2", "--context", "8",
+                                 "--steps", "2", "--warmup", "1", "--prefill", "2x16", "--prefill-reps", "1",
+                                 "--hf-steps", "2", "--copy-mb", "1", "--gemm-size", "32",
+                                 "--checkpoint-dir", str(tmp_path / "shards")])
+    assert result["errors"] == []
+    assert [(r.batch, r.impl) for r in result["decode_rows"]] == [(1, "metrale"), (1, "steps"), (1, "hf-eager"),
+                                                                  (2, "metrale"), (2, "steps")]
+    # Each layer of the tiny shape routes a token to 2 of its 8 experts: a batch of 1 hits 2 a layer, of 2 at most 4.
+    assert result["experts_hit"][1] == 2 * 2 and 2 * 2 <= result["experts_hit"][2] <= 2 * 4
+    assert result["load"]["note"].startswith("from 1 safetensors shards")
+    out = capsys.readouterr().out
+    assert out.startswith("# gpu_moe:") and "x GEMM" in out and "hf-eager" in out

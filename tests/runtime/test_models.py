@@ -41,3 +41,24 @@ def test_prefill_and_decode_logits_match_transformers(name, tmp_path):
         assert relative_error(row, want) < 1e-4, f"{name}: step {i}"
     # Greedy decoding follows the reference's argmax at every step.
     assert tokens[len(prompt):] == expected[:-1].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("name", ["mixtral", "dots1", "nemotron_h_moe", "granite_hybrid_moe"])
+def test_stacked_experts_load_as_released_ones(name, tmp_path):
+    """transformers 5 holds each layer's experts stacked ([experts, out, in] under experts.gate_up_proj, ...); a
+    checkpoint saved that way gives the same logits as the released layout, one tensor per expert."""
+    import json
+
+    from metrale.runtime.loading import Checkpoint
+
+    directory = write_tiny(name, tmp_path / name)
+    stacked = Checkpoint(config=json.loads((directory / "config.json").read_text()),
+                         tensors=load_reference(directory).state_dict(), source="stacked")
+    assert any("experts.gate_up_proj" in n or "experts.up_proj" in n for n in stacked.tensors)
+    prompt = tuple(range(3, 23))
+    logits = []
+    for checkpoint in (load_checkpoint(directory), stacked):
+        engine, _ = build_engine(checkpoint, EngineConfig(device="cpu", kv_blocks=32))
+        out = engine.step(Step(prefill=(PrefillSlice(1, prompt, output=OutputOptions(return_logits=True)),)))
+        logits.append(out.outputs[0].logits)
+    assert torch.equal(*logits)

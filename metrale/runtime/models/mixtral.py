@@ -8,5 +8,5 @@ from metrale.runtime.models.moe import MoeConfig
 def config_from_hf(hf: dict) -> DecoderConfig:
     moe = MoeConfig(num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
                     width=hf["intermediate_size"], layers=tuple(range(hf["num_hidden_layers"])),
-                    module="block_sparse_moe", expert_names=("w1", "w3", "w2"))
+                    module="block_sparse_moe", stacked_module="mlp", expert_names=("w1", "w3", "w2"))
     return DecoderConfig.from_hf(hf, sliding_window=hf.get("sliding_window"), moe=moe)

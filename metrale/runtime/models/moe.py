@@ -25,6 +25,7 @@ class MoeConfig:
     shared_width: int = 0               # the shared experts' MLP width, added to every token's (0: none)
     activation: str = "silu"            # Experts': "silu" (gated) or "relu2"; the shared experts' too
     module: str = "mlp"                 # the layer's module in the checkpoint
+    stacked_module: str | None = None   # its name where transformers 5 saved the experts stacked, if not module
     # Each expert's (and the shared experts') gate, up and down projections; no gate where not gated.
     expert_names: tuple[str | None, str, str] = ("gate_proj", "up_proj", "down_proj")
 
@@ -61,13 +62,15 @@ def load_moe(take: Callable[[str], torch.Tensor], has: Callable[[str], bool], pr
     """Layer `prefix`'s mixture, uploaded: "router" (MoeRouter), "experts" (Experts) and, with shared experts,
     "shared": their MLP's "up_proj" (gate rows then up rows where gated) and "down_proj" (with "up_proj_bias" and
     "down_proj_bias" where shared_bias). One layer's experts are on the host at a time."""
-    module = prefix + moe.module + "."
+    stacked_name = "experts.gate_up_proj" if moe.gated else "experts.up_proj"
+    stacked_module = f"{prefix}{moe.stacked_module or moe.module}."
+    stacked = has(stacked_module + stacked_name)      # transformers 5's stacked experts (and its module name)
+    module = stacked_module if stacked else f"{prefix}{moe.module}."
     correction = ops.upload_float32(take(module + "gate.e_score_correction_bias")) if moe.correction_bias else None
     router = MoeRouter(ops.upload(take(module + "gate.weight")), moe.top_k, moe.scoring, moe.normalize, correction,
                        moe.n_group, moe.topk_group, moe.scaling)
-    stacked = module + ("experts.gate_up_proj" if moe.gated else "experts.up_proj")
-    if has(stacked):                                  # transformers 5's stacked experts
-        up, down = take(stacked), take(module + "experts.down_proj")
+    if stacked:
+        up, down = take(module + stacked_name), take(module + "experts.down_proj")
     else:
         up = torch.stack([_up(take, f"{module}experts.{e}.", moe) for e in range(moe.num_experts)])
         down = torch.stack([take(f"{module}experts.{e}.{moe.expert_names[2]}.weight") for e in range(moe.num_experts)])
