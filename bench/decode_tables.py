@@ -1,5 +1,6 @@
 """Rows and tables of bench/gpu_decode.py: one row per (batch or prompt shape, implementation)."""
 
+import dataclasses
 import statistics
 from dataclasses import dataclass, field
 
@@ -113,3 +114,8 @@ def format_prefill_table(rows: list[PrefillRow]) -> str:
                      f"{r.fraction_of_gemm:>6.2f}  {vs_peer:>6}" + (f"  {r.note}" if r.note else ""))
     return "\n".join(lines)
 
+
+
+def row_record(row, **extra) -> dict:
+    """A DecodeRow's or PrefillRow's fields for the JSON, its p50 (None where it has no times) and extra."""
+    return dict(dataclasses.asdict(row), p50_ms=row.p50_ms if row.ok else None, **extra)

@@ -72,3 +72,12 @@ def device_memory_gb(device: str) -> str:
     free, total = torch.cuda.mem_get_info()
     return f"{(total - free) / 1e9:.1f} of {total / 1e9:.1f} GB in use"
 
+
+
+def measure_ceilings(run, device: str, copy_mb: int, gemm_size: int) -> tuple[float, float]:
+    """(copy bandwidth in bytes/s, bf16 GEMM rate in FLOP/s) as phases of run; SystemExit where either fails."""
+    bandwidth, _ = run.phase("copy bandwidth", copy_bandwidth, device, copy_mb * 10**6)
+    gemm, _ = run.phase("GEMM rate", gemm_rate, device, gemm_size)
+    if bandwidth is None or gemm is None:
+        raise SystemExit(f"the ceilings could not be measured: {run.errors}")
+    return bandwidth, gemm

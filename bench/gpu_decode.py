@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from bench.decode_tables import DecodeRow, PrefillRow, format_decode_table, format_prefill_table
+from bench.decode_tables import DecodeRow, PrefillRow, format_decode_table, format_prefill_table, row_record
 from bench.engine_runner import EngineRunner
 from bench.gpu_ceilings import copy_bandwidth, device_memory_gb, gemm_rate, gpu_machine_line
 from bench.grpc_client import decode_round_trips_in_subprocess
@@ -222,8 +222,8 @@ def main(argv: list[str] | None = None) -> dict:
     if hf_row:
         hf_row.floor_ms = next((r.floor_ms for r in decode_rows if r.batch == 1), float("nan"))
         decode_rows.append(hf_row)
-    result["decode"] = [dict(dataclasses.asdict(r), p50_ms=r.p50_ms if r.ok else None) for r in decode_rows]
-    result["prefill"] = [dict(dataclasses.asdict(r), p50_ms=r.p50_ms if r.ok else None) for r in prefill_rows]
+    result["decode"] = [row_record(r) for r in decode_rows]
+    result["prefill"] = [row_record(r) for r in prefill_rows]
     result["elapsed_s"] = run.elapsed()
     result["peak_device_bytes_in_use"] = run.peak_bytes_in_use
     write_json(args.json, result)

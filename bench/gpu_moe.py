@@ -21,15 +21,15 @@ from pathlib import Path
 
 import torch
 
-from bench.decode_tables import DecodeRow, PrefillRow, format_decode_table, format_prefill_table
+from bench.decode_tables import DecodeRow, PrefillRow, format_decode_table, format_prefill_table, row_record
 from bench.engine_runner import EngineRunner
-from bench.gpu_ceilings import copy_bandwidth, device_memory_gb, gemm_rate, gpu_machine_line
+from bench.gpu_ceilings import device_memory_gb, gpu_machine_line, measure_ceilings
 from bench.gpu_decode import decode_grpc_row, write_json
 from bench.kernel_parts import GEMM_KEYS, device_ms_by_part, format_parts
 from bench.model_shapes import random_tokens
 from bench.moe_shapes import MOE_SHAPES, MoeShape, decode_step_bytes, expert_bytes, hf_config, prefill_flops, \
     total_params
-from bench.phases import Run, log
+from bench.phases import Run, add_run_options, log
 from bench.side_by_side import time_generate
 from metrale.runtime.build import build_engine
 from metrale.runtime.cache.blocks import blocks_for
@@ -58,13 +58,7 @@ def parse_args(argv):
     parser.add_argument("--hf-steps", type=int, default=8, help="tokens transformers generates per timing; 0: none")
     parser.add_argument("--checkpoint-dir", default=None,
                         help="write the weights here as safetensors shards and load the engine from them")
-    parser.add_argument("--copy-mb", type=int, default=4096, help="bytes copied to measure copy bandwidth (MB)")
-    parser.add_argument("--gemm-size", type=int, default=8192, help="n of the n^3 bf16 GEMM for the GEMM rate")
-    parser.add_argument("--skip-grpc", action="store_true", help="no decode through gRPC")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--time-budget", type=float, default=540.0,
-                        help="seconds after which no new phase starts (the tables still print)")
-    parser.add_argument("--json", default=None, help="write every number here")
+    add_run_options(parser)
     return parser.parse_args(argv)
 
 
@@ -198,10 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"args": vars(args), "shape": dataclasses.asdict(shape), "phases": run.phases, "errors": run.errors}
     print(gpu_machine_line("gpu_moe", device), flush=True)
 
-    bandwidth, _ = run.phase("copy bandwidth", copy_bandwidth, device, args.copy_mb * 10**6)
-    gemm, _ = run.phase("GEMM rate", gemm_rate, device, args.gemm_size)
-    if bandwidth is None or gemm is None:
-        raise SystemExit(f"the ceilings could not be measured: {run.errors}")
+    bandwidth, gemm = measure_ceilings(run, device, args.copy_mb, args.gemm_size)
     result.update(copy_bandwidth_bytes_per_s=bandwidth, gemm_flops_per_s=gemm, params=total_params(shape),
                   expert_bytes=expert_bytes(shape))
     log(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s, bf16 GEMM {gemm / 1e12:.1f} TFLOP/s; {args.shape}: "
@@ -297,12 +288,11 @@ def main(argv: list[str] | None = None) -> dict:
             prefill_parts, _ = run.phase("prefill kernels", device_ms_by_part, lambda: ours.time_prefill(tokens, 0, 1),
                                          KERNEL_PARTS)
 
-    result["decode"] = [dict(dataclasses.asdict(r), p50_ms=r.p50_ms if r.ok else None) for r in rows]
+    result["decode"] = [row_record(r) for r in rows]
     result["experts_hit"] = hits
     result["decode_kernel_parts_ms"] = step_parts
     if prefill_row:
-        result["prefill"] = dict(dataclasses.asdict(prefill_row), p50_ms=prefill_row.p50_ms if prefill_row.ok else None,
-                                 kernel_parts_ms=prefill_parts)
+        result["prefill"] = row_record(prefill_row, kernel_parts_ms=prefill_parts)
     result["elapsed_s"] = run.elapsed()
     write_json(args.json, result)
     print(f"# load: engine built in {load_s:.1f} s {load_note}; the process's resident memory {host_before:.1f} GB "
@@ -324,8 +314,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(format_prefill_table([prefill_row]))
         if prefill_parts:
             print("# its kernels (CUPTI, device ms of one prefill): " + format_parts(prefill_parts))
-    print(f"# total {run.elapsed():.0f} s; phases (s): " + ", ".join(f"{k} {v:.1f}" for k, v in run.phases.items())
-          + (f"; ERRORS: {run.errors}" if run.errors else ""))
+    print(run.summary())
     result["decode_rows"], result["prefill_rows"] = rows, [prefill_row] if prefill_row else []
     return result
 

@@ -26,6 +26,12 @@ class Run:
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
 
+    def summary(self) -> str:
+        """The closing line of a bench's tables: the run's time, each phase's, and what failed."""
+        phases = ", ".join(f"{k} {v:.1f}" for k, v in self.phases.items())
+        errors = f"; ERRORS: {self.errors}" if self.errors else ""
+        return f"# total {self.elapsed():.0f} s; phases (s): {phases}{errors}"
+
     def over_budget(self) -> bool:
         return self.elapsed() > self.budget_s
 
@@ -65,3 +71,15 @@ def host_profile(call, rows: int, sort: str = "tottime") -> str:
     pstats.Stats(profiler, stream=out).sort_stats(sort).print_stats(rows)
     text = out.getvalue()
     return text[text.find("ncalls"):].rstrip()
+
+
+def add_run_options(parser, time_budget: float = 540.0) -> None:
+    """The options a GPU bench's run takes beside its own: the ceilings' sizes, gRPC off, the seed, the time
+    budget, the JSON file."""
+    parser.add_argument("--copy-mb", type=int, default=4096, help="bytes copied to measure copy bandwidth (MB)")
+    parser.add_argument("--gemm-size", type=int, default=8192, help="n of the n^3 bf16 GEMM for the GEMM rate")
+    parser.add_argument("--skip-grpc", action="store_true", help="no decode through gRPC")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--time-budget", type=float, default=time_budget,
+                        help="seconds after which no new phase starts (the tables still print)")
+    parser.add_argument("--json", default=None, help="write every number here")
