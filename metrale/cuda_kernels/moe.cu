@@ -6,7 +6,7 @@
 //
 // Entry i = t * top_k + j is token t's j-th chosen expert. Sorted by expert, entry sorted_entries[r] sits at row r,
 // expert e's rows being offsets[e] .. offsets[e + 1] - 1; positions[i] is entry i's row.
-#include "mma.cuh"
+#include "skinny_gemm.cuh"
 
 #define MOE_MAX_EXPERTS 512     // experts a router scores (a warp's lanes hold 16 each)
 #define MOE_MAX_TOP_K 16
@@ -180,12 +180,60 @@ moe_sort(const int* ids, int entries, int num_experts, int tile_rows, int max_ti
     }
 }
 
-// The grouped GEMM: for each tile (expert e, first row r0) of tile_count[0], rows r0 .. min(r0 + BM, offsets[e +
-// 1]) - 1 of out [rows, N] = a(row) [K] @ weight[e] [N, K]^T, where a(row) is row sorted_entries[row] / gather_div
-// of a [*, K] (gather_div > 0: a token's x for each of its entries) or row `row` of a (gather_div 0: the rows
-// already in sorted order). bf16 in, fp32 accumulate on tensor cores (mma.sync m16n8k16), bf16 out. K % 8 == 0;
-// a and weight 16-byte aligned (rows too). Grid: (ceil(N / BN), max_tiles); block: 128 threads, 4 warps each
-// owning BN / 4 columns of the tile, over BK = 32 of K at a time, double-buffered with cp.async.
+// The grouped GEMMs: for each tile (expert e, first row r0) of tile_count[0], rows r0 .. min(r0 + tile rows,
+// offsets[e + 1]) - 1 of out [rows, N] = a(row) [K] @ weight[e] [N, K]^T, where a(row) is row sorted_entries[row] /
+// gather_div of a [*, K] (gather_div > 0: a token's x for each of its entries) or row `row` of a (gather_div 0:
+// the rows already in sorted order). bf16 in, fp32 accumulate on tensor cores (mma.sync m16n8k16), bf16 out.
+// K % 8 == 0; a and weight 16-byte aligned (rows too).
+//
+// Decode (tiles of 8 or 16 rows): skinny_gemm.cuh's kernel over a tile's gathered rows, each CTA 16 rows of its
+// expert's weight read once. Grid: (ceil(N / 16), max_tiles); block: 256 threads.
+namespace {
+
+// A tile's rows of a, as skinny_gemm reads them (16-byte chunks; stride in chunks).
+struct TileRows {
+    const uint4* a;
+    long long stride;
+    const int* sorted_entries;
+    int gather_div, row0;
+    __device__ __forceinline__ const uint4* operator()(int t) const {
+        const int row = row0 + t;
+        return a + (long long)(gather_div ? sorted_entries[row] / gather_div : row) * stride;
+    }
+};
+
+template <int TOKEN_TILES>
+__device__ __forceinline__ void grouped_skinny(bf16* out, const uint4* a, long long a_stride, const uint4* weight,
+                                               const int* sorted_entries, int gather_div, const int* offsets,
+                                               const int* tiles, const int* tile_count, int n, int k_chunks) {
+    const int tile = blockIdx.y;
+    if (tile >= tile_count[0]) return;
+    const int expert = tiles[2 * tile], row0 = tiles[2 * tile + 1];
+    const int rows = min(8 * TOKEN_TILES, offsets[expert + 1] - row0);
+    skinny_gemm<TOKEN_TILES>(out + (long long)row0 * n, (long long)n,
+                             TileRows{a, a_stride, sorted_entries, gather_div, row0},
+                             weight + (long long)expert * n * k_chunks, static_cast<const bf16*>(nullptr), rows, n,
+                             k_chunks, 0);
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M8)
+moe_skinny_gemm_m8(bf16* out, const uint4* a, long long a_stride, const uint4* weight, const int* sorted_entries,
+                   int gather_div, const int* offsets, const int* tiles, const int* tile_count, int n, int k_chunks) {
+    wait_for_previous_kernel();
+    grouped_skinny<1>(out, a, a_stride, weight, sorted_entries, gather_div, offsets, tiles, tile_count, n, k_chunks);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M16)
+moe_skinny_gemm_m16(bf16* out, const uint4* a, long long a_stride, const uint4* weight, const int* sorted_entries,
+                    int gather_div, const int* offsets, const int* tiles, const int* tile_count, int n, int k_chunks) {
+    wait_for_previous_kernel();
+    grouped_skinny<2>(out, a, a_stride, weight, sorted_entries, gather_div, offsets, tiles, tile_count, n, k_chunks);
+}
+
+// Prefill (tiles of 64 rows): a CTA of 4 warps owns BN columns of a tile, each warp BN / 4 of them, over BK = 32 of K
+// at a time, double-buffered with cp.async. Grid: (ceil(N / BN), max_tiles); block: 128 threads.
 namespace {
 
 constexpr int GEMM_THREADS = 128, BN = 128, BK = 32, SMEM_ROW = BK + 8;   // padded rows: conflict-free fragments
@@ -283,14 +331,6 @@ __device__ __forceinline__ void grouped_gemm(bf16* out, const bf16* a, long long
 }
 
 }  // namespace
-
-// BM = 16 rows a tile (decode: few rows an expert) and 64 (prefill).
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
-moe_grouped_gemm_m16(bf16* out, const bf16* a, long long a_stride, const bf16* weight, const int* sorted_entries,
-                     int gather_div, const int* offsets, const int* tiles, const int* tile_count, int n, int k) {
-    wait_for_previous_kernel();
-    grouped_gemm<16>(out, a, a_stride, weight, sorted_entries, gather_div, offsets, tiles, tile_count, n, k);
-}
 
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
 moe_grouped_gemm_m64(bf16* out, const bf16* a, long long a_stride, const bf16* weight, const int* sorted_entries,

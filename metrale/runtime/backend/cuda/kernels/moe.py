@@ -14,18 +14,19 @@ MAX_TOP_K = 16              # MOE_MAX_TOP_K
 MAX_GROUPS = 32             # a lane per group
 ROUTE_WARPS = 4
 SORT_THREADS = 1024
-GEMM_THREADS, GEMM_BN = 128, 128
+GEMM_THREADS, GEMM_BN = 128, 128               # moe_grouped_gemm_m64
+SKINNY_THREADS, SKINNY_ROWS = 256, 16           # moe_skinny_gemm_m8/m16: skinny_gemm.cuh's
 COMBINE_THREADS = 128
-# Rows of a grouped GEMM tile: 16 while the entries average at most DECODE_ROWS an expert, else 64.
-TILE_ROWS = {16: "moe_grouped_gemm_m16", 64: "moe_grouped_gemm_m64"}
-DECODE_ROWS = 16
+# Rows of a grouped GEMM tile -> its kernel: the skinny GEMM's 8 or 16 while the entries average at most that many an
+# expert (decode), else 64.
+TILE_ROWS = {8: "moe_skinny_gemm_m8", 16: "moe_skinny_gemm_m16", 64: "moe_grouped_gemm_m64"}
 NULL = np.uint64(0)
 MAX_GRID_Y = 65535
 
 
 def tile_rows(entries: int, num_experts: int) -> int:
     """The grouped GEMM's rows a tile for `entries` routed rows over num_experts experts."""
-    return 16 if entries <= DECODE_ROWS * num_experts else 64
+    return next((rows for rows in (8, 16) if entries <= rows * num_experts), 64)
 
 
 def max_tiles(entries: int, num_experts: int, rows: int) -> int:
@@ -111,10 +112,15 @@ def grouped_gemm(lib, stream, out: DeviceTensor, a: DeviceTensor, weight: Device
     require(routed.tiles.shape[0] <= MAX_GRID_Y, f"moe gemm: {routed.tiles.shape[0]} tiles (at most {MAX_GRID_Y})")
     if routed.entries == 0:
         return
-    grid = (ceil_div(n, GEMM_BN), routed.tiles.shape[0])
-    launch_kernel(stream, lib.get(TILE_ROWS[routed.tile_rows], MODULE), grid, GEMM_THREADS, out, a,
-                  np.int64(a.stride), weight, routed.sorted_entries, gather_div, routed.offsets, routed.tiles,
-                  routed.tile_count, n, k)
+    kernel = lib.get(TILE_ROWS[routed.tile_rows], MODULE)
+    tiles = routed.tiles.shape[0]
+    if routed.tile_rows == 64:
+        launch_kernel(stream, kernel, (ceil_div(n, GEMM_BN), tiles), GEMM_THREADS, out, a, np.int64(a.stride), weight,
+                      routed.sorted_entries, gather_div, routed.offsets, routed.tiles, routed.tile_count, n, k)
+    else:                   # the skinny GEMM: rows and K in 16-byte chunks
+        launch_kernel(stream, kernel, (ceil_div(n, SKINNY_ROWS), tiles), SKINNY_THREADS, out, a,
+                      np.int64(a.stride // 8), weight, routed.sorted_entries, gather_div, routed.offsets,
+                      routed.tiles, routed.tile_count, n, k // 8)
 
 
 def combine(lib, stream, out: DeviceTensor, expert_out: DeviceTensor, routed: Routed,

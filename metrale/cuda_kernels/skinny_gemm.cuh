@@ -1,0 +1,165 @@
+// The skinny GEMM ("GEMV") of decode linears (gemv.cu) and of a mixture's experts at decode (moe.cu): out [M, N] =
+// x [M, K] @ weight [N, K]^T (+ bias [N]), M <= 16, on tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate), in one launch that reads every weight byte once.
+//
+// weight [N, K] bf16, contiguous (nn.Linear layout), passed as 16-byte chunks: k_chunks = K / 8 per row.
+// x [M, K] bf16, row stride x_stride in 16-byte chunks (x may be a column slice). out [M, N] bf16 or float32,
+// row stride out_stride in elements; bias [N] of out's dtype or null. Every pointer 16-byte aligned but out's
+// and bias's (element-aligned: they are written and read one element at a time).
+//
+// The product is computed transposed, out^T [N, M] = weight [N, K] @ x^T [K, M], so that the weight is the mma's
+// A operand (16 rows n x 16 k, "row": as weight is stored) and x^T its B operand (16 k x 8 tokens, "col": B[k][m]
+// = x[m][k], as x is stored). Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point
+// type"), lane = 4 g + t, g = lane >> 2 in 0..7, t = lane & 3, two bf16 per .b32 with the lower k in the low half:
+//   A 16x16: a0 = A[g][2t, 2t+1]  a1 = A[g+8][2t, 2t+1]  a2 = A[g][2t+8, 2t+9]  a3 = A[g+8][2t+8, 2t+9]
+//   B 16x8:  b0 = B[2t, 2t+1][g]  b1 = B[2t+8, 2t+9][g]
+//   C 16x8:  c0, c1 = C[g][2t], C[g][2t+1]   c2, c3 = C[g+8][2t], C[g+8][2t+1]
+// The mma sums over its 16 logical k; which physical k each logical k stands for is ours to choose, as long as A
+// and B agree. Logical k 2t, 2t+1, 2t+8, 2t+9 are held by the lanes of one t alone, in A and in B alike, so let
+// them be 4 elements of one 16-byte chunk of this lane's: a lane (g, t) loads chunk c of weight rows g and g + 8
+// (w_low, w_high) and chunk c of x row g (x_g), 8 elements each, and feeds two mmas with no shuffle:
+//   mma 0: a = {w_low.x, w_high.x, w_low.y, w_high.y}, b = {x_g.x, x_g.y}   (elements 0..3 of the chunk)
+//   mma 1: a = {w_low.z, w_high.z, w_low.w, w_high.w}, b = {x_g.z, x_g.w}   (elements 4..7)
+// A warp step is 4 chunks (c = 4 step + t, 32 k) of 16 weight rows: each weight load instruction reads 64
+// contiguous bytes of 8 rows. Tokens 8..15 (M > 8) are a second B tile, x rows g + 8, into a second accumulator.
+//
+// Work split: a CTA of 8 warps owns 16 weight rows; its warps split the row's steps into 8 contiguous ranges
+// (splitting K, so that a small N still gives many warps: N = 4096 is 256 CTAs), sum their 16 x M partial
+// products in shared memory, and the CTA writes 16 x M outputs (+ bias) once. Each lane loads UNROLL steps (2
+// UNROLL streaming 16-byte weight loads) before multiplying any: 4 KB of weight per warp in flight, 96 KB per SM
+// at 3 CTAs (M <= 8), 64 KB at 2 (M <= 16), well over bandwidth x latency / SMs (4.8 TB/s x ~1 us / 132 = 36 KB
+// on an H200). The weight is read once, with ld.global.nc.L1::no_allocate so it does not push x out of L1: every
+// CTA reads all of x (M x K x 2 bytes, tiny next to its 16 x K x 2 of weight when M <= 8), from L1 or L2.
+#pragma once
+#include "mma.cuh"
+
+namespace {
+
+constexpr int WARPS = 8;
+constexpr int THREADS = 32 * WARPS;
+constexpr int TILE_ROWS = 16;      // weight rows of a CTA: the mma's M
+constexpr int STEP_CHUNKS = 4;     // 16-byte chunks of each row per warp step: one per t
+constexpr int UNROLL = 4;          // warp steps loaded before the first is multiplied
+// CTAs per SM that ptxas must fit (its register budget). Asking for them also makes it issue all of a batch's
+// loads before the first mma (about 75 and 100 registers on sm_90a); with the bare launch bound it interleaves
+// each step's mmas with the next step's loads to save registers, and one step is in flight at a time.
+constexpr int MIN_CTAS_M8 = 3, MIN_CTAS_M16 = 2;
+
+// 16 bytes of the weight, or zeros where !valid (no access). Read once, so not kept in L1; L2 fetches the whole
+// 256-byte line (4 steps of a row). The predicate is inside the asm so that a batch of loads is one basic block
+// (a branch per load makes ptxas peel and reorder the loop).
+__device__ __forceinline__ uint4 load_weight(const uint4* pointer, bool valid) {
+    uint4 v;
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
+                 " mov.b32 %0, 0;\n mov.b32 %1, 0;\n mov.b32 %2, 0;\n mov.b32 %3, 0;\n"
+                 " @p ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n}\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(pointer), "r"((int)valid));
+    return v;
+}
+
+// 16 bytes of x, or zeros where !valid: re-read by every CTA, so cached in L1 (plain global loads are, on sm_80+).
+// Not .nc: x is the previous kernel's output, and programmatic dependent launch orders only coherent loads after
+// griddepcontrol.wait (common.cuh); the weight above is written by no kernel, so its .nc loads are safe.
+__device__ __forceinline__ uint4 load_activation(const uint4* pointer, bool valid) {
+    uint4 v;
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
+                 " mov.b32 %0, 0;\n mov.b32 %1, 0;\n mov.b32 %2, 0;\n mov.b32 %3, 0;\n"
+                 " @p ld.global.v4.u32 {%0, %1, %2, %3}, [%4];\n}\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(pointer), "r"((int)valid));
+    return v;
+}
+
+__device__ __forceinline__ float to_float(bf16 v) { return bf16_to_float(v); }
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ void store(bf16* p, float v) { *p = float_to_bf16(v); }
+__device__ __forceinline__ void store(float* p, float v) { *p = v; }
+
+// x's rows, as the skinny GEMM reads them: row t of a [M, K] tensor of row stride `stride` 16-byte chunks.
+struct StridedRows {
+    const uint4* x;
+    long long stride;
+    __device__ __forceinline__ const uint4* operator()(int t) const { return x + t * stride; }
+};
+
+// TOKEN_TILES = 1 (M <= 8) or 2 (M <= 16): 8-token B tiles, each with its own accumulator. rows(t): the first
+// 16-byte chunk of token t's x row (StridedRows, or a gather).
+template <int TOKEN_TILES, typename Out, typename Rows>
+__device__ __forceinline__ void skinny_gemm(Out* out, long long out_stride, Rows rows, const uint4* weight,
+                                            const Out* bias, int m, int n, int k_chunks, int relu) {
+    constexpr int TOKENS = 8 * TOKEN_TILES;
+    __shared__ float partial[WARPS][TILE_ROWS][TOKENS];   // each warp's share of out^T for the CTA's 16 rows
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int row0 = blockIdx.x * TILE_ROWS;
+
+    // This warp's steps [step_begin, step_end): an eighth of ceil(K / 32), contiguous. Lane t reads chunks
+    // chunk, chunk + 4, ... below chunk_end (the warp's range, and K: a chunk past either reads nothing).
+    const int steps = (k_chunks + STEP_CHUNKS - 1) / STEP_CHUNKS;
+    const int step_begin = steps * warp / WARPS, step_end = steps * (warp + 1) / WARPS;
+    const int chunk_begin = step_begin * STEP_CHUNKS + t;
+    const int chunk_end = min(k_chunks, step_end * STEP_CHUNKS + t);
+
+    // This lane's weight rows g, g + 8 and x rows g + 8 j, at chunk_begin; rows past N or M read nothing (zeros).
+    const bool low_valid = row0 + g < n, high_valid = row0 + g + 8 < n;
+    const uint4* w_low = weight + (long long)(low_valid ? row0 + g : 0) * k_chunks + chunk_begin;
+    const uint4* w_high = weight + (long long)(high_valid ? row0 + g + 8 : 0) * k_chunks + chunk_begin;
+    const uint4* x_row[TOKEN_TILES];
+    bool x_valid[TOKEN_TILES];
+#pragma unroll
+    for (int j = 0; j < TOKEN_TILES; ++j) {
+        x_valid[j] = g + 8 * j < m;
+        x_row[j] = rows(x_valid[j] ? g + 8 * j : 0) + chunk_begin;
+    }
+    float acc[TOKEN_TILES][4];
+#pragma unroll
+    for (int j = 0; j < TOKEN_TILES; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+
+    constexpr int BATCH_CHUNKS = UNROLL * STEP_CHUNKS;
+    const int batches = (step_end - step_begin + UNROLL - 1) / UNROLL;   // the same in every lane: mma is warp-wide
+    for (int batch = 0, chunk = chunk_begin; batch < batches; ++batch, chunk += BATCH_CHUNKS) {
+        uint4 a_low[UNROLL], a_high[UNROLL], b[UNROLL][TOKEN_TILES];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const bool k_valid = chunk + u * STEP_CHUNKS < chunk_end;
+            a_low[u] = load_weight(w_low + u * STEP_CHUNKS, k_valid && low_valid);
+            a_high[u] = load_weight(w_high + u * STEP_CHUNKS, k_valid && high_valid);
+#pragma unroll
+            for (int j = 0; j < TOKEN_TILES; ++j)
+                b[u][j] = load_activation(x_row[j] + u * STEP_CHUNKS, k_valid && x_valid[j]);
+        }
+        w_low += BATCH_CHUNKS;
+        w_high += BATCH_CHUNKS;
+#pragma unroll
+        for (int j = 0; j < TOKEN_TILES; ++j) x_row[j] += BATCH_CHUNKS;
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+            for (int j = 0; j < TOKEN_TILES; ++j) {
+                mma_bf16(acc[j], {a_low[u].x, a_high[u].x, a_low[u].y, a_high[u].y}, b[u][j].x, b[u][j].y);
+                mma_bf16(acc[j], {a_low[u].z, a_high[u].z, a_low[u].w, a_high[u].w}, b[u][j].z, b[u][j].w);
+            }
+        }
+    }
+
+    // acc[j] is the C fragment of rows row0 + (g, g + 8), tokens 8 j + (2t, 2t + 1).
+#pragma unroll
+    for (int j = 0; j < TOKEN_TILES; ++j) {
+        partial[warp][g][8 * j + 2 * t] = acc[j][0];
+        partial[warp][g][8 * j + 2 * t + 1] = acc[j][1];
+        partial[warp][g + 8][8 * j + 2 * t] = acc[j][2];
+        partial[warp][g + 8][8 * j + 2 * t + 1] = acc[j][3];
+    }
+    __syncthreads();
+    // One thread per (token, row) of the tile; consecutive threads write consecutive columns of out.
+    if (threadIdx.x < TILE_ROWS * TOKENS) {
+        const int r = threadIdx.x % TILE_ROWS, token = threadIdx.x / TILE_ROWS, row = row0 + r;
+        if (token < m && row < n) {
+            float sum = 0.f;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) sum += partial[w][r][token];
+            if (bias != nullptr) sum += to_float(bias[row]);
+            if (relu) sum = fmaxf(sum, 0.f);                   // as activation.cu's relu
+            store(out + token * out_stride + row, sum);
+        }
+    }
+}
+
+}  // namespace
