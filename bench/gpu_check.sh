@@ -22,13 +22,15 @@
 #   ssm-profile  bench/gpu_profile.py at the Nemotron-H-8B shape, batches 1 and 128, and an 8k prefill's kernels (~3 min)
 #   ssm-prefix  bench/prefix_cache.py at the Nemotron-H-8B shape: 16 requests sharing a 4,096-token system prompt,
 #            resumed from the SSM snapshot (--prefix-cache on) against computed again (off)                   (~3 min)
+#   moe-kernels  bench/gpu_moe_kernels.py: a Qwen3-30B-A3B layer's MoE kernels alone at decode batches and a prefill,
+#            with each bench/variants/moe/NAME.cu (carry bench/variants) timed beside the package's          (~1 min)
 #   moe      bench/gpu_moe.py at the Qwen3-30B-A3B shape: transformers' generate at batch 1, the engine loaded from
 #            safetensors shards (where the disk holds them), decode at batches 1, 8, 64, 256 against the floor of the
 #            experts routed to, through Steps too, the 8 x 1k prefill, the MoE kernels' shares            (~9 min)
 #   mha      bench/gpu_mha_attention.py: the multi-head decode attention kernels at NLLB's beam step shapes, with each
 #            bench/variants/decode_attention_mha/NAME.cu (carry bench/variants) timed beside the package's  (~1 min)
 # Usage (from the repository root, with .whl carried):
-#   bash bench/gpu_check.sh [tests|api-models|load|kernels|smollm2|llama|profile|prefix|beam|search|ssm|ssm-kernels|ssm-profile|ssm-prefix|moe|mha]...
+#   bash bench/gpu_check.sh [tests|api-models|load|kernels|smollm2|llama|profile|prefix|beam|search|ssm|ssm-kernels|ssm-profile|ssm-prefix|moe-kernels|moe|mha]...
 # (default: tests). Logs and JSON land in $OUT (default /tmp/gpu-check).
 set -uo pipefail
 source scripts/device_env.sh || exit 1
@@ -83,14 +85,15 @@ for part in "${@:-tests}"; do
     moe)
       run_bench moe bench.gpu_moe --shape qwen3-30b-a3b --checkpoint-dir /tmp/metrale-moe-checkpoint
       rm -rf /tmp/metrale-moe-checkpoint ;;
-    ssm-kernels)
+    ssm-kernels|moe-kernels)
+      family=${part%-kernels}
       variants=()
-      for f in bench/variants/ssm/*.cu; do
+      for f in bench/variants/$family/*.cu; do
         [ -e "$f" ] && variants+=(--variant "$(basename "$f" .cu)=$f")
       done
-      python3 -m bench.gpu_ssm_kernels "${variants[@]}" > "$OUT/ssm_kernels.txt" 2>&1 \
-        || summary+=("ssm-kernels: FAILED (see ssm_kernels.txt)")
-      summary+=("== ssm kernels" "$(grep -v '^# gpu' "$OUT/ssm_kernels.txt")") ;;
+      python3 -m "bench.gpu_${family}_kernels" "${variants[@]}" > "$OUT/${family}_kernels.txt" 2>&1 \
+        || summary+=("$part: FAILED (see ${family}_kernels.txt)")
+      summary+=("== $family kernels" "$(grep -v '^# gpu' "$OUT/${family}_kernels.txt")") ;;
     ssm-profile)
       python3 -m bench.gpu_profile --shape nemotron-h-8b --batches 1,128 --steps 20 --prefill 1x8192 \
         > "$OUT/profile-nemotron-h-8b.txt" 2>&1 || summary+=("ssm-profile: FAILED (see profile-nemotron-h-8b.txt)")
