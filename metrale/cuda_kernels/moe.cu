@@ -16,8 +16,12 @@ namespace {
 
 __device__ __forceinline__ float moe_minus_infinity() { return __int_as_float(0xff800000); }
 
-// The better of two (value, expert) candidates: the higher value, the lower expert on a tie (torch.topk's on CUDA).
+// The better of two (value, expert) candidates: the higher value, the lower expert on a tie (torch.topk's on CUDA);
+// NaN above every number, as torch.topk ranks it (so a token with a NaN logit still chooses real experts).
 __device__ __forceinline__ bool moe_better(float value, int expert, float other_value, int other_expert) {
+    const bool nan = value != value, other_nan = other_value != other_value;
+    if (nan != other_nan) return nan;
+    if (nan) return expert < other_expert;
     return value > other_value || (value == other_value && expert < other_expert);
 }
 
@@ -140,7 +144,7 @@ extern "C" __global__ void moe_route(const float* logits, int num_tokens, int nu
     }
     if (lane < top_k) {
         const float divisor = normalize ? total + (scoring == 1 ? 1e-20f : 0.f) : 1.f;
-        ids[(long long)token * top_k + lane] = my_expert;
+        ids[(long long)token * top_k + lane] = min(my_expert, num_experts - 1);    // never past the experts
         weights[(long long)token * top_k + lane] = my_weight / divisor * scaling;
     }
 }
@@ -240,7 +244,7 @@ constexpr int GEMM_THREADS = 128, BN = 128, BK = 32, SMEM_ROW = BK + 8;   // pad
 constexpr int WARP_N = BN / 4, N_TILES = WARP_N / 8;
 
 template <int BM>
-struct GemmTiles {
+struct __align__(16) GemmTiles {                   // cp.async writes 16 bytes at a time
     bf16 a[2][BM][SMEM_ROW];
     bf16 w[2][BN][SMEM_ROW];
 };

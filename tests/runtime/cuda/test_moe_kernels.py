@@ -159,3 +159,16 @@ def test_layer_matches_the_cpu_math(kernel_library, stream, tokens, experts, top
     if shared:
         want += shared_out.double()
     assert relative_error(out, want) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("softmax", [True, False])
+def test_a_nan_logit_still_chooses_real_experts(kernel_library, stream, softmax):
+    """NaN ranks above every number (as torch.topk ranks it): the token's choices stay distinct experts in range, so
+    the grouping after them never writes outside its buffers."""
+    logits = logits_for(4, 32, softmax, ties=False)
+    logits[1, 5] = float("nan")
+    logits[2] = float("nan")
+    router = MoeRouter(None, 4, "softmax" if softmax else "sigmoid", normalize=True)
+    ids, _ = device_route(kernel_library, stream, logits, router, None)
+    assert ((ids >= 0) & (ids < 32)).all() and all(len(set(row)) == 4 for row in ids.tolist())
+    assert 5 in ids[1].tolist() and ids[2].tolist() == [0, 1, 2, 3]
