@@ -307,13 +307,13 @@ def main(argv: list[str] | None = None) -> dict:
     print(format_decode_table(rows))
     for batch, parts in step_parts.items():
         if parts:
-            print(f"# a decode step's kernels at batch {batch} (CUPTI, device ms): " + format_parts(parts))
+            print(format_parts(f"a decode step at batch {batch}", parts))
     if prefill_row:
         print(f"# prefill of {prompts} x {prompt_len} tokens: model FLOPs (attention, router, top-{shape.top_k} "
               f"experts) / p50 time, against bf16 GEMM {gemm / 1e12:.1f} TFLOP/s")
         print(format_prefill_table([prefill_row]))
         if prefill_parts:
-            print("# its kernels (CUPTI, device ms of one prefill): " + format_parts(prefill_parts))
+            print(format_parts("one prefill", prefill_parts))
     print(run.summary())
     result["decode_rows"], result["prefill_rows"] = rows, [prefill_row] if prefill_row else []
     return result

@@ -13,7 +13,7 @@ import argparse
 import torch
 
 from bench.gpu_ceilings import copy_bandwidth, gemm_rate, gpu_machine_line
-from bench.kernel_variant import add_variant_option, bench_libraries
+from bench.kernel_variant import add_variant_option, bench_libraries, relative_diff, time_launch_us
 
 EXPERTS, TOP_K, HIDDEN, WIDTH = 128, 8, 2048, 768
 TOKENS = (1, 8, 64, 256, 8192)
@@ -66,12 +66,6 @@ class Layer:
         return int(((offsets[1:] - offsets[:-1]) > 0).sum())
 
 
-def time_launch(stream, launch) -> float:
-    from metrale.runtime.backend.cuda.gemm_tuning import time_per_launch
-    torch.cuda.synchronize()
-    return time_per_launch(stream, [launch] * LAUNCHES)
-
-
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_variant_option(parser, "moe.cu")
@@ -97,8 +91,8 @@ def main(argv=None) -> list[dict]:
             stream.sync()
             got = layer.out.float()
             reference = got if reference is None else reference
-            diff = ((got - reference).abs().max() / reference.abs().max()).item()
-            us = {name: time_launch(stream, launch) * 1e6 for name, launch in parts.items()}
+            diff = relative_diff(got, reference)
+            us = {name: time_launch_us(stream, launch, LAUNCHES) for name, launch in parts.items()}
             hit = layer.experts_hit()
             gemms_s = (us["up GEMM"] + us["down GEMM"]) / 1e6
             decode = tokens * TOP_K <= 16 * EXPERTS

@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"bf16 GEMM {gemm / 1e12:.1f} TFLOP/s")
     print(format_prefill_table([prefill_row]))
     if parts:
-        print("# its kernels (CUPTI, device ms of one prefill): " + format_parts(parts))
+        print(format_parts("one prefill", parts))
     print(run.summary())
     result["decode_rows"], result["prefill_rows"] = tables, [prefill_row]
     return result

@@ -13,7 +13,7 @@ import argparse
 import torch
 
 from bench.gpu_ceilings import copy_bandwidth, gpu_machine_line
-from bench.kernel_variant import add_variant_option, bench_libraries
+from bench.kernel_variant import add_variant_option, bench_libraries, relative_diff, time_launch_us
 
 HEADS, HEAD_DIM, GROUPS, STATE, WIDTH, CHUNK = 128, 64, 8, 128, 4, 128
 INNER = HEADS * HEAD_DIM
@@ -69,12 +69,6 @@ class Inputs:
         return lambda: ssm.scan(lib, stream, *args)
 
 
-def time_launch(stream, launch) -> float:
-    from metrale.runtime.backend.cuda.gemm_tuning import time_per_launch
-    torch.cuda.synchronize()
-    return time_per_launch(stream, [launch] * LAUNCHES)
-
-
 def outputs(inputs: Inputs, launch, stream) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch's outputs from fixed inputs (the states restored first): the activations (the conv's and y) and
     the states, each flattened."""
@@ -112,8 +106,8 @@ def main(argv=None) -> list[dict]:
             conv, scan = inputs.conv(lib, stream), inputs.scan(lib, stream, chunked)
             got = outputs(inputs, lambda: (conv(), scan()), stream)
             reference = got if reference is None else reference
-            y_diff, state_diff = ((g - r).abs().max().item() / r.abs().max().item() for g, r in zip(got, reference))
-            conv_us, scan_us = time_launch(stream, conv) * 1e6, time_launch(stream, scan) * 1e6
+            y_diff, state_diff = (relative_diff(g, r) for g, r in zip(got, reference))
+            conv_us, scan_us = time_launch_us(stream, conv, LAUNCHES), time_launch_us(stream, scan, LAUNCHES)
             decode = name.startswith("decode")
             moved = len(segments) * 2 * state_bytes if decode else float("nan")
             fraction = moved / ((conv_us + scan_us) / 1e6) / bandwidth if decode else float("nan")

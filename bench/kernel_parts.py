@@ -25,6 +25,8 @@ def device_ms_by_part(work: Callable[[], object], parts: tuple[tuple[str, tuple[
     return totals
 
 
-def format_parts(totals: dict[str, float]) -> str:
+def format_parts(what: str, totals: dict[str, float]) -> str:
+    """A table's comment line: the device ms of `what` ("one prefill") by part, and each part's share."""
     busy = sum(totals.values()) or 1.0
-    return ", ".join(f"{name} {ms:.2f} ({100 * ms / busy:.0f}%)" for name, ms in totals.items())
+    return f"# the kernels of {what} (CUPTI, device ms): " + ", ".join(
+        f"{name} {ms:.2f} ({100 * ms / busy:.0f}%)" for name, ms in totals.items())

@@ -54,3 +54,18 @@ def bench_libraries(module: str, specs: list[str]):
     device = CudaDevice(0)
     lib = KernelLibrary(device.arch, KernelCache(Path("/tmp/metrale-bench-kernels")))
     return device, variant_libraries(lib, module, specs)
+
+
+def time_launch_us(stream, launch, copies: int) -> float:
+    """Microseconds a launch: `copies` of it captured in one graph (gemm_tuning.time_per_launch), torch's work on the
+    device finished first."""
+    import torch
+
+    from metrale.runtime.backend.cuda.gemm_tuning import time_per_launch
+    torch.cuda.synchronize()
+    return time_per_launch(stream, [launch] * copies) * 1e6
+
+
+def relative_diff(got, reference) -> float:
+    """A variant's output against the package's: the largest difference over the largest magnitude."""
+    return ((got - reference).abs().max() / reference.abs().max()).item()

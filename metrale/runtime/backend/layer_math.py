@@ -64,7 +64,8 @@ class MoeRouter:
     experts are chosen by score (+ correction_bias, float32 [experts], where given: the choice only, not the
     weights), among the topk_group of n_group equal groups whose two best scores sum highest (n_group 1: all); ties
     go as torch.topk breaks them on the backend's device, as in transformers' run there (on CUDA: the lower expert
-    id). Their weights are their scores, divided by their sum where normalize, times scaling."""
+    id). Their weights are their scores, divided by their sum where normalize (plus 1e-20 for sigmoid scores, as
+    DeepSeek-V3 divides), times scaling."""
     weight: Tensor
     top_k: int
     scoring: str = "softmax"

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from metrale.runtime.backend.layer_math import Experts, LayerMath, MoeRouter, RopeTable
+from metrale.runtime.backend.layer_math import Experts, LayerMath, RopeTable
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.cache.specs import PagedKv
 from metrale.runtime.errors import InvalidArgument
@@ -148,8 +148,7 @@ def _load_experts(take, has, at: str, moe: MoeConfig, scale: float, ops: LayerMa
     router = take(at + ("router.weight" if stacked else "router.layer.weight"))
     up = take(at + ("experts.gate_up_proj" if stacked else "input_linear.weight"))
     down = take(at + ("experts.down_proj" if stacked else "output_linear.weight")) * scale
-    return {"router": MoeRouter(ops.upload(router), moe.top_k, "softmax", normalize=True),
-            "experts": Experts(ops.upload(up), ops.upload(down))}
+    return {"router": moe.router(ops.upload(router)), "experts": Experts(ops.upload(up), ops.upload(down))}
 
 
 def _load_weights(c: GraniteHybridConfig, tensors: dict[str, torch.Tensor], ops: LayerMath) -> dict:

@@ -41,6 +41,11 @@ class MoeConfig:
     def gated(self) -> bool:
         return self.activation == "silu"
 
+    def router(self, weight, correction_bias=None) -> MoeRouter:
+        """The layer math's router over an uploaded weight (and correction bias, where the router has one)."""
+        return MoeRouter(weight, self.top_k, self.scoring, self.normalize, correction_bias, self.n_group,
+                         self.topk_group, self.scaling)
+
     def __post_init__(self):
         if not 0 < self.top_k <= self.num_experts:
             raise InvalidArgument(f"num_experts_per_tok {self.top_k} must be in 1..{self.num_experts}")
@@ -67,8 +72,7 @@ def load_moe(take: Callable[[str], torch.Tensor], has: Callable[[str], bool], pr
     stacked = has(stacked_module + stacked_name)      # transformers 5's stacked experts (and its module name)
     module = stacked_module if stacked else f"{prefix}{moe.module}."
     correction = ops.upload_float32(take(module + "gate.e_score_correction_bias")) if moe.correction_bias else None
-    router = MoeRouter(ops.upload(take(module + "gate.weight")), moe.top_k, moe.scoring, moe.normalize, correction,
-                       moe.n_group, moe.topk_group, moe.scaling)
+    router = moe.router(ops.upload(take(module + "gate.weight")), correction)
     if stacked:
         up, down = take(module + stacked_name), take(module + "experts.down_proj")
     else:

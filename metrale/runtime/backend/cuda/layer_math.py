@@ -149,7 +149,8 @@ class CudaLayerMath:
 
     def moe(self, x, router: MoeRouter, experts: Experts, shared=None):
         """The router's logits (a float32 GEMM), moe.cu's routing and grouping, the two grouped GEMMs with the
-        activation (activation.cu's) between them, and the weighted combine (with the shared experts' output): no host round trip."""
+        activation (activation.cu's) between them, and the weighted combine (with the shared experts' output): no
+        host round trip."""
         ctx, moe = self.resources.bound.context, kernels.moe
         tokens, hidden = x.shape
         num_experts, top_k, width = router.num_experts, router.top_k, experts.width

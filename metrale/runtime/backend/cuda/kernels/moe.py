@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from metrale.runtime.backend.cuda.launch import ceil_div, launch_kernel, require
+from metrale.runtime.backend.cuda.launch import MAX_GRID_YZ, ceil_div, launch_kernel, require
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 
 MODULE = "moe"
@@ -21,7 +21,6 @@ COMBINE_THREADS = 128
 # expert (decode), else 64.
 TILE_ROWS = {8: "moe_skinny_gemm_m8", 16: "moe_skinny_gemm_m16", 64: "moe_grouped_gemm_m64"}
 NULL = np.uint64(0)
-MAX_GRID_Y = 65535
 
 
 def tile_rows(entries: int, num_experts: int) -> int:
@@ -82,6 +81,7 @@ def route(lib, stream, ids: DeviceTensor, weights: DeviceTensor, logits: DeviceT
 def sort(lib, stream, routed: Routed, num_experts: int) -> None:
     """routed's grouping of its ids' entries by expert (one block)."""
     entries = routed.entries
+    require(0 < num_experts <= MAX_EXPERTS, f"moe sort: {num_experts} experts (at most {MAX_EXPERTS})")
     require(routed.ids.numel == entries and routed.positions.shape == (entries,),
             "moe sort: ids, sorted_entries and positions must hold T * top_k entries each")
     require(routed.offsets.shape == (num_experts + 1,) and routed.tile_count.shape == (1,),
@@ -109,7 +109,7 @@ def grouped_gemm(lib, stream, out: DeviceTensor, a: DeviceTensor, weight: Device
     require((a.ptr | weight.ptr | 2 * a.stride) % 16 == 0 and out.ptr % 4 == 0,
             "moe gemm: a and weight must be 16-byte aligned (pointer and row stride)")
     require(gather_div > 0 or a.shape[0] == routed.entries, "moe gemm: unsorted rows need gather_div")
-    require(routed.tiles.shape[0] <= MAX_GRID_Y, f"moe gemm: {routed.tiles.shape[0]} tiles (at most {MAX_GRID_Y})")
+    require(routed.tiles.shape[0] <= MAX_GRID_YZ, f"moe gemm: {routed.tiles.shape[0]} tiles (at most {MAX_GRID_YZ})")
     if routed.entries == 0:
         return
     kernel = lib.get(TILE_ROWS[routed.tile_rows], MODULE)
@@ -135,7 +135,7 @@ def combine(lib, stream, out: DeviceTensor, expert_out: DeviceTensor, routed: Ro
             f"moe combine: expert_out must be contiguous [{tokens * top_k}, {hidden}]")
     require(shared is None or (shared.shape == (tokens, hidden) and shared.is_contiguous),
             f"moe combine: shared must be contiguous [{tokens}, {hidden}]")
-    require(tokens <= MAX_GRID_Y, f"moe combine: {tokens} tokens (at most {MAX_GRID_Y})")
+    require(tokens <= MAX_GRID_YZ, f"moe combine: {tokens} tokens (at most {MAX_GRID_YZ})")
     if tokens == 0:
         return
     grid = (ceil_div(hidden, 2 * COMBINE_THREADS), tokens)
