@@ -39,8 +39,9 @@ from metrale.service.config import WorkerConfig
 from metrale.service.in_process import InProcessWorker
 from metrale.service.server import WorkerServer
 
-KERNEL_PARTS = (("routing", ("moe_route", "moe_sort")), ("grouped GEMMs", ("moe_grouped_gemm",)),
-                ("combine", ("moe_combine",)), ("attention", ("attention",)), ("GEMMs", GEMM_KEYS))
+KERNEL_PARTS = (("routing", ("moe_route",)), ("grouped GEMMs", ("moe_grouped_gemm", "moe_skinny_gemm")),
+                ("combine", ("moe_combine",)), ("attention", ("attention",)), ("GEMMs", GEMM_KEYS),
+                ("norms", ("norm",)), ("rope + KV", ("rope", "write_kv")), ("activation", ("silu", "binary")))
 SHARD_BYTES = 5 << 30
 COUNTED_STEPS = 4           # decode steps whose routing is read back to count the experts hit
 
@@ -63,8 +64,8 @@ def parse_args(argv):
 
 
 class RoutingProbe:
-    """Which experts each MoE layer's latest forward routed to, for the floor: on CUDA a copy of moe_sort's
-    offsets after each sort, into a buffer per layer (captured into the decode graphs with the sort; installed
+    """Which experts each MoE layer's latest forward routed to, for the floor: on CUDA a copy of moe_route's
+    offsets after each route, into a buffer per layer (captured into the decode graphs with the route; installed
     before the engine is built); on the CPU the chosen ids. Layers are told apart by call order."""
 
     def __init__(self, device: str, shape: MoeShape):
@@ -78,13 +79,13 @@ class RoutingProbe:
             from cuda.bindings import driver
 
             from metrale.runtime.backend.cuda.kernels import moe
-            sort = moe.sort
+            route = moe.route
 
-            def probed(lib, stream, routed, num_experts):
-                sort(lib, stream, routed, num_experts)
+            def probed(lib, stream, routed, *args):
+                route(lib, stream, routed, *args)
                 row = self.offsets[self._next_layer()]
                 driver.cuMemcpyDtoDAsync(row.data_ptr(), routed.offsets.ptr, row.nbytes, int(stream.handle))
-            self._wrapped = (moe, "sort", sort)
+            self._wrapped = (moe, "route", route)
         else:
             from metrale.runtime.backend.cpu import moe
             route = moe.route
@@ -156,30 +157,36 @@ def write_shards(checkpoint: Checkpoint, directory: Path) -> None:
 
 
 class ResidentPeak:
-    """The process's largest resident memory while the block runs, sampled every 50 ms (ru_maxrss keeps the
-    lifetime's peak, which the host copy of the weights before the build already set)."""
+    """The process's largest resident memory while the block runs, sampled every 50 ms, in two parts: anonymous
+    (memory the process allocated: a host copy of the weights would show here) and file-backed (checkpoint pages
+    mapped while they are read: page cache the kernel reclaims under pressure). ru_maxrss would keep the lifetime's
+    peak, which the host copy of the weights before the build already set."""
 
     def __enter__(self):
-        self.peak_gb, self._done = resident_gb(), threading.Event()
+        self.anon_gb, self.file_gb = resident_gb()
+        self._done = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
         return self
 
     def _sample(self):
         while not self._done.wait(0.05):
-            self.peak_gb = max(self.peak_gb, resident_gb())
+            self._update()
+
+    def _update(self):
+        anon, file = resident_gb()
+        self.anon_gb, self.file_gb = max(self.anon_gb, anon), max(self.file_gb, file)
 
     def __exit__(self, *exc):
         self._done.set()
         self._thread.join()
-        self.peak_gb = max(self.peak_gb, resident_gb())
+        self._update()
 
 
-def resident_gb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1e6                               # kB
-    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1e6
+def resident_gb() -> tuple[float, float]:
+    """(anonymous, file-backed) resident GB of this process."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return tuple(int(fields.get(name, "0 kB").split()[0]) / 1e6 for name in ("RssAnon", "RssFile"))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -246,11 +253,12 @@ def main(argv: list[str] | None = None) -> dict:
     gc.collect()
     if not built:
         raise SystemExit(f"no engine: {run.errors}")
-    result["load"] = {"seconds": load_s, "note": load_note, "resident_gb_before": host_before,
-                      "resident_gb_peak": resident.peak_gb}
+    result["load"] = {"seconds": load_s, "note": load_note, "anon_gb_before": host_before[0],
+                      "anon_gb_peak": resident.anon_gb, "file_gb_peak": resident.file_gb}
     ours = EngineRunner(built[0], config.max_batch_tokens)
-    log(f"engine: built in {load_s:.1f} s ({load_note}); host resident {host_before:.1f} GB before, "
-        f"{resident.peak_gb:.1f} GB at most during the build; device {device_memory_gb(device)}")
+    log(f"engine: built in {load_s:.1f} s ({load_note}); host resident {host_before[0]:.1f} GB anonymous before, "
+        f"{resident.anon_gb:.1f} GB at most during the build (file-backed {resident.file_gb:.1f} GB); device "
+        f"{device_memory_gb(device)}")
     worker = None
     if not args.skip_grpc:
         server_config = WorkerConfig(host="127.0.0.1", port=0, reflection=False, drain_timeout=5.0, engine=config)
@@ -295,9 +303,9 @@ def main(argv: list[str] | None = None) -> dict:
         result["prefill"] = row_record(prefill_row, kernel_parts_ms=prefill_parts)
     result["elapsed_s"] = run.elapsed()
     write_json(args.json, result)
-    print(f"# load: engine built in {load_s:.1f} s {load_note}; the process's resident memory {host_before:.1f} GB "
-          f"before the build, {resident.peak_gb:.1f} GB at most during it ({total_params(shape) * 2 / 1e9:.1f} GB "
-          f"of weights)")
+    print(f"# load: engine built in {load_s:.1f} s {load_note}; the process's anonymous resident memory "
+          f"{host_before[0]:.1f} GB before the build, {resident.anon_gb:.1f} GB at most during it, the checkpoint's "
+          f"mapped pages {resident.file_gb:.1f} GB at most ({total_params(shape) * 2 / 1e9:.1f} GB of weights)")
     print(f"# decode at {args.context}-token contexts: {args.steps} timed steps after {args.warmup} warm-up; floor = "
           f"(dense weights + the experts the step's tokens routed to, counted over {COUNTED_STEPS} steps: "
           + ", ".join(f"batch {b} {hits[b] / shape.layers:.1f} of {shape.experts} a layer" for b in hits)

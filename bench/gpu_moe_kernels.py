@@ -1,5 +1,5 @@
 """The mixture-of-experts kernels alone on the GPU at Qwen3-30B-A3B's layer (128 experts, top-8, hidden 2048,
-experts 768 wide): one layer's routing (moe_route and moe_sort), its two grouped GEMMs (the SiLU between them) and
+experts 768 wide): one layer's routing (moe_route, with its grouping), its two grouped GEMMs (the SiLU between them) and
 the combine, at decode batches (the experts' bytes the tokens routed to over the GEMMs' time, as a fraction of copy
 bandwidth) and a prefill's rows (the GEMMs' FLOPs over their time, as a fraction of the bf16 GEMM rate).
 `--variant NAME=FILE` times another moe.cu beside the package's in the same run; each variant's output is checked
@@ -39,10 +39,12 @@ class Layer:
         self.kept = [ints(tokens, TOP_K), torch.zeros(tokens, TOP_K, device="cuda"), ints(EXPERTS + 1),
                      ints(entries), ints(entries), ints(moe.max_tiles(entries, EXPERTS, rows), 2), ints(1)]
         self.routed = moe.Routed(*(D.from_torch(t) for t in self.kept), rows)
+        self.done = ints(1)
         self.gate_up = torch.empty(entries, 2 * WIDTH, dtype=torch.bfloat16, device="cuda")
         self.activated = torch.empty(entries, WIDTH, dtype=torch.bfloat16, device="cuda")
         self.expert_out = torch.empty(entries, HIDDEN, dtype=torch.bfloat16, device="cuda")
         self.out = torch.empty(tokens, HIDDEN, dtype=torch.bfloat16, device="cuda")
+        torch.cuda.synchronize()            # the kernels run on another stream than torch's fills
 
     def launches(self, lib, stream) -> dict:
         """The layer's parts, each a zero-argument launch: routing, the first GEMM, the activation, the second
@@ -50,9 +52,8 @@ class Layer:
         from metrale.runtime.backend.cuda.kernels import activation, moe
         from metrale.runtime.backend.cuda.tensor import DeviceTensor as D
         r = self.routed
-        route = lambda: (moe.route(lib, stream, r.ids, r.weights, D.from_torch(self.logits), TOP_K, True,  # noqa
-                                   True, None, 1, 1, 1.0), moe.sort(lib, stream, r, EXPERTS))
-        return {"routing": route,
+        return {"routing": lambda: moe.route(lib, stream, r, D.from_torch(self.logits), TOP_K, True, True, None, 1, 1,
+                                             1.0, D.from_torch(self.done)),
                 "up GEMM": lambda: moe.grouped_gemm(lib, stream, D.from_torch(self.gate_up), D.from_torch(self.x),
                                                     D.from_torch(self.up), r, TOP_K),
                 "silu": lambda: activation.silu_mul(lib, stream, D.from_torch(self.activated),

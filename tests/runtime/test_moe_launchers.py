@@ -1,4 +1,5 @@
-"""moe.cu's launchers without a GPU: a layer's launches (route, sort, the two grouped GEMMs, combine) match each
+"""moe.cu's launchers without a GPU: a layer's launches (route with its grouping, the two grouped GEMMs, combine) match
+each
 kernel's parameter list, their grids follow the row count alone (so a decode graph replays them as captured), and
 bad shapes are refused before anything is launched."""
 
@@ -24,9 +25,8 @@ def routed(tokens: int, experts: int = EXPERTS, top_k: int = TOP_K) -> moe.Route
 def layer(lib, tokens: int, bias: bool = False) -> None:
     r = routed(tokens)
     entries = tokens * TOP_K
-    moe.route(lib, None, r.ids, r.weights, f32(tokens, EXPERTS), TOP_K, not bias, True, f32(EXPERTS) if bias else None,
-              8 if bias else 1, 4 if bias else 1, 2.5)
-    moe.sort(lib, None, r, EXPERTS)
+    moe.route(lib, None, r, f32(tokens, EXPERTS), TOP_K, not bias, True, f32(EXPERTS) if bias else None,
+              8 if bias else 1, 4 if bias else 1, 2.5, i32(1))
     moe.grouped_gemm(lib, None, bf16(entries, 2 * WIDTH), bf16(tokens, HIDDEN), bf16(EXPERTS, 2 * WIDTH, HIDDEN), r,
                      TOP_K)
     moe.grouped_gemm(lib, None, bf16(entries, HIDDEN), bf16(entries, WIDTH), bf16(EXPERTS, HIDDEN, WIDTH), r, 0)
@@ -38,7 +38,7 @@ def test_a_layers_launches_match_the_kernels(monkeypatch, tokens, bias):
     launches = record_launches(monkeypatch, moe)
     layer(FakeLibrary(), tokens, bias)
     names = [name for (_, name), *_ in launches]
-    assert names == ["moe_route", "moe_sort", moe.TILE_ROWS[moe.tile_rows(tokens * TOP_K, EXPERTS)],
+    assert names == ["moe_route", moe.TILE_ROWS[moe.tile_rows(tokens * TOP_K, EXPERTS)],
                      moe.TILE_ROWS[moe.tile_rows(tokens * TOP_K, EXPERTS)], "moe_combine"]
     for (module, name), grid, block, args, _ in launches:
         assert [type(a) for a in args] == parameter_types(module, name), name
@@ -48,7 +48,7 @@ def test_a_layers_launches_match_the_kernels(monkeypatch, tokens, bias):
     # The grouped GEMMs' grids: every tile a sort can make, whatever the routing.
     entries = tokens * TOP_K
     rows = moe.tile_rows(entries, EXPERTS)
-    assert launches[2][1][1] == moe.max_tiles(entries, EXPERTS, rows)
+    assert launches[1][1][1] == moe.max_tiles(entries, EXPERTS, rows)
 
 
 def test_max_tiles_bounds_every_routing():
@@ -60,11 +60,18 @@ def test_max_tiles_bounds_every_routing():
         assert sum(-(-c // rows) for c in counts) <= moe.max_tiles(entries, experts, rows)
 
 
+def route_4(lib, experts: int, held_k: int, top_k: int, n_group: int = 1, topk_group: int = 1, done=None) -> None:
+    """moe.route over 4 tokens' logits into buffers for top-held_k."""
+    moe.route(lib, None, routed(4, experts, held_k), f32(4, experts), top_k, n_group == 1, True, None, n_group,
+              topk_group, 1.0, i32(1) if done is None else done)
+
+
 @pytest.mark.parametrize("call", [
-    lambda lib: moe.route(lib, None, i32(4, 8), f32(4, 8), f32(4, 600), 8, True, True, None, 1, 1, 1.0),   # > 512
-    lambda lib: moe.route(lib, None, i32(4, 8), f32(4, 8), f32(4, 64), 8, False, True, None, 64, 2, 1.0),  # groups of 1
-    lambda lib: moe.route(lib, None, i32(4, 9), f32(4, 9), f32(4, 64), 9, False, True, None, 8, 1, 1.0),   # 9 > 1 x 8
-    lambda lib: moe.route(lib, None, i32(4, 4), f32(4, 8), f32(4, 64), 8, True, True, None, 1, 1, 1.0),   # ids shape
+    lambda lib: route_4(lib, 600, 8, 8),                        # more than 512 experts
+    lambda lib: route_4(lib, 64, 8, 8, n_group=64, topk_group=2),  # groups of one expert
+    lambda lib: route_4(lib, 64, 9, 9, n_group=8, topk_group=1),   # top-9 from one group of 8
+    lambda lib: route_4(lib, 64, 4, 8),                         # ids [4, 4] for top-8
+    lambda lib: route_4(lib, 64, 8, 8, done=f32(1)),            # a float counter
     lambda lib: moe.grouped_gemm(lib, None, bf16(32, 100), bf16(4, 60), bf16(8, 100, 60), routed(4, 8, 8), 8),
     lambda lib: moe.combine(lib, None, bf16(4, 64), bf16(4, 64), routed(4, 8, 8)),
 ])

@@ -31,10 +31,11 @@ class MoeConfig:
 
     def activation_width(self, hidden: int) -> int:
         """Activation elements (bf16-sized) a token of one mixture layer's forward takes beyond the dense layers':
-        its router logits (float32), its entries' ids, weights, rows and tiles (32-bit), the experts' up,
-        activated and output rows, the offsets and partial tiles of every expert (counted per token: a forward
-        has at least one), and the shared experts' MLP."""
-        routed = 2 * self.num_experts + self.top_k * (2 * 6 + 3 * self.width + hidden) + 2 * 3 * (self.num_experts + 1)
+        its router logits (float32, each row padded to 16 bytes), its entries' ids, weights, rows and tiles
+        (32-bit), the experts' up, activated and output rows, the offsets and partial tiles of every expert
+        (counted per token: a forward has at least one), and the shared experts' MLP."""
+        logits = 2 * (-(-self.num_experts // 4) * 4)
+        routed = logits + self.top_k * (2 * 6 + 3 * self.width + hidden) + 2 * 3 * (self.num_experts + 1)
         return routed + 3 * self.shared_width + hidden
 
     @property

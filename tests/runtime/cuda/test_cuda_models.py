@@ -16,6 +16,42 @@ NUM_DECODES = 32
 pytestmark = pytest.mark.gpu
 
 
+class RouterChoices:
+    """While open, records what each mixture router (transformers' *Router modules) ranks, per layer and position: the
+    logits, or the sigmoid scores plus the correction bias where the router has one."""
+
+    def __init__(self, model):
+        self.model, self.choices, self.handles = model, [], []
+
+    def __enter__(self):
+        for module in self.model.modules():
+            if type(module).__name__.endswith("Router"):
+                self.handles.append(module.register_forward_hook(self.record))
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+
+    def record(self, module, inputs, output):
+        choice = inputs[0].reshape(-1, inputs[0].shape[-1]).float() @ module.weight.float().T
+        bias = getattr(module, "e_score_correction_bias", None)
+        if bias is not None:
+            choice = torch.sigmoid(choice) + bias.float()
+        self.choices.append((module.top_k, choice.cpu()))
+
+
+def clear_routing(exact: RouterChoices, bf16: RouterChoices, positions: int) -> torch.Tensor:
+    """Per position: whether every router's top-k edge (the k-th choice value less the (k+1)-th) stands clear of bf16
+    noise: twice the most a bf16 run moves any of that position's choice values."""
+    clear = torch.ones(positions, dtype=torch.bool)
+    for (top_k, choice), (_, rounded) in zip(exact.choices, bf16.choices):
+        top = choice.topk(top_k + 1, dim=-1).values
+        noise = (rounded - choice).abs().max(dim=-1).values
+        clear &= (top[:, -2] - top[:, -1]) > 2 * noise
+    return clear
+
+
 @pytest.mark.parametrize("name", sorted(TINY) + sorted(TINY_MOE) + sorted(TINY_SSM))
 def test_logits_and_greedy_tokens_match_transformers(name, tmp_path):
     import transformers
@@ -37,11 +73,18 @@ def test_logits_and_greedy_tokens_match_transformers(name, tmp_path):
         ours.append(out.outputs[0].logits)
     with torch.no_grad():
         ids = torch.tensor([tokens], device="cuda")
-        expected = reference(ids).logits[0, len(prompt) - 1:].float().cpu()
-        theirs_bf16 = reference_bf16(ids).logits[0, len(prompt) - 1:].float().cpu()
-    errors = [relative_error(row, want) for row, want in zip(ours, expected)]
+        with RouterChoices(reference) as exact:
+            expected = reference(ids).logits[0, len(prompt) - 1:].float().cpu()
+        with RouterChoices(reference_bf16) as rounded:
+            theirs_bf16 = reference_bf16(ids).logits[0, len(prompt) - 1:].float().cpu()
+    # A mixture's token whose router sees two experts within bf16 noise of each other at the top-k edge may choose
+    # the other one in bf16 (transformers' bf16 run may too): its logits are not comparable. Every other position is.
+    clear = clear_routing(exact, rounded, len(tokens))[len(prompt) - 1:].tolist()
+    assert sum(clear) >= 0.6 * len(clear), f"{name}: {clear.count(False)} of {len(clear)} positions route near a tie"
+    errors = [relative_error(row, want) for row, want, kept in zip(ours, expected, clear) if kept]
     their_errors = [relative_error(row, want) for row, want in zip(theirs_bf16, expected)]
-    print(f"{name}: max relative error ours {max(errors):.2e}, transformers bf16 {max(their_errors):.2e}")
+    print(f"{name}: max relative error ours {max(errors):.2e} ({len(errors)} positions), transformers bf16 "
+          f"{max(their_errors):.2e}")
     # bf16 through a few layers already costs ~1e-2 against float32 (transformers' own bf16 run shows it):
     # ours must be within 1e-2, or no worse than 1.25x transformers' bf16 error, whichever is larger.
     bound = max(1e-2, 1.25 * max(their_errors))

@@ -1,8 +1,8 @@
 """moe.cu against the CPU backend's torch math (backend/cpu/moe.py) on the same inputs: the router's choice from the
 same float32 logits (softmax and DeepSeek-V3's grouped sigmoid, with exactly tied scores, which must go as
-torch.topk on the GPU breaks them, as transformers' run there does: the lower expert id), the grouping of the
-entries by expert, and a whole layer (route, sort, the grouped GEMMs with silu between, the combine with shared
-experts) at decode and prefill row counts, up to Qwen3-30B-A3B's mixture (128 experts, top-8, 2048 x 768)."""
+torch.topk on the GPU breaks them, as transformers' run there does: the lower expert id), the same launch's
+grouping of the entries by expert, and a whole layer (route, the grouped GEMMs with silu between, the combine with
+shared experts) at decode and prefill row counts, up to Qwen3-30B-A3B's mixture (128 experts, top-8, 2048 x 768)."""
 
 import pytest
 import torch
@@ -34,16 +34,31 @@ def logits_for(tokens: int, experts: int, softmax: bool, ties: bool) -> torch.Te
     return logits
 
 
+def routed_buffers(tokens: int, experts: int, top_k: int) -> tuple[moe.Routed, list[torch.Tensor]]:
+    """A Routed over torch buffers (filled with -7: a slot the kernel leaves unwritten shows), and the buffers, the
+    route's done counter (0) last."""
+    entries = tokens * top_k
+    rows = moe.tile_rows(entries, experts)
+    full = lambda *shape: torch.full(shape, -7, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    kept = [full(tokens, top_k), torch.full((tokens, top_k), float("nan"), device=DEVICE), full(experts + 1),
+            full(entries), full(entries), full(moe.max_tiles(entries, experts, rows), 2), full(1),
+            torch.zeros(1, dtype=torch.int32, device=DEVICE)]
+    return moe.Routed(*(d(t) for t in kept[:-1]), rows), kept
+
+
+def launch_route(kernel_library, stream, routed: moe.Routed, kept, logits: torch.Tensor, router: MoeRouter, bias):
+    moe.route(kernel_library, stream, routed, d(logits.to(DEVICE)), router.top_k, router.scoring == "softmax",
+              router.normalize, None if bias is None else d(bias), router.n_group, router.topk_group, router.scaling,
+              d(kept[-1]))
+
+
 def device_route(kernel_library, stream, logits: torch.Tensor, router: MoeRouter, bias):
-    tokens = logits.shape[0]
-    ids = torch.full((tokens, router.top_k), -1, dtype=torch.int32, device=DEVICE)
-    weights = torch.full((tokens, router.top_k), float("nan"), device=DEVICE)
+    routed, kept = routed_buffers(logits.shape[0], logits.shape[1], router.top_k)
     torch.cuda.synchronize()
-    moe.route(kernel_library, stream, d(ids), d(weights), d(logits.to(DEVICE)), router.top_k,
-              router.scoring == "softmax", router.normalize, None if bias is None else d(bias), router.n_group,
-              router.topk_group, router.scaling)
+    launch_route(kernel_library, stream, routed, kept, logits, router, bias)
     stream.sync()
-    return ids.long().cpu(), weights.cpu()
+    assert kept[-1].item() == 0, "the route leaves its done counter at 0 for the next launch"
+    return kept[0].long().cpu(), kept[1].cpu()
 
 
 def as_sets(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,25 +88,21 @@ def test_route_matches_the_cpu_math(kernel_library, stream, tokens, experts, top
     torch.testing.assert_close(got_weights, want_weights, rtol=1e-5, atol=1e-7)
 
 
-def routed_buffers(tokens: int, experts: int, top_k: int) -> moe.Routed:
-    entries = tokens * top_k
-    rows = moe.tile_rows(entries, experts)
-    full = lambda *shape: torch.full(shape, -7, dtype=torch.int32, device=DEVICE)  # noqa: E731
-    kept = [full(tokens, top_k), torch.empty(tokens, top_k, device=DEVICE), full(experts + 1), full(entries),
-            full(entries), full(moe.max_tiles(entries, experts, rows), 2), full(1)]
-    return moe.Routed(*(d(t) for t in kept), rows), kept
-
-
 @pytest.mark.parametrize("tokens, experts, top_k", [(1, 8, 2), (40, 16, 4), (300, 8, 2), (256, 128, 8)])
-def test_sort_groups_the_entries_by_expert(kernel_library, stream, tokens, experts, top_k):
+def test_route_groups_the_entries_by_expert(kernel_library, stream, tokens, experts, top_k):
+    """Logits that make each token choose given experts (decreasing logits in their order), then the grouping the
+    same launch's last block writes; launched twice, as a graph replays it (the done counter back at 0)."""
     routed, kept = routed_buffers(tokens, experts, top_k)
     ids = torch.stack([torch.randperm(experts, generator=torch.Generator().manual_seed(t))[:top_k]
-                       for t in range(tokens)]).int()
-    kept[0].copy_(ids)
+                       for t in range(tokens)])
+    logits = torch.zeros(tokens, experts).scatter_(1, ids, torch.arange(top_k, 0, -1.0).expand(tokens, top_k) + 9)
+    router = MoeRouter(None, top_k, "softmax", normalize=True)
     torch.cuda.synchronize()
-    moe.sort(kernel_library, stream, routed, experts)
+    for _ in range(2):
+        launch_route(kernel_library, stream, routed, kept, logits, router, None)
     stream.sync()
-    offsets, sorted_entries, positions, tiles, count = (t.cpu() for t in kept[2:])
+    assert torch.equal(kept[0].long().cpu(), ids) and kept[-1].item() == 0
+    offsets, sorted_entries, positions, tiles, count = (t.cpu() for t in kept[2:7])
     flat = ids.flatten().long()
     counts = torch.bincount(flat, minlength=experts)
     assert torch.equal(offsets, torch.cat([torch.zeros(1), counts.cumsum(0)]).int())
@@ -114,10 +125,7 @@ def device_layer(kernel_library, stream, x, logits, router: MoeRouter, gate_up, 
     expert_out = torch.empty(tokens * top_k, hidden, dtype=torch.bfloat16, device=DEVICE)
     out = torch.full_like(x, float("nan"))
     torch.cuda.synchronize()
-    moe.route(kernel_library, stream, routed.ids, routed.weights, d(logits.to(DEVICE)), top_k,
-              router.scoring == "softmax", router.normalize, None if bias is None else d(bias), router.n_group,
-              router.topk_group, router.scaling)
-    moe.sort(kernel_library, stream, routed, experts)
+    launch_route(kernel_library, stream, routed, kept, logits, router, bias)
     moe.grouped_gemm(kernel_library, stream, d(gate_up_rows), d(x), d(gate_up), routed, gather_div=top_k)
     activation.silu_mul(kernel_library, stream, d(activated), d(gate_up_rows))
     moe.grouped_gemm(kernel_library, stream, d(expert_out), d(activated), d(down), routed, gather_div=0)
@@ -163,12 +171,15 @@ def test_layer_matches_the_cpu_math(kernel_library, stream, tokens, experts, top
 
 @pytest.mark.parametrize("softmax", [True, False])
 def test_a_nan_logit_still_chooses_real_experts(kernel_library, stream, softmax):
-    """NaN ranks above every number (as torch.topk ranks it): the token's choices stay distinct experts in range, so
-    the grouping after them never writes outside its buffers."""
+    """NaN ranks above every number (as torch.topk ranks it; a softmax router's NaN makes its whole row NaN, as
+    torch.softmax's): the token's choices stay distinct experts in range, so the grouping after them never writes
+    outside its buffers, and they are torch's on the GPU."""
     logits = logits_for(4, 32, softmax, ties=False)
     logits[1, 5] = float("nan")
     logits[2] = float("nan")
     router = MoeRouter(None, 4, "softmax" if softmax else "sigmoid", normalize=True)
     ids, _ = device_route(kernel_library, stream, logits, router, None)
     assert ((ids >= 0) & (ids < 32)).all() and all(len(set(row)) == 4 for row in ids.tolist())
-    assert 5 in ids[1].tolist() and ids[2].tolist() == [0, 1, 2, 3]
+    _, want_ids = choose(logits.to(DEVICE), router)
+    assert torch.equal(ids.sort().values, want_ids.long().cpu().sort().values)
+    assert (5 in ids[1].tolist()) != softmax and ids[2].tolist() == [0, 1, 2, 3]

@@ -148,23 +148,23 @@ class CudaLayerMath:
         return out
 
     def moe(self, x, router: MoeRouter, experts: Experts, shared=None):
-        """The router's logits (a float32 GEMM), moe.cu's routing and grouping, the two grouped GEMMs with the
-        activation (activation.cu's) between them, and the weighted combine (with the shared experts' output): no
-        host round trip."""
+        """The router's logits (a float32 GEMM), moe.cu's routing with its grouping (one launch), the two grouped
+        GEMMs with the activation (activation.cu's) between them, and the weighted combine (with the shared experts'
+        output): no host round trip."""
         ctx, moe = self.resources.bound.context, kernels.moe
         tokens, hidden = x.shape
         num_experts, top_k, width = router.num_experts, router.top_k, experts.width
         entries = tokens * top_k
-        logits = ctx.new(tokens, num_experts, "float32")
+        # cuBLASLt wants 16-byte rows: a router of 6 or 62 experts writes into padded rows
+        logits = ctx.new(tokens, -(-num_experts // 4) * 4, "float32").columns(0, num_experts)
         linear_into(self.lib, self.resources.gemm, ctx, logits, x, router.weight)
         rows = moe.tile_rows(entries, num_experts)
         take = ctx.ring.take
         routed = moe.Routed(take((tokens, top_k), "int32"), take((tokens, top_k), "float32"),
                             take((num_experts + 1,), "int32"), take((entries,), "int32"), take((entries,), "int32"),
                             take((moe.max_tiles(entries, num_experts, rows), 2), "int32"), take((1,), "int32"), rows)
-        moe.route(self.lib, ctx.stream, routed.ids, routed.weights, logits, top_k, router.scoring == "softmax",
-                  router.normalize, router.correction_bias, router.n_group, router.topk_group, router.scaling)
-        moe.sort(self.lib, ctx.stream, routed, num_experts)
+        moe.route(self.lib, ctx.stream, routed, logits, top_k, router.scoring == "softmax", router.normalize,
+                  router.correction_bias, router.n_group, router.topk_group, router.scaling, ctx.moe_done)
         up = ctx.new(entries, experts.up.shape[1])
         moe.grouped_gemm(self.lib, ctx.stream, up, x, experts.up, routed, gather_div=top_k)
         activated = ctx.new(entries, width)

@@ -65,6 +65,8 @@ def stream_buffers(lib, shapes: MemoryShapes) -> Buffers:
         # Beam search's candidates of one step: ids then values, MAX_COUNT of each per row at most.
         "beam_candidates": ((seqs, 2 * kernels.beam.MAX_COUNT), "int32"),
         "beam_state": ((BEAM_STATE_BYTES,), "uint8"),
+        # moe_route's count of its finished blocks: 0 between launches (its last block resets it).
+        "moe_done": ((1,), "int32"),
     }
 
 
@@ -99,6 +101,7 @@ class StreamContext:
         self.candidates, self.lists = taken["beam_candidates"], taken["lists"]
         self.latest_candidates: StreamCandidates | None = None      # what the candidates buffer holds
         self.beam_state = taken["beam_state"]
+        self.moe_done = taken["moe_done"]
         # A beam search step's done flags (and fault flag), written here by its fork kernel while the next step is
         # queued: two steps' worth, in pinned memory the device writes directly (no copy between the kernels).
         self.beam_flags = cuda.pinned((2, shapes.max_seqs + 1), "int32")
@@ -111,6 +114,7 @@ class StreamContext:
         self._prepared_cross: CudaBatch | None = None
         self._timing, self._round_events = False, (None, None)
         self._timed_rounds: list[tuple[object, object]] = []      # while timing: every sampled round's events
+        self.copy_to_device(self.moe_done, np.zeros(1, dtype=np.int32))
 
     def new(self, rows: int, cols: int, dtype: str = "bfloat16") -> DeviceTensor:
         """An activation tensor from the ring."""

@@ -12,8 +12,7 @@ MODULE = "moe"
 MAX_EXPERTS = 512           # MOE_MAX_EXPERTS
 MAX_TOP_K = 16              # MOE_MAX_TOP_K
 MAX_GROUPS = 32             # a lane per group
-ROUTE_WARPS = 4
-SORT_THREADS = 1024
+ROUTE_THREADS = 256         # moe_route's: a warp a token
 GEMM_THREADS, GEMM_BN = 128, 128               # moe_grouped_gemm_m64
 SKINNY_THREADS, SKINNY_ROWS = 256, 16           # moe_skinny_gemm_m8/m16: skinny_gemm.cuh's
 COMBINE_THREADS = 128
@@ -36,8 +35,8 @@ def max_tiles(entries: int, num_experts: int, rows: int) -> int:
 
 @dataclass(frozen=True)
 class Routed:
-    """A batch's routed entries on the device: ids and weights [T, top_k] (moe_route's), and moe_sort's grouping:
-    offsets [E + 1], sorted_entries and positions [T * top_k], tiles [max_tiles, 2] and tile_count [1]."""
+    """A batch's routed entries on the device: ids and weights [T, top_k], and their grouping by expert (both
+    moe_route's): offsets [E + 1], sorted_entries and positions [T * top_k], tiles [max_tiles, 2] and tile_count [1]."""
     ids: DeviceTensor
     weights: DeviceTensor
     offsets: DeviceTensor
@@ -52,46 +51,41 @@ class Routed:
         return self.sorted_entries.shape[0]
 
 
-def route(lib, stream, ids: DeviceTensor, weights: DeviceTensor, logits: DeviceTensor, top_k: int, softmax: bool,
-          normalize: bool, correction_bias: DeviceTensor | None, n_group: int, topk_group: int,
-          scaling: float) -> None:
-    """ids [T, top_k] int32 and weights [T, top_k] float32 of each token's chosen experts from its router logits
-    [T, E] float32 (contiguous): MoeRouter's rule (layer_math.py), softmax routers' logits rounded to bf16 first."""
+def route(lib, stream, routed: Routed, logits: DeviceTensor, top_k: int, softmax: bool, normalize: bool,
+          correction_bias: DeviceTensor | None, n_group: int, topk_group: int, scaling: float,
+          done: DeviceTensor) -> None:
+    """routed's ids [T, top_k] int32 and weights [T, top_k] float32, each token's chosen experts from its router
+    logits [T, E] float32 (rows may be strided: a GEMM's output row is padded to 16 bytes) by MoeRouter's rule
+    (layer_math.py), softmax routers' logits rounded to bf16 first; and, in the same launch, routed's grouping of
+    those entries by expert. done: one int32 that is 0 (the launch leaves it 0)."""
     tokens, experts = logits.shape
-    require(logits.dtype == "float32" and logits.is_contiguous, "moe route: logits must be contiguous float32")
+    entries = tokens * top_k
+    require(logits.dtype == "float32" and len(logits.shape) == 2, "moe route: logits must be [T, E] float32")
     require(0 < experts <= MAX_EXPERTS, f"moe route: {experts} experts (at most {MAX_EXPERTS})")
     require(0 < top_k <= min(MAX_TOP_K, experts), f"moe route: top_k {top_k} must be in 1..{min(MAX_TOP_K, experts)}")
-    require(ids.shape == (tokens, top_k) and ids.dtype == "int32" and ids.is_contiguous,
-            f"moe route: ids must be [{tokens}, {top_k}] int32")
-    require(weights.shape == (tokens, top_k) and weights.dtype == "float32" and weights.is_contiguous,
-            f"moe route: weights must be [{tokens}, {top_k}] float32")
+    for name, held in (("ids", routed.ids), ("weights", routed.weights)):
+        require(held.shape == (tokens, top_k) and held.dtype == ("int32" if name == "ids" else "float32")
+                and held.is_contiguous, f"moe route: {name} must be [{tokens}, {top_k}]")
     require(n_group == 1 or (n_group <= MAX_GROUPS and experts % n_group == 0 and experts // n_group >= 2
                              and 0 < topk_group <= n_group and top_k <= topk_group * (experts // n_group)),
             f"moe route: {n_group} groups (topk_group {topk_group}) of {experts} experts cannot give top-{top_k}")
     require(correction_bias is None or (correction_bias.shape == (experts,) and correction_bias.dtype == "float32"),
             "moe route: correction_bias must be float32 [experts]")
+    require(routed.entries == entries and routed.positions.shape == (entries,),
+            "moe route: sorted_entries and positions must hold T * top_k entries each")
+    require(routed.offsets.shape == (experts + 1,) and routed.tile_count.shape == (1,),
+            f"moe route: offsets must be [{experts + 1}], tile_count [1]")
+    tiles = routed.tiles.shape[0]
+    require(tiles >= max_tiles(entries, experts, routed.tile_rows) and routed.tiles.shape == (tiles, 2),
+            f"moe route: tiles must be [>= {max_tiles(entries, experts, routed.tile_rows)}, 2]")
+    require(done.shape == (1,) and done.dtype == "int32", "moe route: done must be one int32")
     if tokens == 0:
         return
-    launch_kernel(stream, lib.get("moe_route", MODULE), ceil_div(tokens, ROUTE_WARPS), 32 * ROUTE_WARPS, logits,
-                  tokens, experts, top_k, 0 if softmax else 1, int(softmax), int(normalize),
+    launch_kernel(stream, lib.get("moe_route", MODULE), ceil_div(tokens, ROUTE_THREADS // 32), ROUTE_THREADS, logits,
+                  logits.stride, tokens, experts, top_k, 0 if softmax else 1, int(softmax), int(normalize),
                   correction_bias if correction_bias is not None else NULL, n_group, topk_group, np.float32(scaling),
-                  ids, weights)
-
-
-def sort(lib, stream, routed: Routed, num_experts: int) -> None:
-    """routed's grouping of its ids' entries by expert (one block)."""
-    entries = routed.entries
-    require(0 < num_experts <= MAX_EXPERTS, f"moe sort: {num_experts} experts (at most {MAX_EXPERTS})")
-    require(routed.ids.numel == entries and routed.positions.shape == (entries,),
-            "moe sort: ids, sorted_entries and positions must hold T * top_k entries each")
-    require(routed.offsets.shape == (num_experts + 1,) and routed.tile_count.shape == (1,),
-            f"moe sort: offsets must be [{num_experts + 1}], tile_count [1]")
-    tiles = routed.tiles.shape[0]
-    require(tiles >= max_tiles(entries, num_experts, routed.tile_rows) and routed.tiles.shape == (tiles, 2),
-            f"moe sort: tiles must be [>= {max_tiles(entries, num_experts, routed.tile_rows)}, 2]")
-    launch_kernel(stream, lib.get("moe_sort", MODULE), 1, SORT_THREADS, routed.ids, entries, num_experts,
-                  routed.tile_rows, tiles, routed.offsets, routed.sorted_entries, routed.positions, routed.tiles,
-                  routed.tile_count)
+                  routed.ids, routed.weights, routed.tile_rows, tiles, routed.offsets, routed.sorted_entries,
+                  routed.positions, routed.tiles, routed.tile_count, done)
 
 
 def grouped_gemm(lib, stream, out: DeviceTensor, a: DeviceTensor, weight: DeviceTensor, routed: Routed,
