@@ -17,9 +17,8 @@
 //   A 16x16, row-major: a0 = A[g][2t, 2t+1]  a1 = A[g+8][2t, 2t+1]  a2 = A[g][2t+8, 2t+9]  a3 = A[g+8][2t+8, 2t+9]
 //   B 16x8, "col":      b0 = B[2t, 2t+1][g]  b1 = B[2t+8, 2t+9][g]
 //   C/D 16x8 fp32:      c0, c1 = C[g][2t], C[g][2t+1]   c2, c3 = C[g+8][2t], C[g+8][2t+1]
-// ldmatrix.m8n8.x4.b16: lanes 8i .. 8i+7 give the addresses of the 8 rows of matrix i (16 bytes each);
-// register i of every lane receives M_i[g][2t, 2t+1], or with .trans M_i[2t][g], M_i[2t+1][g].
-// Hence, with K and V tiles stored token-major ([token][dim], rows padded to HEAD_DIM + 8):
+// With ldmatrix (mma.cuh: matrix i's rows from lanes 8i .. 8i+7; register i gets M_i[g][2t, 2t+1], or with
+// .trans M_i[2t][g], M_i[2t+1][g]), and K and V tiles stored token-major ([token][dim], rows padded to HEAD_DIM + 8):
 //   S = Q K^T: A = Q rows (ldmatrix of Q), B[k = dim][n = token] = K[token][dim] (ldmatrix, no .trans);
 //   O += P V:  A = P from the S accumulators (c0,c1 | c2,c3 of two 8-key tiles = a0,a1 | a2,a3),
 //              B[k = token][n = dim] = V[token][dim] (ldmatrix .trans).
@@ -57,16 +56,6 @@ __device__ __forceinline__ float fast_exp2(float x) {   // ex2(-inf) = +0
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
-}
-
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const bf16* shared) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(shared)));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const bf16* shared) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(shared)));
 }
 
 // Keys [tile_start, tile_start + KV_TILE) of one sequence and kv head from one cache plane into a tile;

@@ -1,5 +1,5 @@
-// Tensor-core and asynchronous-copy primitives shared by the attention tiles and the skinny GEMM: shared-memory
-// addresses, 16-byte cp.async with zero fill, and mma.sync m16n8k16 (bf16 in, fp32 accumulate).
+// Tensor-core and asynchronous-copy primitives shared by the attention tiles and the GEMMs: shared-memory
+// addresses, 16-byte cp.async with zero fill, ldmatrix, and mma.sync m16n8k16 (bf16 in, fp32 accumulate).
 #pragma once
 #include "common.cuh"
 
@@ -20,6 +20,18 @@ __device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.com
 // Waits until at most `pending` of this thread's committed groups are still in flight.
 template <int pending>
 __device__ __forceinline__ void copy_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(pending)); }
+
+// ldmatrix.m8n8.x4.b16: lanes 8i .. 8i+7 give the addresses of the 8 rows of matrix i (16 bytes each);
+// register i of every lane receives M_i[g][2t, 2t+1], or with .trans M_i[2t][g], M_i[2t+1][g].
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* shared) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(shared)));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* shared) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(shared)));
+}
 
 // c [16x8] += a [16x16] * b [16x8]
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {

@@ -39,6 +39,7 @@ __device__ __forceinline__ void moe_warp_best(float& value, int& expert) {
 namespace {
 
 constexpr int ROUTE_THREADS = 256;                  // 8 tokens a block
+constexpr int GROUP_LOADS = 8;
 
 // The entries' grouping by expert, by one block (after every token's ids are written): counts -> offsets [E + 1];
 // each entry's row (positions) and each row's entry (sorted_entries; rows of one expert in no set order: each row's
@@ -49,7 +50,19 @@ __device__ void moe_group_entries(const int* ids, int entries, int num_experts, 
     __shared__ int count[MOE_MAX_EXPERTS], cursor[MOE_MAX_EXPERTS], first_tile[MOE_MAX_EXPERTS];
     for (int e = threadIdx.x; e < num_experts; e += blockDim.x) count[e] = 0;
     __syncthreads();
-    for (int i = threadIdx.x; i < entries; i += blockDim.x) atomicAdd(&count[__ldcg(ids + i)], 1);
+    // A prefill's tens of thousands of entries, by one block: each thread's GROUP_LOADS ids are loaded before any is
+    // used, so the loads' latency is paid once a group rather than once an entry.
+    for (int first = 0; first < entries; first += GROUP_LOADS * blockDim.x) {
+        int expert[GROUP_LOADS];
+#pragma unroll
+        for (int u = 0; u < GROUP_LOADS; ++u) {
+            const int i = first + u * blockDim.x + threadIdx.x;
+            expert[u] = i < entries ? __ldcg(ids + i) : -1;
+        }
+#pragma unroll
+        for (int u = 0; u < GROUP_LOADS; ++u)
+            if (expert[u] >= 0) atomicAdd(&count[expert[u]], 1);
+    }
     __syncthreads();
     if (threadIdx.x < 32) {             // one warp scans rows and tiles: lane l owns experts l * per .. + per - 1
         const int lane = threadIdx.x, per = (num_experts + 31) / 32, first = lane * per;
@@ -86,10 +99,20 @@ __device__ void moe_group_entries(const int* ids, int entries, int num_experts, 
         }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < entries; i += blockDim.x) {
-        const int row = atomicAdd(&cursor[__ldcg(ids + i)], 1);
-        sorted_entries[row] = i;
-        positions[i] = row;
+    for (int first = 0; first < entries; first += GROUP_LOADS * blockDim.x) {
+        int expert[GROUP_LOADS];
+#pragma unroll
+        for (int u = 0; u < GROUP_LOADS; ++u) {
+            const int i = first + u * blockDim.x + threadIdx.x;
+            expert[u] = i < entries ? __ldcg(ids + i) : -1;
+        }
+#pragma unroll
+        for (int u = 0; u < GROUP_LOADS; ++u) {
+            if (expert[u] < 0) continue;
+            const int i = first + u * blockDim.x + threadIdx.x, row = atomicAdd(&cursor[expert[u]], 1);
+            sorted_entries[row] = i;
+            positions[i] = row;
+        }
     }
 }
 
@@ -294,93 +317,120 @@ moe_skinny_gemm_m16(bf16* out, const uint4* a, long long a_stride, const uint4* 
     grouped_skinny<2>(out, a, a_stride, weight, sorted_entries, gather_div, offsets, tiles, tile_count, n, k_chunks);
 }
 
-// Prefill (tiles of 64 rows): a CTA of 4 warps owns BN columns of a tile, each warp BN / 4 of them, over BK = 32 of K
-// at a time, double-buffered with cp.async. Grid: (ceil(N / BN), max_tiles); block: 128 threads.
+// Prefill (tiles of 64 or 128 rows): a CTA of WARPS warps owns BN = 128 columns of a tile, over BK = 32 of K at a
+// time in a STAGES-deep cp.async ring (48 KB of static shared memory). Warps split the tile into 64-row slices
+// (BM / 64 of them) and the columns among the rest (4 warps at BM 128: 64 x 64 each; at BM 64: 64 x 32 each); fragments come from shared memory by ldmatrix.x4. A tile row is 64 bytes (four
+// 16-byte chunks); chunk c of row r sits at chunk c ^ ((r >> 1) & 3), so that the 8 rows an ldmatrix matrix reads
+// fall in 8 different bank groups. Each thread gathers its rows' addresses of a once, before the K loop.
+// Grid: (ceil(N / BN), max_tiles); block: 32 * WARPS threads.
 namespace {
 
-constexpr int GEMM_THREADS = 128, BN = 128, BK = 32, SMEM_ROW = BK + 8;   // padded rows: conflict-free fragments
-constexpr int WARP_N = BN / 4, N_TILES = WARP_N / 8;
+constexpr int BN = 128, BK = 32, ROW_CHUNKS = BK / 8;
+constexpr int GEMM_SHARED_BYTES = 48 * 1024;
 
-template <int BM>
-struct __align__(16) GemmTiles {                   // cp.async writes 16 bytes at a time
-    bf16 a[2][BM][SMEM_ROW];
-    bf16 w[2][BN][SMEM_ROW];
+template <int BM, int WARPS>
+struct GroupedGemm {
+    static constexpr int THREADS = 32 * WARPS, WARPS_M = BM / 64, WARPS_N = WARPS / WARPS_M;
+    static constexpr int WARP_N = BN / WARPS_N, N_TILES = WARP_N / 8;          // 8-column mma tiles of a warp
+    static constexpr int STAGE_CHUNKS = (BM + BN) * ROW_CHUNKS;                // 16-byte chunks a stage
+    static constexpr int STAGES = GEMM_SHARED_BYTES / (16 * STAGE_CHUNKS);      // 4 (BM 64) or 3 (BM 128)
+    static constexpr int A_LOADS = BM * ROW_CHUNKS / THREADS;                   // chunks a thread copies a stage
+    static constexpr int W_LOADS = BN * ROW_CHUNKS / THREADS;
+    static constexpr int ROW_STEP = THREADS / ROW_CHUNKS;                       // rows between a thread's copies
+    static_assert(BM == 64 || BM == 128, "tiles of 64 or 128 rows");
 };
 
-template <int BM>
+__device__ __forceinline__ int swizzled(int row, int chunk) { return row * ROW_CHUNKS + (chunk ^ ((row >> 1) & 3)); }
+
+template <int BM, int WARPS>
 __device__ __forceinline__ void grouped_gemm(bf16* out, const bf16* a, long long a_stride, const bf16* weight,
                                              const int* sorted_entries, int gather_div, const int* offsets,
                                              const int* tiles, const int* tile_count, int n, int k) {
+    using G = GroupedGemm<BM, WARPS>;
     const int tile = blockIdx.y;
     if (tile >= tile_count[0]) return;
     const int expert = tiles[2 * tile], row0 = tiles[2 * tile + 1];
     const int rows = min(BM, offsets[expert + 1] - row0), col0 = blockIdx.x * BN;
     const bf16* w = weight + (long long)expert * n * k;
-    __shared__ GemmTiles<BM> s;
+    __shared__ __align__(128) uint4 ring[G::STAGES][G::STAGE_CHUNKS];     // a stage: BM a rows, then BN w rows
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int warp_row = (warp / G::WARPS_N) * 64, warp_col = (warp % G::WARPS_N) * G::WARP_N;
+    const int chunk = threadIdx.x % ROW_CHUNKS;          // the 16-byte chunk of BK this thread copies, every row
 
-    // This thread's 16-byte chunks of each stage: the a rows' (BM x 4 chunks) and the weight rows' (BN x 4).
+    // Row r of a stage's copies: a's rows threadIdx.x / 4 + ROW_STEP i; w's the same of the BN weight rows.
+    const bf16* a_rows[G::A_LOADS];
+    bool a_valid[G::A_LOADS];
+#pragma unroll
+    for (int i = 0; i < G::A_LOADS; ++i) {
+        const int r = threadIdx.x / ROW_CHUNKS + G::ROW_STEP * i;
+        a_valid[i] = r < rows;
+        const int source = !a_valid[i] ? 0 : gather_div ? sorted_entries[row0 + r] / gather_div : row0 + r;
+        a_rows[i] = a + (long long)source * a_stride + chunk * 8;
+    }
     auto load = [&](int stage, int k0) {
-        for (int c = threadIdx.x; c < BM * (BK / 8); c += GEMM_THREADS) {
-            const int r = c / (BK / 8), kc = k0 + (c % (BK / 8)) * 8;
-            const bool valid = r < rows && kc < k;
-            const int source = !valid ? 0 : gather_div ? sorted_entries[row0 + r] / gather_div : row0 + r;
-            copy_async_16(&s.a[stage][r][(c % (BK / 8)) * 8], a + (long long)source * a_stride + (valid ? kc : 0),
-                          valid);
+        const bool k_valid = k0 + chunk * 8 < k;
+        uint4* s = ring[stage];
+#pragma unroll
+        for (int i = 0; i < G::A_LOADS; ++i) {
+            const int r = threadIdx.x / ROW_CHUNKS + G::ROW_STEP * i;
+            const bool valid = a_valid[i] && k_valid;
+            copy_async_16(s + swizzled(r, chunk), valid ? a_rows[i] + k0 : a, valid);
         }
-        for (int c = threadIdx.x; c < BN * (BK / 8); c += GEMM_THREADS) {
-            const int r = c / (BK / 8), kc = k0 + (c % (BK / 8)) * 8;
-            const bool valid = col0 + r < n && kc < k;
-            copy_async_16(&s.w[stage][r][(c % (BK / 8)) * 8], w + (valid ? (long long)(col0 + r) * k + kc : 0),
-                          valid);
+#pragma unroll
+        for (int i = 0; i < G::W_LOADS; ++i) {
+            const int r = threadIdx.x / ROW_CHUNKS + G::ROW_STEP * i;
+            const bool valid = col0 + r < n && k_valid;
+            copy_async_16(s + BM * ROW_CHUNKS + swizzled(r, chunk),
+                          valid ? w + (long long)(col0 + r) * k + k0 + chunk * 8 : w, valid);
         }
-        copy_async_commit();
     };
 
-    float acc[BM / 16][N_TILES][4] = {};
+    float acc[4][G::N_TILES][4] = {};
     const int steps = (k + BK - 1) / BK;
-    load(0, 0);
-    for (int step = 0; step < steps; ++step) {
-        const int stage = step & 1;
-        if (step + 1 < steps) {
-            load(stage ^ 1, (step + 1) * BK);
-            copy_async_wait<1>();
-        } else {
-            copy_async_wait<0>();
-        }
-        __syncthreads();
 #pragma unroll
-        for (int kk = 0; kk < BK; kk += 16) {
-            unsigned b[N_TILES][2];
-#pragma unroll
-            for (int j = 0; j < N_TILES; ++j) {
-                const bf16* wrow = &s.w[stage][warp * WARP_N + j * 8 + g][kk + 2 * t];
-                b[j][0] = *reinterpret_cast<const unsigned*>(wrow);
-                b[j][1] = *reinterpret_cast<const unsigned*>(wrow + 8);
-            }
-#pragma unroll
-            for (int m = 0; m < BM / 16; ++m) {
-                const bf16* low = &s.a[stage][m * 16 + g][kk + 2 * t];
-                const bf16* high = &s.a[stage][m * 16 + g + 8][kk + 2 * t];
-                const unsigned frag[4] = {*reinterpret_cast<const unsigned*>(low),
-                                          *reinterpret_cast<const unsigned*>(high),
-                                          *reinterpret_cast<const unsigned*>(low + 8),
-                                          *reinterpret_cast<const unsigned*>(high + 8)};
-#pragma unroll
-                for (int j = 0; j < N_TILES; ++j) mma_bf16(acc[m][j], frag, b[j][0], b[j][1]);
-            }
-        }
-        __syncthreads();                        // the stage is consumed before the next load overwrites it
+    for (int stage = 0; stage < G::STAGES - 1; ++stage) {
+        if (stage < steps) load(stage, stage * BK);
+        copy_async_commit();
     }
-    // acc[m][j]: rows m * 16 + (g, g + 8), columns warp * WARP_N + j * 8 + (2t, 2t + 1).
+    for (int step = 0; step < steps; ++step) {
+        copy_async_wait<G::STAGES - 2>();     // this step's stage has landed (for this thread's copies) ...
+        __syncthreads();                       // ... and everyone's; the stage refilled below is consumed by all
+        const int next = step + G::STAGES - 1;
+        if (next < steps) load(next % G::STAGES, next * BK);
+        copy_async_commit();
+        const uint4* s = ring[step % G::STAGES];
 #pragma unroll
-    for (int m = 0; m < BM / 16; ++m) {
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            // A, matrices (rows +0, k +0), (+8, +0), (+0, +8), (+8, +8): lane l gives row l & 15, chunk 2kk + l / 16.
+            unsigned frag[4][4];
 #pragma unroll
-        for (int j = 0; j < N_TILES; ++j) {
-            const int col = col0 + warp * WARP_N + j * 8 + 2 * t;
+            for (int m = 0; m < 4; ++m)
+                ldmatrix_x4(frag[m], s + swizzled(warp_row + 16 * m + (lane & 15), 2 * kk + (lane >> 4)));
+            // W, two 8-column tiles an ldmatrix: matrices (cols +0, k +0), (+0, +8), (+8, +0), (+8, +8).
+#pragma unroll
+            for (int j = 0; j < G::N_TILES; j += 2) {
+                unsigned b[4];
+                ldmatrix_x4(b, s + BM * ROW_CHUNKS +
+                                   swizzled(warp_col + 8 * j + (lane & 7) + ((lane >> 4) << 3),
+                                            2 * kk + ((lane >> 3) & 1)));
+#pragma unroll
+                for (int m = 0; m < 4; ++m) {
+                    mma_bf16(acc[m][j], frag[m], b[0], b[1]);
+                    mma_bf16(acc[m][j + 1], frag[m], b[2], b[3]);
+                }
+            }
+        }
+    }
+    copy_async_wait<0>();
+    // acc[m][j]: rows warp_row + 16 m + (g, g + 8), columns warp_col + 8 j + (2t, 2t + 1).
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+#pragma unroll
+        for (int j = 0; j < G::N_TILES; ++j) {
+            const int col = col0 + warp_col + 8 * j + 2 * t;
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const int r = m * 16 + g + 8 * half;
+                const int r = warp_row + 16 * m + g + 8 * half;
                 if (r >= rows) continue;
                 bf16* dst = out + (long long)(row0 + r) * n + col;
                 if (col + 1 < n)
@@ -394,11 +444,18 @@ __device__ __forceinline__ void grouped_gemm(bf16* out, const bf16* a, long long
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
+extern "C" __global__ void __launch_bounds__(128)
 moe_grouped_gemm_m64(bf16* out, const bf16* a, long long a_stride, const bf16* weight, const int* sorted_entries,
                      int gather_div, const int* offsets, const int* tiles, const int* tile_count, int n, int k) {
     wait_for_previous_kernel();
-    grouped_gemm<64>(out, a, a_stride, weight, sorted_entries, gather_div, offsets, tiles, tile_count, n, k);
+    grouped_gemm<64, 4>(out, a, a_stride, weight, sorted_entries, gather_div, offsets, tiles, tile_count, n, k);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+moe_grouped_gemm_m128(bf16* out, const bf16* a, long long a_stride, const bf16* weight, const int* sorted_entries,
+                      int gather_div, const int* offsets, const int* tiles, const int* tile_count, int n, int k) {
+    wait_for_previous_kernel();
+    grouped_gemm<128, 4>(out, a, a_stride, weight, sorted_entries, gather_div, offsets, tiles, tile_count, n, k);
 }
 
 // out [T, H] = bf16(sum over j of weights[t, j] * expert_out[positions[t * top_k + j]] (+ shared[t], where given)),

@@ -13,18 +13,19 @@ MAX_EXPERTS = 512           # MOE_MAX_EXPERTS
 MAX_TOP_K = 16              # MOE_MAX_TOP_K
 MAX_GROUPS = 32             # a lane per group
 ROUTE_THREADS = 256         # moe_route's: a warp a token
-GEMM_THREADS, GEMM_BN = 128, 128               # moe_grouped_gemm_m64
+GEMM_THREADS, GEMM_BN = 128, 128               # moe_grouped_gemm_m64/m128
 SKINNY_THREADS, SKINNY_ROWS = 256, 16           # moe_skinny_gemm_m8/m16: skinny_gemm.cuh's
 COMBINE_THREADS = 128
 # Rows of a grouped GEMM tile -> its kernel: the skinny GEMM's 8 or 16 while the entries average at most that many an
-# expert (decode), else 64.
-TILE_ROWS = {8: "moe_skinny_gemm_m8", 16: "moe_skinny_gemm_m16", 64: "moe_grouped_gemm_m64"}
+# expert (decode), the tiled GEMM's 64 up to 64 an expert, else 128 (prefill).
+TILE_ROWS = {8: "moe_skinny_gemm_m8", 16: "moe_skinny_gemm_m16", 64: "moe_grouped_gemm_m64",
+             128: "moe_grouped_gemm_m128"}
 NULL = np.uint64(0)
 
 
 def tile_rows(entries: int, num_experts: int) -> int:
     """The grouped GEMM's rows a tile for `entries` routed rows over num_experts experts."""
-    return next((rows for rows in (8, 16) if entries <= rows * num_experts), 64)
+    return next((rows for rows in (8, 16, 64) if entries <= rows * num_experts), 128)
 
 
 def max_tiles(entries: int, num_experts: int, rows: int) -> int:
@@ -108,7 +109,7 @@ def grouped_gemm(lib, stream, out: DeviceTensor, a: DeviceTensor, weight: Device
         return
     kernel = lib.get(TILE_ROWS[routed.tile_rows], MODULE)
     tiles = routed.tiles.shape[0]
-    if routed.tile_rows == 64:
+    if routed.tile_rows >= 64:
         launch_kernel(stream, kernel, (ceil_div(n, GEMM_BN), tiles), GEMM_THREADS, out, a, np.int64(a.stride), weight,
                       routed.sorted_entries, gather_div, routed.offsets, routed.tiles, routed.tile_count, n, k)
     else:                   # the skinny GEMM: rows and K in 16-byte chunks
