@@ -41,17 +41,10 @@ namespace {
 constexpr int ROUTE_THREADS = 256;                  // 8 tokens a block
 constexpr int GROUP_LOADS = 8;
 
-// The entries' grouping by expert, by one block (after every token's ids are written): counts -> offsets [E + 1];
-// each entry's row (positions) and each row's entry (sorted_entries; rows of one expert in no set order: each row's
-// product is its own); and the grouped GEMM's tiles, (expert, first row) of every tile_rows rows of each expert's,
-// into tiles [max_tiles, 2], their number into tile_count[0].
-__device__ void moe_group_entries(const int* ids, int entries, int num_experts, int tile_rows, int max_tiles,
-                                  int* offsets, int* sorted_entries, int* positions, int* tiles, int* tile_count) {
-    __shared__ int count[MOE_MAX_EXPERTS], cursor[MOE_MAX_EXPERTS], first_tile[MOE_MAX_EXPERTS];
-    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) count[e] = 0;
-    __syncthreads();
-    // A prefill's tens of thousands of entries, by one block: each thread's GROUP_LOADS ids are loaded before any is
-    // used, so the loads' latency is paid once a group rather than once an entry.
+// visit(i, ids[i]) for every entry, by one block. A prefill's tens of thousands of entries: each thread's
+// GROUP_LOADS ids are loaded before any is visited, so the loads' latency is paid once a group, not once an entry.
+template <typename Visit>
+__device__ __forceinline__ void for_each_entry(const int* ids, int entries, Visit visit) {
     for (int first = 0; first < entries; first += GROUP_LOADS * blockDim.x) {
         int expert[GROUP_LOADS];
 #pragma unroll
@@ -61,8 +54,20 @@ __device__ void moe_group_entries(const int* ids, int entries, int num_experts, 
         }
 #pragma unroll
         for (int u = 0; u < GROUP_LOADS; ++u)
-            if (expert[u] >= 0) atomicAdd(&count[expert[u]], 1);
+            if (expert[u] >= 0) visit(first + u * blockDim.x + threadIdx.x, expert[u]);
     }
+}
+
+// The entries' grouping by expert, by one block (after every token's ids are written): counts -> offsets [E + 1];
+// each entry's row (positions) and each row's entry (sorted_entries; rows of one expert in no set order: each row's
+// product is its own); and the grouped GEMM's tiles, (expert, first row) of every tile_rows rows of each expert's,
+// into tiles [max_tiles, 2], their number into tile_count[0].
+__device__ void moe_group_entries(const int* ids, int entries, int num_experts, int tile_rows, int max_tiles,
+                                  int* offsets, int* sorted_entries, int* positions, int* tiles, int* tile_count) {
+    __shared__ int count[MOE_MAX_EXPERTS], cursor[MOE_MAX_EXPERTS], first_tile[MOE_MAX_EXPERTS];
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) count[e] = 0;
+    __syncthreads();
+    for_each_entry(ids, entries, [&](int, int expert) { atomicAdd(&count[expert], 1); });
     __syncthreads();
     if (threadIdx.x < 32) {             // one warp scans rows and tiles: lane l owns experts l * per .. + per - 1
         const int lane = threadIdx.x, per = (num_experts + 31) / 32, first = lane * per;
@@ -99,21 +104,11 @@ __device__ void moe_group_entries(const int* ids, int entries, int num_experts, 
         }
     }
     __syncthreads();
-    for (int first = 0; first < entries; first += GROUP_LOADS * blockDim.x) {
-        int expert[GROUP_LOADS];
-#pragma unroll
-        for (int u = 0; u < GROUP_LOADS; ++u) {
-            const int i = first + u * blockDim.x + threadIdx.x;
-            expert[u] = i < entries ? __ldcg(ids + i) : -1;
-        }
-#pragma unroll
-        for (int u = 0; u < GROUP_LOADS; ++u) {
-            if (expert[u] < 0) continue;
-            const int i = first + u * blockDim.x + threadIdx.x, row = atomicAdd(&cursor[expert[u]], 1);
-            sorted_entries[row] = i;
-            positions[i] = row;
-        }
-    }
+    for_each_entry(ids, entries, [&](int i, int expert) {
+        const int row = atomicAdd(&cursor[expert], 1);
+        sorted_entries[row] = i;
+        positions[i] = row;
+    });
 }
 
 // One token's choice (moe_route's), by one warp; each lane holds PER experts (lane, lane + 32, ...), PER * 32 >= E.
