@@ -1,7 +1,6 @@
-"""moe.cu's launchers without a GPU: a layer's launches (route with its grouping, the two grouped GEMMs, combine) match
-each
-kernel's parameter list, their grids follow the row count alone (so a decode graph replays them as captured), and
-bad shapes are refused before anything is launched."""
+"""moe_route.cu's and moe.cu's launchers without a GPU: a layer's launches (route with its grouping, the two grouped
+GEMMs, combine) match each kernel's parameter list, their grids follow the row count alone (so a decode graph replays
+them as captured), and bad shapes are refused before anything is launched."""
 
 import numpy as np
 import pytest

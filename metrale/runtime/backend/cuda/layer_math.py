@@ -155,8 +155,7 @@ class CudaLayerMath:
         tokens, hidden = x.shape
         num_experts, top_k, width = router.num_experts, router.top_k, experts.width
         entries = tokens * top_k
-        # cuBLASLt wants 16-byte rows: a router of 6 or 62 experts writes into padded rows
-        logits = ctx.new(tokens, -(-num_experts // 4) * 4, "float32").columns(0, num_experts)
+        logits = ctx.new(tokens, moe.logits_width(num_experts), "float32").columns(0, num_experts)
         linear_into(self.lib, self.resources.gemm, ctx, logits, x, router.weight)
         rows = moe.tile_rows(entries, num_experts)
         take = ctx.ring.take

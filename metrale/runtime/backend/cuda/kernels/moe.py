@@ -1,5 +1,6 @@
-"""Launchers for cuda_kernels/moe.cu: a mixture-of-experts layer's routing, its entries grouped by expert, the
-experts' grouped GEMMs and the weighted combine. Every grid follows the batch's row count alone (graph-safe)."""
+"""Launchers for cuda_kernels/moe_route.cu and moe.cu: a mixture-of-experts layer's routing with its entries grouped
+by expert, the experts' grouped GEMMs and the weighted combine. Every grid follows the batch's row count alone
+(graph-safe)."""
 
 from dataclasses import dataclass
 
@@ -8,12 +9,12 @@ import numpy as np
 from metrale.runtime.backend.cuda.launch import MAX_GRID_YZ, ceil_div, launch_kernel, require
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 
-MODULE = "moe"
-MAX_EXPERTS = 512           # MOE_MAX_EXPERTS
+MODULE, ROUTE_MODULE = "moe", "moe_route"
+MAX_EXPERTS = 512           # moe_route.cu's MOE_MAX_EXPERTS
 MAX_TOP_K = 16              # MOE_MAX_TOP_K
 MAX_GROUPS = 32             # a lane per group
 ROUTE_THREADS = 256         # moe_route's: a warp a token
-GEMM_THREADS, GEMM_BN = 128, 128               # moe_grouped_gemm_m64/m128
+GEMM_THREADS, GEMM_BN = 128, 128               # moe_grouped_gemm_m64/m128's GEMM_THREADS and BN
 SKINNY_THREADS, SKINNY_ROWS = 256, 16           # moe_skinny_gemm_m8/m16: skinny_gemm.cuh's
 COMBINE_THREADS = 128
 # Rows of a grouped GEMM tile -> its kernel: the skinny GEMM's 8 or 16 while the entries average at most that many an
@@ -26,6 +27,11 @@ NULL = np.uint64(0)
 def tile_rows(entries: int, num_experts: int) -> int:
     """The grouped GEMM's rows a tile for `entries` routed rows over num_experts experts."""
     return next((rows for rows in (8, 16, 64) if entries <= rows * num_experts), 128)
+
+
+def logits_width(num_experts: int) -> int:
+    """The router logits' row stride (float32): rows of 16 bytes, as cuBLASLt writes them (6 or 62 experts pad)."""
+    return ceil_div(num_experts, 4) * 4
 
 
 def max_tiles(entries: int, num_experts: int, rows: int) -> int:
@@ -64,9 +70,10 @@ def route(lib, stream, routed: Routed, logits: DeviceTensor, top_k: int, softmax
     require(logits.dtype == "float32" and len(logits.shape) == 2, "moe route: logits must be [T, E] float32")
     require(0 < experts <= MAX_EXPERTS, f"moe route: {experts} experts (at most {MAX_EXPERTS})")
     require(0 < top_k <= min(MAX_TOP_K, experts), f"moe route: top_k {top_k} must be in 1..{min(MAX_TOP_K, experts)}")
-    for name, held in (("ids", routed.ids), ("weights", routed.weights)):
-        require(held.shape == (tokens, top_k) and held.dtype == ("int32" if name == "ids" else "float32")
-                and held.is_contiguous, f"moe route: {name} must be [{tokens}, {top_k}]")
+    require(routed.ids.shape == (tokens, top_k) and routed.ids.dtype == "int32" and routed.ids.is_contiguous,
+            f"moe route: ids must be [{tokens}, {top_k}] int32")
+    require(routed.weights.shape == (tokens, top_k) and routed.weights.dtype == "float32"
+            and routed.weights.is_contiguous, f"moe route: weights must be [{tokens}, {top_k}] float32")
     require(n_group == 1 or (n_group <= MAX_GROUPS and experts % n_group == 0 and experts // n_group >= 2
                              and 0 < topk_group <= n_group and top_k <= topk_group * (experts // n_group)),
             f"moe route: {n_group} groups (topk_group {topk_group}) of {experts} experts cannot give top-{top_k}")
@@ -82,8 +89,8 @@ def route(lib, stream, routed: Routed, logits: DeviceTensor, top_k: int, softmax
     require(done.shape == (1,) and done.dtype == "int32", "moe route: done must be one int32")
     if tokens == 0:
         return
-    launch_kernel(stream, lib.get("moe_route", MODULE), ceil_div(tokens, ROUTE_THREADS // 32), ROUTE_THREADS, logits,
-                  logits.stride, tokens, experts, top_k, 0 if softmax else 1, int(softmax), int(normalize),
+    launch_kernel(stream, lib.get("moe_route", ROUTE_MODULE), ceil_div(tokens, ROUTE_THREADS // 32), ROUTE_THREADS,
+                  logits, logits.stride, tokens, experts, top_k, 0 if softmax else 1, int(softmax), int(normalize),
                   correction_bias if correction_bias is not None else NULL, n_group, topk_group, np.float32(scaling),
                   routed.ids, routed.weights, routed.tile_rows, tiles, routed.offsets, routed.sorted_entries,
                   routed.positions, routed.tiles, routed.tile_count, done)
