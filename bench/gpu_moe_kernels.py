@@ -1,6 +1,6 @@
 """The mixture-of-experts kernels alone on the GPU at Qwen3-30B-A3B's layer (128 experts, top-8, hidden 2048,
-experts 768 wide): one layer's routing (moe_route, with its grouping), its two grouped GEMMs (the SiLU between them) and
-the combine, at decode batches (the experts' bytes the tokens routed to over the GEMMs' time, as a fraction of copy
+experts 768 wide): one layer's routing (moe_route, with its grouping), its two grouped GEMMs (the SiLU in the first's
+epilogue) and the combine, at decode batches (the experts' bytes the tokens routed to over the GEMMs' time, as a fraction of copy
 bandwidth) and a prefill's rows (the GEMMs' FLOPs over their time, as a fraction of the bf16 GEMM rate).
 `--variant NAME=FILE` times another moe.cu beside the package's in the same run; each variant's output is checked
 against the package's (the largest difference over the largest magnitude).
@@ -32,7 +32,7 @@ class Layer:
         self.tokens, entries = tokens, tokens * TOP_K
         self.x = randn(tokens, HIDDEN)
         self.logits = torch.randn(tokens, EXPERTS, device="cuda", generator=generator)
-        self.up = randn(EXPERTS, 2 * WIDTH, HIDDEN, scale=0.02)
+        self.up = moe.interleave_gate_up(randn(EXPERTS, 2 * WIDTH, HIDDEN, scale=0.02)).contiguous()
         self.down = randn(EXPERTS, HIDDEN, WIDTH, scale=0.02)
         rows = moe.tile_rows(entries, EXPERTS)
         ints = lambda *shape: torch.zeros(*shape, dtype=torch.int32, device="cuda")  # noqa: E731
@@ -40,24 +40,21 @@ class Layer:
                      ints(entries), ints(entries), ints(moe.max_tiles(entries, EXPERTS, rows), 2), ints(1)]
         self.routed = moe.Routed(*(D.from_torch(t) for t in self.kept), rows)
         self.done = ints(1)
-        self.gate_up = torch.empty(entries, 2 * WIDTH, dtype=torch.bfloat16, device="cuda")
         self.activated = torch.empty(entries, WIDTH, dtype=torch.bfloat16, device="cuda")
         self.expert_out = torch.empty(entries, HIDDEN, dtype=torch.bfloat16, device="cuda")
         self.out = torch.empty(tokens, HIDDEN, dtype=torch.bfloat16, device="cuda")
         torch.cuda.synchronize()            # the kernels run on another stream than torch's fills
 
     def launches(self, lib, stream) -> dict:
-        """The layer's parts, each a zero-argument launch: routing, the first GEMM, the activation, the second
+        """The layer's parts, each a zero-argument launch: routing, the first GEMM with the activation, the second
         GEMM, the combine."""
-        from metrale.runtime.backend.cuda.kernels import activation, moe
+        from metrale.runtime.backend.cuda.kernels import moe
         from metrale.runtime.backend.cuda.tensor import DeviceTensor as D
         r = self.routed
         return {"routing": lambda: moe.route(lib, stream, r, D.from_torch(self.logits), TOP_K, True, True, None, 1, 1,
                                              1.0, D.from_torch(self.done)),
-                "up GEMM": lambda: moe.grouped_gemm(lib, stream, D.from_torch(self.gate_up), D.from_torch(self.x),
-                                                    D.from_torch(self.up), r, TOP_K),
-                "silu": lambda: activation.silu_mul(lib, stream, D.from_torch(self.activated),
-                                                    D.from_torch(self.gate_up)),
+                "up GEMM": lambda: moe.grouped_gemm(lib, stream, D.from_torch(self.activated), D.from_torch(self.x),
+                                                    D.from_torch(self.up), r, TOP_K, gated=True),
                 "down GEMM": lambda: moe.grouped_gemm(lib, stream, D.from_torch(self.expert_out),
                                                       D.from_torch(self.activated), D.from_torch(self.down), r, 0),
                 "combine": lambda: moe.combine(lib, stream, D.from_torch(self.out), D.from_torch(self.expert_out), r)}
@@ -80,7 +77,7 @@ def main(argv=None) -> list[dict]:
     print(f"# {EXPERTS} experts of {HIDDEN} x {WIDTH}, top-{TOP_K}: {expert / 1e6:.2f} MB an expert; copy bandwidth "
           f"{bandwidth / 1e12:.3f} TB/s, bf16 GEMM {rate / 1e12:.1f} TFLOP/s; us a layer, x: the GEMMs' experts "
           f"bytes / time / copy bandwidth (decode) or FLOPs / time / GEMM rate (prefill)")
-    print(f"{'tokens':>6} {'variant':<10} {'experts':>7} {'routing':>8} {'up GEMM':>8} {'silu':>6} {'down GEMM':>9} "
+    print(f"{'tokens':>6} {'variant':<10} {'experts':>7} {'routing':>8} {'up GEMM':>8} {'down GEMM':>9} "
           f"{'combine':>8} {'x':>5} {'diff':>9}")
     results = []
     for tokens in (int(t) for t in args.tokens.split(",")):
@@ -101,7 +98,7 @@ def main(argv=None) -> list[dict]:
                         else 2 * tokens * TOP_K * 3 * WIDTH * HIDDEN / gemms_s / rate)
             results.append({"tokens": tokens, "variant": variant, "experts_hit": hit, "us": us,
                             "fraction": fraction, "diff": diff})
-            print(f"{tokens:6d} {variant:<10} {hit:7d} {us['routing']:8.1f} {us['up GEMM']:8.1f} {us['silu']:6.1f} "
+            print(f"{tokens:6d} {variant:<10} {hit:7d} {us['routing']:8.1f} {us['up GEMM']:8.1f} "
                   f"{us['down GEMM']:9.1f} {us['combine']:8.1f} {fraction:5.2f} {diff:9.2e}", flush=True)
         del layer
         torch.cuda.empty_cache()

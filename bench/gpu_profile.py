@@ -6,6 +6,7 @@ Run from the repository root: python3 -m bench.gpu_profile [--shape smollm2-135m
 """
 
 import argparse
+import gc
 
 import torch
 
@@ -13,7 +14,9 @@ from bench.gpu_attention import seconds_per_replay
 from bench.gpu_ceilings import copy_bandwidth, gpu_machine_line
 from bench.engine_runner import EngineRunner
 from bench.phases import host_profile, log
+from bench import moe_shapes
 from bench.model_shapes import HYBRID_SHAPES, SHAPES, decode_step_bytes, random_checkpoint, random_tokens
+from bench.moe_shapes import MOE_SHAPES
 from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.cache.blocks import blocks_for
@@ -22,7 +25,7 @@ from metrale.runtime.step import DecodeToken, PrefillSlice, Step
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES | HYBRID_SHAPES))
+    parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES | HYBRID_SHAPES | MOE_SHAPES))
     parser.add_argument("--batches", default="1,32", help="decode batch sizes, comma-separated")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=50, help="timed steps per measurement")
@@ -35,7 +38,7 @@ def parse_args(argv):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    shape = (SHAPES | HYBRID_SHAPES)[args.shape]
+    shape = (SHAPES | HYBRID_SHAPES | MOE_SHAPES)[args.shape]
     batches = [int(b) for b in args.batches.split(",")]
     prefill = tuple(int(x) for x in args.prefill.lower().split("x")) if args.prefill else None
     print(gpu_machine_line("gpu_profile", "cuda"), flush=True)
@@ -49,14 +52,17 @@ def main(argv=None) -> None:
     config = EngineConfig(device="cuda", kv_blocks=kv_blocks, max_batch_tokens=max_batch_tokens,
                           max_model_len=max(longest, prefill[1] if prefill else 0),
                           cuda_graph_batch_sizes=tuple(batches), prefix_cache=False)
-    engine, _ = build_engine(random_checkpoint(shape, args.seed, "cuda"), config)
-    torch.cuda.empty_cache()
+    checkpoint = checkpoint_of(shape, args.seed)
+    gc.collect()
+    torch.cuda.empty_cache()         # a mixture's transformers model, gone
+    engine, _ = build_engine(checkpoint, config)
+    del checkpoint
     runner = EngineRunner(engine, max_batch_tokens)
-    log(f"{args.shape}: copy bandwidth {bandwidth / 1e12:.2f} TB/s, weights {decode_step_bytes(shape, 0, 0) / 1e9:.3f} "
-        f"GB")
+    log(f"{args.shape}: copy bandwidth {bandwidth / 1e12:.2f} TB/s, weights read at batch 1 "
+        f"{step_bytes(shape, 1, 0) / 1e9:.3f} GB")
 
     for batch in batches:
-        floor_ms = decode_step_bytes(shape, batch, args.context) / bandwidth * 1e3
+        floor_ms = step_bytes(shape, batch, args.context) / bandwidth * 1e3
         prompts = random_tokens(batch, args.context, shape.vocab, args.seed + 3)
         first = runner.prefill(prompts)
         device_ms, host_ms = runner.time_decode(first, 5, args.steps)
@@ -82,6 +88,23 @@ def main(argv=None) -> None:
         runner.release_all()
         print(f"## prefill {n}x{length}")
         print(kernel_table(lambda: runner.engine.step(slices()), args.kernels, after=runner.release_all))
+
+
+def checkpoint_of(shape, seed: int):
+    """Random bf16 weights of the shape; a mixture's from transformers' own model (bench/gpu_moe.py's)."""
+    if not isinstance(shape, moe_shapes.MoeShape):
+        return random_checkpoint(shape, seed, "cuda")
+    from bench.gpu_moe import host_checkpoint, random_hf_model
+    return host_checkpoint(random_hf_model(shape, "cuda", seed), shape)
+
+
+def step_bytes(shape, batch: int, context: float) -> float:
+    """The floor's bytes of a decode step; a mixture's as if every token's experts were distinct (bench/gpu_moe.py
+    counts the experts really routed to), an upper bound."""
+    if not isinstance(shape, moe_shapes.MoeShape):
+        return decode_step_bytes(shape, batch, context)
+    hit = shape.layers * min(shape.experts, batch * shape.top_k)
+    return moe_shapes.decode_step_bytes(shape, batch, context, hit)
 
 
 def median(values):

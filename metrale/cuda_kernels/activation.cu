@@ -2,8 +2,6 @@
 // square (Nemotron-H); elementwise add and x * silu(gate) (the SSM hybrids).
 #include "common.cuh"
 
-__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
-
 __device__ __forceinline__ unsigned int silu_mul_pair(unsigned int gate, unsigned int up) {
     const float2 g = bf16x2_to_float2(gate), u = bf16x2_to_float2(up);
     return float2_to_bf16x2(silu(g.x) * u.x, silu(g.y) * u.y);

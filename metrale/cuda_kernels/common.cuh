@@ -41,6 +41,15 @@ __device__ __forceinline__ unsigned int float2_to_bf16x2(float lo, float hi) {
     return r;
 }
 
+// silu(x) = x * sigmoid(x), in fp32 (expf, not __expf: the same value in every kernel that takes it).
+__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+
+// A gated MLP's activation silu(gate) * up in fp32 from gate and up as bf16 would hold them (both rounded first, as
+// when a GEMM writes them and activation.cu's silu_mul reads them back), rounded to bf16 by the caller.
+__device__ __forceinline__ float silu_mul_of_rounded(float gate, float up) {
+    return silu(bf16_to_float(float_to_bf16(gate))) * bf16_to_float(float_to_bf16(up));
+}
+
 // Rotate-half rotary embedding of two dims of each of a pair: first holds dims i, i + 1 and second dims i + half,
 // i + half + 1 (bf16 pairs); c, s their angles' cos and sin. In fp32, each result rounded to bf16 once.
 __device__ __forceinline__ void rotate_pair2(unsigned int& first, unsigned int& second, float c0, float c1, float s0,

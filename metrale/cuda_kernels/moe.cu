@@ -9,7 +9,9 @@
 // offsets[e + 1]) - 1 of out [rows, N] = a(row) [K] @ weight[e] [N, K]^T, where a(row) is row sorted_entries[row] /
 // gather_div of a [*, K] (gather_div > 0: a token's x for each of its entries) or row `row` of a (gather_div 0:
 // the rows already in sorted order). bf16 in, fp32 accumulate on tensor cores (mma.sync m16n8k16), bf16 out.
-// K % 8 == 0; a and weight 16-byte aligned (rows too).
+// K % 8 == 0; a and weight 16-byte aligned (rows too). gated: weight[e] is a gated MLP's gate and up rows interleaved
+// by 8 (rows 16 q + i, 16 q + 8 + i are the gate's and the up's row 8 q + i; N % 16 == 0), and out [rows, N / 2] =
+// silu(gate) * up (common.cuh's silu_mul_of_rounded): the activation in the GEMM's epilogue, no launch of its own.
 //
 // Decode (tiles of 8 or 16 rows): skinny_gemm.cuh's kernel over a tile's gathered rows, each CTA 16 rows of its
 // expert's weight read once. Grid: (ceil(N / 16), max_tiles); block: 256 threads.
@@ -30,31 +32,36 @@ struct TileRows {
 template <int TOKEN_TILES>
 __device__ __forceinline__ void grouped_skinny(bf16* out, const uint4* a, long long a_stride, const uint4* weight,
                                                const int* sorted_entries, int gather_div, const int* offsets,
-                                               const int* tiles, const int* tile_count, int n, int k_chunks) {
+                                               const int* tiles, const int* tile_count, int n, int k_chunks,
+                                               int gated) {
     const int tile = blockIdx.y;
     if (tile >= tile_count[0]) return;
     const int expert = tiles[2 * tile], row0 = tiles[2 * tile + 1];
-    const int rows = min(8 * TOKEN_TILES, offsets[expert + 1] - row0);
-    skinny_gemm<TOKEN_TILES>(out + (long long)row0 * n, (long long)n,
+    const int rows = min(8 * TOKEN_TILES, offsets[expert + 1] - row0), width = gated ? n / 2 : n;
+    skinny_gemm<TOKEN_TILES>(out + (long long)row0 * width, (long long)width,
                              TileRows{a, a_stride, sorted_entries, gather_div, row0},
                              weight + (long long)expert * n * k_chunks, static_cast<const bf16*>(nullptr), rows, n,
-                             k_chunks, 0);
+                             k_chunks, 0, gated);
 }
 
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M8)
 moe_skinny_gemm_m8(bf16* out, const uint4* a, long long a_stride, const uint4* weight, const int* sorted_entries,
-                   int gather_div, const int* offsets, const int* tiles, const int* tile_count, int n, int k_chunks) {
+                   int gather_div, const int* offsets, const int* tiles, const int* tile_count, int n, int k_chunks,
+                   int gated) {
     wait_for_previous_kernel();
-    grouped_skinny<1>(out, a, a_stride, weight, sorted_entries, gather_div, offsets, tiles, tile_count, n, k_chunks);
+    grouped_skinny<1>(out, a, a_stride, weight, sorted_entries, gather_div, offsets, tiles, tile_count, n, k_chunks,
+                      gated);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M16)
 moe_skinny_gemm_m16(bf16* out, const uint4* a, long long a_stride, const uint4* weight, const int* sorted_entries,
-                    int gather_div, const int* offsets, const int* tiles, const int* tile_count, int n, int k_chunks) {
+                    int gather_div, const int* offsets, const int* tiles, const int* tile_count, int n, int k_chunks,
+                    int gated) {
     wait_for_previous_kernel();
-    grouped_skinny<2>(out, a, a_stride, weight, sorted_entries, gather_div, offsets, tiles, tile_count, n, k_chunks);
+    grouped_skinny<2>(out, a, a_stride, weight, sorted_entries, gather_div, offsets, tiles, tile_count, n, k_chunks,
+                      gated);
 }
 
 // Prefill (tiles of 64 or 128 rows): a CTA of 4 warps owns BN = 128 columns of a tile, over BK = 32 of K at a time
@@ -82,7 +89,7 @@ struct GroupedGemm {
 
 __device__ __forceinline__ int swizzled(int row, int chunk) { return row * ROW_CHUNKS + (chunk ^ ((row >> 1) & 3)); }
 
-template <int BM>
+template <int BM, bool GATED>
 __device__ __forceinline__ void grouped_gemm(bf16* out, const bf16* a, long long a_stride, const bf16* weight,
                                              const int* sorted_entries, int gather_div, const int* offsets,
                                              const int* tiles, const int* tile_count, int n, int k) {
@@ -163,6 +170,25 @@ __device__ __forceinline__ void grouped_gemm(bf16* out, const bf16* a, long long
     }
     copy_async_wait<0>();
     // acc[m][j]: rows warp_row + 16 m + (g, g + 8), columns warp_col + 8 j + (2t, 2t + 1).
+    if (GATED) {         // tiles j, j + 1 (j even): the gate's and the up's 8 columns at (col0 + warp_col + 8 j) / 2
+        const int width = n / 2;
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+#pragma unroll
+            for (int j = 0; j < G::N_TILES; j += 2) {
+                const int col = (col0 + warp_col + 8 * j) / 2 + 2 * t;
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int r = warp_row + 16 * m + g + 8 * half;
+                    if (r >= rows || col >= width) continue;
+                    *reinterpret_cast<unsigned*>(out + (long long)(row0 + r) * width + col) = float2_to_bf16x2(
+                        silu_mul_of_rounded(acc[m][j][2 * half], acc[m][j + 1][2 * half]),
+                        silu_mul_of_rounded(acc[m][j][2 * half + 1], acc[m][j + 1][2 * half + 1]));
+                }
+            }
+        }
+        return;
+    }
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
 #pragma unroll
@@ -184,19 +210,19 @@ __device__ __forceinline__ void grouped_gemm(bf16* out, const bf16* a, long long
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
-moe_grouped_gemm_m64(bf16* out, const bf16* a, long long a_stride, const bf16* weight, const int* sorted_entries,
-                     int gather_div, const int* offsets, const int* tiles, const int* tile_count, int n, int k) {
-    wait_for_previous_kernel();
-    grouped_gemm<64>(out, a, a_stride, weight, sorted_entries, gather_div, offsets, tiles, tile_count, n, k);
-}
-
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
-moe_grouped_gemm_m128(bf16* out, const bf16* a, long long a_stride, const bf16* weight, const int* sorted_entries,
-                      int gather_div, const int* offsets, const int* tiles, const int* tile_count, int n, int k) {
-    wait_for_previous_kernel();
-    grouped_gemm<128>(out, a, a_stride, weight, sorted_entries, gather_div, offsets, tiles, tile_count, n, k);
-}
+// moe_grouped_gemm_m{64,128}[_gated]: the tile rows, and the activation in the epilogue (gated) or not.
+#define MOE_GROUPED_GEMM(NAME, BM, GATED)                                                                            \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS) NAME(bf16* out, const bf16* a, long long a_stride,  \
+        const bf16* weight, const int* sorted_entries, int gather_div, const int* offsets, const int* tiles,       \
+        const int* tile_count, int n, int k) {                                                                     \
+        wait_for_previous_kernel();                                                                                \
+        grouped_gemm<BM, GATED>(out, a, a_stride, weight, sorted_entries, gather_div, offsets, tiles, tile_count,  \
+                                n, k);                                                                             \
+    }
+MOE_GROUPED_GEMM(moe_grouped_gemm_m64, 64, false)
+MOE_GROUPED_GEMM(moe_grouped_gemm_m128, 128, false)
+MOE_GROUPED_GEMM(moe_grouped_gemm_m64_gated, 64, true)
+MOE_GROUPED_GEMM(moe_grouped_gemm_m128_gated, 128, true)
 
 // out [T, H] = bf16(sum over j of weights[t, j] * expert_out[positions[t * top_k + j]] (+ shared[t], where given)),
 // in fp32. Grid: (ceil(H / (2 * blockDim.x)), T); each thread two columns.

@@ -10,8 +10,6 @@
 #define SSM_CONV_TOKENS 16          // tokens one thread convolves, for one channel
 #define SSM_SCAN_LANES 8            // threads sharing one row p of a head's state, each state_size / 8 columns
 
-__device__ __forceinline__ float ssm_silu(float x) { return x / (1.f + expf(-x)); }
-
 // torch.nn.functional.softplus (beta 1, threshold 20).
 __device__ __forceinline__ float ssm_softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 
@@ -40,7 +38,7 @@ extern "C" __global__ void ssm_conv(bf16* out, long long out_stride, const bf16*
         window[history] = bf16_to_float(x[(long long)(start + t) * x_stride + c]);
         float y = b;
         for (int k = 0; k < kernel_width; ++k) y += w[k] * window[k];
-        out[(long long)(start + t) * out_stride + c] = float_to_bf16(ssm_silu(y));
+        out[(long long)(start + t) * out_stride + c] = float_to_bf16(silu(y));
         for (int k = 0; k < history; ++k) window[k] = window[k + 1];
     }
 }
@@ -347,13 +345,13 @@ extern "C" __global__ void ssm_gated_norm(bf16* out, long long out_stride, const
     float sum = 0.f;
     for (int i = threadIdx.x; i < group_size; i += blockDim.x) {
         float v = bf16_to_float(xr[i]);
-        if (!norm_before_gate) v *= ssm_silu(bf16_to_float(gr[i]));
+        if (!norm_before_gate) v *= silu(bf16_to_float(gr[i]));
         sum += v * v;
     }
     const float inv = rsqrtf(block_sum(sum) / group_size + eps);
     bf16* orow = out + row * out_stride + base;
     for (int i = threadIdx.x; i < group_size; i += blockDim.x) {
-        const float g = ssm_silu(bf16_to_float(gr[i])), w = bf16_to_float(weight[base + i]);
+        const float g = silu(bf16_to_float(gr[i])), w = bf16_to_float(weight[base + i]);
         const float v = bf16_to_float(xr[i]);
         orow[i] = norm_before_gate ? float_to_bf16(w * v * inv * g)
                                    : float_to_bf16(w * bf16_to_float(float_to_bf16(v * g * inv)));

@@ -26,8 +26,8 @@ def layer(lib, tokens: int, bias: bool = False) -> None:
     entries = tokens * TOP_K
     moe.route(lib, None, r, f32(tokens, EXPERTS), TOP_K, not bias, True, f32(EXPERTS) if bias else None,
               8 if bias else 1, 4 if bias else 1, 2.5, i32(1))
-    moe.grouped_gemm(lib, None, bf16(entries, 2 * WIDTH), bf16(tokens, HIDDEN), bf16(EXPERTS, 2 * WIDTH, HIDDEN), r,
-                     TOP_K)
+    moe.grouped_gemm(lib, None, bf16(entries, WIDTH), bf16(tokens, HIDDEN), bf16(EXPERTS, 2 * WIDTH, HIDDEN), r,
+                     TOP_K, gated=True)
     moe.grouped_gemm(lib, None, bf16(entries, HIDDEN), bf16(entries, WIDTH), bf16(EXPERTS, HIDDEN, WIDTH), r, 0)
     moe.combine(lib, None, bf16(tokens, HIDDEN), bf16(entries, HIDDEN), r, bf16(tokens, HIDDEN))
 
@@ -37,10 +37,12 @@ def test_a_layers_launches_match_the_kernels(monkeypatch, tokens, bias):
     launches = record_launches(monkeypatch, moe)
     layer(FakeLibrary(), tokens, bias)
     names = [name for (_, name), *_ in launches]
-    assert names == ["moe_route", moe.TILE_ROWS[moe.tile_rows(tokens * TOP_K, EXPERTS)],
-                     moe.TILE_ROWS[moe.tile_rows(tokens * TOP_K, EXPERTS)], "moe_combine"]
+    gemm = moe.TILE_ROWS[moe.tile_rows(tokens * TOP_K, EXPERTS)]
+    gated = gemm + ("_gated" if "grouped" in gemm else "")      # the tiled GEMM's activation: its own kernel
+    assert names == ["moe_route", gated, gemm, "moe_combine"]
     for (module, name), grid, block, args, _ in launches:
-        assert [type(a) for a in args] == parameter_types(module, name), name
+        macro = "MOE_GROUPED_GEMM" if "grouped" in name else None
+        assert [type(a) for a in args] == parameter_types(module, name, macro), name
         grid = grid if isinstance(grid, tuple) else (grid,)
         assert all(0 < g <= 65535 for g in grid[1:]) and 0 < grid[0] < 2 ** 31, (name, grid)
         assert 32 <= block <= 1024 and block % 32 == 0
@@ -72,6 +74,10 @@ def route_4(lib, experts: int, held_k: int, top_k: int, n_group: int = 1, topk_g
     lambda lib: route_4(lib, 64, 4, 8),                         # ids [4, 4] for top-8
     lambda lib: route_4(lib, 64, 8, 8, done=f32(1)),            # a float counter
     lambda lib: moe.grouped_gemm(lib, None, bf16(32, 100), bf16(4, 60), bf16(8, 100, 60), routed(4, 8, 8), 8),
+    lambda lib: moe.grouped_gemm(lib, None, bf16(32, 100), bf16(4, 64), bf16(8, 200, 64), routed(4, 8, 8), 8,
+                                 gated=True),                   # a gated width not a multiple of 8
+    lambda lib: moe.grouped_gemm(lib, None, bf16(32, 192), bf16(4, 64), bf16(8, 192, 64), routed(4, 8, 8), 8,
+                                 gated=True),                   # gated out as wide as the gate and up
     lambda lib: moe.combine(lib, None, bf16(4, 64), bf16(4, 64), routed(4, 8, 8)),
 ])
 def test_bad_shapes_are_refused_before_a_launch(monkeypatch, call):

@@ -85,7 +85,8 @@ class Experts:
     """A mixture-of-experts layer's experts, uploaded: expert e maps x to down[e] @ act(up[e] @ x), down [experts,
     hidden, width]. activation "silu": gated, up [experts, 2 * width, hidden] holds the gate's rows then the up's,
     act = silu(gate) * up (Mixtral, Qwen3-MoE, DeepSeek-V3); "relu2": up [experts, width, hidden], act = max(., 0)^2
-    (Nemotron-H)."""
+    (Nemotron-H). Built by LayerMath.upload_experts: a backend may order up's rows its own way (the CUDA backend
+    interleaves the gate's and the up's, for its GEMM's epilogue)."""
     up: Tensor
     down: Tensor
     activation: str = "silu"
@@ -116,6 +117,10 @@ class LayerMath(Protocol):
 
     def upload_float32(self, tensor: torch.Tensor) -> Tensor:
         """A float32 table (rope cos/sin) in the backend's memory."""
+
+    def upload_experts(self, up: torch.Tensor, down: torch.Tensor, activation: str = "silu") -> Experts:
+        """A mixture's experts, up [experts, 2 * width or width, hidden] (a gated one's gate rows then up rows) and
+        down [experts, hidden, width], uploaded as the backend's moe() takes them."""
 
     def prepare(self, batch, cross: bool = False) -> PreparedBatch:
         """Moves a ForwardBatch's metadata to the device once per forward; cross=True: a forward's second batch (its

@@ -148,7 +148,7 @@ def _load_experts(take, has, at: str, moe: MoeConfig, scale: float, ops: LayerMa
     router = take(at + ("router.weight" if stacked else "router.layer.weight"))
     up = take(at + ("experts.gate_up_proj" if stacked else "input_linear.weight"))
     down = take(at + ("experts.down_proj" if stacked else "output_linear.weight")) * scale
-    return {"router": moe.router(ops.upload(router)), "experts": Experts(ops.upload(up), ops.upload(down))}
+    return {"router": moe.router(ops.upload(router)), "experts": ops.upload_experts(up, down)}
 
 
 def _load_weights(c: GraniteHybridConfig, tensors: dict[str, torch.Tensor], ops: LayerMath) -> dict:

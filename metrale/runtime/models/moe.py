@@ -79,7 +79,7 @@ def load_moe(take: Callable[[str], torch.Tensor], has: Callable[[str], bool], pr
     else:
         up = torch.stack([_up(take, f"{module}experts.{e}.", moe) for e in range(moe.num_experts)])
         down = torch.stack([take(f"{module}experts.{e}.{moe.expert_names[2]}.weight") for e in range(moe.num_experts)])
-    layer = {"router": router, "experts": Experts(ops.upload(up), ops.upload(down), moe.activation)}
+    layer = {"router": router, "experts": ops.upload_experts(up, down, moe.activation)}
     if moe.shared_width:
         at = module + "shared_experts."
         gate, up, down_name = moe.expert_names

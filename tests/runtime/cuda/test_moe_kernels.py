@@ -115,19 +115,25 @@ def test_route_groups_the_entries_by_expert(kernel_library, stream, tokens, expe
     assert [tuple(t) for t in tiles[:len(want)].tolist()] == want
 
 
-def device_layer(kernel_library, stream, x, logits, router: MoeRouter, gate_up, down, bias, shared):
-    """CudaLayerMath.moe's launches with torch buffers, from the given router logits."""
+def device_layer(kernel_library, stream, x, logits, router: MoeRouter, gate_up, down, bias, shared, fused=True):
+    """CudaLayerMath.moe's launches with torch buffers, from the given router logits; fused: the activation in the up
+    GEMM's epilogue (its rows interleaved), else activation.cu's silu_mul after it."""
     tokens, hidden = x.shape
     experts, top_k, width = gate_up.shape[0], router.top_k, down.shape[2]
     routed, kept = routed_buffers(tokens, experts, top_k)
     gate_up_rows = torch.empty(tokens * top_k, 2 * width, dtype=torch.bfloat16, device=DEVICE)
-    activated = torch.empty(tokens * top_k, width, dtype=torch.bfloat16, device=DEVICE)
+    activated = torch.full((tokens * top_k, width), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     expert_out = torch.empty(tokens * top_k, hidden, dtype=torch.bfloat16, device=DEVICE)
     out = torch.full_like(x, float("nan"))
-    torch.cuda.synchronize()
+    interleaved = moe.interleave_gate_up(gate_up).contiguous() if fused else None
+    torch.cuda.synchronize()            # torch's fills and copies, before the kernels' stream reads them
     launch_route(kernel_library, stream, routed, kept, logits, router, bias)
-    moe.grouped_gemm(kernel_library, stream, d(gate_up_rows), d(x), d(gate_up), routed, gather_div=top_k)
-    activation.silu_mul(kernel_library, stream, d(activated), d(gate_up_rows))
+    if fused:
+        moe.grouped_gemm(kernel_library, stream, d(activated), d(x), d(interleaved), routed, gather_div=top_k,
+                         gated=True)
+    else:
+        moe.grouped_gemm(kernel_library, stream, d(gate_up_rows), d(x), d(gate_up), routed, gather_div=top_k)
+        activation.silu_mul(kernel_library, stream, d(activated), d(gate_up_rows))
     moe.grouped_gemm(kernel_library, stream, d(expert_out), d(activated), d(down), routed, gather_div=0)
     moe.combine(kernel_library, stream, d(out), d(expert_out), routed, None if shared is None else d(shared))
     stream.sync()
@@ -155,6 +161,9 @@ def test_layer_matches_the_cpu_math(kernel_library, stream, tokens, experts, top
                        topk_group=1 if softmax else 2, scaling=1.0 if softmax else 2.5)
     logits = logits_for(tokens, experts, softmax, ties=False)
     out, ids = device_layer(kernel_library, stream, x, logits, router, gate_up, down, bias, shared_out)
+    # The activation in the up GEMM's epilogue is the separate kernel's, bit for bit.
+    unfused, _ = device_layer(kernel_library, stream, x, logits, router, gate_up, down, bias, shared_out, fused=False)
+    assert torch.equal(out, unfused)
 
     weights, want_ids = choose(logits.to(DEVICE), MoeRouter(None, top_k, router.scoring, True, bias, router.n_group,
                                                             router.topk_group, router.scaling))

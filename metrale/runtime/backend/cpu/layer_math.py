@@ -29,6 +29,9 @@ class CpuLayerMath:
     def upload_float32(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.float().contiguous()
 
+    def upload_experts(self, up, down, activation="silu"):
+        return Experts(self.upload(up), self.upload(down), activation)
+
     def prepare(self, batch: ForwardBatch, cross: bool = False) -> "CpuBatch":
         return CpuBatch.from_batch(batch)
 

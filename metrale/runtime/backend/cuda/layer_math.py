@@ -39,6 +39,13 @@ class CudaLayerMath:
     def upload_float32(self, tensor: torch.Tensor) -> DeviceTensor:
         return self._upload(tensor.float(), "float32")
 
+    def upload_experts(self, up, down, activation="silu"):
+        """A gated mixture's up rows interleaved (kernels/moe.py's interleave_gate_up): the up GEMM's epilogue
+        applies the activation."""
+        if activation == "silu":
+            up = kernels.moe.interleave_gate_up(up)
+        return Experts(self.upload(up), self.upload(down), activation)
+
     def _upload(self, tensor: torch.Tensor, dtype: str) -> DeviceTensor:
         host = tensor.contiguous().view(torch.int16 if dtype == "bfloat16" else torch.float32).numpy()
         out = self.resources.weights.take(tuple(tensor.shape), dtype)
@@ -149,8 +156,8 @@ class CudaLayerMath:
 
     def moe(self, x, router: MoeRouter, experts: Experts, shared=None):
         """The router's logits (a float32 GEMM), moe.cu's routing with its grouping (one launch), the two grouped
-        GEMMs with the activation (activation.cu's) between them, and the weighted combine (with the shared experts'
-        output): no host round trip."""
+        GEMMs with the activation between them (a gated one in the first's epilogue, relu2 activation.cu's), and the
+        weighted combine (with the shared experts' output): no host round trip."""
         ctx, moe = self.resources.bound.context, kernels.moe
         tokens, hidden = x.shape
         num_experts, top_k, width = router.num_experts, router.top_k, experts.width
@@ -164,12 +171,12 @@ class CudaLayerMath:
                             take((moe.max_tiles(entries, num_experts, rows), 2), "int32"), take((1,), "int32"), rows)
         moe.route(self.lib, ctx.stream, routed, logits, top_k, router.scoring == "softmax", router.normalize,
                   router.correction_bias, router.n_group, router.topk_group, router.scaling, ctx.moe_done)
-        up = ctx.new(entries, experts.up.shape[1])
-        moe.grouped_gemm(self.lib, ctx.stream, up, x, experts.up, routed, gather_div=top_k)
         activated = ctx.new(entries, width)
-        if experts.activation == "silu":
-            kernels.activation.silu_mul(self.lib, ctx.stream, activated, up)
+        if experts.activation == "silu":            # silu(gate) * up in the GEMM's epilogue
+            moe.grouped_gemm(self.lib, ctx.stream, activated, x, experts.up, routed, gather_div=top_k, gated=True)
         else:
+            up = ctx.new(entries, width)
+            moe.grouped_gemm(self.lib, ctx.stream, up, x, experts.up, routed, gather_div=top_k)
             kernels.activation.relu_squared(self.lib, ctx.stream, activated, up)
         expert_out = ctx.new(entries, hidden)
         moe.grouped_gemm(self.lib, ctx.stream, expert_out, activated, experts.down, routed, gather_div=0)

@@ -5,6 +5,7 @@ by expert, the experts' grouped GEMMs and the weighted combine. Every grid follo
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from metrale.runtime.backend.cuda.launch import MAX_GRID_YZ, ceil_div, launch_kernel, require
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
@@ -96,33 +97,46 @@ def route(lib, stream, routed: Routed, logits: DeviceTensor, top_k: int, softmax
                   routed.positions, routed.tiles, routed.tile_count, done)
 
 
+def interleave_gate_up(up: torch.Tensor) -> torch.Tensor:
+    """A gated MLP's up [..., 2 W, K] (the gate's W rows, then the up's) as grouped_gemm(gated=True) takes it: rows
+    interleaved by 8, the gate's rows 8 q .. 8 q + 7 then the up's. W % 8 == 0."""
+    width = up.shape[-2] // 2
+    require(up.shape[-2] % 16 == 0, f"moe gemm: a gated width {width} must be a multiple of 8")
+    gate, value = up.unflatten(-2, (2, width // 8, 8)).unbind(-4)
+    return torch.stack((gate, value), dim=-3).flatten(-4, -2)
+
+
 def grouped_gemm(lib, stream, out: DeviceTensor, a: DeviceTensor, weight: DeviceTensor, routed: Routed,
-                 gather_div: int) -> None:
+                 gather_div: int, gated: bool = False) -> None:
     """out [entries, N] (rows in sorted order) = each row's a @ its expert's weight [E, N, K].T, bf16 with fp32
     accumulation: a's row sorted_entries[row] // gather_div (gather_div = top_k: x [T, K] by token) or, with
-    gather_div 0, a's row `row` (a [entries, K] already sorted). K % 8 == 0, 16-byte aligned rows."""
+    gather_div 0, a's row `row` (a [entries, K] already sorted). K % 8 == 0, 16-byte aligned rows. gated: weight
+    from interleave_gate_up, and out [entries, N / 2] = silu(gate) * up, the activation in the GEMM's epilogue."""
     experts, n, k = weight.shape
+    width = n // 2 if gated else n
     require(weight.dtype == "bfloat16" and weight.is_contiguous, "moe gemm: weight must be contiguous bf16")
     require(a.dtype == "bfloat16" and len(a.shape) == 2 and a.shape[1] == k,
             f"moe gemm: a must be bf16 [*, {k}], not {a.shape} {a.dtype}")
-    require(out.shape == (routed.entries, n) and out.dtype == "bfloat16" and out.is_contiguous,
-            f"moe gemm: out must be contiguous bf16 [{routed.entries}, {n}]")
-    require(k % 8 == 0 and n % 2 == 0, f"moe gemm: K {k} must be a multiple of 8 and N {n} even")
+    require(out.shape == (routed.entries, width) and out.dtype == "bfloat16" and out.is_contiguous,
+            f"moe gemm: out must be contiguous bf16 [{routed.entries}, {width}]")
+    require(k % 8 == 0 and n % (16 if gated else 2) == 0,
+            f"moe gemm: K {k} must be a multiple of 8 and N {n} of {16 if gated else 2}")
     require((a.ptr | weight.ptr | 2 * a.stride) % 16 == 0 and out.ptr % 4 == 0,
             "moe gemm: a and weight must be 16-byte aligned (pointer and row stride)")
     require(gather_div > 0 or a.shape[0] == routed.entries, "moe gemm: unsorted rows need gather_div")
     require(routed.tiles.shape[0] <= MAX_GRID_YZ, f"moe gemm: {routed.tiles.shape[0]} tiles (at most {MAX_GRID_YZ})")
     if routed.entries == 0:
         return
-    kernel = lib.get(TILE_ROWS[routed.tile_rows], MODULE)
     tiles = routed.tiles.shape[0]
     if routed.tile_rows >= 64:
+        kernel = lib.get(TILE_ROWS[routed.tile_rows] + ("_gated" if gated else ""), MODULE)
         launch_kernel(stream, kernel, (ceil_div(n, GEMM_BN), tiles), GEMM_THREADS, out, a, np.int64(a.stride), weight,
                       routed.sorted_entries, gather_div, routed.offsets, routed.tiles, routed.tile_count, n, k)
     else:                   # the skinny GEMM: rows and K in 16-byte chunks
+        kernel = lib.get(TILE_ROWS[routed.tile_rows], MODULE)
         launch_kernel(stream, kernel, (ceil_div(n, SKINNY_ROWS), tiles), SKINNY_THREADS, out, a,
                       np.int64(a.stride // 8), weight, routed.sorted_entries, gather_div, routed.offsets,
-                      routed.tiles, routed.tile_count, n, k // 8)
+                      routed.tiles, routed.tile_count, n, k // 8, int(gated))
 
 
 def combine(lib, stream, out: DeviceTensor, expert_out: DeviceTensor, routed: Routed,
