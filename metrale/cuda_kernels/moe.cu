@@ -64,30 +64,34 @@ moe_skinny_gemm_m16(bf16* out, const uint4* a, long long a_stride, const uint4* 
                       gated);
 }
 
-// Prefill (tiles of 64 or 128 rows): a CTA of 4 warps owns BN = 128 columns of a tile, over BK = 32 of K at a time
-// in a STAGES-deep cp.async ring (48 KB of static shared memory). Warps split the tile 2 x 2 (BM 128: 64 x 64 each)
-// or 1 x 4 (BM 64: 64 x 32 each); fragments come from shared memory by ldmatrix.x4. A tile row is 64 bytes (four
-// 16-byte chunks); chunk c of row r sits at chunk c ^ ((r >> 1) & 3), so that the 8 rows an ldmatrix matrix reads
-// fall in 8 different bank groups. Each thread gathers its rows' addresses of a once, before the K loop.
+// Prefill (tiles of 64 or 128 rows): a CTA of 4 warps owns BN = 128 columns of a tile, over BK of K at a time in a
+// STAGES-deep cp.async ring (48 KB of static shared memory): BM 128, BK 32, 3 stages; BM 64, BK 64, 2 stages (at 64-row
+// tiles 17% faster than BK 32 in 4). Warps split the tile 2 x 2 (BM 128: 64 x 64 each) or 1 x 4 (BM 64: 64 x 32
+// each); fragments come from shared memory by ldmatrix.x4. A tile row is BK / 8 16-byte chunks; chunk c of row r
+// sits at chunk c ^ ((r >> 1) & 3) (BK 32: two rows a 128-byte line) or c ^ (r & 7) (BK 64), so that the 8 rows an
+// ldmatrix matrix reads fall in 8 different bank groups. Each thread gathers its rows' addresses of a once, before the K loop.
 // Grid: (ceil(N / BN), max_tiles); block: GEMM_THREADS.
 namespace {
 
-constexpr int GEMM_THREADS = 128, BN = 128, BK = 32, ROW_CHUNKS = BK / 8;
+constexpr int GEMM_THREADS = 128, BN = 128;
 constexpr int GEMM_SHARED_BYTES = 48 * 1024;
 
 template <int BM>
 struct GroupedGemm {
+    static constexpr int BK = BM == 64 ? 64 : 32, ROW_CHUNKS = BK / 8;
     static constexpr int WARPS_M = BM / 64, WARPS_N = 4 / WARPS_M;
     static constexpr int WARP_N = BN / WARPS_N, N_TILES = WARP_N / 8;          // 8-column mma tiles of a warp
     static constexpr int STAGE_CHUNKS = (BM + BN) * ROW_CHUNKS;                // 16-byte chunks a stage
-    static constexpr int STAGES = GEMM_SHARED_BYTES / (16 * STAGE_CHUNKS);      // 4 (BM 64) or 3 (BM 128)
+    static constexpr int STAGES = GEMM_SHARED_BYTES / (16 * STAGE_CHUNKS);      // 2 (BM 64) or 3 (BM 128)
     static constexpr int A_LOADS = BM * ROW_CHUNKS / GEMM_THREADS;              // chunks a thread copies a stage
     static constexpr int W_LOADS = BN * ROW_CHUNKS / GEMM_THREADS;
     static constexpr int ROW_STEP = GEMM_THREADS / ROW_CHUNKS;                  // rows between a thread's copies
     static_assert(BM == 64 || BM == 128, "tiles of 64 or 128 rows");
-};
 
-__device__ __forceinline__ int swizzled(int row, int chunk) { return row * ROW_CHUNKS + (chunk ^ ((row >> 1) & 3)); }
+    static __device__ __forceinline__ int swizzled(int row, int chunk) {
+        return row * ROW_CHUNKS + (ROW_CHUNKS == 4 ? chunk ^ ((row >> 1) & 3) : chunk ^ (row & 7));
+    }
+};
 
 template <int BM, bool GATED>
 __device__ __forceinline__ void grouped_gemm(bf16* out, const bf16* a, long long a_stride, const bf16* weight,
@@ -102,14 +106,14 @@ __device__ __forceinline__ void grouped_gemm(bf16* out, const bf16* a, long long
     __shared__ __align__(128) uint4 ring[G::STAGES][G::STAGE_CHUNKS];     // a stage: BM a rows, then BN w rows
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int warp_row = (warp / G::WARPS_N) * 64, warp_col = (warp % G::WARPS_N) * G::WARP_N;
-    const int chunk = threadIdx.x % ROW_CHUNKS;          // the 16-byte chunk of BK this thread copies, every row
+    const int chunk = threadIdx.x % G::ROW_CHUNKS;          // the 16-byte chunk of BK this thread copies, every row
 
     // Row r of a stage's copies: a's rows threadIdx.x / 4 + ROW_STEP i; w's the same of the BN weight rows.
     const bf16* a_rows[G::A_LOADS];
     bool a_valid[G::A_LOADS];
 #pragma unroll
     for (int i = 0; i < G::A_LOADS; ++i) {
-        const int r = threadIdx.x / ROW_CHUNKS + G::ROW_STEP * i;
+        const int r = threadIdx.x / G::ROW_CHUNKS + G::ROW_STEP * i;
         a_valid[i] = r < rows;
         const int source = !a_valid[i] ? 0 : gather_div ? sorted_entries[row0 + r] / gather_div : row0 + r;
         a_rows[i] = a + (long long)source * a_stride + chunk * 8;
@@ -119,46 +123,46 @@ __device__ __forceinline__ void grouped_gemm(bf16* out, const bf16* a, long long
         uint4* s = ring[stage];
 #pragma unroll
         for (int i = 0; i < G::A_LOADS; ++i) {
-            const int r = threadIdx.x / ROW_CHUNKS + G::ROW_STEP * i;
+            const int r = threadIdx.x / G::ROW_CHUNKS + G::ROW_STEP * i;
             const bool valid = a_valid[i] && k_valid;
-            copy_async_16(s + swizzled(r, chunk), valid ? a_rows[i] + k0 : a, valid);
+            copy_async_16(s + G::swizzled(r, chunk), valid ? a_rows[i] + k0 : a, valid);
         }
 #pragma unroll
         for (int i = 0; i < G::W_LOADS; ++i) {
-            const int r = threadIdx.x / ROW_CHUNKS + G::ROW_STEP * i;
+            const int r = threadIdx.x / G::ROW_CHUNKS + G::ROW_STEP * i;
             const bool valid = col0 + r < n && k_valid;
-            copy_async_16(s + BM * ROW_CHUNKS + swizzled(r, chunk),
+            copy_async_16(s + BM * G::ROW_CHUNKS + G::swizzled(r, chunk),
                           valid ? w + (long long)(col0 + r) * k + k0 + chunk * 8 : w, valid);
         }
     };
 
     float acc[4][G::N_TILES][4] = {};
-    const int steps = (k + BK - 1) / BK;
+    const int steps = (k + G::BK - 1) / G::BK;
 #pragma unroll
     for (int stage = 0; stage < G::STAGES - 1; ++stage) {
-        if (stage < steps) load(stage, stage * BK);
+        if (stage < steps) load(stage, stage * G::BK);
         copy_async_commit();
     }
     for (int step = 0; step < steps; ++step) {
         copy_async_wait<G::STAGES - 2>();     // this step's stage has landed (for this thread's copies) ...
         __syncthreads();                       // ... and everyone's; the stage refilled below is consumed by all
         const int next = step + G::STAGES - 1;
-        if (next < steps) load(next % G::STAGES, next * BK);
+        if (next < steps) load(next % G::STAGES, next * G::BK);
         copy_async_commit();
         const uint4* s = ring[step % G::STAGES];
 #pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) {
+        for (int kk = 0; kk < G::BK / 16; ++kk) {
             // A, matrices (rows +0, k +0), (+8, +0), (+0, +8), (+8, +8): lane l gives row l & 15, chunk 2kk + l / 16.
             unsigned frag[4][4];
 #pragma unroll
             for (int m = 0; m < 4; ++m)
-                ldmatrix_x4(frag[m], s + swizzled(warp_row + 16 * m + (lane & 15), 2 * kk + (lane >> 4)));
+                ldmatrix_x4(frag[m], s + G::swizzled(warp_row + 16 * m + (lane & 15), 2 * kk + (lane >> 4)));
             // W, two 8-column tiles an ldmatrix: matrices (cols +0, k +0), (+0, +8), (+8, +0), (+8, +8).
 #pragma unroll
             for (int j = 0; j < G::N_TILES; j += 2) {
                 unsigned b[4];
-                ldmatrix_x4(b, s + BM * ROW_CHUNKS +
-                                   swizzled(warp_col + 8 * j + (lane & 7) + ((lane >> 4) << 3),
+                ldmatrix_x4(b, s + BM * G::ROW_CHUNKS +
+                                   G::swizzled(warp_col + 8 * j + (lane & 7) + ((lane >> 4) << 3),
                                             2 * kk + ((lane >> 3) & 1)));
 #pragma unroll
                 for (int m = 0; m < 4; ++m) {
