@@ -13,8 +13,8 @@
 // by 8 (rows 16 q + i, 16 q + 8 + i are the gate's and the up's row 8 q + i; N % 16 == 0), and out [rows, N / 2] =
 // silu(gate) * up (common.cuh's silu_mul_of_rounded): the activation in the GEMM's epilogue, no launch of its own.
 //
-// Decode (tiles of 8 or 16 rows): skinny_gemm.cuh's kernel over a tile's gathered rows, each CTA 16 rows of its
-// expert's weight read once. Grid: (ceil(N / 16), max_tiles); block: 256 threads.
+// Decode (tiles of 8 rows, while the entries average a few an expert): skinny_gemm.cuh's kernel over a tile's gathered
+// rows, each CTA 16 rows of its expert's weight read once. Grid: (ceil(N / 16), max_tiles); block: 256 threads.
 namespace {
 
 // A tile's rows of a, as skinny_gemm reads them (16-byte chunks; stride in chunks).
@@ -29,21 +29,6 @@ struct TileRows {
     }
 };
 
-template <int TOKEN_TILES>
-__device__ __forceinline__ void grouped_skinny(bf16* out, const uint4* a, long long a_stride, const uint4* weight,
-                                               const int* sorted_entries, int gather_div, const int* offsets,
-                                               const int* tiles, const int* tile_count, int n, int k_chunks,
-                                               int gated) {
-    const int tile = blockIdx.y;
-    if (tile >= tile_count[0]) return;
-    const int expert = tiles[2 * tile], row0 = tiles[2 * tile + 1];
-    const int rows = min(8 * TOKEN_TILES, offsets[expert + 1] - row0), width = gated ? n / 2 : n;
-    skinny_gemm<TOKEN_TILES>(out + (long long)row0 * width, (long long)width,
-                             TileRows{a, a_stride, sorted_entries, gather_div, row0},
-                             weight + (long long)expert * n * k_chunks, static_cast<const bf16*>(nullptr), rows, n,
-                             k_chunks, 0, gated);
-}
-
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M8)
@@ -51,25 +36,22 @@ moe_skinny_gemm_m8(bf16* out, const uint4* a, long long a_stride, const uint4* w
                    int gather_div, const int* offsets, const int* tiles, const int* tile_count, int n, int k_chunks,
                    int gated) {
     wait_for_previous_kernel();
-    grouped_skinny<1>(out, a, a_stride, weight, sorted_entries, gather_div, offsets, tiles, tile_count, n, k_chunks,
-                      gated);
+    const int tile = blockIdx.y;
+    if (tile >= tile_count[0]) return;
+    const int expert = tiles[2 * tile], row0 = tiles[2 * tile + 1];
+    const int rows = min(8, offsets[expert + 1] - row0), width = gated ? n / 2 : n;
+    skinny_gemm<1>(out + (long long)row0 * width, (long long)width,
+                   TileRows{a, a_stride, sorted_entries, gather_div, row0}, weight + (long long)expert * n * k_chunks,
+                   static_cast<const bf16*>(nullptr), rows, n, k_chunks, 0, gated);
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M16)
-moe_skinny_gemm_m16(bf16* out, const uint4* a, long long a_stride, const uint4* weight, const int* sorted_entries,
-                    int gather_div, const int* offsets, const int* tiles, const int* tile_count, int n, int k_chunks,
-                    int gated) {
-    wait_for_previous_kernel();
-    grouped_skinny<2>(out, a, a_stride, weight, sorted_entries, gather_div, offsets, tiles, tile_count, n, k_chunks,
-                      gated);
-}
-
-// Prefill (tiles of 64 or 128 rows): a CTA of 4 warps owns BN = 128 columns of a tile, over BK of K at a time in a
-// STAGES-deep cp.async ring (48 KB of static shared memory): BM 128, BK 32, 3 stages; BM 64, BK 64, 2 stages (at 64-row
-// tiles 17% faster than BK 32 in 4). Warps split the tile 2 x 2 (BM 128: 64 x 64 each) or 1 x 4 (BM 64: 64 x 32
-// each); fragments come from shared memory by ldmatrix.x4. A tile row is BK / 8 16-byte chunks; chunk c of row r
-// sits at chunk c ^ ((r >> 1) & 3) (BK 32: two rows a 128-byte line) or c ^ (r & 7) (BK 64), so that the 8 rows an
-// ldmatrix matrix reads fall in 8 different bank groups. Each thread gathers its rows' addresses of a once, before the K loop.
+// Tiles of 64 or 128 rows (prefills, and decode batches of more than a few rows an expert): a CTA of 4 warps owns
+// BN = 128 columns of a tile, over BK of K at a time in a STAGES-deep cp.async ring (48 KB of static shared memory):
+// BM 128, BK 32, 3 stages; BM 64, BK 64, 2 stages (at 64-row tiles 17% faster than BK 32 in 4). Warps split the tile
+// 2 x 2 (BM 128: 64 x 64 each) or 1 x 4 (BM 64: 64 x 32 each); fragments come from shared memory by ldmatrix.x4. A
+// tile row is BK / 8 16-byte chunks; chunk c of row r sits at chunk c ^ ((r >> 1) & 3) (BK 32: two rows a 128-byte
+// line) or c ^ (r & 7) (BK 64), so that the 8 rows an ldmatrix matrix reads fall in 8 different bank groups. Each
+// thread gathers its rows' addresses of a once, before the K loop.
 // Grid: (ceil(N / BN), max_tiles); block: GEMM_THREADS.
 namespace {
 

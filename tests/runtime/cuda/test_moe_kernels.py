@@ -140,8 +140,8 @@ def device_layer(kernel_library, stream, x, logits, router: MoeRouter, gate_up, 
     return out.float().cpu(), kept[0].long().cpu()
 
 
-# (tokens, experts, top_k, hidden, width, softmax, shared): tiles of 8 and of 16 rows (decode: the skinny GEMM) and
-# of 64 and 128 (the tiled one), K and N not multiples of the tiles' (96 and 200).
+# (tokens, experts, top_k, hidden, width, softmax, shared): tiles of 8 rows (decode: the skinny GEMM) and of 64 and
+# 128 (the tiled one), K and N not multiples of the tiles' (96 and 200).
 LAYERS = [(1, 8, 2, 128, 64, True, False), (7, 16, 4, 256, 48, False, True), (40, 8, 3, 256, 64, True, False),
           (300, 8, 2, 128, 96, True, False), (4, 128, 8, 2048, 768, True, False), (256, 128, 8, 2048, 768, True, True),
           (512, 128, 8, 2048, 768, True, True), (200, 16, 4, 200, 96, True, False),
