@@ -41,6 +41,34 @@ TINY_MOE = {
 }
 
 
+# Multi-head latent attention: DeepSeek-V2-Lite's layout (the query projected directly, greedy softmax routing),
+# V2's (the query's low-rank projection, routing over groups by their best score, YaRN), V3's (sigmoid routing over
+# groups with its correction bias, YaRN with both mscales) and MiniCPM3 (dense, its scalings away from 1). Heads of
+# 16 + 16 query-key dims (the rotary part interleaved in DeepSeek's) and 24 value dims.
+MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+           v_head_dim=24)
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128, beta_fast=32,
+            beta_slow=1, mscale=0.9, mscale_all_dim=0.8)
+TINY_MLA = {
+    "deepseek_v2_lite": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        MLA, tie_word_embeddings=False, num_hidden_layers=3, q_lora_rank=None, n_routed_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=2, first_k_dense_replace=1,
+        topk_method="greedy", routed_scaling_factor=1.0)),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        MLA, tie_word_embeddings=False, num_hidden_layers=3, q_lora_rank=48, n_routed_experts=8,
+        num_experts_per_tok=3, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+        topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5,
+        rope_parameters=YARN)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        MLA, tie_word_embeddings=False, num_hidden_layers=3, q_lora_rank=48, n_routed_experts=16,
+        num_experts_per_tok=4, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=4,
+        topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, rope_parameters=YARN)),
+    "minicpm3": ("MiniCPM3Config", "MiniCPM3ForCausalLM", dict(
+        MLA, num_hidden_layers=2, q_lora_rank=48, tie_word_embeddings=True, scale_emb=3.0, scale_depth=1.4,
+        dim_model_base=64)),
+}
+
+
 # State-space models (and hybrids): the Mamba2 mixer's shape shared by each; chunk_size 8, so that a 20-token
 # prompt's scan crosses chunks.
 # Attention heads of 32 (the CUDA kernels' smallest head_dim).
@@ -94,10 +122,10 @@ TINY_SSM = {
 
 def write_tiny(name: str, directory: Path, seed: int = 0, shard: bool = False, weight_std: float = 0.15,
                norm_std: float = 0.5) -> Path:
-    """A random model of architecture `name` (TINY, TINY_MOE or TINY_SSM) saved as safetensors in directory; weights scaled
-    so the logits are far from uniform. shard=True writes several files with an index."""
+    """A random model of architecture `name` (TINY, TINY_MOE, TINY_MLA or TINY_SSM) saved as safetensors in
+    directory; weights scaled so the logits are far from uniform. shard=True writes several files with an index."""
     ssm = name in TINY_SSM
-    config_class, model_class, overrides = {**TINY, **TINY_MOE, **TINY_SSM}[name]
+    config_class, model_class, overrides = {**TINY, **TINY_MOE, **TINY_MLA, **TINY_SSM}[name]
     config = getattr(transformers, config_class)(**{**(MIXER if ssm else BASE), **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config).eval()

@@ -8,7 +8,7 @@ from metrale.runtime.config import EngineConfig
 from metrale.runtime.loading import load_checkpoint
 from metrale.runtime.sampling import OutputOptions
 from metrale.runtime.step import DecodeToken, PrefillSlice, Step
-from tiny_models import TINY, TINY_MOE, TINY_SSM, load_reference, write_tiny
+from tiny_models import TINY, TINY_MLA, TINY_MOE, TINY_SSM, load_reference, write_tiny
 
 NUM_DECODES = 64
 
@@ -17,7 +17,7 @@ def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
     return float((ours - reference).abs().max() / reference.abs().max())
 
 
-@pytest.mark.parametrize("name", sorted(TINY) + sorted(TINY_MOE) + sorted(TINY_SSM))
+@pytest.mark.parametrize("name", sorted(TINY) + sorted(TINY_MOE) + sorted(TINY_MLA) + sorted(TINY_SSM))
 def test_prefill_and_decode_logits_match_transformers(name, tmp_path):
     directory = write_tiny(name, tmp_path / name, shard=name == "llama3_untied")
     reference = load_reference(directory)

@@ -11,7 +11,7 @@ from metrale.runtime.errors import OutOfKvBlocks, StepFailed
 from metrale.runtime.loading import load_checkpoint
 from metrale.runtime.sampling import OutputOptions, SamplingParams
 from metrale.runtime.step import DecodeToken, PrefillSlice, Step
-from tiny_models import TINY, load_reference, write_tiny
+from tiny_models import TINY, TINY_MLA, load_reference, write_tiny
 
 BLOCK = 16
 LOGITS = OutputOptions(return_logits=True)
@@ -50,7 +50,7 @@ def assert_same(a, b):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", sorted(TINY))
+@pytest.mark.parametrize("name", sorted(TINY) + sorted(TINY_MLA))
 def test_a_shared_prefix_is_reused_and_changes_no_token(name, tmp_path):
     directory = write_tiny(name, tmp_path / name)
     cached, plain = engines(directory, kv_blocks=64)
@@ -177,13 +177,14 @@ def test_the_cache_off_keeps_nothing(tmp_path):
     assert plain.match_prefix(system) == 0 and plain.stats().cached_kv_blocks == 0 and plain.prefix_counts is None
 
 
-def test_forked_children_continue_the_parent_as_fresh_sequences_would(tmp_path):
+@pytest.mark.parametrize("name", ["llama_tied", "deepseek_v2_lite"])
+def test_forked_children_continue_the_parent_as_fresh_sequences_would(name, tmp_path):
     """Fork after a prompt of 2 blocks and 5 tokens: each child shares the 2 full blocks and has the partial one
-    copied; greedy children follow the parent's own continuation, a seeded child samples as a fresh sequence with
-    the child's seed fed the same tokens does, and children of one parent sample apart."""
+    copied (K/V, or a latent cache); greedy children follow the parent's own continuation, a seeded child samples
+    as a fresh sequence with the child's seed fed the same tokens does, and children of one parent sample apart."""
     from metrale.runtime.forks import child_seed
 
-    cached, plain = engines(write_tiny("llama_tied", tmp_path / "llama"), kv_blocks=40)
+    cached, plain = engines(write_tiny(name, tmp_path / name), kv_blocks=40)
     prompt = prompt_of(2 * BLOCK + 5, 13)
     for engine in (cached, plain):
         free = engine.stats().free_kv_blocks

@@ -47,7 +47,8 @@ def test_info(stub, worker, tiny_model_dir):
     assert info.has_ssm == (config["model_type"] in ("mamba2", "nemotron_h", "falcon_h1", "granitemoehybrid"))
     assert info.vocab_size == 256 and info.kv_block_size == 16 and info.num_kv_blocks == 64
     assert info.free_kv_blocks == 64 and info.num_streams == 2 and info.max_model_len == 96
-    assert info.supports_beam and not info.is_mla and info.eos_token_ids == [2]
+    assert info.is_mla == ("kv_lora_rank" in config) and not info.single_chunk_prefill
+    assert info.supports_beam and info.eos_token_ids == [2]
 
 
 @pytest.mark.parametrize("splits", [[25], [16, 9], [7, 11, 7], [1] * 25, [3, 13, 9]])

@@ -29,4 +29,4 @@ def test_service_has_every_rpc_of_the_contract():
     assert {"model_id", "architecture", "dtype", "device", "vocab_size", "max_model_len", "kv_block_size",
             "num_kv_blocks", "free_kv_blocks", "is_mla", "hc_mult", "supports_beam", "is_encoder_decoder",
             "has_ssm", "eos_token_ids", "bos_token_id", "pad_token_id", "num_streams", "max_batch_tokens",
-            "version"} <= info_fields
+            "version", "single_chunk_prefill"} <= info_fields

@@ -59,13 +59,14 @@ class SsmScan:
 
 @dataclass(frozen=True)
 class MoeRouter:
-    """A mixture-of-experts layer's router, uploaded. Each token's expert logits x @ weight.T ([experts, hidden])
-    become scores: softmax over the experts (Mixtral, Qwen3-MoE) or the sigmoid of each (DeepSeek-V3). The top_k
-    experts are chosen by score (+ correction_bias, float32 [experts], where given: the choice only, not the
-    weights), among the topk_group of n_group equal groups whose two best scores sum highest (n_group 1: all); ties
-    go as torch.topk breaks them on the backend's device, as in transformers' run there (on CUDA: the lower expert
-    id). Their weights are their scores, divided by their sum where normalize (plus 1e-20 for sigmoid scores, as
-    DeepSeek-V3 divides), times scaling."""
+    """A mixture-of-experts layer's router, uploaded. Each token's expert logits x @ weight.T ([experts, hidden]; in
+    x's dtype for softmax routers unless float32_logits, else in float32) become scores: softmax over the experts
+    (Mixtral, Qwen3-MoE, DeepSeek-V2) or the sigmoid of each (DeepSeek-V3). The top_k experts are chosen by score
+    (+ correction_bias, float32 [experts], where given: the choice only, not the weights), among the topk_group of
+    n_group equal groups scored highest (n_group 1: all), a group scored by its two best scores' sum (group_score
+    "top2", DeepSeek-V3) or its best (group_score "max", DeepSeek-V2); ties go as torch.topk breaks them on the
+    backend's device, as in transformers' run there (on CUDA: the lower expert id). Their weights are their scores,
+    divided by their sum where normalize (plus 1e-20 for sigmoid scores, as DeepSeek-V3 divides), times scaling."""
     weight: Tensor
     top_k: int
     scoring: str = "softmax"
@@ -74,6 +75,8 @@ class MoeRouter:
     n_group: int = 1
     topk_group: int = 1
     scaling: float = 1.0
+    group_score: str = "top2"
+    float32_logits: bool = False
 
     @property
     def num_experts(self) -> int:
@@ -94,6 +97,39 @@ class Experts:
     @property
     def width(self) -> int:
         return self.down.shape[2]
+
+
+@dataclass(frozen=True)
+class LatentAttention:
+    """Multi-head latent attention's (DeepSeek-V2/V3, MiniCPM3) up-projections of a layer's cached latent, uploaded:
+    kv_b_proj [heads * (nope_dim + v_dim), kv_lora_rank] split per head into k_up [heads, nope_dim, kv_lora_rank]
+    (head h's keys without position, latent @ k_up[h].T) and v_up [heads, v_dim, kv_lora_rank] (its values). Each
+    head's key is that then the rotary key of rope_dim every head shares; the cache holds, per token, the normed
+    latent then the rotated rotary key."""
+    k_up: Tensor
+    v_up: Tensor
+    rope_dim: int
+
+    @property
+    def num_heads(self) -> int:
+        return self.k_up.shape[0]
+
+    @property
+    def nope_dim(self) -> int:
+        return self.k_up.shape[1]
+
+    @property
+    def v_dim(self) -> int:
+        return self.v_up.shape[1]
+
+    @property
+    def kv_lora_rank(self) -> int:
+        return self.k_up.shape[2]
+
+    @property
+    def cache_width(self) -> int:
+        """A token's cached values: the latent, then the rotary key."""
+        return self.kv_lora_rank + self.rope_dim
 
 
 class PreparedBatch(Protocol):
@@ -215,6 +251,16 @@ class LayerMath(Protocol):
                         head_dim: int, scale: float, sliding_window: int | None, causal: bool = True) -> Tensor:
         """Attention of each segment's queries over its paged KV -> [T, heads * head_dim]: causal, or (causal=False:
         an encoder's self-attention, a decoder's cross-attention) over all of each segment's context."""
+
+    def latent_attention(self, q: Tensor, latent: Tensor, rope_key: Tensor, mla: LatentAttention, rope: RopeTable,
+                         batch: PreparedBatch, cache: Tensor, scale: float) -> Tensor:
+        """Multi-head latent attention. q [T, heads * (nope_dim + rope_dim)] (each head's part without position,
+        then its rotary part), latent [T, kv_lora_rank] (normed), rope_key [T, rope_dim]: rotates q's rotary parts
+        and rope_key (rotate-half) at the batch positions, writes each token's latent and rotated key into cache
+        [blocks, block_size, cache_width] at its slot, and returns each head's causal attention over its sequence's
+        cached tokens -> [T, heads * v_dim], the keys latent @ k_up[h].T then the rotary key, the values latent @
+        v_up[h].T. A backend may attend in the latent space (k_up folded into the query, v_up applied after) or
+        up-project the keys and values."""
 
     def sampled_rows(self, x: "Tensor | Linear", residual: Tensor, batch: PreparedBatch
                      ) -> tuple["Tensor | Linear", Tensor]:

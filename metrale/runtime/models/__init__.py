@@ -4,8 +4,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from metrale.runtime.errors import InvalidArgument
-from metrale.runtime.models import dots1, falcon_h1, granite_hybrid, hybrid, llama, m2m100, mamba2, mistral, \
-    mixtral, nemotron_h, qwen2, qwen3, qwen3_moe
+from metrale.runtime.models import deepseek, dots1, falcon_h1, granite_hybrid, hybrid, llama, m2m100, mamba2, \
+    mistral, mixtral, nemotron_h, qwen2, qwen3, qwen3_moe
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,9 @@ ARCHITECTURES: dict[str, Family] = {
     "NemotronHForCausalLM": Family(nemotron_h.config_from_hf, hybrid.HybridForCausalLM),
     "FalconH1ForCausalLM": Family(falcon_h1.config_from_hf, falcon_h1.FalconH1ForCausalLM),
     "GraniteMoeHybridForCausalLM": Family(granite_hybrid.config_from_hf, granite_hybrid.GraniteHybridForCausalLM),
+    "DeepseekV2ForCausalLM": Family(deepseek.config_from_hf, deepseek.DeepseekForCausalLM),
+    "DeepseekV3ForCausalLM": Family(deepseek.config_from_hf, deepseek.DeepseekForCausalLM),
+    "MiniCPM3ForCausalLM": Family(deepseek.config_from_hf, deepseek.DeepseekForCausalLM),
 }
 
 

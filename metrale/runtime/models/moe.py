@@ -22,6 +22,8 @@ class MoeConfig:
     n_group: int = 1
     topk_group: int = 1
     scaling: float = 1.0
+    group_score: str = "top2"           # MoeRouter's
+    float32_logits: bool = False
     shared_width: int = 0               # the shared experts' MLP width, added to every token's (0: none)
     activation: str = "silu"            # Experts': "silu" (gated) or "relu2"; the shared experts' too
     module: str = "mlp"                 # the layer's module in the checkpoint
@@ -45,7 +47,7 @@ class MoeConfig:
     def router(self, weight, correction_bias=None) -> MoeRouter:
         """The layer math's router over an uploaded weight (and correction bias, where the router has one)."""
         return MoeRouter(weight, self.top_k, self.scoring, self.normalize, correction_bias, self.n_group,
-                         self.topk_group, self.scaling)
+                         self.topk_group, self.scaling, self.group_score, self.float32_logits)
 
     def __post_init__(self):
         if not 0 < self.top_k <= self.num_experts:
@@ -54,6 +56,8 @@ class MoeConfig:
             raise InvalidArgument(f"expert activation {self.activation!r} is not supported (silu, relu2 are)")
         if self.scoring not in ("softmax", "sigmoid"):
             raise InvalidArgument(f"router scoring {self.scoring!r} is not supported (softmax, sigmoid are)")
+        if self.group_score not in ("top2", "max"):
+            raise InvalidArgument(f"router group score {self.group_score!r} is not supported (top2, max are)")
         if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
             raise InvalidArgument(f"n_group {self.n_group} must divide {self.num_experts} experts and topk_group "
                                   f"{self.topk_group} be in 1..{self.n_group}")

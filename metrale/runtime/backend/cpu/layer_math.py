@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from metrale.runtime.backend.cpu import moe, ssm
-from metrale.runtime.backend.layer_math import Experts, Linear, MoeRouter, RopeTable, SsmScan, rope_then_attention
+from metrale.runtime.backend.layer_math import Experts, LatentAttention, Linear, MoeRouter, RopeTable, SsmScan, \
+    rope_then_attention
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.errors import InvalidArgument
 
@@ -138,6 +139,34 @@ class CpuLayerMath:
 
     def add(self, x, y):
         return x + y
+
+    def latent_attention(self, q, latent, rope_key, mla: LatentAttention, rope: RopeTable, batch: "CpuBatch", cache,
+                         scale):
+        """In the latent space: each head's query without position times k_up[h] becomes a query of the latent, so
+        every head attends over the cached rows themselves (one key head), and its attended latent times v_up[h]
+        is its output."""
+        tokens, heads, nope, rank = q.shape[0], mla.num_heads, mla.nope_dim, mla.kv_lora_rank
+        cos, sin = batch.rope_at_positions(rope)
+        q = q.view(tokens, heads, nope + mla.rope_dim)
+        key = _rotate(rope_key.view(tokens, 1, -1), cos, sin).view(tokens, -1)
+        cache.view(-1, mla.cache_width)[batch.slot_mapping] = torch.cat([latent, key], dim=-1)
+        absorbed = torch.einsum("thn,hnl->thl", q[..., :nope], mla.k_up)
+        queries = torch.cat([absorbed, _rotate(q[..., nope:], cos, sin)], dim=-1).float()   # [T, H, width]
+        attended = torch.empty(tokens, heads, rank, dtype=torch.float32)
+        if batch.single_rows.numel():
+            rows = cache[batch.single_tables].flatten(1, 2)[:, :batch.single_context].float()   # [B, C, width]
+            scores = torch.einsum("bhw,bcw->bhc", queries[batch.single_rows], rows) * scale
+            scores = scores.masked_fill(~batch.single_allowed(None)[:, None, :], float("-inf"))
+            attended[batch.single_rows] = torch.einsum("bhc,bcl->bhl", torch.softmax(scores, dim=-1),
+                                                       rows[..., :rank])
+        for start, n, context, table in batch.multi_segments:
+            rows = cache[table].reshape(-1, mla.cache_width)[:context].float()                    # [C, width]
+            scores = torch.einsum("nhw,cw->hnc", queries[start:start + n], rows) * scale
+            q_pos = torch.arange(context - n, context).unsqueeze(1)
+            scores = scores.masked_fill(torch.arange(context).unsqueeze(0) > q_pos, float("-inf"))
+            attended[start:start + n] = torch.einsum("hnc,cl->nhl", torch.softmax(scores, dim=-1), rows[:, :rank])
+        out = torch.einsum("thl,hvl->thv", attended.to(q.dtype), mla.v_up)
+        return out.reshape(tokens, -1)
 
     def sampled_rows(self, x, residual, batch: "CpuBatch"):
         rows = batch.sample_rows

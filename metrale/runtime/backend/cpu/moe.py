@@ -9,8 +9,8 @@ from metrale.runtime.backend.layer_math import Experts, MoeRouter
 
 def route(x: torch.Tensor, router: MoeRouter) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, top_k] float32, expert ids [T, top_k] int64) of each token. Softmax routers take the logits in
-    x's dtype (Mixtral, Qwen3-MoE), sigmoid routers in float32 (DeepSeek-V3)."""
-    if router.scoring == "softmax":
+    x's dtype (Mixtral, Qwen3-MoE) unless float32_logits (DeepSeek-V2), sigmoid routers in float32 (DeepSeek-V3)."""
+    if router.scoring == "softmax" and not router.float32_logits:
         return choose(F.linear(x, router.weight).float(), router)
     return choose(F.linear(x.float(), router.weight.float()), router)
 
@@ -21,7 +21,10 @@ def choose(logits: torch.Tensor, router: MoeRouter) -> tuple[torch.Tensor, torch
     choice = scores if router.correction_bias is None else scores + router.correction_bias
     if router.n_group > 1:
         groups = choice.view(choice.shape[0], router.n_group, -1)
-        best = groups.topk(2, dim=-1)[0].sum(dim=-1)                          # [T, n_group]
+        if router.group_score == "max":
+            best = groups.max(dim=-1).values                                    # [T, n_group]
+        else:
+            best = groups.topk(2, dim=-1)[0].sum(dim=-1)
         kept = torch.zeros_like(best).scatter_(1, best.topk(router.topk_group, dim=-1)[1], 1.0).bool()
         choice = groups.masked_fill(~kept.unsqueeze(-1), float("-inf")).view_as(choice)
     ids = choice.topk(router.top_k, dim=-1)[1]

@@ -1,7 +1,8 @@
-"""A state-space model's prompt split into chunks anywhere (gateway slices, the worker's own chunk_size, several
-sequences' slices in one step, decode lanes beside them) gives the logits of one chunk, within 1e-5 (float32, CPU):
-the conv and scan states carry across chunks exactly. On CUDA (bf16) within bf16's rounding: a GEMM over other row
-counts rounds differently."""
+"""A prompt split into chunks anywhere (gateway slices, the worker's own chunk_size, several sequences' slices in one
+step, decode lanes beside them) gives the logits of one chunk, within 1e-5 (float32, CPU), for the families whose
+chunks hand something on: a state-space model's conv and scan states, carried across chunks exactly, and multi-head
+latent attention's cached latents, which a later chunk attends to. On CUDA (bf16) within bf16's rounding: a GEMM
+over other row counts rounds differently."""
 
 import random
 
@@ -13,7 +14,7 @@ from metrale.runtime.config import EngineConfig
 from metrale.runtime.loading import load_checkpoint
 from metrale.runtime.sampling import OutputOptions
 from metrale.runtime.step import DecodeToken, PrefillSlice, Step
-from tiny_models import TINY_SSM, write_tiny
+from tiny_models import TINY_MLA, TINY_SSM, write_tiny
 
 BLOCK = 16
 PROMPT_LEN = 45
@@ -25,8 +26,8 @@ LOGITS = OutputOptions(return_logits=True)
 TOLERANCE = {"cpu": 1e-5, "cuda": 2e-2}
 
 
-@pytest.fixture(scope="module", params=[*sorted(TINY_SSM), *(pytest.param(f"{name} cuda", marks=pytest.mark.gpu)
-                                                             for name in sorted(TINY_SSM))])
+@pytest.fixture(scope="module", params=[*sorted(TINY_SSM), *sorted(TINY_MLA), *(
+    pytest.param(f"{name} cuda", marks=pytest.mark.gpu) for name in sorted(TINY_SSM))])
 def engine(request, tmp_path_factory):
     name, _, device = request.param.partition(" ")
     directory = write_tiny(name, tmp_path_factory.mktemp(name))

@@ -1,0 +1,256 @@
+"""Multi-head latent attention decoders, in layer math: DeepSeek-V2 (and V2-Lite, without the query's low-rank
+projection), DeepSeek-V3 (Kimi-K2's checkpoints too) and MiniCPM3. Each layer caches one latent vector a token
+(kv_lora_rank values, normed, then the rotary key every head shares) instead of K and V for every head; its MLP is
+dense in the first first_k_dense_replace layers and a mixture of experts after (DeepSeek's routers: V2's softmax,
+greedy or over groups by their best score; V3's sigmoid with its correction bias), or dense throughout (MiniCPM3).
+DeepSeek's rotary dims come in interleaved pairs: their projection rows are reordered at load into the rotate-half
+layout the backends rotate (the query's and the key's alike, so their products are unchanged). MiniCPM3's
+embedding, residual-branch and logit scalings are folded into the weights. The multi-token-prediction layers a V3
+checkpoint may hold (past num_hidden_layers) are not read."""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from metrale.runtime.backend.layer_math import LatentAttention, LayerMath, RopeTable
+from metrale.runtime.batch import ForwardBatch
+from metrale.runtime.cache.specs import PagedLatent
+from metrale.runtime.errors import InvalidArgument
+from metrale.runtime.models.checkpoint import eos_token_ids, tensor_reader
+from metrale.runtime.models.moe import MoeConfig, load_moe
+from metrale.runtime.models.rope import attention_factor, inverse_frequencies, rope_cos_sin, rope_parameters, \
+    yarn_mscale
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int              # the dense MLP's
+    num_layers: int
+    num_heads: int
+    q_lora_rank: int                    # 0: the query projected directly (V2-Lite)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rms_norm_eps: float
+    rope: dict
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_interleave: bool               # the rotary dims in interleaved pairs (DeepSeek), or rotate-half (MiniCPM3)
+    attention_bias: bool = False        # on q_a_proj (or q_proj), kv_a_proj_with_mqa and o_proj
+    moe: MoeConfig | None = None
+    embedding_scale: float = 1.0        # MiniCPM3's scale_emb
+    residual_scale: float = 1.0         # MiniCPM3's scale_depth / sqrt(num_layers), on each residual branch
+    logits_divisor: float = 1.0         # MiniCPM3's hidden_size / dim_model_base, before the LM head
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    # What Info reports of the architecture: hyper-connection streams (mHC; 0 = none), multi-head latent attention,
+    # SSM layers.
+    hc_mult: int = 0
+    is_mla: bool = True
+    has_ssm: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        """A head's query and key width (without and with position): what the memory plan counts a head as."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def num_kv_heads(self) -> int:
+        """Keys and values up-projected from the latent have a head for each query head."""
+        return self.num_heads
+
+    @property
+    def cache_width(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+def config_from_hf(hf: dict) -> MlaConfig:
+    architecture = hf["architectures"][0]
+    if hf.get("hidden_act", "silu") != "silu":
+        raise InvalidArgument(f"hidden_act {hf['hidden_act']!r} is not supported (silu is)")
+    if hf.get("mlp_bias"):
+        raise InvalidArgument("mlp_bias=true is not supported")
+    num_layers, rope_dim = hf["num_hidden_layers"], hf["qk_rope_head_dim"]
+    if rope_dim % 2:
+        raise InvalidArgument(f"qk_rope_head_dim {rope_dim} must be even")
+    minicpm = architecture == "MiniCPM3ForCausalLM"
+    family = {}
+    if minicpm:
+        depth = hf.get("scale_depth")
+        family = dict(embedding_scale=float(hf.get("scale_emb", 1.0)),
+                      residual_scale=(math.sqrt(num_layers) if depth is None else depth) / math.sqrt(num_layers),
+                      logits_divisor=hf["hidden_size"] / (hf.get("dim_model_base") or hf["hidden_size"]))
+    else:
+        family = dict(moe=_moe(hf, architecture))
+    return MlaConfig(
+        architecture=architecture, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"], num_layers=num_layers, num_heads=hf["num_attention_heads"],
+        q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
+        qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=rope_dim,
+        v_head_dim=hf.get("v_head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+        rms_norm_eps=hf["rms_norm_eps"], rope=rope_parameters(hf),
+        max_position_embeddings=hf["max_position_embeddings"],
+        tie_word_embeddings=hf.get("tie_word_embeddings", minicpm),
+        rope_interleave=not minicpm and hf.get("rope_interleave", True),
+        attention_bias=hf.get("attention_bias", False), eos_token_ids=eos_token_ids(hf),
+        bos_token_id=hf.get("bos_token_id"), pad_token_id=hf.get("pad_token_id"), **family)
+
+
+def _moe(hf: dict, architecture: str) -> MoeConfig | None:
+    """DeepSeek's mixture after the first first_k_dense_replace layers (none where the config has no experts)."""
+    experts = hf.get("n_routed_experts")
+    if not experts:
+        return None
+    width, layers = hf["moe_intermediate_size"], hf["num_hidden_layers"]
+    common = dict(num_experts=experts, top_k=hf["num_experts_per_tok"], width=width,
+                  layers=tuple(range(hf.get("first_k_dense_replace") or 0, layers)),
+                  scaling=hf.get("routed_scaling_factor", 1.0), shared_width=width * (hf.get("n_shared_experts") or 0))
+    if architecture == "DeepseekV3ForCausalLM":
+        return MoeConfig(**common, scoring="sigmoid", normalize=hf.get("norm_topk_prob", True), correction_bias=True,
+                         n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1)
+    # DeepSeek-V2: softmax over float32 logits, its top-k weights unnormalised (transformers reads no norm_topk_prob).
+    method = hf.get("topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy"):
+        raise InvalidArgument(f"topk_method {method!r} is not supported (greedy, group_limited_greedy are)")
+    grouped = method == "group_limited_greedy"
+    return MoeConfig(**common, scoring="softmax", normalize=False, float32_logits=True, group_score="max",
+                     n_group=(hf.get("n_group") or 1) if grouped else 1,
+                     topk_group=(hf.get("topk_group") or 1) if grouped else 1)
+
+
+class DeepseekForCausalLM:
+    def __init__(self, config: MlaConfig, tensors: dict[str, torch.Tensor], math: LayerMath, max_model_len: int):
+        if math.device != "cpu":
+            raise InvalidArgument(f"{config.architecture} (multi-head latent attention) runs on the CPU backend only "
+                                  f"so far, not on {math.device}")
+        self.config = config
+        self.math = math
+        self.weights = _load_weights(config, tensors, math)
+        rope_dim = config.qk_rope_head_dim
+        cos, sin = rope_cos_sin(inverse_frequencies(config.rope, rope_dim), max_model_len,
+                                attention_factor(config.rope))
+        self.rope = RopeTable(math.upload_float32(cos), math.upload_float32(sin))
+        self.scale = softmax_scale(config)
+
+    @staticmethod
+    def extra_weight_bytes(config: MlaConfig) -> int:
+        """A tied MiniCPM3 scales its embedding apart from its LM head: the table uploaded twice."""
+        twice = config.tie_word_embeddings and config.embedding_scale != 1.0
+        return 2 * config.vocab_size * config.hidden_size + 256 if twice else 0
+
+    def cache_specs(self) -> tuple[PagedLatent, ...]:
+        """Each layer's latent and rotary key, one vector a token."""
+        return (PagedLatent(self.config.cache_width),) * self.config.num_layers
+
+    def replayable(self, batch: ForwardBatch) -> bool:
+        """The forward reads every batch only through prepare()."""
+        return True
+
+    def forward(self, batch: ForwardBatch, caches: list) -> torch.Tensor:
+        """Runs every token of the batch; returns logits [N, vocab] of batch.sample_rows."""
+        ops, c, w = self.math, self.config, self.weights
+        meta = ops.prepare(batch)
+        x = ops.embedding(w["embed"], meta.token_ids)
+        residual = None
+        for layer, cache in zip(w["layers"], caches):
+            h, residual = ops.rms_norm(x, layer["input_layernorm"], c.rms_norm_eps, residual)
+            h = self._attention(h, layer, meta, cache)
+            h, residual = ops.rms_norm(h, layer["post_attention_layernorm"], c.rms_norm_eps, residual)
+            x = self._mlp(h, layer)
+        x, residual = ops.sampled_rows(x, residual, meta)
+        x, _ = ops.rms_norm(x, w["norm"], c.rms_norm_eps, residual)
+        return ops.logits(x, w["lm_head"])
+
+    def _attention(self, h, layer: dict, meta, cache):
+        ops, c = self.math, self.config
+        if c.q_lora_rank:
+            q, _ = ops.rms_norm(ops.linear(h, layer["q_a_proj"], layer.get("q_a_bias")), layer["q_a_layernorm"],
+                                c.rms_norm_eps)
+            q = ops.linear(q, layer["q_b_proj"])
+        else:
+            q = ops.linear(h, layer["q_proj"], layer.get("q_bias"))
+        compressed = ops.linear(h, layer["kv_a_proj"], layer.get("kv_a_bias"))   # [T, kv_lora_rank + rope_dim]
+        latent, _ = ops.rms_norm(compressed[:, :c.kv_lora_rank], layer["kv_a_layernorm"], c.rms_norm_eps)
+        o = ops.latent_attention(q, latent, compressed[:, c.kv_lora_rank:], layer["mla"], self.rope, meta, cache,
+                                 self.scale)
+        return ops.linear(o, layer["o_proj"], layer.get("o_bias"))
+
+    def _mlp(self, h, layer: dict):
+        """The dense MLP, or the mixture of experts with its shared experts' MLP."""
+        ops = self.math
+        if "router" not in layer:
+            return ops.linear(ops.silu_mul(ops.linear(h, layer["gate_up_proj"])), layer["down_proj"])
+        shared = None
+        if "shared" in layer:
+            shared = ops.linear(ops.silu_mul(ops.linear(h, layer["shared"]["up_proj"])), layer["shared"]["down_proj"])
+        return ops.moe(h, layer["router"], layer["experts"], shared)
+
+
+def softmax_scale(c: MlaConfig) -> float:
+    """1 / sqrt(the query-key head width), times YaRN's mscale(mscale_all_dim) squared where the rope is scaled."""
+    scale = (c.qk_nope_head_dim + c.qk_rope_head_dim) ** -0.5
+    if c.rope["rope_type"] != "default" and c.rope.get("mscale_all_dim"):
+        factor = c.rope.get("factor") or c.max_position_embeddings / c.rope["original_max_position_embeddings"]
+        scale *= yarn_mscale(factor, c.rope["mscale_all_dim"]) ** 2
+    return scale
+
+
+def rotate_half_order(rope_dim: int) -> torch.Tensor:
+    """Interleaved pairs (0, 1), (2, 3), ... as rotate-half's (i, i + rope_dim / 2): the even dims, then the odd."""
+    return torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)])
+
+
+def _load_weights(c: MlaConfig, tensors: dict[str, torch.Tensor], ops: LayerMath) -> dict:
+    take = tensor_reader(tensors, c.architecture, as_float=c.residual_scale != 1.0 or c.embedding_scale != 1.0)
+    heads, nope, rope_dim = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
+    order = rotate_half_order(rope_dim) if c.rope_interleave else torch.arange(rope_dim)
+    # A head's query rows: its nope_dim rows as they are, then its rotary rows reordered.
+    q_rows = torch.cat([h * (nope + rope_dim) + torch.cat([torch.arange(nope), nope + order]) for h in range(heads)])
+    kv_a_rows = torch.cat([torch.arange(c.kv_lora_rank), c.kv_lora_rank + order])
+
+    layers = []
+    for i in range(c.num_layers):
+        at = f"model.layers.{i}."
+        attn = at + "self_attn."
+        layer = {"input_layernorm": ops.upload(take(at + "input_layernorm.weight")),
+                 "post_attention_layernorm": ops.upload(take(at + "post_attention_layernorm.weight")),
+                 "kv_a_proj": ops.upload(take(attn + "kv_a_proj_with_mqa.weight")[kv_a_rows]),
+                 "kv_a_layernorm": ops.upload(take(attn + "kv_a_layernorm.weight")),
+                 "o_proj": ops.upload(take(attn + "o_proj.weight") * c.residual_scale)}
+        if c.q_lora_rank:
+            layer.update(q_a_proj=ops.upload(take(attn + "q_a_proj.weight")),
+                         q_a_layernorm=ops.upload(take(attn + "q_a_layernorm.weight")),
+                         q_b_proj=ops.upload(take(attn + "q_b_proj.weight")[q_rows]))
+        else:
+            layer["q_proj"] = ops.upload(take(attn + "q_proj.weight")[q_rows])
+        if c.attention_bias:
+            layer.update(kv_a_bias=ops.upload(take(attn + "kv_a_proj_with_mqa.bias")[kv_a_rows]),
+                         o_bias=ops.upload(take(attn + "o_proj.bias") * c.residual_scale))
+            if c.q_lora_rank:
+                layer["q_a_bias"] = ops.upload(take(attn + "q_a_proj.bias"))
+        kv_b = take(attn + "kv_b_proj.weight").view(heads, nope + c.v_head_dim, c.kv_lora_rank)
+        layer["mla"] = LatentAttention(ops.upload(kv_b[:, :nope].contiguous()), ops.upload(kv_b[:, nope:].contiguous()),
+                                       rope_dim)
+        if c.moe and i in c.moe.layers:
+            layer.update(load_moe(take, tensors.__contains__, at, c.moe, ops))
+        else:
+            layer["gate_up_proj"] = ops.upload(torch.cat([take(at + "mlp.gate_proj.weight"),
+                                                          take(at + "mlp.up_proj.weight")]))
+            layer["down_proj"] = ops.upload(take(at + "mlp.down_proj.weight") * c.residual_scale)
+        layers.append(layer)
+    # MiniCPM3: the embedding times scale_emb (a tied head then its own table), logits = head @ (h / logits_divisor)
+    # with the divisor in the final norm's weight.
+    table = take("model.embed_tokens.weight")
+    if c.tie_word_embeddings and c.embedding_scale == 1.0:
+        embed = lm_head = ops.upload_lm_head(table)
+    else:
+        embed = ops.upload(table * c.embedding_scale)
+        lm_head = ops.upload_lm_head(table if c.tie_word_embeddings else take("lm_head.weight"))
+    norm = take("model.norm.weight") / c.logits_divisor
+    return {"embed": embed, "lm_head": lm_head, "norm": ops.upload(norm), "layers": layers}
