@@ -78,5 +78,9 @@ class FakeLibrary:
         self.requested.append((module, kernel_name))
         return module, kernel_name
 
+    def get_with_shared(self, kernel_name, module, shared_bytes):
+        assert shared_bytes <= 227 * 1024, f"{kernel_name}: {shared_bytes} bytes of shared memory"
+        return self.get(kernel_name, module)
+
     def max_block(self, kernel_name, module):
         return 1024

@@ -113,7 +113,28 @@ def test_key_ignores_pointers_and_sees_strides_dtype_and_bias():
     assert linear_key(*operands(out_dtype="float32")) != linear_key(*operands())
     wide_x = tensor((7, 576), ptr=BASE * 16, row_stride=640)
     assert linear_key(out, wide_x, weight, bias).x_stride == 640
-    assert linear_key(out, x, weight, bias) == (7, 1536, 576, 576, 1536, "bfloat16", True, False, 1)
+    assert linear_key(out, x, weight, bias) == (7, 1536, 576, 576, 1536, "bfloat16", True, False, 1, 1, 0, 0)
+
+
+def test_a_head_linear_is_one_batch_a_head():
+    """Multi-head latent attention's per-head projections (DeepSeek-V3: 128 heads, the query's 128 dims of its
+    head's 192 onto the 512 of the latent, into rows of 576 a head): batch h reads weight[h], x's and out's columns
+    of head h."""
+    from metrale.runtime.backend.cuda.gemm import head_linear_key
+    heads, n, k = 128, 512, 128
+    x = tensor((7, k), ptr=BASE * 16, row_stride=heads * 192)
+    out = tensor((7, n), ptr=BASE * 64, row_stride=heads * 576)
+    weight = tensor((heads, n, k), ptr=BASE * 128)
+    key = head_linear_key(out, x, weight, 192, 576)
+    assert (key.heads, key.x_head_stride, key.out_head_stride) == (heads, 192, 576)
+    plan = GemmPlan.for_linear(key)
+    assert (plan.a.batch, plan.a.batch_stride, plan.a.rows, plan.a.cols) == (heads, n * k, k, n)
+    assert (plan.b.batch, plan.b.batch_stride, plan.b.ld) == (heads, 192, heads * 192)
+    assert (plan.d.batch, plan.d.batch_stride, plan.d.rows, plan.d.cols, plan.d.ld) == (heads, 576, n, 7, heads * 576)
+    with pytest.raises(InvalidArgument, match="do not fit"):
+        head_linear_key(out, x, weight, 193 + 7, 576)
+    with pytest.raises(InvalidArgument, match="aligned"):
+        head_linear_key(out, x, weight, 196, 576)
 
 
 @pytest.mark.parametrize("change,message", [

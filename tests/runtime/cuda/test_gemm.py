@@ -106,6 +106,25 @@ def test_split_partials_are_each_slices_product(cublaslt, stream, m, n, k, split
     assert relative_error(out.view(splits, m, n).sum(0), reference(x, weight, None)) < TOLERANCE[torch.float32]
 
 
+@pytest.mark.parametrize("m,heads,n,k,x_head,out_head", [(1, 16, 512, 128, 192, 576), (300, 16, 512, 128, 192, 576),
+                                                      (64, 128, 128, 512, 512, 128), (7, 4, 32, 16, 32, 48)])
+def test_head_linear_is_each_heads_product(cublaslt, stream, m, heads, n, k, x_head, out_head):
+    """Multi-head latent attention's per-head projections: each head's columns of x (every x_head elements) times
+    its own weight into its columns of out (every out_head); the columns between stay as they were."""
+    generator = torch.Generator(device="cuda").manual_seed(m + heads)
+    x = torch.randn(m, heads * x_head, generator=generator, device="cuda").to(torch.bfloat16)
+    weight = (torch.randn(heads, n, k, generator=generator, device="cuda") / k ** 0.5).to(torch.bfloat16)
+    out = torch.full((m, heads * out_head), float("nan"), dtype=torch.bfloat16, device="cuda")
+    torch.cuda.synchronize()
+    cublaslt.head_linear(stream, DeviceTensor.from_torch(out).columns(0, n), DeviceTensor.from_torch(x).columns(0, k),
+                         DeviceTensor.from_torch(weight), x_head, out_head)
+    stream.sync()
+    got = out.view(m, heads, out_head)
+    expected = torch.einsum("mhk,hnk->mhn", x.view(m, heads, x_head)[..., :k].double(), weight.double())
+    assert relative_error(got[..., :n], expected) < TOLERANCE[torch.bfloat16]
+    assert got[..., n:].isnan().all()
+
+
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("m", [1, 300])
 def test_linear_reads_and_writes_column_slices(cublaslt, stream, m, out_dtype):

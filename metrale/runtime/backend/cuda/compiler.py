@@ -11,9 +11,10 @@ import threading
 from importlib import resources
 from pathlib import Path
 
-from cuda.bindings import nvrtc
+from cuda.bindings import driver, nvrtc
 from cuda.core import Device, ObjectCode, Program, ProgramOptions
 
+from metrale.runtime.backend.cuda.device import check
 from metrale.runtime.backend.cuda.launch import use_programmatic_launch
 from metrale.runtime.errors import FailedPrecondition
 
@@ -21,6 +22,7 @@ from metrale.runtime.errors import FailedPrecondition
 # so NVRTC needs no include path.
 INCLUDE = re.compile(r'^#include "(\w+\.cuh)"[ \t]*$', re.M)
 OPTIONS = {"std": "c++17", "lineinfo": True}
+DEFAULT_SHARED_BYTES = 48 * 1024   # dynamic shared memory a kernel may take without opting in
 
 
 def kernel_sources() -> dict[str, str]:
@@ -90,6 +92,12 @@ class KernelCache:
         return cubin
 
 
+def allow_dynamic_shared(kernel, shared_bytes: int) -> None:
+    """Lets a loaded kernel launch with shared_bytes of dynamic shared memory on the current device."""
+    attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    check(driver.cuKernelSetAttribute(attribute, shared_bytes, kernel.handle, Device().device_id))
+
+
 class KernelLibrary:
     """Every kernel of metrale/cuda_kernels loaded for one device: get('rms_norm_residual') -> Kernel."""
 
@@ -99,6 +107,7 @@ class KernelLibrary:
         self._modules = {}
         self._resident = {}
         self._max_block = {}
+        self._shared = {}          # (module, kernel) -> the dynamic shared memory it may take, where above 48 KB
         # A module is loaded into the context on its first get_kernel, and streams launch from several threads.
         self._load_lock = threading.Lock()
         self.cache = cache
@@ -117,6 +126,17 @@ class KernelLibrary:
             if key not in self._kernels:
                 self._kernels[key] = self._modules[module].get_kernel(kernel_name)
             return self._kernels[key]
+
+    def get_with_shared(self, kernel_name: str, module: str, shared_bytes: int):
+        """get(), the kernel allowed shared_bytes of dynamic shared memory: above the 48 KB any kernel may take, a
+        kernel opts in (once, before its first launch with that much)."""
+        kernel = self.get(kernel_name, module)
+        key = (module, kernel_name)
+        if shared_bytes > self._shared.get(key, DEFAULT_SHARED_BYTES):
+            with self._load_lock:
+                allow_dynamic_shared(kernel, shared_bytes)
+                self._shared[key] = shared_bytes
+        return kernel
 
     def max_block(self, kernel_name: str, module: str) -> int:
         """The most threads a block of the kernel can have (its registers set it), in whole warps."""

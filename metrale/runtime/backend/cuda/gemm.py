@@ -52,6 +52,11 @@ class LinearKey(NamedTuple):
     # > 1: K in `splits` equal slices, each slice's product a float32 partial of its own (out [splits * M, N]: the
     # partials one after another), for a kernel after it to sum (a strided batched GEMM: no reduce kernel).
     splits: int = 1
+    # > 1: a weight [heads, N, K] per head, head h's x and out columns x_head_stride and out_head_stride elements
+    # after head h - 1's (a strided batched GEMM: one launch for every head of an attention layer).
+    heads: int = 1
+    x_head_stride: int = 0
+    out_head_stride: int = 0
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,11 @@ class GemmPlan:
 
     @classmethod
     def for_linear(cls, key: LinearKey) -> "GemmPlan":
+        if key.heads > 1:       # batch h: weight[h], and x's and out's columns of head h
+            return cls(a=MatrixLayout("bfloat16", key.k, key.n, key.k, key.heads, key.n * key.k),
+                       b=MatrixLayout("bfloat16", key.k, key.m, key.x_stride, key.heads, key.x_head_stride),
+                       d=MatrixLayout(key.out_dtype, key.n, key.m, key.out_stride, key.heads, key.out_head_stride),
+                       transa=CUBLAS_OP_T, transb=CUBLAS_OP_N, epilogue=CUBLASLT_EPILOGUE_DEFAULT)
         slice_k, s = key.k // key.splits, key.splits
         return cls(a=MatrixLayout("bfloat16", slice_k, key.n, key.k, s, slice_k),
                    b=MatrixLayout("bfloat16", slice_k, key.m, key.x_stride, s, slice_k),
@@ -155,6 +165,26 @@ def _split_key(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, bias: D
                               f"contiguous, not {out.shape} {out.dtype}")
     key = linear_key(DeviceTensor(out.ptr, (m, out.shape[1]), "float32"), x, weight, None)
     return key._replace(splits=splits)
+
+
+def head_linear_key(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, x_head_stride: int,
+                    out_head_stride: int) -> LinearKey:
+    """Checks a per-head linear's operands: weight [heads, N, K] contiguous bf16; x [M, K] and out [M, N] bf16, head
+    0's columns of tensors whose rows hold every head's (head h's x_head_stride and out_head_stride elements on);
+    every head's pointer 16-byte aligned."""
+    if len(weight.shape) != 3 or weight.dtype != "bfloat16" or not weight.is_contiguous:
+        raise InvalidArgument(f"head linear: weight must be a contiguous [heads, N, K] bfloat16, not {weight.shape} "
+                              f"{weight.dtype}")
+    heads, n, k = weight.shape
+    key = linear_key(out, x, DeviceTensor(weight.ptr, (n, k), "bfloat16"), None)
+    if out.dtype != "bfloat16":
+        raise InvalidArgument(f"head linear: out must be bfloat16, not {out.dtype}")
+    if x_head_stride < k or out_head_stride < n or (2 * x_head_stride | 2 * out_head_stride) % ALIGNMENT:
+        raise InvalidArgument(f"head linear: head strides {x_head_stride} (x) and {out_head_stride} (out) must "
+                              f"cover K={k} and N={n} and keep every head {ALIGNMENT}-byte aligned")
+    if (heads - 1) * x_head_stride + k > x.stride or (heads - 1) * out_head_stride + n > out.stride:
+        raise InvalidArgument(f"head linear: {heads} heads do not fit in rows of x {x.stride} and out {out.stride}")
+    return key._replace(heads=heads, x_head_stride=x_head_stride, out_head_stride=out_head_stride)
 
 
 def load_cublaslt():
@@ -256,6 +286,25 @@ class CublasLt:
         except lt.cuBLASLtError as error:   # inlined _call: this is the hot path
             raise CublasLtError("cublasLtMatmul" if bias is None else "cublasLtMatmul (with bias)",
                                 self._status_name(error.status)) from None
+
+    def head_linear(self, stream, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, x_head_stride: int,
+                    out_head_stride: int, workspace: DeviceTensor | None = None) -> None:
+        """For each head h: out's head-h columns [M, N] = x's head-h columns [M, K] @ weight[h] [N, K].T, one strided
+        batched GEMM (head_linear_key). bf16 in and out, fp32 accumulation."""
+        if self._handle is None:
+            raise FailedPrecondition("head linear on a closed CublasLt")
+        key = head_linear_key(out, x, weight, x_head_stride, out_head_stride)
+        if key.m == 0:
+            return
+        workspace = self.workspace if workspace is None else workspace
+        if workspace.nbytes < self._workspace_bytes:
+            raise InvalidArgument(f"head linear: a {workspace.nbytes}-byte workspace is smaller than the "
+                                  f"{self._workspace_bytes} bytes the algorithms were chosen for")
+        matmul = self._matmul_of(key)
+        try:
+            self._enqueue(stream, matmul, out, x, weight, workspace.ptr, workspace.nbytes)
+        except self._lt.cuBLASLtError as error:
+            raise CublasLtError("cublasLtMatmul (heads)", self._status_name(error.status)) from None
 
     def _enqueue(self, stream, matmul: _Matmul, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
                  workspace_ptr: int, workspace_bytes: int) -> None:

@@ -1,0 +1,259 @@
+// Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3) over the paged latent cache, in the latent space: a
+// query row per head of RANK + ROPE values (its part without position folded through the head's k_up, then its
+// rotated rotary part), one cached row per token (the normed latent [RANK], then the rotated rotary key [ROPE]),
+// which is every head's key, and whose first RANK values are every head's value. The caller applies v_up after.
+//
+// cache [num_slots, RANK + ROPE] bf16 (blocks of block_size rows, token k of a sequence in block
+//   block_table[k / block_size], row k % block_size); q [T, heads * (RANK + ROPE)] bf16, row stride q_stride.
+// Softmax in base 2 (scale_log2 = scale * log2(e)), fragments and ldmatrix as in attention_tiles.cuh.
+#include "attention_tiles.cuh"
+
+namespace {
+
+constexpr int LATENT_TILE = 32;      // cached tokens a tile; a warp scores 8 of them
+constexpr int LATENT_ROWS = 16;      // query heads a CTA: the rows of one mma tile
+
+template <int RANK, int ROPE>
+struct Latent {
+    static constexpr int WIDTH = RANK + ROPE;
+    static constexpr int STRIDE = WIDTH + 8;            // a row in shared memory, padded: ldmatrix conflict-free
+    static constexpr int CHUNKS = WIDTH / 8;            // 16-byte chunks a row
+    static constexpr int P_STRIDE = LATENT_TILE + 8;
+    static constexpr int WARP_COLS = RANK / WARPS;      // the output columns a warp accumulates
+    static constexpr int TILE_ELEMS = LATENT_TILE * STRIDE, Q_ELEMS = LATENT_ROWS * STRIDE;
+    static constexpr int P_ELEMS = LATENT_ROWS * P_STRIDE;
+    // The token tile, the CTA's query rows, the tile's probabilities (bf16), each warp's row maxima (fp32).
+    static constexpr int SHARED_BYTES = 2 * (TILE_ELEMS + Q_ELEMS + P_ELEMS) + 4 * WARPS * LATENT_ROWS;
+    static_assert(WIDTH % 16 == 0 && WARP_COLS % 8 == 0, "RANK a multiple of 32, ROPE of 16");
+};
+
+// The arguments of a launch (kernels/latent_attention.py passes them in this order).
+struct LatentArgs {
+    bf16* out;                  // [T, heads * RANK]: a whole sequence's heads (one split), in the latent space
+    long long out_stride;
+    const bf16* q;
+    long long q_stride;
+    const bf16* cache;
+    const int* seq_rows;        // each decode query's row of q and out
+    const int* context_lens;    // the tokens it attends: the first context_lens[i] of its sequence
+    const int* block_tables;    // [S, max_blocks], the row table_rows[i]
+    const int* table_rows;
+    int max_blocks;
+    float* partial_out;         // [S, heads, num_splits, RANK] fp32: a split's normalised output ...
+    float* partial_lse;         // [S, heads, num_splits]: ... and its log2-sum-exp (paged_decode_reduce merges them)
+    int heads, block_shift;
+    float scale_log2;
+    int partition_size;
+};
+
+// grid (num_splits, ceil(heads / 16), S), THREADS threads, Latent::SHARED_BYTES of dynamic shared memory. CTA
+// (split, group, i) attends query i's heads 16 group .. over its tokens [split * partition_size, (split + 1) *
+// partition_size), 32 at a time: each warp scores 8 tokens against the 16 heads, the tile's row maxima meet in
+// shared memory, each warp writes its probabilities there, and each warp then accumulates RANK / 4 columns of
+// P V over all 32 tokens. Every warp keeps the same running maxima; each sums its own tokens' exponentials.
+template <int RANK, int ROPE>
+__device__ __forceinline__ void latent_decode_attention(const LatentArgs& a) {
+    using L = Latent<RANK, ROPE>;
+    extern __shared__ __align__(16) unsigned char shared[];
+    bf16* tile = reinterpret_cast<bf16*>(shared);
+    bf16* query = tile + L::TILE_ELEMS;
+    bf16* probs = query + L::Q_ELEMS;
+    float* maxima = reinterpret_cast<float*>(probs + L::P_ELEMS);     // [WARPS][16]
+
+    const int split = blockIdx.x, head0 = blockIdx.y * LATENT_ROWS, seq = blockIdx.z, num_splits = gridDim.x;
+    const int context = a.context_lens[seq];
+    const int lo = split * a.partition_size, hi = min(context, lo + a.partition_size);
+    if (lo >= hi) return;
+    const bool whole = (context - 1) / a.partition_size == 0;
+    const int rows = min(LATENT_ROWS, a.heads - head0);
+    const long long row = a.seq_rows[seq];
+    const int* block_table = a.block_tables + (long long)a.table_rows[seq] * a.max_blocks;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+
+    const bf16* first_query = a.q + row * a.q_stride + (long long)head0 * L::WIDTH;
+    for (int chunk = threadIdx.x; chunk < LATENT_ROWS * L::CHUNKS; chunk += THREADS) {
+        const int r = chunk / L::CHUNKS, column = (chunk % L::CHUNKS) * 8;
+        copy_async_16(query + r * L::STRIDE + column, r < rows ? first_query + r * L::WIDTH + column : first_query,
+                      r < rows);
+    }
+
+    float acc[L::WARP_COLS / 8][4];
+#pragma unroll
+    for (int n = 0; n < L::WARP_COLS / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    float running_max[2] = {negative_infinity(), negative_infinity()}, sum[2] = {0.f, 0.f};
+
+    for (int start = lo; start < hi; start += LATENT_TILE) {
+        for (int chunk = threadIdx.x; chunk < LATENT_TILE * L::CHUNKS; chunk += THREADS) {
+            const int r = chunk / L::CHUNKS, column = (chunk % L::CHUNKS) * 8, key = start + r;
+            const bf16* source = a.cache;
+            if (key < hi) {
+                const long long slot = ((long long)block_table[key >> a.block_shift] << a.block_shift) +
+                                       (key & ((1 << a.block_shift) - 1));
+                source = a.cache + slot * L::WIDTH + column;
+            }
+            copy_async_16(tile + r * L::STRIDE + column, source, key < hi);
+        }
+        copy_async_commit();
+        copy_async_wait<0>();
+        __syncthreads();
+
+        // Scores of the 16 heads against this warp's 8 tokens (rows g, g + 8; tokens 2t, 2t + 1).
+        float s[4] = {0.f, 0.f, 0.f, 0.f};
+        const bf16* keys = tile + (8 * warp + (lane & 7)) * L::STRIDE + ((lane >> 3) & 1) * 8;
+#pragma unroll 4
+        for (int kk = 0; kk < L::WIDTH / 16; ++kk) {
+            unsigned q_frag[4], k_frag[4];   // matrices 2, 3 of k_frag repeat 0, 1 (lanes 16.. give the same rows)
+            ldmatrix_x4(q_frag, query + (lane & 15) * L::STRIDE + 16 * kk + (lane >> 4) * 8);
+            ldmatrix_x4(k_frag, keys + 16 * kk);
+            mma_bf16(s, q_frag, k_frag[0], k_frag[1]);
+        }
+        float tile_max[2] = {negative_infinity(), negative_infinity()};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = start + 8 * warp + 2 * t + (e & 1);
+            s[e] = key < hi ? s[e] * a.scale_log2 : negative_infinity();
+            tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[e]);
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+            if (t == 0) maxima[warp * LATENT_ROWS + g + 8 * r] = tile_max[r];
+        }
+        __syncthreads();
+        float base[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float m = running_max[r];
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) m = fmaxf(m, maxima[w * LATENT_ROWS + g + 8 * r]);
+            base[r] = m == negative_infinity() ? 0.f : m;      // no token yet: exponentials stay 0, not NaN
+            const float correction = fast_exp2(running_max[r] - base[r]);
+            running_max[r] = m;
+            sum[r] *= correction;
+#pragma unroll
+            for (int n = 0; n < L::WARP_COLS / 8; ++n) {
+                acc[n][2 * r] *= correction;
+                acc[n][2 * r + 1] *= correction;
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            s[e] = fast_exp2(s[e] - base[e >> 1]);
+            sum[e >> 1] += s[e];
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+            *reinterpret_cast<unsigned*>(probs + (g + 8 * r) * L::P_STRIDE + 8 * warp + 2 * t) =
+                float2_to_bf16x2(s[2 * r], s[2 * r + 1]);
+        __syncthreads();
+
+        // P [16 x 32] V [32 x this warp's columns]; V's rows are the tile's, its columns the latent's.
+        const int col0 = warp * L::WARP_COLS;
+#pragma unroll
+        for (int kk = 0; kk < LATENT_TILE / 16; ++kk) {
+            unsigned p_frag[4];
+            ldmatrix_x4(p_frag, probs + (lane & 15) * L::P_STRIDE + 16 * kk + (lane >> 4) * 8);
+#pragma unroll
+            for (int n = 0; n < L::WARP_COLS / 8; n += 2) {
+                // matrices (.trans): tokens +0..7 and +8..15 of columns 8 n .., then of 8 (n + 1) .. (the same
+                // again where this warp has no column tile n + 1)
+                const int second = n + 1 < L::WARP_COLS / 8 ? (lane >> 4) * 8 : 0;
+                unsigned v_frag[4];
+                ldmatrix_x4_trans(v_frag, tile + (16 * kk + (lane & 7) + ((lane >> 3) & 1) * 8) * L::STRIDE + col0 +
+                                              8 * n + second);
+                mma_bf16(acc[n], p_frag, v_frag[0], v_frag[1]);
+                if (n + 1 < L::WARP_COLS / 8) mma_bf16(acc[n + 1], p_frag, v_frag[2], v_frag[3]);
+            }
+        }
+        __syncthreads();        // every warp is done with the tile and the probabilities
+    }
+
+    // The row sums: this lane's tokens, its quad's, then every warp's (maxima is free: reused for them).
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 1);
+        sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 2);
+        if (t == 0) maxima[warp * LATENT_ROWS + g + 8 * r] = sum[r];
+    }
+    __syncthreads();
+    const int num_heads = a.heads;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int head_row = g + 8 * r;
+        if (head_row >= rows) continue;
+        float total = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) total += maxima[w * LATENT_ROWS + head_row];
+        const int head = head0 + head_row;
+        const float inverse = 1.f / total;
+#pragma unroll
+        for (int n = 0; n < L::WARP_COLS / 8; ++n) {
+            const int d = warp * L::WARP_COLS + 8 * n + 2 * t;
+            const float x = acc[n][2 * r] * inverse, y = acc[n][2 * r + 1] * inverse;
+            if (whole) {
+                *reinterpret_cast<unsigned*>(a.out + row * a.out_stride + (long long)head * RANK + d) =
+                    float2_to_bf16x2(x, y);
+            } else {
+                const long long part = ((long long)seq * num_heads + head) * num_splits + split;
+                *reinterpret_cast<float2*>(a.partial_out + part * RANK + d) = make_float2(x, y);
+                if (d == 0) a.partial_lse[part] = running_max[r] + log2f(total);
+            }
+        }
+    }
+}
+
+}  // namespace
+
+#define LATENT_PARAMS                                                                                            \
+    bf16 *out, long long out_stride, const bf16 *q, long long q_stride, const bf16 *cache, const int *seq_rows, \
+        const int *context_lens, const int *block_tables, const int *table_rows, int max_blocks,                \
+        float *partial_out, float *partial_lse, int heads, int block_shift, float scale_log2, int partition_size
+#define LATENT_ENTRY(RANK, ROPE)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(THREADS) latent_decode_attention_r##RANK##_p##ROPE(LATENT_PARAMS) { \
+        wait_for_previous_kernel();                                                                              \
+        latent_decode_attention<RANK, ROPE>({out, out_stride, q, q_stride, cache, seq_rows, context_lens,       \
+                                             block_tables, table_rows, max_blocks, partial_out, partial_lse,     \
+                                             heads, block_shift, scale_log2, partition_size});                   \
+    }
+LATENT_ENTRY(512, 64)      // DeepSeek-V2, V2-Lite, V3, Kimi-K2
+LATENT_ENTRY(256, 32)      // MiniCPM3
+LATENT_ENTRY(32, 16)       // the tests' tiny models
+
+// Each token's rotary parts and its cache row: q_rope [T, heads * rope] (head h's rotary part of the query, row
+// stride q_stride, rotate-half pairs) rotated at positions[t] into out_rope (head h's at out + h * out_head_stride,
+// row stride out_stride: the latent-space query's last ROPE columns); the normed latent [T, rank] (row stride
+// latent_stride) then rope_key [T, rope] rotated (row stride key_stride) into cache row slot_mapping[t] (none
+// where negative). cos, sin [P, rope / 2] fp32. In fp32, each result rounded to bf16 once. grid (T), block 128.
+extern "C" __global__ void rope_and_write_latent(bf16* out, long long out_stride, int out_head_stride,
+                                                 const bf16* q_rope, long long q_stride, int q_head_stride,
+                                                 const bf16* latent, long long latent_stride, const bf16* rope_key,
+                                                 long long key_stride, const float* cos, const float* sin,
+                                                 const int* positions, const int* slot_mapping, bf16* cache,
+                                                 int heads, int rank, int rope) {
+    wait_for_previous_kernel();
+    const long long token = blockIdx.x;
+    const int half = rope / 2;
+    const float* c = cos + (long long)positions[token] * half;
+    const float* s = sin + (long long)positions[token] * half;
+    const int slot = slot_mapping[token];
+    bf16* cache_row = cache + (long long)slot * (rank + rope);
+    // pairs (i, i + half) of every head's query part, then of the key (head index `heads`)
+    for (int item = threadIdx.x; item < (heads + 1) * half; item += blockDim.x) {
+        const int head = item / half, i = item % half;
+        const bf16* x = head < heads ? q_rope + token * q_stride + (long long)head * q_head_stride
+                                     : rope_key + token * key_stride;
+        const float x1 = bf16_to_float(x[i]), x2 = bf16_to_float(x[i + half]);
+        const bf16 first = float_to_bf16(x1 * c[i] - x2 * s[i]), second = float_to_bf16(x2 * c[i] + x1 * s[i]);
+        if (head < heads) {
+            bf16* y = out + token * out_stride + (long long)head * out_head_stride;
+            y[i] = first;
+            y[i + half] = second;
+        } else if (slot >= 0) {
+            cache_row[rank + i] = first;
+            cache_row[rank + i + half] = second;
+        }
+    }
+    if (slot >= 0)
+        for (int i = threadIdx.x; i < rank; i += blockDim.x) cache_row[i] = latent[token * latent_stride + i];
+}

@@ -1,0 +1,96 @@
+"""Launchers for cuda_kernels/latent_attention.cu: multi-head latent attention's rotary parts and cache rows
+(rope_and_write_latent), and its attention in the latent space over the paged latent cache, one query token an
+entry (latent_decode_attention; several splits of a long context merged by paged_decode_reduce)."""
+
+import numpy as np
+
+from metrale.runtime.backend.cuda.launch import MAX_GRID_YZ, ceil_div, launch_kernel, require
+from metrale.runtime.backend.cuda.tensor import DeviceTensor
+
+MODULE = "latent_attention"
+THREADS = 128                       # attention_tiles.cuh's
+TILE, ROWS = 32, 16                 # latent_attention.cu's LATENT_TILE (tokens a tile) and LATENT_ROWS (heads a CTA)
+SHAPES = ((512, 64), (256, 32), (32, 16))    # the (rank, rope) pairs it is built for
+ROPE_THREADS = 128
+
+
+def shared_bytes(rank: int, rope: int) -> int:
+    """Latent<RANK, ROPE>::SHARED_BYTES: the token tile, the query rows, the probabilities, the warps' row maxima."""
+    stride = rank + rope + 8
+    return 2 * (TILE * stride + ROWS * stride + ROWS * (TILE + 8)) + 4 * 4 * ROWS
+
+
+def supports(rank: int, rope: int) -> bool:
+    return (rank, rope) in SHAPES
+
+
+def rope_and_write(lib, stream, out: DeviceTensor, out_head_stride: int, q_rope: DeviceTensor, q_head_stride: int,
+                   latent: DeviceTensor, rope_key: DeviceTensor, cos: DeviceTensor, sin: DeviceTensor,
+                   positions: DeviceTensor, slot_mapping: DeviceTensor, cache: DeviceTensor, heads: int) -> None:
+    """out's head h columns [T, rope] = q_rope's head h columns rotated at positions (rotate-half); cache row
+    slot_mapping[t] = latent[t] then rope_key[t] rotated. out and q_rope: head 0's columns of rows holding every
+    head's, head h's out_head_stride and q_head_stride elements on. cache [slots, rank + rope]."""
+    tokens, rank = latent.shape
+    rope = rope_key.shape[1]
+    require(rope % 2 == 0 and cos.shape[1] == rope // 2 and sin.shape == cos.shape,
+            f"rope and write latent: cos and sin must be [P, {rope // 2}]")
+    require(cache.shape[1:] == (rank + rope,) and cache.dtype == "bfloat16" and cache.is_contiguous,
+            f"rope and write latent: cache must be contiguous bf16 [slots, {rank + rope}]")
+    require(q_rope.shape == (tokens, rope) and out.shape == (tokens, rope) and rope_key.shape == (tokens, rope),
+            f"rope and write latent: q_rope, out and rope_key must be [{tokens}, {rope}] (head 0's columns)")
+    require((heads - 1) * q_head_stride + rope <= q_rope.stride and (heads - 1) * out_head_stride + rope <= out.stride,
+            f"rope and write latent: {heads} heads do not fit in rows of q_rope and out")
+    require(positions.shape == (tokens,) and slot_mapping.shape == (tokens,),
+            f"rope and write latent: positions and slot_mapping must be [{tokens}]")
+    if tokens == 0:
+        return
+    launch_kernel(stream, lib.get("rope_and_write_latent", MODULE), tokens, ROPE_THREADS, out, np.int64(out.stride),
+                  out_head_stride, q_rope, np.int64(q_rope.stride), q_head_stride, latent, np.int64(latent.stride),
+                  rope_key, np.int64(rope_key.stride), cos, sin, positions, slot_mapping, cache, heads, rank, rope)
+
+
+def partials_elements(entries: int, heads: int, rank: int, splits: int) -> int:
+    """float32 elements latent_decode needs in `partials` for `splits` splits: outputs, then log-sum-exps."""
+    return entries * heads * splits * (rank + 1)
+
+
+def decode(lib, stream, out: DeviceTensor, q: DeviceTensor, cache: DeviceTensor, rows: DeviceTensor,
+           contexts: DeviceTensor, tables: DeviceTensor, table_rows: DeviceTensor, partials: DeviceTensor,
+           heads: int, block_size: int, scale: float, partition: int, max_context: int) -> None:
+    """out [T, heads * rank] (each entry's row `rows[i]`) = each head's attention, in the latent space, of its query
+    q [T, heads * (rank + rope)] over the first contexts[i] cached rows of the sequence whose block table is row
+    table_rows[i] of tables; contexts up to max_context, split in pieces of `partition` tokens (a multiple of 32)
+    whose float32 partials go to `partials` (partials_elements) and are merged by paged_decode_reduce."""
+    entries = rows.shape[0]
+    width = cache.shape[1]
+    rank = out.shape[1] // heads
+    rope = width - rank
+    require(supports(rank, rope), f"latent attention: rank {rank} with rope {rope} is not built (only {SHAPES})")
+    require(q.shape[1] >= heads * width and q.dtype == "bfloat16" and q.ptr % 16 == 0 and q.stride % 8 == 0,
+            f"latent attention: q must be 16-byte aligned bf16 rows of {heads} x {width}")
+    require(out.dtype == "bfloat16" and out.stride % 2 == 0, "latent attention: out must be bf16 (even row stride)")
+    require(cache.dtype == "bfloat16" and cache.is_contiguous, "latent attention: cache must be contiguous bf16")
+    require(block_size & (block_size - 1) == 0, f"latent attention: block size {block_size} must be a power of two")
+    require(partition > 0 and partition % TILE == 0, f"latent attention: partition {partition} must be a multiple "
+                                                     f"of {TILE}")
+    require(contexts.shape == (entries,) and table_rows.shape == (entries,) and len(tables.shape) == 2,
+            f"latent attention: contexts and table_rows must be [{entries}], tables 2-D")
+    splits = ceil_div(max(max_context, 1), partition)
+    require(partials.dtype == "float32" and partials.numel >= partials_elements(entries, heads, rank, splits),
+            f"latent attention: partials must hold {partials_elements(entries, heads, rank, splits)} float32")
+    require(entries <= MAX_GRID_YZ and ceil_div(heads, ROWS) <= MAX_GRID_YZ,
+            f"latent attention: {entries} entries or {heads} heads past the grid")
+    if entries == 0:
+        return
+    partial_out = partials
+    partial_lse = DeviceTensor(partials.ptr + 4 * entries * heads * splits * rank, (entries * heads * splits,),
+                               "float32")
+    shared = shared_bytes(rank, rope)
+    kernel = lib.get_with_shared(f"latent_decode_attention_r{rank}_p{rope}", MODULE, shared)
+    launch_kernel(stream, kernel, (splits, ceil_div(heads, ROWS), entries), THREADS, out, np.int64(out.stride), q,
+                  np.int64(q.stride), cache, rows, contexts, tables, table_rows, tables.shape[1], partial_out,
+                  partial_lse, heads, block_size.bit_length() - 1, np.float32(scale * 1.4426950408889634),
+                  partition, shmem=shared)
+    if splits > 1:
+        launch_kernel(stream, lib.get("paged_decode_reduce", "decode_attention"), (heads, entries), rank, out,
+                      np.int64(out.stride), rows, contexts, partial_out, partial_lse, -1, partition, splits)

@@ -1,0 +1,127 @@
+"""latent_attention.cu against torch: attention in the latent space over a paged latent cache (every built rank and
+rope width, heads that fill no, one or several 16-head tiles, contexts in one split and in many, merged by
+paged_decode_reduce), and the rotary parts with the cache rows rope_and_write_latent writes."""
+
+import pytest
+import torch
+
+pytest.importorskip("cuda.core")
+
+from gpu_reference import TOLERANCE, relative_error  # noqa: E402
+from metrale.runtime.backend.cuda.kernels import latent_attention  # noqa: E402
+from metrale.runtime.backend.cuda.tensor import DeviceTensor  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+DEVICE = "cuda"
+BLOCK = 16
+d = DeviceTensor.from_torch
+
+
+def paged_cache(contexts: list[int], width: int, seed: int):
+    """A cache of random rows, each entry's tokens in blocks scattered over it: (cache [slots, width], tables)."""
+    generator = torch.Generator().manual_seed(seed)
+    per_entry = [-(-c // BLOCK) for c in contexts]
+    num_blocks = sum(per_entry) + 3
+    order = torch.randperm(num_blocks, generator=generator)
+    tables = torch.zeros(len(contexts), max(per_entry), dtype=torch.int32)
+    taken = 0
+    for i, n in enumerate(per_entry):
+        tables[i, :n] = order[taken:taken + n]
+        taken += n
+    cache = torch.randn(num_blocks * BLOCK, width, generator=generator).bfloat16()
+    return cache, tables
+
+
+def reference(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, contexts: list[int], heads: int,
+              rank: int, scale: float) -> torch.Tensor:
+    out = []
+    for i, context in enumerate(contexts):
+        blocks = tables[i, :-(-context // BLOCK)].long()
+        slots = (blocks[:, None] * BLOCK + torch.arange(BLOCK)).reshape(-1)[:context]
+        rows = cache[slots].double()                                              # [C, width]
+        query = q[i].view(heads, -1).double()                                     # [H, width]
+        probs = torch.softmax(query @ rows.T * scale, dim=-1)
+        out.append((probs @ rows[:, :rank]).reshape(-1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("rank, rope", latent_attention.SHAPES)
+@pytest.mark.parametrize("heads, contexts, partition", [
+    (4, [1, 17, 40], 1024),                 # one split; fewer heads than a tile
+    (16, [300, 5, 64, 33], 64),             # several splits, a context ending mid-tile, one exactly a tile
+    (20, [129, 1000, 2], 256),              # a second, partial tile of heads; long splits
+    (128, [70, 31], 32),                    # DeepSeek-V3's 128 heads; splits of one tile
+])
+def test_decode_matches_torch(kernel_library, stream, rank, rope, heads, contexts, partition):
+    width, scale = rank + rope, 0.3 / (rank ** 0.5)
+    cache, tables = paged_cache(contexts, width, seed=heads)
+    q = torch.randn(len(contexts), heads * width, generator=torch.Generator().manual_seed(1)).bfloat16()
+    entries = len(contexts)
+    splits = -(-max(contexts) // partition)
+    dev = {name: t.to(DEVICE) for name, t in dict(cache=cache, tables=tables, q=q).items()}
+    out = torch.full((entries, heads * rank), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    rows = torch.arange(entries, dtype=torch.int32, device=DEVICE)
+    context_lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
+    partials = torch.empty(latent_attention.partials_elements(entries, heads, rank, splits), device=DEVICE)
+    torch.cuda.synchronize()
+    latent_attention.decode(kernel_library, stream, d(out), d(dev["q"]), d(dev["cache"]), d(rows), d(context_lens),
+                            d(dev["tables"]), d(rows), d(partials), heads, BLOCK, scale, partition, max(contexts))
+    stream.sync()
+    want = reference(q, cache, tables, contexts, heads, rank, scale)
+    assert relative_error(out.float().cpu(), want) < TOLERANCE[torch.bfloat16]
+
+
+def test_a_table_row_per_entry_serves_a_prompts_tokens(kernel_library, stream):
+    """Entries that share one sequence's block table (a prompt's tokens, each over its causal context)."""
+    rank, rope, heads = 32, 16, 4
+    contexts = [3, 4, 5, 6]
+    cache, tables = paged_cache([6], rank + rope, seed=3)
+    q = torch.randn(4, heads * (rank + rope), generator=torch.Generator().manual_seed(2)).bfloat16()
+    out = torch.zeros(4, heads * rank, dtype=torch.bfloat16, device=DEVICE)
+    rows = torch.arange(4, dtype=torch.int32, device=DEVICE)
+    partials = torch.empty(latent_attention.partials_elements(4, heads, rank, 1), device=DEVICE)
+    dev_cache, dev_tables, dev_q = cache.to(DEVICE), tables.to(DEVICE), q.to(DEVICE)
+    table_rows = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    context_lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
+    torch.cuda.synchronize()
+    latent_attention.decode(kernel_library, stream, d(out), d(dev_q), d(dev_cache), d(rows), d(context_lens),
+                            d(dev_tables), d(table_rows), d(partials), heads, BLOCK, 0.2, 64, 6)
+    stream.sync()
+    want = reference(q, cache, tables.expand(4, -1), contexts, heads, rank, 0.2)
+    assert relative_error(out.float().cpu(), want) < TOLERANCE[torch.bfloat16]
+
+
+def test_rope_and_write_latent_matches_torch(kernel_library, stream):
+    tokens, heads, nope, rank, rope = 5, 3, 16, 32, 16
+    generator = torch.Generator().manual_seed(4)
+    q = torch.randn(tokens, heads * (nope + rope), generator=generator).bfloat16()
+    compressed = torch.randn(tokens, rank + rope, generator=generator).bfloat16()
+    positions = torch.tensor([0, 3, 7, 8, 100], dtype=torch.int32)
+    slots = torch.tensor([4, -1, 9, 0, 2], dtype=torch.int32)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, rope, 2).float() / rope)
+    angles = torch.arange(128).float()[:, None] * inv_freq
+    cos, sin = angles.cos(), angles.sin()
+    q_full = torch.zeros(tokens, heads * (rank + rope), dtype=torch.bfloat16, device=DEVICE)
+    cache = torch.zeros(12, rank + rope, dtype=torch.bfloat16, device=DEVICE)
+    dq, dc = q.to(DEVICE), compressed.to(DEVICE)
+    dev = [t.to(DEVICE) for t in (cos, sin, positions, slots)]
+    torch.cuda.synchronize()
+    latent_attention.rope_and_write(
+        kernel_library, stream, d(q_full).columns(rank, rank + rope), rank + rope,
+        d(dq).columns(nope, nope + rope), nope + rope, d(dc).columns(0, rank), d(dc).columns(rank, rank + rope),
+        *(d(t) for t in dev), d(cache), heads)
+    stream.sync()
+
+    def rotate(x):      # [T, n, rope] rotate-half at the positions, fp32, rounded once
+        x1, x2 = x.float().chunk(2, dim=-1)
+        c, s = cos[positions.long()][:, None], sin[positions.long()][:, None]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).bfloat16()
+
+    want_q = rotate(q.view(tokens, heads, -1)[..., nope:])
+    got_q = q_full.cpu().view(tokens, heads, -1)[..., rank:]
+    assert torch.equal(got_q, want_q)
+    want_rows = torch.cat([compressed[:, :rank], rotate(compressed[:, None, rank:])[:, 0]], dim=-1)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(cache[slot].cpu(), want_rows[t])
+    assert not cache[[1, 3, 5]].any()       # rows no token names stay as they were
