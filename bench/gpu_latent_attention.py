@@ -23,7 +23,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--batches", default="1,64,256")
     parser.add_argument("--contexts", default="1024,8192")
     parser.add_argument("--heads", default="16,128")
-    parser.add_argument("--partitions", default="256,512,1024,2048")
+    parser.add_argument("--partitions", default="auto,256,1024", help="tokens a split; auto: the launcher's choice")
     args = parser.parse_args(argv)
     from metrale.runtime.backend.cuda.kernels import latent_attention
     from metrale.runtime.backend.cuda.tensor import DeviceTensor as D
@@ -48,14 +48,16 @@ def main(argv=None) -> list[dict]:
                 rows = torch.arange(batch, dtype=torch.int32, device="cuda")
                 contexts = torch.full((batch,), context, dtype=torch.int32, device="cuda")
                 bytes_read = batch * context * width * 2
-                for partition in (int(p) for p in args.partitions.split(",")):
+                for choice in args.partitions.split(","):
+                    partition = (latent_attention.partition_for(lib, batch, heads, context, RANK, ROPE)[0]
+                                 if choice == "auto" else int(choice))
                     splits = -(-context // partition)
                     partials = torch.empty(latent_attention.partials_elements(batch, heads, RANK, splits),
                                            device="cuda")
                     launch = lambda: latent_attention.decode(  # noqa: E731
                         lib, stream, D.from_torch(out), D.from_torch(q), D.from_torch(cache), D.from_torch(rows),
                         D.from_torch(contexts), D.from_torch(tables), D.from_torch(rows), D.from_torch(partials),
-                        heads, BLOCK, 0.1, partition, context)
+                        heads, BLOCK, 0.1, context, partition)
                     us = time_launch_us(stream, launch, LAUNCHES)
                     fraction = bytes_read / (us * 1e-6) / bandwidth
                     results.append(dict(heads=heads, batch=batch, context=context, partition=partition, us=us,

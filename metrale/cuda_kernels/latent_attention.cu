@@ -22,8 +22,9 @@ struct Latent {
     static constexpr int WARP_COLS = RANK / WARPS;      // the output columns a warp accumulates
     static constexpr int TILE_ELEMS = LATENT_TILE * STRIDE, Q_ELEMS = LATENT_ROWS * STRIDE;
     static constexpr int P_ELEMS = LATENT_ROWS * P_STRIDE;
-    // The token tile, the CTA's query rows, the tile's probabilities (bf16), each warp's row maxima (fp32).
-    static constexpr int SHARED_BYTES = 2 * (TILE_ELEMS + Q_ELEMS + P_ELEMS) + 4 * WARPS * LATENT_ROWS;
+    // Two token tiles (one landing while the other is used), the CTA's query rows, the tile's probabilities
+    // (bf16), each warp's row maxima (fp32).
+    static constexpr int SHARED_BYTES = 2 * (2 * TILE_ELEMS + Q_ELEMS + P_ELEMS) + 4 * WARPS * LATENT_ROWS;
     static_assert(WIDTH % 16 == 0 && WARP_COLS % 8 == 0, "RANK a multiple of 32, ROPE of 16");
 };
 
@@ -48,15 +49,16 @@ struct LatentArgs {
 
 // grid (num_splits, ceil(heads / 16), S), THREADS threads, Latent::SHARED_BYTES of dynamic shared memory. CTA
 // (split, group, i) attends query i's heads 16 group .. over its tokens [split * partition_size, (split + 1) *
-// partition_size), 32 at a time: each warp scores 8 tokens against the 16 heads, the tile's row maxima meet in
-// shared memory, each warp writes its probabilities there, and each warp then accumulates RANK / 4 columns of
-// P V over all 32 tokens. Every warp keeps the same running maxima; each sums its own tokens' exponentials.
+// partition_size), 32 at a time (the next tile's copy in flight while one is used): each warp scores 8 tokens
+// against the 16 heads, the tile's row maxima meet in shared memory, each warp writes its probabilities there, and
+// each warp then accumulates RANK / 4 columns of P V over all 32 tokens. Every warp keeps the same running maxima;
+// each sums its own tokens' exponentials.
 template <int RANK, int ROPE>
 __device__ __forceinline__ void latent_decode_attention(const LatentArgs& a) {
     using L = Latent<RANK, ROPE>;
     extern __shared__ __align__(16) unsigned char shared[];
-    bf16* tile = reinterpret_cast<bf16*>(shared);
-    bf16* query = tile + L::TILE_ELEMS;
+    bf16* tiles = reinterpret_cast<bf16*>(shared);
+    bf16* query = tiles + 2 * L::TILE_ELEMS;
     bf16* probs = query + L::Q_ELEMS;
     float* maxima = reinterpret_cast<float*>(probs + L::P_ELEMS);     // [WARPS][16]
 
@@ -82,7 +84,9 @@ __device__ __forceinline__ void latent_decode_attention(const LatentArgs& a) {
     for (int n = 0; n < L::WARP_COLS / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
     float running_max[2] = {negative_infinity(), negative_infinity()}, sum[2] = {0.f, 0.f};
 
-    for (int start = lo; start < hi; start += LATENT_TILE) {
+    // Tokens [start, start + 32) into tile buffer `buffer`; those past hi zero-filled.
+    auto load_tile = [&](int start, int buffer) {
+        bf16* tile = tiles + buffer * L::TILE_ELEMS;
         for (int chunk = threadIdx.x; chunk < LATENT_TILE * L::CHUNKS; chunk += THREADS) {
             const int r = chunk / L::CHUNKS, column = (chunk % L::CHUNKS) * 8, key = start + r;
             const bf16* source = a.cache;
@@ -93,9 +97,18 @@ __device__ __forceinline__ void latent_decode_attention(const LatentArgs& a) {
             }
             copy_async_16(tile + r * L::STRIDE + column, source, key < hi);
         }
-        copy_async_commit();
-        copy_async_wait<0>();
+    };
+    load_tile(lo, 0);
+    copy_async_commit();            // the query rows and the first tile
+
+    for (int start = lo, buffer = 0; start < hi; start += LATENT_TILE, buffer ^= 1) {
+        // The next tile streams into the other buffer (free: every warp passed the last barrier of the tile
+        // before) while this one is used.
+        if (start + LATENT_TILE < hi) load_tile(start + LATENT_TILE, buffer ^ 1);
+        copy_async_commit();        // possibly empty: keeps the group count uniform
+        copy_async_wait<1>();
         __syncthreads();
+        const bf16* tile = tiles + buffer * L::TILE_ELEMS;
 
         // Scores of the 16 heads against this warp's 8 tokens (rows g, g + 8; tokens 2t, 2t + 1).
         float s[4] = {0.f, 0.f, 0.f, 0.f};

@@ -51,13 +51,15 @@ def reference(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, contex
     (16, [300, 5, 64, 33], 64),             # several splits, a context ending mid-tile, one exactly a tile
     (20, [129, 1000, 2], 256),              # a second, partial tile of heads; long splits
     (128, [70, 31], 32),                    # DeepSeek-V3's 128 heads; splits of one tile
+    (16, [700, 3000, 9], None),             # the launcher's own choice
 ])
 def test_decode_matches_torch(kernel_library, stream, rank, rope, heads, contexts, partition):
     width, scale = rank + rope, 0.3 / (rank ** 0.5)
     cache, tables = paged_cache(contexts, width, seed=heads)
     q = torch.randn(len(contexts), heads * width, generator=torch.Generator().manual_seed(1)).bfloat16()
     entries = len(contexts)
-    splits = -(-max(contexts) // partition)
+    chosen = partition or latent_attention.partition_for(kernel_library, entries, heads, max(contexts), rank, rope)[0]
+    splits = -(-max(contexts) // chosen)
     dev = {name: t.to(DEVICE) for name, t in dict(cache=cache, tables=tables, q=q).items()}
     out = torch.full((entries, heads * rank), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     rows = torch.arange(entries, dtype=torch.int32, device=DEVICE)
@@ -65,7 +67,7 @@ def test_decode_matches_torch(kernel_library, stream, rank, rope, heads, context
     partials = torch.empty(latent_attention.partials_elements(entries, heads, rank, splits), device=DEVICE)
     torch.cuda.synchronize()
     latent_attention.decode(kernel_library, stream, d(out), d(dev["q"]), d(dev["cache"]), d(rows), d(context_lens),
-                            d(dev["tables"]), d(rows), d(partials), heads, BLOCK, scale, partition, max(contexts))
+                            d(dev["tables"]), d(rows), d(partials), heads, BLOCK, scale, max(contexts), partition)
     stream.sync()
     want = reference(q, cache, tables, contexts, heads, rank, scale)
     assert relative_error(out.float().cpu(), want) < TOLERANCE[torch.bfloat16]
@@ -85,7 +87,7 @@ def test_a_table_row_per_entry_serves_a_prompts_tokens(kernel_library, stream):
     context_lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
     torch.cuda.synchronize()
     latent_attention.decode(kernel_library, stream, d(out), d(dev_q), d(dev_cache), d(rows), d(context_lens),
-                            d(dev_tables), d(table_rows), d(partials), heads, BLOCK, 0.2, 64, 6)
+                            d(dev_tables), d(table_rows), d(partials), heads, BLOCK, 0.2, 6, 64)
     stream.sync()
     want = reference(q, cache, tables.expand(4, -1), contexts, heads, rank, 0.2)
     assert relative_error(out.float().cpu(), want) < TOLERANCE[torch.bfloat16]

@@ -145,10 +145,11 @@ class KernelLibrary:
             self._max_block[key] = self.get(kernel_name, module).attributes.max_threads_per_block // 32 * 32
         return self._max_block[key]
 
-    def resident_ctas(self, kernel_name: str, module: str, threads: int) -> int:
-        """CTAs of `threads` threads (static shared memory only) the whole device runs at once."""
-        key = (module, kernel_name, threads)
+    def resident_ctas(self, kernel_name: str, module: str, threads: int, shared_bytes: int = 0) -> int:
+        """CTAs of `threads` threads (and shared_bytes of dynamic shared memory) the whole device runs at once."""
+        key = (module, kernel_name, threads, shared_bytes)
         if key not in self._resident:
-            per_sm = self.get(kernel_name, module).occupancy.max_active_blocks_per_multiprocessor(threads, 0)
+            kernel = self.get_with_shared(kernel_name, module, shared_bytes)
+            per_sm = kernel.occupancy.max_active_blocks_per_multiprocessor(threads, shared_bytes)
             self._resident[key] = max(1, per_sm) * Device().properties.multiprocessor_count
         return self._resident[key]

@@ -4,6 +4,7 @@ entry (latent_decode_attention; several splits of a long context merged by paged
 
 import numpy as np
 
+from metrale.runtime.backend.cuda.kernels import attention
 from metrale.runtime.backend.cuda.launch import MAX_GRID_YZ, ceil_div, launch_kernel, require
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 
@@ -15,9 +16,10 @@ ROPE_THREADS = 128
 
 
 def shared_bytes(rank: int, rope: int) -> int:
-    """Latent<RANK, ROPE>::SHARED_BYTES: the token tile, the query rows, the probabilities, the warps' row maxima."""
+    """Latent<RANK, ROPE>::SHARED_BYTES: two token tiles, the query rows, the probabilities, the warps' row
+    maxima."""
     stride = rank + rope + 8
-    return 2 * (TILE * stride + ROWS * stride + ROWS * (TILE + 8)) + 4 * 4 * ROWS
+    return 2 * (2 * TILE * stride + ROWS * stride + ROWS * (TILE + 8)) + 4 * 4 * ROWS
 
 
 def supports(rank: int, rope: int) -> bool:
@@ -54,13 +56,22 @@ def partials_elements(entries: int, heads: int, rank: int, splits: int) -> int:
     return entries * heads * splits * (rank + 1)
 
 
+def partition_for(lib, entries: int, heads: int, max_context: int, rank: int, rope: int) -> tuple[int, int]:
+    """(tokens a split, splits) for `entries` queries of `heads` heads over contexts up to max_context: as the
+    decode attention kernels choose theirs (attention.decode_partition), a CTA's 16 heads standing for a kv head."""
+    name = f"latent_decode_attention_r{rank}_p{rope}"
+    slots = lib.resident_ctas(name, MODULE, THREADS, shared_bytes(rank, rope))
+    return attention.decode_partition(entries, ceil_div(heads, ROWS), max_context, slots)
+
+
 def decode(lib, stream, out: DeviceTensor, q: DeviceTensor, cache: DeviceTensor, rows: DeviceTensor,
            contexts: DeviceTensor, tables: DeviceTensor, table_rows: DeviceTensor, partials: DeviceTensor,
-           heads: int, block_size: int, scale: float, partition: int, max_context: int) -> None:
+           heads: int, block_size: int, scale: float, max_context: int, partition: int | None = None) -> None:
     """out [T, heads * rank] (each entry's row `rows[i]`) = each head's attention, in the latent space, of its query
     q [T, heads * (rank + rope)] over the first contexts[i] cached rows of the sequence whose block table is row
-    table_rows[i] of tables; contexts up to max_context, split in pieces of `partition` tokens (a multiple of 32)
-    whose float32 partials go to `partials` (partials_elements) and are merged by paged_decode_reduce."""
+    table_rows[i] of tables; contexts up to max_context, split in pieces of `partition` tokens (a multiple of 32;
+    None: partition_for's) whose float32 partials go to `partials` (partials_elements) and are merged by
+    paged_decode_reduce."""
     entries = rows.shape[0]
     width = cache.shape[1]
     rank = out.shape[1] // heads
@@ -71,6 +82,8 @@ def decode(lib, stream, out: DeviceTensor, q: DeviceTensor, cache: DeviceTensor,
     require(out.dtype == "bfloat16" and out.stride % 2 == 0, "latent attention: out must be bf16 (even row stride)")
     require(cache.dtype == "bfloat16" and cache.is_contiguous, "latent attention: cache must be contiguous bf16")
     require(block_size & (block_size - 1) == 0, f"latent attention: block size {block_size} must be a power of two")
+    if partition is None:
+        partition = partition_for(lib, entries, heads, max_context, rank, rope)[0]
     require(partition > 0 and partition % TILE == 0, f"latent attention: partition {partition} must be a multiple "
                                                      f"of {TILE}")
     require(contexts.shape == (entries,) and table_rows.shape == (entries,) and len(tables.shape) == 2,

@@ -1,0 +1,56 @@
+"""latent_attention.cu's launchers without a GPU: their arguments match each kernel's parameter list, the attention's
+grid follows the entries, heads and splits (its splits merged by paged_decode_reduce only where there are several),
+its shared memory is what the kernel lays out, and bad shapes are refused before anything is launched."""
+
+import pytest
+
+pytest.importorskip("cuda.core")
+
+from launcher_fakes import FakeLibrary, bf16, f32, i32, parameter_types, record_launches  # noqa: E402
+from metrale.runtime.backend.cuda.kernels import latent_attention  # noqa: E402
+from metrale.runtime.errors import InvalidArgument  # noqa: E402
+
+
+def decode(lib, entries=3, heads=20, rank=512, rope=64, max_context=1000, partition=256, out=None, cache=None):
+    latent_attention.decode(lib, None, out or bf16(entries, heads * rank), bf16(entries, heads * (rank + rope)),
+                            cache or bf16(4096, rank + rope), i32(entries), i32(entries), i32(8, 70), i32(entries),
+                            f32(latent_attention.partials_elements(entries, heads, rank, 4)), heads, 16, 0.1,
+                            max_context, partition)
+
+
+@pytest.mark.parametrize("max_context, launches", [(1000, 2), (200, 1)])
+def test_decode_launches_match_the_kernels(monkeypatch, max_context, launches):
+    recorded = record_launches(monkeypatch, latent_attention)
+    decode(FakeLibrary(), max_context=max_context)
+    assert len(recorded) == launches
+    (module, name), grid, block, args, shmem = recorded[0]
+    assert name == "latent_decode_attention_r512_p64"
+    assert [type(a) for a in args] == parameter_types(module, name, "LATENT_ENTRY")
+    assert grid == (-(-max_context // 256), 2, 3) and block == 128
+    assert shmem == latent_attention.shared_bytes(512, 64) == 2 * (2 * 32 * 584 + 16 * 584 + 16 * 40) + 256
+    if launches == 2:
+        (module, name), grid, block, args, _ = recorded[1]
+        assert name == "paged_decode_reduce" and grid == (20, 3) and block == 512
+        assert [type(a) for a in args] == parameter_types(module, name)
+
+
+def test_rope_and_write_launch_matches_the_kernel(monkeypatch):
+    recorded = record_launches(monkeypatch, latent_attention)
+    q, out, compressed = bf16(5, 3 * 192), bf16(5, 3 * 576), bf16(5, 576)
+    latent_attention.rope_and_write(FakeLibrary(), None, out.columns(512, 576), 576, q.columns(128, 192), 192,
+                                    compressed.columns(0, 512), compressed.columns(512, 576), f32(64, 32), f32(64, 32),
+                                    i32(5), i32(5), bf16(100, 576), 3)
+    (module, name), grid, block, args, _ = recorded[0]
+    assert [type(a) for a in args] == parameter_types(module, name) and grid == 5
+
+
+@pytest.mark.parametrize("call", [
+    lambda lib: decode(lib, rank=128, out=bf16(3, 20 * 128), cache=bf16(4096, 192)),    # a rank not built
+    lambda lib: decode(lib, partition=48),                                              # not a multiple of 32
+    lambda lib: decode(lib, max_context=5000),                                          # partials too small
+])
+def test_bad_shapes_are_refused_before_a_launch(monkeypatch, call):
+    recorded = record_launches(monkeypatch, latent_attention)
+    with pytest.raises(InvalidArgument):
+        call(FakeLibrary())
+    assert not recorded
