@@ -2,7 +2,8 @@
 # Everything GPU on the lent H200, in parts that each fit one 10-minute call; a short summary last.
 #   tests    the gpu-marked tests (kernels against torch references, models against transformers, graphs,
 #            the sampler) and the API tests with their workers on the CUDA backend          (~8 min)
-#   api-models  the API tests again with a hybrid (Nemotron-H) and a mixture of experts (dots.llm1) served (~3 min)
+#   api-models  the API tests again with a hybrid (Nemotron-H), a mixture of experts (dots.llm1) and a latent
+#            attention model (DeepSeek-V3) served                                                      (~4 min)
 #   load     tests/service/test_load.py with its worker process on the CUDA backend: 64 clients for 60 s with faults,
 #            sequential-replay equality, no leaked block, RSS and device memory flat, SIGTERM drain      (~3 min)
 #   kernels  bench/gpu_attention.py, bench/gpu_skinny_gemm.py and bench/gpu_gemm_algos.py (cuBLASLt's candidate
@@ -62,7 +63,10 @@ for part in "${@:-tests}"; do
         tests/service/test_errors.py tests/service/test_beam_api.py tests/service/test_run_ahead.py \
         tests/service/test_prefix_cache_api.py
       run_pytest api-on-cuda-moe --worker-device cuda --worker-model dots1 tests/service/test_forward_api.py \
-        tests/service/test_errors.py tests/service/test_run_ahead.py ;;
+        tests/service/test_errors.py tests/service/test_run_ahead.py
+      run_pytest api-on-cuda-mla --worker-device cuda --worker-model deepseek_v3 tests/service/test_forward_api.py \
+        tests/service/test_errors.py tests/service/test_beam_api.py tests/service/test_run_ahead.py \
+        tests/service/test_prefix_cache_api.py ;;
     load)
       run_pytest load-on-cuda --worker-device cuda -s tests/service/test_load.py
       summary+=("$(grep -E '^load on' "$OUT/load-on-cuda.log")") ;;

@@ -114,8 +114,8 @@ __device__ void moe_group_entries(const int* ids, int entries, int num_experts, 
 template <int PER>
 __device__ __forceinline__ void route_token(const float* row, int num_experts, int top_k, int scoring,
                                             int round_logits, int normalize, const float* correction_bias,
-                                            int n_group, int topk_group, float scaling, int* ids, float* weights,
-                                            int lane) {
+                                            int n_group, int topk_group, int group_best_two, float scaling, int* ids,
+                                            float* weights, int lane) {
     float score[PER], choice[PER];
     float largest = moe_minus_infinity();
 #pragma unroll
@@ -148,7 +148,8 @@ __device__ __forceinline__ void route_token(const float* row, int num_experts, i
                   : correction_bias != nullptr ? score[i] + correction_bias[e] : score[i];
     }
     if (n_group > 1) {
-        // Each group's two best choice values, summed; then the topk_group best groups (lower group on a tie).
+        // Each group's two best choice values, summed (or its best alone); then the topk_group best groups (lower
+        // group on a tie).
         const int group_size = num_experts / n_group;
         unsigned long long kept = 0;                          // a bit per group (n_group <= 64)
         float group_score = moe_minus_infinity();                        // lane g holds group g's
@@ -171,7 +172,7 @@ __device__ __forceinline__ void route_token(const float* row, int num_experts, i
             float runner_up = first_expert == best_expert ? second : first;
             int runner_up_expert = first_expert == best_expert ? second_expert : first_expert;
             moe_warp_best(runner_up, runner_up_expert);
-            if (lane == g) group_score = best + runner_up;
+            if (lane == g) group_score = group_best_two ? best + runner_up : best;
         }
         for (int pick = 0; pick < topk_group; ++pick) {
             float value = (lane < n_group && !((kept >> lane) & 1ull)) ? group_score : moe_minus_infinity();
@@ -221,15 +222,16 @@ __device__ __forceinline__ void route_token(const float* row, int num_experts, i
 // row stride logits_stride. scoring 0: softmax over the experts (each logit first rounded to bf16 where
 // round_logits: transformers' softmax routers take the logits in the model's dtype); 1: sigmoid of each. The choice
 // adds correction_bias (float32 [E], or null) to the scores; with n_group > 1 only the topk_group groups (of
-// E / n_group consecutive experts) whose two best choice values sum highest take part. The top_k choices go to ids
+// E / n_group consecutive experts) whose two best choice values sum highest (group_best_two; else whose best is
+// highest, DeepSeek-V2) take part. The top_k choices go to ids
 // [T, top_k] (best first) and their scores, divided by their sum where normalize (+ 1e-20 for sigmoid scores, as
 // DeepSeek-V3), times scaling, to weights [T, top_k]. The last block to finish (done counts them; it is 0 before a
 // launch and after) groups the entries (moe_group_entries). Block: ROUTE_THREADS.
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
 moe_route(const float* logits, int logits_stride, int num_tokens, int num_experts, int top_k, int scoring,
-          int round_logits, int normalize, const float* correction_bias, int n_group, int topk_group, float scaling,
-          int* ids, float* weights, int tile_rows, int max_tiles, int* offsets, int* sorted_entries, int* positions,
-          int* tiles, int* tile_count, unsigned* done) {
+          int round_logits, int normalize, const float* correction_bias, int n_group, int topk_group,
+          int group_best_two, float scaling, int* ids, float* weights, int tile_rows, int max_tiles, int* offsets,
+          int* sorted_entries, int* positions, int* tiles, int* tile_count, unsigned* done) {
     wait_for_previous_kernel();
     const int lane = threadIdx.x & 31, token = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (token < num_tokens) {
@@ -238,14 +240,14 @@ moe_route(const float* logits, int logits_stride, int num_tokens, int num_expert
         float* token_weights = weights + (long long)token * top_k;
         if (num_experts <= 128)         // fewer experts a lane: the top-k rounds are a chain of dependent steps
             route_token<4>(row, num_experts, top_k, scoring, round_logits, normalize, correction_bias, n_group,
-                           topk_group, scaling, token_ids, token_weights, lane);
+                           topk_group, group_best_two, scaling, token_ids, token_weights, lane);
         else if (num_experts <= 256)
             route_token<8>(row, num_experts, top_k, scoring, round_logits, normalize, correction_bias, n_group,
-                           topk_group, scaling, token_ids, token_weights, lane);
+                           topk_group, group_best_two, scaling, token_ids, token_weights, lane);
         else
             route_token<MOE_MAX_EXPERTS / 32>(row, num_experts, top_k, scoring, round_logits, normalize,
-                                              correction_bias, n_group, topk_group, scaling, token_ids,
-                                              token_weights, lane);
+                                              correction_bias, n_group, topk_group, group_best_two, scaling,
+                                              token_ids, token_weights, lane);
     }
     __shared__ bool last;
     __threadfence();                    // this block's ids before its count

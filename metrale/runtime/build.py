@@ -87,7 +87,18 @@ def _memory_shapes(c, config: EngineConfig, max_model_len: int) -> MemoryShapes:
                         head_dim=c.head_dim, kv_block_size=config.kv_block_size, streams=config.num_streams,
                         ssm_width=c.mixer.activation_width if getattr(c, "mixer", None) else 0,
                         ssm_chunk_size=c.mixer.chunk_size if getattr(c, "mixer", None) else 0,
-                        moe_width=c.moe.activation_width(c.hidden_size) if getattr(c, "moe", None) else 0)
+                        moe_width=c.moe.activation_width(c.hidden_size) if getattr(c, "moe", None) else 0,
+                        **_latent_shapes(c))
+
+
+def _latent_shapes(c) -> dict:
+    """MemoryShapes' latent fields of a multi-head latent attention model (none for the others): the latent-space
+    query and output a token and layer, the latent and its norm, the query's low-rank projection."""
+    if not getattr(c, "kv_lora_rank", 0):
+        return {}
+    width = c.kv_lora_rank + c.qk_rope_head_dim
+    return dict(latent_heads=c.num_heads, latent_rank=c.kv_lora_rank, latent_rope=c.qk_rope_head_dim,
+                latent_width=c.num_heads * (width + c.kv_lora_rank + c.v_head_dim) + 2 * width + c.q_lora_rank)
 
 
 def _allocate_cache(runner: Runner, specs: tuple, config: EngineConfig, max_model_len: int,

@@ -27,7 +27,7 @@ TOLERANCE = {"cpu": 1e-5, "cuda": 2e-2}
 
 
 @pytest.fixture(scope="module", params=[*sorted(TINY_SSM), *sorted(TINY_MLA), *(
-    pytest.param(f"{name} cuda", marks=pytest.mark.gpu) for name in sorted(TINY_SSM))])
+    pytest.param(f"{name} cuda", marks=pytest.mark.gpu) for name in sorted(TINY_SSM) + sorted(TINY_MLA))])
 def engine(request, tmp_path_factory):
     name, _, device = request.param.partition(" ")
     directory = write_tiny(name, tmp_path_factory.mktemp(name))

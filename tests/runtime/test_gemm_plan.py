@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from metrale.runtime.backend.cuda.gemm import (CUBLAS_OP_T, CUBLASLT_EPILOGUE_BIAS, CUBLASLT_EPILOGUE_DEFAULT,
-                                               CUBLASLT_EPILOGUE_RELU, CUBLASLT_EPILOGUE_RELU_BIAS, CublasLt,
-                                               GemmPlan, MatrixLayout, linear_key)
+from metrale.runtime.backend.cuda.gemm import (CUBLAS_OP_N, CUBLAS_OP_T, CUBLASLT_EPILOGUE_BIAS,
+                                               CUBLASLT_EPILOGUE_DEFAULT, CUBLASLT_EPILOGUE_RELU,
+                                               CUBLASLT_EPILOGUE_RELU_BIAS, CublasLt, GemmPlan, MatrixLayout,
+                                               linear_key)
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.errors import FailedPrecondition, InvalidArgument
 
@@ -113,7 +114,7 @@ def test_key_ignores_pointers_and_sees_strides_dtype_and_bias():
     assert linear_key(*operands(out_dtype="float32")) != linear_key(*operands())
     wide_x = tensor((7, 576), ptr=BASE * 16, row_stride=640)
     assert linear_key(out, wide_x, weight, bias).x_stride == 640
-    assert linear_key(out, x, weight, bias) == (7, 1536, 576, 576, 1536, "bfloat16", True, False, 1, 1, 0, 0)
+    assert linear_key(out, x, weight, bias) == (7, 1536, 576, 576, 1536, "bfloat16", True, False, 1, 1, 0, 0, False)
 
 
 def test_a_head_linear_is_one_batch_a_head():
@@ -131,6 +132,10 @@ def test_a_head_linear_is_one_batch_a_head():
     assert (plan.a.batch, plan.a.batch_stride, plan.a.rows, plan.a.cols) == (heads, n * k, k, n)
     assert (plan.b.batch, plan.b.batch_stride, plan.b.ld) == (heads, 192, heads * 192)
     assert (plan.d.batch, plan.d.batch_stride, plan.d.rows, plan.d.cols, plan.d.ld) == (heads, 576, n, 7, heads * 576)
+    # weight[h] stored [K, N] (a latent's up-projection, k_up [heads, 128, 512], folded into the query)
+    transposed = head_linear_key(out, x, tensor((heads, k, n), ptr=BASE * 128), 192, 576, transposed=True)
+    plan = GemmPlan.for_linear(transposed)
+    assert (plan.a.rows, plan.a.cols, plan.a.ld, plan.transa) == (n, k, n, CUBLAS_OP_N)
     with pytest.raises(InvalidArgument, match="do not fit"):
         head_linear_key(out, x, weight, 193 + 7, 576)
     with pytest.raises(InvalidArgument, match="aligned"):

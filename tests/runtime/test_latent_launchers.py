@@ -34,6 +34,16 @@ def test_decode_launches_match_the_kernels(monkeypatch, max_context, launches):
         assert [type(a) for a in args] == parameter_types(module, name)
 
 
+def test_prefill_is_one_split_an_entry_a_token(monkeypatch):
+    recorded = record_launches(monkeypatch, latent_attention)
+    latent_attention.prefill(FakeLibrary(), None, bf16(40, 16 * 512), bf16(40, 16 * 576), bf16(4096, 576), i32(3),
+                             i32(3), i32(3), i32(3, 70), 16, 16, 0.1, 3, 20, 1000)
+    assert len(recorded) == 1
+    (module, name), grid, block, args, shmem = recorded[0]
+    assert [type(a) for a in args] == parameter_types(module, name, "LATENT_ENTRY")
+    assert grid == (1, 1, 60) and args[-1] == 1024 and shmem == latent_attention.shared_bytes(512, 64)
+
+
 def test_rope_and_write_launch_matches_the_kernel(monkeypatch):
     recorded = record_launches(monkeypatch, latent_attention)
     q, out, compressed = bf16(5, 3 * 192), bf16(5, 3 * 576), bf16(5, 576)

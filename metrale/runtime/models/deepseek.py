@@ -126,9 +126,6 @@ def _moe(hf: dict, architecture: str) -> MoeConfig | None:
 
 class DeepseekForCausalLM:
     def __init__(self, config: MlaConfig, tensors: dict[str, torch.Tensor], math: LayerMath, max_model_len: int):
-        if math.device != "cpu":
-            raise InvalidArgument(f"{config.architecture} (multi-head latent attention) runs on the CPU backend only "
-                                  f"so far, not on {math.device}")
         self.config = config
         self.math = math
         self.weights = _load_weights(config, tensors, math)

@@ -8,7 +8,7 @@ from metrale.runtime.config import EngineConfig
 from metrale.runtime.loading import load_checkpoint
 from metrale.runtime.sampling import OutputOptions
 from metrale.runtime.step import DecodeToken, PrefillSlice, Step
-from tiny_models import TINY, TINY_MOE, TINY_SSM, write_tiny
+from tiny_models import TINY, TINY_MLA, TINY_MOE, TINY_SSM, write_tiny
 
 from gpu_reference import relative_error
 
@@ -52,7 +52,7 @@ def clear_routing(exact: RouterChoices, bf16: RouterChoices, positions: int) -> 
     return clear
 
 
-@pytest.mark.parametrize("name", sorted(TINY) + sorted(TINY_MOE) + sorted(TINY_SSM))
+@pytest.mark.parametrize("name", sorted(TINY) + sorted(TINY_MOE) + sorted(TINY_MLA) + sorted(TINY_SSM))
 def test_logits_and_greedy_tokens_match_transformers(name, tmp_path):
     import transformers
 

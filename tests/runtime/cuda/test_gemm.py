@@ -123,6 +123,14 @@ def test_head_linear_is_each_heads_product(cublaslt, stream, m, heads, n, k, x_h
     expected = torch.einsum("mhk,hnk->mhn", x.view(m, heads, x_head)[..., :k].double(), weight.double())
     assert relative_error(got[..., :n], expected) < TOLERANCE[torch.bfloat16]
     assert got[..., n:].isnan().all()
+    # The same weights stored [heads, K, N]
+    out.fill_(float("nan"))
+    stored = weight.transpose(1, 2).contiguous()
+    torch.cuda.synchronize()
+    cublaslt.head_linear(stream, DeviceTensor.from_torch(out).columns(0, n), DeviceTensor.from_torch(x).columns(0, k),
+                         DeviceTensor.from_torch(stored), x_head, out_head, transposed=True)
+    stream.sync()
+    assert relative_error(got[..., :n], expected) < TOLERANCE[torch.bfloat16] and got[..., n:].isnan().all()
 
 
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])

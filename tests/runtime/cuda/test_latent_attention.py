@@ -93,6 +93,29 @@ def test_a_table_row_per_entry_serves_a_prompts_tokens(kernel_library, stream):
     assert relative_error(out.float().cpu(), want) < TOLERANCE[torch.bfloat16]
 
 
+@pytest.mark.parametrize("rank, rope", [(32, 16), (512, 64)])
+def test_prefill_tokens_attend_causally(kernel_library, stream, rank, rope):
+    """Prefill segments (one starting its sequence, one after cached tokens, one of a single token): each token
+    over its context up to itself, the entries past a segment's tokens idle."""
+    heads, lens, contexts = 20, [5, 37, 1], [5, 100, 64]
+    width, scale = rank + rope, 0.3 / (rank ** 0.5)
+    cache, tables = paged_cache(contexts, width, seed=7)
+    tokens = sum(lens)
+    q = torch.randn(tokens, heads * width, generator=torch.Generator().manual_seed(8)).bfloat16()
+    out = torch.full((tokens, heads * rank), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    starts = torch.tensor([0, 5, 42], dtype=torch.int32)
+    dev = [t.to(DEVICE) for t in (q, cache, starts, torch.tensor(lens, dtype=torch.int32),
+                                  torch.tensor(contexts, dtype=torch.int32), tables)]
+    torch.cuda.synchronize()
+    latent_attention.prefill(kernel_library, stream, d(out), *(d(t) for t in dev), heads, BLOCK, scale, 3, max(lens),
+                             max(contexts))
+    stream.sync()
+    entry_contexts = [c - n + i + 1 for n, c in zip(lens, contexts) for i in range(n)]
+    entry_tables = torch.cat([tables[s:s + 1].expand(n, -1) for s, n in enumerate(lens)])
+    want = reference(q, cache, entry_tables, entry_contexts, heads, rank, scale)
+    assert relative_error(out.float().cpu(), want) < TOLERANCE[torch.bfloat16]
+
+
 def test_rope_and_write_latent_matches_torch(kernel_library, stream):
     tokens, heads, nope, rank, rope = 5, 3, 16, 32, 16
     generator = torch.Generator().manual_seed(4)

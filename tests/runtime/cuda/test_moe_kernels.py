@@ -49,7 +49,7 @@ def routed_buffers(tokens: int, experts: int, top_k: int) -> tuple[moe.Routed, l
 def launch_route(kernel_library, stream, routed: moe.Routed, kept, logits: torch.Tensor, router: MoeRouter, bias):
     moe.route(kernel_library, stream, routed, d(logits.to(DEVICE)), router.top_k, router.scoring == "softmax",
               router.normalize, None if bias is None else d(bias), router.n_group, router.topk_group, router.scaling,
-              d(kept[-1]))
+              d(kept[-1]), router.group_score, router.float32_logits)
 
 
 def device_route(kernel_library, stream, logits: torch.Tensor, router: MoeRouter, bias):
@@ -86,6 +86,21 @@ def test_route_matches_the_cpu_math(kernel_library, stream, tokens, experts, top
     got_ids, got_weights = as_sets(weights, ids)
     assert torch.equal(got_ids, want_ids)
     torch.testing.assert_close(got_weights, want_weights, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, n_group, topk_group", [(1, 64, 6, 1, 1), (37, 160, 6, 8, 3),
+                                                                         (200, 64, 6, 8, 3)])
+def test_deepseek_v2_route_matches_the_cpu_math(kernel_library, stream, tokens, experts, top_k, n_group, topk_group):
+    """DeepSeek-V2's router: softmax over float32 logits (not rounded to bf16: logits off the bf16 grid show it),
+    greedy or over the groups of the highest best score, the weights unnormalised and scaled."""
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(tokens))
+    router = MoeRouter(None, top_k, "softmax", normalize=False, n_group=n_group, topk_group=topk_group, scaling=16.0,
+                       group_score="max", float32_logits=True)
+    want_ids, want_weights = (t.cpu() for t in as_sets(*choose(logits.to(DEVICE), router)))
+    ids, weights = device_route(kernel_library, stream, logits, router, None)
+    got_ids, got_weights = as_sets(weights, ids)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_weights, want_weights, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("tokens, experts, top_k", [(1, 8, 2), (40, 16, 4), (300, 8, 2), (256, 128, 8)])

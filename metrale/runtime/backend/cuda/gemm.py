@@ -57,6 +57,7 @@ class LinearKey(NamedTuple):
     heads: int = 1
     x_head_stride: int = 0
     out_head_stride: int = 0
+    transposed: bool = False     # the heads' weights stored [heads, K, N]
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,11 @@ class GemmPlan:
 
     @classmethod
     def for_linear(cls, key: LinearKey) -> "GemmPlan":
+        if key.heads > 1 and key.transposed:     # weight[h] [K, N] row-major: column-major [N, K], as it is
+            return cls(a=MatrixLayout("bfloat16", key.n, key.k, key.n, key.heads, key.n * key.k),
+                       b=MatrixLayout("bfloat16", key.k, key.m, key.x_stride, key.heads, key.x_head_stride),
+                       d=MatrixLayout(key.out_dtype, key.n, key.m, key.out_stride, key.heads, key.out_head_stride),
+                       transa=CUBLAS_OP_N, transb=CUBLAS_OP_N, epilogue=CUBLASLT_EPILOGUE_DEFAULT)
         if key.heads > 1:       # batch h: weight[h], and x's and out's columns of head h
             return cls(a=MatrixLayout("bfloat16", key.k, key.n, key.k, key.heads, key.n * key.k),
                        b=MatrixLayout("bfloat16", key.k, key.m, key.x_stride, key.heads, key.x_head_stride),
@@ -168,14 +174,14 @@ def _split_key(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, bias: D
 
 
 def head_linear_key(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, x_head_stride: int,
-                    out_head_stride: int) -> LinearKey:
-    """Checks a per-head linear's operands: weight [heads, N, K] contiguous bf16; x [M, K] and out [M, N] bf16, head
-    0's columns of tensors whose rows hold every head's (head h's x_head_stride and out_head_stride elements on);
-    every head's pointer 16-byte aligned."""
+                    out_head_stride: int, transposed: bool = False) -> LinearKey:
+    """Checks a per-head linear's operands: weight [heads, N, K] (transposed: [heads, K, N]) contiguous bf16; x [M, K]
+    and out [M, N] bf16, head 0's columns of tensors whose rows hold every head's (head h's x_head_stride and
+    out_head_stride elements on); every head's pointer 16-byte aligned."""
     if len(weight.shape) != 3 or weight.dtype != "bfloat16" or not weight.is_contiguous:
         raise InvalidArgument(f"head linear: weight must be a contiguous [heads, N, K] bfloat16, not {weight.shape} "
                               f"{weight.dtype}")
-    heads, n, k = weight.shape
+    heads, n, k = (weight.shape[0], weight.shape[2], weight.shape[1]) if transposed else weight.shape
     key = linear_key(out, x, DeviceTensor(weight.ptr, (n, k), "bfloat16"), None)
     if out.dtype != "bfloat16":
         raise InvalidArgument(f"head linear: out must be bfloat16, not {out.dtype}")
@@ -184,7 +190,8 @@ def head_linear_key(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, x_
                               f"cover K={k} and N={n} and keep every head {ALIGNMENT}-byte aligned")
     if (heads - 1) * x_head_stride + k > x.stride or (heads - 1) * out_head_stride + n > out.stride:
         raise InvalidArgument(f"head linear: {heads} heads do not fit in rows of x {x.stride} and out {out.stride}")
-    return key._replace(heads=heads, x_head_stride=x_head_stride, out_head_stride=out_head_stride)
+    return key._replace(heads=heads, x_head_stride=x_head_stride, out_head_stride=out_head_stride,
+                        transposed=transposed)
 
 
 def load_cublaslt():
@@ -288,12 +295,12 @@ class CublasLt:
                                 self._status_name(error.status)) from None
 
     def head_linear(self, stream, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, x_head_stride: int,
-                    out_head_stride: int, workspace: DeviceTensor | None = None) -> None:
-        """For each head h: out's head-h columns [M, N] = x's head-h columns [M, K] @ weight[h] [N, K].T, one strided
-        batched GEMM (head_linear_key). bf16 in and out, fp32 accumulation."""
+                    out_head_stride: int, workspace: DeviceTensor | None = None, transposed: bool = False) -> None:
+        """For each head h: out's head-h columns [M, N] = x's head-h columns [M, K] @ weight[h] [N, K].T (transposed:
+        @ weight[h] [K, N]), one strided batched GEMM (head_linear_key). bf16 in and out, fp32 accumulation."""
         if self._handle is None:
             raise FailedPrecondition("head linear on a closed CublasLt")
-        key = head_linear_key(out, x, weight, x_head_stride, out_head_stride)
+        key = head_linear_key(out, x, weight, x_head_stride, out_head_stride, transposed)
         if key.m == 0:
             return
         workspace = self.workspace if workspace is None else workspace

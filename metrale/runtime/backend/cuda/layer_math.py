@@ -12,7 +12,8 @@ from metrale.runtime.backend.cuda.resources import CudaResources
 from metrale.runtime.backend.cuda.stream_context import StreamContext, padded_vocab
 from metrale.runtime.backend.cuda.linears import k_splits, linear_into, partials
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
-from metrale.runtime.backend.layer_math import Experts, Linear, MoeRouter, RopeTable, SsmScan, rope_then_attention
+from metrale.runtime.backend.layer_math import Experts, LatentAttention, Linear, MoeRouter, RopeTable, SsmScan, \
+    rope_then_attention
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.errors import InvalidArgument
 
@@ -170,7 +171,8 @@ class CudaLayerMath:
                             take((num_experts + 1,), "int32"), take((entries,), "int32"), take((entries,), "int32"),
                             take((moe.max_tiles(entries, num_experts, rows), 2), "int32"), take((1,), "int32"), rows)
         moe.route(self.lib, ctx.stream, routed, logits, top_k, router.scoring == "softmax", router.normalize,
-                  router.correction_bias, router.n_group, router.topk_group, router.scaling, ctx.moe_done)
+                  router.correction_bias, router.n_group, router.topk_group, router.scaling, ctx.moe_done,
+                  router.group_score, router.float32_logits)
         activated = ctx.new(entries, width)
         if experts.activation == "silu":            # silu(gate) * up in the GEMM's epilogue
             moe.grouped_gemm(self.lib, ctx.stream, activated, x, experts.up, routed, gather_div=top_k, gated=True)
@@ -249,6 +251,37 @@ class CudaLayerMath:
             self.lib, ctx.stream, out, q, kv, batch.decode_rows, batch.decode_contexts, batch.decode_tables,
             ctx.decode_partials, num_heads, num_kv_heads, head_dim, scale,
             -1 if sliding_window is None else sliding_window, batch.max_decode_context, new_tokens=new_tokens)
+        return out
+
+    def latent_attention(self, q, latent, rope_key, mla: LatentAttention, rope: RopeTable, batch: CudaBatch, cache,
+                         scale):
+        """In the latent space, as the CPU backend: k_up folded into each head's query (one strided batched GEMM),
+        the rotary parts rotated and each token's row written (one launch), latent_attention.cu's attention (decode
+        rows split over their contexts; prefill tokens each over its causal context), then v_up (one GEMM)."""
+        ctx, gemm, la = self.resources.bound.context, self.resources.gemm, kernels.latent_attention
+        tokens, heads, nope, rank, rope_dim = q.shape[0], mla.num_heads, mla.nope_dim, mla.kv_lora_rank, mla.rope_dim
+        width = mla.cache_width
+        rows = DeviceTensor(cache.ptr, (cache.shape[0] * cache.shape[1], width), "bfloat16")
+        query = ctx.new(tokens, heads * width)
+        gemm.head_linear(ctx.stream, query.columns(0, rank), q.columns(0, nope), mla.k_up, nope + rope_dim, width,
+                         ctx.gemm_workspace, transposed=True)
+        la.rope_and_write(self.lib, ctx.stream, query.columns(rank, width), width, q.columns(nope, nope + rope_dim),
+                          nope + rope_dim, latent, rope_key, rope.cos, rope.sin, batch.positions, batch.slot_mapping,
+                          rows, heads)
+        attended = ctx.new(tokens, heads * rank)
+        block_size = cache.shape[1]
+        if batch.num_decode:
+            la.decode(self.lib, ctx.stream, attended, query, rows, batch.decode_rows, batch.decode_contexts,
+                      batch.decode_tables, None, ctx.decode_partials, heads, block_size, scale,
+                      batch.max_decode_context)
+        if batch.num_prefill:
+            max_context = self.resources.shapes.max_blocks_per_seq * block_size
+            la.prefill(self.lib, ctx.stream, attended, query, rows, batch.prefill_starts, batch.prefill_lens,
+                       batch.prefill_contexts, batch.prefill_tables, heads, block_size, scale, batch.num_prefill,
+                       batch.max_prefill_query, max_context)
+        out = ctx.new(tokens, heads * mla.v_dim)
+        gemm.head_linear(ctx.stream, out.columns(0, mla.v_dim), attended.columns(0, rank), mla.v_up, rank, mla.v_dim,
+                         ctx.gemm_workspace)
         return out
 
     def paged_attention(self, q, kv, batch: CudaBatch, num_kv_heads, head_dim, scale, sliding_window, causal=True):

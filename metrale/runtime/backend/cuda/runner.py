@@ -18,7 +18,7 @@ from metrale.runtime.backend.cuda.tensor import DTYPES, DeviceTensor
 from metrale.runtime.backend.runner import MemoryShapes
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.beam.on_device import SearchStart
-from metrale.runtime.cache.specs import NoCache, PagedKv, RecurrentState
+from metrale.runtime.cache.specs import NoCache, PagedKv, PagedLatent, RecurrentState
 from metrale.runtime.errors import InvalidArgument
 
 
@@ -70,15 +70,18 @@ class CudaRunner:
         return int(self.cuda.free_memory() * fraction)
 
     def allocate_cache(self, specs: tuple, num_blocks: int, block_size: int, num_state_slots: int) -> list:
-        """One pool allocation holding a [2, blocks, block_size, heads, head_dim] bf16 tensor per PagedKv layer, at
-        equal strides where the layers are alike (copy_kv_prefixes needs that), then a RecurrentState layer's float32
-        [slots, *shape] tensors (a tuple each) and the table ssm_copy_slots reads them by; None for a NoCache
-        layer."""
-        for spec in specs:
-            if not isinstance(spec, (PagedKv, RecurrentState, NoCache)):
+        """One pool allocation holding a [2, blocks, block_size, heads, head_dim] bf16 tensor per PagedKv layer (a
+        [blocks, block_size, width] one per PagedLatent layer), at equal strides where the layers are alike
+        (copy_kv_prefixes needs that), then a RecurrentState layer's float32 [slots, *shape] tensors (a tuple each)
+        and the table ssm_copy_slots reads them by; None for a NoCache layer."""
+        paged = {}
+        for i, spec in enumerate(specs):
+            if isinstance(spec, PagedKv):
+                paged[i] = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+            elif isinstance(spec, PagedLatent):
+                paged[i] = (num_blocks, block_size, spec.width)
+            elif not isinstance(spec, (RecurrentState, NoCache)):
                 raise InvalidArgument(f"the CUDA backend has no kernels for {type(spec).__name__} layers yet")
-        paged = {i: (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-                 for i, spec in enumerate(specs) if isinstance(spec, PagedKv)}
         states = {i: [(num_state_slots, *shape) for shape in spec.shapes]
                   for i, spec in enumerate(specs) if isinstance(spec, RecurrentState) and num_state_slots}
         tensors = [(shape, "bfloat16") for shape in paged.values()]

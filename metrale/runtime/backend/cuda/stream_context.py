@@ -38,12 +38,19 @@ def stream_buffers(lib, shapes: MemoryShapes) -> Buffers:
     """name -> (shape, dtype) of every buffer one stream owns, sized by the engine's limits."""
     t, seqs = shapes.max_batch_tokens, shapes.max_seqs
     per_layer = 2 * t * (4 * shapes.hidden + 2 * shapes.q_size + 2 * shapes.kv_size + 3 * shapes.intermediate
-                         + shapes.ssm_width + shapes.moe_width)
+                         + shapes.ssm_width + shapes.moe_width + shapes.latent_width)
     # Decode attention's per-split partial outputs, for the largest batch and context (not in the ring: their size
     # follows the split count, not max_batch_tokens); none without attention (a pure SSM).
-    partials = kernels.attention.decode_workspace_bound(
-        lib, min(seqs, t), shapes.q_size // shapes.head_dim, shapes.kv_size // shapes.head_dim, shapes.head_dim,
-        shapes.max_blocks_per_seq * shapes.kv_block_size) if shapes.q_size else 0
+    max_context = shapes.max_blocks_per_seq * shapes.kv_block_size
+    if shapes.latent_rank:
+        partials = kernels.latent_attention.workspace_bound(lib, min(seqs, t), shapes.latent_heads, shapes.latent_rank,
+                                                            shapes.latent_rope, max_context)
+    elif shapes.q_size:
+        partials = kernels.attention.decode_workspace_bound(
+            lib, min(seqs, t), shapes.q_size // shapes.head_dim, shapes.kv_size // shapes.head_dim, shapes.head_dim,
+            max_context)
+    else:
+        partials = 0
     return {
         "workspace": ((WORKSPACE_LAYERS * per_layer + 4 * t * shapes.hidden * 2,), "uint8"),
         # The LM head's output in the model's dtype, as transformers' bf16 run has it; as wide as the LM head's

@@ -13,6 +13,8 @@ THREADS = 128                       # attention_tiles.cuh's
 TILE, ROWS = 32, 16                 # latent_attention.cu's LATENT_TILE (tokens a tile) and LATENT_ROWS (heads a CTA)
 SHAPES = ((512, 64), (256, 32), (32, 16))    # the (rank, rope) pairs it is built for
 ROPE_THREADS = 128
+LOG2_E = 1.4426950408889634
+NULL = np.uint64(0)
 
 
 def shared_bytes(rank: int, rope: int) -> int:
@@ -56,6 +58,17 @@ def partials_elements(entries: int, heads: int, rank: int, splits: int) -> int:
     return entries * heads * splits * (rank + 1)
 
 
+def workspace_bound(lib, max_batch: int, heads: int, rank: int, rope: int, max_context: int) -> int:
+    """float32 elements of partials that cover every decode launch of at most max_batch entries over contexts up
+    to max_context (partition_for's splits), 0 where none splits."""
+    bound = 0
+    for batch in range(1, max_batch + 1):
+        splits = partition_for(lib, batch, heads, max_context, rank, rope)[1]
+        if splits > 1:
+            bound = max(bound, partials_elements(batch, heads, rank, splits))
+    return bound
+
+
 def partition_for(lib, entries: int, heads: int, max_context: int, rank: int, rope: int) -> tuple[int, int]:
     """(tokens a split, splits) for `entries` queries of `heads` heads over contexts up to max_context: as the
     decode attention kernels choose theirs (attention.decode_partition), a CTA's 16 heads standing for a kv head."""
@@ -65,29 +78,22 @@ def partition_for(lib, entries: int, heads: int, max_context: int, rank: int, ro
 
 
 def decode(lib, stream, out: DeviceTensor, q: DeviceTensor, cache: DeviceTensor, rows: DeviceTensor,
-           contexts: DeviceTensor, tables: DeviceTensor, table_rows: DeviceTensor, partials: DeviceTensor,
+           contexts: DeviceTensor, tables: DeviceTensor, table_rows: DeviceTensor | None, partials: DeviceTensor,
            heads: int, block_size: int, scale: float, max_context: int, partition: int | None = None) -> None:
     """out [T, heads * rank] (each entry's row `rows[i]`) = each head's attention, in the latent space, of its query
     q [T, heads * (rank + rope)] over the first contexts[i] cached rows of the sequence whose block table is row
-    table_rows[i] of tables; contexts up to max_context, split in pieces of `partition` tokens (a multiple of 32;
-    None: partition_for's) whose float32 partials go to `partials` (partials_elements) and are merged by
-    paged_decode_reduce."""
+    table_rows[i] of tables (None: row i); contexts up to max_context, split in pieces of `partition` tokens (a
+    multiple of 32; None: partition_for's) whose float32 partials go to `partials` (partials_elements) and are
+    merged by paged_decode_reduce."""
     entries = rows.shape[0]
-    width = cache.shape[1]
-    rank = out.shape[1] // heads
-    rope = width - rank
-    require(supports(rank, rope), f"latent attention: rank {rank} with rope {rope} is not built (only {SHAPES})")
-    require(q.shape[1] >= heads * width and q.dtype == "bfloat16" and q.ptr % 16 == 0 and q.stride % 8 == 0,
-            f"latent attention: q must be 16-byte aligned bf16 rows of {heads} x {width}")
-    require(out.dtype == "bfloat16" and out.stride % 2 == 0, "latent attention: out must be bf16 (even row stride)")
-    require(cache.dtype == "bfloat16" and cache.is_contiguous, "latent attention: cache must be contiguous bf16")
+    rank, rope = _shape(out, q, cache, heads)
     require(block_size & (block_size - 1) == 0, f"latent attention: block size {block_size} must be a power of two")
     if partition is None:
         partition = partition_for(lib, entries, heads, max_context, rank, rope)[0]
     require(partition > 0 and partition % TILE == 0, f"latent attention: partition {partition} must be a multiple "
                                                      f"of {TILE}")
-    require(contexts.shape == (entries,) and table_rows.shape == (entries,) and len(tables.shape) == 2,
-            f"latent attention: contexts and table_rows must be [{entries}], tables 2-D")
+    require(contexts.shape == (entries,) and (table_rows is None or table_rows.shape == (entries,))
+            and len(tables.shape) == 2, f"latent attention: contexts and table_rows must be [{entries}], tables 2-D")
     splits = ceil_div(max(max_context, 1), partition)
     require(partials.dtype == "float32" and partials.numel >= partials_elements(entries, heads, rank, splits),
             f"latent attention: partials must hold {partials_elements(entries, heads, rank, splits)} float32")
@@ -101,9 +107,45 @@ def decode(lib, stream, out: DeviceTensor, q: DeviceTensor, cache: DeviceTensor,
     shared = shared_bytes(rank, rope)
     kernel = lib.get_with_shared(f"latent_decode_attention_r{rank}_p{rope}", MODULE, shared)
     launch_kernel(stream, kernel, (splits, ceil_div(heads, ROWS), entries), THREADS, out, np.int64(out.stride), q,
-                  np.int64(q.stride), cache, rows, contexts, tables, table_rows, tables.shape[1], partial_out,
-                  partial_lse, heads, block_size.bit_length() - 1, np.float32(scale * 1.4426950408889634),
-                  partition, shmem=shared)
+                  np.int64(q.stride), cache, rows, contexts, tables, NULL if table_rows is None else table_rows,
+                  tables.shape[1], NULL, 0, partial_out, partial_lse, heads, block_size.bit_length() - 1,
+                  np.float32(scale * LOG2_E), partition, shmem=shared)
     if splits > 1:
         launch_kernel(stream, lib.get("paged_decode_reduce", "decode_attention"), (heads, entries), rank, out,
                       np.int64(out.stride), rows, contexts, partial_out, partial_lse, -1, partition, splits)
+
+
+def prefill(lib, stream, out: DeviceTensor, q: DeviceTensor, cache: DeviceTensor, starts: DeviceTensor,
+            lens: DeviceTensor, contexts: DeviceTensor, tables: DeviceTensor, heads: int, block_size: int,
+            scale: float, segments: int, max_query: int, max_context: int) -> None:
+    """decode()'s attention for every token of `segments` prefill segments (segment s: rows starts[s] .. + lens[s]
+    of q and out, the last tokens of its contexts[s], block table row s), each token over its context up to itself,
+    the whole context in one CTA (max_context: the longest any segment may have)."""
+    rank, rope = _shape(out, q, cache, heads)
+    require(starts.shape[0] >= segments and lens.shape[0] >= segments and contexts.shape[0] >= segments
+            and tables.shape[0] >= segments, f"latent attention: {segments} segments' metadata")
+    require(block_size & (block_size - 1) == 0, f"latent attention: block size {block_size} must be a power of two")
+    require(segments * max_query <= MAX_GRID_YZ and ceil_div(heads, ROWS) <= MAX_GRID_YZ,
+            f"latent attention: {segments} x {max_query} prefill tokens or {heads} heads past the grid")
+    if segments == 0 or max_query == 0:
+        return
+    shared = shared_bytes(rank, rope)
+    kernel = lib.get_with_shared(f"latent_decode_attention_r{rank}_p{rope}", MODULE, shared)
+    partition = ceil_div(max(max_context, 1), TILE) * TILE          # one split: no partials
+    launch_kernel(stream, kernel, (1, ceil_div(heads, ROWS), segments * max_query), THREADS, out,
+                  np.int64(out.stride), q, np.int64(q.stride), cache, starts, contexts, tables, NULL, tables.shape[1],
+                  lens, max_query, NULL, NULL, heads, block_size.bit_length() - 1, np.float32(scale * LOG2_E),
+                  partition, shmem=shared)
+
+
+def _shape(out: DeviceTensor, q: DeviceTensor, cache: DeviceTensor, heads: int) -> tuple[int, int]:
+    """(rank, rope) of an attention launch, its operands checked."""
+    width = cache.shape[1]
+    rank = out.shape[1] // heads
+    rope = width - rank
+    require(supports(rank, rope), f"latent attention: rank {rank} with rope {rope} is not built (only {SHAPES})")
+    require(q.shape[1] >= heads * width and q.dtype == "bfloat16" and q.ptr % 16 == 0 and q.stride % 8 == 0,
+            f"latent attention: q must be 16-byte aligned bf16 rows of {heads} x {width}")
+    require(out.dtype == "bfloat16" and out.stride % 2 == 0, "latent attention: out must be bf16 (even row stride)")
+    require(cache.dtype == "bfloat16" and cache.is_contiguous, "latent attention: cache must be contiguous bf16")
+    return rank, rope

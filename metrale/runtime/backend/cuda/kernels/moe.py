@@ -65,11 +65,11 @@ class Routed:
 
 def route(lib, stream, routed: Routed, logits: DeviceTensor, top_k: int, softmax: bool, normalize: bool,
           correction_bias: DeviceTensor | None, n_group: int, topk_group: int, scaling: float,
-          done: DeviceTensor) -> None:
+          done: DeviceTensor, group_score: str = "top2", float32_logits: bool = False) -> None:
     """routed's ids [T, top_k] int32 and weights [T, top_k] float32, each token's chosen experts from its router
     logits [T, E] float32 (rows may be strided: a GEMM's output row is padded to 16 bytes) by MoeRouter's rule
-    (layer_math.py), softmax routers' logits rounded to bf16 first; and, in the same launch, routed's grouping of
-    those entries by expert. done: one int32 that is 0 (the launch leaves it 0)."""
+    (layer_math.py), softmax routers' logits rounded to bf16 first unless float32_logits; and, in the same launch,
+    routed's grouping of those entries by expert. done: one int32 that is 0 (the launch leaves it 0)."""
     tokens, experts = logits.shape
     entries = tokens * top_k
     require(logits.dtype == "float32" and len(logits.shape) == 2, "moe route: logits must be [T, E] float32")
@@ -95,8 +95,9 @@ def route(lib, stream, routed: Routed, logits: DeviceTensor, top_k: int, softmax
     if tokens == 0:
         return
     launch_kernel(stream, lib.get("moe_route", ROUTE_MODULE), ceil_div(tokens, ROUTE_THREADS // 32), ROUTE_THREADS,
-                  logits, logits.stride, tokens, experts, top_k, 0 if softmax else 1, int(softmax), int(normalize),
-                  correction_bias if correction_bias is not None else NULL, n_group, topk_group, np.float32(scaling),
+                  logits, logits.stride, tokens, experts, top_k, 0 if softmax else 1,
+                  int(softmax and not float32_logits), int(normalize), correction_bias if correction_bias is not None else NULL, n_group, topk_group,
+                  int(group_score == "top2"), np.float32(scaling),
                   routed.ids, routed.weights, routed.tile_rows, tiles, routed.offsets, routed.sorted_entries,
                   routed.positions, routed.tiles, routed.tile_count, done)
 

@@ -75,8 +75,9 @@ def write_kv(lib, stream, k: DeviceTensor, v: DeviceTensor, slot_mapping: Device
 
 def copy_kv_prefixes(lib, stream, kv_cache: list[DeviceTensor], copies: DeviceTensor, num_copies: int) -> None:
     """For each (src block, dst block, n) row of copies [>= num_copies, 3] int32 and every layer of kv_cache (each
-    [2, num_blocks, block_size, kv_heads, head_dim] bf16, at equal strides from the first): the first n slots of
-    src's K and V into dst. Not checked on the device: block ids in range, n <= block_size."""
+    [2, num_blocks, block_size, kv_heads, head_dim] bf16, or a latent cache's [num_blocks, block_size, width], at
+    equal strides from the first): the first n slots of src's K and V (its latent rows) into dst. Not checked on
+    the device: block ids in range, n <= block_size."""
     require(bool(kv_cache), "copy_kv_prefixes: no layers")
     first = kv_cache[0]
     require(all(layer.shape == first.shape and layer.dtype == "bfloat16" and layer.is_contiguous for layer in kv_cache),
@@ -86,10 +87,13 @@ def copy_kv_prefixes(lib, stream, kv_cache: list[DeviceTensor], copies: DeviceTe
             "copy_kv_prefixes: layers must lie at equal strides")
     require(copies.dtype == "int32" and len(copies.shape) == 2 and copies.shape[1] == 3
             and copies.shape[0] >= num_copies, "copy_kv_prefixes: copies must be [>= num_copies, 3] int32")
-    slot_elements = first.shape[3] * first.shape[4]
+    require(len(first.shape) in (3, 5), "copy_kv_prefixes: layers must be K/V [2, blocks, block_size, heads, "
+                                        "head_dim] or latent [blocks, block_size, width]")
+    planes = 2 if len(first.shape) == 5 else 1
+    slot_elements = first.shape[3] * first.shape[4] if planes == 2 else first.shape[2]
     require(slot_elements % 8 == 0 and first.ptr % 16 == 0, "copy_kv_prefixes: slots must be 16-byte units")
     if num_copies == 0:
         return
     kernel = lib.get("copy_kv_prefixes", MODULE)
-    launch_kernel(stream, kernel, (num_copies, len(kv_cache), 2), BLOCK, first, np.int64(stride),
-                  np.int64(first.numel // 2), first.shape[2], slot_elements, copies)
+    launch_kernel(stream, kernel, (num_copies, len(kv_cache), planes), BLOCK, first, np.int64(stride),
+                  np.int64(first.numel // planes), first.shape[-3 if planes == 2 else 1], slot_elements, copies)
