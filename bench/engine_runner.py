@@ -58,13 +58,14 @@ class EngineRunner:
                 device_ms.append(device if device is not None else out.forward_us / 1e3)
         return device_ms, host_ms
 
-    def time_prefill(self, tokens: torch.Tensor, warmup: int, reps: int) -> list[float]:
-        """One step prefilling every row of tokens [n, T] (n x T <= max_batch_tokens: one forward), released
-        after each; returns the timed steps' ms."""
+    def time_prefill(self, tokens: torch.Tensor, warmup: int, reps: int, chunk_size: int = 0) -> list[float]:
+        """One step prefilling every row of tokens [n, T] (n x T <= max_batch_tokens: one forward; with chunk_size,
+        the worker's chunks of it one forward after another), released after each; returns the timed steps' ms."""
         times = []
         for i in range(warmup + reps):
             ids = self.new_ids(tokens.shape[0])
-            step = Step(prefill=tuple(PrefillSlice(seq_id, tuple(row)) for seq_id, row in zip(ids, tokens.tolist())))
+            step = Step(prefill=tuple(PrefillSlice(seq_id, tuple(row), chunk_size=chunk_size)
+                                      for seq_id, row in zip(ids, tokens.tolist())))
             started = time.perf_counter()
             self.engine.step(step)
             elapsed_ms = (time.perf_counter() - started) * 1e3

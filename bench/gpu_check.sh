@@ -28,10 +28,14 @@
 #   moe      bench/gpu_moe.py at the Qwen3-30B-A3B shape: transformers' generate at batch 1, the engine loaded from
 #            safetensors shards (where the disk holds them), decode at batches 1, 8, 64, 256 against the floor of the
 #            experts routed to, through Steps too, the 8 x 1k prefill, the MoE kernels' shares            (~9 min)
+#   mla      bench/gpu_moe.py at the DeepSeek-V2-Lite shape (multi-head latent attention, 64 experts, top-6): decode at
+#            batches 1, 64, 256 with 1k and 8k contexts against the floor of the experts routed to, the dense weights
+#            and the latent cache; the 8 x 1k prefill; an 8k prompt whole and in chunks of 1k              (~10 min)
+#   mla-kernels  bench/gpu_latent_attention.py: the latent decode attention alone, against copy bandwidth (~1 min)
 #   mha      bench/gpu_mha_attention.py: the multi-head decode attention kernels at NLLB's beam step shapes, with each
 #            bench/variants/decode_attention_mha/NAME.cu (carry bench/variants) timed beside the package's  (~1 min)
 # Usage (from the repository root, with .whl carried):
-#   bash bench/gpu_check.sh [tests|api-models|load|kernels|smollm2|llama|profile|prefix|beam|search|ssm|ssm-kernels|ssm-profile|ssm-prefix|moe-kernels|moe|mha]...
+#   bash bench/gpu_check.sh [tests|api-models|load|kernels|smollm2|llama|profile|prefix|beam|search|ssm|ssm-kernels|ssm-profile|ssm-prefix|moe-kernels|moe|mla|mla-kernels|mha]...
 # (default: tests). Logs and JSON land in $OUT (default /tmp/gpu-check).
 set -uo pipefail
 source scripts/device_env.sh || exit 1
@@ -89,6 +93,15 @@ for part in "${@:-tests}"; do
     moe)
       run_bench moe bench.gpu_moe --shape qwen3-30b-a3b --checkpoint-dir /tmp/metrale-moe-checkpoint
       rm -rf /tmp/metrale-moe-checkpoint ;;
+    mla)
+      run_bench mla-1k bench.gpu_moe --shape deepseek-v2-lite --batches 1,64,256 --context 1024 --hf-steps 4 \
+        --checkpoint-dir /tmp/metrale-mla-checkpoint
+      run_bench mla-8k bench.gpu_moe --shape deepseek-v2-lite --batches 1,64,256 --context 8192 --hf-steps 0 \
+        --prefill '' --chunked-prefill '' --skip-grpc
+      rm -rf /tmp/metrale-mla-checkpoint ;;
+    mla-kernels)
+      python3 -m bench.gpu_latent_attention > "$OUT/latent_attention.txt" 2>&1 || summary+=("mla-kernels: FAILED")
+      summary+=("== latent attention" "$(grep -v '^# gpu' "$OUT/latent_attention.txt")") ;;
     ssm-kernels|moe-kernels)
       family=${part%-kernels}
       variants=()

@@ -1,9 +1,11 @@
 """GPU decode and prefill of a random bf16 mixture of experts (default: the Qwen3-30B-A3B shape, 48 layers of 128
-experts, top-8): transformers' generate at batch 1 on the model it initialised, then the engine from the same weights
-(loaded from safetensors shards written to --checkpoint-dir, where given: load time and the host's peak memory
-reported), its device step and a gateway's Steps stream at each batch against the floor (the dense weights, the
-experts the step's tokens routed to, counted in the run, and the KV, over copy bandwidth), the prefill of 8 prompts
-of 1k tokens against the GEMM rate, and the kernels' shares of a decode step and of the prefill (CUPTI).
+experts, top-8; deepseek-v2-lite: multi-head latent attention with 64 experts, top-6): transformers' generate at
+batch 1 on the model it initialised, then the engine from the same weights (loaded from safetensors shards written
+to --checkpoint-dir, where given: load time and the host's peak memory reported), its device step and a gateway's
+Steps stream at each batch against the floor (the dense weights, the experts the step's tokens routed to, counted in
+the run, and the KV or latent cache, over copy bandwidth), the prefill of 8 prompts of 1k tokens against the GEMM
+rate, one long prompt whole and in the worker's chunks, and the kernels' shares of a decode step and of the prefill
+(CUPTI).
 
 Run from the repository root: python3 -m bench.gpu_moe [--shape qwen3-30b-a3b] [--batches 1,8,64,256]
 """
@@ -27,8 +29,8 @@ from bench.gpu_ceilings import device_memory_gb, gpu_machine_line, measure_ceili
 from bench.gpu_decode import decode_grpc_row, write_json
 from bench.kernel_parts import GEMM_KEYS, device_ms_by_part, format_parts
 from bench.model_shapes import random_tokens
-from bench.moe_shapes import MOE_SHAPES, MoeShape, decode_step_bytes, expert_bytes, hf_config, prefill_flops, \
-    total_params
+from bench.moe_shapes import MOE_SHAPES, MoeShape, decode_step_bytes, expert_bytes, hf_config, kv_bytes_per_token, \
+    mha_kv_bytes_per_token, prefill_flops, total_params
 from bench.phases import Run, add_run_options, log
 from bench.side_by_side import time_generate
 from metrale.runtime.build import build_engine
@@ -40,7 +42,7 @@ from metrale.service.in_process import InProcessWorker
 from metrale.service.server import WorkerServer
 
 KERNEL_PARTS = (("routing", ("moe_route",)), ("grouped GEMMs", ("moe_grouped_gemm", "moe_skinny_gemm")),
-                ("combine", ("moe_combine",)), ("attention", ("attention",)), ("GEMMs", GEMM_KEYS),
+                ("combine", ("moe_combine",)), ("attention", ("attention", "latent")), ("GEMMs", GEMM_KEYS),
                 ("norms", ("norm",)), ("rope + KV", ("rope", "write_kv")), ("activation", ("silu", "binary")))
 SHARD_BYTES = 5 << 30
 COUNTED_STEPS = 4           # decode steps whose routing is read back to count the experts hit
@@ -56,6 +58,9 @@ def parse_args(argv):
     parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first")
     parser.add_argument("--prefill", default="8x1024", help="prompts x tokens of the timed prefill ('' none)")
     parser.add_argument("--prefill-reps", type=int, default=3)
+    parser.add_argument("--chunked-prefill", default="8192x1024",
+                        help="TOKENSxCHUNK: one prompt of TOKENS prefilled whole, then in the worker's chunks of "
+                             "CHUNK ('' none)")
     parser.add_argument("--hf-steps", type=int, default=8, help="tokens transformers generates per timing; 0: none")
     parser.add_argument("--checkpoint-dir", default=None,
                         help="write the weights here as safetensors shards and load the engine from them")
@@ -70,8 +75,8 @@ class RoutingProbe:
 
     def __init__(self, device: str, shape: MoeShape):
         self.device, self.shape, self.calls = device, shape, 0
-        self.offsets = torch.zeros(shape.layers, shape.experts + 1, dtype=torch.int32, device=device)
-        self.hit = [0] * shape.layers
+        self.offsets = torch.zeros(shape.moe_layers, shape.experts + 1, dtype=torch.int32, device=device)
+        self.hit = [0] * shape.moe_layers
 
     def install(self) -> None:
         """Wraps the launcher (CUDA) or the router (CPU) until uninstall()."""
@@ -101,7 +106,7 @@ class RoutingProbe:
         setattr(*self._wrapped)
 
     def _next_layer(self) -> int:
-        layer = self.calls % self.shape.layers
+        layer = self.calls % self.shape.moe_layers
         self.calls += 1
         return layer
 
@@ -194,7 +199,8 @@ def main(argv: list[str] | None = None) -> dict:
     shape, device = MOE_SHAPES[args.shape], args.device
     batches = [int(b) for b in args.batches.split(",")]
     prompts, prompt_len = (int(v) for v in args.prefill.split("x")) if args.prefill else (0, 0)
-    longest = max(args.context + args.warmup + args.steps + COUNTED_STEPS + 1, prompt_len)
+    long_len, chunk = (int(v) for v in args.chunked_prefill.split("x")) if args.chunked_prefill else (0, 0)
+    longest = max(args.context + args.warmup + args.steps + COUNTED_STEPS + 1, prompt_len, long_len)
     run = Run(args.time_budget, device)
     result = {"args": vars(args), "shape": dataclasses.asdict(shape), "phases": run.phases, "errors": run.errors}
     print(gpu_machine_line("gpu_moe", device), flush=True)
@@ -240,7 +246,8 @@ def main(argv: list[str] | None = None) -> dict:
     max_batch = max(batches)
     kv_blocks = max(max_batch * blocks_for(longest, EngineConfig.kv_block_size),
                     prompts * blocks_for(prompt_len, EngineConfig.kv_block_size)) + 8
-    config = EngineConfig(device=device, kv_blocks=kv_blocks, max_batch_tokens=max(8192, prompts * prompt_len),
+    config = EngineConfig(device=device, kv_blocks=kv_blocks,
+                          max_batch_tokens=max(8192, prompts * prompt_len, long_len),
                           max_seqs=max(max_batch, prompts), max_model_len=longest, prefix_cache=False,
                           cuda_graph_batch_sizes=tuple(sorted(set(batches))))
     result["engine_config"] = dataclasses.asdict(config)
@@ -296,6 +303,14 @@ def main(argv: list[str] | None = None) -> dict:
             prefill_parts, _ = run.phase("prefill kernels", device_ms_by_part, lambda: ours.time_prefill(tokens, 0, 1),
                                          KERNEL_PARTS)
 
+    chunked = {}
+    if long_len:
+        tokens = random_tokens(1, long_len, shape.vocab, args.seed + 4)
+        for name, size in (("whole", 0), ("chunked", chunk)):
+            times, _ = run.phase(f"prefill {long_len} {name}", ours.time_prefill, tokens, 1, args.prefill_reps, size)
+            chunked[name] = sorted(times)[len(times) // 2] if times else None
+    result["chunked_prefill"] = {"tokens": long_len, "chunk": chunk, **chunked}
+
     result["decode"] = [row_record(r) for r in rows]
     result["experts_hit"] = hits
     result["decode_kernel_parts_ms"] = step_parts
@@ -322,6 +337,13 @@ def main(argv: list[str] | None = None) -> dict:
         print(format_prefill_table([prefill_row]))
         if prefill_parts:
             print(format_parts("one prefill", prefill_parts))
+    if chunked.get("whole") and chunked.get("chunked"):
+        print(f"# one prompt of {long_len} tokens: whole {chunked['whole']:.1f} ms, in the worker's chunks of {chunk} "
+              f"{chunked['chunked']:.1f} ms ({chunked['chunked'] / chunked['whole']:.3f}x)")
+    if shape.kv_lora:
+        print(f"# the latent cache: {kv_bytes_per_token(shape)} bytes a token over the {shape.layers} layers, where "
+              f"every head's K and V would take {mha_kv_bytes_per_token(shape)} "
+              f"({mha_kv_bytes_per_token(shape) / kv_bytes_per_token(shape):.1f}x)")
     print(run.summary())
     result["decode_rows"], result["prefill_rows"] = rows, [prefill_row] if prefill_row else []
     return result

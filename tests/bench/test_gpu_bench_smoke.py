@@ -201,7 +201,7 @@ def test_gpu_decode_times_transformers_generate(bench, tmp_path):
 def test_gpu_moe_runs_every_phase_on_the_cpu(bench, tmp_path, capsys):
     result = bench.gpu_moe.main(["--shape", "moe-tiny", "--device", "cpu", "--batches", "1,2", "--context", "8",
                                  "--steps", "2", "--warmup", "1", "--prefill", "2x16", "--prefill-reps", "1",
-                                 "--hf-steps", "2", "--copy-mb", "1", "--gemm-size", "32",
+                                 "--hf-steps", "2", "--copy-mb", "1", "--gemm-size", "32", "--chunked-prefill", "40x16",
                                  "--checkpoint-dir", str(tmp_path / "shards")])
     assert result["errors"] == []
     assert [(r.batch, r.impl) for r in result["decode_rows"]] == [(1, "metrale"), (1, "steps"), (1, "hf-eager"),
@@ -211,3 +211,17 @@ def test_gpu_moe_runs_every_phase_on_the_cpu(bench, tmp_path, capsys):
     assert result["load"]["note"].startswith("from 1 safetensors shards")
     out = capsys.readouterr().out
     assert out.startswith("# gpu_moe:") and "x GEMM" in out and "hf-eager" in out
+    assert result["chunked_prefill"]["whole"] > 0 and result["chunked_prefill"]["chunked"] > 0
+
+
+def test_gpu_moe_runs_a_latent_attention_shape_on_the_cpu(bench, capsys):
+    """DeepSeek-V2's layout (the first layer dense, the others mixtures with shared experts): the routing counted
+    over the mixture layers alone, the latent cache's bytes beside a plain cache's."""
+    result = bench.gpu_moe.main(["--shape", "mla-tiny", "--device", "cpu", "--batches", "1", "--context", "8",
+                                 "--steps", "2", "--warmup", "1", "--prefill", "2x16", "--prefill-reps", "1",
+                                 "--hf-steps", "2", "--copy-mb", "1", "--gemm-size", "32", "--chunked-prefill",
+                                 "40x16", "--skip-grpc"])
+    assert result["errors"] == []
+    assert result["experts_hit"][1] == 2 * 2           # 2 mixture layers, top-2 of 8 each
+    out = capsys.readouterr().out
+    assert "the latent cache: 288 bytes a token" in out and "in the worker's chunks of 16" in out

@@ -64,3 +64,21 @@ def test_bad_shapes_are_refused_before_a_launch(monkeypatch, call):
     with pytest.raises(InvalidArgument):
         call(FakeLibrary())
     assert not recorded
+
+
+class Resident(FakeLibrary):
+    def resident_ctas(self, kernel_name, module, threads, shared_bytes=0):
+        assert shared_bytes == latent_attention.shared_bytes(512, 64)
+        return 264
+
+
+@pytest.mark.parametrize("max_context", [100, 8192, 163840])
+def test_the_workspace_bound_covers_every_batch_and_context(max_context):
+    """The partials the memory plan holds cover every launch's: each batch up to the bound's, each context up to
+    max_context, as partition_for splits it."""
+    lib, heads = Resident(), 16
+    bound = latent_attention.workspace_bound(lib, 64, heads, 512, 64, max_context)
+    for batch in (1, 2, 7, 64):
+        for context in {1, 63, 1000, max_context // 2, max_context}:
+            splits = latent_attention.partition_for(lib, batch, heads, context, 512, 64)[1]
+            assert latent_attention.partials_elements(batch, heads, 512, splits) <= bound

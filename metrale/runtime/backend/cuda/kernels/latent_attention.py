@@ -60,13 +60,14 @@ def partials_elements(entries: int, heads: int, rank: int, splits: int) -> int:
 
 def workspace_bound(lib, max_batch: int, heads: int, rank: int, rope: int, max_context: int) -> int:
     """float32 elements of partials that cover every decode launch of at most max_batch entries over contexts up
-    to max_context (partition_for's splits), 0 where none splits."""
-    bound = 0
-    for batch in range(1, max_batch + 1):
-        splits = partition_for(lib, batch, heads, max_context, rank, rope)[1]
-        if splits > 1:
-            bound = max(bound, partials_elements(batch, heads, rank, splits))
-    return bound
+    to max_context: the most splits partition_for may choose for each batch (as attention.decode_workspace_bound
+    bounds the decode attention's)."""
+    slots = lib.resident_ctas(f"latent_decode_attention_r{rank}_p{rope}", MODULE, THREADS, shared_bytes(rank, rope))
+    quantum = attention.CONTEXT_QUANTUM
+    tiles = ceil_div(ceil_div(max(max_context, 1), quantum) * quantum, attention.KV_TILE)
+    groups = ceil_div(heads, ROWS)
+    return max((partials_elements(b, heads, rank, min(tiles, attention.max_splits(b * groups, slots)))
+                for b in range(1, max_batch + 1)), default=0)
 
 
 def partition_for(lib, entries: int, heads: int, max_context: int, rank: int, rope: int) -> tuple[int, int]:
