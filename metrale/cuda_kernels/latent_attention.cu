@@ -40,8 +40,7 @@ struct LatentArgs {
     const int* block_tables;    // [S, max_blocks], the row table_rows[i] (null: row i)
     const int* table_rows;
     int max_blocks;
-    const int* prefill_lens;    // non-null: entry i is token i % max_query of prefill segment i / max_query
-    int max_query;
+    const int* prefill_lens;    // non-null: CTA (i, group, s) takes token i of prefill segment s, in one split
     float* partial_out;         // [S, heads, num_splits, RANK] fp32: a split's normalised output ...
     float* partial_lse;         // [S, heads, num_splits]: ... and its log2-sum-exp (paged_decode_reduce merges them)
     int heads, block_shift;
@@ -49,12 +48,13 @@ struct LatentArgs {
     int partition_size;
 };
 
-// grid (num_splits, ceil(heads / 16), S entries: decode queries, or segments x max_query prefill tokens), THREADS
-// threads, Latent::SHARED_BYTES of dynamic shared memory. CTA (split, group, i) attends query i's heads 16 group ..
-// over its tokens [split * partition_size, (split + 1) * partition_size), 32 at a time (the next tile's copy in
-// flight while one is used): each warp scores 8 tokens against the 16 heads, the tile's row maxima meet in shared
-// memory, each warp writes its probabilities there, and each warp then accumulates RANK / 4 columns of P V over all
-// 32 tokens. Every warp keeps the same running maxima; each sums its own tokens' exponentials.
+// grid (num_splits, ceil(heads / 16), S decode queries), or (the longest segment's tokens, ceil(heads / 16), S
+// prefill segments), THREADS threads, Latent::SHARED_BYTES of dynamic shared memory. CTA (split, group, i) attends
+// query i's heads 16 group .. over its tokens [split * partition_size, (split + 1) * partition_size), 32 at a time
+// (the next tile's copy in flight while one is used): each warp scores 8 tokens against the 16 heads, the tile's
+// row maxima meet in shared memory, each warp writes its probabilities there, and each warp then accumulates
+// RANK / 4 columns of P V over all 32 tokens. Every warp keeps the same running maxima; each sums its own tokens'
+// exponentials.
 template <int RANK, int ROPE>
 __device__ __forceinline__ void latent_decode_attention(const LatentArgs& a) {
     using L = Latent<RANK, ROPE>;
@@ -64,21 +64,23 @@ __device__ __forceinline__ void latent_decode_attention(const LatentArgs& a) {
     bf16* probs = query + L::Q_ELEMS;
     float* maxima = reinterpret_cast<float*>(probs + L::P_ELEMS);     // [WARPS][16]
 
-    const int split = blockIdx.x, head0 = blockIdx.y * LATENT_ROWS, seq = blockIdx.z, num_splits = gridDim.x;
-    // This CTA's query: a decode entry's, or a prefill segment's token, which attends the segment's context up to
-    // itself (causal).
+    const int head0 = blockIdx.y * LATENT_ROWS, seq = blockIdx.z, num_splits = gridDim.x;
+    // This CTA's query: a decode entry's (split blockIdx.x of its context), or token blockIdx.x of a prefill
+    // segment, which attends the segment's context up to itself (causal) in one split.
     long long row;
-    int context, table_row;
+    int context, table_row, split;
     if (a.prefill_lens == nullptr) {
         row = a.seq_rows[seq];
         context = a.context_lens[seq];
         table_row = a.table_rows != nullptr ? a.table_rows[seq] : seq;
+        split = blockIdx.x;
     } else {
-        const int segment = seq / a.max_query, i = seq % a.max_query, n = a.prefill_lens[segment];
+        const int i = blockIdx.x, n = a.prefill_lens[seq];
         if (i >= n) return;
-        row = a.seq_rows[segment] + i;
-        context = a.context_lens[segment] - n + i + 1;
-        table_row = segment;
+        row = a.seq_rows[seq] + i;
+        context = a.context_lens[seq] - n + i + 1;
+        table_row = seq;
+        split = 0;
     }
     const int lo = split * a.partition_size, hi = min(context, lo + a.partition_size);
     if (lo >= hi) return;
@@ -236,13 +238,13 @@ __device__ __forceinline__ void latent_decode_attention(const LatentArgs& a) {
 #define LATENT_PARAMS                                                                                            \
     bf16 *out, long long out_stride, const bf16 *q, long long q_stride, const bf16 *cache, const int *seq_rows, \
         const int *context_lens, const int *block_tables, const int *table_rows, int max_blocks,                \
-        const int *prefill_lens, int max_query, float *partial_out, float *partial_lse, int heads, int block_shift, \
+        const int *prefill_lens, float *partial_out, float *partial_lse, int heads, int block_shift,              \
         float scale_log2, int partition_size
 #define LATENT_ENTRY(RANK, ROPE)                                                                                 \
     extern "C" __global__ void __launch_bounds__(THREADS) latent_decode_attention_r##RANK##_p##ROPE(LATENT_PARAMS) { \
         wait_for_previous_kernel();                                                                              \
         latent_decode_attention<RANK, ROPE>({out, out_stride, q, q_stride, cache, seq_rows, context_lens,       \
-                                             block_tables, table_rows, max_blocks, prefill_lens, max_query,      \
+                                             block_tables, table_rows, max_blocks, prefill_lens,                 \
                                              partial_out, partial_lse, heads, block_shift, scale_log2,           \
                                              partition_size});                                                   \
     }

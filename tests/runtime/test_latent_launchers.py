@@ -41,7 +41,7 @@ def test_prefill_is_one_split_an_entry_a_token(monkeypatch):
     assert len(recorded) == 1
     (module, name), grid, block, args, shmem = recorded[0]
     assert [type(a) for a in args] == parameter_types(module, name, "LATENT_ENTRY")
-    assert grid == (1, 1, 60) and args[-1] == 1024 and shmem == latent_attention.shared_bytes(512, 64)
+    assert grid == (20, 1, 3) and args[-1] == 1024 and shmem == latent_attention.shared_bytes(512, 64)
 
 
 def test_rope_and_write_launch_matches_the_kernel(monkeypatch):

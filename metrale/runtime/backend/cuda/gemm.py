@@ -185,9 +185,10 @@ def head_linear_key(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, x_
     key = linear_key(out, x, DeviceTensor(weight.ptr, (n, k), "bfloat16"), None)
     if out.dtype != "bfloat16":
         raise InvalidArgument(f"head linear: out must be bfloat16, not {out.dtype}")
-    if x_head_stride < k or out_head_stride < n or (2 * x_head_stride | 2 * out_head_stride) % ALIGNMENT:
+    if x_head_stride < k or out_head_stride < n or (2 * x_head_stride | 2 * out_head_stride | 2 * n) % ALIGNMENT:
         raise InvalidArgument(f"head linear: head strides {x_head_stride} (x) and {out_head_stride} (out) must "
-                              f"cover K={k} and N={n} and keep every head {ALIGNMENT}-byte aligned")
+                              f"cover K={k} and N={n} and keep every head (and weight row) {ALIGNMENT}-byte "
+                              f"aligned")
     if (heads - 1) * x_head_stride + k > x.stride or (heads - 1) * out_head_stride + n > out.stride:
         raise InvalidArgument(f"head linear: {heads} heads do not fit in rows of x {x.stride} and out {out.stride}")
     return key._replace(heads=heads, x_head_stride=x_head_stride, out_head_stride=out_head_stride,

@@ -109,7 +109,7 @@ def decode(lib, stream, out: DeviceTensor, q: DeviceTensor, cache: DeviceTensor,
     kernel = lib.get_with_shared(f"latent_decode_attention_r{rank}_p{rope}", MODULE, shared)
     launch_kernel(stream, kernel, (splits, ceil_div(heads, ROWS), entries), THREADS, out, np.int64(out.stride), q,
                   np.int64(q.stride), cache, rows, contexts, tables, NULL if table_rows is None else table_rows,
-                  tables.shape[1], NULL, 0, partial_out, partial_lse, heads, block_size.bit_length() - 1,
+                  tables.shape[1], NULL, partial_out, partial_lse, heads, block_size.bit_length() - 1,
                   np.float32(scale * LOG2_E), partition, shmem=shared)
     if splits > 1:
         launch_kernel(stream, lib.get("paged_decode_reduce", "decode_attention"), (heads, entries), rank, out,
@@ -126,17 +126,17 @@ def prefill(lib, stream, out: DeviceTensor, q: DeviceTensor, cache: DeviceTensor
     require(starts.shape[0] >= segments and lens.shape[0] >= segments and contexts.shape[0] >= segments
             and tables.shape[0] >= segments, f"latent attention: {segments} segments' metadata")
     require(block_size & (block_size - 1) == 0, f"latent attention: block size {block_size} must be a power of two")
-    require(segments * max_query <= MAX_GRID_YZ and ceil_div(heads, ROWS) <= MAX_GRID_YZ,
-            f"latent attention: {segments} x {max_query} prefill tokens or {heads} heads past the grid")
+    require(segments <= MAX_GRID_YZ and ceil_div(heads, ROWS) <= MAX_GRID_YZ,
+            f"latent attention: {segments} prefill segments or {heads} heads past the grid")
     if segments == 0 or max_query == 0:
         return
     shared = shared_bytes(rank, rope)
     kernel = lib.get_with_shared(f"latent_decode_attention_r{rank}_p{rope}", MODULE, shared)
     partition = ceil_div(max(max_context, 1), TILE) * TILE          # one split: no partials
-    launch_kernel(stream, kernel, (1, ceil_div(heads, ROWS), segments * max_query), THREADS, out,
+    launch_kernel(stream, kernel, (max_query, ceil_div(heads, ROWS), segments), THREADS, out,
                   np.int64(out.stride), q, np.int64(q.stride), cache, starts, contexts, tables, NULL, tables.shape[1],
-                  lens, max_query, NULL, NULL, heads, block_size.bit_length() - 1, np.float32(scale * LOG2_E),
-                  partition, shmem=shared)
+                  lens, NULL, NULL, heads, block_size.bit_length() - 1, np.float32(scale * LOG2_E), partition,
+                  shmem=shared)
 
 
 def _shape(out: DeviceTensor, q: DeviceTensor, cache: DeviceTensor, heads: int) -> tuple[int, int]:
