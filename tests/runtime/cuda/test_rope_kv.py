@@ -115,3 +115,19 @@ def test_copy_kv_prefixes_in_every_layer(kernel_library, stream):
     for src, dst, n in copies.tolist():
         expected[:, :, dst, :n] = before[:, :, src, :n]
     assert torch.equal(pool, expected)
+
+
+def test_copy_kv_prefixes_of_latent_layers(kernel_library, stream):
+    """Multi-head latent attention's cache, [blocks, block_size, width] a layer: one plane, the same copies."""
+    layers, num_blocks, block_size, width = 3, 12, 16, 576
+    pool = torch.randn(layers, num_blocks, block_size, width, device=DEVICE).bfloat16()
+    before = pool.clone()
+    copies = torch.tensor([[1, 7, 5], [2, 8, 16], [1, 9, 1]], dtype=torch.int32, device=DEVICE)
+    torch.cuda.synchronize()
+    copy_kv_prefixes(kernel_library, stream, [DeviceTensor.from_torch(pool[i]) for i in range(layers)],
+                     DeviceTensor.from_torch(copies), 3)
+    stream.sync()
+    expected = before.clone()
+    for src, dst, n in copies.tolist():
+        expected[:, dst, :n] = before[:, src, :n]
+    assert torch.equal(pool, expected)
