@@ -85,6 +85,7 @@ class Engine:
         try:
             with self._lock:
                 self.reservations.commit(*undo)
+                self.sequences.touch(step.seq_ids, time.monotonic())
         except Exception as error:      # a bug: no queued successor may be left unwaited for
             self._abandon(successor)
             raise self._failure(error, "committing the step") from error
@@ -208,6 +209,18 @@ class Engine:
         with self._lock:
             return self.reservations.release(ids)
 
+    def release_idle(self, seq_ids: list[int], seconds: float) -> ReleaseResult:
+        """release() of those of seq_ids no step or Fork has touched for `seconds` (a step may have touched one since
+        the caller found it idle)."""
+        with self._lock:
+            idle = set(self.sequences.idle(seconds, time.monotonic()))
+        return self.release([i for i in seq_ids if i in idle])
+
+    def idle_seq_ids(self, seconds: float) -> list[int]:
+        """The sequences no step or Fork has touched for `seconds`."""
+        with self._lock:
+            return self.sequences.idle(seconds, time.monotonic())
+
     def prefill_tail_split(self, num_tokens: int) -> int | None:
         """Where a prompt of num_tokens should end a non-last chunk: the last block boundary strictly inside it, for
         a model whose recurrent state is snapshotted at block boundaries; None for a model without one."""
@@ -243,6 +256,8 @@ class Engine:
                 for child_id in child_ids:
                     self.reservations.free(self.sequences.remove(child_id))
             raise self._failure(error, "copying the forked blocks") from error
+        with self._lock:     # the children too: each is a copy of the parent, its time included
+            self.sequences.touch([parent_id, *child_ids], time.monotonic())
         return result
 
     @property

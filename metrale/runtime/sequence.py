@@ -1,5 +1,6 @@
 """Per-sequence state the worker keeps between steps, and the table of live sequences."""
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -81,6 +82,8 @@ class Sequence:
     cache_root: bytes = b""
     block_names: list[bytes] = field(default_factory=list)
     cached_tokens: int = 0
+    # When a step or Fork last used the sequence (time.monotonic): a sequence idle past the worker's TTL is released.
+    touched: float = field(default_factory=time.monotonic)
 
     @property
     def num_tokens(self) -> int:
@@ -112,3 +115,13 @@ class SequenceTable:
 
     def ids(self) -> list[int]:
         return list(self._sequences)
+
+    def idle(self, seconds: float, now: float) -> list[int]:
+        """The sequences not touched in the `seconds` before `now`."""
+        return [seq_id for seq_id, seq in self._sequences.items() if now - seq.touched >= seconds]
+
+    def touch(self, seq_ids, now: float) -> None:
+        for seq_id in seq_ids:
+            sequence = self._sequences.get(seq_id)
+            if sequence is not None:
+                sequence.touched = now

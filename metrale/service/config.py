@@ -30,6 +30,9 @@ class WorkerConfig:
     health_port: int | None = None
     # Seconds SIGTERM waits for in-flight RPCs before the process exits.
     drain_timeout: float = 30.0
+    # Seconds a sequence may go without a step or Fork before the worker releases it (0: never), so that a gateway
+    # that crashed cannot hold the pool.
+    sequence_ttl: float = 300.0
     reflection: bool = True
     # TLS: PEM files of the server's certificate and key; with a client CA, clients must show a certificate it
     # signed (mutual TLS). auth_tokens_file: bearer tokens, one per line (the health service stays open).
@@ -66,6 +69,8 @@ class WorkerConfig:
             taken[port] = name
         if not self.drain_timeout >= 0:
             raise InvalidArgument(f"drain_timeout must be >= 0 seconds, got {self.drain_timeout}")
+        if not self.sequence_ttl >= 0:
+            raise InvalidArgument(f"sequence_ttl must be >= 0 seconds (0: never), got {self.sequence_ttl}")
         if self.log_format not in ("auto", "json", "console"):
             raise InvalidArgument(f"log_format must be auto, json or console, got {self.log_format!r}")
 
@@ -125,6 +130,8 @@ SERVE_FLAGS = [
     ("health-port", int, "a plaintext port serving only grpc.health.v1, for probes when the main port has TLS "
      "(off when unset)", None),
     ("drain-timeout", float, "seconds SIGTERM waits for in-flight RPCs", None),
+    ("sequence-ttl", float, "seconds a sequence may go without a step or Fork before it is released (0: never)",
+     None),
     ("reflection", _bool, "serve gRPC server reflection", None),
     ("tls-cert", str, "PEM certificate (chain) of the server: serve TLS (with --tls-key)", None),
     ("tls-key", str, "PEM private key of --tls-cert", None),

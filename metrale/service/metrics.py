@@ -16,6 +16,8 @@ class WorkerMetrics:
                                        ["rpc", "code"], registry=r)
         self.tokens = prom.Counter("metrale_tokens", "Tokens run through the model, by kind (prefill or decode).",
                                    ["kind"], registry=r)
+        self.expired = prom.Counter("metrale_sequences_expired", "Sequences released for going --sequence-ttl "
+                                    "seconds without a step or Fork.", registry=r)
         self.step_sequences = prom.Histogram("metrale_step_sequences", "Sequences in one step.",
                                              buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
         live = prom.Gauge("metrale_live_sequences", "Sequences the worker holds.", registry=r)

@@ -64,6 +64,7 @@ class WorkerServer:
                                     "--health-port")
         self._stopped = asyncio.Event()
         self._fault_task = None
+        self._expiry_task = None
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, config: WorkerConfig) -> "WorkerServer":
@@ -78,6 +79,8 @@ class WorkerServer:
         if self.health_server is not None:
             await self.health_server.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        if self.config.sequence_ttl:
+            self._expiry_task = asyncio.get_running_loop().create_task(self._expire_idle_sequences())
         log.info("serving", port=self.port, model=self.servicer.info.model_id, device=self.servicer.info.device,
                  kv_blocks=self.servicer.engine.stats().num_kv_blocks)
 
@@ -88,6 +91,8 @@ class WorkerServer:
             await self.server.stop(grace=0)
             return
         self.state.draining = True
+        if self._expiry_task is not None:
+            self._expiry_task.cancel()
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         log.info("draining", in_flight=self.state.in_flight)
         try:
@@ -104,6 +109,19 @@ class WorkerServer:
 
     async def wait(self) -> None:
         await self._stopped.wait()
+
+    async def _expire_idle_sequences(self) -> None:
+        """Every quarter of --sequence-ttl (at most 10 s): releases the sequences idle past it. A failed round is
+        logged and the next one runs."""
+        period = min(self.config.sequence_ttl / 4, 10.0)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await self.servicer.expire_idle()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("sequence_expiry_failed")
 
     async def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):

@@ -28,6 +28,8 @@ from metrale.service.text import TextWork
 from metrale.v1 import worker_pb2 as pb
 from metrale.v1 import worker_pb2_grpc
 
+log = structlog.get_logger()
+
 # Generate's own sequences take ids from here up; gateways use ids below.
 RESERVED_SEQ_IDS = 1 << 63
 # The most bytes ForwardResponse.queue_us adds once the answer is built (tag and a 10-byte varint).
@@ -47,6 +49,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                              info.tokenizer_note)
         self.state = state
         self.max_message_bytes = config.max_message_bytes
+        self.sequence_ttl = config.sequence_ttl
         # Release's work, which needs no device: never queued behind a stream's steps.
         self._control = ThreadPoolExecutor(1, thread_name_prefix="control")
         self._next_generate_id = RESERVED_SEQ_IDS
@@ -63,7 +66,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             is_encoder_decoder=self.engine.is_encoder_decoder, has_ssm=i.has_ssm,
             eos_token_ids=list(i.eos_token_ids), bos_token_id=i.bos_token_id, pad_token_id=i.pad_token_id,
             num_streams=self.threads.num_streams, max_batch_tokens=c.max_batch_tokens, version=VERSION,
-            live_sequences=stats.live_sequences, prefix_cache=i.prefix_cache, cached_kv_blocks=stats.cached_kv_blocks)
+            live_sequences=stats.live_sequences, prefix_cache=i.prefix_cache, cached_kv_blocks=stats.cached_kv_blocks,
+            max_seqs=c.max_seqs, sequence_ttl_seconds=self.sequence_ttl)
 
     async def Prefill(self, request, context):
         return await self._forward(request, convert.step_from_prefill, request.stream)
@@ -110,6 +114,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         result = await asyncio.wrap_future(self.threads.run_claimed(self._control, ids, lambda: self.engine.release(ids)))
         return pb.ReleaseResponse(released_seq_ids=result.released, unknown_seq_ids=result.unknown + reserved,
                                   blocks_freed=result.blocks_freed)
+
+    async def expire_idle(self) -> int:
+        """Releases the gateway's sequences no step or Fork has touched for --sequence-ttl seconds (Generate's own
+        end with their call); returns how many."""
+        ttl = self.sequence_ttl
+        ids = [i for i in self.engine.idle_seq_ids(ttl) if i < RESERVED_SEQ_IDS]
+        if not ids:
+            return 0
+        result = await asyncio.wrap_future(
+            self.threads.run_claimed(self._control, ids, lambda: self.engine.release_idle(ids, ttl)))
+        if result.released:
+            self.metrics.expired.inc(len(result.released))
+            log.info("sequences_expired", seq_ids=result.released[:NAMED_IDS], count=len(result.released),
+                     blocks_freed=result.blocks_freed, ttl=ttl)
+        return len(result.released)
 
     async def PrefillTailSplit(self, request, context):
         if not request.tokens:

@@ -159,7 +159,7 @@ def test_every_worker_flag_is_reachable_from_values(chart):
                          "max-message-mb": 8, "max-text-bytes": 4096, "drain-timeout": 2.5, "reflection": False,
                          "log-format": "console",
                          "max-concurrent-rpcs": 128, "keepalive-time": 30, "keepalive-timeout": 7.5,
-                         "keepalive-min-client-ping": 5, "ssm-snapshot-memory": 2000000000}}
+                         "keepalive-min-client-ping": 5, "ssm-snapshot-memory": 2000000000, "sequence-ttl": 90}}
     assert set(values["worker"]) == settable
     config = parsed_args(render(chart, values))
     engine = config.engine
@@ -170,7 +170,7 @@ def test_every_worker_flag_is_reachable_from_values(chart):
     assert (config.max_message_mb, config.max_text_bytes, config.drain_timeout, config.reflection,
             config.log_format) == (8, 4096, 2.5, False, "console")
     assert (config.max_concurrent_rpcs, config.keepalive_time, config.keepalive_timeout,
-            config.keepalive_min_client_ping) == (128, 30.0, 7.5, 5.0)
+            config.keepalive_min_client_ping, config.sequence_ttl) == (128, 30.0, 7.5, 5.0, 90.0)
 
 
 # Values files the schema must refuse, one mistake each (their first line says which).

@@ -42,6 +42,7 @@ NON_DEFAULT = {
     "metrics-port": ("9100", "metrics_port", 9100),
     "health-port": ("9101", "health_port", 9101),
     "drain-timeout": ("2.5", "drain_timeout", 2.5),
+    "sequence-ttl": ("90", "sequence_ttl", 90.0),
     "reflection": ("false", "reflection", False),
     "log-format": ("console", "log_format", "console"),
     "cache-dir": ("/var/cache/metrale", "cache_dir", "/var/cache/metrale"),
