@@ -15,13 +15,32 @@ from metrale.service.server import WorkerServer  # noqa: E402
 from tiny_models import write_tiny  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def worker(tmp_path_factory):
-    """A tiny random Llama on the CPU, 96 tokens a sequence at most, 64 blocks of 16."""
-    checkpoint = load_checkpoint(write_tiny("llama_tied", tmp_path_factory.mktemp("tiny") / "llama"))
+def start_worker(directory, num_streams: int = 1) -> InProcessWorker:
+    """A worker of the checkpoint on the CPU, 96 tokens a sequence at most, 64 blocks of 16."""
+    checkpoint = load_checkpoint(directory)
     config = WorkerConfig(host="127.0.0.1", port=0, drain_timeout=5.0,
                           engine=EngineConfig(device="cpu", kv_blocks=64, max_model_len=96, max_batch_tokens=256,
-                                              max_seqs=32))
-    running = InProcessWorker(lambda: WorkerServer.from_checkpoint(checkpoint, config))
+                                              max_seqs=32, num_streams=num_streams))
+    return InProcessWorker(lambda: WorkerServer.from_checkpoint(checkpoint, config))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_tiny("llama_tied", tmp_path_factory.mktemp("tiny") / "llama")
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_dir):
+    """A tiny random Llama on one stream."""
+    running = start_worker(tiny_dir)
     yield running
     running.stop()
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_dir):
+    """Two workers of the same tiny model, two streams each."""
+    running = [start_worker(tiny_dir, num_streams=2) for _ in range(2)]
+    yield running
+    for worker in running:
+        worker.stop()

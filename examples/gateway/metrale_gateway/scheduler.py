@@ -52,11 +52,20 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._stopped = False
 
-    async def generate(self, completion: Completion):
-        """The completion's tokens as they come; cancelling the consumer cancels the request (its sequence is
-        released at the next step boundary)."""
+    def submit(self, completion: Completion) -> None:
+        """Queues the completion (its load counts at once); tokens() then streams it."""
         self._waiting.append(completion)
         self._wake.set()
+
+    async def generate(self, completion: Completion):
+        """submit(), then tokens()."""
+        self.submit(completion)
+        async for token in self.tokens(completion):
+            yield token
+
+    async def tokens(self, completion: Completion):
+        """A submitted completion's tokens as they come; cancelling the consumer cancels the request (its sequence
+        is released at the next step boundary)."""
         try:
             while (token := await completion._out.get()) is not DONE:
                 if isinstance(token, BaseException):
@@ -66,6 +75,11 @@ class Scheduler:
             if completion.finish_reason is None:
                 completion.cancelled = True
                 self._wake.set()
+
+    @property
+    def load(self) -> int:
+        """Requests waiting or running here."""
+        return len(self._waiting) + len(self._running)
 
     def stop(self) -> None:
         self._stopped = True
