@@ -32,7 +32,7 @@ def time_algos(lt, stream, n: int, k: int, bias: bool, relu: bool, out_dtype: st
     partials of K's slices instead (no bias, no relu: the kernel after them would add those)."""
     if splits > 1:
         bias, relu, out_dtype = False, False, "float32"
-    from metrale.runtime.backend.cuda.gemm import linear_key
+    from metrale.runtime.backend.cuda.gemm_plan import linear_key
     from metrale.runtime.backend.cuda.tensor import DeviceTensor
 
     copies = -(-L2_SPAN * torch.cuda.get_device_properties(0).L2_cache_size // (n * k * 2))

@@ -256,8 +256,8 @@ class Engine:
                 for child_id in child_ids:
                     self.reservations.free(self.sequences.remove(child_id))
             raise self._failure(error, "copying the forked blocks") from error
-        with self._lock:     # the children too: each is a copy of the parent, its time included
-            self.sequences.touch([parent_id, *child_ids], time.monotonic())
+        with self._lock:     # the children were added now
+            self.sequences.touch([parent_id], time.monotonic())
         return result
 
     @property

@@ -82,8 +82,6 @@ class Sequence:
     cache_root: bytes = b""
     block_names: list[bytes] = field(default_factory=list)
     cached_tokens: int = 0
-    # When a step or Fork last used the sequence (time.monotonic): a sequence idle past the worker's TTL is released.
-    touched: float = field(default_factory=time.monotonic)
 
     @property
     def num_tokens(self) -> int:
@@ -97,6 +95,9 @@ class Sequence:
 class SequenceTable:
     def __init__(self):
         self._sequences: dict[int, Sequence] = {}
+        # When a step or Fork last used each sequence (time.monotonic): one dict update a step, in C, rather than an
+        # attribute set a sequence on the decode path. A sequence idle past the worker's TTL is released.
+        self._touched: dict[int, float] = {}
 
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._sequences
@@ -109,8 +110,10 @@ class SequenceTable:
 
     def add(self, sequence: Sequence) -> None:
         self._sequences[sequence.seq_id] = sequence
+        self._touched[sequence.seq_id] = time.monotonic()
 
     def remove(self, seq_id: int) -> Sequence | None:
+        self._touched.pop(seq_id, None)
         return self._sequences.pop(seq_id, None)
 
     def ids(self) -> list[int]:
@@ -118,10 +121,11 @@ class SequenceTable:
 
     def idle(self, seconds: float, now: float) -> list[int]:
         """The sequences not touched in the `seconds` before `now`."""
-        return [seq_id for seq_id, seq in self._sequences.items() if now - seq.touched >= seconds]
+        return [seq_id for seq_id, touched in self._touched.items() if now - touched >= seconds]
 
-    def touch(self, seq_ids, now: float) -> None:
-        for seq_id in seq_ids:
-            sequence = self._sequences.get(seq_id)
-            if sequence is not None:
-                sequence.touched = now
+    def touch(self, seq_ids: list[int], now: float) -> None:
+        """Marks the live ones of seq_ids used at `now`."""
+        self._touched.update(dict.fromkeys(seq_ids, now))
+        if len(self._touched) > len(self._sequences):       # an id of the step released by now: not kept
+            for seq_id in [i for i in self._touched if i not in self._sequences]:
+                del self._touched[seq_id]

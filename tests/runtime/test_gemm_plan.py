@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from metrale.runtime.backend.cuda.gemm import (CUBLAS_OP_N, CUBLAS_OP_T, CUBLASLT_EPILOGUE_BIAS,
-                                               CUBLASLT_EPILOGUE_DEFAULT, CUBLASLT_EPILOGUE_RELU,
-                                               CUBLASLT_EPILOGUE_RELU_BIAS, CublasLt, GemmPlan, MatrixLayout,
-                                               linear_key)
+from metrale.runtime.backend.cuda.gemm import CublasLt
+from metrale.runtime.backend.cuda.gemm_plan import (CUBLAS_OP_N, CUBLAS_OP_T, CUBLASLT_EPILOGUE_BIAS,
+                                                    CUBLASLT_EPILOGUE_DEFAULT, CUBLASLT_EPILOGUE_RELU,
+                                                    CUBLASLT_EPILOGUE_RELU_BIAS, GemmPlan, MatrixLayout, linear_key)
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.errors import FailedPrecondition, InvalidArgument
 
@@ -121,7 +121,7 @@ def test_a_head_linear_is_one_batch_a_head():
     """Multi-head latent attention's per-head projections (DeepSeek-V3: 128 heads, the query's 128 dims of its
     head's 192 onto the 512 of the latent, into rows of 576 a head): batch h reads weight[h], x's and out's columns
     of head h."""
-    from metrale.runtime.backend.cuda.gemm import head_linear_key
+    from metrale.runtime.backend.cuda.gemm_plan import head_linear_key
     heads, n, k = 128, 512, 128
     x = tensor((7, k), ptr=BASE * 16, row_stride=heads * 192)
     out = tensor((7, n), ptr=BASE * 64, row_stride=heads * 576)

@@ -102,9 +102,12 @@ def test_write_kv_puts_each_row_in_its_slot(kernel_library, stream):
     assert flat[:, untouched].isnan().all()
 
 
-def test_copy_kv_prefixes_in_every_layer(kernel_library, stream):
-    layers, num_blocks, block_size, kv_heads, head_dim = 3, 12, 16, 2, 64
-    pool = torch.randn(layers, 2, num_blocks, block_size, kv_heads, head_dim, device=DEVICE).bfloat16()
+@pytest.mark.parametrize("layer", [(2, 12, 16, 2, 64), (12, 16, 576)], ids=["kv", "latent"])
+def test_copy_kv_prefixes_in_every_layer(kernel_library, stream, layer):
+    """K/V layers [2, blocks, block_size, kv_heads, head_dim], or multi-head latent attention's [blocks,
+    block_size, width]: the first n slots of each copy's source block into its destination, in every layer."""
+    layers, block_axis = 3, 1 + (len(layer) == 5)
+    pool = torch.randn(layers, *layer, device=DEVICE).bfloat16()
     before = pool.clone()
     copies = torch.tensor([[1, 7, 5], [2, 8, 16], [1, 9, 1]], dtype=torch.int32, device=DEVICE)
     torch.cuda.synchronize()
@@ -113,21 +116,6 @@ def test_copy_kv_prefixes_in_every_layer(kernel_library, stream):
     stream.sync()
     expected = before.clone()
     for src, dst, n in copies.tolist():
-        expected[:, :, dst, :n] = before[:, :, src, :n]
-    assert torch.equal(pool, expected)
-
-
-def test_copy_kv_prefixes_of_latent_layers(kernel_library, stream):
-    """Multi-head latent attention's cache, [blocks, block_size, width] a layer: one plane, the same copies."""
-    layers, num_blocks, block_size, width = 3, 12, 16, 576
-    pool = torch.randn(layers, num_blocks, block_size, width, device=DEVICE).bfloat16()
-    before = pool.clone()
-    copies = torch.tensor([[1, 7, 5], [2, 8, 16], [1, 9, 1]], dtype=torch.int32, device=DEVICE)
-    torch.cuda.synchronize()
-    copy_kv_prefixes(kernel_library, stream, [DeviceTensor.from_torch(pool[i]) for i in range(layers)],
-                     DeviceTensor.from_torch(copies), 3)
-    stream.sync()
-    expected = before.clone()
-    for src, dst, n in copies.tolist():
-        expected[:, dst, :n] = before[:, src, :n]
+        expected.select(block_axis, dst).narrow(block_axis, 0, n).copy_(
+            before.select(block_axis, src).narrow(block_axis, 0, n))
     assert torch.equal(pool, expected)

@@ -9,25 +9,14 @@ CUDA_HOME). We load it ourselves first so a missing library is one FailedPrecond
 """
 
 import threading
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
+from metrale.runtime.backend.cuda.gemm_plan import (ALIGNMENT, CUBLAS_COMPUTE_32F, CUBLASLT_EPILOGUE_BIAS,
+                                                    CUDA_DATA_TYPE, GemmPlan, LinearKey, head_linear_key, linear_key)
 from metrale.runtime.backend.cuda.launch import require
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.errors import DeviceFault, FailedPrecondition, InvalidArgument
-
-# cudaDataType_t values (library_types.h).
-CUDA_DATA_TYPE = {"bfloat16": 14, "float32": 0}
-CUBLAS_COMPUTE_32F = 68
-CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
-CUBLASLT_EPILOGUE_DEFAULT, CUBLASLT_EPILOGUE_RELU, CUBLASLT_EPILOGUE_BIAS = 1, 2, 4
-CUBLASLT_EPILOGUE_RELU_BIAS = CUBLASLT_EPILOGUE_RELU | CUBLASLT_EPILOGUE_BIAS
-OUT_DTYPES = ("bfloat16", "float32")
-# Every pointer and row stride is checked to this alignment, and the heuristic is told so: its default
-# assumption is 256 bytes, and an algorithm picked under it may misbehave on a row view that is only 16-aligned.
-ALIGNMENT = 16
 
 
 class CublasLtError(DeviceFault):
@@ -37,162 +26,6 @@ class CublasLtError(DeviceFault):
         self.call = call
         self.status = status
         super().__init__(f"cuBLASLt {call} failed with {status}" + (f": {detail}" if detail else ""))
-
-
-class LinearKey(NamedTuple):
-    """What a linear's descriptors and algorithm depend on: the cache key. Pointers are not part of it."""
-    m: int            # rows of x and out (tokens)
-    n: int            # rows of weight, columns of out
-    k: int            # columns of x and weight
-    x_stride: int     # elements between rows of x
-    out_stride: int   # elements between rows of out
-    out_dtype: str    # 'bfloat16' or 'float32' (logits)
-    has_bias: bool
-    relu: bool = False   # max(., 0) in the epilogue, after the bias
-    # > 1: K in `splits` equal slices, each slice's product a float32 partial of its own (out [splits * M, N]: the
-    # partials one after another), for a kernel after it to sum (a strided batched GEMM: no reduce kernel).
-    splits: int = 1
-    # > 1: a weight [heads, N, K] per head, head h's x and out columns x_head_stride and out_head_stride elements
-    # after head h - 1's (a strided batched GEMM: one launch for every head of an attention layer).
-    heads: int = 1
-    x_head_stride: int = 0
-    out_head_stride: int = 0
-    transposed: bool = False     # the heads' weights stored [heads, K, N]
-
-
-@dataclass(frozen=True)
-class MatrixLayout:
-    """A column-major cuBLASLt matrix: rows x cols, column j at element offset j * ld."""
-    dtype: str
-    rows: int
-    cols: int
-    ld: int
-    batch: int = 1          # strided batches: matrix i at element offset i * batch_stride
-    batch_stride: int = 0
-
-
-@dataclass(frozen=True)
-class GemmPlan:
-    """cuBLASLt computes D[m, n] = op(A) @ op(B), column-major. A row-major [R, C] buffer with row stride s is,
-    read column-major, the [C, R] matrix with ld = s: its transpose, for free. So
-        out[M, N] = x[M, K] @ weight[N, K].T   <=>   out.T[N, M] = weight[N, K] @ x.T[K, M]
-    and every operand is already in memory in the form this needs:
-        A = weight, read as [K, N] ld K, transposed (OP_T)  -> [N, K]
-        B = x,      read as [K, M] ld x_stride (OP_N)        -> [K, M]
-        D = out,    read as [N, M] ld out_stride             (C = D, beta = 0: never read)
-    m = N, n = M, k = K: the "TN" GEMM, the layout cuBLASLt's fastest bf16 kernels take. The BIAS epilogue adds
-    a vector as long as D's rows (N), broadcast over D's columns (tokens): bias[N], as nn.Linear adds it; the
-    RELU epilogues then take max(., 0) before D is rounded to its type. Split in `splits` (LinearKey.splits), K's
-    slice i is batch i: A and B move on by K / splits columns of the weight and of x, D by a whole [N, M] out."""
-    a: MatrixLayout
-    b: MatrixLayout
-    d: MatrixLayout
-    transa: int
-    transb: int
-    epilogue: int
-
-    @classmethod
-    def for_linear(cls, key: LinearKey) -> "GemmPlan":
-        if key.heads > 1 and key.transposed:     # weight[h] [K, N] row-major: column-major [N, K], as it is
-            return cls(a=MatrixLayout("bfloat16", key.n, key.k, key.n, key.heads, key.n * key.k),
-                       b=MatrixLayout("bfloat16", key.k, key.m, key.x_stride, key.heads, key.x_head_stride),
-                       d=MatrixLayout(key.out_dtype, key.n, key.m, key.out_stride, key.heads, key.out_head_stride),
-                       transa=CUBLAS_OP_N, transb=CUBLAS_OP_N, epilogue=CUBLASLT_EPILOGUE_DEFAULT)
-        if key.heads > 1:       # batch h: weight[h], and x's and out's columns of head h
-            return cls(a=MatrixLayout("bfloat16", key.k, key.n, key.k, key.heads, key.n * key.k),
-                       b=MatrixLayout("bfloat16", key.k, key.m, key.x_stride, key.heads, key.x_head_stride),
-                       d=MatrixLayout(key.out_dtype, key.n, key.m, key.out_stride, key.heads, key.out_head_stride),
-                       transa=CUBLAS_OP_T, transb=CUBLAS_OP_N, epilogue=CUBLASLT_EPILOGUE_DEFAULT)
-        slice_k, s = key.k // key.splits, key.splits
-        return cls(a=MatrixLayout("bfloat16", slice_k, key.n, key.k, s, slice_k),
-                   b=MatrixLayout("bfloat16", slice_k, key.m, key.x_stride, s, slice_k),
-                   d=MatrixLayout(key.out_dtype, key.n, key.m, key.out_stride, s, key.m * key.out_stride),
-                   transa=CUBLAS_OP_T, transb=CUBLAS_OP_N,
-                   epilogue=_EPILOGUES[key.has_bias, key.relu])
-
-
-_EPILOGUES = {(False, False): CUBLASLT_EPILOGUE_DEFAULT, (True, False): CUBLASLT_EPILOGUE_BIAS,
-              (False, True): CUBLASLT_EPILOGUE_RELU, (True, True): CUBLASLT_EPILOGUE_RELU_BIAS}
-
-
-def linear_key(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None,
-               relu: bool = False, splits: int = 1) -> LinearKey:
-    """Checks a linear's operands (shapes, dtypes, 16-byte alignment) and returns its cache key.
-    On the hot path of every prefill linear: plain comparisons, and a message is formatted only on failure."""
-    if splits != 1:
-        return _split_key(out, x, weight, bias, relu, splits)
-    if len(x.shape) != 2 or x.dtype != "bfloat16":
-        raise InvalidArgument(f"linear: x must be [M, K] bfloat16, not {x.shape} {x.dtype}")
-    if len(weight.shape) != 2 or weight.dtype != "bfloat16" or not weight.is_contiguous:
-        raise InvalidArgument(f"linear: weight must be a contiguous [N, K] bfloat16, not {weight.shape} "
-                              f"{weight.dtype} with row stride {weight.stride}")
-    m, k = x.shape
-    n = weight.shape[0]
-    if n == 0 or k == 0:
-        raise InvalidArgument(f"linear: weight {weight.shape} is empty")
-    if weight.shape[1] != k:
-        raise InvalidArgument(f"linear: x {x.shape} and weight {weight.shape} disagree on K")
-    if out.shape != (m, n) or out.dtype not in OUT_DTYPES:
-        raise InvalidArgument(f"linear: out must be [{m}, {n}] in one of {OUT_DTYPES}, not {out.shape} {out.dtype}")
-    x_stride, out_stride = x.stride, out.stride
-    if x_stride < k or out_stride < n:
-        raise InvalidArgument(f"linear: a row stride is shorter than its row (x {x_stride} < {k} or out "
-                              f"{out_stride} < {n})")
-    if (x.ptr | weight.ptr | out.ptr | 2 * x_stride | 2 * k | out.itemsize * out_stride) % ALIGNMENT:
-        raise InvalidArgument(f"linear: x, weight and out must be {ALIGNMENT}-byte aligned (pointer and row stride): "
-                              f"x {x.ptr:#x} stride {x_stride}, weight {weight.ptr:#x} stride {k}, out "
-                              f"{out.ptr:#x} stride {out_stride}")
-    if bias is not None:
-        # cuBLASLt's BIAS epilogue takes a bias of D's type only (a bf16 bias on float32 logits is INVALID_VALUE):
-        # a biased float32 output needs the bias uploaded as float32.
-        if bias.shape != (n,) or bias.dtype != out.dtype:
-            raise InvalidArgument(f"linear: bias must be [{n}] {out.dtype} (out's dtype), not {bias.shape} "
-                                  f"{bias.dtype}")
-        if bias.ptr % ALIGNMENT:
-            raise InvalidArgument(f"linear: bias must be {ALIGNMENT}-byte aligned, not {bias.ptr:#x}")
-    return LinearKey(m, n, k, x_stride, out_stride, out.dtype, bias is not None, relu)
-
-
-def _split_key(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None, relu: bool,
-               splits: int) -> LinearKey:
-    """linear_key for float32 partials over K's slices: out [splits * M, N] float32, contiguous; no bias or relu
-    (they apply to the sum)."""
-    if splits < 1:
-        raise InvalidArgument(f"linear: splits must be at least 1, not {splits}")
-    if bias is not None or relu:
-        raise InvalidArgument(f"linear: {splits} split partials take no bias or relu (the sum's reader adds them)")
-    if len(x.shape) != 2 or len(weight.shape) != 2:
-        raise InvalidArgument(f"linear: x {x.shape} and weight {weight.shape} must be 2-D")
-    m, k = x.shape
-    if k % splits or (k // splits) % (ALIGNMENT // 2):
-        raise InvalidArgument(f"linear: K={k} does not split into {splits} slices of a multiple of {ALIGNMENT // 2}")
-    if out.dtype != "float32" or not out.is_contiguous or out.shape != (splits * m, weight.shape[0]):
-        raise InvalidArgument(f"linear: {splits} split partials need out [{splits * m}, {weight.shape[0]}] float32 "
-                              f"contiguous, not {out.shape} {out.dtype}")
-    key = linear_key(DeviceTensor(out.ptr, (m, out.shape[1]), "float32"), x, weight, None)
-    return key._replace(splits=splits)
-
-
-def head_linear_key(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, x_head_stride: int,
-                    out_head_stride: int, transposed: bool = False) -> LinearKey:
-    """Checks a per-head linear's operands: weight [heads, N, K] (transposed: [heads, K, N]) contiguous bf16; x [M, K]
-    and out [M, N] bf16, head 0's columns of tensors whose rows hold every head's (head h's x_head_stride and
-    out_head_stride elements on); every head's pointer 16-byte aligned."""
-    if len(weight.shape) != 3 or weight.dtype != "bfloat16" or not weight.is_contiguous:
-        raise InvalidArgument(f"head linear: weight must be a contiguous [heads, N, K] bfloat16, not {weight.shape} "
-                              f"{weight.dtype}")
-    heads, n, k = (weight.shape[0], weight.shape[2], weight.shape[1]) if transposed else weight.shape
-    key = linear_key(out, x, DeviceTensor(weight.ptr, (n, k), "bfloat16"), None)
-    if out.dtype != "bfloat16":
-        raise InvalidArgument(f"head linear: out must be bfloat16, not {out.dtype}")
-    if x_head_stride < k or out_head_stride < n or (2 * x_head_stride | 2 * out_head_stride | 2 * n) % ALIGNMENT:
-        raise InvalidArgument(f"head linear: head strides {x_head_stride} (x) and {out_head_stride} (out) must "
-                              f"cover K={k} and N={n} and keep every head (and weight row) {ALIGNMENT}-byte "
-                              f"aligned")
-    if (heads - 1) * x_head_stride + k > x.stride or (heads - 1) * out_head_stride + n > out.stride:
-        raise InvalidArgument(f"head linear: {heads} heads do not fit in rows of x {x.stride} and out {out.stride}")
-    return key._replace(heads=heads, x_head_stride=x_head_stride, out_head_stride=out_head_stride,
-                        transposed=transposed)
 
 
 def load_cublaslt():
@@ -270,12 +103,8 @@ class CublasLt:
         key = linear_key(out, x, weight, bias, relu, splits)
         if key.m == 0:
             return
-        if workspace is None:
-            workspace = self.workspace
+        workspace = self._workspace_of(workspace)
         workspace_bytes = workspace.nbytes
-        if workspace_bytes < self._workspace_bytes:
-            raise InvalidArgument(f"linear: a {workspace_bytes}-byte workspace is smaller than the "
-                                  f"{self._workspace_bytes} bytes the algorithms were chosen for")
         matmul = self._matmuls.get(key)
         if matmul is None:
             matmul = self._matmul_of(key)
@@ -304,15 +133,21 @@ class CublasLt:
         key = head_linear_key(out, x, weight, x_head_stride, out_head_stride, transposed)
         if key.m == 0:
             return
-        workspace = self.workspace if workspace is None else workspace
-        if workspace.nbytes < self._workspace_bytes:
-            raise InvalidArgument(f"head linear: a {workspace.nbytes}-byte workspace is smaller than the "
-                                  f"{self._workspace_bytes} bytes the algorithms were chosen for")
+        workspace = self._workspace_of(workspace)
         matmul = self._matmul_of(key)
         try:
             self._enqueue(stream, matmul, out, x, weight, workspace.ptr, workspace.nbytes)
         except self._lt.cuBLASLtError as error:
             raise CublasLtError("cublasLtMatmul (heads)", self._status_name(error.status)) from None
+
+    def _workspace_of(self, workspace: DeviceTensor | None) -> DeviceTensor:
+        """The call's workspace (None: the one given at creation), at least as large as the algorithms were chosen
+        for."""
+        workspace = self.workspace if workspace is None else workspace
+        if workspace.nbytes < self._workspace_bytes:
+            raise InvalidArgument(f"linear: a {workspace.nbytes}-byte workspace is smaller than the "
+                                  f"{self._workspace_bytes} bytes the algorithms were chosen for")
+        return workspace
 
     def _enqueue(self, stream, matmul: _Matmul, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
                  workspace_ptr: int, workspace_bytes: int) -> None:
