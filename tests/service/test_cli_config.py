@@ -135,6 +135,7 @@ def test_empty_variable_is_unset_and_explicit_environ_ignores_os_environ(monkeyp
     ({"METRALE_NUM_STREAMS": "0"}, ["num_streams", "0"]),
     ({"METRALE_RUN_AHEAD": "sometimes"}, ["run_ahead", "sometimes"]),
     ({"METRALE_KV_MEMORY_FRACTION": "1.5"}, ["kv_memory_fraction", "1.5"]),
+    ({"METRALE_SEQUENCE_TTL": "-1"}, ["sequence_ttl", "-1"]),
 ])
 def test_bad_environment_value_is_invalid_argument(environ, words):
     with pytest.raises(InvalidArgument) as error:
