@@ -3,6 +3,7 @@
 A debugging aid for grpcurl, not a scheduler: it holds one sequence, streams each token, and releases it.
 """
 
+import asyncio
 import math
 
 from metrale.runtime.errors import InvalidArgument, OutOfRange
@@ -44,7 +45,7 @@ async def generate_tokens(request: pb.GenerateRequest, seq_id: int, servicer):
     stream = request.stream
     # The tokens the sequence may still take: an encoder-decoder's decoder holds its start token, not the source.
     room = servicer.info.max_model_len - (1 if servicer.engine.is_encoder_decoder else len(first.tokens))
-    generated, emitted = [], ""
+    generated, emitted, released = [], "", False
     try:
         for index in range(request.max_new_tokens):
             out, _ = await servicer.run_step(stream, step)
@@ -63,10 +64,13 @@ async def generate_tokens(request: pb.GenerateRequest, seq_id: int, servicer):
             if o.top_logprobs is not None:
                 response.top_logprobs.CopyFrom(pb.TopLogprobs(seq_id=seq_id, token_ids=o.top_logprobs[0],
                                                               logprobs=o.top_logprobs[1]))
+            if reason:      # freed before the last answer, so that a client that then asks Info finds it gone
+                released = True
+                await asyncio.wrap_future(servicer.release_in_order(stream, [seq_id]))
             yield response
             if reason:
                 return
             step = Step(decode=(DecodeToken(seq_id, o.token),))
     finally:
-        # Queued behind this request's last step, which may still be running if the client cancelled.
-        servicer.release_in_order(stream, [seq_id])
+        if not released:    # queued behind this request's last step, which may still run if the client cancelled
+            servicer.release_in_order(stream, [seq_id])

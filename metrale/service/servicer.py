@@ -5,7 +5,7 @@ runs on its own threads (text.py), and steps on the streams."""
 
 import asyncio
 import contextlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import structlog
 
@@ -262,9 +262,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.text.close()
         self._control.shutdown(wait=True)
 
-    def release_in_order(self, stream: int, seq_ids: list[int]) -> None:
-        """Frees sequences after the work already queued on the stream; not awaited, so it survives cancellation."""
-        self.threads.submit_in_order(stream, lambda: self.engine.release(seq_ids))
+    def release_in_order(self, stream: int, seq_ids: list[int]) -> Future:
+        """Frees sequences after the work already queued on the stream; the caller may wait for it, or not (it then
+        survives the caller's cancellation)."""
+        return self.threads.submit_in_order(stream, lambda: self.engine.release(seq_ids))
 
     async def run_on_stream(self, stream: int, seq_ids: list[int], work, after=None):
         """Runs work(cancelled) on the stream's stream; returns (result, queue_us). If this handler is
