@@ -10,22 +10,25 @@
 
 namespace {
 
-constexpr int LATENT_TILE = 32;      // cached tokens a tile; a warp scores 8 of them
+constexpr int LATENT_TILE = 32;      // cached tokens a tile
 constexpr int LATENT_ROWS = 16;      // query heads a CTA: the rows of one mma tile
 
 template <int RANK, int ROPE>
 struct Latent {
+    static constexpr int LOADERS = THREADS / LATENT_TILE;   // threads that copy a token's row
     static constexpr int WIDTH = RANK + ROPE;
     static constexpr int STRIDE = WIDTH + 8;            // a row in shared memory, padded: ldmatrix conflict-free
     static constexpr int CHUNKS = WIDTH / 8;            // 16-byte chunks a row
-    static constexpr int P_STRIDE = LATENT_TILE + 8;
     static constexpr int WARP_COLS = RANK / WARPS;      // the output columns a warp accumulates
+    static constexpr int K_STEPS = WIDTH / 16;          // the scores' k steps: warp w takes w, w + 4, ..
+    static constexpr int WARP_STEPS = (K_STEPS + WARPS - 1) / WARPS;
     static constexpr int TILE_ELEMS = LATENT_TILE * STRIDE, Q_ELEMS = LATENT_ROWS * STRIDE;
-    static constexpr int P_ELEMS = LATENT_ROWS * P_STRIDE;
-    // Two token tiles (one landing while the other is used), the CTA's query rows, the tile's probabilities
-    // (bf16), each warp's row maxima (fp32).
-    static constexpr int SHARED_BYTES = 2 * (2 * TILE_ELEMS + Q_ELEMS + P_ELEMS) + 4 * WARPS * LATENT_ROWS;
+    // Two token tiles (the next landing while one is used), the CTA's query rows (bf16), then each warp's
+    // partial scores of a tile (fp32, in fragment order).
+    static constexpr int SCORES_BYTES = WARPS * LATENT_ROWS * LATENT_TILE * 4;
+    static constexpr int SHARED_BYTES = 2 * (2 * TILE_ELEMS + Q_ELEMS) + SCORES_BYTES;
     static_assert(WIDTH % 16 == 0 && WARP_COLS % 8 == 0, "RANK a multiple of 32, ROPE of 16");
+    static_assert(THREADS % LATENT_TILE == 0, "a tile's rows shared evenly by the threads");
 };
 
 // The arguments of a launch (kernels/latent_attention.py passes them in this order).
@@ -51,18 +54,17 @@ struct LatentArgs {
 // grid (num_splits, ceil(heads / 16), S decode queries), or (the longest segment's tokens, ceil(heads / 16), S
 // prefill segments), THREADS threads, Latent::SHARED_BYTES of dynamic shared memory. CTA (split, group, i) attends
 // query i's heads 16 group .. over its tokens [split * partition_size, (split + 1) * partition_size), 32 at a time
-// (the next tile's copy in flight while one is used): each warp scores 8 tokens against the 16 heads, the tile's
-// row maxima meet in shared memory, each warp writes its probabilities there, and each warp then accumulates
-// RANK / 4 columns of P V over all 32 tokens. Every warp keeps the same running maxima; each sums its own tokens'
-// exponentials.
+// (the next tile's copy in flight while one is used). Each warp scores the 32 tokens against the 16 heads over a
+// quarter of the width (its query fragments held in registers), the four partial scores meet in shared memory,
+// and every warp sums them, runs the same online softmax, and feeds its probabilities from registers into P V for
+// its RANK / 4 columns. Every warp so keeps the same maxima and sums.
 template <int RANK, int ROPE>
 __device__ __forceinline__ void latent_decode_attention(const LatentArgs& a) {
     using L = Latent<RANK, ROPE>;
     extern __shared__ __align__(16) unsigned char shared[];
     bf16* tiles = reinterpret_cast<bf16*>(shared);
     bf16* query = tiles + 2 * L::TILE_ELEMS;
-    bf16* probs = query + L::Q_ELEMS;
-    float* maxima = reinterpret_cast<float*>(probs + L::P_ELEMS);     // [WARPS][16]
+    float4* partial_scores = reinterpret_cast<float4*>(query + L::Q_ELEMS);     // [WARPS][4 n tiles][32 lanes]
 
     const int head0 = blockIdx.y * LATENT_ROWS, seq = blockIdx.z, num_splits = gridDim.x;
     // This CTA's query: a decode entry's (split blockIdx.x of its context), or token blockIdx.x of a prefill
@@ -101,22 +103,25 @@ __device__ __forceinline__ void latent_decode_attention(const LatentArgs& a) {
     for (int n = 0; n < L::WARP_COLS / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
     float running_max[2] = {negative_infinity(), negative_infinity()}, sum[2] = {0.f, 0.f};
 
-    // Tokens [start, start + 32) into tile buffer `buffer`; those past hi zero-filled.
+    // Tokens [start, start + 32) into tile buffer `buffer`, those past hi zero-filled: thread LOADERS r + c
+    // copies chunks c, c + LOADERS, .. of row r (one block table lookup a tile).
     auto load_tile = [&](int start, int buffer) {
-        bf16* tile = tiles + buffer * L::TILE_ELEMS;
-        for (int chunk = threadIdx.x; chunk < LATENT_TILE * L::CHUNKS; chunk += THREADS) {
-            const int r = chunk / L::CHUNKS, column = (chunk % L::CHUNKS) * 8, key = start + r;
-            const bf16* source = a.cache;
-            if (key < hi) {
-                const long long slot = ((long long)block_table[key >> a.block_shift] << a.block_shift) +
-                                       (key & ((1 << a.block_shift) - 1));
-                source = a.cache + slot * L::WIDTH + column;
-            }
-            copy_async_16(tile + r * L::STRIDE + column, source, key < hi);
-        }
+        const int r = threadIdx.x / L::LOADERS, key = start + r;
+        bf16* tile_row = tiles + buffer * L::TILE_ELEMS + r * L::STRIDE;
+        const bf16* source = a.cache;
+        if (key < hi)
+            source += (((long long)block_table[key >> a.block_shift] << a.block_shift) +
+                       (key & ((1 << a.block_shift) - 1))) * L::WIDTH;
+#pragma unroll
+        for (int chunk = threadIdx.x % L::LOADERS; chunk < L::CHUNKS; chunk += L::LOADERS)
+            copy_async_16(tile_row + chunk * 8, source + (key < hi ? chunk * 8 : 0), key < hi);
     };
     load_tile(lo, 0);
     copy_async_commit();            // the query rows and the first tile
+
+    // This warp's query fragments (rows 0..15, k steps warp, warp + 4, ..), loaded once the first group lands.
+    unsigned q_frag[L::WARP_STEPS][4];
+    bool first = true;
 
     for (int start = lo, buffer = 0; start < hi; start += LATENT_TILE, buffer ^= 1) {
         // The next tile streams into the other buffer (free: every warp passed the last barrier of the tile
@@ -125,38 +130,61 @@ __device__ __forceinline__ void latent_decode_attention(const LatentArgs& a) {
         copy_async_commit();        // possibly empty: keeps the group count uniform
         copy_async_wait<1>();
         __syncthreads();
+        if (first) {
+            first = false;
+#pragma unroll
+            for (int i = 0; i < L::WARP_STEPS; ++i)
+                if (warp + WARPS * i < L::K_STEPS)
+                    ldmatrix_x4(q_frag[i], query + (lane & 15) * L::STRIDE + 16 * (warp + WARPS * i) +
+                                               (lane >> 4) * 8);
+        }
         const bf16* tile = tiles + buffer * L::TILE_ELEMS;
 
-        // Scores of the 16 heads against this warp's 8 tokens (rows g, g + 8; tokens 2t, 2t + 1).
-        float s[4] = {0.f, 0.f, 0.f, 0.f};
-        const bf16* keys = tile + (8 * warp + (lane & 7)) * L::STRIDE + ((lane >> 3) & 1) * 8;
-#pragma unroll 4
-        for (int kk = 0; kk < L::WIDTH / 16; ++kk) {
-            unsigned q_frag[4], k_frag[4];   // matrices 2, 3 of k_frag repeat 0, 1 (lanes 16.. give the same rows)
-            ldmatrix_x4(q_frag, query + (lane & 15) * L::STRIDE + 16 * kk + (lane >> 4) * 8);
-            ldmatrix_x4(k_frag, keys + 16 * kk);
-            mma_bf16(s, q_frag, k_frag[0], k_frag[1]);
+        // This warp's part of the scores: 16 heads x 32 tokens (n tile j: tokens 8 j ..; rows g, g + 8, tokens
+        // 8 j + 2t, + 1), over its k steps. ldmatrix matrices: tokens 8 j .. then 8 (j + 1) .., k +0 and +8.
+        float s[4][4] = {};
+#pragma unroll
+        for (int i = 0; i < L::WARP_STEPS; ++i) {
+            const int kk = warp + WARPS * i;
+            if (kk >= L::K_STEPS) continue;
+#pragma unroll
+            for (int j = 0; j < 4; j += 2) {
+                unsigned k_frag[4];
+                ldmatrix_x4(k_frag, tile + (8 * j + (lane >> 4) * 8 + (lane & 7)) * L::STRIDE + 16 * kk +
+                                        ((lane >> 3) & 1) * 8);
+                mma_bf16(s[j], q_frag[i], k_frag[0], k_frag[1]);
+                mma_bf16(s[j + 1], q_frag[i], k_frag[2], k_frag[3]);
+            }
         }
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            partial_scores[(warp * 4 + j) * 32 + lane] = make_float4(s[j][0], s[j][1], s[j][2], s[j][3]);
+        __syncthreads();
         float tile_max[2] = {negative_infinity(), negative_infinity()};
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int key = start + 8 * warp + 2 * t + (e & 1);
-            s[e] = key < hi ? s[e] * a.scale_log2 : negative_infinity();
-            tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[e]);
+        for (int j = 0; j < 4; ++j) {
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) {
+                if (w == warp) continue;
+                const float4 other = partial_scores[(w * 4 + j) * 32 + lane];
+                s[j][0] += other.x;
+                s[j][1] += other.y;
+                s[j][2] += other.z;
+                s[j][3] += other.w;
+            }
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = start + 8 * j + 2 * t + (e & 1);
+                s[j][e] = key < hi ? s[j][e] * a.scale_log2 : negative_infinity();
+                tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[j][e]);
+            }
         }
+        float base[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
             tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-            if (t == 0) maxima[warp * LATENT_ROWS + g + 8 * r] = tile_max[r];
-        }
-        __syncthreads();
-        float base[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float m = running_max[r];
-#pragma unroll
-            for (int w = 0; w < WARPS; ++w) m = fmaxf(m, maxima[w * LATENT_ROWS + g + 8 * r]);
+            const float m = fmaxf(running_max[r], tile_max[r]);
             base[r] = m == negative_infinity() ? 0.f : m;      // no token yet: exponentials stay 0, not NaN
             const float correction = fast_exp2(running_max[r] - base[r]);
             running_max[r] = m;
@@ -167,23 +195,23 @@ __device__ __forceinline__ void latent_decode_attention(const LatentArgs& a) {
                 acc[n][2 * r + 1] *= correction;
             }
         }
+        // The probabilities as the A operand of P V: k step kk is tokens 16 kk .., n tiles 2 kk and 2 kk + 1.
+        unsigned p_frag[2][4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            s[e] = fast_exp2(s[e] - base[e >> 1]);
-            sum[e >> 1] += s[e];
+        for (int j = 0; j < 4; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[j][e] = fast_exp2(s[j][e] - base[e >> 1]);
+                sum[e >> 1] += s[j][e];
+            }
+            p_frag[j >> 1][2 * (j & 1)] = float2_to_bf16x2(s[j][0], s[j][1]);
+            p_frag[j >> 1][2 * (j & 1) + 1] = float2_to_bf16x2(s[j][2], s[j][3]);
         }
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-            *reinterpret_cast<unsigned*>(probs + (g + 8 * r) * L::P_STRIDE + 8 * warp + 2 * t) =
-                float2_to_bf16x2(s[2 * r], s[2 * r + 1]);
-        __syncthreads();
 
         // P [16 x 32] V [32 x this warp's columns]; V's rows are the tile's, its columns the latent's.
         const int col0 = warp * L::WARP_COLS;
 #pragma unroll
         for (int kk = 0; kk < LATENT_TILE / 16; ++kk) {
-            unsigned p_frag[4];
-            ldmatrix_x4(p_frag, probs + (lane & 15) * L::P_STRIDE + 16 * kk + (lane >> 4) * 8);
 #pragma unroll
             for (int n = 0; n < L::WARP_COLS / 8; n += 2) {
                 // matrices (.trans): tokens +0..7 and +8..15 of columns 8 n .., then of 8 (n + 1) .. (the same
@@ -192,29 +220,25 @@ __device__ __forceinline__ void latent_decode_attention(const LatentArgs& a) {
                 unsigned v_frag[4];
                 ldmatrix_x4_trans(v_frag, tile + (16 * kk + (lane & 7) + ((lane >> 3) & 1) * 8) * L::STRIDE + col0 +
                                               8 * n + second);
-                mma_bf16(acc[n], p_frag, v_frag[0], v_frag[1]);
-                if (n + 1 < L::WARP_COLS / 8) mma_bf16(acc[n + 1], p_frag, v_frag[2], v_frag[3]);
+                mma_bf16(acc[n], p_frag[kk], v_frag[0], v_frag[1]);
+                if (n + 1 < L::WARP_COLS / 8) mma_bf16(acc[n + 1], p_frag[kk], v_frag[2], v_frag[3]);
             }
         }
-        __syncthreads();        // every warp is done with the tile and the probabilities
+        __syncthreads();        // every warp is done with the tile and the partial scores
     }
 
-    // The row sums: this lane's tokens, its quad's, then every warp's (maxima is free: reused for them).
+    // The row sums: this lane's tokens, then its quad's (every warp holds the same).
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 1);
         sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 2);
-        if (t == 0) maxima[warp * LATENT_ROWS + g + 8 * r] = sum[r];
     }
-    __syncthreads();
     const int num_heads = a.heads;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int head_row = g + 8 * r;
         if (head_row >= rows) continue;
-        float total = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) total += maxima[w * LATENT_ROWS + head_row];
+        const float total = sum[r];
         const int head = head0 + head_row;
         const float inverse = 1.f / total;
 #pragma unroll

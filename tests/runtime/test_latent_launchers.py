@@ -27,7 +27,7 @@ def test_decode_launches_match_the_kernels(monkeypatch, max_context, launches):
     assert name == "latent_decode_attention_r512_p64"
     assert [type(a) for a in args] == parameter_types(module, name, "LATENT_ENTRY")
     assert grid == (-(-max_context // 256), 2, 3) and block == 128
-    assert shmem == latent_attention.shared_bytes(512, 64) == 2 * (2 * 32 * 584 + 16 * 584 + 16 * 40) + 256
+    assert shmem == latent_attention.shared_bytes(512, 64) == 2 * (2 * 32 * 584 + 16 * 584) + 4 * 16 * 32 * 4
     if launches == 2:
         (module, name), grid, block, args, _ = recorded[1]
         assert name == "paged_decode_reduce" and grid == (20, 3) and block == 512

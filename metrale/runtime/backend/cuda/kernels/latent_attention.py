@@ -9,19 +9,23 @@ from metrale.runtime.backend.cuda.launch import MAX_GRID_YZ, ceil_div, launch_ke
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 
 MODULE = "latent_attention"
-THREADS = 128                       # attention_tiles.cuh's
 TILE, ROWS = 32, 16                 # latent_attention.cu's LATENT_TILE (tokens a tile) and LATENT_ROWS (heads a CTA)
 SHAPES = ((512, 64), (256, 32), (32, 16))    # the (rank, rope) pairs it is built for
+THREADS = 128                       # attention_tiles.cuh's
 ROPE_THREADS = 128
 LOG2_E = 1.4426950408889634
 NULL = np.uint64(0)
 
 
+def kernel_name(rank: int, rope: int) -> str:
+    return f"latent_decode_attention_r{rank}_p{rope}"
+
+
 def shared_bytes(rank: int, rope: int) -> int:
-    """Latent<RANK, ROPE>::SHARED_BYTES: two token tiles, the query rows, the probabilities, the warps' row
-    maxima."""
+    """Latent<RANK, ROPE>::SHARED_BYTES: two token tiles and the query rows (bf16), the warps' partial scores of a
+    tile (fp32)."""
     stride = rank + rope + 8
-    return 2 * (2 * TILE * stride + ROWS * stride + ROWS * (TILE + 8)) + 4 * 4 * ROWS
+    return 2 * (2 * TILE * stride + ROWS * stride) + THREADS // 32 * 4 * ROWS * TILE
 
 
 def supports(rank: int, rope: int) -> bool:
@@ -62,7 +66,7 @@ def workspace_bound(lib, max_batch: int, heads: int, rank: int, rope: int, max_c
     """float32 elements of partials that cover every decode launch of at most max_batch entries over contexts up
     to max_context: the most splits partition_for may choose for each batch (as attention.decode_workspace_bound
     bounds the decode attention's)."""
-    slots = lib.resident_ctas(f"latent_decode_attention_r{rank}_p{rope}", MODULE, THREADS, shared_bytes(rank, rope))
+    slots = lib.resident_ctas(kernel_name(rank, rope), MODULE, THREADS, shared_bytes(rank, rope))
     quantum = attention.CONTEXT_QUANTUM
     tiles = ceil_div(ceil_div(max(max_context, 1), quantum) * quantum, attention.KV_TILE)
     groups = ceil_div(heads, ROWS)
@@ -73,8 +77,7 @@ def workspace_bound(lib, max_batch: int, heads: int, rank: int, rope: int, max_c
 def partition_for(lib, entries: int, heads: int, max_context: int, rank: int, rope: int) -> tuple[int, int]:
     """(tokens a split, splits) for `entries` queries of `heads` heads over contexts up to max_context: as the
     decode attention kernels choose theirs (attention.decode_partition), a CTA's 16 heads standing for a kv head."""
-    name = f"latent_decode_attention_r{rank}_p{rope}"
-    slots = lib.resident_ctas(name, MODULE, THREADS, shared_bytes(rank, rope))
+    slots = lib.resident_ctas(kernel_name(rank, rope), MODULE, THREADS, shared_bytes(rank, rope))
     return attention.decode_partition(entries, ceil_div(heads, ROWS), max_context, slots)
 
 
@@ -106,7 +109,7 @@ def decode(lib, stream, out: DeviceTensor, q: DeviceTensor, cache: DeviceTensor,
     partial_lse = DeviceTensor(partials.ptr + 4 * entries * heads * splits * rank, (entries * heads * splits,),
                                "float32")
     shared = shared_bytes(rank, rope)
-    kernel = lib.get_with_shared(f"latent_decode_attention_r{rank}_p{rope}", MODULE, shared)
+    kernel = lib.get_with_shared(kernel_name(rank, rope), MODULE, shared)
     launch_kernel(stream, kernel, (splits, ceil_div(heads, ROWS), entries), THREADS, out, np.int64(out.stride), q,
                   np.int64(q.stride), cache, rows, contexts, tables, NULL if table_rows is None else table_rows,
                   tables.shape[1], NULL, partial_out, partial_lse, heads, block_size.bit_length() - 1,
@@ -131,7 +134,7 @@ def prefill(lib, stream, out: DeviceTensor, q: DeviceTensor, cache: DeviceTensor
     if segments == 0 or max_query == 0:
         return
     shared = shared_bytes(rank, rope)
-    kernel = lib.get_with_shared(f"latent_decode_attention_r{rank}_p{rope}", MODULE, shared)
+    kernel = lib.get_with_shared(kernel_name(rank, rope), MODULE, shared)
     partition = ceil_div(max(max_context, 1), TILE) * TILE          # one split: no partials
     launch_kernel(stream, kernel, (max_query, ceil_div(heads, ROWS), segments), THREADS, out,
                   np.int64(out.stride), q, np.int64(q.stride), cache, starts, contexts, tables, NULL, tables.shape[1],
