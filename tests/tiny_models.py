@@ -44,9 +44,10 @@ TINY_MOE = {
 # Multi-head latent attention: DeepSeek-V2-Lite's layout (the query projected directly, greedy softmax routing),
 # V2's (the query's low-rank projection, routing over groups by their best score, YaRN), V3's (sigmoid routing over
 # groups with its correction bias, YaRN with both mscales) and MiniCPM3 (dense, its scalings away from 1). Heads of
-# 16 + 16 query-key dims (the rotary part interleaved in DeepSeek's) and 24 value dims.
-MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
-           v_head_dim=24)
+# 32 + 16 query-key dims (the rotary part interleaved in DeepSeek's) and 16 value dims: all unequal, as the CUDA
+# prefill kernel builds them.
+MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
+           v_head_dim=16)
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128, beta_fast=32,
             beta_slow=1, mscale=0.9, mscale_all_dim=0.8)
 TINY_MLA = {

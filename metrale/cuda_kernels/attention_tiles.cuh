@@ -105,16 +105,17 @@ __device__ __forceinline__ void load_query_fragment(unsigned (&a)[4], const bf16
     ldmatrix_x4(a, tile + (row0 + (lane & 15)) * Tile<HEAD_DIM>::STRIDE + 16 * kk + (lane >> 4) * 8);
 }
 
-// Online softmax of one warp's 16 query rows; this lane holds rows g and g + 8 (index r = 0, 1).
-template <int HEAD_DIM>
+// Online softmax of one warp's 16 query rows; this lane holds rows g and g + 8 (index r = 0, 1). Scores over
+// QK_DIM, values of V_DIM (multi-head latent attention's prefill: 192 and 128).
+template <int QK_DIM, int V_DIM = QK_DIM>
 struct WarpAttention {
-    float acc[HEAD_DIM / 8][4];   // unnormalized output, C fragments of 8-column tiles
+    float acc[V_DIM / 8][4];      // unnormalized output, C fragments of 8-column tiles
     float row_max[2];             // running max of the scaled scores (base 2)
     float row_sum[2];             // this lane's share of the sum of exponentials (quad-summed by finish)
 
     __device__ __forceinline__ void start() {
 #pragma unroll
-        for (int n = 0; n < HEAD_DIM / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+        for (int n = 0; n < V_DIM / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
         row_max[0] = row_max[1] = negative_infinity();
         row_sum[0] = row_sum[1] = 0.f;
     }
@@ -131,14 +132,14 @@ struct WarpAttention {
 #pragma unroll
         for (int j = 0; j < KEYS / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
 #pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        for (int kk = 0; kk < QK_DIM / 16; ++kk) {
             unsigned a[4];
             query(kk, a);
 #pragma unroll
             for (int j = 0; j < KEYS / 16; ++j) {
                 // matrices: keys +0..7 dims +0..7 (b0), keys +0..7 dims +8..15 (b1), then keys +8..15 likewise
                 unsigned b[4];
-                ldmatrix_x4(b, k_tile + (key0 + 16 * j + (lane & 7) + ((lane >> 4) << 3)) * Tile<HEAD_DIM>::STRIDE +
+                ldmatrix_x4(b, k_tile + (key0 + 16 * j + (lane & 7) + ((lane >> 4) << 3)) * Tile<QK_DIM>::STRIDE +
                                    16 * kk + ((lane >> 3) & 1) * 8);
                 mma_bf16(s[2 * j], a, b[0], b[1]);
                 mma_bf16(s[2 * j + 1], a, b[2], b[3]);
@@ -168,7 +169,7 @@ struct WarpAttention {
             row_max[r] = new_max;
             row_sum[r] *= correction;
 #pragma unroll
-            for (int n = 0; n < HEAD_DIM / 8; ++n) {
+            for (int n = 0; n < V_DIM / 8; ++n) {
                 acc[n][2 * r] *= correction;
                 acc[n][2 * r + 1] *= correction;
             }
@@ -197,11 +198,11 @@ struct WarpAttention {
 #pragma unroll
         for (int i = 0; i < KEYS / 16; ++i) {
 #pragma unroll
-            for (int n = 0; n < HEAD_DIM / 16; ++n) {
+            for (int n = 0; n < V_DIM / 16; ++n) {
                 // matrices (.trans): keys +0..7 dims +0..7 (b0), keys +8..15 dims +0..7 (b1), then dims +8..15
                 unsigned b[4];
                 ldmatrix_x4_trans(b, v_tile + (key0 + 16 * i + (lane & 7) + (((lane >> 3) & 1) << 3)) *
-                                                  Tile<HEAD_DIM>::STRIDE + 16 * n + (lane >> 4) * 8);
+                                                  Tile<V_DIM>::STRIDE + 16 * n + (lane >> 4) * 8);
                 mma_bf16(acc[2 * n], probs[i], b[0], b[1]);
                 mma_bf16(acc[2 * n + 1], probs[i], b[2], b[3]);
             }
@@ -217,40 +218,55 @@ struct WarpAttention {
     }
 };
 
-// The K/V loop shared by both kernels, over the 64-key tiles holding keys [lo, hi). The caller has issued
-// and committed the copy of its Q tile; read_query() runs once it has landed (prefill stages Q in v_tile
+// The K/V loop shared by the attention kernels, over the 64-key tiles holding keys [lo, hi): load_k(tile,
+// start) and load_v(tile, start) issue the copies of the tile's K or V rows into its buffer. The caller has
+// issued and committed the copy of its Q tile; read_query() runs once it has landed (prefill stages Q in v_tile
 // and takes it into registers). K and V alternate so that one streams in while the other is used, and the
 // next tile is issued as soon as its buffer is free: V(j) loads during the scores of K(j), K(j + 1) during
 // P V(j). (Waiting for K(j) before issuing V(j) saves two of the four barriers but leaves one tile in
 // flight instead of two: decode at batch 64 x 4096 fell from 0.85 to 0.74 of copy bandwidth on an H200.)
 // step(tile_start, phase) runs phase 0 (scores, K tile ready) and phase 1 (values, V tile ready).
 // On return every copy has landed and every warp is done with both tiles.
-template <int HEAD_DIM, typename ReadQuery, typename Step>
-__device__ __forceinline__ void for_each_kv_tile(bf16* k_tile, bf16* v_tile, const bf16* k_plane,
-                                                 const bf16* v_plane, const int* block_table, int block_shift,
-                                                 int token_stride, int lo, int hi, ReadQuery read_query, Step step) {
+template <typename LoadK, typename LoadV, typename ReadQuery, typename Step>
+__device__ __forceinline__ void for_each_tile(int lo, int hi, LoadK load_k, LoadV load_v, ReadQuery read_query,
+                                              Step step) {
     const int first = lo & ~(KV_TILE - 1);
-    load_kv_tile<HEAD_DIM>(k_tile, k_plane, block_table, block_shift, token_stride, first, lo, hi);
+    load_k(first);
     copy_async_commit();
     copy_async_wait<1>();
     __syncthreads();                // Q visible to all warps
     read_query();
     __syncthreads();                // every warp holds its Q: v_tile is free
     for (int tile = first; tile < hi; tile += KV_TILE) {
-        load_kv_tile<HEAD_DIM>(v_tile, v_plane, block_table, block_shift, token_stride, tile, lo, hi);
+        load_v(tile);
         copy_async_commit();
         copy_async_wait<1>();
         __syncthreads();            // K(tile) visible
         step(tile, 0);
         __syncthreads();            // every warp is done with K(tile)
-        if (tile + KV_TILE < hi)
-            load_kv_tile<HEAD_DIM>(k_tile, k_plane, block_table, block_shift, token_stride, tile + KV_TILE, lo, hi);
+        if (tile + KV_TILE < hi) load_k(tile + KV_TILE);
         copy_async_commit();        // possibly empty: keeps the group count uniform
         copy_async_wait<1>();
         __syncthreads();            // V(tile) visible
         step(tile, 1);
         __syncthreads();            // every warp is done with V(tile)
     }
+}
+
+// for_each_tile over the paged KV cache: K and V tiles of HEAD_DIM through the block table.
+template <int HEAD_DIM, typename ReadQuery, typename Step>
+__device__ __forceinline__ void for_each_kv_tile(bf16* k_tile, bf16* v_tile, const bf16* k_plane,
+                                                 const bf16* v_plane, const int* block_table, int block_shift,
+                                                 int token_stride, int lo, int hi, ReadQuery read_query, Step step) {
+    for_each_tile(
+        lo, hi,
+        [&](int start) {
+            load_kv_tile<HEAD_DIM>(k_tile, k_plane, block_table, block_shift, token_stride, start, lo, hi);
+        },
+        [&](int start) {
+            load_kv_tile<HEAD_DIM>(v_tile, v_plane, block_table, block_shift, token_stride, start, lo, hi);
+        },
+        read_query, step);
 }
 
 }  // namespace

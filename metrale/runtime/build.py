@@ -98,6 +98,7 @@ def _latent_shapes(c) -> dict:
         return {}
     width = c.kv_lora_rank + c.qk_rope_head_dim
     return dict(latent_heads=c.num_heads, latent_rank=c.kv_lora_rank, latent_rope=c.qk_rope_head_dim,
+                latent_nope=c.qk_nope_head_dim, latent_v=c.v_head_dim,
                 latent_width=c.num_heads * (width + c.kv_lora_rank + c.v_head_dim) + 2 * width + c.q_lora_rank)
 
 

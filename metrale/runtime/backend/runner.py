@@ -40,11 +40,14 @@ class MemoryShapes:
     ssm_chunk_size: int = 0
     # Activation elements per token of a layer's mixture of experts (0: none), beside its attention.
     moe_width: int = 0
-    # Multi-head latent attention (latent_rank 0: none): its heads, latent and rotary widths, and the activation
-    # elements per token its attention takes beyond q_size and kv_size's (the latent-space query and output).
+    # Multi-head latent attention (latent_rank 0: none): its heads, latent and rotary widths, a head's key dims
+    # without position and value dims, and the activation elements per token its attention takes beyond q_size and
+    # kv_size's (the latent-space query and output).
     latent_heads: int = 0
     latent_rank: int = 0
     latent_rope: int = 0
+    latent_nope: int = 0
+    latent_v: int = 0
     latent_width: int = 0
     # Device streams: a backend that runs forwards at once gives each its own workspaces.
     streams: int = 1

@@ -1,6 +1,7 @@
 """latent_attention.cu against torch: attention in the latent space over a paged latent cache (every built rank and
 rope width, heads that fill no, one or several 16-head tiles, contexts in one split and in many, merged by
-paged_decode_reduce), and the rotary parts with the cache rows rope_and_write_latent writes."""
+paged_decode_reduce), and the rotary parts with the cache rows rope_and_write_latent writes; and the up-projected
+prefill attention of prefill_attention.cu, its contexts in one piece and in several."""
 
 import pytest
 import torch
@@ -8,7 +9,8 @@ import torch
 pytest.importorskip("cuda.core")
 
 from gpu_reference import TOLERANCE, relative_error  # noqa: E402
-from metrale.runtime.backend.cuda.kernels import latent_attention  # noqa: E402
+from metrale.runtime.backend.cuda import latent_prefill  # noqa: E402
+from metrale.runtime.backend.cuda.kernels import attention, latent_attention  # noqa: E402
 from metrale.runtime.backend.cuda.tensor import DeviceTensor  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -150,3 +152,60 @@ def test_rope_and_write_latent_matches_torch(kernel_library, stream):
         if slot >= 0:
             assert torch.equal(cache[slot].cpu(), want_rows[t])
     assert not cache[[1, 3, 5]].any()       # rows no token names stay as they were
+
+
+@pytest.mark.parametrize("dims", attention.LATENT_PREFILL_DIMS)
+@pytest.mark.parametrize("piece_rows", [None, 64, 128])
+def test_up_projected_prefill_matches_torch(kernel_library, stream, dims, piece_rows):
+    """prefill_attention.cu's latent_prefill_attention: two segments (a later chunk over 110 earlier keys, a
+    prompt whole) over their contexts in one piece, or in pieces of 64 or 128 keys merged by log-sum-exp."""
+    nope, rope, v = dims
+    heads, contexts, lens, scale = 3, [150, 70], [40, 70], 0.7 / (nope + rope) ** 0.5
+    generator = torch.Generator().manual_seed(nope + (piece_rows or 0))
+    tokens = sum(lens)
+    q = torch.randn(tokens, heads * (nope + rope), generator=generator).bfloat16()
+    keys = [torch.randn(c, heads * nope, generator=generator).bfloat16() for c in contexts]
+    values = [torch.randn(c, heads * v, generator=generator).bfloat16() for c in contexts]
+    ropes = [torch.randn(c, rope, generator=generator).bfloat16() for c in contexts]
+    starts = [0, lens[0]]
+    want = torch.empty(tokens, heads * v, dtype=torch.float64)
+    for s, (context, n) in enumerate(zip(contexts, lens)):
+        query = q[starts[s]:starts[s] + n].double().view(n, heads, nope + rope)
+        key = torch.cat([keys[s].double().view(context, heads, nope),
+                         ropes[s].double()[:, None, :].expand(context, heads, rope)], dim=-1)
+        scores = torch.einsum("qhd,khd->hqk", query, key) * scale
+        positions = torch.arange(context - n, context)
+        scores.masked_fill_(torch.arange(context)[None, None, :] > positions[None, :, None], float("-inf"))
+        out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), values[s].double().view(context, heads, v))
+        want[starts[s]:starts[s] + n] = out.reshape(n, -1)
+
+    identity = [list(range(c)) for c in contexts]
+    pieces = latent_prefill.plan_pieces(contexts, identity, 1, piece_rows or sum(contexts))
+    assert len(pieces) == (1 if piece_rows is None else -(-sum(contexts) // piece_rows))
+    out = torch.full((tokens, heads * v), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    acc = torch.empty(tokens, heads * v, device=DEVICE)
+    lse = torch.empty(tokens, heads, device=DEVICE)
+    meta = {name: torch.tensor(values_, dtype=torch.int32, device=DEVICE)
+            for name, values_ in (("starts", starts), ("lens", lens), ("contexts", contexts))}
+    kept = []
+    for i, piece in enumerate(pieces):
+        rows = int(piece.slots.size)
+        k_rows = torch.zeros(rows, heads * nope, dtype=torch.bfloat16)
+        v_rows = torch.zeros(rows, heads * v, dtype=torch.bfloat16)
+        r_rows = torch.zeros(rows, rope, dtype=torch.bfloat16)
+        for s in range(len(contexts)):
+            lo, hi, at = int(piece.key_lo[s]), int(piece.key_hi[s]), int(piece.row_starts[s])
+            k_rows[at:at + hi - lo], v_rows[at:at + hi - lo], r_rows[at:at + hi - lo] = (
+                keys[s][lo:hi], values[s][lo:hi], ropes[s][lo:hi])
+        device = [t.to(DEVICE) for t in (k_rows, v_rows, r_rows, q)]
+        ranges = [torch.from_numpy(a).to(DEVICE) for a in (piece.key_lo, piece.key_hi, piece.row_starts)]
+        kept += device + ranges
+        k_dev, v_dev, r_dev, q_dev = device
+        attention.latent_prefill_attention(
+            kernel_library, stream, d(out), (d(acc), d(lse)) if len(pieces) > 1 else None,
+            d(q_dev).columns(0, nope), nope + rope, d(q_dev).columns(nope, nope + rope), nope + rope, d(k_dev),
+            d(v_dev), d(r_dev), d(meta["starts"]), d(meta["lens"]), d(meta["contexts"]),
+            attention.LatentPiece(*(d(t) for t in ranges)), heads, scale, 2, max(lens), first=i == 0,
+            last=i == len(pieces) - 1)
+    stream.sync()
+    assert relative_error(out.float().cpu(), want) < TOLERANCE[torch.bfloat16]

@@ -37,6 +37,10 @@ class CudaBatch:
     host: np.ndarray              # kept alive until the forward is synchronized
     # Models with recurrent layers: every segment's rows and (source, destination) state slots, for the SSM kernels.
     states: Segments | None = None
+    # The prefill segments' contexts and block tables on the host (None in a prefill graph's padded batch), and
+    # what multi-head latent attention plans from them at its first layer (latent_prefill.py).
+    prefill_spans: tuple[tuple[int, ...], tuple] | None = None
+    latent_plan: object = None
 
 
 class PrefillPadding(NamedTuple):
@@ -125,7 +129,9 @@ def pack_batch(batch: ForwardBatch, region: DeviceTensor, max_blocks: int, pad_t
     return CudaBatch(**views, states=states, num_tokens=rows, num_decode=decode_rows, num_prefill=prefill_rows,
                      max_decode_context=max((contexts[i] for i in single), default=0),
                      max_prefill_query=prefill.max_query if prefill else max((lens[i] for i in multi), default=0),
-                     samples_every_row=bool(pad_to) or (not prefill and batch.samples_every_row), host=host)
+                     samples_every_row=bool(pad_to) or (not prefill and batch.samples_every_row), host=host,
+                     prefill_spans=None if prefill else (tuple(contexts[i] for i in multi),
+                                                         tuple(batch.block_tables[i] for i in multi)))
 
 
 STATE_PARTS = ("state_starts", "state_lens", "state_sources", "state_destinations")

@@ -6,7 +6,7 @@ No torch on this path: torch only hands over checkpoint tensors at load time."""
 import numpy as np
 import torch
 
-from metrale.runtime.backend.cuda import kernels
+from metrale.runtime.backend.cuda import kernels, latent_prefill
 from metrale.runtime.backend.cuda.batch import CudaBatch
 from metrale.runtime.backend.cuda.resources import CudaResources
 from metrale.runtime.backend.cuda.stream_context import StreamContext, padded_vocab
@@ -255,33 +255,40 @@ class CudaLayerMath:
 
     def latent_attention(self, q, latent, rope_key, mla: LatentAttention, rope: RopeTable, batch: CudaBatch, cache,
                          scale):
-        """In the latent space, as the CPU backend: k_up folded into each head's query (one strided batched GEMM),
-        the rotary parts rotated and each token's row written (one launch), latent_attention.cu's attention (decode
-        rows split over their contexts; prefill tokens each over its causal context), then v_up (one GEMM)."""
+        """Decode rows in the latent space: k_up folded into each head's query (one strided batched GEMM), the
+        rotary parts rotated and each token's row written (one launch), latent_attention.cu's attention split over
+        their contexts, then v_up (one GEMM). Prefill rows up-projected (latent_prefill.py), or where that does not
+        apply, in the latent space as decode rows, each token over its causal context."""
         ctx, gemm, la = self.resources.bound.context, self.resources.gemm, kernels.latent_attention
         tokens, heads, nope, rank, rope_dim = q.shape[0], mla.num_heads, mla.nope_dim, mla.kv_lora_rank, mla.rope_dim
         width = mla.cache_width
         rows = DeviceTensor(cache.ptr, (cache.shape[0] * cache.shape[1], width), "bfloat16")
+        block_size = cache.shape[1]
+        plan = latent_prefill.plan_for(ctx, batch, mla, block_size) if batch.num_prefill else None
+        latent_space = batch.num_decode or plan is None     # some rows attend in the latent space
         query = ctx.new(tokens, heads * width)
-        gemm.head_linear(ctx.stream, query.columns(0, rank), q.columns(0, nope), mla.k_up, nope + rope_dim, width,
-                         ctx.gemm_workspace, transposed=True)
+        if latent_space:
+            gemm.head_linear(ctx.stream, query.columns(0, rank), q.columns(0, nope), mla.k_up, nope + rope_dim,
+                             width, ctx.gemm_workspace, transposed=True)
         la.rope_and_write(self.lib, ctx.stream, query.columns(rank, width), width, q.columns(nope, nope + rope_dim),
                           nope + rope_dim, latent, rope_key, rope.cos, rope.sin, batch.positions, batch.slot_mapping,
                           rows, heads)
-        attended = ctx.new(tokens, heads * rank)
-        block_size = cache.shape[1]
-        if batch.num_decode:
-            la.decode(self.lib, ctx.stream, attended, query, rows, batch.decode_rows, batch.decode_contexts,
-                      batch.decode_tables, None, ctx.decode_partials, heads, block_size, scale,
-                      batch.max_decode_context)
-        if batch.num_prefill:
-            max_context = self.resources.shapes.max_blocks_per_seq * block_size
-            la.prefill(self.lib, ctx.stream, attended, query, rows, batch.prefill_starts, batch.prefill_lens,
-                       batch.prefill_contexts, batch.prefill_tables, heads, block_size, scale, batch.num_prefill,
-                       batch.max_prefill_query, max_context)
         out = ctx.new(tokens, heads * mla.v_dim)
-        gemm.head_linear(ctx.stream, out.columns(0, mla.v_dim), attended.columns(0, rank), mla.v_up, rank, mla.v_dim,
-                         ctx.gemm_workspace)
+        if latent_space:
+            attended = ctx.new(tokens, heads * rank)
+            if batch.num_decode:
+                la.decode(self.lib, ctx.stream, attended, query, rows, batch.decode_rows, batch.decode_contexts,
+                          batch.decode_tables, None, ctx.decode_partials, heads, block_size, scale,
+                          batch.max_decode_context)
+            if batch.num_prefill and plan is None:
+                max_context = self.resources.shapes.max_blocks_per_seq * block_size
+                la.prefill(self.lib, ctx.stream, attended, query, rows, batch.prefill_starts, batch.prefill_lens,
+                           batch.prefill_contexts, batch.prefill_tables, heads, block_size, scale, batch.num_prefill,
+                           batch.max_prefill_query, max_context)
+            gemm.head_linear(ctx.stream, out.columns(0, mla.v_dim), attended.columns(0, rank), mla.v_up, rank,
+                             mla.v_dim, ctx.gemm_workspace)
+        if plan is not None:        # the prefill rows, over what v_up wrote there
+            latent_prefill.attend(self.lib, gemm, ctx, batch, plan, out, q, query, rows, mla, scale)
         return out
 
     def paged_attention(self, q, kv, batch: CudaBatch, num_kv_heads, head_dim, scale, sliding_window, causal=True):

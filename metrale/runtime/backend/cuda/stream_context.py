@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from cuda.core import EventOptions, StreamOptions
 
-from metrale.runtime.backend.cuda import kernels
+from metrale.runtime.backend.cuda import kernels, latent_prefill
 from metrale.runtime.backend.cuda.batch import CudaBatch, PrefillPadding, metadata_elements, pack_batch, set_tokens
 from metrale.runtime.backend.cuda.device import ALIGNMENT, Arena, CudaDevice, RingArena
 from metrale.runtime.backend.cuda.graphs import DecodeGraphs, PrefillGraphs
@@ -51,7 +51,7 @@ def stream_buffers(lib, shapes: MemoryShapes) -> Buffers:
             max_context)
     else:
         partials = 0
-    return {
+    buffers = {
         "workspace": ((WORKSPACE_LAYERS * per_layer + 4 * t * shapes.hidden * 2,), "uint8"),
         # The LM head's output in the model's dtype, as transformers' bf16 run has it; as wide as the LM head's
         # padded rows (padded_vocab): the GEMM writes them all.
@@ -75,6 +75,13 @@ def stream_buffers(lib, shapes: MemoryShapes) -> Buffers:
         # moe_route's count of its finished blocks: 0 between launches (its last block resets it).
         "moe_done": ((1,), "int32"),
     }
+    # Multi-head latent attention's up-projected prefill (latent_prefill.py), where its head dims are built.
+    if shapes.latent_rank and latent_prefill.supports(shapes.latent_nope, shapes.latent_rope, shapes.latent_v):
+        sizes = latent_prefill.buffer_elements(shapes.latent_rank + shapes.latent_rope, shapes.latent_heads,
+                                               shapes.latent_nope, shapes.latent_v, t)
+        buffers.update({"latent_keys": ((sizes["keys"],), "bfloat16"), "latent_merge": ((sizes["merge"],), "float32"),
+                        "latent_plan": ((sizes["plan"],), "int32")})
+    return buffers
 
 
 def padded_vocab(vocab: int) -> int:
@@ -109,6 +116,8 @@ class StreamContext:
         self.latest_candidates: StreamCandidates | None = None      # what the candidates buffer holds
         self.beam_state = taken["beam_state"]
         self.moe_done = taken["moe_done"]
+        self.latent_keys, self.latent_merge = taken.get("latent_keys"), taken.get("latent_merge")
+        self.latent_plan = taken.get("latent_plan")
         # A beam search step's done flags (and fault flag), written here by its fork kernel while the next step is
         # queued: two steps' worth, in pinned memory the device writes directly (no copy between the kernels).
         self.beam_flags = cuda.pinned((2, shapes.max_seqs + 1), "int32")

@@ -279,3 +279,75 @@ def _check_common(name: str, out: DeviceTensor, q: DeviceTensor, kv_cache: Devic
     require_aligned(out, 4, f"{name}: out")
     require(kv_cache.ptr % 16 == 0, f"{name}: kv_cache must be 16-byte aligned")
     require(block_tables.ptr % 4 == 0, f"{name}: block_tables must be 4-byte aligned")
+
+
+# Multi-head latent attention's up-projected prefill: the (nope, rope, v) head dims prefill_attention.cu builds.
+LATENT_PREFILL_DIMS = ((128, 64, 128), (64, 32, 64), (32, 16, 16))
+
+
+class LatentPiece(NamedTuple):
+    """Where one piece of the prefill segments' contexts lies (latent_prefill_attention): segment s's keys
+    key_lo[s] .. key_hi[s] at workspace rows row_starts[s] .., int32 [S] each, on the device."""
+    key_lo: DeviceTensor
+    key_hi: DeviceTensor
+    row_starts: DeviceTensor
+
+
+def latent_prefill_shared_bytes(nope: int, rope: int, v: int) -> int:
+    """LatentPrefill<NOPE, ROPE, V>::SHARED_BYTES: the K tile, then the Q tile or the V tile."""
+    qk_stride, v_stride = nope + rope + 8, v + 8
+    return 2 * KV_TILE * (qk_stride + max(qk_stride, v_stride))
+
+
+def latent_prefill_attention(lib, stream, out: DeviceTensor, merged: tuple[DeviceTensor, DeviceTensor] | None,
+                             q_nope: DeviceTensor, q_head_stride: int, q_rope: DeviceTensor, rope_q_head_stride: int,
+                             k_nope: DeviceTensor, values: DeviceTensor, rope_keys: DeviceTensor,
+                             query_starts: DeviceTensor, query_lens: DeviceTensor, context_lens: DeviceTensor,
+                             piece: LatentPiece, heads: int, scale: float, num_segments: int, max_query_len: int,
+                             first: bool, last: bool) -> None:
+    """Causal attention of each prefill segment's queries (as paged_prefill_attention's segments) over one piece
+    of its context. Query row t of head h: q_nope's head-h columns [T, nope] (head h's q_head_stride elements on),
+    then q_rope's [T, rope] (its rotated rotary part, rope_q_head_stride apart). The piece's keys, up-projected, in
+    workspace rows (LatentPiece): k_nope [rows, heads * nope], values [rows, heads * v], rope_keys [rows, rope] (any
+    row stride: every head's rotary key). The pieces of a context merge through `merged` (acc [T, heads * v] and
+    lse [T, heads], float32): the first piece writes them, the last writes out [T, heads * v] bf16; one piece
+    (first and last) needs none."""
+    nope, v = k_nope.shape[1] // heads, values.shape[1] // heads
+    rope = rope_keys.shape[1]
+    require((nope, rope, v) in LATENT_PREFILL_DIMS,
+            f"latent prefill attention: head dims {(nope, rope, v)} are not built (only {LATENT_PREFILL_DIMS})")
+    tokens = q_nope.shape[0]
+    for name, tensor, width, head_stride in (("q_nope", q_nope, nope, q_head_stride),
+                                             ("q_rope", q_rope, rope, rope_q_head_stride)):
+        require(tensor.dtype == "bfloat16" and tensor.shape == (tokens, width) and tensor.ptr % 16 == 0
+                and tensor.stride % 8 == 0 and head_stride % 8 == 0
+                and (heads - 1) * head_stride + width <= tensor.stride,
+                f"latent prefill attention: {name} must be 16-byte aligned bf16 [T, {width}] columns of rows "
+                f"holding {heads} heads")
+    require(out.dtype == "bfloat16" and out.shape == (tokens, heads * v) and out.stride % 2 == 0,
+            f"latent prefill attention: out must be bf16 [{tokens}, {heads * v}]")
+    for name, tensor in (("k_nope", k_nope), ("values", values), ("rope_keys", rope_keys)):
+        require(tensor.dtype == "bfloat16" and tensor.ptr % 16 == 0 and tensor.stride % 8 == 0,
+                f"latent prefill attention: {name} must be 16-byte aligned bf16 rows")
+    require(k_nope.is_contiguous and values.is_contiguous and k_nope.shape[0] == values.shape[0]
+            and rope_keys.shape[0] >= k_nope.shape[0],
+            "latent prefill attention: k_nope and values must be contiguous, one row a key (rope_keys' too)")
+    require(merged is not None or (first and last), "latent prefill attention: several pieces need acc and lse")
+    acc, lse = merged if merged is not None else (None, None)
+    if merged is not None:
+        require(acc.dtype == "float32" and acc.shape == (tokens, heads * v) and acc.is_contiguous
+                and lse.dtype == "float32" and lse.shape == (tokens, heads) and lse.is_contiguous,
+                f"latent prefill attention: acc and lse must be contiguous float32 [T, {heads * v}] and [T, {heads}]")
+    require(num_segments <= MAX_GRID_YZ and heads <= MAX_GRID_YZ,
+            f"latent prefill attention: at most {MAX_GRID_YZ} segments and heads")
+    if num_segments == 0 or max_query_len == 0:
+        return
+    shared = latent_prefill_shared_bytes(nope, rope, v)
+    kernel = lib.get_with_shared(f"latent_prefill_attention_n{nope}_r{rope}_v{v}", PREFILL_MODULE, shared)
+    null = np.uint64(0)
+    launch_kernel(stream, kernel, (ceil_div(max_query_len, PREFILL_ROWS), heads, num_segments), THREADS, out,
+                  np.int64(out.stride), null if acc is None else acc, null if lse is None else lse, q_nope,
+                  np.int64(q_nope.stride), q_head_stride, q_rope, np.int64(q_rope.stride), rope_q_head_stride, k_nope,
+                  values, rope_keys, rope_keys.stride, query_starts, query_lens, context_lens, piece.key_lo,
+                  piece.key_hi, piece.row_starts, heads, np.float32(scale * LOG2_E), int(first), int(last),
+                  shmem=shared)
