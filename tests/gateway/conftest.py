@@ -16,7 +16,8 @@ from tiny_models import write_tiny  # noqa: E402
 
 
 def start_worker(directory, num_streams: int = 1) -> InProcessWorker:
-    """A worker of the checkpoint on the CPU, 96 tokens a sequence at most, 64 blocks of 16."""
+    """A worker of the checkpoint (a directory or a GGUF) on the CPU, 96 tokens a sequence at most, 64 blocks of
+    16."""
     checkpoint = load_checkpoint(directory)
     config = WorkerConfig(host="127.0.0.1", port=0, drain_timeout=5.0,
                           engine=EngineConfig(device="cpu", kv_blocks=64, max_model_len=96, max_batch_tokens=256,
@@ -33,6 +34,14 @@ def tiny_dir(tmp_path_factory):
 def worker(tiny_dir):
     """A tiny random Llama on one stream."""
     running = start_worker(tiny_dir)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def default_worker(default_gguf):
+    """The embedded default model (SmolLM2-135M with its tokenizer), for what needs text."""
+    running = start_worker(default_gguf)
     yield running
     running.stop()
 

@@ -1,6 +1,6 @@
 """The reference gateway's continuous batching against a real worker: concurrent requests give exactly the tokens
-each gives alone (greedy), stops end a completion before its stop token, and a consumer that goes away has its
-sequence released."""
+each gives alone (greedy), stops end a completion before its stop token, a consumer that goes away has its
+sequence released, and n completions of one prompt share its prefill through Fork."""
 
 import asyncio
 import random
@@ -74,3 +74,101 @@ def test_a_consumer_that_leaves_has_its_sequence_released(worker):
 
     first, live = asyncio.run(leave_early())
     assert isinstance(first, int) and live == 0
+
+
+async def serve_group(address: str, group: list[Completion], beside: list[Completion] = ()) -> list[list[int]]:
+    """The group's completions' tokens (n > 1 of one prompt), with other requests running beside it."""
+    link = WorkerLink(address)
+    await link.open()
+    scheduler = Scheduler(link, chunk_tokens=16)
+    runner = asyncio.create_task(scheduler.run())
+
+    async def collect(completion):
+        return [token async for token in scheduler.tokens(completion)]
+    try:
+        scheduler.submit_group(group)
+        for completion in beside:
+            scheduler.submit(completion)
+        results = await asyncio.gather(*(collect(c) for c in [*group, *beside]))
+        return list(results[:len(group)])
+    finally:
+        scheduler.stop()
+        await runner
+        await link.close()
+
+
+def test_n_greedy_completions_fork_and_match_one_alone(worker):
+    """Greedy children continue exactly as one completion alone, beside other requests; all are released."""
+    [request] = completions(1, seed=7)
+    request.prompt, request.max_tokens = [random.Random(1).randrange(3, 256) for _ in range(37)], 12
+    [alone] = asyncio.run(serve(worker.address, [request], together=False))
+    group = [Completion(prompt=request.prompt, max_tokens=12, ignore_eos=True) for _ in range(3)]
+    assert asyncio.run(serve_group(worker.address, group, beside=completions(4, seed=9))) == [alone] * 3
+    assert all(c.finish_reason == "length" for c in group)
+    assert worker.stub.Info(pb.InfoRequest()).live_sequences == 0
+
+
+def test_n_sampled_completions_differ_and_repeat(worker):
+    """Sampled forks (the worker derives each one's seed from the first's) take different paths, and the same group
+    gives the same tokens again."""
+    prompt = [random.Random(2).randrange(3, 256) for _ in range(20)]
+
+    def group():
+        return [Completion(prompt=prompt, max_tokens=16, ignore_eos=True,
+                           sampling=pb.SamplingParams(temperature=1.0, seed=100)) for _ in range(2)]
+    first = asyncio.run(serve_group(worker.address, group()))
+    assert first == asyncio.run(serve_group(worker.address, group()))
+    assert first[0] != first[1]
+    assert worker.stub.Info(pb.InfoRequest()).live_sequences == 0
+
+
+def test_a_one_token_prompt_group_runs_each_alone(worker):
+    group = [Completion(prompt=[9], max_tokens=5, ignore_eos=True) for _ in range(2)]
+    first, second = asyncio.run(serve_group(worker.address, group))
+    assert first == second and len(first) == 5
+
+
+def test_a_stop_string_ends_the_completion_before_it(default_worker):
+    """The text of a greedy completion, then the same request stopped at a string from the middle of it: the text
+    up to its first occurrence, the tokens before the one that completed it."""
+    prompt = list(default_worker.stub.Tokenize(pb.TokenizeRequest(text="The capital of France is")).tokens)
+    full = Completion(prompt=prompt, max_tokens=24, ignore_eos=True, stop=("\u0000never",))
+    [tokens] = asyncio.run(serve(default_worker.address, [full], together=False))
+    text = default_worker.stub.Detokenize(pb.DetokenizeRequest(tokens=tokens, skip_special_tokens=True)).text
+    assert full.text == text and full.finish_reason == "length"
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    stopped = Completion(prompt=prompt, max_tokens=24, ignore_eos=True, stop=("zzzz-unseen", stop))
+    [cut] = asyncio.run(serve(default_worker.address, [stopped], together=False))
+    assert stopped.finish_reason == "stop" and stopped.text == text[:text.index(stop)]
+    assert cut == tokens[:len(cut)] and len(cut) < len(tokens)
+    assert default_worker.stub.Info(pb.InfoRequest()).live_sequences == 0
+
+
+def test_a_stop_string_without_a_tokenizer_fails_that_completion_alone(worker):
+    """The tiny model has no tokenizer: Detokenize fails, so the completion with stop strings ends with the error,
+    and the one beside it runs to its end."""
+    with_stop = Completion(prompt=[5, 6, 7], max_tokens=8, ignore_eos=True, stop=("x",))
+    plain = Completion(prompt=[8, 9], max_tokens=8, ignore_eos=True)
+
+    async def run():
+        link = WorkerLink(worker.address)
+        await link.open()
+        scheduler = Scheduler(link)
+        runner = asyncio.create_task(scheduler.run())
+        scheduler.submit(with_stop)
+        scheduler.submit(plain)
+        try:
+            failed = None
+            try:
+                [t async for t in scheduler.tokens(with_stop)]
+            except Exception as error:
+                failed = error
+            return failed, [t async for t in scheduler.tokens(plain)]
+        finally:
+            scheduler.stop()
+            await runner
+            await link.close()
+
+    failed, tokens = asyncio.run(run())
+    assert failed is not None and "tokenizer" in str(failed).lower() and with_stop.finish_reason == "error"
+    assert len(tokens) == 8 and plain.finish_reason == "length"

@@ -51,6 +51,13 @@ class WorkerLink:
         await self._outbox.put(pb.StepRequest(step_id=step_id, **step))
         return await answer
 
+    async def fork(self, parent: int, children: list[int], stream: int = 0) -> None:
+        """Copies of the parent as it is now (its finished prompt and tokens), sharing its full blocks."""
+        await self.stub.Fork(pb.ForkRequest(parent_seq_id=parent, child_seq_ids=children, stream=stream))
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        return (await self.stub.Detokenize(pb.DetokenizeRequest(tokens=tokens, skip_special_tokens=True))).text
+
     async def release(self, seq_ids: list[int]) -> None:
         await self.stub.Release(pb.ReleaseRequest(seq_ids=seq_ids))
 

@@ -1,7 +1,9 @@
 """Continuous batching of completions on one stream of one worker: every step carries each running sequence's next
 token and, within the worker's max_batch_tokens and max_seqs, the next chunk of a prompt (one MixedForward); a
 request is admitted once the blocks its prompt and its token limit need are free; the gateway stops each sequence
-(EOS, stop ids, its token limit) and releases it."""
+(EOS, stop ids, stop strings in the text of its tokens, its token limit) and releases it. Several completions of one prompt (n > 1) prefill it once: all
+but its last token as a finished prompt (the token sampled there is dropped), Fork to the other sequences, then
+each sequence's first decode feeds the prompt's last token and samples its own first token."""
 
 import asyncio
 import itertools
@@ -20,8 +22,11 @@ class Completion:
     max_tokens: int
     sampling: pb.SamplingParams = field(default_factory=pb.SamplingParams)
     stop_token_ids: frozenset[int] = frozenset()
+    stop: tuple[str, ...] = ()      # stop strings: the completion ends where its text first holds one
     ignore_eos: bool = False
     tokens: list[int] = field(default_factory=list)
+    text: str = ""                  # with stop strings: the text of `tokens` (the worker's Detokenize), cut before
+                                    # the stop string that ended it
     finish_reason: str | None = None            # "stop" or "length"
     cancelled: bool = False
     _out: asyncio.Queue = field(default_factory=asyncio.Queue, repr=False)
@@ -34,6 +39,9 @@ class _Running:
     blocks: int             # reserved for the whole request: prompt and token limit
     prefilled: int = 0      # prompt tokens sent so far
     last_token: int | None = None   # the token the next decode sends back (None: the prompt is not finished)
+    prompt_end: int = 0     # the prompt tokens this sequence prefills (a group's first: all but the last)
+    children: list["_Running"] = field(default_factory=list)    # a group's other sequences, forked from this one
+    forked: bool = False    # a group's other sequence: exists once its first has been forked
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -46,7 +54,7 @@ class Scheduler:
     def __init__(self, link: WorkerLink, stream: int = 0, chunk_tokens: int = 512, seq_ids=None):
         self.link, self.stream, self.chunk_tokens = link, stream, chunk_tokens
         self._seq_ids = seq_ids if seq_ids is not None else itertools.count(1)
-        self._waiting: list[Completion] = []
+        self._waiting: list[list[Completion]] = []     # groups of one prompt
         self._running: dict[int, _Running] = {}
         self._reserved = 0
         self._wake = asyncio.Event()
@@ -54,7 +62,16 @@ class Scheduler:
 
     def submit(self, completion: Completion) -> None:
         """Queues the completion (its load counts at once); tokens() then streams it."""
-        self._waiting.append(completion)
+        self.submit_group([completion])
+
+    def submit_group(self, completions: list[Completion]) -> None:
+        """Queues completions of one prompt (n > 1: prefilled once, then forked), admitted together; tokens()
+        streams each. Each keeps its own limits and stops; where the prompt is forked all sample with the first's
+        parameters, the worker deriving each fork's seed from the first's and its seq_id (one-token prompts are not
+        forked: each samples with its own)."""
+        if any(c.prompt != completions[0].prompt for c in completions):
+            raise ValueError("a group's completions share one prompt")
+        self._waiting.append(completions)
         self._wake.set()
 
     async def generate(self, completion: Completion):
@@ -78,8 +95,8 @@ class Scheduler:
 
     @property
     def load(self) -> int:
-        """Requests waiting or running here."""
-        return len(self._waiting) + len(self._running)
+        """Sequences waiting or running here."""
+        return sum(map(len, self._waiting)) + len(self._running)
 
     def stop(self) -> None:
         self._stopped = True
@@ -99,19 +116,31 @@ class Scheduler:
             await self._step(decode, prefill)
 
     def _admit(self, info: pb.InfoResponse) -> None:
-        """Waiting requests, in order, while their blocks fit beside the running ones' and max_seqs allows."""
-        while self._waiting and len(self._running) < info.max_seqs:
-            completion = self._waiting[0]
-            if completion.cancelled:
+        """Waiting requests, in order, while their blocks fit beside the running ones' and max_seqs allows. A group's
+        other sequences reserve only what they do not share with its first: the prompt's full blocks before its
+        last token are shared after the fork."""
+        while self._waiting:
+            group = [c for c in self._waiting[0] if not c.cancelled]
+            if not group:
                 self._waiting.pop(0)
                 continue
-            blocks = blocks_for(len(completion.prompt) + completion.max_tokens, info.kv_block_size)
-            if self._reserved + blocks > info.num_kv_blocks:
+            if len(self._running) + len(group) > info.max_seqs:
+                break
+            prompt_len, block_size = len(group[0].prompt), info.kv_block_size
+            forks = len(group) > 1 and prompt_len > 1
+            shared = (prompt_len - 1) // block_size if forks else 0
+            blocks = [blocks_for(prompt_len + c.max_tokens, block_size) - (shared if i else 0)
+                      for i, c in enumerate(group)]
+            if self._reserved + sum(blocks) > info.num_kv_blocks:
                 break
             self._waiting.pop(0)
-            self._reserved += blocks
-            seq_id = next(self._seq_ids)
-            self._running[seq_id] = _Running(completion, seq_id, blocks)
+            self._reserved += sum(blocks)
+            runs = [_Running(c, next(self._seq_ids), b, prompt_end=prompt_len) for c, b in zip(group, blocks)]
+            if forks:
+                runs[0].prompt_end, runs[0].children = prompt_len - 1, runs[1:]
+                for child in runs[1:]:
+                    child.forked = True
+            self._running.update((r.seq_id, r) for r in runs)
 
     def _next_chunk(self, info: pb.InfoResponse, decode_rows: int) -> tuple[_Running, pb.PrefillSlice] | None:
         """The next slice of the first prompt still being sent, as much as the step has room for."""
@@ -119,8 +148,8 @@ class Scheduler:
         if room <= 0 or decode_rows >= info.max_seqs:
             return None
         for running in self._running.values():
-            if running.last_token is None:
-                prompt, start = running.completion.prompt, running.prefilled
+            if running.last_token is None and not running.forked:
+                prompt, start = running.completion.prompt[:running.prompt_end], running.prefilled
                 tokens = prompt[start:start + room]
                 last = start + len(tokens) == len(prompt)
                 return running, pb.PrefillSlice(seq_id=running.seq_id, tokens=tokens, chunk_start=start,
@@ -147,18 +176,58 @@ class Scheduler:
         if prefill:
             running, piece = prefill
             running.prefilled += len(piece.tokens)
-        finished = []
+        answered = []
         for seq_id, token in zip(answer.seq_ids, answer.tokens):
             running = self._running[seq_id]
+            if running.children:            # a group's shared prompt is in: its token is dropped
+                await self._fork(running)
+                continue
             running.last_token = token
-            reason = self._stop_reason(running.completion, token)
+            answered.append((running, token))
+        texts = await self._texts(answered)
+        finished, failed = [], []
+        for running, token in answered:
+            completion = running.completion
+            reason = self._stop_reason(completion, token)
+            if isinstance(texts.get(running.seq_id), BaseException):     # its text is unknown: it fails alone
+                failed.append((running, texts[running.seq_id]))
+                continue
+            if reason != "stop" and running.seq_id in texts:
+                text = texts[running.seq_id]
+                cut = min((i for i in (text.find(stop) for stop in completion.stop) if i >= 0), default=None)
+                completion.text = text if cut is None else text[:cut]
+                if cut is not None:
+                    reason = "stop"
             if reason != "stop":
-                running.completion.tokens.append(token)
-                running.completion._out.put_nowait(token)
+                completion.tokens.append(token)
+                completion._out.put_nowait(token)
             if reason:
                 finished.append((running, reason))
         for running, reason in finished:
             await self._finish(running, reason)
+        for running, error in failed:
+            await self._finish(running, None, error)
+
+    async def _texts(self, answered: list[tuple[_Running, int]]) -> dict[int, str]:
+        """The text each answered sequence with stop strings would have with its new token (one Detokenize each,
+        at once), or the error that Detokenize answered."""
+        wanted = [(r.seq_id, [*r.completion.tokens, token]) for r, token in answered if r.completion.stop]
+        texts = await asyncio.gather(*(self.link.detokenize(tokens) for _, tokens in wanted), return_exceptions=True)
+        return {seq_id: text for (seq_id, _), text in zip(wanted, texts)}
+
+    async def _fork(self, first: _Running) -> None:
+        """The group's other sequences as copies of its first; then each decodes the prompt's last token."""
+        children = [c for c in first.children if c.seq_id in self._running]     # not cancelled meanwhile
+        first.children = []
+        try:
+            if children:
+                await self.link.fork(first.seq_id, [c.seq_id for c in children], self.stream)
+        except Exception as error:          # nothing was forked: the group fails
+            for running in [first, *children]:
+                await self._finish(running, None, error, release=running is first)
+            return
+        for running in [first, *children]:
+            running.forked, running.last_token = False, running.completion.prompt[-1]
 
     def _stop_reason(self, completion: Completion, token: int) -> str | None:
         if (not completion.ignore_eos and token in self.link.info.eos_token_ids) or token in completion.stop_token_ids:
@@ -167,14 +236,20 @@ class Scheduler:
             return "length"
         return None
 
-    async def _finish(self, running: _Running, reason: str | None, error: BaseException | None = None) -> None:
-        """Releases the sequence and ends the completion's stream (with the error, where it failed)."""
+    async def _finish(self, running: _Running, reason: str | None, error: BaseException | None = None,
+                      release: bool = True) -> None:
+        """Releases the sequence (release=False: it does not exist on the worker) and ends the completion's stream
+        (with the error, where it failed). A group's first sequence finished before its fork takes the others with
+        it."""
         del self._running[running.seq_id]
         self._reserved -= running.blocks
         completion = running.completion
         completion.finish_reason = reason or "error"
-        await self.link.release([running.seq_id])
+        if release and not running.forked:
+            await self.link.release([running.seq_id])
         completion._out.put_nowait(error if error is not None else DONE)
+        for child in running.children:
+            await self._finish(child, reason, error, release=False)
 
     async def _drop_cancelled(self) -> None:
         for running in [r for r in self._running.values() if r.completion.cancelled]:
