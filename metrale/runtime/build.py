@@ -32,6 +32,8 @@ class ModelInfo:
     pad_token_id: int | None
     # Why there is no tokenizer, where there is none.
     tokenizer_note: str = ""
+    # The tokenizer's chat template ("": none).
+    chat_template: str = ""
     # The architecture's hyper-connection streams (0 = none), multi-head latent attention, SSM layers.
     hc_mult: int = 0
     is_mla: bool = False
@@ -66,6 +68,7 @@ def build_engine(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path |
                      vocab_size=model_config.vocab_size, max_model_len=max_model_len, eos_token_ids=eos,
                      bos_token_id=model_config.bos_token_id, pad_token_id=model_config.pad_token_id,
                      tokenizer_note=checkpoint.metadata.get("tokenizer_unsupported", "the checkpoint has none"),
+                     chat_template=getattr(checkpoint.tokenizer, "chat_template", None) or "",
                      hc_mult=model_config.hc_mult, is_mla=model_config.is_mla, has_ssm=model_config.has_ssm,
                      prefix_cache=cache.prefix_cache)
     return engine, info

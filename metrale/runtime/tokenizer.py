@@ -53,8 +53,10 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 class Tokenizer:
     def __init__(self, backend: tokenizers.Tokenizer, eos_token_ids: list[int],
-                 bos_token_id: int | None, pad_token_id: int | None):
+                 bos_token_id: int | None, pad_token_id: int | None, chat_template: str | None = None):
         self.backend = backend
+        # The model's chat template (Jinja, as its GGUF or tokenizer config carries it), or None.
+        self.chat_template = chat_template
         self._eos_token_ids = list(eos_token_ids)
         self._bos_token_id = bos_token_id
         self._pad_token_id = pad_token_id
@@ -114,7 +116,9 @@ class Tokenizer:
                                            eos_token_id if add_eos else None)
 
         eos_ids = [i for i in (eos_token_id, token_id("eot_token_id"), token_id("eom_token_id")) if i is not None]
-        return cls(backend, list(dict.fromkeys(eos_ids)), bos_token_id, token_id("padding_token_id"))
+        template = fields.get("tokenizer.chat_template")
+        return cls(backend, list(dict.fromkeys(eos_ids)), bos_token_id, token_id("padding_token_id"),
+                   template if isinstance(template, str) else None)
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> "Tokenizer | None":
@@ -143,7 +147,8 @@ class Tokenizer:
             eos_ids += value if isinstance(value, list) else [value] if isinstance(value, int) else []
         if (eos_id := special_id("eos")) is not None:
             eos_ids.append(eos_id)
-        return cls(backend, list(dict.fromkeys(eos_ids)), special_id("bos"), special_id("pad"))
+        return cls(backend, list(dict.fromkeys(eos_ids)), special_id("bos"), special_id("pad"),
+                   _hf_chat_template(path, tokenizer_config))
 
 
 def _byte_level_bpe(tokens: list[str], token_types: list[int], merges: list[str],
@@ -190,6 +195,18 @@ def _template(tokens: list[str], bos_token_id: int | None,
     pair = [*single, *([f"{bos}:1"] if bos else []), "$B:1", *([f"{eos}:1"] if eos else [])]
     special = [(token, token_id) for token, token_id in {bos: bos_token_id, eos: eos_token_id}.items() if token]
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+
+
+def _hf_chat_template(path: Path, tokenizer_config: dict) -> str | None:
+    """A Hugging Face directory's chat template: chat_template.jinja, else tokenizer_config.json's (a string, or
+    named templates of which the one named "default")."""
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    return template if isinstance(template, str) else None
 
 
 def _read_json(path: Path) -> dict:

@@ -142,3 +142,19 @@ def test_from_hf_dir_reads_tokenizer_json_and_special_ids(tmp_path, reference):
 def test_from_hf_dir_without_tokenizer_json_is_none(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     assert Tokenizer.from_hf_dir(tmp_path) is None
+
+
+def test_chat_template_is_the_one_transformers_reads(tokenizer, reference, tmp_path):
+    """From the GGUF, and from a Hugging Face directory as save_pretrained writes it (chat_template.jinja) or as
+    older tokenizer configs carry it (a string, or named templates)."""
+    assert tokenizer.chat_template and tokenizer.chat_template == reference.chat_template
+    reference.save_pretrained(tmp_path)
+    assert Tokenizer.from_hf_dir(tmp_path).chat_template == reference.chat_template
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    for template in ("{{ messages }}", [{"name": "tool_use", "template": "x"}, {"name": "default", "template": "y"}]):
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+        assert Tokenizer.from_hf_dir(tmp_path).chat_template == (template if isinstance(template, str) else "y")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items()
+                                                                if k != "chat_template"}))
+    assert Tokenizer.from_hf_dir(tmp_path).chat_template is None

@@ -37,3 +37,9 @@ def test_tokenize_detokenize_round_trip(default_worker, default_gguf):
     with pytest.raises(grpc.RpcError) as caught:
         stub.Detokenize(pb.DetokenizeRequest(tokens=[49152]))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_info_carries_the_chat_template(default_worker, default_gguf):
+    """The GGUF's template, which rendered as transformers renders it gives the prompt a gateway sends."""
+    reference = transformers.AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
+    assert default_worker.stub.Info(pb.InfoRequest()).chat_template == reference.chat_template != ""

@@ -49,6 +49,7 @@ def test_info(stub, worker, tiny_model_dir):
     assert info.free_kv_blocks == 64 and info.num_streams == 2 and info.max_model_len == 96
     assert info.is_mla == ("kv_lora_rank" in config) and not info.single_chunk_prefill
     assert info.supports_beam and info.eos_token_ids == [2]
+    assert info.chat_template == ""         # the tiny checkpoints carry no tokenizer
 
 
 @pytest.mark.parametrize("splits", [[25], [16, 9], [7, 11, 7], [1] * 25, [3, 13, 9]])
