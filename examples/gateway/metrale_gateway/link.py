@@ -29,8 +29,8 @@ class WorkerLink:
 
     def __init__(self, address: str):
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address)
-        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self.channel: grpc.aio.Channel | None = None      # open()'s, on the loop that uses it
+        self.stub: worker_pb2_grpc.WorkerStub | None = None
         self.info: pb.InfoResponse | None = None
         self._ids = itertools.count(1)
         self._answers: dict[int, asyncio.Future] = {}
@@ -38,6 +38,8 @@ class WorkerLink:
         self._reader: asyncio.Task | None = None
 
     async def open(self) -> None:
+        self.channel = grpc.aio.insecure_channel(self.address)
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.info = await self.stub.Info(pb.InfoRequest())
         call = self.stub.Steps(self._requests())
         self._reader = asyncio.get_running_loop().create_task(self._read(call))

@@ -27,7 +27,7 @@ class Gateway:
                                      for stream in range(link.info.num_streams)]
             self._tasks += [asyncio.create_task(s.run()) for s in self.schedulers[link]]
 
-    async def route(self, *group: Completion) -> Scheduler:
+    async def route(self, *group: Completion, fork: bool = True) -> Scheduler:
         """Submits a new completion (or several of one prompt: Scheduler.submit_group) to the scheduler chosen for
         it, and returns that scheduler. The choice and the submission run without a pause between them, so that
         concurrent routes see each other's load."""
@@ -38,7 +38,7 @@ class Gateway:
             return cached[i].cached_tokens, -sum(s.load for s in self.schedulers[self.links[i]])
         best = max(range(len(self.links)), key=score)                    # the first among equals
         scheduler = min(self.schedulers[self.links[best]], key=lambda s: s.load)
-        scheduler.submit_group(list(group))
+        scheduler.submit_group(list(group), fork)
         return scheduler
 
     async def generate(self, completion: Completion):

@@ -1,9 +1,10 @@
 """Continuous batching of completions on one stream of one worker: every step carries each running sequence's next
 token and, within the worker's max_batch_tokens and max_seqs, the next chunk of a prompt (one MixedForward); a
 request is admitted once the blocks its prompt and its token limit need are free; the gateway stops each sequence
-(EOS, stop ids, stop strings in the text of its tokens, its token limit) and releases it. Several completions of one prompt (n > 1) prefill it once: all
-but its last token as a finished prompt (the token sampled there is dropped), Fork to the other sequences, then
-each sequence's first decode feeds the prompt's last token and samples its own first token."""
+(EOS, stop ids, stop strings in the text of its tokens, its token limit) and releases it. Several completions of
+one prompt (n > 1) prefill it once: all but its last token as a finished prompt (the token sampled there is
+dropped), Fork to the other sequences, then each sequence's first decode feeds the prompt's last token and samples
+its own first token."""
 
 import asyncio
 import itertools
@@ -21,10 +22,13 @@ class Completion:
     prompt: list[int]
     max_tokens: int
     sampling: pb.SamplingParams = field(default_factory=pb.SamplingParams)
+    output: pb.OutputOptions = field(default_factory=pb.OutputOptions)    # logprobs, top_logprobs
     stop_token_ids: frozenset[int] = frozenset()
     stop: tuple[str, ...] = ()      # stop strings: the completion ends where its text first holds one
     ignore_eos: bool = False
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)                   # with output.logprobs: each token's
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)   # with output.top_logprobs
     text: str = ""                  # with stop strings: the text of `tokens` (the worker's Detokenize), cut before
                                     # the stop string that ended it
     finish_reason: str | None = None            # "stop" or "length"
@@ -54,7 +58,7 @@ class Scheduler:
     def __init__(self, link: WorkerLink, stream: int = 0, chunk_tokens: int = 512, seq_ids=None):
         self.link, self.stream, self.chunk_tokens = link, stream, chunk_tokens
         self._seq_ids = seq_ids if seq_ids is not None else itertools.count(1)
-        self._waiting: list[list[Completion]] = []     # groups of one prompt
+        self._waiting: list[tuple[list[Completion], bool]] = []     # groups of one prompt, and whether to fork
         self._running: dict[int, _Running] = {}
         self._reserved = 0
         self._wake = asyncio.Event()
@@ -64,14 +68,15 @@ class Scheduler:
         """Queues the completion (its load counts at once); tokens() then streams it."""
         self.submit_group([completion])
 
-    def submit_group(self, completions: list[Completion]) -> None:
+    def submit_group(self, completions: list[Completion], fork: bool = True) -> None:
         """Queues completions of one prompt (n > 1: prefilled once, then forked), admitted together; tokens()
         streams each. Each keeps its own limits and stops; where the prompt is forked all sample with the first's
         parameters, the worker deriving each fork's seed from the first's and its seq_id (one-token prompts are not
-        forked: each samples with its own)."""
+        forked: each samples with its own). fork=False: each prefills the prompt itself (the prefix cache still
+        shares its full blocks) and samples with its own parameters, e.g. seeds that must not depend on seq ids."""
         if any(c.prompt != completions[0].prompt for c in completions):
             raise ValueError("a group's completions share one prompt")
-        self._waiting.append(completions)
+        self._waiting.append((completions, fork))
         self._wake.set()
 
     async def generate(self, completion: Completion):
@@ -96,7 +101,7 @@ class Scheduler:
     @property
     def load(self) -> int:
         """Sequences waiting or running here."""
-        return sum(map(len, self._waiting)) + len(self._running)
+        return sum(len(group) for group, _ in self._waiting) + len(self._running)
 
     def stop(self) -> None:
         self._stopped = True
@@ -120,14 +125,15 @@ class Scheduler:
         other sequences reserve only what they do not share with its first: the prompt's full blocks before its
         last token are shared after the fork."""
         while self._waiting:
-            group = [c for c in self._waiting[0] if not c.cancelled]
+            group, fork = self._waiting[0]
+            group = [c for c in group if not c.cancelled]
             if not group:
                 self._waiting.pop(0)
                 continue
             if len(self._running) + len(group) > info.max_seqs:
                 break
             prompt_len, block_size = len(group[0].prompt), info.kv_block_size
-            forks = len(group) > 1 and prompt_len > 1
+            forks = fork and len(group) > 1 and prompt_len > 1
             shared = (prompt_len - 1) // block_size if forks else 0
             blocks = [blocks_for(prompt_len + c.max_tokens, block_size) - (shared if i else 0)
                       for i, c in enumerate(group)]
@@ -153,7 +159,8 @@ class Scheduler:
                 tokens = prompt[start:start + room]
                 last = start + len(tokens) == len(prompt)
                 return running, pb.PrefillSlice(seq_id=running.seq_id, tokens=tokens, chunk_start=start,
-                                                is_last_chunk=last, sampling=running.completion.sampling)
+                                                is_last_chunk=last, sampling=running.completion.sampling,
+                                                output=running.completion.output)
         return None
 
     async def _step(self, decode: list[_Running], prefill: tuple[_Running, pb.PrefillSlice] | None) -> None:
@@ -177,16 +184,18 @@ class Scheduler:
             running, piece = prefill
             running.prefilled += len(piece.tokens)
         answered = []
-        for seq_id, token in zip(answer.seq_ids, answer.tokens):
+        tops = {top.seq_id: dict(zip(top.token_ids, top.logprobs)) for top in answer.top_logprobs}
+        logprobs = answer.logprobs or [float("nan")] * len(answer.seq_ids)
+        for seq_id, token, logprob in zip(answer.seq_ids, answer.tokens, logprobs):
             running = self._running[seq_id]
             if running.children:            # a group's shared prompt is in: its token is dropped
                 await self._fork(running)
                 continue
             running.last_token = token
-            answered.append((running, token))
+            answered.append((running, token, logprob, tops.get(seq_id)))
         texts = await self._texts(answered)
         finished, failed = [], []
-        for running, token in answered:
+        for running, token, logprob, top in answered:
             completion = running.completion
             reason = self._stop_reason(completion, token)
             if isinstance(texts.get(running.seq_id), BaseException):     # its text is unknown: it fails alone
@@ -200,6 +209,10 @@ class Scheduler:
                     reason = "stop"
             if reason != "stop":
                 completion.tokens.append(token)
+                if completion.output.logprobs:
+                    completion.logprobs.append(logprob)
+                if completion.output.top_logprobs:
+                    completion.top_logprobs.append(top or {})
                 completion._out.put_nowait(token)
             if reason:
                 finished.append((running, reason))
@@ -208,10 +221,10 @@ class Scheduler:
         for running, error in failed:
             await self._finish(running, None, error)
 
-    async def _texts(self, answered: list[tuple[_Running, int]]) -> dict[int, str]:
+    async def _texts(self, answered: list[tuple]) -> dict[int, str]:
         """The text each answered sequence with stop strings would have with its new token (one Detokenize each,
         at once), or the error that Detokenize answered."""
-        wanted = [(r.seq_id, [*r.completion.tokens, token]) for r, token in answered if r.completion.stop]
+        wanted = [(r.seq_id, [*r.completion.tokens, token]) for r, token, *_ in answered if r.completion.stop]
         texts = await asyncio.gather(*(self.link.detokenize(tokens) for _, tokens in wanted), return_exceptions=True)
         return {seq_id: text for (seq_id, _), text in zip(wanted, texts)}
 
