@@ -32,10 +32,12 @@
 #            batches 1, 64, 256 with 1k and 8k contexts against the floor of the experts routed to, the dense weights
 #            and the latent cache; the 8 x 1k prefill; an 8k prompt whole and in chunks of 1k              (~10 min)
 #   mla-kernels  bench/gpu_latent_attention.py: the latent decode attention alone, against copy bandwidth (~1 min)
+#   serving  bench/serving.py: the reference gateway and a Llama-3-8B-shaped worker under Poisson arrivals at several
+#            rates (throughput, TTFT and ITL p50/p99), and the gateway at saturation against the step benchmark (~6 min)
 #   mha      bench/gpu_mha_attention.py: the multi-head decode attention kernels at NLLB's beam step shapes, with each
 #            bench/variants/decode_attention_mha/NAME.cu (carry bench/variants) timed beside the package's  (~1 min)
 # Usage (from the repository root, with .whl carried):
-#   bash bench/gpu_check.sh [tests|api-models|load|kernels|smollm2|llama|profile|prefix|beam|search|ssm|ssm-kernels|ssm-profile|ssm-prefix|moe-kernels|moe|mla|mla-kernels|mha]...
+#   bash bench/gpu_check.sh [tests|api-models|load|kernels|smollm2|llama|profile|prefix|beam|search|ssm|ssm-kernels|ssm-profile|ssm-prefix|moe-kernels|moe|mla|mla-kernels|mha|serving]...
 # (default: tests). Logs and JSON land in $OUT (default /tmp/gpu-check).
 set -uo pipefail
 source scripts/device_env.sh || exit 1
@@ -129,6 +131,9 @@ for part in "${@:-tests}"; do
       python3 -m bench.beam_generate --shape nllb-600m --device cuda --pdl off --batches 16 --reps 3 --kernels 40 \
         > "$OUT/beam_kernels.txt" 2>&1 || summary+=("search: FAILED (see beam_kernels.txt)")
       summary+=("== beam step kernels (PDL off)" "$(grep -A24 'kernels of one step' "$OUT/beam_kernels.txt")") ;;
+    serving)
+      run_bench serving bench.serving --shape llama3-8b --device cuda --rates 2,8,32,inf --requests 256 \
+        --max-model-len 4096 --max-seqs 256 --max-batch-tokens 8192 ;;
     mha)
       variants=()
       for f in bench/variants/decode_attention_mha/*.cu; do

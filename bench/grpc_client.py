@@ -82,23 +82,25 @@ class StepStream:
             pass
 
 
-def _child(results, args, rpc) -> None:
+def _breakdown(args, rpc) -> list[tuple]:
+    breakdown = []
+    decode_round_trips(*args, breakdown=breakdown, rpc=rpc)
+    return breakdown
+
+
+def _spawned(results, target, args) -> None:
     try:
-        breakdown = []
-        decode_round_trips(*args, breakdown=breakdown, rpc=rpc)
-        results.put(("ok", breakdown))
+        results.put(("ok", target(*args)))
     except Exception as error:   # reported to the parent, which raises
         results.put(("error", repr(error)))
 
 
-def decode_round_trips_in_subprocess(address: str, batch: int, context: int, steps: int, warmup: int,
-                                     vocab: int, seed: int = 0, timeout: float = 300.0, rpc: str = "unary"
-                                     ) -> list[tuple]:
-    """decode_round_trips in a fresh (spawned) process: (round trip, forward, queue) ms per timed step."""
+def run_spawned(target, args: tuple, timeout: float, what: str):
+    """target(*args) in a fresh (spawned) process, a client of the worker in a process of its own: its result, or
+    RuntimeError naming `what` with the child's error."""
     context_ = multiprocessing.get_context("spawn")
     results = context_.Queue()
-    process = context_.Process(target=_child, args=(results, (address, batch, context, steps, warmup, vocab, seed),
-                                                    rpc))
+    process = context_.Process(target=_spawned, args=(results, target, args))
     process.start()
     try:
         status, value = results.get(timeout=timeout)
@@ -107,8 +109,16 @@ def decode_round_trips_in_subprocess(address: str, batch: int, context: int, ste
         if process.is_alive():
             process.kill()
     if status != "ok":
-        raise RuntimeError(f"the gRPC client failed: {value}")
+        raise RuntimeError(f"{what} failed: {value}")
     return value
+
+
+def decode_round_trips_in_subprocess(address: str, batch: int, context: int, steps: int, warmup: int,
+                                     vocab: int, seed: int = 0, timeout: float = 300.0, rpc: str = "unary"
+                                     ) -> list[tuple]:
+    """decode_round_trips in a fresh (spawned) process: (round trip, forward, queue) ms per timed step."""
+    return run_spawned(_breakdown, ((address, batch, context, steps, warmup, vocab, seed), rpc), timeout,
+                       "the gRPC client")
 
 
 def main() -> None:

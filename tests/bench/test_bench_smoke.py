@@ -18,6 +18,7 @@ def bench(monkeypatch):
     import bench.cpu_decode
     import bench.grpc_overhead
     import bench.prefix_cache
+    import bench.serving
 
     return bench
 
@@ -77,3 +78,12 @@ def test_beam_host_times_the_loop_without_a_model(bench, capsys):
     rows = bench.beam_host.main(["--batches", "1,3", "--reps", "2", "--new-tokens", "4", "--source-len", "5"])
     assert [r.batch for r in rows] == [1, 3] and all(len(r.step_ms) == 2 and r.p50 > 0 for r in rows)
     assert "host ms a step" in capsys.readouterr().out
+
+
+def test_serving_reports_every_rate_and_the_step_benchmark(bench, tmp_path, capsys):
+    model = write_tiny("llama_tied", tmp_path / "llama")
+    result = bench.serving.main(["--model", str(model), "--requests", "6", "--rates", "50,inf", "--input", "12,0.5",
+                                 "--output", "4,0.5", "--max-model-len", "64", "--step-steps", "2"])
+    assert [row["rate"] for row in result["rows"]] == [50.0, float("inf")]
+    assert all(row["output_tokens"] > 0 and row["ttft_p50_ms"] > 0 for row in result["rows"])
+    assert result["step"]["tokens_per_s"] > 0 and "at saturation" in capsys.readouterr().out
