@@ -87,3 +87,14 @@ def test_serving_reports_every_rate_and_the_step_benchmark(bench, tmp_path, caps
     assert [row["rate"] for row in result["rows"]] == [50.0, float("inf")]
     assert all(row["output_tokens"] > 0 and row["ttft_p50_ms"] > 0 for row in result["rows"])
     assert result["step"]["tokens_per_s"] > 0 and "at saturation" in capsys.readouterr().out
+
+
+def test_kernel_parts_name_the_costliest_unmatched_kernels(bench):
+    from bench.kernel_parts import OTHERS_NAMED, tally
+
+    kernels = [("moe_route", 1.0), ("Attention_x", 2.0), ("mystery", 5.0), ("odd", 0.5), ("odd", 0.5), ("rare", 0.1),
+               ("tiny", 0.05), ("gemm_a", 3.0)]
+    totals = tally(kernels, (("routing", ("moe_route",)), ("attention", ("attention",)), ("GEMMs", ("gemm",))))
+    assert OTHERS_NAMED == 3
+    assert totals == {"routing": 1.0, "attention": 2.0, "GEMMs": 3.0, "other: mystery": 5.0, "other: odd": 1.0,
+                      "other: rare": 0.1, "other": 0.05}
