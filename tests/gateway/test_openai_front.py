@@ -129,6 +129,7 @@ def test_logprobs_are_the_chosen_tokens(client):
     (dict(prompt="hi", temperature=3.0), "temperature"),
     (dict(prompt="hi", max_tokens=100000), "passes the model's length"),
     (dict(prompt="hi", stop=[""]), "stop string is empty"),
+    (dict(prompt=[5, 10 ** 7, 6], max_tokens=2), "INVALID_ARGUMENT"),      # the worker's refusal of a token id
 ])
 def test_bad_requests_get_400_in_openais_shape(client, request_args, message):
     with pytest.raises(openai.BadRequestError, match=message):

@@ -9,6 +9,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 
+import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -16,6 +17,7 @@ from pydantic import BaseModel, Field
 
 from metrale.v1 import worker_pb2 as pb
 from metrale_gateway import chat
+from metrale_gateway.link import StepFailed
 from metrale_gateway.router import Gateway
 from metrale_gateway.scheduler import Completion
 
@@ -59,6 +61,27 @@ class ChatRequest(Sampling):
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
     return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "code": status}})
+
+
+# A worker's refusal as HTTP: the request's fault (400), too much at once (429), anything else the server's (500).
+HTTP_OF_GRPC = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
+                grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429}
+
+
+def failure_response(error: Exception) -> JSONResponse:
+    """A failed generation's answer: the worker's status where it refused the step, else a server error."""
+    code = None
+    if isinstance(error, StepFailed):
+        code = next((c for c in grpc.StatusCode if c.value[0] == error.code), None)
+    elif isinstance(error, grpc.aio.AioRpcError):
+        code = error.code()
+    status = HTTP_OF_GRPC.get(code, 500)
+    return error_response(status, str(error) if code is None else f"{code.name}: {error_details(error)}",
+                          "invalid_request_error" if status < 500 else "server_error")
+
+
+def error_details(error: Exception) -> str:
+    return error.status.message if isinstance(error, StepFailed) else error.details()
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> str:
@@ -184,6 +207,10 @@ def create_app(addresses: list[str], model_name: str | None = None, chunk_tokens
     async def refused(request: Request, error: BadRequest):
         return error_response(400, str(error))
 
+    @app.exception_handler(grpc.aio.AioRpcError)
+    async def worker_refused(request: Request, error: grpc.aio.AioRpcError):     # Tokenize, MatchPrefix, ...
+        return failure_response(error)
+
     @app.exception_handler(chat.TemplateError)
     async def template_refused(request: Request, error: chat.TemplateError):
         return error_response(400, str(error))
@@ -257,7 +284,7 @@ def create_app(addresses: list[str], model_name: str | None = None, chunk_tokens
             async for index, delta, _, _ in front.run(group):
                 texts[index] += delta
         except Exception as error:
-            return error_response(500, str(error), "server_error")
+            return failure_response(error)
         choices = []
         for i, (completion, text) in enumerate(zip(group, texts)):
             logprobs = await logprobs_of(completion, range(len(completion.tokens)))
