@@ -1,13 +1,18 @@
 """The reference gateway's continuous batching against a real worker: concurrent requests give exactly the tokens
 each gives alone (greedy), stops end a completion before its stop token, a consumer that goes away has its
-sequence released, and n completions of one prompt share its prefill through Fork."""
+sequence released, n completions of one prompt share its prefill through Fork, and what could stall the queue
+(a group cancelled mid-prefill, a group that can never fit, a worker's streams over one pool) does not."""
 
 import asyncio
 import random
+import time
+
+import pytest
 
 from metrale.v1 import worker_pb2 as pb
 from metrale_gateway.link import WorkerLink
-from metrale_gateway.scheduler import Completion, Scheduler
+from metrale_gateway.router import Gateway
+from metrale_gateway.scheduler import Completion, Scheduler, TooLarge
 
 
 def completions(count: int, seed: int = 0) -> list[Completion]:
@@ -172,3 +177,78 @@ def test_a_stop_string_without_a_tokenizer_fails_that_completion_alone(worker):
     failed, tokens = asyncio.run(run())
     assert failed is not None and "tokenizer" in str(failed).lower() and with_stop.finish_reason == "error"
     assert len(tokens) == 8 and plain.finish_reason == "length"
+
+
+async def with_scheduler(address: str, body, chunk_tokens: int = 8):
+    """body(scheduler, link) against a running scheduler on one stream; the scheduler must outlive it."""
+    link = WorkerLink(address)
+    await link.open()
+    scheduler = Scheduler(link, chunk_tokens=chunk_tokens)
+    runner = asyncio.create_task(scheduler.run())
+    try:
+        return await body(scheduler, link)
+    finally:
+        assert not runner.done(), runner.exception()
+        scheduler.stop()
+        await runner
+        await link.close()
+
+
+async def collect(scheduler, completion):
+    return [t async for t in scheduler.tokens(completion)]
+
+
+def test_a_group_cancelled_mid_prefill_leaves_the_scheduler_running(worker):
+    """Every completion of an n = 3 group gone while its prompt is still being sent (before the fork): the
+    scheduler goes on, a later request runs, nothing stays live."""
+    async def body(scheduler, link):
+        group = [Completion(prompt=list(range(10, 50)), max_tokens=10, ignore_eos=True) for _ in range(3)]
+        scheduler.submit_group(group)
+        tasks = [asyncio.create_task(collect(scheduler, c)) for c in group]
+        while not any(r.prefilled for r in scheduler._running.values()):
+            await asyncio.sleep(0.001)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        later = Completion(prompt=[5, 6, 7], max_tokens=3, ignore_eos=True)
+        scheduler.submit(later)
+        return await asyncio.wait_for(collect(scheduler, later), 10)
+    assert len(asyncio.run(with_scheduler(worker.address, body))) == 3
+    for _ in range(100):
+        if worker.stub.Info(pb.InfoRequest()).live_sequences == 0:
+            break
+        time.sleep(0.02)
+    assert worker.stub.Info(pb.InfoRequest()).live_sequences == 0
+
+
+def test_a_group_that_can_never_fit_fails_and_the_queue_goes_on(worker):
+    async def body(scheduler, link):
+        group = [Completion(prompt=list(range(10, 20)), max_tokens=86, ignore_eos=True) for _ in range(16)]
+        scheduler.submit_group(group)
+        later = Completion(prompt=[5, 6, 7], max_tokens=3, ignore_eos=True)
+        scheduler.submit(later)
+        with pytest.raises(TooLarge, match="KV blocks"):
+            await collect(scheduler, group[0])
+        return await asyncio.wait_for(collect(scheduler, later), 10)
+    assert len(asyncio.run(with_scheduler(worker.address, body))) == 3
+
+
+def test_a_workers_streams_share_its_blocks(workers):
+    """20 requests whose reservations together pass one worker's pool, over its two streams: none fails for
+    blocks (each waits for room), and every reservation is returned."""
+    async def run():
+        gateway = Gateway([workers[0].address])
+        await gateway.start()
+        try:
+            requests = [Completion(prompt=[10 + i] * 10, max_tokens=86, ignore_eos=True) for i in range(20)]
+            lengths = await asyncio.gather(*(collect_gateway(gateway, c) for c in requests))
+            return lengths, [s._reserved.blocks for s in gateway.schedulers[gateway.links[0]]]
+        finally:
+            await gateway.stop()
+
+    lengths, reserved = asyncio.run(run())
+    assert lengths == [86] * 20 and reserved == [0, 0]
+
+
+async def collect_gateway(gateway, completion):
+    return len([t async for t in gateway.generate(completion)])

@@ -36,6 +36,7 @@ class WorkerLink:
         self._answers: dict[int, asyncio.Future] = {}
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._reader: asyncio.Task | None = None
+        self._broken: BaseException | None = None      # the Steps channel's end, once it ended
 
     async def open(self) -> None:
         self.channel = grpc.aio.insecure_channel(self.address)
@@ -47,6 +48,8 @@ class WorkerLink:
     async def step(self, **step) -> pb.ForwardResponse:
         """Sends one step (decode=, prefill= or mixed= a request message) and waits for its answer; StepFailed if
         the worker answered with an error."""
+        if self._broken is not None:
+            raise self._broken
         step_id = next(self._ids)
         answer = asyncio.get_running_loop().create_future()
         self._answers[step_id] = answer
@@ -77,6 +80,7 @@ class WorkerLink:
             yield request
 
     async def _read(self, call) -> None:
+        ended: BaseException = ConnectionError(f"the Steps channel to {self.address} ended")
         try:
             async for response in call:
                 answer = self._answers.pop(response.step_id, None)
@@ -87,7 +91,9 @@ class WorkerLink:
                 else:
                     answer.set_result(response.result)
         except grpc.aio.AioRpcError as error:
-            for answer in self._answers.values():
-                if not answer.done():
-                    answer.set_exception(error)
-            self._answers.clear()
+            ended = error
+        self._broken = ended            # steps sent from now on fail at once; those in flight fail now
+        for answer in self._answers.values():
+            if not answer.done():
+                answer.set_exception(ended)
+        self._answers.clear()

@@ -19,7 +19,7 @@ from metrale.v1 import worker_pb2 as pb
 from metrale_gateway import chat
 from metrale_gateway.link import StepFailed
 from metrale_gateway.router import Gateway
-from metrale_gateway.scheduler import Completion
+from metrale_gateway.scheduler import Completion, TooLarge
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -71,6 +71,8 @@ HTTP_OF_GRPC = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RA
 def failure_response(error: Exception) -> JSONResponse:
     """A failed generation's answer: the worker's status where it refused the step, else a server error."""
     code = None
+    if isinstance(error, TooLarge):
+        return error_response(400, str(error))
     if isinstance(error, StepFailed):
         code = next((c for c in grpc.StatusCode if c.value[0] == error.code), None)
     elif isinstance(error, grpc.aio.AioRpcError):

@@ -7,7 +7,7 @@ import itertools
 
 from metrale.v1 import worker_pb2 as pb
 from metrale_gateway.link import WorkerLink
-from metrale_gateway.scheduler import Completion, Scheduler
+from metrale_gateway.scheduler import Completion, Reservations, Scheduler
 
 
 class Gateway:
@@ -22,8 +22,9 @@ class Gateway:
     async def start(self) -> None:
         for link in self.links:
             await link.open()
-            seq_ids = itertools.count(1)        # one worker's ids, shared by its streams
-            self.schedulers[link] = [Scheduler(link, stream, self.chunk_tokens, seq_ids)
+            seq_ids = itertools.count(1)        # one worker's ids and KV reservations, shared by its streams
+            reservations = Reservations()
+            self.schedulers[link] = [Scheduler(link, stream, self.chunk_tokens, seq_ids, reservations)
                                      for stream in range(link.info.num_streams)]
             self._tasks += [asyncio.create_task(s.run()) for s in self.schedulers[link]]
 

@@ -16,6 +16,17 @@ from metrale_gateway.link import WorkerLink
 DONE = object()         # the end of a completion's token stream
 
 
+class TooLarge(ValueError):
+    """A request that could never be admitted: more blocks or sequences than the worker has at all."""
+
+
+@dataclass
+class Reservations:
+    """The KV blocks a worker's requests have reserved: one for all the schedulers of its streams (they share its
+    pool)."""
+    blocks: int = 0
+
+
 @dataclass
 class Completion:
     """One request: its prompt and limits, and what the gateway generated for it (without the stop token)."""
@@ -55,12 +66,13 @@ def blocks_for(tokens: int, block_size: int) -> int:
 class Scheduler:
     """run() drives the stream until stop(); generate() from any task on the same loop."""
 
-    def __init__(self, link: WorkerLink, stream: int = 0, chunk_tokens: int = 512, seq_ids=None):
+    def __init__(self, link: WorkerLink, stream: int = 0, chunk_tokens: int = 512, seq_ids=None,
+                 reservations: Reservations | None = None):
         self.link, self.stream, self.chunk_tokens = link, stream, chunk_tokens
         self._seq_ids = seq_ids if seq_ids is not None else itertools.count(1)
         self._waiting: list[tuple[list[Completion], bool]] = []     # groups of one prompt, and whether to fork
         self._running: dict[int, _Running] = {}
-        self._reserved = 0
+        self._reserved = reservations if reservations is not None else Reservations()
         self._wake = asyncio.Event()
         self._stopped = False
 
@@ -130,17 +142,26 @@ class Scheduler:
             if not group:
                 self._waiting.pop(0)
                 continue
-            if len(self._running) + len(group) > info.max_seqs:
+            if len(self._running) + len(group) > info.max_seqs and self._running:
                 break
             prompt_len, block_size = len(group[0].prompt), info.kv_block_size
             forks = fork and len(group) > 1 and prompt_len > 1
             shared = (prompt_len - 1) // block_size if forks else 0
             blocks = [blocks_for(prompt_len + c.max_tokens, block_size) - (shared if i else 0)
                       for i, c in enumerate(group)]
-            if self._reserved + sum(blocks) > info.num_kv_blocks:
+            if sum(blocks) > info.num_kv_blocks or len(group) > info.max_seqs:     # never: fail it, go on
+                self._waiting.pop(0)
+                error = TooLarge(f"{len(group)} sequences of {prompt_len} + up to {group[0].max_tokens} tokens need "
+                                 f"{sum(blocks)} KV blocks; the worker has {info.num_kv_blocks} and runs "
+                                 f"{info.max_seqs} sequences at most")
+                for completion in group:
+                    completion.finish_reason = "error"
+                    completion._out.put_nowait(error)
+                continue
+            if self._reserved.blocks + sum(blocks) > info.num_kv_blocks:
                 break
             self._waiting.pop(0)
-            self._reserved += sum(blocks)
+            self._reserved.blocks += sum(blocks)
             runs = [_Running(c, next(self._seq_ids), b, prompt_end=prompt_len) for c, b in zip(group, blocks)]
             if forks:
                 runs[0].prompt_end, runs[0].children = prompt_len - 1, runs[1:]
@@ -251,17 +272,22 @@ class Scheduler:
 
     async def _finish(self, running: _Running, reason: str | None, error: BaseException | None = None,
                       release: bool = True) -> None:
-        """Releases the sequence (release=False: it does not exist on the worker) and ends the completion's stream
-        (with the error, where it failed). A group's first sequence finished before its fork takes the others with
-        it."""
-        del self._running[running.seq_id]
-        self._reserved -= running.blocks
+        """Ends the completion's stream (with the error, where it failed) and releases the sequence (release=False:
+        it does not exist on the worker; a Release that fails is left to the worker's sequence TTL). A group's first
+        sequence finished before its fork takes the others with it. Finishing a sequence twice does nothing."""
+        if self._running.pop(running.seq_id, None) is None:
+            return
+        self._reserved.blocks -= running.blocks
         completion = running.completion
         completion.finish_reason = reason or "error"
-        if release and not running.forked:
-            await self.link.release([running.seq_id])
         completion._out.put_nowait(error if error is not None else DONE)
-        for child in running.children:
+        children, running.children = running.children, []
+        if release and not running.forked:
+            try:
+                await self.link.release([running.seq_id])
+            except Exception:           # the worker is gone or going: its TTL releases the sequence
+                pass
+        for child in children:
             await self._finish(child, reason, error, release=False)
 
     async def _drop_cancelled(self) -> None:
