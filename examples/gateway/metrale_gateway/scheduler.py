@@ -23,8 +23,14 @@ class TooLarge(ValueError):
 @dataclass
 class Reservations:
     """The KV blocks a worker's requests have reserved: one for all the schedulers of its streams (they share its
-    pool)."""
+    pool). Blocks given back wake every one of them: a stream whose waiting request did not fit may fit now."""
     blocks: int = 0
+    waiters: list[asyncio.Event] = field(default_factory=list)
+
+    def give_back(self, blocks: int) -> None:
+        self.blocks -= blocks
+        for wake in self.waiters:
+            wake.set()
 
 
 @dataclass
@@ -74,6 +80,7 @@ class Scheduler:
         self._running: dict[int, _Running] = {}
         self._reserved = reservations if reservations is not None else Reservations()
         self._wake = asyncio.Event()
+        self._reserved.waiters.append(self._wake)
         self._stopped = False
 
     def submit(self, completion: Completion) -> None:
@@ -277,7 +284,7 @@ class Scheduler:
         sequence finished before its fork takes the others with it. Finishing a sequence twice does nothing."""
         if self._running.pop(running.seq_id, None) is None:
             return
-        self._reserved.blocks -= running.blocks
+        self._reserved.give_back(running.blocks)
         completion = running.completion
         completion.finish_reason = reason or "error"
         completion._out.put_nowait(error if error is not None else DONE)
