@@ -22,6 +22,7 @@ from pathlib import Path
 
 from bench.grpc_client import decode_round_trips, run_spawned
 from bench.grpc_overhead import loopback_config, machine_line, quiet_logs
+from bench.grpc_overhead import percentile as nearest_rank
 from bench.model_shapes import SHAPES, random_checkpoint
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.default_model import default_cache_dir, fetch_default_model
@@ -36,11 +37,9 @@ def lengths(rng: random.Random, count: int, median: float, sigma: float, low: in
     return [min(high, max(low, round(median * math.exp(rng.gauss(0.0, sigma))))) for _ in range(count)]
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def percentile(values: list, fraction: float) -> float:
+    """grpc_overhead.percentile of any list (nan where it is empty)."""
+    return nearest_rank(sorted(values), fraction) if values else float("nan")
 
 
 async def drive(address: str, requests: list[tuple[list[int], int]], rate: float, chunk_tokens: int) -> dict:

@@ -60,8 +60,9 @@ class WorkerLink:
         """Copies of the parent as it is now (its finished prompt and tokens), sharing its full blocks."""
         await self.stub.Fork(pb.ForkRequest(parent_seq_id=parent, child_seq_ids=children, stream=stream))
 
-    async def detokenize(self, tokens: list[int]) -> str:
-        return (await self.stub.Detokenize(pb.DetokenizeRequest(tokens=tokens, skip_special_tokens=True))).text
+    async def detokenize(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
+        request = pb.DetokenizeRequest(tokens=tokens, skip_special_tokens=skip_special_tokens)
+        return (await self.stub.Detokenize(request)).text
 
     async def release(self, seq_ids: list[int]) -> None:
         await self.stub.Release(pb.ReleaseRequest(seq_ids=seq_ids))

@@ -121,8 +121,7 @@ class Front:
             self.special[name] = "" if token is None else await self.token_text(token)
 
     async def token_text(self, token: int) -> str:
-        request = pb.DetokenizeRequest(tokens=[token], skip_special_tokens=False)
-        return (await self.link.stub.Detokenize(request)).text
+        return await self.link.detokenize([token], skip_special_tokens=False)
 
     async def tokenize(self, text: str, special: bool) -> list[int]:
         return list((await self.link.stub.Tokenize(pb.TokenizeRequest(text=text, add_special_tokens=special))).tokens)

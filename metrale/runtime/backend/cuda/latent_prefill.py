@@ -97,9 +97,11 @@ def plan_image(pieces: list[Piece]) -> tuple[np.ndarray, list[tuple[int, int, in
 
 
 class DevicePlan:
-    """A forward's pieces on the device: each piece's LatentPiece and its keys' cache slots."""
+    """A forward's pieces on the device (at most `rows` keys each): each piece's LatentPiece, its keys' cache slots
+    and their count."""
 
-    def __init__(self, ctx, image: np.ndarray, places, segments: int):
+    def __init__(self, ctx, image: np.ndarray, places, segments: int, rows: int):
+        self.rows = rows
         ctx.copy_to_device(DeviceTensor(ctx.latent_plan.ptr, image.shape, "int32"), image)
         base = ctx.latent_plan.ptr
         self.pieces = [(LatentPiece(*(DeviceTensor(base + 4 * (at + i * segments), (segments,), "int32")
@@ -118,7 +120,7 @@ def plan_for(ctx, batch, mla, block_size: int) -> DevicePlan | None:
         contexts, tables = batch.prefill_spans
         rows = piece_rows(mla.cache_width, mla.num_heads, mla.nope_dim, mla.v_dim)
         image, places = plan_image(plan_pieces(contexts, tables, block_size, rows))
-        batch.latent_plan = (DevicePlan(ctx, image, places, len(contexts))
+        batch.latent_plan = (DevicePlan(ctx, image, places, len(contexts), rows)
                              if image.size <= ctx.latent_plan.numel else False)
     return batch.latent_plan or None
 
@@ -129,8 +131,7 @@ def attend(lib, gemm, ctx, batch, plan: DevicePlan, out: DeviceTensor, q: Device
     columns; the rotary part rotated in query, the latent-space query, after each head's rank columns) over their
     segments' contexts in cache_rows [slots, rank + rope], piece by piece."""
     heads, nope, rope, v, rank = mla.num_heads, mla.nope_dim, mla.rope_dim, mla.v_dim, mla.kv_lora_rank
-    width = rank + rope
-    rows = piece_rows(width, heads, nope, v)
+    width, rows = rank + rope, plan.rows
     k_up = DeviceTensor(mla.k_up.ptr, (heads * nope, rank), "bfloat16")
     v_up = DeviceTensor(mla.v_up.ptr, (heads * v, rank), "bfloat16")
     base = ctx.latent_keys.ptr
