@@ -64,9 +64,28 @@ TINY_MLA = {
         MLA, tie_word_embeddings=False, num_hidden_layers=3, q_lora_rank=48, n_routed_experts=16,
         num_experts_per_tok=4, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=4,
         topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, rope_parameters=YARN)),
+    # rms_norm_eps away from the 1e-6 its latent norms keep
     "minicpm3": ("MiniCPM3Config", "MiniCPM3ForCausalLM", dict(
         MLA, num_hidden_layers=2, q_lora_rank=48, tie_word_embeddings=True, scale_emb=3.0, scale_depth=1.4,
-        dim_model_base=64)),
+        dim_model_base=64, rms_norm_eps=1e-5)),
+}
+
+
+# DeepSeek sparse attention over MLA: an indexer keeping 8 tokens a query (so a 20-token prompt's later tokens and
+# every decode step drop some), of 16 heads (with 8, a query whose head weights are all negative scores every token
+# no head likes 0, ties that torch.topk breaks differently for other prompt lengths). DeepSeek-V3.2 (V3 with an indexer in every layer) and Hy4 (indexers in layers 0, 1
+# and 5, the layers between reusing the last one's choice; attention sinks and gates; a clamped SwiGLU in its routed
+# experts; 4 hyper-connection streams).
+DSA = dict(MLA, q_lora_rank=48, index_topk=8, index_n_heads=16, index_head_dim=32, rope_parameters=YARN)
+TINY_SPARSE = {
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(
+        DSA, tie_word_embeddings=False, num_hidden_layers=3, n_routed_experts=16, num_experts_per_tok=4,
+        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, norm_topk_prob=True)),
+    "hy_v4": ("HYV4Config", "HYV4ForCausalLM", dict(
+        DSA, tie_word_embeddings=False, num_hidden_layers=6, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, n_shared_experts=1, routed_scaling_factor=2.0, hc_mult=4, swiglu_limit=1.0,
+        rms_norm_eps=1e-5, pad_token_id=0)),
 }
 
 
@@ -123,10 +142,11 @@ TINY_SSM = {
 
 def write_tiny(name: str, directory: Path, seed: int = 0, shard: bool = False, weight_std: float = 0.15,
                norm_std: float = 0.5) -> Path:
-    """A random model of architecture `name` (TINY, TINY_MOE, TINY_MLA or TINY_SSM) saved as safetensors in
-    directory; weights scaled so the logits are far from uniform. shard=True writes several files with an index."""
+    """A random model of architecture `name` (TINY, TINY_MOE, TINY_MLA, TINY_SPARSE or TINY_SSM) saved as
+    safetensors in directory; weights scaled so the logits are far from uniform. shard=True writes several files
+    with an index."""
     ssm = name in TINY_SSM
-    config_class, model_class, overrides = {**TINY, **TINY_MOE, **TINY_MLA, **TINY_SSM}[name]
+    config_class, model_class, overrides = {**TINY, **TINY_MOE, **TINY_MLA, **TINY_SPARSE, **TINY_SSM}[name]
     config = getattr(transformers, config_class)(**{**(MIXER if ssm else BASE), **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config).eval()

@@ -23,11 +23,16 @@ from tiny_models import load_reference, write_tiny
 PROMPTS = [[5, 17, 99, 3, 42], [7, 8, 150, 33, 61, 2, 90, 14, 77, 101, 12], [250], [4, 66, 31, 9, 180, 44, 71] * 3]
 
 
-@pytest.fixture(scope="module", params=["llama_tied", "nemotron_h"])
+# model -> the seed of its random weights: with the EOS ids below, each case ends some hypotheses early and runs
+# some to max_new_tokens.
+SEEDS = {"llama_tied": 2, "nemotron_h": 2, "hy_v4": 3}
+
+
+@pytest.fixture(scope="module", params=sorted(SEEDS))
 def models(request, tmp_path_factory):
-    """A Llama, and a hybrid whose beams also carry recurrent states (seed 2: with the EOS ids below, each case
-    ends some hypotheses early and runs some to max_new_tokens, on both)."""
-    directory = write_tiny(request.param, tmp_path_factory.mktemp("beam") / request.param, seed=2)
+    """A Llama, a hybrid whose beams also carry recurrent states, and Hy4, whose beams carry latents and sparse
+    attention's index keys through hyper-connection streams."""
+    directory = write_tiny(request.param, tmp_path_factory.mktemp("beam") / request.param, seed=SEEDS[request.param])
     engine, _ = build_engine(load_checkpoint(directory), EngineConfig(device="cpu", kv_blocks=400, kv_block_size=4))
     reference = load_reference(directory)
     # A second EOS id: the token greedy search emits most, so hypotheses finish early and often.

@@ -14,7 +14,7 @@ from metrale.runtime.config import EngineConfig
 from metrale.runtime.loading import load_checkpoint
 from metrale.runtime.sampling import OutputOptions
 from metrale.runtime.step import DecodeToken, PrefillSlice, Step
-from tiny_models import TINY_MLA, TINY_SSM, write_tiny
+from tiny_models import TINY_MLA, TINY_SPARSE, TINY_SSM, write_tiny
 
 BLOCK = 16
 PROMPT_LEN = 45
@@ -28,7 +28,7 @@ LOGITS = OutputOptions(return_logits=True)
 TOLERANCE = {"cpu": 1e-5, "cuda": 3e-2}
 
 
-@pytest.fixture(scope="module", params=[*sorted(TINY_SSM), *sorted(TINY_MLA), *(
+@pytest.fixture(scope="module", params=[*sorted(TINY_SSM), *sorted(TINY_MLA), *sorted(TINY_SPARSE), *(
     pytest.param(f"{name} cuda", marks=pytest.mark.gpu) for name in sorted(TINY_SSM) + sorted(TINY_MLA))])
 def engine(request, tmp_path_factory):
     name, _, device = request.param.partition(" ")

@@ -8,7 +8,7 @@ from metrale.runtime.config import EngineConfig
 from metrale.runtime.loading import load_checkpoint
 from metrale.runtime.sampling import OutputOptions
 from metrale.runtime.step import DecodeToken, PrefillSlice, Step
-from tiny_models import TINY, TINY_MLA, TINY_MOE, TINY_SSM, load_reference, write_tiny
+from tiny_models import TINY, TINY_MLA, TINY_MOE, TINY_SPARSE, TINY_SSM, load_reference, write_tiny
 
 NUM_DECODES = 64
 
@@ -17,7 +17,8 @@ def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
     return float((ours - reference).abs().max() / reference.abs().max())
 
 
-@pytest.mark.parametrize("name", sorted(TINY) + sorted(TINY_MOE) + sorted(TINY_MLA) + sorted(TINY_SSM))
+@pytest.mark.parametrize("name", sorted(TINY) + sorted(TINY_MOE) + sorted(TINY_MLA) + sorted(TINY_SPARSE)
+                         + sorted(TINY_SSM))
 def test_prefill_and_decode_logits_match_transformers(name, tmp_path):
     directory = write_tiny(name, tmp_path / name, shard=name == "llama3_untied")
     reference = load_reference(directory)
@@ -62,3 +63,9 @@ def test_stacked_experts_load_as_released_ones(name, tmp_path):
         out = engine.step(Step(prefill=(PrefillSlice(1, prompt, output=OutputOptions(return_logits=True)),)))
         logits.append(out.outputs[0].logits)
     assert torch.equal(*logits)
+
+
+@pytest.mark.parametrize("name, hc_mult", [("hy_v4", 4), ("deepseek_v32", 0), ("deepseek_v3", 0)])
+def test_info_reports_the_hyper_connection_streams(name, hc_mult, tmp_path):
+    _, info = build_engine(load_checkpoint(write_tiny(name, tmp_path / name)), EngineConfig(device="cpu", kv_blocks=8))
+    assert (info.hc_mult, info.is_mla) == (hc_mult, True)

@@ -11,7 +11,7 @@ from metrale.runtime.errors import OutOfKvBlocks, StepFailed
 from metrale.runtime.loading import load_checkpoint
 from metrale.runtime.sampling import OutputOptions, SamplingParams
 from metrale.runtime.step import DecodeToken, PrefillSlice, Step
-from tiny_models import TINY, TINY_MLA, load_reference, write_tiny
+from tiny_models import TINY, TINY_MLA, TINY_SPARSE, load_reference, write_tiny
 
 BLOCK = 16
 LOGITS = OutputOptions(return_logits=True)
@@ -50,7 +50,7 @@ def assert_same(a, b):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", sorted(TINY) + sorted(TINY_MLA))
+@pytest.mark.parametrize("name", sorted(TINY) + sorted(TINY_MLA) + sorted(TINY_SPARSE))
 def test_a_shared_prefix_is_reused_and_changes_no_token(name, tmp_path):
     directory = write_tiny(name, tmp_path / name)
     cached, plain = engines(directory, kv_blocks=64)

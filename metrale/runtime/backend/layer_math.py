@@ -1,6 +1,6 @@
 """The layer math every model family is written against: linears, norms, activations, embeddings, rotary
-positions, attention over a layer's cache, mixtures of experts and the state-space scan over a sequence's recurrent
-state. Each backend implements it (cpu/, cuda/). Models know nothing of graphs, streams, sampling or beam search:
+positions, attention over a layer's cache (dense, or over the tokens a sparse indexer selects), mixtures of experts,
+hyper-connections and the state-space scan over a sequence's recurrent state. Each backend implements it (cpu/, cuda/). Models know nothing of graphs, streams, sampling or beam search:
 that is the runner's (runner.py)."""
 
 from dataclasses import dataclass
@@ -93,6 +93,8 @@ class Experts:
     up: Tensor
     down: Tensor
     activation: str = "silu"
+    # A gated expert's clamp (Hy4's swiglu_limit): silu(min(gate, limit)) * clamp(up, -limit, limit); 0: none.
+    limit: float = 0.0
 
     @property
     def width(self) -> int:
@@ -132,6 +134,59 @@ class LatentAttention:
         return self.kv_lora_rank + self.rope_dim
 
 
+@dataclass(frozen=True)
+class HyperProjection:
+    """Weights computed from a token's hyper-connection streams [hc_mult * hidden] (mHC: DeepSeek-V4, Hy4), uploaded,
+    float32: the streams flattened and divided by their RMS (norm_eps, no weight), projected by fn [rows, hc_mult *
+    hidden] to logits, each logit * scale[i] + base through a sigmoid (+ eps) or a softmax."""
+    fn: Tensor
+    base: Tensor
+    scale: Tensor
+    hc_mult: int
+    norm_eps: float
+    eps: float
+
+
+@dataclass(frozen=True)
+class HyperConnection(HyperProjection):
+    """A block's hyper-connection. fn's rows give pre logits (hc_mult), post logits (hc_mult) and, where
+    sinkhorn_iters, comb logits (hc_mult^2): pre = sigmoid(logit * scale[0] + base) + eps, whose weighted sum of the
+    streams is the block's input; post = post_magnitude * sigmoid(logit * scale[1] + base) + post_eps, the weight of
+    the block's output added to each stream; comb (DeepSeek-V4) = softmax(logits * scale[2] + base) + eps over each
+    row of an hc_mult x hc_mult matrix, made doubly stochastic by sinkhorn_iters alternations of column and row
+    normalisation (each sum + eps), which mixes the streams (stream k <- sum over j of comb[j, k] * stream j) before
+    the output is added; without it (Hy4) the streams pass as they are."""
+    post_magnitude: float = 2.0
+    post_eps: float = 0.0
+    sinkhorn_iters: int = 0
+
+
+@dataclass(frozen=True)
+class HyperHead(HyperProjection):
+    """The streams collapsed after the last block: weights sigmoid(logit * scale[0] + base) + eps, fn [hc_mult,
+    hc_mult * hidden]."""
+
+
+@dataclass(frozen=True)
+class SparseIndexer:
+    """DeepSeek sparse attention's indexer (DeepSeek-V3.2, Hy4), uploaded. A token's index query has num_heads heads
+    of head_dim (a linear of the attention's low-rank query), its index key one head_dim vector (LayerNorm'd, cached
+    per token); rope_dim of each is rotated (rotate-half), the first rope_dim (rope_first) or the last. A query's
+    score of a cached token is sum over heads of w[h] * relu(q[h] . k), w = x @ weights_proj.T (float32 [num_heads,
+    hidden]) * num_heads^-0.5 * head_dim^-0.5; each query attends to the topk tokens of its causal context scored
+    highest (all of them where it holds no more)."""
+    weights_proj: Tensor
+    num_heads: int
+    head_dim: int
+    rope_dim: int
+    rope_first: bool
+    topk: int
+
+    @property
+    def weight_scale(self) -> float:
+        return (self.num_heads * self.head_dim) ** -0.5
+
+
 class PreparedBatch(Protocol):
     """A ForwardBatch as the backend holds it for one forward; models read these fields."""
     token_ids: Tensor          # [T]
@@ -154,9 +209,10 @@ class LayerMath(Protocol):
     def upload_float32(self, tensor: torch.Tensor) -> Tensor:
         """A float32 table (rope cos/sin) in the backend's memory."""
 
-    def upload_experts(self, up: torch.Tensor, down: torch.Tensor, activation: str = "silu") -> Experts:
+    def upload_experts(self, up: torch.Tensor, down: torch.Tensor, activation: str = "silu", limit: float = 0.0
+                       ) -> Experts:
         """A mixture's experts, up [experts, 2 * width or width, hidden] (a gated one's gate rows then up rows) and
-        down [experts, hidden, width], uploaded as the backend's moe() takes them."""
+        down [experts, hidden, width], uploaded as the backend's moe() takes them (limit: Experts')."""
 
     def prepare(self, batch, cross: bool = False) -> PreparedBatch:
         """Moves a ForwardBatch's metadata to the device once per forward; cross=True: a forward's second batch (its
@@ -230,6 +286,9 @@ class LayerMath(Protocol):
     def mul_silu(self, x: Tensor, gate: Tensor) -> Tensor:
         """x * silu(gate), elementwise (a Mamba2 mixer without its norm)."""
 
+    def mul_sigmoid(self, x: Tensor, gate: Tensor) -> Tensor:
+        """x * sigmoid(gate), elementwise (Hy4's gated attention output)."""
+
     def add(self, x: Tensor, y: Tensor) -> Tensor:
         """x + y, elementwise (two mixers' outputs of one layer: Falcon-H1's attention and Mamba2)."""
 
@@ -252,15 +311,43 @@ class LayerMath(Protocol):
         """Attention of each segment's queries over its paged KV -> [T, heads * head_dim]: causal, or (causal=False:
         an encoder's self-attention, a decoder's cross-attention) over all of each segment's context."""
 
+    def sparse_select(self, q: Tensor, k: Tensor, x: Tensor, indexer: SparseIndexer, rope: RopeTable,
+                      batch: PreparedBatch, cache: Tensor) -> Any:
+        """DSA's choice of tokens: q [T, num_heads * head_dim] and k [T, head_dim] (normed) rotated at the batch
+        positions, k written into the indexer cache [blocks, block_size, head_dim] at the batch slots, and each
+        token's topk highest-scoring tokens of its causal context (SparseIndexer; x [T, hidden] the weights' input)
+        -> a selection latent_attention takes, the backend's own."""
+
     def latent_attention(self, q: Tensor, latent: Tensor, rope_key: Tensor, mla: LatentAttention, rope: RopeTable,
-                         batch: PreparedBatch, cache: Tensor, scale: float) -> Tensor:
+                         batch: PreparedBatch, cache: Tensor, scale: float, selection: Any = None,
+                         sinks: Tensor | None = None) -> Tensor:
         """Multi-head latent attention. q [T, heads * (nope_dim + rope_dim)] (each head's part without position,
         then its rotary part), latent [T, kv_lora_rank] (normed), rope_key [T, rope_dim]: rotates q's rotary parts
         and rope_key (rotate-half) at the batch positions, writes each token's latent and rotated key into cache
         [blocks, block_size, cache_width] at its slot, and returns each head's causal attention over its sequence's
         cached tokens -> [T, heads * v_dim], the keys latent @ k_up[h].T then the rotary key, the values latent @
         v_up[h].T. A backend may attend in the latent space (k_up folded into the query, v_up applied after) or
-        up-project the keys and values."""
+        up-project the keys and values. selection (sparse_select's): each token attends only to the tokens chosen
+        for it. sinks (float32 [heads]): a logit per head in each softmax's denominator that takes no value (Hy4)."""
+
+    def hyper_widen(self, x: Tensor, hc_mult: int) -> Tensor:
+        """The embedding's rows [T, hidden] copied into hc_mult streams -> [T, hc_mult * hidden]."""
+
+    def hyper_collapse(self, streams: Tensor, hc: HyperConnection) -> tuple[Tensor, Any]:
+        """A block's input from the streams [T, hc_mult * hidden] (HyperConnection's pre) -> ([T, hidden], the mix:
+        post and comb, the backend's own, for hyper_expand)."""
+
+    def hyper_expand(self, out: Tensor, streams: Tensor, mix: Any) -> Tensor:
+        """The streams after a block: each (mixed by comb where the connection has one) plus post[n] times the
+        block's output out [T, hidden], in float32, rounded to the streams' dtype."""
+
+    def hyper_boundary(self, out: Tensor, streams: Tensor, mix: Any, hc: HyperConnection
+                       ) -> tuple[Tensor, Tensor, Any]:
+        """hyper_expand, then the next block's hyper_collapse: (streams, its input, its mix). A backend may fuse
+        the two (hyper_boundary below is them apart)."""
+
+    def hyper_head(self, streams: Tensor, head: HyperHead) -> Tensor:
+        """The streams collapsed after the last block -> [T, hidden]."""
 
     def sampled_rows(self, x: "Tensor | Linear", residual: Tensor, batch: PreparedBatch
                      ) -> tuple["Tensor | Linear", Tensor]:
@@ -278,3 +365,10 @@ def rope_then_attention(math: LayerMath, q: Tensor, k: Tensor, v: Tensor, rope: 
     self_attention where it has nothing fused for the batch."""
     q = math.rope_and_write_kv(q, k, v, rope, batch, kv, head_dim)
     return math.paged_attention(q, kv, batch, num_kv_heads, head_dim, scale, sliding_window)
+
+
+def hyper_boundary(math: LayerMath, out: Tensor, streams: Tensor, mix: Any, hc: HyperConnection
+                   ) -> tuple[Tensor, Tensor, Any]:
+    """LayerMath.hyper_boundary as its two ops: a backend's where it fuses nothing."""
+    streams = math.hyper_expand(out, streams, mix)
+    return (streams, *math.hyper_collapse(streams, hc))

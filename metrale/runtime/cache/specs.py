@@ -1,5 +1,6 @@
-"""What a model's layers keep per token or per sequence between steps: one spec per layer, declared by the model
-(model.cache_specs()), from which the cache manager sizes, allocates and hands out the cache."""
+"""What a model's layers keep per token or per sequence between steps: one spec per cache tensor, declared by the
+model (model.cache_specs(): a layer's, in layer order, then any a layer keeps beside it, such as a sparse indexer's
+keys), from which the cache manager sizes, allocates and hands out the cache."""
 
 import math
 from dataclasses import dataclass
@@ -27,6 +28,17 @@ class PagedLatent:
 
 
 @dataclass(frozen=True)
+class PagedIndexKeys:
+    """A sparse attention indexer's key per token (DeepSeek-V3.2's DSA: one vector of `width` values, which the
+    indexer scores its queries against), in blocks of the shared pool beside the latents: a tensor [blocks,
+    block_size, width] in the backend's dtype."""
+    width: int
+
+    def elements_per_token(self) -> int:
+        return self.width
+
+
+@dataclass(frozen=True)
 class RecurrentState:
     """A fixed-size state per sequence (an SSM layer's conv and ssm states): one tensor per shape, [slots, *shape]
     in float32, and a sequence's state is one slot of each. A step writes a sequence's advanced state into a new
@@ -42,8 +54,8 @@ class NoCache:
     """Nothing kept between steps (a feed-forward layer, a hyper-connection mix)."""
 
 
-LayerCache = PagedKv | PagedLatent | RecurrentState | NoCache
-PAGED = (PagedKv, PagedLatent)
+LayerCache = PagedKv | PagedLatent | PagedIndexKeys | RecurrentState | NoCache
+PAGED = (PagedKv, PagedLatent, PagedIndexKeys)
 # A recurrent state is kept in float32 whatever the backend's dtype: it accumulates over every token.
 STATE_ITEMSIZE = 4
 

@@ -4,8 +4,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from metrale.runtime.errors import InvalidArgument
-from metrale.runtime.models import deepseek, dots1, falcon_h1, granite_hybrid, hybrid, llama, m2m100, mamba2, \
-    mistral, mixtral, nemotron_h, qwen2, qwen3, qwen3_moe
+from metrale.runtime.models import deepseek, dots1, falcon_h1, granite_hybrid, hy_v4, hybrid, llama, m2m100, \
+    mamba2, mistral, mixtral, nemotron_h, qwen2, qwen3, qwen3_moe
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,9 @@ ARCHITECTURES: dict[str, Family] = {
     "GraniteMoeHybridForCausalLM": Family(granite_hybrid.config_from_hf, granite_hybrid.GraniteHybridForCausalLM),
     "DeepseekV2ForCausalLM": Family(deepseek.config_from_hf, deepseek.DeepseekForCausalLM),
     "DeepseekV3ForCausalLM": Family(deepseek.config_from_hf, deepseek.DeepseekForCausalLM),
+    "DeepseekV32ForCausalLM": Family(deepseek.config_from_hf, deepseek.DeepseekForCausalLM),
     "MiniCPM3ForCausalLM": Family(deepseek.config_from_hf, deepseek.DeepseekForCausalLM),
+    "HYV4ForCausalLM": Family(hy_v4.config_from_hf, hy_v4.HyV4ForCausalLM),
 }
 
 

@@ -1,5 +1,7 @@
 """What every family reads of a Hugging Face checkpoint the same way: its tensors by name, and its EOS ids."""
 
+import re
+from collections.abc import Mapping
 from typing import Callable
 
 import torch
@@ -28,3 +30,30 @@ def scaled_tied_head_bytes(config) -> int:
     """A model's extra_weight_bytes where it scales its tied LM head apart from its embedding: with
     tie_word_embeddings, the one checkpoint table uploaded twice (bf16, 256-byte aligned)."""
     return 2 * config.vocab_size * config.hidden_size + 256 if config.tie_word_embeddings else 0
+
+
+class Renamed(Mapping):
+    """A checkpoint's tensors under the names transformers gives them where the released checkpoint names them
+    otherwise: renames [(pattern, replacement)], applied in order to each released name (names already renamed
+    map to themselves). Reads nothing until a tensor is taken."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], renames: list[tuple[str, str]]):
+        self.tensors = tensors
+        self.names = {}
+        for name in tensors.keys():
+            renamed = name
+            for pattern, replacement in renames:
+                renamed = re.sub(pattern, replacement, renamed)
+            self.names[renamed] = name
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[self.names[name]]
+
+    def __contains__(self, name) -> bool:
+        return name in self.names
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)

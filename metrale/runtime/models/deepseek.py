@@ -1,5 +1,6 @@
 """Multi-head latent attention decoders, in layer math: DeepSeek-V2 (and V2-Lite, without the query's low-rank
-projection), DeepSeek-V3 (Kimi-K2's checkpoints too) and MiniCPM3. Each layer caches one latent vector a token
+projection), DeepSeek-V3 (Kimi-K2's checkpoints too), DeepSeek-V3.2 (V3 with DeepSeek sparse attention: each query
+attends to the tokens an indexer chooses, sparse_index.py) and MiniCPM3 (Hy4 builds on them: hy_v4.py). Each layer caches one latent vector a token
 (kv_lora_rank values, normed, then the rotary key every head shares) instead of K and V for every head; its MLP is
 dense in the first first_k_dense_replace layers and a mixture of experts after (DeepSeek's routers: V2's softmax,
 greedy or over groups by their best score; V3's sigmoid with its correction bias), or dense throughout (MiniCPM3).
@@ -15,10 +16,13 @@ import torch
 
 from metrale.runtime.backend.layer_math import LatentAttention, LayerMath, RopeTable
 from metrale.runtime.batch import ForwardBatch
-from metrale.runtime.cache.specs import PagedLatent
+from metrale.runtime.cache.specs import PagedIndexKeys, PagedLatent
 from metrale.runtime.errors import InvalidArgument
+from metrale.runtime.models import sparse_index
 from metrale.runtime.models.checkpoint import eos_token_ids, tensor_reader
+from metrale.runtime.models.hyper import HyperConfig
 from metrale.runtime.models.moe import MoeConfig, load_moe
+from metrale.runtime.models.sparse_index import IndexerConfig
 from metrale.runtime.models.rope import attention_factor, inverse_frequencies, rope_cos_sin, rope_parameters, \
     yarn_mscale
 
@@ -46,6 +50,11 @@ class MlaConfig:
     embedding_scale: float = 1.0        # MiniCPM3's scale_emb
     residual_scale: float = 1.0         # MiniCPM3's scale_depth / sqrt(num_layers), on each residual branch
     logits_divisor: float = 1.0         # MiniCPM3's hidden_size / dim_model_base, before the LM head
+    latent_norm_eps: float = 1e-6       # q_a_layernorm's and kv_a_layernorm's (transformers builds them at its default)
+    indexer: IndexerConfig | None = None    # DeepSeek sparse attention's (V3.2, Hy4)
+    gated_attention: bool = False       # Hy4: each head's output times sigmoid(x @ gate_proj.T)
+    attention_sinks: bool = False       # Hy4: a learned logit per head in each softmax's denominator
+    hyper: HyperConfig | None = None    # Hy4's hyper-connections (hy_v4.py)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -80,6 +89,9 @@ def config_from_hf(hf: dict) -> MlaConfig:
     if rope_dim % 2:
         raise InvalidArgument(f"qk_rope_head_dim {rope_dim} must be even")
     minicpm = architecture == "MiniCPM3ForCausalLM"
+    sparse = architecture == "DeepseekV32ForCausalLM"
+    if sparse and not hf.get("q_lora_rank"):
+        raise InvalidArgument("DeepSeek-V3.2's indexer reads the query's low-rank projection: q_lora_rank must be set")
     family = {}
     if minicpm:
         depth = hf.get("scale_depth")
@@ -88,6 +100,8 @@ def config_from_hf(hf: dict) -> MlaConfig:
                       logits_divisor=hf["hidden_size"] / (hf.get("dim_model_base") or hf["hidden_size"]))
     else:
         family = dict(moe=_moe(hf, architecture))
+    if sparse:      # the indexer's key LayerNorm at nn.LayerNorm's eps, its rotary dims first
+        family["indexer"] = sparse_index.indexer_config(hf, rope_first=True, norm_eps=1e-6)
     return MlaConfig(
         architecture=architecture, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
         intermediate_size=hf["intermediate_size"], num_layers=num_layers, num_heads=hf["num_attention_heads"],
@@ -107,11 +121,10 @@ def _moe(hf: dict, architecture: str) -> MoeConfig | None:
     experts = hf.get("n_routed_experts")
     if not experts:
         return None
-    width, layers = hf["moe_intermediate_size"], hf["num_hidden_layers"]
-    common = dict(num_experts=experts, top_k=hf["num_experts_per_tok"], width=width,
-                  layers=tuple(range(hf.get("first_k_dense_replace") or 0, layers)),
+    width = hf["moe_intermediate_size"]
+    common = dict(num_experts=experts, top_k=hf["num_experts_per_tok"], width=width, layers=moe_layers(hf),
                   scaling=hf.get("routed_scaling_factor", 1.0), shared_width=width * (hf.get("n_shared_experts") or 0))
-    if architecture == "DeepseekV3ForCausalLM":
+    if architecture in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"):
         return MoeConfig(**common, scoring="sigmoid", normalize=hf.get("norm_topk_prob", True), correction_bias=True,
                          n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1)
     # DeepSeek-V2: softmax over float32 logits, its top-k weights unnormalised (transformers reads no norm_topk_prob).
@@ -122,6 +135,17 @@ def _moe(hf: dict, architecture: str) -> MoeConfig | None:
     return MoeConfig(**common, scoring="softmax", normalize=False, float32_logits=True, group_score="max",
                      n_group=(hf.get("n_group") or 1) if grouped else 1,
                      topk_group=(hf.get("topk_group") or 1) if grouped else 1)
+
+
+def moe_layers(hf: dict) -> tuple[int, ...]:
+    """The layers whose MLP is the mixture: mlp_layer_types' "sparse" ones where the config lists them, else those
+    from first_k_dense_replace on."""
+    kinds = hf.get("mlp_layer_types")
+    if kinds:
+        if len(kinds) != hf["num_hidden_layers"] or set(kinds) - {"dense", "sparse"}:
+            raise InvalidArgument(f"mlp_layer_types {kinds} must give 'dense' or 'sparse' for each layer")
+        return tuple(i for i, kind in enumerate(kinds) if kind == "sparse")
+    return tuple(range(hf.get("first_k_dense_replace") or 0, hf["num_hidden_layers"]))
 
 
 class DeepseekForCausalLM:
@@ -141,9 +165,18 @@ class DeepseekForCausalLM:
         twice = config.tie_word_embeddings and config.embedding_scale != 1.0
         return 2 * config.vocab_size * config.hidden_size + 256 if twice else 0
 
-    def cache_specs(self) -> tuple[PagedLatent, ...]:
-        """Each layer's latent and rotary key, one vector a token."""
-        return (PagedLatent(self.config.cache_width),) * self.config.num_layers
+    def cache_specs(self) -> tuple[PagedLatent | PagedIndexKeys, ...]:
+        """Each layer's latent and rotary key, one vector a token; then, with sparse attention, the index key of
+        each layer that runs its own indexer."""
+        c = self.config
+        index = (PagedIndexKeys(c.indexer.head_dim),) * len(c.indexer.layers) if c.indexer else ()
+        return (PagedLatent(c.cache_width),) * c.num_layers + index
+
+    def layer_caches(self, caches: list) -> list[tuple]:
+        """(latent cache, index key cache or None) of each layer, from cache_specs' order."""
+        c = self.config
+        index = dict(zip(c.indexer.layers, caches[c.num_layers:])) if c.indexer else {}
+        return [(caches[i], index.get(i)) for i in range(c.num_layers)]
 
     def replayable(self, batch: ForwardBatch) -> bool:
         """The forward reads every batch only through prepare()."""
@@ -154,29 +187,36 @@ class DeepseekForCausalLM:
         ops, c, w = self.math, self.config, self.weights
         meta = ops.prepare(batch)
         x = ops.embedding(w["embed"], meta.token_ids)
-        residual = None
-        for layer, cache in zip(w["layers"], caches):
+        residual = selection = None
+        for layer, cache in zip(w["layers"], self.layer_caches(caches)):
             h, residual = ops.rms_norm(x, layer["input_layernorm"], c.rms_norm_eps, residual)
-            h = self._attention(h, layer, meta, cache)
+            h, selection = self._attention(h, layer, meta, cache, selection)
             h, residual = ops.rms_norm(h, layer["post_attention_layernorm"], c.rms_norm_eps, residual)
             x = self._mlp(h, layer)
         x, residual = ops.sampled_rows(x, residual, meta)
         x, _ = ops.rms_norm(x, w["norm"], c.rms_norm_eps, residual)
         return ops.logits(x, w["lm_head"])
 
-    def _attention(self, h, layer: dict, meta, cache):
+    def _attention(self, h, layer: dict, meta, caches: tuple, selection):
+        """The layer's attention output and its sparse attention's choice of tokens (the one it was handed, where
+        the layer runs no indexer of its own; None without sparse attention)."""
         ops, c = self.math, self.config
+        cache, index_cache = caches
         if c.q_lora_rank:
-            q, _ = ops.rms_norm(ops.linear(h, layer["q_a_proj"], layer.get("q_a_bias")), layer["q_a_layernorm"],
-                                c.rms_norm_eps)
-            q = ops.linear(q, layer["q_b_proj"])
+            q_low_rank, _ = ops.rms_norm(ops.linear(h, layer["q_a_proj"], layer.get("q_a_bias")),
+                                         layer["q_a_layernorm"], c.latent_norm_eps)
+            q = ops.linear(q_low_rank, layer["q_b_proj"])
         else:
             q = ops.linear(h, layer["q_proj"], layer.get("q_bias"))
         compressed = ops.linear(h, layer["kv_a_proj"], layer.get("kv_a_bias"))   # [T, kv_lora_rank + rope_dim]
-        latent, _ = ops.rms_norm(compressed[:, :c.kv_lora_rank], layer["kv_a_layernorm"], c.rms_norm_eps)
+        latent, _ = ops.rms_norm(compressed[:, :c.kv_lora_rank], layer["kv_a_layernorm"], c.latent_norm_eps)
+        if index_cache is not None:
+            selection = sparse_index.select(ops, layer, c.indexer, h, q_low_rank, self.rope, meta, index_cache)
         o = ops.latent_attention(q, latent, compressed[:, c.kv_lora_rank:], layer["mla"], self.rope, meta, cache,
-                                 self.scale)
-        return ops.linear(o, layer["o_proj"], layer.get("o_bias"))
+                                 self.scale, selection, layer.get("sinks"))
+        if c.gated_attention:
+            o = ops.mul_sigmoid(o, ops.linear(h, layer["gate_proj"]))
+        return ops.linear(o, layer["o_proj"], layer.get("o_bias")), selection
 
     def _mlp(self, h, layer: dict):
         """The dense MLP, or the mixture of experts with its shared experts' MLP."""
@@ -234,6 +274,12 @@ def _load_weights(c: MlaConfig, tensors: dict[str, torch.Tensor], ops: LayerMath
         kv_b = take(attn + "kv_b_proj.weight").view(heads, nope + c.v_head_dim, c.kv_lora_rank)
         layer["mla"] = LatentAttention(ops.upload(kv_b[:, :nope].contiguous()), ops.upload(kv_b[:, nope:].contiguous()),
                                        rope_dim)
+        if c.indexer and c.indexer.own[i]:
+            layer.update(sparse_index.load_indexer(take, at, c.indexer, rope_dim, ops))
+        if c.gated_attention:
+            layer["gate_proj"] = ops.upload(take(attn + "gate_proj.weight"))
+        if c.attention_sinks:
+            layer["sinks"] = ops.upload_float32(take(attn + "sinks"))
         if c.moe and i in c.moe.layers:
             layer.update(load_moe(take, tensors.__contains__, at, c.moe, ops))
         else:

@@ -30,6 +30,7 @@ class MoeConfig:
     stacked_module: str | None = None   # its name where transformers 5 saved the experts stacked, if not module
     # Each expert's (and the shared experts') gate, up and down projections; no gate where not gated.
     expert_names: tuple[str | None, str, str] = ("gate_proj", "up_proj", "down_proj")
+    limit: float = 0.0                  # the routed experts' SwiGLU clamp (Experts.limit; Hy4's swiglu_limit)
 
     def activation_width(self, hidden: int) -> int:
         """Activation elements (bf16-sized) a token of one mixture layer's forward takes beyond the dense layers':
@@ -54,6 +55,8 @@ class MoeConfig:
             raise InvalidArgument(f"num_experts_per_tok {self.top_k} must be in 1..{self.num_experts}")
         if self.activation not in ("silu", "relu2"):
             raise InvalidArgument(f"expert activation {self.activation!r} is not supported (silu, relu2 are)")
+        if self.limit < 0 or (self.limit and not self.gated):
+            raise InvalidArgument(f"an expert clamp {self.limit} applies to gated (silu) experts, at least 0")
         if self.scoring not in ("softmax", "sigmoid"):
             raise InvalidArgument(f"router scoring {self.scoring!r} is not supported (softmax, sigmoid are)")
         if self.group_score not in ("top2", "max"):
@@ -83,7 +86,7 @@ def load_moe(take: Callable[[str], torch.Tensor], has: Callable[[str], bool], pr
     else:
         up = torch.stack([_up(take, f"{module}experts.{e}.", moe) for e in range(moe.num_experts)])
         down = torch.stack([take(f"{module}experts.{e}.{moe.expert_names[2]}.weight") for e in range(moe.num_experts)])
-    layer = {"router": router, "experts": ops.upload_experts(up, down, moe.activation)}
+    layer = {"router": router, "experts": ops.upload_experts(up, down, moe.activation, moe.limit)}
     if moe.shared_width:
         at = module + "shared_experts."
         gate, up, down_name = moe.expert_names

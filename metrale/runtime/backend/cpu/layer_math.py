@@ -4,9 +4,9 @@ default model."""
 import torch
 import torch.nn.functional as F
 
-from metrale.runtime.backend.cpu import moe, ssm
+from metrale.runtime.backend.cpu import hyper, moe, sparse, ssm
 from metrale.runtime.backend.layer_math import Experts, LatentAttention, Linear, MoeRouter, RopeTable, SsmScan, \
-    rope_then_attention
+    hyper_boundary, rope_then_attention
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.errors import InvalidArgument
 
@@ -30,8 +30,8 @@ class CpuLayerMath:
     def upload_float32(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.float().contiguous()
 
-    def upload_experts(self, up, down, activation="silu"):
-        return Experts(self.upload(up), self.upload(down), activation)
+    def upload_experts(self, up, down, activation="silu", limit=0.0):
+        return Experts(self.upload(up), self.upload(down), activation, limit)
 
     def prepare(self, batch: ForwardBatch, cross: bool = False) -> "CpuBatch":
         return CpuBatch.from_batch(batch)
@@ -137,11 +137,32 @@ class CpuLayerMath:
     def mul_silu(self, x, gate):
         return x * F.silu(gate)
 
+    def mul_sigmoid(self, x, gate):
+        return x * torch.sigmoid(gate)
+
+    def hyper_widen(self, x, hc_mult):
+        return x.repeat(1, hc_mult)
+
+    def hyper_collapse(self, streams, hc):
+        return hyper.collapse(streams, hc)
+
+    def hyper_expand(self, out, streams, mix):
+        return hyper.expand(out, streams, mix)
+
+    def hyper_boundary(self, out, streams, mix, hc):
+        return hyper_boundary(self, out, streams, mix, hc)
+
+    def hyper_head(self, streams, head):
+        return hyper.head(streams, head)
+
+    def sparse_select(self, q, k, x, indexer, rope, batch: "CpuBatch", cache):
+        return sparse.select(q, k, x, indexer, rope, batch, cache, _rotate)
+
     def add(self, x, y):
         return x + y
 
     def latent_attention(self, q, latent, rope_key, mla: LatentAttention, rope: RopeTable, batch: "CpuBatch", cache,
-                         scale):
+                         scale, selection=None, sinks=None):
         """In the latent space: each head's query without position times k_up[h] becomes a query of the latent, so
         every head attends over the cached rows themselves (one key head), and its attended latent times v_up[h]
         is its output."""
@@ -156,15 +177,18 @@ class CpuLayerMath:
         if batch.single_rows.numel():
             rows = cache[batch.single_tables].flatten(1, 2)[:, :batch.single_context].float()   # [B, C, width]
             scores = torch.einsum("bhw,bcw->bhc", queries[batch.single_rows], rows) * scale
-            scores = scores.masked_fill(~batch.single_allowed(None)[:, None, :], float("-inf"))
-            attended[batch.single_rows] = torch.einsum("bhc,bcl->bhl", torch.softmax(scores, dim=-1),
-                                                       rows[..., :rank])
-        for start, n, context, table in batch.multi_segments:
+            allowed = batch.single_allowed(None) if selection is None else selection.single
+            probs = _softmax(scores.masked_fill(~allowed[:, None, :], float("-inf")), sinks, head_dim=1)
+            attended[batch.single_rows] = torch.einsum("bhc,bcl->bhl", probs, rows[..., :rank])
+        for i, (start, n, context, table) in enumerate(batch.multi_segments):
             rows = cache[table].reshape(-1, mla.cache_width)[:context].float()                    # [C, width]
             scores = torch.einsum("nhw,cw->hnc", queries[start:start + n], rows) * scale
-            q_pos = torch.arange(context - n, context).unsqueeze(1)
-            scores = scores.masked_fill(torch.arange(context).unsqueeze(0) > q_pos, float("-inf"))
-            attended[start:start + n] = torch.einsum("hnc,cl->nhl", torch.softmax(scores, dim=-1), rows[:, :rank])
+            if selection is None:
+                allowed = torch.arange(context).unsqueeze(0) <= torch.arange(context - n, context).unsqueeze(1)
+            else:
+                allowed = selection.multi[i]
+            probs = _softmax(scores.masked_fill(~allowed, float("-inf")), sinks, head_dim=0)
+            attended[start:start + n] = torch.einsum("hnc,cl->nhl", probs, rows[:, :rank])
         out = torch.einsum("thl,hvl->thv", attended.to(q.dtype), mla.v_up)
         return out.reshape(tokens, -1)
 
@@ -185,6 +209,17 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
+
+
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None, head_dim: int) -> torch.Tensor:
+    """Softmax over the last dim, with a sink logit per head (dim head_dim of scores) in the denominator where
+    given: exp(s) / (sum exp(s) + exp(sink)), as transformers drops the sink's column after its softmax."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    shape = [1] * scores.dim()
+    shape[head_dim] = -1
+    sink = sinks.float().view(shape).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

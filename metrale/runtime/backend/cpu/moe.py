@@ -42,6 +42,8 @@ def moe(x: torch.Tensor, router: MoeRouter, experts: Experts) -> torch.Tensor:
         up = F.linear(x[tokens], experts.up[expert])
         if experts.activation == "silu":
             gate, up = up.chunk(2, dim=-1)
+            if experts.limit:
+                gate, up = gate.clamp(max=experts.limit), up.clamp(-experts.limit, experts.limit)
             activated = F.silu(gate) * up
         else:
             activated = F.relu(up).square()

@@ -7,7 +7,7 @@ import os
 import torch
 
 from metrale.runtime.beam.candidates import HostCandidates, best_first
-from metrale.runtime.cache.specs import NoCache, PagedKv, PagedLatent, RecurrentState
+from metrale.runtime.cache.specs import NoCache, PagedIndexKeys, PagedKv, PagedLatent, RecurrentState
 from metrale.runtime.sampling import SampleResult, sample
 
 
@@ -44,7 +44,7 @@ class CpuRunner:
     def _layer_cache(self, spec, num_blocks: int, block_size: int, num_state_slots: int):
         if isinstance(spec, PagedKv):
             return torch.zeros((2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim), dtype=self.dtype)
-        if isinstance(spec, PagedLatent):
+        if isinstance(spec, (PagedLatent, PagedIndexKeys)):
             return torch.zeros((num_blocks, block_size, spec.width), dtype=self.dtype)
         if isinstance(spec, RecurrentState):
             return tuple(torch.zeros((num_state_slots, *shape), dtype=torch.float32) for shape in spec.shapes)
@@ -84,7 +84,7 @@ class CpuRunner:
             if not isinstance(layer, torch.Tensor):      # a recurrent state, or no cache
                 continue
             for src, dst, n in copies:
-                if layer.dim() == 3:        # latent: [blocks, block_size, width]
+                if layer.dim() == 3:        # latent, index keys: [blocks, block_size, width]
                     layer[dst, :n] = layer[src, :n]
                 else:                       # K/V: [2, blocks, block_size, heads, head_dim]
                     layer[:, dst, :n] = layer[:, src, :n]

@@ -40,9 +40,11 @@ class CudaLayerMath:
     def upload_float32(self, tensor: torch.Tensor) -> DeviceTensor:
         return self._upload(tensor.float(), "float32")
 
-    def upload_experts(self, up, down, activation="silu"):
+    def upload_experts(self, up, down, activation="silu", limit=0.0):
         """A gated mixture's up rows interleaved (kernels/moe.py's interleave_gate_up): the up GEMM's epilogue
         applies the activation."""
+        if limit:
+            raise InvalidArgument("the CUDA backend's expert GEMMs do not clamp (swiglu_limit) yet")
         if activation == "silu":
             up = kernels.moe.interleave_gate_up(up)
         return Experts(self.upload(up), self.upload(down), activation)

@@ -1,0 +1,58 @@
+"""DeepSeek sparse attention (DSA: DeepSeek-V3.2, Hy4) as multi-head latent attention models use it: which layers
+run an indexer of their own (the others reuse the choice of the last that did), its tensors, and the choice of
+tokens it makes for a layer's attention."""
+
+from dataclasses import dataclass
+
+from metrale.runtime.backend.layer_math import LayerMath, RopeTable, SparseIndexer
+from metrale.runtime.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class IndexerConfig:
+    num_heads: int
+    head_dim: int
+    topk: int
+    norm_eps: float                     # its key's LayerNorm
+    rope_first: bool                    # the rotary dims first in each head (DeepSeek-V3.2) or last (Hy4)
+    own: tuple[bool, ...]               # layer i runs its own indexer (else it reuses the last one's choice)
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The layers with an indexer (and an index key cache) of their own."""
+        return tuple(i for i, own in enumerate(self.own) if own)
+
+
+def indexer_config(hf: dict, rope_first: bool, norm_eps: float) -> IndexerConfig:
+    """From config.json's index_* fields and indexer_types ("full" or "shared" per layer; absent: all full)."""
+    layers = hf["num_hidden_layers"]
+    kinds = hf.get("indexer_types") or ["full"] * layers
+    if len(kinds) != layers or set(kinds) - {"full", "shared"} or kinds[0] != "full":
+        raise InvalidArgument(f"indexer_types {kinds} must give 'full' or 'shared' for each of the {layers} layers, "
+                              f"the first 'full'")
+    config = IndexerConfig(num_heads=hf["index_n_heads"], head_dim=hf["index_head_dim"], topk=hf["index_topk"],
+                           norm_eps=norm_eps, rope_first=rope_first, own=tuple(kind == "full" for kind in kinds))
+    if config.topk < 1 or config.head_dim < hf["qk_rope_head_dim"]:
+        raise InvalidArgument(f"index_topk {config.topk} must be positive and index_head_dim {config.head_dim} hold "
+                              f"the rotary {hf['qk_rope_head_dim']} dims")
+    return config
+
+
+def load_indexer(take, prefix: str, config: IndexerConfig, rope_dim: int, ops: LayerMath) -> dict:
+    """Layer `prefix`'s indexer (its self_attn.indexer tensors), uploaded."""
+    at = prefix + "self_attn.indexer."
+    return {"index_q": ops.upload(take(at + "wq_b.weight")), "index_k": ops.upload(take(at + "wk.weight")),
+            "index_norm": ops.upload(take(at + "k_norm.weight")),
+            "index_norm_bias": ops.upload(take(at + "k_norm.bias")),
+            "indexer": SparseIndexer(ops.upload_float32(take(at + "weights_proj.weight")), config.num_heads,
+                                     config.head_dim, rope_dim, config.rope_first, config.topk)}
+
+
+def select(ops: LayerMath, layer: dict, config: IndexerConfig, x, q_low_rank, rope: RopeTable, meta, cache):
+    """The layer's choice of tokens for each query: its index query from the attention's normed low-rank query,
+    its key from x (the layer's normed input)."""
+    q = ops.linear(q_low_rank, layer["index_q"])
+    k, _ = ops.layer_norm(ops.linear(x, layer["index_k"]), layer["index_norm"], layer["index_norm_bias"],
+                          config.norm_eps)
+    return ops.sparse_select(q, k, x, layer["indexer"], rope, meta, cache)
+
