@@ -46,8 +46,13 @@ __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 
 // A gated MLP's activation silu(gate) * up in fp32 from gate and up as bf16 would hold them (both rounded first, as
 // when a GEMM writes them and activation.cu's silu_mul reads them back), rounded to bf16 by the caller.
-__device__ __forceinline__ float silu_mul_of_rounded(float gate, float up) {
-    return silu(bf16_to_float(float_to_bf16(gate))) * bf16_to_float(float_to_bf16(up));
+__device__ __forceinline__ float silu_mul_of_rounded(float gate, float up, float limit = 0.f) {
+    float g = bf16_to_float(float_to_bf16(gate)), u = bf16_to_float(float_to_bf16(up));
+    if (limit > 0.f) {      // Hy4's clamped SwiGLU: silu(min(gate, limit)) * clamp(up, -limit, limit)
+        g = fminf(g, limit);
+        u = fminf(fmaxf(u, -limit), limit);
+    }
+    return silu(g) * u;
 }
 
 // Rotate-half rotary embedding of two dims of each of a pair: first holds dims i, i + 1 and second dims i + half,

@@ -111,12 +111,14 @@ DECODE_ENTRY(paged_decode_attention, THREADS, 64)
 DECODE_ENTRY(paged_decode_attention, THREADS, 128)
 
 // grid (num_heads, B), head_dim threads: the out row of each decode sequence whose keys span several
-// splits = the mean of the splits' partial outputs weighted by 2^lse. Splits are chosen as in
-// paged_decode_attention; a sequence with one split was written there.
+// splits = the mean of the splits' partial outputs weighted by 2^lse, and a head's sink (sinks [num_heads]
+// natural-log logits, null: none) one more term of lse sink log2(e) and zero value. Splits are chosen as in
+// paged_decode_attention; a sequence with one split was written there. A list of selected tokens
+// (latent_attention.cu's _selected kernels) is split as a context of its length: its counts come as context_lens.
 extern "C" __global__ void paged_decode_reduce(bf16* out, long long out_stride, const int* seq_rows,
                                                const int* context_lens, const float* partial_out,
-                                               const float* partial_lse, int sliding_window, int partition_size,
-                                               int num_splits) {
+                                               const float* partial_lse, const float* sinks, int sliding_window,
+                                               int partition_size, int num_splits) {
     wait_for_previous_kernel();
     const int head = blockIdx.x, seq = blockIdx.y, num_heads = gridDim.x;
     const int head_dim = blockDim.x, d = threadIdx.x;
@@ -126,9 +128,10 @@ extern "C" __global__ void paged_decode_reduce(bf16* out, long long out_stride, 
     const int first = window_start / partition_size, last = (context - 1) / partition_size;
     if (first == last) return;
     const long long base = ((long long)seq * num_heads + head) * num_splits;
-    float m = negative_infinity();
+    const float sink = sinks != nullptr ? sinks[head] * 1.4426950408889634f : negative_infinity();
+    float m = sink;
     for (int s = first; s <= last; ++s) m = fmaxf(m, partial_lse[base + s]);
-    float sum = 0.f, o = 0.f;
+    float sum = fast_exp2(sink - m), o = 0.f;
     for (int s = first; s <= last; ++s) {
         const float weight = fast_exp2(partial_lse[base + s] - m);
         sum += weight;

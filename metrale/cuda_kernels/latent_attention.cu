@@ -5,7 +5,10 @@
 //
 // cache [num_slots, RANK + ROPE] bf16 (blocks of block_size rows, token k of a sequence in block
 //   block_table[k / block_size], row k % block_size); q [T, heads * (RANK + ROPE)] bf16, row stride q_stride.
-// Softmax in base 2 (scale_log2 = scale * log2(e)), fragments and ldmatrix as in attention_tiles.cuh.
+// Softmax in base 2 (scale_log2 = scale * log2(e)), fragments and ldmatrix as in attention_tiles.cuh; a head's
+// sink (natural log, not scaled) adds exp(sink) to its denominator with no value: 2^(sink log2(e)) in base 2.
+// The _selected entries (DeepSeek sparse attention) attend a list of positions per query instead of a prefix of
+// its context; their splits cut the list, as the dense ones cut the context.
 #include "attention_tiles.cuh"
 
 namespace {
@@ -49,16 +52,24 @@ struct LatentArgs {
     int heads, block_shift;
     float scale_log2;
     int partition_size;
+    // _selected entries only (the others ignore them): [rows, selected_stride] positions, ascending, each below
+    // its query's context, and [rows] their counts, which stand for context_lens. The row: decode query i's is i,
+    // a prefill token's its row of q and out.
+    const int* selected;
+    const int* selected_counts;
+    long long selected_stride;
+    const float* sinks;         // [heads] natural-log logits (null: none), in the denominator of whole CTAs only
 };
 
 // grid (num_splits, ceil(heads / 16), S decode queries), or (the longest segment's tokens, ceil(heads / 16), S
 // prefill segments), THREADS threads, Latent::SHARED_BYTES of dynamic shared memory. CTA (split, group, i) attends
-// query i's heads 16 group .. over its tokens [split * partition_size, (split + 1) * partition_size), 32 at a time
-// (the next tile's copy in flight while one is used). Each warp scores the 32 tokens against the 16 heads over a
-// quarter of the width (its query fragments held in registers), the four partial scores meet in shared memory,
-// and every warp sums them, runs the same online softmax, and feeds its probabilities from registers into P V for
-// its RANK / 4 columns. Every warp so keeps the same maxima and sums.
-template <int RANK, int ROPE>
+// query i's heads 16 group .. over its tokens [split * partition_size, (split + 1) * partition_size) (SELECTED: its
+// list's items there, the tokens at those positions), 32 at a time (the next tile's copy in flight while one is
+// used). Each warp scores the 32 tokens against the 16 heads over a quarter of the width (its query fragments held
+// in registers), the four partial scores meet in shared memory, and every warp sums them, runs the same online
+// softmax, and feeds its probabilities from registers into P V for its RANK / 4 columns. Every warp so keeps the
+// same maxima and sums.
+template <int RANK, int ROPE, bool SELECTED>
 __device__ __forceinline__ void latent_decode_attention(const LatentArgs& a) {
     using L = Latent<RANK, ROPE>;
     extern __shared__ __align__(16) unsigned char shared[];
@@ -68,22 +79,26 @@ __device__ __forceinline__ void latent_decode_attention(const LatentArgs& a) {
 
     const int head0 = blockIdx.y * LATENT_ROWS, seq = blockIdx.z, num_splits = gridDim.x;
     // This CTA's query: a decode entry's (split blockIdx.x of its context), or token blockIdx.x of a prefill
-    // segment, which attends the segment's context up to itself (causal) in one split.
-    long long row;
+    // segment, which attends the segment's context up to itself (causal) in one split. SELECTED: `context` is the
+    // length of its list, and keys below are indices into the list.
+    long long row, selection_row;
     int context, table_row, split;
     if (a.prefill_lens == nullptr) {
         row = a.seq_rows[seq];
-        context = a.context_lens[seq];
+        selection_row = seq;
+        context = SELECTED ? a.selected_counts[seq] : a.context_lens[seq];
         table_row = a.table_rows != nullptr ? a.table_rows[seq] : seq;
         split = blockIdx.x;
     } else {
         const int i = blockIdx.x, n = a.prefill_lens[seq];
         if (i >= n) return;
         row = a.seq_rows[seq] + i;
-        context = a.context_lens[seq] - n + i + 1;
+        selection_row = row;
+        context = SELECTED ? a.selected_counts[row] : a.context_lens[seq] - n + i + 1;
         table_row = seq;
         split = 0;
     }
+    const int* selected = SELECTED ? a.selected + selection_row * a.selected_stride : nullptr;
     const int lo = split * a.partition_size, hi = min(context, lo + a.partition_size);
     if (lo >= hi) return;
     const bool whole = (context - 1) / a.partition_size == 0;
@@ -104,20 +119,24 @@ __device__ __forceinline__ void latent_decode_attention(const LatentArgs& a) {
     float running_max[2] = {negative_infinity(), negative_infinity()}, sum[2] = {0.f, 0.f};
 
     // Tokens [start, start + 32) into tile buffer `buffer`, those past hi zero-filled: thread LOADERS r + c
-    // copies chunks c, c + LOADERS, .. of row r (one block table lookup a tile).
-    auto load_tile = [&](int start, int buffer) {
-        const int r = threadIdx.x / L::LOADERS, key = start + r;
-        bf16* tile_row = tiles + buffer * L::TILE_ELEMS + r * L::STRIDE;
+    // copies chunks c, c + LOADERS, .. of row r (one block table lookup a tile), the token at `position` (its
+    // key: start + r, or SELECTED the list's item start + r, read a tile ahead so that lookup waits on one load).
+    const int loader_row = threadIdx.x / L::LOADERS;
+    auto position_of = [&](int key) { return SELECTED ? (key < hi ? selected[key] : 0) : key; };
+    auto load_tile = [&](int start, int buffer, int position) {
+        const int key = start + loader_row;
+        bf16* tile_row = tiles + buffer * L::TILE_ELEMS + loader_row * L::STRIDE;
         const bf16* source = a.cache;
         if (key < hi)
-            source += (((long long)block_table[key >> a.block_shift] << a.block_shift) +
-                       (key & ((1 << a.block_shift) - 1))) * L::WIDTH;
+            source += (((long long)block_table[position >> a.block_shift] << a.block_shift) +
+                       (position & ((1 << a.block_shift) - 1))) * L::WIDTH;
 #pragma unroll
         for (int chunk = threadIdx.x % L::LOADERS; chunk < L::CHUNKS; chunk += L::LOADERS)
             copy_async_16(tile_row + chunk * 8, source + (key < hi ? chunk * 8 : 0), key < hi);
     };
-    load_tile(lo, 0);
+    load_tile(lo, 0, position_of(lo + loader_row));
     copy_async_commit();            // the query rows and the first tile
+    int next_position = SELECTED ? position_of(lo + LATENT_TILE + loader_row) : 0;
 
     // This warp's query fragments (rows 0..15, k steps warp, warp + 4, ..), loaded once the first group lands.
     unsigned q_frag[L::WARP_STEPS][4];
@@ -126,7 +145,9 @@ __device__ __forceinline__ void latent_decode_attention(const LatentArgs& a) {
     for (int start = lo, buffer = 0; start < hi; start += LATENT_TILE, buffer ^= 1) {
         // The next tile streams into the other buffer (free: every warp passed the last barrier of the tile
         // before) while this one is used.
-        if (start + LATENT_TILE < hi) load_tile(start + LATENT_TILE, buffer ^ 1);
+        if (start + LATENT_TILE < hi)
+            load_tile(start + LATENT_TILE, buffer ^ 1, SELECTED ? next_position : start + LATENT_TILE + loader_row);
+        if (SELECTED) next_position = position_of(start + 2 * LATENT_TILE + loader_row);
         copy_async_commit();        // possibly empty: keeps the group count uniform
         copy_async_wait<1>();
         __syncthreads();
@@ -238,8 +259,12 @@ __device__ __forceinline__ void latent_decode_attention(const LatentArgs& a) {
     for (int r = 0; r < 2; ++r) {
         const int head_row = g + 8 * r;
         if (head_row >= rows) continue;
-        const float total = sum[r];
         const int head = head0 + head_row;
+        // A split's sum leaves the sink out: paged_decode_reduce adds it once. running_max is finite here (the
+        // range holds a token); a sink far above it makes total inf and the output 0, its limit.
+        const float total = whole && a.sinks != nullptr
+                                ? sum[r] + fast_exp2(a.sinks[head] * 1.4426950408889634f - running_max[r])
+                                : sum[r];
         const float inverse = 1.f / total;
 #pragma unroll
         for (int n = 0; n < L::WARP_COLS / 8; ++n) {
@@ -263,18 +288,24 @@ __device__ __forceinline__ void latent_decode_attention(const LatentArgs& a) {
     bf16 *out, long long out_stride, const bf16 *q, long long q_stride, const bf16 *cache, const int *seq_rows, \
         const int *context_lens, const int *block_tables, const int *table_rows, int max_blocks,                \
         const int *prefill_lens, float *partial_out, float *partial_lse, int heads, int block_shift,              \
-        float scale_log2, int partition_size
-#define LATENT_ENTRY(RANK, ROPE)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(THREADS) latent_decode_attention_r##RANK##_p##ROPE(LATENT_PARAMS) { \
+        float scale_log2, int partition_size, const int *selected, const int *selected_counts,                   \
+        long long selected_stride, const float *sinks
+#define LATENT_ARGS                                                                                              \
+    {out, out_stride, q, q_stride, cache, seq_rows, context_lens, block_tables, table_rows, max_blocks,         \
+     prefill_lens, partial_out, partial_lse, heads, block_shift, scale_log2, partition_size, selected,          \
+     selected_counts, selected_stride, sinks}
+// NAME_r##RANK##_p##ROPE: latent_decode_attention<RANK, ROPE, SELECTED>
+#define LATENT_ENTRY(NAME, RANK, ROPE, SELECTED)                                                                 \
+    extern "C" __global__ void __launch_bounds__(THREADS) NAME##_r##RANK##_p##ROPE(LATENT_PARAMS) {              \
         wait_for_previous_kernel();                                                                              \
-        latent_decode_attention<RANK, ROPE>({out, out_stride, q, q_stride, cache, seq_rows, context_lens,       \
-                                             block_tables, table_rows, max_blocks, prefill_lens,                 \
-                                             partial_out, partial_lse, heads, block_shift, scale_log2,           \
-                                             partition_size});                                                   \
+        latent_decode_attention<RANK, ROPE, SELECTED>(LATENT_ARGS);                                              \
     }
-LATENT_ENTRY(512, 64)      // DeepSeek-V2, V2-Lite, V3, Kimi-K2
-LATENT_ENTRY(256, 32)      // MiniCPM3
-LATENT_ENTRY(32, 16)       // the tests' tiny models
+LATENT_ENTRY(latent_decode_attention, 512, 64, false)              // DeepSeek-V2, V2-Lite, V3, Kimi-K2
+LATENT_ENTRY(latent_decode_attention, 256, 32, false)              // MiniCPM3
+LATENT_ENTRY(latent_decode_attention, 32, 16, false)               // the tests' tiny models
+LATENT_ENTRY(latent_decode_attention_selected, 512, 64, true)      // DeepSeek-V3.2
+LATENT_ENTRY(latent_decode_attention_selected, 256, 32, true)
+LATENT_ENTRY(latent_decode_attention_selected, 32, 16, true)       // the tests' tiny models
 
 // Each token's rotary parts and its cache row: q_rope [T, heads * rope] (head h's rotary part of the query, row
 // stride q_stride, rotate-half pairs) rotated at positions[t] into out_rope (head h's at out + h * out_head_stride,

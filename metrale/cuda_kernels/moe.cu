@@ -11,7 +11,8 @@
 // the rows already in sorted order). bf16 in, fp32 accumulate on tensor cores (mma.sync m16n8k16), bf16 out.
 // K % 8 == 0; a and weight 16-byte aligned (rows too). gated: weight[e] is a gated MLP's gate and up rows interleaved
 // by 8 (rows 16 q + i, 16 q + 8 + i are the gate's and the up's row 8 q + i; N % 16 == 0), and out [rows, N / 2] =
-// silu(gate) * up (common.cuh's silu_mul_of_rounded): the activation in the GEMM's epilogue, no launch of its own.
+// silu(gate) * up (common.cuh's silu_mul_of_rounded, clamped where limit > 0: Hy4's swiglu_limit): the activation in
+// the GEMM's epilogue, no launch of its own.
 //
 // Decode (tiles of 8 rows, while the entries average a few an expert): skinny_gemm.cuh's kernel over a tile's gathered
 // rows, each CTA 16 rows of its expert's weight read once. Grid: (ceil(N / 16), max_tiles); block: 256 threads.
@@ -34,7 +35,7 @@ struct TileRows {
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M8)
 moe_skinny_gemm_m8(bf16* out, const uint4* a, long long a_stride, const uint4* weight, const int* sorted_entries,
                    int gather_div, const int* offsets, const int* tiles, const int* tile_count, int n, int k_chunks,
-                   int gated) {
+                   int gated, float limit) {
     wait_for_previous_kernel();
     const int tile = blockIdx.y;
     if (tile >= tile_count[0]) return;
@@ -42,7 +43,7 @@ moe_skinny_gemm_m8(bf16* out, const uint4* a, long long a_stride, const uint4* w
     const int rows = min(8, offsets[expert + 1] - row0), width = gated ? n / 2 : n;
     skinny_gemm<1>(out + (long long)row0 * width, (long long)width,
                    TileRows{a, a_stride, sorted_entries, gather_div, row0}, weight + (long long)expert * n * k_chunks,
-                   static_cast<const bf16*>(nullptr), rows, n, k_chunks, 0, gated);
+                   static_cast<const bf16*>(nullptr), rows, n, k_chunks, 0, gated, limit);
 }
 
 // Tiles of 64 or 128 rows (prefills, and decode batches of more than a few rows an expert): a CTA of 4 warps owns
@@ -78,7 +79,7 @@ struct GroupedGemm {
 template <int BM, bool GATED>
 __device__ __forceinline__ void grouped_gemm(bf16* out, const bf16* a, long long a_stride, const bf16* weight,
                                              const int* sorted_entries, int gather_div, const int* offsets,
-                                             const int* tiles, const int* tile_count, int n, int k) {
+                                             const int* tiles, const int* tile_count, int n, int k, float limit) {
     using G = GroupedGemm<BM>;
     const int tile = blockIdx.y;
     if (tile >= tile_count[0]) return;
@@ -168,8 +169,8 @@ __device__ __forceinline__ void grouped_gemm(bf16* out, const bf16* a, long long
                     const int r = warp_row + 16 * m + g + 8 * half;
                     if (r >= rows || col >= width) continue;
                     *reinterpret_cast<unsigned*>(out + (long long)(row0 + r) * width + col) = float2_to_bf16x2(
-                        silu_mul_of_rounded(acc[m][j][2 * half], acc[m][j + 1][2 * half]),
-                        silu_mul_of_rounded(acc[m][j][2 * half + 1], acc[m][j + 1][2 * half + 1]));
+                        silu_mul_of_rounded(acc[m][j][2 * half], acc[m][j + 1][2 * half], limit),
+                        silu_mul_of_rounded(acc[m][j][2 * half + 1], acc[m][j + 1][2 * half + 1], limit));
                 }
             }
         }
@@ -196,14 +197,15 @@ __device__ __forceinline__ void grouped_gemm(bf16* out, const bf16* a, long long
 
 }  // namespace
 
-// moe_grouped_gemm_m{64,128}[_gated]: the tile rows, and the activation in the epilogue (gated) or not.
+// moe_grouped_gemm_m{64,128}[_gated]: the tile rows, and the activation in the epilogue (gated; limit: its clamp) or
+// not.
 #define MOE_GROUPED_GEMM(NAME, BM, GATED)                                                                            \
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS) NAME(bf16* out, const bf16* a, long long a_stride,  \
         const bf16* weight, const int* sorted_entries, int gather_div, const int* offsets, const int* tiles,       \
-        const int* tile_count, int n, int k) {                                                                     \
+        const int* tile_count, int n, int k, float limit) {                                                        \
         wait_for_previous_kernel();                                                                                \
         grouped_gemm<BM, GATED>(out, a, a_stride, weight, sorted_entries, gather_div, offsets, tiles, tile_count,  \
-                                n, k);                                                                             \
+                                n, k, limit);                                                                      \
     }
 MOE_GROUPED_GEMM(moe_grouped_gemm_m64, 64, false)
 MOE_GROUPED_GEMM(moe_grouped_gemm_m128, 128, false)

@@ -83,10 +83,12 @@ struct StridedRows {
 // TOKEN_TILES = 1 (M <= 8) or 2 (M <= 16): 8-token B tiles, each with its own accumulator. rows(t): the first
 // 16-byte chunk of token t's x row (StridedRows, or a gather). gated (no bias, no relu): the weight is a gated MLP's
 // gate and up rows interleaved by 8 (rows 16 q + i and 16 q + 8 + i: the gate's and the up's row 8 q + i), and out
-// [M, N / 2] = silu(gate) * up (common.cuh's silu_mul_of_rounded), N % 16 == 0: a CTA's 16 rows are 8 columns.
+// [M, N / 2] = silu(gate) * up (common.cuh's silu_mul_of_rounded, with its clamp where limit > 0), N % 16 == 0: a
+// CTA's 16 rows are 8 columns.
 template <int TOKEN_TILES, typename Out, typename Rows>
 __device__ __forceinline__ void skinny_gemm(Out* out, long long out_stride, Rows rows, const uint4* weight,
-                                            const Out* bias, int m, int n, int k_chunks, int relu, int gated = 0) {
+                                            const Out* bias, int m, int n, int k_chunks, int relu, int gated = 0,
+                                            float limit = 0.f) {
     constexpr int TOKENS = 8 * TOKEN_TILES;
     __shared__ float partial[WARPS][TILE_ROWS][TOKENS];   // each warp's share of out^T for the CTA's 16 rows
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -160,7 +162,7 @@ __device__ __forceinline__ void skinny_gemm(Out* out, long long out_stride, Rows
                     gate += partial[w][r][token];
                     up += partial[w][r + TILE_ROWS / 2][token];
                 }
-                store(out + token * out_stride + row0 / 2 + r, silu_mul_of_rounded(gate, up));
+                store(out + token * out_stride + row0 / 2 + r, silu_mul_of_rounded(gate, up, limit));
             }
         }
         return;

@@ -1,7 +1,8 @@
 """latent_attention.cu against torch: attention in the latent space over a paged latent cache (every built rank and
 rope width, heads that fill no, one or several 16-head tiles, contexts in one split and in many, merged by
-paged_decode_reduce), and the rotary parts with the cache rows rope_and_write_latent writes; and the up-projected
-prefill attention of prefill_attention.cu, its contexts in one piece and in several."""
+paged_decode_reduce; over lists of selected tokens, with attention sinks), and the rotary parts with the cache rows
+rope_and_write_latent writes; and the up-projected prefill attention of prefill_attention.cu, its contexts in one
+piece and in several."""
 
 import pytest
 import torch
@@ -35,16 +36,43 @@ def paged_cache(contexts: list[int], width: int, seed: int):
 
 
 def reference(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, contexts: list[int], heads: int,
-              rank: int, scale: float) -> torch.Tensor:
+              rank: int, scale: float, positions: list[torch.Tensor] | None = None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Query i over its first contexts[i] tokens, or the tokens at positions[i] of them; sinks [heads]: each head's
+    logit in the softmax, its column dropped after (as layer_math's _softmax)."""
     out = []
     for i, context in enumerate(contexts):
         blocks = tables[i, :-(-context // BLOCK)].long()
         slots = (blocks[:, None] * BLOCK + torch.arange(BLOCK)).reshape(-1)[:context]
+        if positions is not None:
+            slots = slots[positions[i].long()]
         rows = cache[slots].double()                                              # [C, width]
         query = q[i].view(heads, -1).double()                                     # [H, width]
-        probs = torch.softmax(query @ rows.T * scale, dim=-1)
+        scores = query @ rows.T * scale
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.double()[:, None]], dim=-1)
+        probs = torch.softmax(scores, dim=-1)[:, :rows.shape[0]]
         out.append((probs @ rows[:, :rank]).reshape(-1))
     return torch.stack(out)
+
+
+def selection(contexts: list[int], counts: list[int], seed: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """counts[i] distinct positions below contexts[i] for each query, ascending: (each list, the lists as rows of an
+    int32 [queries, max(counts) + 8] padded with -1, which the kernels never read)."""
+    generator = torch.Generator().manual_seed(seed)
+    lists = [torch.randperm(c, generator=generator)[:n].sort().values.int() for c, n in zip(contexts, counts)]
+    table = torch.full((len(lists), max(counts) + 8), -1, dtype=torch.int32)
+    for i, chosen in enumerate(lists):
+        table[i, :chosen.numel()] = chosen
+    return lists, table
+
+
+def sink_logits(heads: int, seed: int) -> torch.Tensor:
+    """[heads] float32 of the scaled scores' order, and one well above them (head 1: most of its weight on the sink
+    where a list is short)."""
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(seed))
+    sinks[1] = 6.0
+    return sinks
 
 
 @pytest.mark.parametrize("rank, rope", latent_attention.SHAPES)
@@ -72,6 +100,42 @@ def test_decode_matches_torch(kernel_library, stream, rank, rope, heads, context
                             d(dev["tables"]), d(rows), d(partials), heads, BLOCK, scale, max(contexts), partition)
     stream.sync()
     want = reference(q, cache, tables, contexts, heads, rank, scale)
+    assert relative_error(out.float().cpu(), want) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("rank, rope", [(32, 16), (512, 64)])
+@pytest.mark.parametrize("selected, sinks", [(True, False), (True, True), (False, True)])
+@pytest.mark.parametrize("partition", [1024, 64, None])
+def test_decode_over_selected_tokens_with_sinks(kernel_library, stream, rank, rope, selected, sinks, partition):
+    """Lists of selected tokens (one of a single token, one ending mid-tile, one a tile exactly, one its whole
+    context), or the whole contexts, with or without sinks; in splits of 1024 (every list in one, the longest
+    context in two), of 64 merged by paged_decode_reduce, or as the launcher plans them."""
+    heads, contexts, counts = 20, [300, 5, 64, 2000, 97], [1, 5, 32, 257, 97]
+    width, scale = rank + rope, 0.3 / (rank ** 0.5)
+    cache, tables = paged_cache(contexts, width, seed=11)
+    q = torch.randn(len(contexts), heads * width, generator=torch.Generator().manual_seed(12)).bfloat16()
+    lists, table = selection(contexts, counts, seed=13)
+    sink = sink_logits(heads, seed=14) if sinks else None
+    entries = len(contexts)
+    longest = table.shape[1] - 8 if selected else max(contexts)
+    chosen = partition or latent_attention.partition_for(kernel_library, entries, heads, longest, rank, rope,
+                                                         selected)[0]
+    splits = -(-longest // chosen)
+    dev = {name: t.to(DEVICE) for name, t in dict(cache=cache, tables=tables, q=q, table=table).items()}
+    out = torch.full((entries, heads * rank), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    rows = torch.arange(entries, dtype=torch.int32, device=DEVICE)
+    context_lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
+    list_lens = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
+    sink_dev = None if sink is None else sink.to(DEVICE)
+    partials = torch.empty(latent_attention.partials_elements(entries, heads, rank, splits), device=DEVICE)
+    optional = dict(sinks=None if sink_dev is None else d(sink_dev))
+    if selected:     # the lists as columns of wider rows: the row stride is the tensor's
+        optional.update(selected=d(dev["table"][:, :longest]), selected_counts=d(list_lens))
+    torch.cuda.synchronize()
+    latent_attention.decode(kernel_library, stream, d(out), d(dev["q"]), d(dev["cache"]), d(rows), d(context_lens),
+                            d(dev["tables"]), None, d(partials), heads, BLOCK, scale, longest, partition, **optional)
+    stream.sync()
+    want = reference(q, cache, tables, contexts, heads, rank, scale, lists if selected else None, sink)
     assert relative_error(out.float().cpu(), want) < TOLERANCE[torch.bfloat16]
 
 
@@ -116,6 +180,41 @@ def test_prefill_tokens_attend_causally(kernel_library, stream, rank, rope):
     entry_tables = torch.cat([tables[s:s + 1].expand(n, -1) for s, n in enumerate(lens)])
     want = reference(q, cache, entry_tables, entry_contexts, heads, rank, scale)
     assert relative_error(out.float().cpu(), want) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("rank, rope", [(32, 16), (512, 64)])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_prefill_tokens_attend_their_selected_tokens(kernel_library, stream, rank, rope, sinks):
+    """Prefill segments as above, each token over its own list (the row of q and out it has): up to 40 of the
+    tokens up to itself, so the longer lists take two tiles."""
+    heads, lens, contexts, topk = 20, [5, 37, 1], [5, 100, 64], 40
+    width, scale = rank + rope, 0.3 / (rank ** 0.5)
+    cache, tables = paged_cache(contexts, width, seed=15)
+    starts = [0, 5, 43]                     # a row between the segments that no token has
+    tokens = starts[-1] + lens[-1]
+    q = torch.randn(tokens, heads * width, generator=torch.Generator().manual_seed(16)).bfloat16()
+    causal = [c - n + i + 1 for n, c in zip(lens, contexts) for i in range(n)]
+    token_rows = [start + i for start, n in zip(starts, lens) for i in range(n)]
+    lists, table = selection(causal, [min(c, topk) for c in causal], seed=17)
+    rows_table = torch.full((tokens, topk), -1, dtype=torch.int32)
+    rows_table[token_rows] = table[:, :topk]
+    counts = torch.zeros(tokens, dtype=torch.int32)
+    counts[token_rows] = torch.tensor([chosen.numel() for chosen in lists], dtype=torch.int32)
+    sink = sink_logits(heads, seed=18) if sinks else None
+    out = torch.full((tokens, heads * rank), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    dev = [t.to(DEVICE) for t in (q, cache, torch.tensor(starts, dtype=torch.int32),
+                                  torch.tensor(lens, dtype=torch.int32), torch.tensor(contexts, dtype=torch.int32),
+                                  tables)]
+    dev_table, dev_counts = rows_table.to(DEVICE), counts.to(DEVICE)
+    sink_dev = None if sink is None else sink.to(DEVICE)
+    torch.cuda.synchronize()
+    latent_attention.prefill(kernel_library, stream, d(out), *(d(t) for t in dev), heads, BLOCK, scale, 3, max(lens),
+                             topk, selected=d(dev_table), selected_counts=d(dev_counts),
+                             sinks=None if sink_dev is None else d(sink_dev))
+    stream.sync()
+    entry_tables = torch.cat([tables[s:s + 1].expand(n, -1) for s, n in enumerate(lens)])
+    want = reference(q[token_rows], cache, entry_tables, causal, heads, rank, scale, lists, sink)
+    assert relative_error(out[token_rows].float().cpu(), want) < TOLERANCE[torch.bfloat16]
 
 
 def test_rope_and_write_latent_matches_torch(kernel_library, stream):

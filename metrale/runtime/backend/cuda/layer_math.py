@@ -43,11 +43,9 @@ class CudaLayerMath:
     def upload_experts(self, up, down, activation="silu", limit=0.0):
         """A gated mixture's up rows interleaved (kernels/moe.py's interleave_gate_up): the up GEMM's epilogue
         applies the activation."""
-        if limit:
-            raise InvalidArgument("the CUDA backend's expert GEMMs do not clamp (swiglu_limit) yet")
         if activation == "silu":
             up = kernels.moe.interleave_gate_up(up)
-        return Experts(self.upload(up), self.upload(down), activation)
+        return Experts(self.upload(up), self.upload(down), activation, limit)
 
     def _upload(self, tensor: torch.Tensor, dtype: str) -> DeviceTensor:
         host = tensor.contiguous().view(torch.int16 if dtype == "bfloat16" else torch.float32).numpy()
@@ -177,7 +175,8 @@ class CudaLayerMath:
                   router.group_score, router.float32_logits)
         activated = ctx.new(entries, width)
         if experts.activation == "silu":            # silu(gate) * up in the GEMM's epilogue
-            moe.grouped_gemm(self.lib, ctx.stream, activated, x, experts.up, routed, gather_div=top_k, gated=True)
+            moe.grouped_gemm(self.lib, ctx.stream, activated, x, experts.up, routed, gather_div=top_k, gated=True,
+                             limit=experts.limit)
         else:
             up = ctx.new(entries, width)
             moe.grouped_gemm(self.lib, ctx.stream, up, x, experts.up, routed, gather_div=top_k)
@@ -256,11 +255,13 @@ class CudaLayerMath:
         return out
 
     def latent_attention(self, q, latent, rope_key, mla: LatentAttention, rope: RopeTable, batch: CudaBatch, cache,
-                         scale):
+                         scale, selection=None, sinks=None):
         """Decode rows in the latent space: k_up folded into each head's query (one strided batched GEMM), the
         rotary parts rotated and each token's row written (one launch), latent_attention.cu's attention split over
         their contexts, then v_up (one GEMM). Prefill rows up-projected (latent_prefill.py), or where that does not
         apply, in the latent space as decode rows, each token over its causal context."""
+        if selection is not None or sinks is not None:
+            raise InvalidArgument("the CUDA backend's latent attention has no sparse selection nor sinks yet")
         ctx, gemm, la = self.resources.bound.context, self.resources.gemm, kernels.latent_attention
         tokens, heads, nope, rank, rope_dim = q.shape[0], mla.num_heads, mla.nope_dim, mla.kv_lora_rank, mla.rope_dim
         width = mla.cache_width

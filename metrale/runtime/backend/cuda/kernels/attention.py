@@ -186,8 +186,8 @@ def paged_decode_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_c
                   sliding_window, partition, *extra)
     if splits > 1:
         launch_kernel(stream, lib.get("paged_decode_reduce", DECODE_MODULE), (num_heads, batch), head_dim, out,
-                      np.int64(out.stride), seq_rows, context_lens, partial_out, partial_lse, sliding_window,
-                      partition, splits)
+                      np.int64(out.stride), seq_rows, context_lens, partial_out, partial_lse, np.uint64(0),
+                      sliding_window, partition, splits)
 
 
 def _partial_query(partials: QueryPartials, q: DeviceTensor, out: DeviceTensor, num_heads: int, num_kv_heads: int,

@@ -112,11 +112,12 @@ def interleave_gate_up(up: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_gemm(lib, stream, out: DeviceTensor, a: DeviceTensor, weight: DeviceTensor, routed: Routed,
-                 gather_div: int, gated: bool = False) -> None:
+                 gather_div: int, gated: bool = False, limit: float = 0.0) -> None:
     """out [entries, N] (rows in sorted order) = each row's a @ its expert's weight [E, N, K].T, bf16 with fp32
     accumulation: a's row sorted_entries[row] // gather_div (gather_div = top_k: x [T, K] by token) or, with
     gather_div 0, a's row `row` (a [entries, K] already sorted). K % 8 == 0, 16-byte aligned rows. gated: weight
-    from interleave_gate_up, and out [entries, N / 2] = silu(gate) * up, the activation in the GEMM's epilogue."""
+    from interleave_gate_up, and out [entries, N / 2] = silu(gate) * up, the activation in the GEMM's epilogue
+    (limit > 0: silu(min(gate, limit)) * clamp(up, -limit, limit), Hy4's clamped SwiGLU)."""
     experts, n, k = weight.shape
     width = n // 2 if gated else n
     require(weight.dtype == "bfloat16" and weight.is_contiguous, "moe gemm: weight must be contiguous bf16")
@@ -129,6 +130,7 @@ def grouped_gemm(lib, stream, out: DeviceTensor, a: DeviceTensor, weight: Device
     require((a.ptr | weight.ptr | 2 * a.stride) % 16 == 0 and out.ptr % 4 == 0,
             "moe gemm: a and weight must be 16-byte aligned (pointer and row stride)")
     require(gather_div > 0 or a.shape[0] == routed.entries, "moe gemm: unsorted rows need gather_div")
+    require(limit >= 0 and (gated or not limit), f"moe gemm: a clamp ({limit}) applies to a gated GEMM, at least 0")
     require(routed.tiles.shape[0] <= MAX_GRID_YZ, f"moe gemm: {routed.tiles.shape[0]} tiles (at most {MAX_GRID_YZ})")
     if routed.entries == 0:
         return
@@ -136,12 +138,13 @@ def grouped_gemm(lib, stream, out: DeviceTensor, a: DeviceTensor, weight: Device
     if routed.tile_rows >= 64:
         kernel = lib.get(TILE_ROWS[routed.tile_rows] + ("_gated" if gated else ""), MODULE)
         launch_kernel(stream, kernel, (ceil_div(n, GEMM_BN), tiles), GEMM_THREADS, out, a, np.int64(a.stride), weight,
-                      routed.sorted_entries, gather_div, routed.offsets, routed.tiles, routed.tile_count, n, k)
+                      routed.sorted_entries, gather_div, routed.offsets, routed.tiles, routed.tile_count, n, k,
+                      np.float32(limit))
     else:                   # the skinny GEMM: rows and K in 16-byte chunks
         kernel = lib.get(TILE_ROWS[routed.tile_rows], MODULE)
         launch_kernel(stream, kernel, (ceil_div(n, SKINNY_ROWS), tiles), SKINNY_THREADS, out, a,
                       np.int64(a.stride // 8), weight, routed.sorted_entries, gather_div, routed.offsets,
-                      routed.tiles, routed.tile_count, n, k // 8, int(gated))
+                      routed.tiles, routed.tile_count, n, k // 8, int(gated), np.float32(limit))
 
 
 def combine(lib, stream, out: DeviceTensor, expert_out: DeviceTensor, routed: Routed,

@@ -1,0 +1,328 @@
+// Manifold-constrained hyper-connections (mHC: DeepSeek-V4, Hy4), as cpu/hyper.py computes them: a token's hc_mult
+// residual streams (bf16 [T, hc_mult * hidden], stream n in columns n * hidden .. (n + 1) * hidden) collapsed into a
+// block's input, widened again by its output, mixed between blocks by comb. Weights fp32, math fp32, each bf16
+// result rounded once.
+#include "common.cuh"
+
+#define HYPER_THREADS 256
+#define HYPER_WARPS (HYPER_THREADS / 32)
+#define HYPER_MAX_STREAMS 8
+#define HYPER_MAX_ROWS (2 * HYPER_MAX_STREAMS + HYPER_MAX_STREAMS * HYPER_MAX_STREAMS)   // pre, post, comb logits
+#define HYPER_ROW_CHUNK 16          // fn rows a thread accumulates at once (registers); more rows take more passes
+
+// A 16-byte unit (8 bf16) <-> 8 floats.
+__device__ __forceinline__ void unpack_unit(uint4 v, float* f) {
+    const float2 a = bf16x2_to_float2(v.x), b = bf16x2_to_float2(v.y), c = bf16x2_to_float2(v.z),
+                 d = bf16x2_to_float2(v.w);
+    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y; f[4] = c.x; f[5] = c.y; f[6] = d.x; f[7] = d.y;
+}
+
+__device__ __forceinline__ uint4 pack_unit(const float* f) {
+    return make_uint4(float2_to_bf16x2(f[0], f[1]), float2_to_bf16x2(f[2], f[3]), float2_to_bf16x2(f[4], f[5]),
+                      float2_to_bf16x2(f[6], f[7]));
+}
+
+__device__ __forceinline__ float unit_squares(uint4 v) {
+    float f[8];
+    unpack_unit(v, f);
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s += f[i] * f[i];
+    return s;
+}
+
+// A token's streams (units 16-byte units of bf16) copied into shared memory; returns this thread's share of their
+// sum of squares.
+__device__ __forceinline__ float stage_row(uint4* staged, const bf16* streams_row, int units) {
+    const uint4* row = reinterpret_cast<const uint4*>(streams_row);
+    float sum_squares = 0.f;
+    for (int u = threadIdx.x; u < units; u += blockDim.x) {
+        const uint4 v = row[u];
+        staged[u] = v;
+        sum_squares += unit_squares(v);
+    }
+    return sum_squares;
+}
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
+// A hyper-connection's projection (HyperConnection, or HyperHead: rows = hc_mult, no post): fn [rows, hc_mult *
+// hidden], base [rows], scale [2 or 3; 1 for the head], fp32 device pointers. comb where sinkhorn_iters > 0.
+struct Connection {
+    const float* fn;
+    const float* base;
+    const float* scale;
+    int hc_mult, rows, sinkhorn_iters;
+    float norm_eps, eps, post_magnitude, post_eps;
+};
+
+// Each warp's partial dot products of the staged row (units 16-byte units of bf16) with fn's rows, and its share of
+// the row's sum of squares (entry rows), into partial[warp]. fn is read once per CTA; the row, from shared memory,
+// once per HYPER_ROW_CHUNK rows.
+__device__ __forceinline__ void project(const uint4* staged, int units, const Connection& c, float sum_squares,
+                                        float (*partial)[HYPER_MAX_ROWS + 1]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long long width = 8LL * units;
+    for (int first = 0; first < c.rows; first += HYPER_ROW_CHUNK) {
+        float acc[HYPER_ROW_CHUNK];
+#pragma unroll
+        for (int r = 0; r < HYPER_ROW_CHUNK; ++r) acc[r] = 0.f;
+        for (int u = threadIdx.x; u < units; u += HYPER_THREADS) {
+            float v[8];
+            unpack_unit(staged[u], v);
+#pragma unroll
+            for (int r = 0; r < HYPER_ROW_CHUNK; ++r) {
+                if (first + r < c.rows) {
+                    const float4* w = reinterpret_cast<const float4*>(c.fn + (first + r) * width + 8LL * u);
+                    const float4 a = w[0], b = w[1];
+                    acc[r] += a.x * v[0] + a.y * v[1] + a.z * v[2] + a.w * v[3] + b.x * v[4] + b.y * v[5] +
+                              b.z * v[6] + b.w * v[7];
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < HYPER_ROW_CHUNK; ++r) {
+            if (first + r < c.rows) {       // uniform over the warp: every lane shuffles
+                const float s = warp_sum(acc[r]);
+                if (lane == 0) partial[warp][first + r] = s;
+            }
+        }
+    }
+    const float s = warp_sum(sum_squares);
+    if (lane == 0) partial[warp][c.rows] = s;
+}
+
+// m [n, n] (shared, row-major) divided by each row's (by_row) or column's sum + eps, by one warp: lane entries lane
+// and lane + 32 (n <= 8).
+__device__ __forceinline__ void normalise(float* m, int n, float eps, bool by_row) {
+    const int lane = threadIdx.x & 31;
+    float v[2];
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+        const int e = lane + 32 * s, j = e / n, k = e % n;
+        if (e < n * n) {
+            float sum = 0.f;
+            for (int i = 0; i < n; ++i) sum += by_row ? m[j * n + i] : m[i * n + k];
+            v[s] = m[e] / (sum + eps);
+        }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+        if (lane + 32 * s < n * n) m[lane + 32 * s] = v[s];
+    }
+    __syncwarp();
+}
+
+// DeepSeek-V4's comb, by one warp: softmax over each row of the n x n logits (+ eps), a column normalisation, then
+// sinkhorn_iters - 1 (row, column) normalisations. dots: the comb rows' dot products; comb_row [n * n] global.
+__device__ void sinkhorn_comb(const float* dots, float inv_rms, const Connection& c, float* comb_row) {
+    __shared__ float m[HYPER_MAX_STREAMS * HYPER_MAX_STREAMS];
+    const int lane = threadIdx.x & 31, n = c.hc_mult, base = 2 * n;
+    for (int e = lane; e < n * n; e += 32) m[e] = dots[e] * inv_rms * c.scale[2] + c.base[base + e];
+    __syncwarp();
+    float v[2];
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+        const int e = lane + 32 * s, row = e / n * n;
+        if (e < n * n) {
+            float top = m[row];
+            for (int i = 1; i < n; ++i) top = fmaxf(top, m[row + i]);
+            float sum = 0.f;
+            for (int i = 0; i < n; ++i) sum += expf(m[row + i] - top);
+            v[s] = expf(m[e] - top) / sum + c.eps;
+        }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+        if (lane + 32 * s < n * n) m[lane + 32 * s] = v[s];
+    }
+    __syncwarp();
+    normalise(m, n, c.eps, false);
+    for (int i = 1; i < c.sinkhorn_iters; ++i) {
+        normalise(m, n, c.eps, true);
+        normalise(m, n, c.eps, false);
+    }
+    for (int e = lane; e < n * n; e += 32) comb_row[e] = m[e];
+}
+
+// The block's input and mix from a token's streams staged in shared memory (hc_mult * groups 16-byte units, groups
+// = hidden / 8; written by the CTA before the call, which syncs first); sum_squares: this thread's share of the row's
+// squares. x_row [hidden] bf16; post_row [hc_mult] (null: the head), comb_row [hc_mult^2] (null: none), fp32.
+__device__ void collapse_staged(const uint4* staged, float sum_squares, const Connection& c, int groups,
+                                uint4* x_row, float* post_row, float* comb_row) {
+    __shared__ float partial[HYPER_WARPS][HYPER_MAX_ROWS + 1];
+    __shared__ float dots[HYPER_MAX_ROWS + 1];         // fn's rows . the row; then the sum of squares
+    const int n = c.hc_mult;
+    __syncthreads();
+    project(staged, n * groups, c, sum_squares, partial);
+    __syncthreads();
+    if ((int)threadIdx.x <= c.rows) {
+        float s = 0.f;
+#pragma unroll
+        for (int w = 0; w < HYPER_WARPS; ++w) s += partial[w][threadIdx.x];
+        dots[threadIdx.x] = s;
+    }
+    __syncthreads();
+    const float inv_rms = rsqrtf(dots[c.rows] / (float)(8 * n * groups) + c.norm_eps);
+    // pre, in every thread's registers: n sigmoids cost less than a barrier
+    float pre[HYPER_MAX_STREAMS];
+#pragma unroll
+    for (int k = 0; k < HYPER_MAX_STREAMS; ++k)
+        pre[k] = k < n ? sigmoid(dots[k] * inv_rms * c.scale[0] + c.base[k]) + c.eps : 0.f;
+    for (int g = threadIdx.x; g < groups; g += HYPER_THREADS) {
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int k = 0; k < HYPER_MAX_STREAMS; ++k) {
+            if (k < n) {
+                float v[8];
+                unpack_unit(staged[k * groups + g], v);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[i] += pre[k] * v[i];
+            }
+        }
+        x_row[g] = pack_unit(acc);
+    }
+    const int k = threadIdx.x;
+    if (post_row && k < n)
+        post_row[k] = c.post_magnitude * sigmoid(dots[n + k] * inv_rms * c.scale[1] + c.base[n + k]) + c.post_eps;
+    if (comb_row && (threadIdx.x >> 5) == HYPER_WARPS - 1) sinkhorn_comb(dots + 2 * n, inv_rms, c, comb_row);
+}
+
+// Unit g of every new stream k = post[k] * out + (sum over j of comb[j * n + k] * stream j, or stream k where comb
+// is null), fp32, rounded to bf16, into new_row (may be streams_row: each unit is read before it is written) and
+// staged where not null. Returns the sum of squares of the rounded values.
+__device__ __forceinline__ float expand_unit(int g, int n, int groups, const uint4* out_row, const uint4* streams_row,
+                                             uint4* new_row, uint4* staged, const float* post, const float* comb) {
+    uint4 old[HYPER_MAX_STREAMS];
+#pragma unroll
+    for (int j = 0; j < HYPER_MAX_STREAMS; ++j) {
+        if (j < n) old[j] = streams_row[j * groups + g];
+    }
+    float out[8];
+    unpack_unit(out_row[g], out);
+    float sum_squares = 0.f;
+#pragma unroll
+    for (int k = 0; k < HYPER_MAX_STREAMS; ++k) {
+        if (k >= n) break;
+        float mixed[8];
+        if (comb) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) mixed[i] = 0.f;
+#pragma unroll
+            for (int j = 0; j < HYPER_MAX_STREAMS; ++j) {
+                if (j < n) {
+                    float v[8];
+                    unpack_unit(old[j], v);
+                    const float w = comb[j * n + k];
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) mixed[i] += w * v[i];
+                }
+            }
+        } else {
+            unpack_unit(old[k], mixed);
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) mixed[i] = post[k] * out[i] + mixed[i];
+        const uint4 rounded = pack_unit(mixed);
+        new_row[k * groups + g] = rounded;
+        if (staged) staged[k * groups + g] = rounded;
+        sum_squares += unit_squares(rounded);
+    }
+    return sum_squares;
+}
+
+// streams [T, hc_mult * hidden] = x [T, hidden] in each stream, bf16; row strides in 16-byte units. A flat grid
+// over the T * groups units of x (groups = hidden / 8), one per thread.
+extern "C" __global__ void hyper_widen(uint4* streams, long long streams_stride, const uint4* x, long long x_stride,
+                                       int num_tokens, int hc_mult, int groups) {
+    wait_for_previous_kernel();
+    const long long unit = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (unit >= (long long)num_tokens * groups) return;
+    const long long t = unit / groups;
+    const int g = (int)(unit - t * groups);
+    const uint4 v = x[t * x_stride + g];
+    for (int k = 0; k < hc_mult; ++k) streams[t * streams_stride + (long long)k * groups + g] = v;
+}
+
+// One CTA of HYPER_THREADS per token: x [T, hidden] bf16 = sum over n of pre[n] * stream n; post [T, hc_mult] and,
+// where sinkhorn_iters > 0, comb [T, hc_mult^2] (row-major [j][k]) fp32, contiguous. Dynamic shared memory: the
+// token's streams as bf16 (hc_mult * hidden * 2 bytes, 56 KB at 4 x 7168): exact, as the streams are bf16, and
+// half of fp32's, so twice the CTAs fit an SM; the projection reads it once per HYPER_ROW_CHUNK rows, the weighted
+// sum once more. Row strides in elements, multiples of 8; hidden % 8 == 0; rows 16-byte aligned.
+extern "C" __global__ void __launch_bounds__(HYPER_THREADS)
+hyper_collapse(bf16* x, long long x_stride, float* post, float* comb, const bf16* streams, long long streams_stride,
+               const float* fn, const float* base, const float* scale, int hc_mult, int hidden, float norm_eps,
+               float eps, float post_magnitude, float post_eps, int sinkhorn_iters) {
+    wait_for_previous_kernel();
+    extern __shared__ uint4 staged[];
+    const long long t = blockIdx.x;
+    const int n = hc_mult, groups = hidden >> 3, with_comb = sinkhorn_iters > 0;
+    const Connection c = {fn, base, scale, n, 2 * n + (with_comb ? n * n : 0), sinkhorn_iters, norm_eps, eps,
+                          post_magnitude, post_eps};
+    const float sum_squares = stage_row(staged, streams + t * streams_stride, n * groups);
+    collapse_staged(staged, sum_squares, c, groups, reinterpret_cast<uint4*>(x + t * x_stride), post + t * n,
+                    with_comb ? comb + t * n * n : nullptr);
+}
+
+// The streams after the last block, collapsed by HyperHead: x = sum over n of (sigmoid(logit * scale[0] + base) +
+// eps) * stream n. fn [hc_mult, hc_mult * hidden], base [hc_mult], scale [1]; layout as hyper_collapse.
+extern "C" __global__ void __launch_bounds__(HYPER_THREADS)
+hyper_head(bf16* x, long long x_stride, const bf16* streams, long long streams_stride, const float* fn,
+           const float* base, const float* scale, int hc_mult, int hidden, float norm_eps, float eps) {
+    wait_for_previous_kernel();
+    extern __shared__ uint4 staged[];
+    const long long t = blockIdx.x;
+    const int groups = hidden >> 3;
+    const Connection c = {fn, base, scale, hc_mult, hc_mult, 0, norm_eps, eps, 0.f, 0.f};
+    const float sum_squares = stage_row(staged, streams + t * streams_stride, hc_mult * groups);
+    collapse_staged(staged, sum_squares, c, groups, reinterpret_cast<uint4*>(x + t * x_stride), nullptr, nullptr);
+}
+
+// new_streams [T, hc_mult * hidden] = the streams after a block: hyper_expand's unit of out [T, hidden] and streams,
+// by post [T, hc_mult] and comb [T, hc_mult^2] (null: none), fp32 contiguous. new_streams may be streams. A flat grid
+// over the T * groups units (groups = hidden / 8), one per thread; row strides in 16-byte units.
+extern "C" __global__ void hyper_expand(uint4* new_streams, long long new_stride, const uint4* out,
+                                        long long out_stride, const uint4* streams, long long streams_stride,
+                                        const float* post, const float* comb, int num_tokens, int hc_mult,
+                                        int groups) {
+    wait_for_previous_kernel();
+    const long long unit = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (unit >= (long long)num_tokens * groups) return;
+    const long long t = unit / groups;
+    const int g = (int)(unit - t * groups), n = hc_mult;
+    expand_unit(g, n, groups, out + t * out_stride, streams + t * streams_stride, new_streams + t * new_stride,
+                nullptr, post + t * n, comb ? comb + t * n * n : nullptr);
+}
+
+// A block boundary in one pass: the streams expanded by the block's output out [T, hidden] and its mix (post, comb),
+// then the next block's collapse of the new streams as bf16 holds them (transformers casts the streams to bf16
+// between blocks): x its input. In place: streams, post [T, hc_mult] and comb [T, hc_mult^2] (given where
+// sinkhorn_iters > 0, the previous connection's and the next's alike) become the next ones; each CTA reads its
+// token's mix into shared memory before its first barrier and writes the next after its last. Layout and shared
+// memory as hyper_collapse.
+extern "C" __global__ void __launch_bounds__(HYPER_THREADS)
+hyper_boundary(bf16* streams, long long streams_stride, bf16* x, long long x_stride, const bf16* out,
+               long long out_stride, float* post, float* comb, const float* fn, const float* base, const float* scale,
+               int hc_mult, int hidden, float norm_eps, float eps, float post_magnitude, float post_eps,
+               int sinkhorn_iters) {
+    wait_for_previous_kernel();
+    extern __shared__ uint4 staged[];
+    __shared__ float mix[HYPER_MAX_STREAMS + HYPER_MAX_STREAMS * HYPER_MAX_STREAMS];   // post, then comb
+    const long long t = blockIdx.x;
+    const int n = hc_mult, groups = hidden >> 3, with_comb = sinkhorn_iters > 0;
+    const Connection c = {fn, base, scale, n, 2 * n + (with_comb ? n * n : 0), sinkhorn_iters, norm_eps, eps,
+                          post_magnitude, post_eps};
+    float* post_row = post + t * n;
+    float* comb_row = with_comb ? comb + t * n * n : nullptr;
+    if ((int)threadIdx.x < n) mix[threadIdx.x] = post_row[threadIdx.x];
+    if (comb_row && (int)threadIdx.x < n * n) mix[n + threadIdx.x] = comb_row[threadIdx.x];
+    __syncthreads();
+    uint4* row = reinterpret_cast<uint4*>(streams + t * streams_stride);
+    const uint4* out_row = reinterpret_cast<const uint4*>(out + t * out_stride);
+    float sum_squares = 0.f;
+    for (int g = threadIdx.x; g < groups; g += HYPER_THREADS)
+        sum_squares += expand_unit(g, n, groups, out_row, row, row, staged, mix, comb_row ? mix + n : nullptr);
+    collapse_staged(staged, sum_squares, c, groups, reinterpret_cast<uint4*>(x + t * x_stride), post_row, comb_row);
+}

@@ -1,0 +1,167 @@
+"""Launchers for cuda_kernels/hyper.cu: mHC hyper-connections (DeepSeek-V4, Hy4) over a token's hc_mult residual
+streams, bf16 [T, hc_mult * hidden]: widen, collapse, expand, the block boundary (expand then the next collapse, in
+one kernel) and the head. A mix is post float32 [T, hc_mult] and, with DeepSeek-V4's Sinkhorn comb, comb float32
+[T, hc_mult * hc_mult] (row-major [j][k]: stream k takes comb[j][k] of stream j), both contiguous."""
+
+import numpy as np
+
+from metrale.runtime.backend.cuda.launch import ceil_div, launch_kernel, require, require_aligned
+from metrale.runtime.backend.cuda.tensor import DeviceTensor
+from metrale.runtime.backend.layer_math import HyperConnection, HyperHead
+
+MODULE = "hyper"
+THREADS = 256                  # as hyper.cu's HYPER_THREADS
+MAX_STREAMS = 8                # as hyper.cu's HYPER_MAX_STREAMS
+# The staged row beside the kernels' static shared arrays (3.5 KB), under the 227 KB a CTA may opt into.
+MAX_SHARED_BYTES = 220 * 1024
+NULL = np.uint64(0)
+
+
+def shared_bytes(hc_mult: int, hidden: int) -> int:
+    """The dynamic shared memory of the one-CTA-per-token kernels: the token's streams as bf16."""
+    return 2 * hc_mult * hidden
+
+
+def widen(lib, stream, streams: DeviceTensor, x: DeviceTensor, hc_mult: int) -> None:
+    """streams [T, hc_mult * hidden] = x [T, hidden] in every stream, bf16."""
+    num_tokens, hidden = _rows("hyper_widen", x, "x")
+    _check_streams("hyper_widen", streams, num_tokens, hc_mult, hidden)
+    if num_tokens == 0:
+        return
+    groups = hidden // 8
+    launch_kernel(stream, lib.get("hyper_widen", MODULE), ceil_div(num_tokens * groups, THREADS), THREADS, streams,
+                  np.int64(streams.stride // 8), x, np.int64(x.stride // 8), num_tokens, hc_mult, groups)
+
+
+def collapse(lib, stream, x: DeviceTensor, post: DeviceTensor, comb: DeviceTensor | None, streams: DeviceTensor,
+             hc: HyperConnection) -> None:
+    """A block's input x [T, hidden] (bf16) from streams [T, hc_mult * hidden] by hc (fn, base, scale float32 device
+    tensors), and its mix: post, and comb where hc.sinkhorn_iters (else None)."""
+    name = "hyper_collapse"
+    num_tokens, hidden = _check_connection(name, x, streams, post, comb, hc)
+    if num_tokens == 0:
+        return
+    shared = shared_bytes(hc.hc_mult, hidden)
+    launch_kernel(stream, lib.get_with_shared(name, MODULE, shared), num_tokens, THREADS, x, np.int64(x.stride),
+                  post, _pointer(comb), streams, np.int64(streams.stride), *_connection_args(hc, hidden), shmem=shared)
+
+
+def expand(lib, stream, new_streams: DeviceTensor, out: DeviceTensor, streams: DeviceTensor, post: DeviceTensor,
+           comb: DeviceTensor | None) -> None:
+    """new_streams [T, hc_mult * hidden] = the streams after a block: stream k = post[k] * out [T, hidden] + (sum
+    over j of comb[j][k] * stream j, or stream k where comb is None), fp32 rounded to bf16. new_streams may be
+    streams (in place); hc_mult is post's width."""
+    name = "hyper_expand"
+    num_tokens, hidden = _rows(name, out, "out")
+    require(len(post.shape) == 2, f"{name}: post must be [T, hc_mult], not {post.shape}")
+    hc_mult = post.shape[1]
+    _check_streams(name, streams, num_tokens, hc_mult, hidden)
+    _check_streams(name, new_streams, num_tokens, hc_mult, hidden)
+    _check_mix(name, post, comb, num_tokens, hc_mult, comb is not None)
+    if num_tokens == 0:
+        return
+    groups = hidden // 8
+    launch_kernel(stream, lib.get(name, MODULE), ceil_div(num_tokens * groups, THREADS), THREADS, new_streams,
+                  np.int64(new_streams.stride // 8), out, np.int64(out.stride // 8), streams,
+                  np.int64(streams.stride // 8), post, _pointer(comb), num_tokens, hc_mult, groups)
+
+
+def boundary(lib, stream, x: DeviceTensor, streams: DeviceTensor, post: DeviceTensor, comb: DeviceTensor | None,
+             out: DeviceTensor, hc: HyperConnection) -> None:
+    """expand then hc's collapse, in one kernel and in place: streams become the streams after the block whose
+    output is out [T, hidden] and whose mix is (post, comb); x [T, hidden] the next block's input from them (as bf16
+    holds them); post and comb the next block's mix. comb is given where hc.sinkhorn_iters, the mix before and
+    after alike (one model's connections all have it or none)."""
+    name = "hyper_boundary"
+    num_tokens, hidden = _check_connection(name, x, streams, post, comb, hc)
+    require(out.shape == x.shape, f"{name}: out {out.shape} must have x's shape {x.shape}")
+    _rows(name, out, "out")
+    if num_tokens == 0:
+        return
+    shared = shared_bytes(hc.hc_mult, hidden)
+    launch_kernel(stream, lib.get_with_shared(name, MODULE, shared), num_tokens, THREADS, streams,
+                  np.int64(streams.stride), x, np.int64(x.stride), out, np.int64(out.stride), post, _pointer(comb),
+                  *_connection_args(hc, hidden), shmem=shared)
+
+
+def head(lib, stream, x: DeviceTensor, streams: DeviceTensor, hc_head: HyperHead) -> None:
+    """x [T, hidden] = the streams [T, hc_mult * hidden] after the last block, collapsed by hc_head (fn [hc_mult,
+    hc_mult * hidden], base [hc_mult], scale [1], float32 device tensors)."""
+    name = "hyper_head"
+    num_tokens, hidden = _rows(name, x, "x")
+    _check_streams(name, streams, num_tokens, hc_head.hc_mult, hidden)
+    _check_projection(name, hc_head, hc_head.hc_mult, 1, hidden)
+    if num_tokens == 0:
+        return
+    shared = shared_bytes(hc_head.hc_mult, hidden)
+    launch_kernel(stream, lib.get_with_shared(name, MODULE, shared), num_tokens, THREADS, x, np.int64(x.stride),
+                  streams, np.int64(streams.stride), hc_head.fn, hc_head.base, hc_head.scale, hc_head.hc_mult, hidden,
+                  float(hc_head.norm_eps), float(hc_head.eps), shmem=shared)
+
+
+def _connection_rows(hc: HyperConnection) -> int:
+    """fn's rows: pre's and post's logits, then comb's."""
+    return 2 * hc.hc_mult + (hc.hc_mult ** 2 if hc.sinkhorn_iters else 0)
+
+
+def _connection_args(hc: HyperConnection, hidden: int) -> tuple:
+    """hyper_collapse's and hyper_boundary's parameters from fn on."""
+    return (hc.fn, hc.base, hc.scale, hc.hc_mult, hidden, float(hc.norm_eps), float(hc.eps),
+            float(hc.post_magnitude), float(hc.post_eps), int(hc.sinkhorn_iters))
+
+
+def _check_connection(name: str, x: DeviceTensor, streams: DeviceTensor, post: DeviceTensor,
+                      comb: DeviceTensor | None, hc: HyperConnection) -> tuple[int, int]:
+    """(T, hidden) of a collapse from streams into x by hc, its mix (post, comb) checked."""
+    num_tokens, hidden = _rows(name, x, "x")
+    _check_streams(name, streams, num_tokens, hc.hc_mult, hidden)
+    _check_mix(name, post, comb, num_tokens, hc.hc_mult, hc.sinkhorn_iters > 0)
+    _check_projection(name, hc, _connection_rows(hc), 3 if hc.sinkhorn_iters else 2, hidden)
+    return num_tokens, hidden
+
+
+def _rows(name: str, tensor: DeviceTensor, label: str) -> tuple[int, int]:
+    """A [T, hidden] bf16 tensor with 16-byte aligned rows, hidden % 8 == 0 -> (T, hidden)."""
+    require(len(tensor.shape) == 2 and tensor.dtype == "bfloat16",
+            f"{name}: {label} must be [T, hidden] bfloat16, not {tensor.shape} {tensor.dtype}")
+    hidden = tensor.shape[1]
+    require(hidden > 0 and hidden % 8 == 0, f"{name}: hidden {hidden} must be a positive multiple of 8")
+    require_aligned(tensor, 16, f"{name}: {label}")
+    return tensor.shape
+
+
+def _check_streams(name: str, streams: DeviceTensor, num_tokens: int, hc_mult: int, hidden: int) -> None:
+    require(1 <= hc_mult <= MAX_STREAMS, f"{name}: hc_mult {hc_mult} must be 1 to {MAX_STREAMS}")
+    require(streams.dtype == "bfloat16" and streams.shape == (num_tokens, hc_mult * hidden),
+            f"{name}: streams must be [{num_tokens}, {hc_mult} * {hidden}] bfloat16, not {streams.shape} "
+            f"{streams.dtype}")
+    require_aligned(streams, 16, f"{name}: streams")
+    require(shared_bytes(hc_mult, hidden) <= MAX_SHARED_BYTES,
+            f"{name}: a token's {hc_mult} streams of {hidden} are more than shared memory holds")
+
+
+def _check_mix(name: str, post: DeviceTensor, comb: DeviceTensor | None, num_tokens: int, hc_mult: int,
+               with_comb: bool) -> None:
+    require(post.dtype == "float32" and post.shape == (num_tokens, hc_mult) and post.is_contiguous,
+            f"{name}: post must be [{num_tokens}, {hc_mult}] float32, contiguous, not {post.shape} {post.dtype}")
+    require((comb is not None) == with_comb, f"{name}: comb must be given where the connection has one, only there")
+    if comb is not None:
+        require(comb.dtype == "float32" and comb.shape == (num_tokens, hc_mult * hc_mult) and comb.is_contiguous,
+                f"{name}: comb must be [{num_tokens}, {hc_mult} * {hc_mult}] float32, contiguous, not {comb.shape} "
+                f"{comb.dtype}")
+
+
+def _check_projection(name: str, hc: HyperConnection | HyperHead, rows: int, scales: int, hidden: int) -> None:
+    """fn [rows, hc_mult * hidden] (16-byte aligned: read in float4s), base [rows], scale [scales], float32."""
+    width = hc.hc_mult * hidden
+    require(hc.fn.dtype == "float32" and hc.fn.shape == (rows, width) and hc.fn.is_contiguous,
+            f"{name}: fn must be [{rows}, {width}] float32, contiguous, not {hc.fn.shape} {hc.fn.dtype}")
+    require(hc.fn.ptr % 16 == 0, f"{name}: fn must be 16-byte aligned")
+    require(hc.base.dtype == "float32" and hc.base.shape == (rows,),
+            f"{name}: base must be [{rows}] float32, not {hc.base.shape} {hc.base.dtype}")
+    require(hc.scale.dtype == "float32" and hc.scale.shape == (scales,),
+            f"{name}: scale must be [{scales}] float32, not {hc.scale.shape} {hc.scale.dtype}")
+
+
+def _pointer(tensor: DeviceTensor | None):
+    return NULL if tensor is None else tensor
