@@ -1,7 +1,8 @@
 """Serving benchmark: the reference gateway (examples/gateway) and a worker under synthetic requests, Poisson
 arrivals at several rates: throughput, time to first token and inter-token latency (p50, p99) per rate; and the
-gateway's own cost at saturation: its output tokens/s against what the worker's step benchmark gives at the batch
-the gateway ran (Decode steps on one Steps stream from a client process, the same contexts).
+gateway's own cost at saturation: a batch of requests sent at once, all decoding, its output tokens/s while every one
+of them decodes (from the last first token to the first finish) against what the worker's step benchmark gives at
+that batch and context (Decode steps on one Steps stream from a client process).
 
 Input and output lengths are drawn from log-normal distributions (medians and spreads set by flags; the defaults are
 those of chat traces such as ShareGPT's, clipped to the model's length). The worker runs in this process; the
@@ -90,14 +91,47 @@ async def drive(address: str, requests: list[tuple[list[int], int]], rate: float
             "e2e_p50_ms": percentile(e2e, 0.5), "mean_running": statistics.fmean(busy) if busy else 0.0}
 
 
-def load_and_steps(address, requests, rates, chunk_tokens, vocab, step_steps) -> dict:
-    """Every rate through the gateway, then the step benchmark at the batch the last rate ran."""
+async def saturate(address: str, batch: int, prompt_len: int, max_tokens: int, chunk_tokens: int, vocab: int
+                   ) -> dict:
+    """`batch` requests of prompt_len tokens and max_tokens outputs sent at once: the gateway's output tokens/s
+    while all of them decode, from the last first token to the first finish."""
+    sys.path.insert(0, str(GATEWAY))
+    from metrale_gateway.router import Gateway
+    from metrale_gateway.scheduler import Completion
+
+    gateway = Gateway([address], chunk_tokens)
+    await gateway.start()
+    rng = random.Random(2)
+    firsts, finishes, times = [], [], []
+
+    async def one() -> None:
+        prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+        first = True
+        async for _ in gateway.generate(Completion(prompt=prompt, max_tokens=max_tokens, ignore_eos=True)):
+            now = time.perf_counter()
+            times.append(now)
+            if first:
+                firsts.append(now)
+                first = False
+        finishes.append(time.perf_counter())
+
+    await asyncio.gather(*(one() for _ in range(batch)))
+    await gateway.stop()
+    start, end = max(firsts), min(finishes)
+    inside = sum(start < t <= end for t in times)
+    return {"batch": batch, "prompt": prompt_len, "max_tokens": max_tokens, "window_s": end - start,
+            "tokens_in_window": inside, "tokens_per_s": inside / (end - start) if end > start else 0.0}
+
+
+def load_and_steps(address, requests, rates, chunk_tokens, vocab, step_steps, saturation) -> dict:
+    """Every rate through the gateway; then a batch sent at once, and the step benchmark at that batch."""
     rows = [asyncio.run(drive(address, requests, rate, chunk_tokens)) for rate in rates]
-    batch = max(1, round(rows[-1]["mean_running"]))
-    context = round(statistics.fmean(len(p) + n / 2 for p, n in requests))
+    batch, prompt_len, max_tokens = saturation
+    saturated = asyncio.run(saturate(address, batch, prompt_len, max_tokens, chunk_tokens, vocab))
+    context = prompt_len + max_tokens // 2
     step_ms = statistics.median(decode_round_trips(address, batch, context, step_steps, 4, vocab, 3, rpc="steps"))
-    return {"rows": rows, "step": {"batch": batch, "context": context, "step_ms": step_ms,
-                                   "tokens_per_s": batch / step_ms * 1e3}}
+    return {"rows": rows, "saturated": saturated,
+            "step": {"batch": batch, "context": context, "step_ms": step_ms, "tokens_per_s": batch / step_ms * 1e3}}
 
 
 def format_table(rows: list[dict]) -> str:
@@ -115,8 +149,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", default=None, help="GGUF file or HF directory; default: the embedded model")
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="random weights of this shape")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--rates", default="2,8,inf", help="arrivals a second, comma-separated; inf: all at once "
-                                                           "(saturation, compared with the step benchmark)")
+    parser.add_argument("--rates", default="2,8,inf", help="arrivals a second, comma-separated; inf: all at once")
+    parser.add_argument("--saturation", default="64x128x256",
+                        help="BATCHxPROMPTxOUTPUT: that many requests sent at once, each of PROMPT tokens and OUTPUT "
+                             "outputs: the gateway's tokens/s while all decode, against the step benchmark")
     parser.add_argument("--requests", type=int, default=64, help="requests a rate")
     parser.add_argument("--input", default="256,1.0", help="median,sigma of the prompts' log-normal lengths")
     parser.add_argument("--output", default="128,0.8", help="median,sigma of the outputs' log-normal lengths")
@@ -138,7 +174,11 @@ def main(argv: list[str] | None = None) -> dict:
     outputs = lengths(rng, args.requests, out_median, out_sigma, 1, args.max_model_len // 2)
     inputs = [min(n, args.max_model_len - o) for n, o in zip(
         lengths(rng, args.requests, in_median, in_sigma, 4, args.max_model_len), outputs)]
-    blocks = args.kv_blocks or sum(-(-(i + o) // EngineConfig.kv_block_size) for i, o in zip(inputs, outputs)) + 64
+    saturation = tuple(int(v) for v in args.saturation.split("x"))
+    # room for every request at once, and for the saturation batch
+    blocks = args.kv_blocks or max(sum(-(-(i + o) // EngineConfig.kv_block_size) for i, o in zip(inputs, outputs)),
+                                   saturation[0] * -(-(saturation[1] + saturation[2]) // EngineConfig.kv_block_size)
+                                   ) + 64
     worker = InProcessWorker(lambda: WorkerServer.from_checkpoint(checkpoint, loopback_config(EngineConfig(
         device=args.device, kv_blocks=blocks, max_model_len=args.max_model_len, max_seqs=args.max_seqs,
         max_batch_tokens=args.max_batch_tokens))))
@@ -152,15 +192,16 @@ def main(argv: list[str] | None = None) -> dict:
               f"median {statistics.median(outputs)} (p99 {percentile(outputs, 0.99)}); gateway in its own process")
         rates = [float(r) for r in args.rates.split(",")]
         result = run_spawned(load_and_steps, (worker.address, requests, rates, args.chunk_tokens, vocab,
-                                              args.step_steps), args.timeout, "the load generator")
+                                              args.step_steps, saturation), args.timeout, "the load generator")
     finally:
         worker.stop()
     print(format_table(result["rows"]))
-    step, saturated = result["step"], result["rows"][-1]
-    print(f"# at saturation: the gateway {saturated['tokens_per_s']:.1f} output tokens/s with "
-          f"{saturated['mean_running']:.1f} sequences running; the step benchmark at batch {step['batch']} and "
-          f"{step['context']}-token contexts: {step['step_ms']:.2f} ms a step, {step['tokens_per_s']:.1f} tokens/s "
-          f"({saturated['tokens_per_s'] / step['tokens_per_s']:.2f}x)")
+    step, saturated = result["step"], result["saturated"]
+    print(f"# at saturation: {saturated['batch']} requests of {saturated['prompt']} prompt tokens sent at once, "
+          f"{saturated['tokens_per_s']:.1f} output tokens/s through the gateway while all decode "
+          f"({saturated['tokens_in_window']} tokens in {saturated['window_s']:.2f} s); the step benchmark at batch "
+          f"{step['batch']} and {step['context']}-token contexts: {step['step_ms']:.2f} ms a step, "
+          f"{step['tokens_per_s']:.1f} tokens/s ({saturated['tokens_per_s'] / step['tokens_per_s']:.2f}x)")
     out = {"args": vars(args), **result}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))

@@ -83,8 +83,10 @@ def test_beam_host_times_the_loop_without_a_model(bench, capsys):
 def test_serving_reports_every_rate_and_the_step_benchmark(bench, tmp_path, capsys):
     model = write_tiny("llama_tied", tmp_path / "llama")
     result = bench.serving.main(["--model", str(model), "--requests", "6", "--rates", "50,inf", "--input", "12,0.5",
-                                 "--output", "4,0.5", "--max-model-len", "64", "--step-steps", "2"])
+                                 "--output", "4,0.5", "--max-model-len", "64", "--step-steps", "2",
+                                 "--saturation", "3x8x12"])
     assert [row["rate"] for row in result["rows"]] == [50.0, float("inf")]
+    assert result["saturated"]["tokens_in_window"] > 0 and result["saturated"]["batch"] == 3
     assert all(row["output_tokens"] > 0 and row["ttft_p50_ms"] > 0 for row in result["rows"])
     assert result["step"]["tokens_per_s"] > 0 and "at saturation" in capsys.readouterr().out
 
