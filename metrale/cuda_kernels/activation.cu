@@ -1,5 +1,6 @@
 // MLP activations: the gated out = silu(gate) * up in fp32, rounded to bf16 once; ReLU (M2M100 / NLLB) and its
-// square (Nemotron-H); elementwise add and x * silu(gate) (the SSM hybrids).
+// square (Nemotron-H); elementwise add and x * silu(gate) (the SSM hybrids), x * sigmoid(gate) (Hy4's gated
+// attention).
 #include "common.cuh"
 
 __device__ __forceinline__ unsigned int silu_mul_pair(unsigned int gate, unsigned int up) {
@@ -52,8 +53,13 @@ __device__ __forceinline__ unsigned int mul_silu_pair(unsigned int x, unsigned i
     return float2_to_bf16x2(a.x * silu(g.x), a.y * silu(g.y));
 }
 
-// out [T, I] = x + y (op 0) or x * silu(y) (op 1), bf16 in and out, fp32 math rounded once; row strides in
-// 16-byte units, I % 8 == 0; one 16-byte unit per thread.
+__device__ __forceinline__ unsigned int mul_sigmoid_pair(unsigned int x, unsigned int gate) {
+    const float2 a = bf16x2_to_float2(x), g = bf16x2_to_float2(gate);
+    return float2_to_bf16x2(a.x / (1.f + __expf(-g.x)), a.y / (1.f + __expf(-g.y)));
+}
+
+// out [T, I] = x + y (op 0), x * silu(y) (op 1) or x * sigmoid(y) (op 2), bf16 in and out, fp32 math rounded
+// once; row strides in 16-byte units, I % 8 == 0; one 16-byte unit per thread.
 extern "C" __global__ void binary(uint4* out, long long out_stride, const uint4* x, long long x_stride, const uint4* y,
                                   long long y_stride, int num_tokens, int units_per_row, int op) {
     wait_for_previous_kernel();
@@ -62,8 +68,10 @@ extern "C" __global__ void binary(uint4* out, long long out_stride, const uint4*
     const long long row = unit / units_per_row;
     const int column = (int)(unit - row * units_per_row);
     const uint4 a = x[row * x_stride + column], b = y[row * y_stride + column];
-    out[row * out_stride + column] = op == 0
-        ? make_uint4(add_pair(a.x, b.x), add_pair(a.y, b.y), add_pair(a.z, b.z), add_pair(a.w, b.w))
-        : make_uint4(mul_silu_pair(a.x, b.x), mul_silu_pair(a.y, b.y), mul_silu_pair(a.z, b.z),
-                     mul_silu_pair(a.w, b.w));
+    out[row * out_stride + column] =
+        op == 0   ? make_uint4(add_pair(a.x, b.x), add_pair(a.y, b.y), add_pair(a.z, b.z), add_pair(a.w, b.w))
+        : op == 1 ? make_uint4(mul_silu_pair(a.x, b.x), mul_silu_pair(a.y, b.y), mul_silu_pair(a.z, b.z),
+                               mul_silu_pair(a.w, b.w))
+                  : make_uint4(mul_sigmoid_pair(a.x, b.x), mul_sigmoid_pair(a.y, b.y), mul_sigmoid_pair(a.z, b.z),
+                               mul_sigmoid_pair(a.w, b.w));
 }

@@ -96,13 +96,19 @@ def _memory_shapes(c, config: EngineConfig, max_model_len: int) -> MemoryShapes:
 
 def _latent_shapes(c) -> dict:
     """MemoryShapes' latent fields of a multi-head latent attention model (none for the others): the latent-space
-    query and output a token and layer, the latent and its norm, the query's low-rank projection."""
+    query and output a token and layer, the latent and its norm, the query's low-rank projection; and its
+    hyper-connection streams and sparse attention indexer, where it has them."""
     if not getattr(c, "kv_lora_rank", 0):
         return {}
     width = c.kv_lora_rank + c.qk_rope_head_dim
-    return dict(latent_heads=c.num_heads, latent_rank=c.kv_lora_rank, latent_rope=c.qk_rope_head_dim,
-                latent_nope=c.qk_nope_head_dim, latent_v=c.v_head_dim,
-                latent_width=c.num_heads * (width + c.kv_lora_rank + c.v_head_dim) + 2 * width + c.q_lora_rank)
+    shapes = dict(latent_heads=c.num_heads, latent_rank=c.kv_lora_rank, latent_rope=c.qk_rope_head_dim,
+                  latent_nope=c.qk_nope_head_dim, latent_v=c.v_head_dim,
+                  latent_width=c.num_heads * (width + c.kv_lora_rank + c.v_head_dim) + 2 * width + c.q_lora_rank)
+    if getattr(c, "hyper", None):
+        shapes["hc_mult"] = c.hyper.hc_mult
+    if getattr(c, "indexer", None):
+        shapes.update(index_heads=c.indexer.num_heads, index_dim=c.indexer.head_dim, index_topk=c.indexer.topk)
+    return shapes
 
 
 def _allocate_cache(runner: Runner, specs: tuple, config: EngineConfig, max_model_len: int,

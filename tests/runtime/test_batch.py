@@ -62,6 +62,10 @@ def test_pack_batch_lays_out_decode_and_prefill():
     assert read(packed.prefill_starts) == [1, 7] and read(packed.prefill_lens) == [6, 3]
     assert read(packed.prefill_contexts) == [8, 3] and read(packed.prefill_tables) == [[1, 6, 0, 0, 0], [4, 0, 0, 0, 0]]
     assert read(packed.sample_rows) == [0, 9]
+    # each row over its causal context, by its block table's row in decode_tables then prefill_tables
+    assert read(packed.row_contexts) == [10, 3, 4, 5, 6, 7, 8, 1, 2, 3]
+    assert read(packed.row_tables) == [0, 1, 1, 1, 1, 1, 1, 2, 2, 2]
+    assert read(packed.tables)[1:] == [[1, 6, 0, 0, 0], [4, 0, 0, 0, 0]] and read(packed.tables)[0] == [5, 8, 2, 0, 0]
     assert (packed.num_tokens, packed.num_decode, packed.num_prefill) == (10, 1, 2)
     assert packed.max_decode_context == 10 and packed.max_prefill_query == 6
 
@@ -82,6 +86,7 @@ def test_pack_batch_pads_a_decode_batch_to_its_graph():
     assert read(packed.decode_rows) == [0, 1, 2, 3] and read(packed.decode_contexts) == [7, 3, 0, 0]
     assert read(packed.decode_tables) == [[3, 9, 0], [7, 0, 0], [0, 0, 0], [0, 0, 0]]
     assert read(packed.sample_rows) == [0, 1, 2, 3] and packed.num_prefill == 0
+    assert read(packed.row_contexts) == [7, 3, 0, 0] and read(packed.row_tables) == [0, 1, 2, 3]
     assert (packed.num_tokens, packed.num_decode) == (4, 4) and np.asarray(packed.host).dtype == np.int32
 
 

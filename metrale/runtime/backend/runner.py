@@ -49,6 +49,12 @@ class MemoryShapes:
     latent_nope: int = 0
     latent_v: int = 0
     latent_width: int = 0
+    # Hyper-connection streams of the residual (0: none).
+    hc_mult: int = 0
+    # DeepSeek sparse attention's indexer (index_topk 0: none): its heads, head dims and tokens a query keeps.
+    index_heads: int = 0
+    index_dim: int = 0
+    index_topk: int = 0
     # Device streams: a backend that runs forwards at once gives each its own workspaces.
     streams: int = 1
 

@@ -27,6 +27,10 @@ class CudaBatch:
     prefill_lens: DeviceTensor    # [S] int32
     prefill_contexts: DeviceTensor  # [S] int32
     prefill_tables: DeviceTensor  # [S, max_blocks] int32
+    # Every row as a query over its causal context (sparse attention's indexer): the context (position + 1; 0 for a
+    # padding row) and its block table's row in `tables` (decode_tables then prefill_tables, back to back).
+    row_contexts: DeviceTensor    # [T] int32
+    row_tables: DeviceTensor      # [T] int32
     num_tokens: int
     num_decode: int
     num_prefill: int
@@ -41,6 +45,14 @@ class CudaBatch:
     # what multi-head latent attention plans from them at its first layer (latent_prefill.py).
     prefill_spans: tuple[tuple[int, ...], tuple] | None = None
     latent_plan: object = None
+    # What sparse attention's indexer chose for each row (CudaLayerMath.sparse_select), kept for the layers after it.
+    selection: object = None
+
+    @property
+    def tables(self) -> DeviceTensor:
+        """decode_tables then prefill_tables as one [B + S, max_blocks] table (row_tables indexes it)."""
+        rows = self.decode_tables.shape[0] + self.prefill_tables.shape[0]
+        return DeviceTensor(self.decode_tables.ptr, (rows, self.decode_tables.shape[1]), "int32")
 
 
 class PrefillPadding(NamedTuple):
@@ -76,10 +88,11 @@ def pack_batch(batch: ForwardBatch, region: DeviceTensor, max_blocks: int, pad_t
     prefill_rows = segments + (prefill.segments - segments if prefill else 0)
     rows, sampled = n + pad, pad_to or (prefill.sampled if prefill else len(batch.sample_rows))
     # name: shape; the parts back to back in this order, one int32 image
+    # (decode_tables and prefill_tables last and back to back: CudaBatch.tables)
     shapes = {"token_ids": (rows,), "positions": (rows,), "slot_mapping": (rows,), "sample_rows": (sampled,),
-              "decode_rows": (decode_rows,), "decode_contexts": (decode_rows,),
-              "decode_tables": (decode_rows, max_blocks), "prefill_starts": (prefill_rows,),
-              "prefill_lens": (prefill_rows,), "prefill_contexts": (prefill_rows,),
+              "decode_rows": (decode_rows,), "decode_contexts": (decode_rows,), "prefill_starts": (prefill_rows,),
+              "prefill_lens": (prefill_rows,), "prefill_contexts": (prefill_rows,), "row_contexts": (rows,),
+              "row_tables": (rows,), "decode_tables": (decode_rows, max_blocks),
               "prefill_tables": (prefill_rows, max_blocks)}
     recurrent = batch.state_slots is not None
     state_segments = pad_to or (prefill.segments if prefill else len(lens))
@@ -105,6 +118,8 @@ def pack_batch(batch: ForwardBatch, region: DeviceTensor, max_blocks: int, pad_t
     else:
         part("sample_rows")[:len(batch.sample_rows)] = batch.sample_rows.numpy()
     part("decode_rows")[:] = np.arange(pad_to) if pad_to else [starts[i] for i in single]
+    part("row_contexts")[:n] = part("positions")[:n] + 1
+    _fill_row_tables(part("row_tables"), part("decode_rows")[:decode], starts, lens, multi, decode_rows, pad_to)
     if decode:
         part("decode_contexts")[:decode] = [contexts[i] for i in single]
         _fill_tables(part("decode_tables"), [batch.block_tables[i] for i in single])
@@ -135,6 +150,18 @@ def pack_batch(batch: ForwardBatch, region: DeviceTensor, max_blocks: int, pad_t
 
 
 STATE_PARTS = ("state_starts", "state_lens", "state_sources", "state_destinations")
+
+
+def _fill_row_tables(out: np.ndarray, single_rows: np.ndarray, starts, lens, multi, decode_rows: int,
+                     pad_to: int) -> None:
+    """Each row's block table in CudaBatch.tables: its decode entry's (single_rows: the entries' rows), or
+    decode_rows + its prefill segment's."""
+    if pad_to:
+        out[:] = np.arange(pad_to)
+        return
+    out[single_rows] = np.arange(len(single_rows))
+    for segment, i in enumerate(multi):
+        out[starts[i]:starts[i] + lens[i]] = decode_rows + segment
 
 
 def _fill_states(batch: ForwardBatch, order: np.ndarray, part, pad_to: int) -> None:
@@ -176,4 +203,4 @@ def padded_rows(rows: list, width: int) -> np.ndarray:
 
 def metadata_elements(max_batch_tokens: int, max_seqs: int, max_blocks: int) -> int:
     """int32 elements the metadata region needs at the most."""
-    return 4 * max_batch_tokens + 2 * max_seqs * (3 + max_blocks) + 4 * max_seqs + len(STATE_PARTS) * max_seqs
+    return 6 * max_batch_tokens + 2 * max_seqs * (3 + max_blocks) + 4 * max_seqs + len(STATE_PARTS) * max_seqs

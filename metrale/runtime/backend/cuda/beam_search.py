@@ -156,7 +156,7 @@ class CudaDeviceSearch:
         flags, flags_address = ctx.beam_flags_half(self.generated % 2, self.num_requests + 1)
         kernels.beam_step.beam_fork(lib, stream, self.state, len(self.active), self.parity, self.generated,
                                     flags_address)
-        kernels.rope_kv.copy_kv_prefixes(lib, stream, self.kv_cache, self.views["copies"], self.total_beams)
+        kernels.rope_kv.copy_prefixes(lib, stream, self.kv_cache, self.views["copies"], self.total_beams)
         last, self._flags = self._flags, (stream.record(), flags)
         self.parity, self.generated = 1 - self.parity, self.generated + 1
         # Requests that may search on: not known to have ended (the step before's flags), not at max_new_tokens.

@@ -6,7 +6,7 @@ No torch on this path: torch only hands over checkpoint tensors at load time."""
 import numpy as np
 import torch
 
-from metrale.runtime.backend.cuda import kernels, latent_prefill
+from metrale.runtime.backend.cuda import hyper_connection, kernels, latent_prefill, sparse_selection
 from metrale.runtime.backend.cuda.batch import CudaBatch
 from metrale.runtime.backend.cuda.resources import CudaResources
 from metrale.runtime.backend.cuda.stream_context import StreamContext, padded_vocab
@@ -221,6 +221,30 @@ class CudaLayerMath:
         kernels.activation.mul_silu(self.lib, ctx.stream, out, x, gate)
         return out
 
+    def mul_sigmoid(self, x, gate):
+        ctx = self.resources.bound.context
+        out = ctx.new(*x.shape)
+        kernels.activation.mul_sigmoid(self.lib, ctx.stream, out, x, gate)
+        return out
+
+    def hyper_widen(self, x, hc_mult):
+        return hyper_connection.widen(self.lib, self.resources.bound.context, x, hc_mult)
+
+    def hyper_collapse(self, streams, hc):
+        return hyper_connection.collapse(self.lib, self.resources.bound.context, streams, hc)
+
+    def hyper_expand(self, out, streams, mix):
+        return hyper_connection.expand(self.lib, self.resources.bound.context, out, streams, mix)
+
+    def hyper_boundary(self, out, streams, mix, hc):
+        return hyper_connection.boundary(self.lib, self.resources.bound.context, out, streams, mix, hc)
+
+    def hyper_head(self, streams, head):
+        return hyper_connection.head(self.lib, self.resources.bound.context, streams, head)
+
+    def sparse_select(self, q, k, x, indexer, rope, batch: CudaBatch, cache):
+        return sparse_selection.select(self.lib, self.resources.bound.context, q, k, x, indexer, rope, batch, cache)
+
     def add(self, x, y):
         ctx = self.resources.bound.context
         out = ctx.new(*x.shape)
@@ -259,15 +283,15 @@ class CudaLayerMath:
         """Decode rows in the latent space: k_up folded into each head's query (one strided batched GEMM), the
         rotary parts rotated and each token's row written (one launch), latent_attention.cu's attention split over
         their contexts, then v_up (one GEMM). Prefill rows up-projected (latent_prefill.py), or where that does not
-        apply, in the latent space as decode rows, each token over its causal context."""
-        if selection is not None or sinks is not None:
-            raise InvalidArgument("the CUDA backend's latent attention has no sparse selection nor sinks yet")
+        apply (or the rows attend only to the tokens a sparse selection chose), in the latent space as decode
+        rows, each token over its causal context (its selection)."""
         ctx, gemm, la = self.resources.bound.context, self.resources.gemm, kernels.latent_attention
         tokens, heads, nope, rank, rope_dim = q.shape[0], mla.num_heads, mla.nope_dim, mla.kv_lora_rank, mla.rope_dim
         width = mla.cache_width
         rows = DeviceTensor(cache.ptr, (cache.shape[0] * cache.shape[1], width), "bfloat16")
         block_size = cache.shape[1]
-        plan = latent_prefill.plan_for(ctx, batch, mla, block_size) if batch.num_prefill else None
+        plan = (latent_prefill.plan_for(ctx, batch, mla, block_size)
+                if batch.num_prefill and selection is None else None)
         latent_space = batch.num_decode or plan is None     # some rows attend in the latent space
         query = ctx.new(tokens, heads * width)
         if latent_space:
@@ -280,17 +304,28 @@ class CudaLayerMath:
         if latent_space:
             attended = ctx.new(tokens, heads * rank)
             if batch.num_decode:
+                chosen = {}
+                if selection is not None:
+                    selected, counts = selection.decode(self.lib, ctx, batch)
+                    chosen = dict(selected=selected, selected_counts=counts)
                 la.decode(self.lib, ctx.stream, attended, query, rows, batch.decode_rows, batch.decode_contexts,
                           batch.decode_tables, None, ctx.decode_partials, heads, block_size, scale,
-                          batch.max_decode_context)
+                          selection.width if selection is not None else batch.max_decode_context, sinks=sinks,
+                          **chosen)
             if batch.num_prefill and plan is None:
                 max_context = self.resources.shapes.max_blocks_per_seq * block_size
+                chosen = {}
+                if selection is not None:
+                    max_context = selection.width
+                    chosen = dict(selected=selection.by_row, selected_counts=selection.counts)
                 la.prefill(self.lib, ctx.stream, attended, query, rows, batch.prefill_starts, batch.prefill_lens,
                            batch.prefill_contexts, batch.prefill_tables, heads, block_size, scale, batch.num_prefill,
-                           batch.max_prefill_query, max_context)
+                           batch.max_prefill_query, max_context, sinks=sinks, **chosen)
             gemm.head_linear(ctx.stream, out.columns(0, mla.v_dim), attended.columns(0, rank), mla.v_up, rank,
                              mla.v_dim, ctx.gemm_workspace)
         if plan is not None:        # the prefill rows, over what v_up wrote there
+            if sinks is not None:
+                raise InvalidArgument("the up-projected latent prefill has no attention sinks")
             latent_prefill.attend(self.lib, gemm, ctx, batch, plan, out, q, query, rows, mla, scale)
         return out
 

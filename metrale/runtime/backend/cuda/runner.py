@@ -18,7 +18,7 @@ from metrale.runtime.backend.cuda.tensor import DTYPES, DeviceTensor
 from metrale.runtime.backend.runner import MemoryShapes
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.beam.on_device import SearchStart
-from metrale.runtime.cache.specs import NoCache, PagedKv, PagedLatent, RecurrentState
+from metrale.runtime.cache.specs import NoCache, PagedIndexKeys, PagedKv, PagedLatent, RecurrentState
 from metrale.runtime.errors import InvalidArgument
 
 
@@ -71,14 +71,14 @@ class CudaRunner:
 
     def allocate_cache(self, specs: tuple, num_blocks: int, block_size: int, num_state_slots: int) -> list:
         """One pool allocation holding a [2, blocks, block_size, heads, head_dim] bf16 tensor per PagedKv layer (a
-        [blocks, block_size, width] one per PagedLatent layer), at equal strides where the layers are alike
+        [blocks, block_size, width] one per PagedLatent or PagedIndexKeys spec), at equal strides where they are alike
         (copy_kv_prefixes needs that), then a RecurrentState layer's float32 [slots, *shape] tensors (a tuple each)
         and the table ssm_copy_slots reads them by; None for a NoCache layer."""
         paged = {}
         for i, spec in enumerate(specs):
             if isinstance(spec, PagedKv):
                 paged[i] = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-            elif isinstance(spec, PagedLatent):
+            elif isinstance(spec, (PagedLatent, PagedIndexKeys)):
                 paged[i] = (num_blocks, block_size, spec.width)
             elif not isinstance(spec, (RecurrentState, NoCache)):
                 raise InvalidArgument(f"the CUDA backend has no kernels for {type(spec).__name__} layers yet")
@@ -219,7 +219,7 @@ class CudaRunner:
             raise InvalidArgument(f"{len(host)} KV copies in one step, over the stream's {ctx.kv_copies.shape[0]}")
         rows = DeviceTensor(ctx.kv_copies.ptr, host.shape, "int32")
         ctx.copy_to_device(rows, host)
-        kernels.rope_kv.copy_kv_prefixes(self.lib, ctx.stream, _paged(layers), rows, len(host))
+        kernels.rope_kv.copy_prefixes(self.lib, ctx.stream, _paged(layers), rows, len(host))
 
     def copy_state_slots(self, layers: list, copies: list[tuple[int, int]]) -> None:
         """Whole state slots of every recurrent layer, (source, destination) each, in one kernel."""

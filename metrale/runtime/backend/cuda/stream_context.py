@@ -81,7 +81,30 @@ def stream_buffers(lib, shapes: MemoryShapes) -> Buffers:
                                                shapes.latent_nope, shapes.latent_v, t)
         buffers.update({"latent_keys": ((sizes["keys"],), "bfloat16"), "latent_merge": ((sizes["merge"],), "float32"),
                         "latent_plan": ((sizes["plan"],), "int32")})
+    # Hyper-connection streams and a block's mix: they live through every layer of a forward (not in the ring).
+    if shapes.hc_mult:
+        n = shapes.hc_mult
+        buffers.update({"hyper_streams": ((t, n * shapes.hidden), "bfloat16"), "hyper_post": ((t, n), "float32"),
+                        "hyper_comb": ((t, n * n), "float32")})
+    # Sparse attention's indexer: its head weights, scores of up to index_score_rows rows at a time over the longest
+    # context, and each row's chosen tokens (by row, and gathered by decode entry), kept for the layers after it.
+    if shapes.index_topk:
+        k = shapes.index_topk
+        buffers.update({"index_weights": ((t, shapes.index_heads), "float32"),
+                        "index_scores": ((index_score_rows(t, max_context), max_context), "float32"),
+                        "index_selected": ((t, k), "int32"), "index_counts": ((t,), "int32"),
+                        "index_decode_selected": ((seqs, k), "int32"), "index_decode_counts": ((seqs, 1), "int32"),
+                        "index_rows": ((t,), "int32")})
     return buffers
+
+
+# The indexer's float32 scores of one launch at the most: rows at a time over the longest context.
+INDEX_SCORE_BYTES = 64 << 20
+
+
+def index_score_rows(max_batch_tokens: int, max_context: int) -> int:
+    """Rows the indexer scores at a time: as many as INDEX_SCORE_BYTES hold over max_context (at least 1)."""
+    return max(1, min(max_batch_tokens, INDEX_SCORE_BYTES // (4 * max(max_context, 1))))
 
 
 def padded_vocab(vocab: int) -> int:
@@ -118,6 +141,8 @@ class StreamContext:
         self.moe_done = taken["moe_done"]
         self.latent_keys, self.latent_merge = taken.get("latent_keys"), taken.get("latent_merge")
         self.latent_plan = taken.get("latent_plan")
+        self.hyper = {name: taken[name] for name in ("hyper_streams", "hyper_post", "hyper_comb") if name in taken}
+        self.index = {name[len("index_"):]: tensor for name, tensor in taken.items() if name.startswith("index_")}
         # A beam search step's done flags (and fault flag), written here by its fork kernel while the next step is
         # queued: two steps' worth, in pinned memory the device writes directly (no copy between the kernels).
         self.beam_flags = cuda.pinned((2, shapes.max_seqs + 1), "int32")
@@ -131,6 +156,8 @@ class StreamContext:
         self._timing, self._round_events = False, (None, None)
         self._timed_rounds: list[tuple[object, object]] = []      # while timing: every sampled round's events
         self.copy_to_device(self.moe_done, np.zeros(1, dtype=np.int32))
+        if self.index:      # row ids 0 .. T-1: the indexer scores every row as a query of its own
+            self.copy_to_device(self.index["rows"], np.arange(self.index["rows"].shape[0], dtype=np.int32))
 
     def new(self, rows: int, cols: int, dtype: str = "bfloat16") -> DeviceTensor:
         """An activation tensor from the ring."""

@@ -1,5 +1,5 @@
-"""Launchers for cuda_kernels/activation.cu: the gated MLP activation, ReLU and its square, and the elementwise add
-and x * silu(gate) of the SSM hybrids."""
+"""Launchers for cuda_kernels/activation.cu: the gated MLP activation, ReLU and its square, and the elementwise add,
+x * silu(gate) of the SSM hybrids and x * sigmoid(gate) of Hy4's gated attention."""
 
 import numpy as np
 
@@ -41,6 +41,11 @@ def add(lib, stream, out: DeviceTensor, x: DeviceTensor, y: DeviceTensor) -> Non
 def mul_silu(lib, stream, out: DeviceTensor, x: DeviceTensor, gate: DeviceTensor) -> None:
     """out [T, I] = x * silu(gate), bf16, fp32 math rounded once."""
     _launch_binary(1, lib, stream, out, x, gate)
+
+
+def mul_sigmoid(lib, stream, out: DeviceTensor, x: DeviceTensor, gate: DeviceTensor) -> None:
+    """out [T, I] = x * sigmoid(gate), bf16, fp32 math rounded once."""
+    _launch_binary(2, lib, stream, out, x, gate)
 
 
 def _launch_binary(op: int, lib, stream, out: DeviceTensor, x: DeviceTensor, y: DeviceTensor) -> None:

@@ -97,3 +97,18 @@ def copy_kv_prefixes(lib, stream, kv_cache: list[DeviceTensor], copies: DeviceTe
     kernel = lib.get("copy_kv_prefixes", MODULE)
     launch_kernel(stream, kernel, (num_copies, len(kv_cache), planes), BLOCK, first, np.int64(stride),
                   np.int64(first.numel // planes), first.shape[-3 if planes == 2 else 1], slot_elements, copies)
+
+
+def copy_prefixes(lib, stream, layers: list[DeviceTensor], copies: DeviceTensor, num_copies: int) -> None:
+    """copy_kv_prefixes over paged layers of several shapes (a sparse attention model's latents, then its index
+    keys): one launch for each run of same-shaped layers at equal strides."""
+    groups: list[list[DeviceTensor]] = []
+    for layer in layers:
+        group = groups[-1] if groups else None
+        if (group and layer.shape == group[0].shape
+                and (len(group) == 1 or layer.ptr - group[-1].ptr == group[1].ptr - group[0].ptr)):
+            group.append(layer)
+        else:
+            groups.append([layer])
+    for group in groups:
+        copy_kv_prefixes(lib, stream, group, copies, num_copies)
