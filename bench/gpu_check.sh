@@ -32,12 +32,17 @@
 #            batches 1, 64, 256 with 1k and 8k contexts against the floor of the experts routed to, the dense weights
 #            and the latent cache; the 8 x 1k prefill; an 8k prompt whole and in chunks of 1k              (~10 min)
 #   mla-kernels  bench/gpu_latent_attention.py: the latent decode attention alone, against copy bandwidth (~1 min)
+#   hy4      bench/gpu_moe.py at a Hy4 shape (its published widths, 12 of its 34 layers: sparse latent attention, 256
+#            experts, hyper-connections): decode at batches 1 and 64 with 4k and 32k contexts against the floor (dense
+#            weights, the experts routed to, the index keys and the kept tokens' latents), the kernels' shares (~8 min)
+#   dsa-kernels  bench/gpu_sparse_attention.py: the indexer's scores and top-k and the attention over the chosen
+#            tokens, beside dense latent attention over the same cache, batches 1 and 64 at 4k and 32k (~1 min)
 #   serving  bench/serving.py: the reference gateway and a Llama-3-8B-shaped worker under Poisson arrivals at several
 #            rates (throughput, TTFT and ITL p50/p99), and the gateway at saturation against the step benchmark (~6 min)
 #   mha      bench/gpu_mha_attention.py: the multi-head decode attention kernels at NLLB's beam step shapes, with each
 #            bench/variants/decode_attention_mha/NAME.cu (carry bench/variants) timed beside the package's  (~1 min)
 # Usage (from the repository root, with .whl carried):
-#   bash bench/gpu_check.sh [tests|api-models|load|kernels|smollm2|llama|profile|prefix|beam|search|ssm|ssm-kernels|ssm-profile|ssm-prefix|moe-kernels|moe|mla|mla-kernels|mha|serving]...
+#   bash bench/gpu_check.sh [tests|api-models|load|kernels|smollm2|llama|profile|prefix|beam|search|ssm|ssm-kernels|ssm-profile|ssm-prefix|moe-kernels|moe|mla|mla-kernels|hy4|dsa-kernels|mha|serving]...
 # (default: tests). Logs and JSON land in $OUT (default /tmp/gpu-check).
 set -uo pipefail
 source scripts/device_env.sh || exit 1
@@ -101,6 +106,14 @@ for part in "${@:-tests}"; do
       run_bench mla-8k bench.gpu_moe --shape deepseek-v2-lite --batches 1,64,256 --context 8192 --hf-steps 0 \
         --prefill '' --chunked-prefill '' --skip-grpc
       rm -rf /tmp/metrale-mla-checkpoint ;;
+    hy4)
+      run_bench hy4-4k bench.gpu_moe --shape hy4-12l --batches 1,64 --context 4096 --hf-steps 0 --prefill '' \
+        --chunked-prefill '' --skip-grpc
+      run_bench hy4-32k bench.gpu_moe --shape hy4-12l --batches 1,64 --context 32768 --hf-steps 0 --prefill '' \
+        --chunked-prefill '' --skip-grpc ;;
+    dsa-kernels)
+      python3 -m bench.gpu_sparse_attention > "$OUT/sparse_attention.txt" 2>&1 || summary+=("dsa-kernels: FAILED")
+      summary+=("== sparse attention" "$(grep -v '^# gpu' "$OUT/sparse_attention.txt")") ;;
     mla-kernels)
       python3 -m bench.gpu_latent_attention > "$OUT/latent_attention.txt" 2>&1 || summary+=("mla-kernels: FAILED")
       summary+=("== latent attention" "$(grep -v '^# gpu' "$OUT/latent_attention.txt")") ;;

@@ -1,5 +1,6 @@
 """GPU decode and prefill of a random bf16 mixture of experts (default: the Qwen3-30B-A3B shape, 48 layers of 128
-experts, top-8; deepseek-v2-lite: multi-head latent attention with 64 experts, top-6): transformers' generate at
+experts, top-8; deepseek-v2-lite: multi-head latent attention with 64 experts, top-6; hy4-12l: Hy4's sparse latent
+attention, 256 experts and hyper-connections, 12 of its layers): transformers' generate at
 batch 1 on the model it initialised, then the engine from the same weights (loaded from safetensors shards written
 to --checkpoint-dir, where given: load time and the host's peak memory reported), its device step and a gateway's
 Steps stream at each batch against the floor (the dense weights, the experts the step's tokens routed to, counted in
@@ -42,8 +43,9 @@ from metrale.service.in_process import InProcessWorker
 from metrale.service.server import WorkerServer
 
 KERNEL_PARTS = (("routing", ("moe_route",)), ("grouped GEMMs", ("moe_grouped_gemm", "moe_skinny_gemm")),
-                ("combine", ("moe_combine",)), ("attention", ("attention", "latent")), ("GEMMs", GEMM_KEYS),
-                ("norms", ("norm",)), ("rope + KV", ("rope", "write_kv")), ("activation", ("silu", "binary")))
+                ("combine", ("moe_combine",)), ("indexer", ("index_",)), ("hyper-connections", ("hyper_",)),
+                ("attention", ("attention", "latent")), ("GEMMs", GEMM_KEYS), ("norms", ("norm",)),
+                ("rope + KV", ("rope", "write_kv")), ("activation", ("silu", "binary")))
 SHARD_BYTES = 5 << 30
 COUNTED_STEPS = 4           # decode steps whose routing is read back to count the experts hit
 

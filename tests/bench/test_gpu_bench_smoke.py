@@ -225,3 +225,20 @@ def test_gpu_moe_runs_a_latent_attention_shape_on_the_cpu(bench, capsys):
     assert result["experts_hit"][1] == 2 * 2           # 2 mixture layers, top-2 of 8 each
     out = capsys.readouterr().out
     assert "the latent cache: 288 bytes a token" in out and "in the worker's chunks of 16" in out
+
+
+def test_gpu_moe_runs_hy4s_shape_on_the_cpu(bench, capsys):
+    """Hy4's layout (sparse latent attention, hyper-connection streams, the first layer dense): the decode floor
+    reads the kept tokens' latents and the index keys whole, and the run loads transformers' own model."""
+    from bench.moe_shapes import MOE_SHAPES, cache_read_bytes, kv_bytes_per_token
+
+    shape = MOE_SHAPES["hy4-tiny"]
+    result = bench.gpu_moe.main(["--shape", "hy4-tiny", "--device", "cpu", "--batches", "1", "--context", "12",
+                                 "--steps", "2", "--warmup", "1", "--prefill", "", "--hf-steps", "2", "--copy-mb", "1",
+                                 "--gemm-size", "32", "--chunked-prefill", "", "--skip-grpc"])
+    assert result["errors"] == []
+    assert result["experts_hit"][1] == 2 * 2           # 2 mixture layers, top-2 of 8 each
+    # 3 latent layers of 32 + 16 and 2 indexer layers (0 and 1) of 32, bf16; 8 latents a layer past 8 tokens
+    assert kv_bytes_per_token(shape) == 2 * 3 * 48 + 2 * 2 * 32
+    assert cache_read_bytes(shape, 1, 20) == 2 * 3 * 48 * 8 + 2 * 2 * 32 * 20
+    assert "hf-eager" in capsys.readouterr().out

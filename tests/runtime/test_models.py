@@ -69,3 +69,16 @@ def test_stacked_experts_load_as_released_ones(name, tmp_path):
 def test_info_reports_the_hyper_connection_streams(name, hc_mult, tmp_path):
     _, info = build_engine(load_checkpoint(write_tiny(name, tmp_path / name)), EngineConfig(device="cpu", kv_blocks=8))
     assert (info.hc_mult, info.is_mla) == (hc_mult, True)
+
+
+def test_hy4_without_indexer_types_takes_transformers_default(tmp_path):
+    """An indexer in the first layer and every fourth from the second, as HYV4Config fills in where config.json
+    gives none; the layers between reuse the last one's choice (no index key cache of their own)."""
+    import json
+
+    from metrale.runtime.models import hy_v4
+
+    config = json.loads((write_tiny("hy_v4", tmp_path / "hy") / "config.json").read_text())
+    config.pop("indexer_types")
+    config.update(num_hidden_layers=10, mlp_layer_types=None, layer_types=None)
+    assert hy_v4.config_from_hf(config).indexer.layers == (0, 1, 5, 9)

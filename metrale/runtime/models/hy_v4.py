@@ -39,6 +39,7 @@ def config_from_hf(hf: dict) -> deepseek.MlaConfig:
                     n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
                     scaling=hf.get("routed_scaling_factor", 1.0), shared_width=width * (hf.get("n_shared_experts") or 0),
                     limit=max(hf.get("swiglu_limit", 10.0), 0.0))
+    indexer_types = hf.get("indexer_types") or default_indexer_types(hf["num_hidden_layers"])
     hc = HyperConfig(hc_mult=hf.get("hc_mult", 4), norm_eps=eps, eps=hf.get("hc_eps", 1e-6),
                      post_magnitude=hf.get("hc_magnitude", 2.0), post_eps=hf.get("hc_eps", 1e-6))
     return deepseek.MlaConfig(
@@ -49,9 +50,16 @@ def config_from_hf(hf: dict) -> deepseek.MlaConfig:
         rope=rope_parameters(hf), max_position_embeddings=hf["max_position_embeddings"],
         tie_word_embeddings=hf.get("tie_word_embeddings", False), rope_interleave=False,
         attention_bias=hf.get("attention_bias", False), moe=moe,
-        indexer=sparse_index.indexer_config(hf, rope_first=False, norm_eps=eps), gated_attention=True,
+        indexer=sparse_index.indexer_config({**hf, "indexer_types": indexer_types}, rope_first=False, norm_eps=eps),
+        gated_attention=True,
         attention_sinks=True, hyper=hc, hc_mult=hc.hc_mult, eos_token_ids=eos_token_ids(hf),
         bos_token_id=hf.get("bos_token_id"), pad_token_id=hf.get("pad_token_id"))
+
+
+def default_indexer_types(layers: int) -> list[str]:
+    """transformers' indexer_types where config.json gives none: an indexer in the first layer and in every fourth
+    from the second, the layers between sharing the last one's choice."""
+    return ["full" if i == 0 or (i - 1) % 4 == 0 else "shared" for i in range(layers)]
 
 
 class HyV4ForCausalLM(deepseek.DeepseekForCausalLM):
