@@ -45,8 +45,6 @@ class CudaBatch:
     # what multi-head latent attention plans from them at its first layer (latent_prefill.py).
     prefill_spans: tuple[tuple[int, ...], tuple] | None = None
     latent_plan: object = None
-    # What sparse attention's indexer chose for each row (CudaLayerMath.sparse_select), kept for the layers after it.
-    selection: object = None
 
     @property
     def tables(self) -> DeviceTensor:
