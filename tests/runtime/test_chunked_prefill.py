@@ -4,6 +4,7 @@ chunks hand something on: a state-space model's conv and scan states, carried ac
 latent attention's cached latents, which a later chunk attends to. On CUDA (bf16) within bf16's rounding: a GEMM
 over other row counts rounds differently."""
 
+import json
 import random
 
 import pytest
@@ -29,10 +30,16 @@ TOLERANCE = {"cpu": 1e-5, "cuda": 3e-2}
 
 
 @pytest.fixture(scope="module", params=[*sorted(TINY_SSM), *sorted(TINY_MLA), *sorted(TINY_SPARSE), *(
-    pytest.param(f"{name} cuda", marks=pytest.mark.gpu) for name in sorted(TINY_SSM) + sorted(TINY_MLA))])
+    pytest.param(f"{name} cuda", marks=pytest.mark.gpu)
+    for name in sorted(TINY_SSM) + sorted(TINY_MLA) + sorted(TINY_SPARSE))])
 def engine(request, tmp_path_factory):
     name, _, device = request.param.partition(" ")
     directory = write_tiny(name, tmp_path_factory.mktemp(name))
+    if name in TINY_SPARSE and device == "cuda":
+        # bf16 moves many a query's k-th and next index scores past each other (a near tie in a random model):
+        # an indexer keeping every token here, so chunks compare; its dropping is checked on the CPU.
+        config = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps({**config, "index_topk": 512}))
     engine, _ = build_engine(load_checkpoint(directory),
                              EngineConfig(device=device or "cpu", kv_blocks=96, kv_block_size=BLOCK, max_seqs=16,
                                           max_batch_tokens=256), cache_dir=tmp_path_factory.mktemp("kernels"))
