@@ -33,8 +33,9 @@
 #            and the latent cache; the 8 x 1k prefill; an 8k prompt whole and in chunks of 1k              (~10 min)
 #   mla-kernels  bench/gpu_latent_attention.py: the latent decode attention alone, against copy bandwidth (~1 min)
 #   hy4      bench/gpu_moe.py at a Hy4 shape (its published widths, 12 of its 34 layers: sparse latent attention, 256
-#            experts, hyper-connections): decode at batches 1 and 64 with 4k and 32k contexts against the floor (dense
-#            weights, the experts routed to, the index keys and the kept tokens' latents), the kernels' shares (~8 min)
+#            experts, hyper-connections): decode at batches 1 and 64 with 4k contexts against the floor (dense
+#            weights, the experts routed to, the index keys and the kept tokens' latents), the kernels' shares (~5 min)
+#   hy4-32k  the same with 32k contexts (~7 min)
 #   dsa-kernels  bench/gpu_sparse_attention.py: the indexer's scores and top-k and the attention over the chosen
 #            tokens, beside dense latent attention over the same cache, batches 1 and 64 at 4k and 32k (~1 min)
 #   serving  bench/serving.py: the reference gateway and a Llama-3-8B-shaped worker under Poisson arrivals at several
@@ -42,7 +43,7 @@
 #   mha      bench/gpu_mha_attention.py: the multi-head decode attention kernels at NLLB's beam step shapes, with each
 #            bench/variants/decode_attention_mha/NAME.cu (carry bench/variants) timed beside the package's  (~1 min)
 # Usage (from the repository root, with .whl carried):
-#   bash bench/gpu_check.sh [tests|api-models|load|kernels|smollm2|llama|profile|prefix|beam|search|ssm|ssm-kernels|ssm-profile|ssm-prefix|moe-kernels|moe|mla|mla-kernels|hy4|dsa-kernels|mha|serving]...
+#   bash bench/gpu_check.sh [tests|api-models|load|kernels|smollm2|llama|profile|prefix|beam|search|ssm|ssm-kernels|ssm-profile|ssm-prefix|moe-kernels|moe|mla|mla-kernels|hy4|hy4-32k|dsa-kernels|mha|serving]...
 # (default: tests). Logs and JSON land in $OUT (default /tmp/gpu-check).
 set -uo pipefail
 source scripts/device_env.sh || exit 1
@@ -108,7 +109,8 @@ for part in "${@:-tests}"; do
       rm -rf /tmp/metrale-mla-checkpoint ;;
     hy4)
       run_bench hy4-4k bench.gpu_moe --shape hy4-12l --batches 1,64 --context 4096 --hf-steps 0 --prefill '' \
-        --chunked-prefill '' --skip-grpc
+        --chunked-prefill '' --skip-grpc ;;
+    hy4-32k)
       run_bench hy4-32k bench.gpu_moe --shape hy4-12l --batches 1,64 --context 32768 --hf-steps 0 --prefill '' \
         --chunked-prefill '' --skip-grpc ;;
     dsa-kernels)
