@@ -41,14 +41,14 @@ class FakeContext:
         return self.take((rows, cols), dtype)
 
 
-def batch(decode: int):
+def batch(decode: int, prefill: int = 2):
     return types.SimpleNamespace(positions=i32(TOKENS), slot_mapping=i32(TOKENS), row_contexts=i32(TOKENS),
                                  row_tables=i32(TOKENS), tables=i32(SEQS + 4, 20), decode_rows=i32(decode),
-                                 num_decode=decode)
+                                 num_decode=decode, num_prefill=prefill)
 
 
 @pytest.mark.parametrize("score_rows", [TOKENS, 16])
-def test_select_scores_every_row_in_pieces_and_gathers_decode_entries_once(monkeypatch, score_rows):
+def test_select_scores_every_row_in_pieces_and_gathers_mixed_decode_entries_once(monkeypatch, score_rows):
     recorded = record_launches(monkeypatch, kernels.sparse_index, kernels.embedding)
     ctx = FakeContext(score_rows, max_context=20 * BLOCK)
     indexer = SparseIndexer(f32(HEADS, HIDDEN), HEADS, DIM, 16, False, TOPK)
@@ -64,6 +64,10 @@ def test_select_scores_every_row_in_pieces_and_gathers_decode_entries_once(monke
     assert selection.decode(FakeLibrary(), ctx, batch(6)) == (selected, counts)
     assert [name for (_, name), *_ in recorded[2 + 2 * pieces:]] == ["gather_rows_16b", "gather_rows_4b"]
     assert selected.shape == (6, TOPK) and counts.shape == (6,)
+    # decode rows alone: entry i is row i, nothing gathered
+    selected, counts = selection.decode(FakeLibrary(), ctx, batch(6, prefill=0))
+    assert (selected.ptr, counts.ptr) == (selection.by_row.ptr, selection.counts.ptr)
+    assert len(recorded) == 4 + 2 * pieces
 
 
 def test_the_scores_buffer_holds_a_piece_within_its_budget():

@@ -19,10 +19,13 @@ class Selection:
         self._decode: tuple[DeviceTensor, DeviceTensor] | None = None
 
     def decode(self, lib, ctx: StreamContext, batch: CudaBatch) -> tuple[DeviceTensor, DeviceTensor]:
-        """([B, width], [B]) of the batch's decode entries: their rows' selections gathered (int32 moved as
-        float32 words, unchanged)."""
+        """([B, width], [B]) of the batch's decode entries: in a batch of decode rows alone entry i is row i (a
+        decode graph's, an eager decode step's), else their rows' selections gathered (int32 moved as float32
+        words, unchanged)."""
+        entries = batch.num_decode
+        if not batch.num_prefill:
+            return self.by_row.rows(0, entries), self.counts.rows(0, entries)
         if self._decode is None:
-            entries = batch.num_decode
             selected = ctx.index["decode_selected"].rows(0, entries)
             counts = ctx.index["decode_counts"].rows(0, entries)
             kernels.embedding.gather_rows(lib, ctx.stream, _words(selected), _words(self.by_row),
