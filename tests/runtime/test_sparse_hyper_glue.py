@@ -29,9 +29,10 @@ class FakeContext:
             self._next += -(-tensor.nbytes // 256) * 256
             return tensor
         self.take = take
+        kept = min(TOPK, max_context)         # as stream_buffers sizes them
         self.index = {"weights": take((TOKENS, HEADS), "float32"), "scores": take((score_rows, max_context), "float32"),
-                      "selected": take((TOKENS, TOPK), "int32"), "counts": take((TOKENS,), "int32"),
-                      "decode_selected": take((SEQS, TOPK), "int32"), "decode_counts": take((SEQS, 1), "int32"),
+                      "selected": take((TOKENS, kept), "int32"), "counts": take((TOKENS,), "int32"),
+                      "decode_selected": take((SEQS, kept), "int32"), "decode_counts": take((SEQS, 1), "int32"),
                       "rows": take((TOKENS,), "int32")}
         self.hyper = {"hyper_streams": take((TOKENS, hc_mult * HIDDEN), "bfloat16"),
                       "hyper_post": take((TOKENS, hc_mult), "float32"),
@@ -47,10 +48,13 @@ def batch(decode: int, prefill: int = 2):
                                  num_decode=decode, num_prefill=prefill)
 
 
-@pytest.mark.parametrize("score_rows", [TOKENS, 16])
-def test_select_scores_every_row_in_pieces_and_gathers_mixed_decode_entries_once(monkeypatch, score_rows):
+@pytest.mark.parametrize("score_rows, max_context", [(TOKENS, 20 * BLOCK), (16, 20 * BLOCK), (TOKENS, BLOCK)])
+def test_select_scores_every_row_in_pieces_and_gathers_mixed_decode_entries_once(monkeypatch, score_rows,
+                                                                                 max_context):
+    """A top-k past the longest context keeps at most that context (BLOCK tokens here: every one)."""
     recorded = record_launches(monkeypatch, kernels.sparse_index, kernels.embedding)
-    ctx = FakeContext(score_rows, max_context=20 * BLOCK)
+    ctx = FakeContext(score_rows, max_context)
+    kept = min(TOPK, max_context)
     indexer = SparseIndexer(f32(HEADS, HIDDEN), HEADS, DIM, 16, False, TOPK)
     rope = RopeTable(f32(512, 8), f32(512, 8))
     selection = sparse_selection.select(FakeLibrary(), ctx, bf16(TOKENS, HEADS * DIM), bf16(TOKENS, DIM),
@@ -59,11 +63,12 @@ def test_select_scores_every_row_in_pieces_and_gathers_mixed_decode_entries_once
     pieces = -(-TOKENS // score_rows)
     assert names[:2] == ["rope_and_write_index", "index_weights"]
     assert names[2:] == ["index_scores_d64", "index_top_k"] * pieces
-    assert (selection.by_row.shape, selection.counts.shape, selection.width) == ((TOKENS, TOPK), (TOKENS,), TOPK)
+    assert (selection.by_row.shape, selection.counts.shape, selection.width) == ((TOKENS, kept), (TOKENS,), kept)
+    assert all(args[-2] == kept for (_, name), _, _, args, _ in recorded if name == "index_top_k")
     selected, counts = selection.decode(FakeLibrary(), ctx, batch(6))
     assert selection.decode(FakeLibrary(), ctx, batch(6)) == (selected, counts)
     assert [name for (_, name), *_ in recorded[2 + 2 * pieces:]] == ["gather_rows_16b", "gather_rows_4b"]
-    assert selected.shape == (6, TOPK) and counts.shape == (6,)
+    assert selected.shape == (6, kept) and counts.shape == (6,)
     # decode rows alone: entry i is row i, nothing gathered
     selected, counts = selection.decode(FakeLibrary(), ctx, batch(6, prefill=0))
     assert (selected.ptr, counts.ptr) == (selection.by_row.ptr, selection.counts.ptr)

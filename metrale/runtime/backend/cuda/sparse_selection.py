@@ -46,14 +46,15 @@ def select(lib, ctx: StreamContext, q: DeviceTensor, k: DeviceTensor, x: DeviceT
     index.weights(lib, stream, weights, x, indexer.weights_proj, indexer.weight_scale)
     scores = ctx.index["scores"]
     piece, max_context = scores.shape
+    kept = min(indexer.topk, max_context)       # as many as the selection buffers hold: no context holds more
     selected, counts = ctx.index["selected"].rows(0, tokens), ctx.index["counts"].rows(0, tokens)
     for start in range(0, tokens, piece):
         stop = min(tokens, start + piece)
         contexts, part = batch.row_contexts.rows(start, stop), scores.rows(0, stop - start)
         index.scores(lib, stream, part, q, weights, cache, ctx.index["rows"].rows(start, stop), contexts,
                      batch.tables, batch.row_tables.rows(start, stop), block_size, max_context)
-        index.top_k(lib, stream, selected.rows(start, stop), counts.rows(start, stop), part, contexts, indexer.topk)
-    return Selection(selected, counts, indexer.topk)
+        index.top_k(lib, stream, selected.rows(start, stop), counts.rows(start, stop), part, contexts, kept)
+    return Selection(selected, counts, kept)
 
 
 def _words(tensor: DeviceTensor) -> DeviceTensor:

@@ -89,7 +89,7 @@ def stream_buffers(lib, shapes: MemoryShapes) -> Buffers:
     # Sparse attention's indexer: its head weights, scores of up to index_score_rows rows at a time over the longest
     # context, and each row's chosen tokens (by row, and gathered by decode entry), kept for the layers after it.
     if shapes.index_topk:
-        k = shapes.index_topk
+        k = min(shapes.index_topk, max_context)         # no context holds more
         buffers.update({"index_weights": ((t, shapes.index_heads), "float32"),
                         "index_scores": ((index_score_rows(t, max_context), max_context), "float32"),
                         "index_selected": ((t, k), "int32"), "index_counts": ((t,), "int32"),
