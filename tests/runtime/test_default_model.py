@@ -7,8 +7,8 @@ import transformers
 from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.loading import load_checkpoint
-from metrale.runtime.sampling import OutputOptions
-from metrale.runtime.step import DecodeToken, PrefillSlice, Step
+from metrale.runtime.step import PrefillSlice, Step
+from engine_runs import greedy_logits
 
 PROMPT = "The capital of France is"
 
@@ -29,12 +29,7 @@ def engine_and_tokenizer(default_gguf):
 def test_logits_match_transformers_on_the_same_gguf(reference, engine_and_tokenizer):
     engine, tokenizer = engine_and_tokenizer
     prompt = tokenizer.encode("Gravity is the force that")
-    out = engine.step(Step(prefill=(PrefillSlice(1, tuple(prompt), output=OutputOptions(return_logits=True)),)))
-    ours, tokens = [out.outputs[0].logits], list(prompt)
-    for _ in range(8):
-        tokens.append(out.outputs[0].token)
-        out = engine.step(Step(decode=(DecodeToken(1, tokens[-1]),)))
-        ours.append(out.outputs[0].logits)
+    ours, tokens = greedy_logits(engine, prompt, 8)
     engine.release([1])
     with torch.no_grad():
         expected = reference(torch.tensor([tokens])).logits[0, len(prompt) - 1:]

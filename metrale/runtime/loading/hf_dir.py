@@ -1,6 +1,7 @@
 """Loads a Hugging Face model directory: config.json and *.safetensors, sharded (with an index) or not, each tensor
 read from its file when the model takes it (so the host never holds the whole model); or, where there are none,
-PyTorch's pytorch_model.bin (sharded or not), read with weights_only=True (no code runs)."""
+PyTorch's pytorch_model.bin (sharded or not), read with weights_only=True (no code runs). FP8 checkpoints' weights
+are dequantized as they are read (fp8.py)."""
 
 import json
 import pickle
@@ -11,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from metrale.runtime.errors import InvalidArgument
+from metrale.runtime.loading import fp8
 from metrale.runtime.loading.checkpoint import Checkpoint
 
 INDEX = "model.safetensors.index.json"
@@ -81,5 +83,7 @@ def load_hf_dir(directory: Path) -> Checkpoint:
     config_path = directory / "config.json"
     if not config_path.exists():
         raise InvalidArgument(f"{directory} has no config.json")
-    return Checkpoint(config=json.loads(config_path.read_text()), tensors=load_tensors(directory), source=str(directory),
-                      tokenizer=Tokenizer.from_hf_dir(directory))
+    config, tensors = json.loads(config_path.read_text()), load_tensors(directory)
+    if quantization := config.get("quantization_config"):       # weights dequantized as the model takes them
+        tensors = fp8.dequantized(tensors, quantization)
+    return Checkpoint(config=config, tensors=tensors, source=str(directory), tokenizer=Tokenizer.from_hf_dir(directory))

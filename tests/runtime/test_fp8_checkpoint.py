@@ -1,0 +1,99 @@
+"""FP8 checkpoints as published (quantization_config quant_method "fp8", e4m3 weights with float32 inverse scales per
+block): the engine's logits against transformers loading the same checkpoint dequantized, for a dense model and
+DeepSeek's latent attention and experts (and sparse attention's indexer); other schemes refused at load."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from metrale.runtime.build import build_engine
+from metrale.runtime.config import EngineConfig
+from metrale.runtime.errors import InvalidArgument
+from metrale.runtime.loading import load_checkpoint
+from metrale.runtime.loading.fp8 import dequantize
+from engine_runs import greedy_logits
+from tiny_models import write_tiny
+
+E4M3_MAX = 448.0
+# Unequal, and dividing every tiny weight: transformers' load-time dequantization takes a block as the weight over its
+# scale grid, where the releases' grid is ceil(weight / block) with the last blocks clipped (as ours reads it,
+# test_a_scale_for_the_whole_weight_and_for_blocks).
+BLOCK = (16, 8)
+
+
+def quantized(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] -> (e4m3 [out, in], float32 inverse scales [ceil(out / block[0]), ceil(in / block[1])]),
+    each block scaled to the format's range, as the FP8 releases are."""
+    rows, cols = weight.shape
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    padded = torch.zeros(grid[0] * block[0], grid[1] * block[1])
+    padded[:rows, :cols] = weight.float()
+    blocks = padded.view(grid[0], block[0], grid[1], block[1])
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / E4M3_MAX
+    fp8 = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(padded.shape)[:rows, :cols].contiguous()
+    return fp8, scale
+
+
+def write_fp8(name: str, directory: Path, block: tuple[int, int] = BLOCK) -> Path:
+    """The tiny checkpoint with every linear's weight (not the embedding, LM head, norms or routers) in FP8."""
+    source = write_tiny(name, directory / "bf16")
+    tensors, out = load_file(source / "model.safetensors"), {}
+    for key, tensor in tensors.items():
+        linear = tensor.dim() == 2 and key.endswith("proj.weight") or "proj_with_mqa" in key
+        if linear:
+            out[key], out[key + "_scale_inv"] = quantized(tensor, block)
+        else:
+            out[key] = tensor
+    target = directory / "fp8"
+    target.mkdir()
+    save_file(out, target / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+@pytest.mark.parametrize("name", ["llama3_untied", "deepseek_v3", "deepseek_v32"])
+def test_fp8_checkpoints_match_transformers_dequantized(name, tmp_path):
+    directory = write_fp8(name, tmp_path)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32,
+        quantization_config=transformers.FineGrainedFP8Config(weight_block_size=BLOCK, dequantize=True)).eval()
+    engine, info = build_engine(load_checkpoint(directory), EngineConfig(device="cpu", kv_blocks=16))
+    prompt = torch.randint(3, info.vocab_size, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    ours, tokens = greedy_logits(engine, prompt, 8)
+    with torch.no_grad():
+        expected = reference(torch.tensor([tokens])).logits[0, len(prompt) - 1:]
+    for i, (row, want) in enumerate(zip(ours, expected)):
+        assert float((row - want).abs().max() / want.abs().max()) < 1e-4, f"{name}: step {i}"
+    assert tokens[len(prompt):] == expected[:-1].argmax(-1).tolist()
+
+
+def test_a_scale_for_the_whole_weight_and_for_blocks():
+    weight = torch.randn(40, 24)
+    fp8, scale = quantized(weight, (40, 24))                 # one block: one scale
+    torch.testing.assert_close(dequantize(fp8, scale.view(()), None), fp8.float() * scale.item())
+    fp8, scale = quantized(weight, (16, 16))                 # 40 x 24 in 3 x 2 blocks, the last ones clipped
+    restored = dequantize(fp8, scale, (16, 16))
+    assert scale.shape == (3, 2) and restored[17, 20] == fp8[17, 20].float() * scale[1, 1]
+    assert restored[39, 23] == fp8[39, 23].float() * scale[2, 1]
+    torch.testing.assert_close(restored, weight, rtol=0.07, atol=0.0)          # e4m3 keeps 3 mantissa bits
+    with pytest.raises(InvalidArgument, match="scales"):
+        dequantize(fp8, scale[:, :1], (16, 16))
+
+
+@pytest.mark.parametrize("quantization, message", [
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes' is not supported"),
+    ({"quant_method": "fp8", "fmt": "e3m4"}, "'e3m4' is not supported"),
+])
+def test_other_schemes_are_refused_at_load(tmp_path, quantization, message):
+    directory = write_tiny("llama_tied", tmp_path / "model")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+    with pytest.raises(InvalidArgument, match=message):
+        load_checkpoint(directory)
