@@ -43,14 +43,20 @@ def percentile(values: list, fraction: float) -> float:
     return nearest_rank(sorted(values), fraction) if values else float("nan")
 
 
-async def drive(address: str, requests: list[tuple[list[int], int]], rate: float, chunk_tokens: int) -> dict:
-    """The requests through one gateway, arriving as a Poisson process of `rate` a second (inf: all at once)."""
+async def started_gateway(address: str, chunk_tokens: int):
+    """The reference gateway (examples/gateway) over the worker at address, started; and its Completion type."""
     sys.path.insert(0, str(GATEWAY))
     from metrale_gateway.router import Gateway
     from metrale_gateway.scheduler import Completion
 
     gateway = Gateway([address], chunk_tokens)
     await gateway.start()
+    return gateway, Completion
+
+
+async def drive(address: str, requests: list[tuple[list[int], int]], rate: float, chunk_tokens: int) -> dict:
+    """The requests through one gateway, arriving as a Poisson process of `rate` a second (inf: all at once)."""
+    gateway, Completion = await started_gateway(address, chunk_tokens)
     rng = random.Random(1)
     ttft, itl, e2e, generated = [], [], [], 0
     batches: list[int] = []
@@ -95,12 +101,7 @@ async def saturate(address: str, batch: int, prompt_len: int, max_tokens: int, c
                    ) -> dict:
     """`batch` requests of prompt_len tokens and max_tokens outputs sent at once: the gateway's output tokens/s
     while all of them decode, from the last first token to the first finish."""
-    sys.path.insert(0, str(GATEWAY))
-    from metrale_gateway.router import Gateway
-    from metrale_gateway.scheduler import Completion
-
-    gateway = Gateway([address], chunk_tokens)
-    await gateway.start()
+    gateway, Completion = await started_gateway(address, chunk_tokens)
     rng = random.Random(2)
     firsts, finishes, times = [], [], []
 

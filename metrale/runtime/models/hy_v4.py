@@ -4,16 +4,16 @@ a sigmoid gate per head; DeepSeek-V3's mixture of experts with a clamped SwiGLU 
 of hc_mult hyper-connection streams, collapsed into each block's input and written back after it, then collapsed by
 a head before the final norm. The released checkpoint's tensor names are mapped to transformers' (RENAMES)."""
 
+import dataclasses
+
 import torch
 
 from metrale.runtime.backend.layer_math import LayerMath
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.models import deepseek, hyper, sparse_index
-from metrale.runtime.models.checkpoint import Renamed, eos_token_ids, tensor_reader
+from metrale.runtime.models.checkpoint import Renamed, tensor_reader
 from metrale.runtime.models.hyper import HyperConfig
-from metrale.runtime.models.moe import MoeConfig
-from metrale.runtime.models.rope import rope_parameters
 
 # Released name -> transformers' (its conversion mapping for hy_v4), applied in order.
 RENAMES = [
@@ -27,33 +27,22 @@ RENAMES = [
 
 
 def config_from_hf(hf: dict) -> deepseek.MlaConfig:
-    if hf.get("hidden_act", "silu") != "silu":
-        raise InvalidArgument(f"hidden_act {hf['hidden_act']!r} is not supported (silu is)")
+    """DeepSeek-V3's config read from Hy4's (its latent attention, its sigmoid router; the first layer dense where
+    config.json does not say), then what Hy4 adds: rotate-half rotary dims, the indexers, sinks and gates, the
+    experts' clamp and the hyper-connections."""
     if not hf.get("q_lora_rank"):
         raise InvalidArgument("Hy4's indexer reads the query's low-rank projection: q_lora_rank must be set")
-    heads, eps = hf["num_attention_heads"], hf.get("rms_norm_eps", 1e-5)
-    width = hf["moe_intermediate_size"]
-    moe = MoeConfig(num_experts=hf["n_routed_experts"], top_k=hf["num_experts_per_tok"], width=width,
-                    layers=deepseek.moe_layers({**hf, "first_k_dense_replace": hf.get("first_k_dense_replace", 1)}),
-                    scoring="sigmoid", normalize=hf.get("norm_topk_prob", True), correction_bias=True,
-                    n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
-                    scaling=hf.get("routed_scaling_factor", 1.0), shared_width=width * (hf.get("n_shared_experts") or 0),
-                    limit=max(hf.get("swiglu_limit", 10.0), 0.0))
+    hf = {"rms_norm_eps": 1e-5, "first_k_dense_replace": 1, **hf}         # HYV4Config's defaults
+    v3 = deepseek.config_from_hf({**hf, "architectures": ["DeepseekV3ForCausalLM"]})
+    eps = v3.rms_norm_eps
     indexer_types = hf.get("indexer_types") or default_indexer_types(hf["num_hidden_layers"])
     hc = HyperConfig(hc_mult=hf.get("hc_mult", 4), norm_eps=eps, eps=hf.get("hc_eps", 1e-6),
                      post_magnitude=hf.get("hc_magnitude", 2.0), post_eps=hf.get("hc_eps", 1e-6))
-    return deepseek.MlaConfig(
-        architecture=hf["architectures"][0], vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"], num_heads=heads,
-        q_lora_rank=hf["q_lora_rank"], kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=hf["qk_nope_head_dim"],
-        qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"], rms_norm_eps=eps,
-        rope=rope_parameters(hf), max_position_embeddings=hf["max_position_embeddings"],
-        tie_word_embeddings=hf.get("tie_word_embeddings", False), rope_interleave=False,
-        attention_bias=hf.get("attention_bias", False), moe=moe,
+    return dataclasses.replace(
+        v3, architecture=hf["architectures"][0], rope_interleave=False,
+        moe=dataclasses.replace(v3.moe, limit=max(hf.get("swiglu_limit", 10.0), 0.0)),
         indexer=sparse_index.indexer_config({**hf, "indexer_types": indexer_types}, rope_first=False, norm_eps=eps),
-        gated_attention=True,
-        attention_sinks=True, hyper=hc, hc_mult=hc.hc_mult, eos_token_ids=eos_token_ids(hf),
-        bos_token_id=hf.get("bos_token_id"), pad_token_id=hf.get("pad_token_id"))
+        gated_attention=True, attention_sinks=True, hyper=hc, hc_mult=hc.hc_mult)
 
 
 def default_indexer_types(layers: int) -> list[str]:

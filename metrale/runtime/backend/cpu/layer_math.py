@@ -183,10 +183,7 @@ class CpuLayerMath:
         for i, (start, n, context, table) in enumerate(batch.multi_segments):
             rows = cache[table].reshape(-1, mla.cache_width)[:context].float()                    # [C, width]
             scores = torch.einsum("nhw,cw->hnc", queries[start:start + n], rows) * scale
-            if selection is None:
-                allowed = torch.arange(context).unsqueeze(0) <= torch.arange(context - n, context).unsqueeze(1)
-            else:
-                allowed = selection.multi[i]
+            allowed = causal_mask(n, context) if selection is None else selection.multi[i]
             probs = _softmax(scores.masked_fill(~allowed, float("-inf")), sinks, head_dim=0)
             attended[start:start + n] = torch.einsum("hnc,cl->nhl", probs, rows[:, :rank])
         out = torch.einsum("thl,hvl->thv", attended.to(q.dtype), mla.v_up)
@@ -229,15 +226,18 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return rotated.to(x.dtype)
 
 
+def causal_mask(n: int, context: int) -> torch.Tensor:
+    """[n, context] bool: which of a segment's context positions each of its n queries (its last n) sees."""
+    return torch.arange(context).unsqueeze(0) <= torch.arange(context - n, context).unsqueeze(1)
+
+
 def _attend(q, k, v, scale, sliding_window, causal=True):
     """q [n, kvh, g, hd] are the last n positions of k/v [C, kvh, hd]; causal, optionally windowed (or, not causal,
     every query sees every key)."""
     n, context = q.shape[0], k.shape[0]
-    q_pos = torch.arange(context - n, context).unsqueeze(1)   # [n, 1]
-    k_pos = torch.arange(context).unsqueeze(0)                # [1, C]
-    allowed = k_pos <= q_pos if causal else torch.ones(n, context, dtype=torch.bool)
+    allowed = causal_mask(n, context) if causal else torch.ones(n, context, dtype=torch.bool)
     if sliding_window is not None:
-        allowed &= k_pos > q_pos - sliding_window
+        allowed &= torch.arange(context).unsqueeze(0) > torch.arange(context - n, context).unsqueeze(1) - sliding_window
     scores = torch.einsum("nkgd,ckd->kgnc", q.float(), k.float()) * scale
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
@@ -276,6 +276,8 @@ class CpuBatch:
         single = [i for i, n in enumerate(batch.query_lens) if n == 1]
         multi = [i for i, n in enumerate(batch.query_lens) if n != 1]
         return cls(batch, single, multi)
+
+    causal_mask = staticmethod(causal_mask)
 
     def rope_at_positions(self, rope: RopeTable) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin at each token's position: [T, 1, head_dim // 2] each."""

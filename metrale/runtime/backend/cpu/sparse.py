@@ -37,8 +37,7 @@ def select(q: torch.Tensor, k: torch.Tensor, x: torch.Tensor, indexer: SparseInd
         keys = cache[table].reshape(-1, dim)[:context].float()                              # [C, dim]
         rows = slice(start, start + n)
         scores = torch.einsum("nh,nhc->nc", weights[rows], F.relu(torch.einsum("nhd,cd->nhc", q[rows], keys)))
-        causal = torch.arange(context).unsqueeze(0) <= torch.arange(context - n, context).unsqueeze(1)
-        multi.append(_top(scores, causal, indexer.topk))
+        multi.append(_top(scores, batch.causal_mask(n, context), indexer.topk))
     return Selection(single, multi)
 
 

@@ -46,8 +46,8 @@ def select(lib, ctx: StreamContext, q: DeviceTensor, k: DeviceTensor, x: DeviceT
     index.weights(lib, stream, weights, x, indexer.weights_proj, indexer.weight_scale)
     scores = ctx.index["scores"]
     piece, max_context = scores.shape
-    kept = min(indexer.topk, max_context)       # as many as the selection buffers hold: no context holds more
     selected, counts = ctx.index["selected"].rows(0, tokens), ctx.index["counts"].rows(0, tokens)
+    kept = selected.shape[1]        # min(topk, the longest context): stream_buffers sizes the selection so
     for start in range(0, tokens, piece):
         stop = min(tokens, start + piece)
         contexts, part = batch.row_contexts.rows(start, stop), scores.rows(0, stop - start)
