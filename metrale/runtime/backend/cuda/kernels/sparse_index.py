@@ -1,4 +1,4 @@
-"""Launchers for cuda_kernels/sparse_index.cu, DeepSeek sparse attention's indexer: the rotary parts of its queries
+"""Launchers for cuda_kernels/sparse_index.cu and index_top_k.cu, DeepSeek sparse attention's indexer: the rotary parts of its queries
 and keys with the index key cache write (rope_and_write), each token's per-head weights (weights), each query's
 scores over its causal context (scores), and the top-k tokens of each row of scores (top_k). The caller holds the
 float32 scratch between them (scratch_elements); nothing here allocates or waits on the host."""
@@ -11,6 +11,7 @@ from metrale.runtime.backend.cuda.launch import MAX_GRID_YZ, ceil_div, launch_ke
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 
 MODULE = "sparse_index"
+TOP_K_MODULE = "index_top_k"
 ROPE_THREADS = 256
 WEIGHT_TOKENS, WEIGHT_HEADS = 8, 8  # index_weights' tokens and heads (a warp each) a CTA
 THREADS = 128                       # index_scores': attention_tiles.cuh's
@@ -159,7 +160,7 @@ def top_k(lib, stream, indices: DeviceTensor, counts: DeviceTensor, scores: Devi
     if entries == 0:
         return
     capacity = top_k_capacity(columns)
-    kernel = lib.get_with_shared("index_top_k", MODULE, 4 * capacity)
+    kernel = lib.get_with_shared("index_top_k", TOP_K_MODULE, 4 * capacity)
     launch_kernel(stream, kernel, entries, TOP_K_THREADS, indices, np.int64(indices.stride), counts, scores,
                   np.int64(scores.stride), contexts, columns, k, capacity, shmem=4 * capacity)
 
