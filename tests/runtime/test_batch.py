@@ -51,7 +51,7 @@ def test_pack_batch_lays_out_decode_and_prefill():
     cuda_batch = pytest.importorskip("metrale.runtime.backend.cuda.batch")
     from metrale.runtime.backend.cuda.tensor import DeviceTensor
     region = DeviceTensor(1 << 32, (4096,), "int32")
-    packed = cuda_batch.pack_batch(build_batch(mixed_segments(), BLOCK), region, max_blocks=5)
+    packed = cuda_batch.pack_batch(build_batch(mixed_segments(), BLOCK), region, max_blocks=5, query_rows=True)
 
     def read(view):
         offset = (view.ptr - region.ptr) // 4
@@ -75,7 +75,7 @@ def test_pack_batch_pads_a_decode_batch_to_its_graph():
     from metrale.runtime.backend.cuda.tensor import DeviceTensor
     region = DeviceTensor(1 << 32, (4096,), "int32")
     rows = [Segment(BlockTable([3, 9]), 6, (40,), True), Segment(BlockTable([7]), 2, (41,), True)]
-    packed = cuda_batch.pack_batch(build_batch(rows, BLOCK), region, max_blocks=3, pad_to=4)
+    packed = cuda_batch.pack_batch(build_batch(rows, BLOCK), region, max_blocks=3, pad_to=4, query_rows=True)
 
     def read(view):
         offset = (view.ptr - region.ptr) // 4
@@ -87,6 +87,11 @@ def test_pack_batch_pads_a_decode_batch_to_its_graph():
     assert read(packed.decode_tables) == [[3, 9, 0], [7, 0, 0], [0, 0, 0], [0, 0, 0]]
     assert read(packed.sample_rows) == [0, 1, 2, 3] and packed.num_prefill == 0
     assert read(packed.row_contexts) == [7, 3, 0, 0] and read(packed.row_tables) == [0, 1, 2, 3]
+    # without query_rows (no indexer) the parts are empty: nothing packed for them
+    plain = cuda_batch.pack_batch(build_batch(rows, BLOCK), region, max_blocks=3, pad_to=4)
+    offset = (plain.decode_tables.ptr - region.ptr) // 4
+    assert plain.row_contexts.shape == plain.row_tables.shape == (0,)
+    assert plain.host[offset:offset + 12].reshape(4, 3).tolist() == [[3, 9, 0], [7, 0, 0], [0, 0, 0], [0, 0, 0]]
     assert (packed.num_tokens, packed.num_decode) == (4, 4) and np.asarray(packed.host).dtype == np.int32
 
 

@@ -34,9 +34,8 @@ class FakeContext:
                       "selected": take((TOKENS, kept), "int32"), "counts": take((TOKENS,), "int32"),
                       "decode_selected": take((SEQS, kept), "int32"), "decode_counts": take((SEQS, 1), "int32"),
                       "rows": take((TOKENS,), "int32")}
-        self.hyper = {"hyper_streams": take((TOKENS, hc_mult * HIDDEN), "bfloat16"),
-                      "hyper_post": take((TOKENS, hc_mult), "float32"),
-                      "hyper_comb": take((TOKENS, hc_mult * hc_mult), "float32")}
+        self.hyper = {"streams": take((TOKENS, hc_mult * HIDDEN), "bfloat16"),
+                      "post": take((TOKENS, hc_mult), "float32"), "comb": take((TOKENS, hc_mult * hc_mult), "float32")}
 
     def new(self, rows, cols, dtype="bfloat16"):
         return self.take((rows, cols), dtype)
@@ -88,7 +87,7 @@ def test_hyper_ops_run_in_the_streams_buffers(monkeypatch, sinkhorn_iters):
     hc = HyperConnection(f32(rows, n * HIDDEN), f32(rows), f32(3 if sinkhorn_iters else 2), n, 1e-6, 1e-6, 2.0,
                          0.0, sinkhorn_iters)
     streams = hyper_connection.widen(lib, ctx, bf16(TOKENS, HIDDEN), n)
-    assert streams.ptr == ctx.hyper["hyper_streams"].ptr
+    assert streams.ptr == ctx.hyper["streams"].ptr
     x, mix = hyper_connection.collapse(lib, ctx, streams, hc)
     assert (mix.comb is None) == (not sinkhorn_iters) and x.shape == (TOKENS, HIDDEN)
     after, x, mix_after = hyper_connection.boundary(lib, ctx, bf16(TOKENS, HIDDEN), streams, mix, hc)

@@ -24,7 +24,7 @@ def stream(base: int):
     """What StreamContext.prepare, pack and stage read of a stream: its shapes, regions and copies."""
     ctx = SimpleNamespace(_prepared=None, _timing=False, uploads=[], ring=SimpleNamespace(reset=lambda: None),
                           shapes=SimpleNamespace(max_batch_tokens=64, max_seqs=16, max_blocks_per_seq=MAX_BLOCKS,
-                                                 ssm_chunk_size=0),
+                                                 ssm_chunk_size=0, index_topk=0),
                           metadata=DeviceTensor(base, (4096,), "int32"),
                           cross_metadata=DeviceTensor(base + 1 << 20, (4096,), "int32"))
     ctx.copy_to_device = lambda dst, host: ctx.uploads.append((dst.ptr, host.copy()))

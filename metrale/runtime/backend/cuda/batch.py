@@ -27,8 +27,9 @@ class CudaBatch:
     prefill_lens: DeviceTensor    # [S] int32
     prefill_contexts: DeviceTensor  # [S] int32
     prefill_tables: DeviceTensor  # [S, max_blocks] int32
-    # Every row as a query over its causal context (sparse attention's indexer): the context (position + 1; 0 for a
-    # padding row) and its block table's row in `tables` (decode_tables then prefill_tables, back to back).
+    # Every row as a query over its causal context (sparse attention's indexer; empty unless packed with query_rows):
+    # the context (position + 1; 0 for a padding row) and its block table's row in `tables` (decode_tables then
+    # prefill_tables, back to back).
     row_contexts: DeviceTensor    # [T] int32
     row_tables: DeviceTensor      # [T] int32
     num_tokens: int
@@ -63,7 +64,7 @@ class PrefillPadding(NamedTuple):
 
 
 def pack_batch(batch: ForwardBatch, region: DeviceTensor, max_blocks: int, pad_to: int = 0,
-               prefill: PrefillPadding | None = None, scan_chunk: int = 0) -> CudaBatch:
+               prefill: PrefillPadding | None = None, scan_chunk: int = 0, query_rows: bool = False) -> CudaBatch:
     """Lays the batch out in `region` (int32, large enough: see metadata_elements). pad_to: the batch is pure
     decode (one token per segment, each sampled) and is padded to pad_to rows that read and write nothing
     (context 0, KV slot -1), every row sampled, in order: the fixed shapes of a decode graph. scan_chunk: a recurrent
@@ -71,7 +72,8 @@ def pack_batch(batch: ForwardBatch, region: DeviceTensor, max_blocks: int, pad_t
     segment goes to the prefill kernel (one-token ones too), padded to prefill.tokens rows (token 0, KV slot -1)
     and prefill.segments segments of no rows and no context, attention planned for prefill.max_query rows, the
     sampled rows padded to prefill.sampled with row 0 (at least as many as the batch samples), so never every row
-    in order (samples_every_row is False)."""
+    in order (samples_every_row is False). query_rows: row_contexts and row_tables filled (a model with sparse
+    attention's indexer; empty for the others, whose steps need not pay for them)."""
     lens, starts, contexts, n = batch.query_lens, batch.query_starts, batch.context_lens, batch.num_tokens
     if pad_to:
         single, multi, pad = range(len(lens)), (), pad_to - n
@@ -89,8 +91,9 @@ def pack_batch(batch: ForwardBatch, region: DeviceTensor, max_blocks: int, pad_t
     # (decode_tables and prefill_tables last and back to back: CudaBatch.tables)
     shapes = {"token_ids": (rows,), "positions": (rows,), "slot_mapping": (rows,), "sample_rows": (sampled,),
               "decode_rows": (decode_rows,), "decode_contexts": (decode_rows,), "prefill_starts": (prefill_rows,),
-              "prefill_lens": (prefill_rows,), "prefill_contexts": (prefill_rows,), "row_contexts": (rows,),
-              "row_tables": (rows,), "decode_tables": (decode_rows, max_blocks),
+              "prefill_lens": (prefill_rows,), "prefill_contexts": (prefill_rows,),
+              "row_contexts": (rows if query_rows else 0,), "row_tables": (rows if query_rows else 0,),
+              "decode_tables": (decode_rows, max_blocks),
               "prefill_tables": (prefill_rows, max_blocks)}
     recurrent = batch.state_slots is not None
     state_segments = pad_to or (prefill.segments if prefill else len(lens))
@@ -116,8 +119,9 @@ def pack_batch(batch: ForwardBatch, region: DeviceTensor, max_blocks: int, pad_t
     else:
         part("sample_rows")[:len(batch.sample_rows)] = batch.sample_rows.numpy()
     part("decode_rows")[:] = np.arange(pad_to) if pad_to else [starts[i] for i in single]
-    part("row_contexts")[:n] = part("positions")[:n] + 1
-    _fill_row_tables(part("row_tables"), part("decode_rows")[:decode], starts, lens, multi, decode_rows, pad_to)
+    if query_rows:
+        part("row_contexts")[:n] = part("positions")[:n] + 1
+        _fill_row_tables(part("row_tables"), part("decode_rows")[:decode], starts, lens, multi, decode_rows, pad_to)
     if decode:
         part("decode_contexts")[:decode] = [contexts[i] for i in single]
         _fill_tables(part("decode_tables"), [batch.block_tables[i] for i in single])

@@ -212,7 +212,8 @@ class CudaDeviceSearch:
         """pack_batch's views for `rows` padded decode rows in the stream's metadata regions, attention planned for
         the longest context and source."""
         ctx, empty = self.ctx, empty_decode_batch(self.search.encoder_decoder)
-        batch = pack_batch(empty, ctx.metadata, ctx.shapes.max_blocks_per_seq, pad_to=rows)
+        batch = pack_batch(empty, ctx.metadata, ctx.shapes.max_blocks_per_seq, pad_to=rows,
+                           query_rows=ctx.shapes.index_topk > 0)
         batch.max_decode_context = self.search.max_len
         if not self.search.encoder_decoder:
             return batch, None

@@ -72,7 +72,8 @@ class DecodeGraphs:
             return self._layouts[size]
         empty = empty_decode_batch(self.max_source_len > 0, self.recurrent)
         max_blocks = self.ctx.shapes.max_blocks_per_seq
-        prepared = pack_batch(empty, self.ctx.metadata, max_blocks, pad_to=size)
+        prepared = pack_batch(empty, self.ctx.metadata, max_blocks, pad_to=size,
+                              query_rows=self.ctx.shapes.index_topk > 0)
         cross = (pack_batch(empty.cross, self.ctx.cross_metadata, max_blocks, pad_to=size)
                  if self.max_source_len else None)
         self._layouts[size] = prepared, cross

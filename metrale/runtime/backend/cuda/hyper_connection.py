@@ -17,7 +17,7 @@ class Mix(NamedTuple):
 
 
 def widen(lib, ctx: StreamContext, x: DeviceTensor, hc_mult: int) -> DeviceTensor:
-    streams = ctx.hyper["hyper_streams"].rows(0, x.shape[0])
+    streams = ctx.hyper["streams"].rows(0, x.shape[0])
     kernels.hyper.widen(lib, ctx.stream, streams, x, hc_mult)
     return streams
 
@@ -49,5 +49,5 @@ def head(lib, ctx: StreamContext, streams: DeviceTensor, hc_head: HyperHead) -> 
 
 
 def _mix(ctx: StreamContext, tokens: int, hc: HyperConnection) -> Mix:
-    comb = ctx.hyper["hyper_comb"].rows(0, tokens) if hc.sinkhorn_iters else None
-    return Mix(ctx.hyper["hyper_post"].rows(0, tokens), comb)
+    comb = ctx.hyper["comb"].rows(0, tokens) if hc.sinkhorn_iters else None
+    return Mix(ctx.hyper["post"].rows(0, tokens), comb)

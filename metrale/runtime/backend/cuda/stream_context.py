@@ -107,6 +107,11 @@ def index_score_rows(max_batch_tokens: int, max_context: int) -> int:
     return max(1, min(max_batch_tokens, INDEX_SCORE_BYTES // (4 * max(max_context, 1))))
 
 
+def _prefixed(buffers: dict, prefix: str) -> dict:
+    """The buffers whose names start with prefix, by the rest of their names."""
+    return {name[len(prefix):]: tensor for name, tensor in buffers.items() if name.startswith(prefix)}
+
+
 def padded_vocab(vocab: int) -> int:
     """The LM head's rows on this backend: a multiple of 64, so cuBLASLt picks its aligned kernels for the logits
     GEMM (NLLB's 256206 rows ran on an unaligned sm80 kernel at half the copy rate)."""
@@ -141,8 +146,7 @@ class StreamContext:
         self.moe_done = taken["moe_done"]
         self.latent_keys, self.latent_merge = taken.get("latent_keys"), taken.get("latent_merge")
         self.latent_plan = taken.get("latent_plan")
-        self.hyper = {name: taken[name] for name in ("hyper_streams", "hyper_post", "hyper_comb") if name in taken}
-        self.index = {name[len("index_"):]: tensor for name, tensor in taken.items() if name.startswith("index_")}
+        self.hyper, self.index = _prefixed(taken, "hyper_"), _prefixed(taken, "index_")
         # A beam search step's done flags (and fault flag), written here by its fork kernel while the next step is
         # queued: two steps' worth, in pinned memory the device writes directly (no copy between the kernels).
         self.beam_flags = cuda.pinned((2, shapes.max_seqs + 1), "int32")
@@ -193,7 +197,8 @@ class StreamContext:
         if rows > self.shapes.max_batch_tokens or segments > self.shapes.max_seqs:
             raise InvalidArgument("the forward is larger than the memory plan")
         region = self.cross_metadata if cross else self.metadata
-        return pack_batch(batch, region, self.shapes.max_blocks_per_seq, pad_to, prefill, self.shapes.ssm_chunk_size)
+        return pack_batch(batch, region, self.shapes.max_blocks_per_seq, pad_to, prefill, self.shapes.ssm_chunk_size,
+                          query_rows=not cross and self.shapes.index_topk > 0)
 
     def stage(self, batch: ForwardBatch, pad_to: int = 0, cross: bool = False) -> None:
         """Packs the batch's image ahead of its prepare() on this stream (which then sets only its tokens), while
