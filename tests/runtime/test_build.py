@@ -1,10 +1,51 @@
-"""build_engine: the KV pool's size where no block count is given, and what Info reports of the architecture."""
+"""build_engine: the weights' arena it plans, the KV pool's size where no block count is given, and what Info
+reports of the architecture."""
+
+import pytest
 
 from metrale.runtime.backend.cpu import CpuRunner
-from metrale.runtime.build import build_engine
+from metrale.runtime.backend.cpu.layer_math import CpuLayerMath
+from metrale.runtime.backend.cuda.device import ALIGNMENT
+from metrale.runtime.backend.cuda.stream_context import padded_vocab
+from metrale.runtime.build import _weight_bytes, build_engine
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.loading import load_checkpoint
-from tiny_models import write_tiny
+from metrale.runtime.models import family_of
+from tiny_models import TINY, TINY_MLA, TINY_MOE, TINY_SPARSE, TINY_SSM, write_tiny, write_tiny_m2m100
+
+
+class ArenaTally(CpuLayerMath):
+    """The CPU layer math, counting the bytes the CUDA backend's uploads take from its weights arena."""
+
+    def __init__(self):
+        super().__init__()
+        self.taken = 0
+
+    def _take(self, tensor, size):
+        self.taken += -(-tensor.numel() * size // ALIGNMENT) * ALIGNMENT
+        return tensor
+
+    def upload(self, tensor):
+        return self._take(super().upload(tensor), 2)
+
+    def upload_float32(self, tensor):
+        return self._take(super().upload_float32(tensor), 4)
+
+    def upload_lm_head(self, tensor):
+        self.taken += -(-padded_vocab(tensor.shape[0]) * tensor.shape[1] * 2 // ALIGNMENT) * ALIGNMENT
+        return super().upload(tensor)
+
+
+@pytest.mark.parametrize("name", [*TINY, *TINY_MOE, *TINY_MLA, *TINY_SPARSE, *TINY_SSM, "m2m100"])
+def test_the_weights_arena_holds_every_upload_of_the_model(name, tmp_path):
+    directory = write_tiny_m2m100(tmp_path) if name == "m2m100" else write_tiny(name, tmp_path)
+    checkpoint = load_checkpoint(directory)
+    family = family_of(checkpoint.config)
+    config = family.config_from_hf(checkpoint.config)
+    tally = ArenaTally()
+    family.model_class(config, checkpoint.tensors, tally, config.max_position_embeddings)
+    planned = _weight_bytes(checkpoint, config, config.max_position_embeddings, family.model_class)
+    assert tally.taken <= planned < 3 * tally.taken
 
 
 def test_the_kv_pool_takes_the_backends_default_share_unless_given(tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ from metrale.runtime.backend.layer_math import LatentAttention, LayerMath, RopeT
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.cache.specs import PagedIndexKeys, PagedLatent
 from metrale.runtime.errors import InvalidArgument
-from metrale.runtime.models import sparse_index
+from metrale.runtime.models import hyper, sparse_index
 from metrale.runtime.models.checkpoint import eos_token_ids, tensor_reader
 from metrale.runtime.models.hyper import HyperConfig
 from metrale.runtime.models.moe import MoeConfig, load_moe
@@ -161,9 +161,20 @@ class DeepseekForCausalLM:
 
     @staticmethod
     def extra_weight_bytes(config: MlaConfig) -> int:
-        """A tied MiniCPM3 scales its embedding apart from its LM head: the table uploaded twice."""
-        twice = config.tie_word_embeddings and config.embedding_scale != 1.0
-        return 2 * config.vocab_size * config.hidden_size + 256 if twice else 0
+        """A tied MiniCPM3 scales its embedding apart from its LM head: the table uploaded twice. And the tensors
+        uploaded in float32, two bytes an element beyond the bf16 the checkpoint's count assumes: the router's
+        correction bias, the indexers' head weights, the sinks, the hyper-connections."""
+        c = config
+        twice = c.tie_word_embeddings and c.embedding_scale != 1.0
+        table = 2 * c.vocab_size * c.hidden_size + 256 if twice else 0
+        float32 = len(c.moe.layers) * c.moe.num_experts if c.moe and c.moe.correction_bias else 0
+        if c.indexer:
+            float32 += sum(c.indexer.own) * c.indexer.num_heads * c.hidden_size
+        if c.attention_sinks:
+            float32 += c.num_layers * c.num_heads
+        if c.hyper:
+            float32 += hyper.float32_numel(c.hyper, c.hidden_size, c.num_layers)
+        return table + 2 * float32
 
     def cache_specs(self) -> tuple[PagedLatent | PagedIndexKeys, ...]:
         """Each layer's latent and rotary key, one vector a token; then, with sparse attention, the index key of

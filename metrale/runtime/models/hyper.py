@@ -27,6 +27,12 @@ class HyperConfig:
         return (2 + (self.hc_mult if self.sinkhorn_iters else 0)) * self.hc_mult
 
 
+def float32_numel(config: HyperConfig, hidden: int, layers: int) -> int:
+    """The elements uploaded in float32: two connections a layer (fn, base, scale) and the head."""
+    rows, width = config.projection_rows, config.hc_mult * hidden
+    return 2 * layers * (rows * width + rows + 3) + config.hc_mult * (width + 1) + 1
+
+
 def load_connection(take, prefix: str, config: HyperConfig, hidden: int, ops: LayerMath) -> HyperConnection:
     """The connection of module `prefix` (attn_hc. or ffn_hc.: fn, base, scale), uploaded in float32."""
     fn = take(prefix + "fn")
