@@ -76,6 +76,7 @@ def main(argv=None) -> list[dict]:
                                         t["tables"], None, t["partials"], heads, BLOCK, 0.1, min(topk, context),
                                         selected=t["selected"], selected_counts=t["counts"])
 
+            torch.cuda.synchronize()        # the inputs, made on torch's stream, before the kernels' stream reads them
             score()
             top()
             times = {name: time_launch_us(stream, launch, LAUNCHES)

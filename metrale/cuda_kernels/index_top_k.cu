@@ -5,7 +5,7 @@
 namespace {
 
 constexpr int TOP_K_THREADS = 512;
-constexpr int TOP_K_ITEMS = 4;          // consecutive columns a thread compacts at a time
+constexpr int TOP_K_ITEMS = 8;          // keys a thread loads at a time (loads in flight), and columns it compacts
 constexpr int RADIX_BINS = 2048;        // the passes take 11, 11 and 10 bits of a key, highest first
 
 // A float's order-preserving key: x > y <=> order_key(x) > order_key(y), -0 taken as +0 and NaN above everything
@@ -33,6 +33,17 @@ __device__ __forceinline__ void append(unsigned* list, unsigned* size, unsigned 
     if (lane == 0 && takers) base = atomicAdd(size, __popc(takers));
     base = __shfl_sync(0xffffffffu, base, 0);
     if (take) list[base + __popc(takers & ((1u << lane) - 1))] = value;
+}
+
+// keys[e] = the key of item base + e * TOP_K_THREADS + threadIdx.x of keys[0 .. size) in shared memory, or of the
+// row in global memory (0 past size): TOP_K_ITEMS loads issued before any is used, coalesced across the block.
+__device__ __forceinline__ void load_keys(unsigned (&out)[TOP_K_ITEMS], const unsigned* keys, const float* row,
+                                          bool in_shared, int base, int size) {
+#pragma unroll
+    for (int e = 0; e < TOP_K_ITEMS; ++e) {
+        const int i = base + e * TOP_K_THREADS + threadIdx.x;
+        out[e] = i < size ? (in_shared ? keys[i] : order_key(row[i])) : 0u;
+    }
 }
 
 // Exclusive prefix sum of v over the block in thread order; total: the block's sum. Starts with a barrier, so calls
@@ -118,8 +129,19 @@ extern "C" __global__ void __launch_bounds__(TOP_K_THREADS) index_top_k(int* ind
         return;
     }
     const bool staged = n <= capacity;
-    if (staged)
-        for (int i = threadIdx.x; i < n; i += TOP_K_THREADS) keys[i] = order_key(row[i]);
+    constexpr int SPAN = TOP_K_THREADS * TOP_K_ITEMS;   // the items a block loads at a time
+    static_assert(SPAN < 65536, "the compaction counts a span's keys in 16 bits");
+    if (staged) {
+        for (int base = 0; base < n; base += SPAN) {
+            unsigned loaded[TOP_K_ITEMS];
+            load_keys(loaded, keys, row, false, base, n);
+#pragma unroll
+            for (int e = 0; e < TOP_K_ITEMS; ++e) {
+                const int i = base + e * TOP_K_THREADS + threadIdx.x;
+                if (i < n) keys[i] = loaded[e];
+            }
+        }
+    }
     bool in_shared = staged;    // where the passes read their keys: keys[0 .. size) or the row
     int size = n;
     unsigned prefix = 0, mask = 0, remaining = k;       // the bits chosen; the keys still to take from their bin
@@ -127,10 +149,13 @@ extern "C" __global__ void __launch_bounds__(TOP_K_THREADS) index_top_k(int* ind
         const int shift = pass == 0 ? 21 : pass == 1 ? 10 : 0, bins = pass < 2 ? RADIX_BINS : RADIX_BINS / 2;
         for (int i = threadIdx.x; i < bins; i += TOP_K_THREADS) histogram[i] = 0;
         __syncthreads();
-        for (int base = 0; base < size; base += TOP_K_THREADS) {
-            const int i = base + threadIdx.x;
-            const unsigned key = i < size ? (in_shared ? keys[i] : order_key(row[i])) : 0u;
-            count_in_histogram(histogram, (key >> shift) & (bins - 1), i < size && (key & mask) == prefix);
+        for (int base = 0; base < size; base += SPAN) {
+            unsigned loaded[TOP_K_ITEMS];
+            load_keys(loaded, keys, row, in_shared, base, size);
+#pragma unroll
+            for (int e = 0; e < TOP_K_ITEMS; ++e)
+                count_in_histogram(histogram, (loaded[e] >> shift) & (bins - 1),
+                                   base + e * TOP_K_THREADS + (int)threadIdx.x < size && (loaded[e] & mask) == prefix);
         }
         __syncthreads();
         const Bin chosen = find_bin(histogram, bins, remaining, &found);
@@ -140,10 +165,13 @@ extern "C" __global__ void __launch_bounds__(TOP_K_THREADS) index_top_k(int* ind
         if (pass == 0 && !in_shared && chosen.count <= (unsigned)capacity) {
             if (threadIdx.x == 0) collected = 0;
             __syncthreads();
-            for (int base = 0; base < n; base += TOP_K_THREADS) {
-                const int i = base + threadIdx.x;
-                const unsigned key = i < n ? order_key(row[i]) : 0u;
-                append(keys, &collected, key, i < n && (key & mask) == prefix);
+            for (int base = 0; base < n; base += SPAN) {
+                unsigned loaded[TOP_K_ITEMS];
+                load_keys(loaded, keys, row, false, base, n);
+#pragma unroll
+                for (int e = 0; e < TOP_K_ITEMS; ++e)
+                    append(keys, &collected, loaded[e],
+                           base + e * TOP_K_THREADS + (int)threadIdx.x < n && (loaded[e] & mask) == prefix);
             }
             __syncthreads();
             in_shared = true;
@@ -153,17 +181,20 @@ extern "C" __global__ void __launch_bounds__(TOP_K_THREADS) index_top_k(int* ind
     // prefix is the k-th highest key: every key above it is taken, and the first `remaining` equal to it.
     const unsigned above_all = k - remaining;
     unsigned above_before = 0, equal_before = 0;        // in the columns of the chunks before
-    for (int base = 0; base < n; base += TOP_K_THREADS * TOP_K_ITEMS) {
+    for (int base = 0; base < n; base += SPAN) {
         const int first = base + threadIdx.x * TOP_K_ITEMS;
         unsigned item_keys[TOP_K_ITEMS], above = 0, equal = 0;
 #pragma unroll
         for (int e = 0; e < TOP_K_ITEMS; ++e) {
             const int column = first + e;
             item_keys[e] = column < n ? (staged ? keys[column] : order_key(row[column])) : 0u;
-            above += column < n && item_keys[e] > prefix;
-            equal += column < n && item_keys[e] == prefix;
         }
-        unsigned total;         // above in the low 16 bits, equal in the high (at most 2048 each a chunk)
+#pragma unroll
+        for (int e = 0; e < TOP_K_ITEMS; ++e) {
+            above += first + e < n && item_keys[e] > prefix;
+            equal += first + e < n && item_keys[e] == prefix;
+        }
+        unsigned total;         // above in the low 16 bits, equal in the high (at most SPAN each a chunk)
         const unsigned before = block_exclusive_sum(above | equal << 16, total);
         unsigned above_here = above_before + (before & 0xffffu), equal_here = equal_before + (before >> 16);
 #pragma unroll

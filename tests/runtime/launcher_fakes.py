@@ -70,6 +70,7 @@ def record_launches(monkeypatch, *modules) -> list:
 
 class FakeLibrary:
     """Stands in for KernelLibrary: get() returns (module, kernel name) and records the request."""
+    arch = "sm_90a"
 
     def __init__(self):
         self.requested = []

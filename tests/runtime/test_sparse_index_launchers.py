@@ -82,7 +82,7 @@ def test_scores_without_table_rows_pass_null(monkeypatch):
     assert only_launch(recorded, "INDEX_SCORES_ENTRY")[3][10] == 0
 
 
-@pytest.mark.parametrize("columns, capacity", [(1000, 1000), (163840, sparse_index.STAGED)])
+@pytest.mark.parametrize("columns, capacity", [(1000, 1000), (163840, sparse_index.STAGED["sm_90a"])])
 def test_top_k_is_a_row_a_cta(monkeypatch, columns, capacity):
     recorded = record_launches(monkeypatch, sparse_index)
     top_k(FakeLibrary(), columns=columns)

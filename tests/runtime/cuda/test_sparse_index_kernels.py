@@ -205,10 +205,10 @@ def reference_top_k(scores: torch.Tensor, contexts: list[int], k: int):
 
 @pytest.mark.parametrize("k", [64, 2048])
 def test_top_k_matches_a_stable_sort(kernel_library, stream, k):
-    staged = sparse_index.STAGED
+    staged = sparse_index.top_k_capacity(kernel_library.arch, 1 << 30)
     rows = [(0, "normal"), (1, "normal"), (k - 1, "integers"), (k, "equal"), (k + 1, "integers"), (k + 1, "equal"),
             (3 * k, "normal"), (5000, "sparse"), (5000, "equal"), (staged, "integers"),          # held in shared
-            (staged + 1, "normal"), (40000, "uniform"), (160000, "normal"),                      # candidates held
+            (40000, "uniform"), (staged + 1, "normal"), (160000, "normal"),                      # candidates held
             (staged + 1, "equal"), (160000, "integers"), (160000, "equal"), (160000, "uniform"),  # read every pass
             (200000, "normal")]                                                                 # past the columns
     columns = 160005

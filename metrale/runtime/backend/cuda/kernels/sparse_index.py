@@ -1,7 +1,8 @@
-"""Launchers for cuda_kernels/sparse_index.cu and index_top_k.cu, DeepSeek sparse attention's indexer: the rotary parts of its queries
-and keys with the index key cache write (rope_and_write), each token's per-head weights (weights), each query's
-scores over its causal context (scores), and the top-k tokens of each row of scores (top_k). The caller holds the
-float32 scratch between them (scratch_elements); nothing here allocates or waits on the host."""
+"""Launchers for cuda_kernels/sparse_index.cu and index_top_k.cu, DeepSeek sparse attention's indexer: the rotary
+parts of its queries and keys with the index key cache write (rope_and_write), each token's per-head weights
+(weights), each query's scores over its causal context (scores), and the top-k tokens of each row of scores
+(top_k). The caller holds the float32 scratch between them (scratch_elements); nothing here allocates or waits on
+the host."""
 
 from typing import NamedTuple
 
@@ -21,7 +22,10 @@ TARGET_CTAS = 1024                  # index_scores' CTAs worth splitting a conte
 HEAD_DIMS = (32, 64, 128)           # the head sizes index_scores is built for
 MAX_HEADS = 128
 TOP_K_THREADS = 512
-STAGED = 16384                      # the most keys index_top_k holds in shared memory (64 KB): a whole row up to it
+# The most keys index_top_k holds in shared memory, by architecture (its opt-in shared memory less the 8 KB
+# histogram): a whole row up to it, one read of the scores. Hopper: 192 KB, 32k-token contexts whole.
+STAGED = {"sm_90": 49152, "sm_90a": 49152, "sm_80": 36864}
+STAGED_ELSE = 20480                 # sm_86, sm_89: 99 KB a block
 NULL = np.uint64(0)
 
 
@@ -140,9 +144,9 @@ def scores(lib, stream, out: DeviceTensor, q: DeviceTensor, weights: DeviceTenso
                   max_context, chunk, shmem=shared)
 
 
-def top_k_capacity(columns: int) -> int:
+def top_k_capacity(arch: str, columns: int) -> int:
     """The keys index_top_k holds in shared memory for rows of `columns` scores (4 bytes each)."""
-    return max(1, min(STAGED, columns))
+    return max(1, min(STAGED.get(arch, STAGED_ELSE), columns))
 
 
 def top_k(lib, stream, indices: DeviceTensor, counts: DeviceTensor, scores: DeviceTensor, contexts: DeviceTensor,
@@ -159,7 +163,7 @@ def top_k(lib, stream, indices: DeviceTensor, counts: DeviceTensor, scores: Devi
         require(meta.dtype == "int32" and meta.shape == (entries,), f"index top-k: {name} must be [{entries}] int32")
     if entries == 0:
         return
-    capacity = top_k_capacity(columns)
+    capacity = top_k_capacity(lib.arch, columns)
     kernel = lib.get_with_shared("index_top_k", TOP_K_MODULE, 4 * capacity)
     launch_kernel(stream, kernel, entries, TOP_K_THREADS, indices, np.int64(indices.stride), counts, scores,
                   np.int64(scores.stride), contexts, columns, k, capacity, shmem=4 * capacity)
