@@ -1,10 +1,14 @@
 """CPU decode speed of a model (default: the embedded SmolLM2-135M), engine alone and through gRPC, against the
-§6 floor: (weight bytes + KV bytes read per step) / measured memory copy bandwidth.
+§6 floor: (weight bytes + KV bytes read per step) / measured memory copy bandwidth. A GGUF model runs twice, its
+quantized blocks multiplied as they are and dequantized at load (--dequantize), side by side.
 
 Run from the repository root: python -m bench.cpu_decode [--batches 1,8] [--steps 32] [--model PATH]
 """
 
 import argparse
+import contextlib
+import dataclasses
+import functools
 import statistics
 import time
 from dataclasses import dataclass
@@ -16,7 +20,8 @@ from metrale.runtime.config import EngineConfig
 from metrale.runtime.default_model import default_cache_dir, fetch_default_model
 from metrale.runtime.engine import Engine
 from metrale.runtime.cache.blocks import blocks_for
-from metrale.runtime.loading import load_checkpoint
+from metrale.runtime.loading import Checkpoint, load_checkpoint
+from metrale.runtime.loading.gguf_blocks import BlockWeight
 from metrale.runtime.step import DecodeToken, PrefillSlice, Step
 from metrale.service.in_process import InProcessWorker
 from metrale.service.server import WorkerServer
@@ -26,6 +31,7 @@ from metrale.v1 import worker_pb2 as pb
 @dataclass
 class DecodeRun:
     batch: int
+    weights: str  # "blocks" (GGUF's quantized blocks multiplied as they are) or the dtype they were dequantized to
     path: str  # "engine" or "grpc"
     step_ms: list[float]  # per timed step, wall clock as the caller saw it
     forward_ms: list[float]  # per timed step, the engine's own forward_us
@@ -34,6 +40,7 @@ class DecodeRun:
 @dataclass
 class Row:
     batch: int
+    weights: str
     path: str
     mean_ms: float
     p50_ms: float
@@ -57,12 +64,27 @@ def copy_bandwidth(num_bytes: int, repeats: int = 10) -> float:
 
 
 def weight_bytes(engine: Engine) -> int:
-    """Bytes of every weight a decode step reads whole. The embedding table only gives one row per token, so it
-    counts only where it is also the (tied) lm_head; a tensor used twice counts once."""
+    """Bytes of every weight a decode step reads whole (a quantized weight: its packed codes, scales and zeros). The
+    embedding table only gives one row per token, so it counts only where it is also the (tied) lm_head; a weight
+    used twice counts once."""
     weights = engine.model.weights
     tensors = [weights["lm_head"], weights["norm"]] + [t for layer in weights["layers"] for t in layer.values()]
-    unique = {t.data_ptr(): t.nbytes for t in tensors}
+    unique = {t.data_ptr() if isinstance(t, torch.Tensor) else id(t): t.nbytes for t in tensors}
     return sum(unique.values())
+
+
+def start_workers(checkpoint: Checkpoint, engine_config: EngineConfig, stack: contextlib.ExitStack
+                  ) -> dict[str, InProcessWorker]:
+    """A worker for each form of the weights: GGUF's quantized blocks as they are ("blocks"), where the checkpoint
+    has any, and dequantized at load (named by the dtype they become)."""
+    has_blocks = any(isinstance(tensor, BlockWeight) for tensor in checkpoint.tensors.values())
+    workers = {}
+    for dequantize in (False, True) if has_blocks else (True,):
+        config = loopback_config(dataclasses.replace(engine_config, dequantize=dequantize))
+        worker = stack.enter_context(InProcessWorker(functools.partial(WorkerServer.from_checkpoint, checkpoint,
+                                                                       config)))
+        workers[worker.server.servicer.info.dtype if dequantize else "blocks"] = worker
+    return workers
 
 
 def kv_bytes_per_token(engine: Engine) -> int:
@@ -82,8 +104,8 @@ class EngineDecoder:
 
     path = "engine"
 
-    def __init__(self, engine: Engine, prompts: dict[int, tuple[int, ...]]):
-        self.engine = engine
+    def __init__(self, weights: str, engine: Engine, prompts: dict[int, tuple[int, ...]]):
+        self.weights, self.engine = weights, engine
         out = engine.step(Step(prefill=tuple(PrefillSlice(seq_id, tokens) for seq_id, tokens in prompts.items())))
         self.next_tokens = {o.seq_id: o.token for o in out.outputs}
 
@@ -105,8 +127,8 @@ class GrpcDecoder:
 
     path = "grpc"
 
-    def __init__(self, stub, prompts: dict[int, tuple[int, ...]]):
-        self.stub = stub
+    def __init__(self, weights: str, stub, prompts: dict[int, tuple[int, ...]]):
+        self.weights, self.stub = weights, stub
         slices = [pb.PrefillSlice(seq_id=seq_id, tokens=tokens, is_last_chunk=True)
                   for seq_id, tokens in prompts.items()]
         response = stub.Prefill(pb.PrefillRequest(slices=slices))
@@ -126,7 +148,7 @@ class GrpcDecoder:
 
 def decode_interleaved(decoders: list, batch: int, steps: int, warmup: int) -> list[DecodeRun]:
     """Steps the decoders in turn, so load that drifts during the run falls on every path alike."""
-    runs = [DecodeRun(batch, d.path, [], []) for d in decoders]
+    runs = [DecodeRun(batch, d.weights, d.path, [], []) for d in decoders]
     for i in range(warmup + steps):
         for decoder, run in zip(decoders, runs):
             elapsed_ms, forward_ms = decoder.step()
@@ -140,15 +162,15 @@ def decode_interleaved(decoders: list, batch: int, steps: int, warmup: int) -> l
 
 def row_of(run: DecodeRun, floor_ms: float) -> Row:
     mean_ms = statistics.fmean(run.step_ms)
-    return Row(run.batch, run.path, mean_ms, statistics.median(run.step_ms), statistics.fmean(run.forward_ms),
-               run.batch / mean_ms * 1e3, floor_ms, mean_ms / floor_ms)
+    return Row(run.batch, run.weights, run.path, mean_ms, statistics.median(run.step_ms),
+               statistics.fmean(run.forward_ms), run.batch / mean_ms * 1e3, floor_ms, mean_ms / floor_ms)
 
 
 def format_table(rows: list[Row]) -> str:
-    lines = [f"{'batch':>5}  {'path':<6}  {'ms/step':>8}  {'p50 ms':>8}  {'forward ms':>10}  {'tokens/s':>8}  "
-             f"{'floor ms':>8}  {'x floor':>7}"]
-    lines += [f"{r.batch:>5}  {r.path:<6}  {r.mean_ms:>8.1f}  {r.p50_ms:>8.1f}  {r.forward_ms:>10.1f}  "
-              f"{r.tokens_per_s:>8.1f}  {r.floor_ms:>8.2f}  {r.times_floor:>7.1f}" for r in rows]
+    lines = [f"{'batch':>5}  {'weights':<8}  {'path':<6}  {'ms/step':>8}  {'p50 ms':>8}  {'forward ms':>10}  "
+             f"{'tokens/s':>8}  {'floor ms':>8}  {'x floor':>7}"]
+    lines += [f"{r.batch:>5}  {r.weights:<8}  {r.path:<6}  {r.mean_ms:>8.1f}  {r.p50_ms:>8.1f}  "
+              f"{r.forward_ms:>10.1f}  {r.tokens_per_s:>8.1f}  {r.floor_ms:>8.2f}  {r.times_floor:>7.1f}" for r in rows]
     return "\n".join(lines)
 
 
@@ -176,20 +198,27 @@ def main(argv: list[str] | None = None) -> list[Row]:
                                  kv_blocks=2 * max(batches) * blocks_for(max_len, EngineConfig.kv_block_size))
     bandwidth = copy_bandwidth(args.copy_mb << 20)
     print(machine_line("cpu_decode"))
-    with InProcessWorker(lambda: WorkerServer.from_checkpoint(checkpoint, loopback_config(engine_config))) as worker:
-        engine, info = worker.server.servicer.engine, worker.server.servicer.info
-        weights, kv_per_token = weight_bytes(engine), kv_bytes_per_token(engine)
+    with contextlib.ExitStack() as stack:
+        workers = start_workers(checkpoint, engine_config, stack)
+        servicer = next(iter(workers.values())).server.servicer
+        info, kv_per_token = servicer.info, kv_bytes_per_token(servicer.engine)
+        weights = {form: weight_bytes(worker.server.servicer.engine) for form, worker in workers.items()}
         # Decode step i reads prompt_len + i + 1 tokens of KV per sequence; the mean over the timed steps:
         mean_context = args.prompt_len + args.warmup + (args.steps + 1) / 2
-        print(f"# {info.model_id}: {info.architecture} {info.dtype}, weights read per step {weights / 1e6:.1f} MB, "
-              f"KV {kv_per_token / 1e3:.1f} kB/token; prompt {args.prompt_len} tokens, {args.steps} timed steps "
-              f"after {args.warmup} warm-up; copy bandwidth {bandwidth / 1e9:.2f} GB/s (read + write)")
+        read = ", ".join(f"{form} {size / 1e6:.1f} MB" for form, size in weights.items())
+        print(f"# {info.model_id}: {info.architecture}, weights read per step: {read}; KV {kv_per_token / 1e3:.1f} "
+              f"kB/token; prompt {args.prompt_len} tokens, {args.steps} timed steps after {args.warmup} warm-up; "
+              f"copy bandwidth {bandwidth / 1e9:.2f} GB/s (read + write)")
         rows = []
         for batch in batches:
-            floor_ms = (weights + batch * mean_context * kv_per_token) / bandwidth * 1e3
-            decoders = [EngineDecoder(engine, prompt_tokens(0, batch, args.prompt_len, info.vocab_size)),
-                        GrpcDecoder(worker.stub, prompt_tokens(batch, batch, args.prompt_len, info.vocab_size))]
-            rows += [row_of(run, floor_ms) for run in decode_interleaved(decoders, batch, args.steps, args.warmup)]
+            decoders, floors = [], []
+            for form, worker in workers.items():
+                engine, vocab_size = worker.server.servicer.engine, info.vocab_size
+                decoders += [EngineDecoder(form, engine, prompt_tokens(0, batch, args.prompt_len, vocab_size)),
+                             GrpcDecoder(form, worker.stub, prompt_tokens(batch, batch, args.prompt_len, vocab_size))]
+                floors += [(weights[form] + batch * mean_context * kv_per_token) / bandwidth * 1e3] * 2
+            runs = decode_interleaved(decoders, batch, args.steps, args.warmup)
+            rows += [row_of(run, floor_ms) for run, floor_ms in zip(runs, floors)]
     print(format_table(rows))
     return rows
 

@@ -51,7 +51,8 @@ def build_engine(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path |
     if max_model_len > model_config.max_position_embeddings:
         raise InvalidArgument(f"max_model_len={max_model_len} is over the model's max_position_embeddings="
                               f"{model_config.max_position_embeddings}")
-    backend = create_backend(config.device, config.dtype, cache_dir or default_cache_dir(), config.programmatic_launch)
+    backend = create_backend(config.device, config.dtype, cache_dir or default_cache_dir(), config.programmatic_launch,
+                             config.dequantize)
     runner = backend.runner
     runner.plan(_weight_bytes(checkpoint, model_config, max_model_len, family.model_class),
                 _memory_shapes(model_config, config, max_model_len))

@@ -36,6 +36,9 @@ class EngineConfig:
     # Models with recurrent layers and the prefix cache: bytes of state snapshots kept at block boundaries
     # (cache/states.py); None: as many snapshots as max_seqs.
     ssm_snapshot_memory: int | None = None
+    # GGUF's Q4_0 / Q4_1 / Q8_0 weights dequantized at load to dtype; else the CPU backend multiplies their blocks
+    # as they are (backend/cpu/quantized.py). The CUDA backend dequantizes them either way.
+    dequantize: bool = False
 
     def __post_init__(self):
         if self.device not in DEVICES:

@@ -117,6 +117,8 @@ SERVE_FLAGS = [
      "(on|off)", None),
     ("ssm-snapshot-memory", int, "bytes of SSM state snapshots the prefix cache keeps at block boundaries, for "
      "models with Mamba2 layers; default: as many snapshots as --max-seqs", None),
+    ("dequantize", _bool, "GGUF's quantized blocks dequantized at load to --dtype instead of multiplied as they are "
+     "on the CPU backend (true|false)", None),
     ("max-message-mb", int, "largest gRPC message, either way", None),
     ("max-concurrent-rpcs", int, "forward calls (steps, BeamGenerate, Generate) in flight at once; more get "
      "RESOURCE_EXHAUSTED; health, Info and Release are never refused (unset: no limit)", None),

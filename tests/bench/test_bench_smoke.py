@@ -2,8 +2,10 @@
 
 from pathlib import Path
 
+import gguf
 import pytest
 
+from tiny_gguf import tiny_model, write_tiny_gguf
 from tiny_models import write_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -16,6 +18,7 @@ def bench(monkeypatch):
     import bench.beam_generate
     import bench.beam_host
     import bench.cpu_decode
+    import bench.gguf_accuracy
     import bench.grpc_overhead
     import bench.prefix_cache
     import bench.serving
@@ -56,10 +59,32 @@ def test_cpu_decode_reports_engine_and_grpc_per_batch(bench, tmp_path, capsys):
     model = write_tiny("llama_tied", tmp_path / "llama")
     rows = bench.cpu_decode.main(["--model", str(model), "--batches", "1,2", "--steps", "2", "--warmup", "1",
                                   "--prompt-len", "4", "--copy-mb", "1"])
-    assert [(r.batch, r.path) for r in rows] == [(1, "engine"), (1, "grpc"), (2, "engine"), (2, "grpc")]
+    assert [(r.batch, r.weights, r.path) for r in rows] == [
+        (batch, "float32", path) for batch in (1, 2) for path in ("engine", "grpc")]
     assert all(r.floor_ms > 0 and r.tokens_per_s > 0 for r in rows)
     out = capsys.readouterr().out
     assert "x floor" in out and "copy bandwidth" in out
+
+
+def test_cpu_decode_runs_a_ggufs_blocks_beside_it_dequantized(bench, tmp_path, capsys):
+    model = write_tiny_gguf(tmp_path / "tiny.gguf", "llama_tied", tiny_model("llama_tied"),
+                            gguf.GGMLQuantizationType.Q4_1)
+    rows = bench.cpu_decode.main(["--model", str(model), "--batches", "1", "--steps", "2", "--warmup", "1",
+                                  "--prompt-len", "4", "--copy-mb", "1"])
+    assert [(r.weights, r.path) for r in rows] == [(weights, path) for weights in ("blocks", "float32")
+                                                   for path in ("engine", "grpc")]
+    # the blocks' floor counts their packed bytes: 4-bit codes and two bf16 a group of 32, under a third of float32
+    assert rows[0].floor_ms < rows[2].floor_ms / 3
+    assert "blocks" in capsys.readouterr().out
+
+
+def test_gguf_accuracy_compares_blocks_and_bfloat16_with_float32(bench, tmp_path, capsys):
+    model = write_tiny_gguf(tmp_path / "tiny.gguf", "llama_tied", tiny_model("llama_tied"),
+                            gguf.GGMLQuantizationType.Q8_0)
+    rows = bench.gguf_accuracy.main(["--model", str(model), "--steps", "3", "--prompts", "2"])
+    assert [r.run for r in rows] == ["blocks", "bfloat16"] * 2
+    assert all(0 < r.max_error < 0.1 and r.steps == 4 for r in rows)
+    assert "max rel" in capsys.readouterr().out
 
 
 def test_beam_generate_reports_both_sides_and_agreement(bench, tmp_path, capsys):

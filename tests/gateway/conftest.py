@@ -15,13 +15,13 @@ from metrale.service.server import WorkerServer  # noqa: E402
 from tiny_models import write_tiny  # noqa: E402
 
 
-def start_worker(directory, num_streams: int = 1) -> InProcessWorker:
+def start_worker(directory, num_streams: int = 1, dequantize: bool = False) -> InProcessWorker:
     """A worker of the checkpoint (a directory or a GGUF) on the CPU, 96 tokens a sequence at most, 64 blocks of
     16."""
     checkpoint = load_checkpoint(directory)
     config = WorkerConfig(host="127.0.0.1", port=0, drain_timeout=5.0,
                           engine=EngineConfig(device="cpu", kv_blocks=64, max_model_len=96, max_batch_tokens=256,
-                                              max_seqs=32, num_streams=num_streams))
+                                              max_seqs=32, num_streams=num_streams, dequantize=dequantize))
     return InProcessWorker(lambda: WorkerServer.from_checkpoint(checkpoint, config))
 
 
@@ -40,8 +40,10 @@ def worker(tiny_dir):
 
 @pytest.fixture(scope="module")
 def default_worker(default_gguf):
-    """The embedded default model (SmolLM2-135M with its tokenizer), for what needs text."""
-    running = start_worker(default_gguf)
+    """The embedded default model (SmolLM2-135M with its tokenizer), for what needs text; dequantized to float32, so
+    that batching changes its logits by ~1e-5 (the order of float32 sums), not by the ~0.1 the blocks path's bf16
+    rounding can make of that, and a request's greedy text is the same alone or among 32."""
+    running = start_worker(default_gguf, dequantize=True)
     yield running
     running.stop()
 

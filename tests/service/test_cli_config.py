@@ -31,6 +31,7 @@ NON_DEFAULT = {
     "num-streams": ("3", "engine.num_streams", 3),
     "run-ahead": ("off", "engine.run_ahead", "off"),
     "prefix-cache": ("off", "engine.prefix_cache", False),
+    "dequantize": ("true", "engine.dequantize", True),
     "ssm-snapshot-memory": ("1048576", "engine.ssm_snapshot_memory", 1048576),
     "cuda-graph-batch-sizes": ("1,4,16", "engine.cuda_graph_batch_sizes", (1, 4, 16)),
     "max-message-mb": ("8", "max_message_mb", 8),

@@ -33,15 +33,18 @@ def cuda_available() -> bool:
         return False
 
 
-def create_backend(device: str, dtype: str, cache_dir: Path, programmatic_launch: bool = True) -> Backend:
-    """device: 'auto' (CUDA where a GPU is present), 'cpu' or 'cuda'; programmatic_launch: CUDA's PDL on Hopper."""
+def create_backend(device: str, dtype: str, cache_dir: Path, programmatic_launch: bool = True,
+                   dequantize: bool = False) -> Backend:
+    """device: 'auto' (CUDA where a GPU is present), 'cpu' or 'cuda'; programmatic_launch: CUDA's PDL on Hopper;
+    dequantize: the CPU backend dequantizes GGUF block weights at upload instead of multiplying them as they are
+    (the CUDA backend always uploads them dequantized, in bfloat16)."""
     if device == "cuda" or (device == "auto" and cuda_available()):
         if not cuda_available():
             raise FailedPrecondition("--device cuda, but no CUDA device is visible")
         from metrale.runtime.backend.cuda import create_cuda_backend
         return Backend(*create_cuda_backend(cache_dir, dtype, programmatic_launch))
     from metrale.runtime.backend.cpu import create_cpu_backend
-    return Backend(*create_cpu_backend(dtype))
+    return Backend(*create_cpu_backend(dtype, dequantize))
 
 
 __all__ = ["Backend", "LayerMath", "Runner", "create_backend", "cuda_available"]

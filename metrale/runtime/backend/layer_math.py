@@ -200,7 +200,8 @@ class LayerMath(Protocol):
     dtype: torch.dtype
 
     def upload(self, tensor: torch.Tensor) -> Tensor:
-        """A weight in the backend's dtype and memory."""
+        """A weight in the backend's dtype and memory. A GGUF BlockWeight may stay quantized in a form of the
+        backend's (the CPU's QuantizedWeight), which only linear, linear_relu, logits and embedding take."""
 
     def upload_lm_head(self, tensor: torch.Tensor) -> Tensor:
         """upload() for the LM head [vocab, hidden] (logits() multiplies by it): a backend may pad its rows (at most

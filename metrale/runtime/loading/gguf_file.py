@@ -1,4 +1,5 @@
-"""Load a GGUF file as a Checkpoint: HF config from its metadata, dequantised tensors under HF names."""
+"""Load a GGUF file as a Checkpoint: HF config from its metadata, tensors under HF names (2-D Q4_0, Q4_1 and Q8_0
+weights kept in their blocks, gguf_blocks.py; the others dequantised)."""
 
 import math
 import re
@@ -12,6 +13,7 @@ from gguf.quants import dequantize
 
 from metrale.runtime import errors
 from metrale.runtime.loading.checkpoint import Checkpoint
+from metrale.runtime.loading.gguf_blocks import BlockWeight, kind_of
 from metrale.runtime.tokenizer import Tokenizer
 
 
@@ -63,6 +65,7 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """dtype: of the tensors dequantised here; BlockWeights dequantize to float32 when a tensor is asked of them."""
     reader = GGUFReader(str(path))
     fields = {key: field.contents() for key, field in reader.fields.items()}
     arch_name = fields.get("general.architecture")
@@ -77,13 +80,15 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoin
     for name, tensor in gguf_tensors.items():
         if name in NON_PARAMETER_TENSORS:
             continue
-        weight = _dequantize(tensor, path)
+        weight = _read(tensor, path)
         if arch.permuted_qk and name.endswith((".attn_q.weight", ".attn_q.bias")):
             weight = _unpermute_rows(weight, config["num_attention_heads"])
         elif arch.permuted_qk and name.endswith((".attn_k.weight", ".attn_k.bias")):
             weight = _unpermute_rows(weight, config["num_key_value_heads"])
-        # np.array copies: an F32 tensor would otherwise alias the read-only memory map.
-        tensors[_hf_name(name, path)] = torch.from_numpy(np.array(weight, dtype=np.float32, order="C")).to(dtype)
+        if isinstance(weight, np.ndarray):
+            # np.array copies: an F32 tensor would otherwise alias the read-only memory map.
+            weight = torch.from_numpy(np.array(weight, dtype=np.float32, order="C")).to(dtype)
+        tensors[_hf_name(name, path)] = weight
 
     metadata = {key: value for key, value in fields.items() if key not in TOKENIZER_ARRAYS}
     tokenizer = None
@@ -180,6 +185,15 @@ def _llama3_scaling(rope_factors: np.ndarray, rope_theta: float, head_dim: int) 
     return scaling
 
 
+def _read(tensor, path) -> BlockWeight | np.ndarray:
+    """A 2-D Q4_0, Q4_1 or Q8_0 weight in its blocks; any other tensor dequantised."""
+    shape = tuple(int(dim) for dim in reversed(tensor.shape))
+    kind = kind_of(tensor.tensor_type, shape)
+    if kind is None:
+        return _dequantize(tensor, path)
+    return BlockWeight.from_gguf(kind, np.asarray(tensor.data), *shape)
+
+
 def _dequantize(tensor, path) -> np.ndarray:
     """[out, in] float32 (GGUF lists dims innermost first; numpy order is already HF's)."""
     try:
@@ -193,12 +207,14 @@ def _dequantize(tensor, path) -> np.ndarray:
     return weight.reshape(shape).astype(np.float32, copy=False)
 
 
-def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+def _unpermute_rows(weight: BlockWeight | np.ndarray, num_heads: int) -> BlockWeight | np.ndarray:
     """Undo llama.cpp's permute: per head, rows [r0, r_half, r1, r_half+1, ...] -> [r0, r1, ..., r_half, ...]."""
-    # weight: [num_heads * head_dim, ...] stored as [num_heads, head_dim / 2, 2, ...]
-    rest = weight.shape[1:]
-    rows = weight.reshape(num_heads, weight.shape[0] // num_heads // 2, 2, *rest)
-    return rows.swapaxes(1, 2).reshape(weight.shape)
+    # rows: [num_heads * head_dim] stored as [num_heads, head_dim / 2, 2]
+    num_rows = weight.shape[0]
+    order = np.arange(num_rows).reshape(num_heads, num_rows // num_heads // 2, 2).swapaxes(1, 2).reshape(-1)
+    if isinstance(weight, BlockWeight):
+        return weight.select_rows(torch.from_numpy(order))
+    return weight[order]
 
 
 def _hf_name(gguf_name: str, path) -> str:

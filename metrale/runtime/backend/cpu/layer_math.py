@@ -5,26 +5,35 @@ import torch
 import torch.nn.functional as F
 
 from metrale.runtime.backend.cpu import hyper, moe, sparse, ssm
+from metrale.runtime.backend.cpu.quantized import QuantizedWeight
 from metrale.runtime.backend.layer_math import Experts, LatentAttention, Linear, MoeRouter, RopeTable, SsmScan, \
     hyper_boundary, rope_then_attention
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.errors import InvalidArgument
+from metrale.runtime.loading.gguf_blocks import BlockWeight
 
 DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class CpuLayerMath:
+    """The layer math in torch, in dtype. dequantize: GGUF block weights (BlockWeight) become dtype tensors at upload;
+    else they are packed and multiplied as they are (QuantizedWeight), which linear, linear_relu, logits and
+    embedding take."""
+
     device = "cpu"
 
-    def __init__(self, dtype: str = "auto"):
+    def __init__(self, dtype: str = "auto", dequantize: bool = False):
         if dtype not in DTYPES:
             raise InvalidArgument(f"dtype {dtype!r} is not supported on the CPU backend")
         self.dtype = DTYPES[dtype]
+        self.dequantize = dequantize
 
-    def upload(self, tensor: torch.Tensor) -> torch.Tensor:
+    def upload(self, tensor: torch.Tensor) -> torch.Tensor | QuantizedWeight:
+        if isinstance(tensor, BlockWeight) and not self.dequantize:
+            return QuantizedWeight(tensor)
         return tensor.to(self.dtype).contiguous()
 
-    def upload_lm_head(self, tensor: torch.Tensor) -> torch.Tensor:
+    def upload_lm_head(self, tensor: torch.Tensor) -> torch.Tensor | QuantizedWeight:
         return self.upload(tensor)
 
     def upload_float32(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -43,6 +52,8 @@ class CpuLayerMath:
         return torch.where(batch.token_ids == padding_idx, padding_idx, batch.positions + 1 + padding_idx)
 
     def embedding(self, table, token_ids):
+        if isinstance(table, QuantizedWeight):
+            return table.rows(token_ids).to(self.dtype)
         return F.embedding(token_ids, table)
 
     def rms_norm(self, x, weight, eps, residual=None):
@@ -68,10 +79,12 @@ class CpuLayerMath:
         return _rms(x.view(x.shape[0], -1, head_dim), weight, eps).view(x.shape)
 
     def linear(self, x, weight, bias=None):
+        if isinstance(weight, QuantizedWeight):
+            return weight.linear(x, bias)
         return F.linear(x, weight, bias)
 
     def linear_relu(self, x, weight, bias=None):
-        return F.relu(F.linear(x, weight, bias))
+        return F.relu(self.linear(x, weight, bias))
 
     def rope_and_write_kv(self, q, k, v, rope: RopeTable, batch: "CpuBatch", kv, head_dim):
         cos, sin = batch.rope_at_positions(rope)
@@ -198,7 +211,7 @@ class CpuLayerMath:
         return self.linear(x.x, x.weight, x.bias) if isinstance(x, Linear) else x
 
     def logits(self, x, lm_head):
-        return F.linear(x, lm_head).float()
+        return self.linear(x, lm_head).float()
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
