@@ -6,7 +6,6 @@ Run from the repository root: python -m bench.cpu_decode [--batches 1,8] [--step
 """
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import statistics
@@ -22,6 +21,7 @@ from metrale.runtime.engine import Engine
 from metrale.runtime.cache.blocks import blocks_for
 from metrale.runtime.loading import Checkpoint, load_checkpoint
 from metrale.runtime.loading.gguf_blocks import BlockWeight
+from metrale.runtime.own_thread import run_on_own_thread
 from metrale.runtime.step import DecodeToken, PrefillSlice, Step
 from metrale.service.in_process import InProcessWorker
 from metrale.service.server import WorkerServer
@@ -73,18 +73,15 @@ def weight_bytes(engine: Engine) -> int:
     return sum(unique.values())
 
 
-def start_workers(checkpoint: Checkpoint, engine_config: EngineConfig, stack: contextlib.ExitStack
-                  ) -> dict[str, InProcessWorker]:
-    """A worker for each form of the weights: GGUF's quantized blocks as they are ("blocks"), where the checkpoint
-    has any, and dequantized at load (named by the dtype they become)."""
-    has_blocks = any(isinstance(tensor, BlockWeight) for tensor in checkpoint.tensors.values())
-    workers = {}
-    for dequantize in (False, True) if has_blocks else (True,):
-        config = loopback_config(dataclasses.replace(engine_config, dequantize=dequantize))
-        worker = stack.enter_context(InProcessWorker(functools.partial(WorkerServer.from_checkpoint, checkpoint,
-                                                                       config)))
-        workers[worker.server.servicer.info.dtype if dequantize else "blocks"] = worker
-    return workers
+def start_worker(checkpoint: Checkpoint, engine_config: EngineConfig, dequantize: bool) -> InProcessWorker:
+    """A worker with the weights in one form: GGUF's quantized blocks as they are, or dequantized at load."""
+    config = loopback_config(dataclasses.replace(engine_config, dequantize=dequantize))
+    return InProcessWorker(functools.partial(WorkerServer.from_checkpoint, checkpoint, config))
+
+
+def weight_forms(checkpoint: Checkpoint) -> tuple[bool, ...]:
+    """The dequantize settings to run: blocks then dequantized where the checkpoint has GGUF blocks, else one."""
+    return (False, True) if any(isinstance(t, BlockWeight) for t in checkpoint.tensors.values()) else (True,)
 
 
 def kv_bytes_per_token(engine: Engine) -> int:
@@ -100,26 +97,34 @@ def prompt_tokens(first_seq_id: int, batch: int, prompt_len: int, vocab_size: in
 
 
 class EngineDecoder:
-    """Decodes a set of sequences by calling Engine.step directly: device time plus the engine's own Python."""
+    """Decodes a set of sequences by calling Engine.step directly, on the worker's stream thread (as its RPCs run
+    there; a second thread running torch ops would keep a second OpenMP team, see metrale/runtime/own_thread.py):
+    device time plus the engine's own Python, timed on that thread."""
 
     path = "engine"
 
-    def __init__(self, weights: str, engine: Engine, prompts: dict[int, tuple[int, ...]]):
-        self.weights, self.engine = weights, engine
-        out = engine.step(Step(prefill=tuple(PrefillSlice(seq_id, tokens) for seq_id, tokens in prompts.items())))
+    def __init__(self, weights: str, worker: InProcessWorker, prompts: dict[int, tuple[int, ...]]):
+        self.weights, self.worker, self.engine = weights, worker, worker.engine
+        out = self._on_stream(lambda: self.engine.step(Step(prefill=tuple(
+            PrefillSlice(seq_id, tokens) for seq_id, tokens in prompts.items()))))
         self.next_tokens = {o.seq_id: o.token for o in out.outputs}
+
+    def _on_stream(self, work):
+        return self.worker.server.threads.submit(0, [], work).result()[0]
 
     def step(self) -> tuple[float, float]:
         """One decode step of every sequence; returns (wall ms, forward ms)."""
         step = Step(decode=tuple(DecodeToken(seq_id, token) for seq_id, token in self.next_tokens.items()))
-        started = time.perf_counter()
-        out = self.engine.step(step)
-        elapsed_ms = (time.perf_counter() - started) * 1e3
+
+        def timed():
+            started = time.perf_counter()
+            return self.engine.step(step), (time.perf_counter() - started) * 1e3
+        out, elapsed_ms = self._on_stream(timed)
         self.next_tokens = {o.seq_id: o.token for o in out.outputs}
         return elapsed_ms, out.forward_us / 1e3
 
     def release(self) -> None:
-        self.engine.release(list(self.next_tokens))
+        self._on_stream(lambda: self.engine.release(list(self.next_tokens)))
 
 
 class GrpcDecoder:
@@ -192,33 +197,31 @@ def main(argv: list[str] | None = None) -> list[Row]:
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     model = args.model or fetch_default_model(default_cache_dir())
-    checkpoint = load_checkpoint(model)
+    checkpoint = run_on_own_thread(lambda: load_checkpoint(model), name="load")
     max_len = args.prompt_len + args.warmup + args.steps + 1
     engine_config = EngineConfig(device="cpu", max_model_len=max_len,
                                  kv_blocks=2 * max(batches) * blocks_for(max_len, EngineConfig.kv_block_size))
-    bandwidth = copy_bandwidth(args.copy_mb << 20)
+    bandwidth = run_on_own_thread(lambda: copy_bandwidth(args.copy_mb << 20), name="copy")
     print(machine_line("cpu_decode"))
-    with contextlib.ExitStack() as stack:
-        workers = start_workers(checkpoint, engine_config, stack)
-        servicer = next(iter(workers.values())).server.servicer
-        info, kv_per_token = servicer.info, kv_bytes_per_token(servicer.engine)
-        weights = {form: weight_bytes(worker.server.servicer.engine) for form, worker in workers.items()}
-        # Decode step i reads prompt_len + i + 1 tokens of KV per sequence; the mean over the timed steps:
-        mean_context = args.prompt_len + args.warmup + (args.steps + 1) / 2
-        read = ", ".join(f"{form} {size / 1e6:.1f} MB" for form, size in weights.items())
-        print(f"# {info.model_id}: {info.architecture}, weights read per step: {read}; KV {kv_per_token / 1e3:.1f} "
-              f"kB/token; prompt {args.prompt_len} tokens, {args.steps} timed steps after {args.warmup} warm-up; "
-              f"copy bandwidth {bandwidth / 1e9:.2f} GB/s (read + write)")
-        rows = []
-        for batch in batches:
-            decoders, floors = [], []
-            for form, worker in workers.items():
-                engine, vocab_size = worker.server.servicer.engine, info.vocab_size
-                decoders += [EngineDecoder(form, engine, prompt_tokens(0, batch, args.prompt_len, vocab_size)),
-                             GrpcDecoder(form, worker.stub, prompt_tokens(batch, batch, args.prompt_len, vocab_size))]
-                floors += [(weights[form] + batch * mean_context * kv_per_token) / bandwidth * 1e3] * 2
-            runs = decode_interleaved(decoders, batch, args.steps, args.warmup)
-            rows += [row_of(run, floor_ms) for run, floor_ms in zip(runs, floors)]
+    # Decode step i reads prompt_len + i + 1 tokens of KV per sequence; the mean over the timed steps:
+    mean_context = args.prompt_len + args.warmup + (args.steps + 1) / 2
+    rows = []
+    # One worker at a time (each form in turn): a second worker's stream thread would keep a second OpenMP team.
+    for dequantize in weight_forms(checkpoint):
+        with start_worker(checkpoint, engine_config, dequantize) as worker:
+            info, engine = worker.server.servicer.info, worker.engine
+            form, kv_per_token = info.dtype if dequantize else "blocks", kv_bytes_per_token(engine)
+            weights = weight_bytes(engine)
+            print(f"# {info.model_id}: {info.architecture}, {form}: weights read per step {weights / 1e6:.1f} MB; KV "
+                  f"{kv_per_token / 1e3:.1f} kB/token; prompt {args.prompt_len} tokens, {args.steps} timed steps "
+                  f"after {args.warmup} warm-up; copy bandwidth {bandwidth / 1e9:.2f} GB/s (read + write)")
+            for batch in batches:
+                decoders = [EngineDecoder(form, worker, prompt_tokens(0, batch, args.prompt_len, info.vocab_size)),
+                            GrpcDecoder(form, worker.stub, prompt_tokens(batch, batch, args.prompt_len,
+                                                                          info.vocab_size))]
+                floor_ms = (weights + batch * mean_context * kv_per_token) / bandwidth * 1e3
+                runs = decode_interleaved(decoders, batch, args.steps, args.warmup)
+                rows += [row_of(run, floor_ms) for run in runs]
     print(format_table(rows))
     return rows
 

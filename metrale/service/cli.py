@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from metrale.runtime.errors import ModelLoadError, WorkerError
+from metrale.runtime.own_thread import run_on_own_thread
 from metrale.service.config import WorkerConfig, add_serve_flags, config_from_args
 from metrale.service.log import configure_logging
 from metrale.service.preflight import check_before_load
@@ -42,7 +43,7 @@ def run_serve(config: WorkerConfig) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     path = model_path(config)
     log.info("loading", model=str(path))
-    asyncio.run(serve(load_model(path), config))
+    asyncio.run(serve(run_on_own_thread(lambda: load_model(path), name="load"), config))
 
 
 def load_model(path: Path) -> "Checkpoint":

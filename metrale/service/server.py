@@ -11,7 +11,9 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from metrale.runtime.backend import runs_on_cuda
 from metrale.runtime.build import ModelInfo, build_engine
+from metrale.runtime.own_thread import run_on_own_thread
 from metrale.runtime.streams import StreamThreads
 from metrale.runtime.loading import Checkpoint
 from metrale.service.config import WorkerConfig
@@ -68,7 +70,11 @@ class WorkerServer:
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, config: WorkerConfig) -> "WorkerServer":
-        engine, info = build_engine(checkpoint, config.engine, Path(config.cache_dir) if config.cache_dir else None)
+        """The engine built on this thread for the CUDA backend (the thread keeps the device's context current), on
+        a thread of its own for the CPU backend (own_thread.py: its OpenMP team ends with the build)."""
+        def build():
+            return build_engine(checkpoint, config.engine, Path(config.cache_dir) if config.cache_dir else None)
+        engine, info = build() if runs_on_cuda(config.engine.device) else run_on_own_thread(build)
         return cls(engine, info, checkpoint.tokenizer, config)
 
     async def start(self) -> None:

@@ -33,12 +33,17 @@ def cuda_available() -> bool:
         return False
 
 
+def runs_on_cuda(device: str) -> bool:
+    """Whether create_backend(device) makes the CUDA backend: 'cuda', or 'auto' where a GPU is present."""
+    return device == "cuda" or (device == "auto" and cuda_available())
+
+
 def create_backend(device: str, dtype: str, cache_dir: Path, programmatic_launch: bool = True,
                    dequantize: bool = False) -> Backend:
     """device: 'auto' (CUDA where a GPU is present), 'cpu' or 'cuda'; programmatic_launch: CUDA's PDL on Hopper;
     dequantize: the CPU backend dequantizes GGUF block weights at upload instead of multiplying them as they are
     (the CUDA backend always uploads them dequantized, in bfloat16)."""
-    if device == "cuda" or (device == "auto" and cuda_available()):
+    if runs_on_cuda(device):
         if not cuda_available():
             raise FailedPrecondition("--device cuda, but no CUDA device is visible")
         from metrale.runtime.backend.cuda import create_cuda_backend
@@ -47,4 +52,4 @@ def create_backend(device: str, dtype: str, cache_dir: Path, programmatic_launch
     return Backend(*create_cpu_backend(dtype, dequantize))
 
 
-__all__ = ["Backend", "LayerMath", "Runner", "create_backend", "cuda_available"]
+__all__ = ["Backend", "LayerMath", "Runner", "create_backend", "cuda_available", "runs_on_cuda"]
