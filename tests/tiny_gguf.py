@@ -8,6 +8,8 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from block_bytes import quantize
+
 # HF leaf -> llama.cpp leaf, written out here rather than taken from gguf_file.py, which they test.
 HF_TO_GGUF_LAYER = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -59,8 +61,9 @@ def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
         .swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_tiny_gguf(path, case: str, model, quant=gguf.GGMLQuantizationType.F32):
-    """model as llama.cpp would write it: its Q/K rows permuted (llama), every 2-D tensor in quant."""
+def write_tiny_gguf(path, case: str, model, quant=gguf.GGMLQuantizationType.F32, overrides: dict | None = None):
+    """model as llama.cpp would write it: its Q/K rows permuted (llama), every 2-D tensor in quant, or in
+    overrides[part] where its HF name contains part (a Q4_K_M file's Q6_K down_proj: {"down_proj": Q6_K})."""
     arch = TINY[case][0]
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
@@ -89,8 +92,9 @@ def write_tiny_gguf(path, case: str, model, quant=gguf.GGMLQuantizationType.F32)
             data = _llama_cpp_permute(data, config.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             data = _llama_cpp_permute(data, config.num_key_value_heads)
-        if data.ndim == 2 and quant != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(_gguf_name(name), gguf.quants.quantize(data, quant), raw_dtype=quant)
+        kind = next((kind for part, kind in (overrides or {}).items() if part in name), quant)
+        if data.ndim == 2 and kind != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(_gguf_name(name), quantize(data, kind.name), raw_dtype=kind)
         else:
             writer.add_tensor(_gguf_name(name), data)
     if config.rope_parameters.get("rope_type") == "llama3":

@@ -15,18 +15,27 @@ from tiny_gguf import tiny_model, write_tiny_gguf
 
 PROMPT = list(range(3, 11))
 STEPS = 32
+# A tiny model whose rows are whole K super-blocks of 256.
+K_SIZES = dict(hidden_size=256, intermediate_size=512)
+# file -> (the kind of its 2-D weights, kinds of some of them): "Q4_K_M" as llama.cpp's, with Q6_K weights (groups
+# of 16) dequantized at load.
+FILES = {quant: (quant, {}) for quant in ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K"]} | {
+    "Q4_K_M": ("Q4_K", {"down_proj": "Q6_K", "lm_head": "Q6_K"})}
 
 
 def _engine(checkpoint: Checkpoint, **config):
     return build_engine(checkpoint, EngineConfig(device="cpu", kv_blocks=16, **config))[0]
 
 
-@pytest.mark.parametrize("quant", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("file", FILES)
 @pytest.mark.parametrize("case, config", [("llama_tied", dict(vocab_size=120)),    # LM head rows padded to 128
                                           ("llama_untied", {})])
-def test_blocks_stay_within_the_bf16_models_distance_of_float32(tmp_path, quant, case, config):
-    path = write_tiny_gguf(tmp_path / "tiny.gguf", case, tiny_model(case, **config),
-                           gguf.GGMLQuantizationType[quant])
+def test_blocks_stay_within_the_bf16_models_distance_of_float32(tmp_path, file, case, config):
+    quant, overrides = FILES[file]
+    sizes = K_SIZES if quant.endswith("_K") else {}
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", case, tiny_model(case, **config, **sizes),
+                           gguf.GGMLQuantizationType[quant],
+                           {part: gguf.GGMLQuantizationType[kind] for part, kind in overrides.items()})
     checkpoint = load_checkpoint(path)
     reference, tokens = greedy_logits(_engine(checkpoint, dequantize=True), PROMPT, STEPS)
     continuation = tokens[len(PROMPT):]

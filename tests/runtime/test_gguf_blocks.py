@@ -9,9 +9,13 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType, GGUFReader
 
 from metrale.runtime.errors import InvalidArgument
-from metrale.runtime.loading.gguf_blocks import KINDS, BlockWeight
+from metrale.runtime.loading.gguf_blocks import KINDS, BlockWeight, kind_of
 from metrale.runtime.loading.gguf_file import load_gguf
+from block_bytes import quantize, random_blocks
 from tiny_gguf import tiny_model, write_tiny_gguf
+
+# A tiny model whose rows are whole K super-blocks of 256.
+K_SIZES = dict(hidden_size=256, intermediate_size=512)
 
 
 def _weights(rows: int, columns: int) -> np.ndarray:
@@ -27,11 +31,11 @@ def _weights(rows: int, columns: int) -> np.ndarray:
 
 
 def _written(tmp_path, kind: str, weight: np.ndarray):
-    """weight quantized to kind, written to a GGUF file and read back: the reader's tensor."""
+    """weight quantized to kind (gguf.quants.quantize, or block_bytes' K quantizer where gguf has none), written to
+    a GGUF file and read back: the reader's tensor."""
     path = tmp_path / f"{kind}.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_tensor("weight", gguf.quants.quantize(weight, GGMLQuantizationType[kind]),
-                      raw_dtype=GGMLQuantizationType[kind])
+    writer.add_tensor("weight", quantize(weight, kind), raw_dtype=GGMLQuantizationType[kind])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -40,8 +44,7 @@ def _written(tmp_path, kind: str, weight: np.ndarray):
 
 
 def _blocks(kind: str, weight: np.ndarray) -> BlockWeight:
-    quantized = gguf.quants.quantize(weight, GGMLQuantizationType[kind])
-    return BlockWeight.from_gguf(kind, quantized, *weight.shape)
+    return BlockWeight.from_gguf(kind, quantize(weight, kind), *weight.shape)
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -50,35 +53,47 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_dequantize_is_gguf_quants_bit_for_bit(tmp_path, kind):
-    tensor = _written(tmp_path, kind, _weights(8, 96))
-    blocks = BlockWeight.from_gguf(kind, np.asarray(tensor.data), 8, 96)
-    expected = torch.from_numpy(gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(8, 96))
+    tensor = _written(tmp_path, kind, _weights(8, 512))
+    blocks = BlockWeight.from_gguf(kind, np.asarray(tensor.data), 8, 512)
+    expected = torch.from_numpy(gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(8, 512))
     ours = blocks.dequantize()
-    assert ours.dtype == torch.float32 and ours.shape == (8, 96)
+    assert ours.dtype == torch.float32 and ours.shape == (8, 512)
     assert torch.equal(_bits(ours), _bits(expected))       # -0.0 and +0.0 told apart
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_random_blocks_dequantize_as_gguf_quants_bit_for_bit(kind):
+    """Every code, 6-bit scale and min and fifth bit a block can hold, not only those a quantizer writes."""
+    data = random_blocks(kind, 6, 768, seed=len(kind))
+    expected = gguf.quants.dequantize(data, GGMLQuantizationType[kind]).reshape(6, 768)
+    assert torch.equal(_bits(BlockWeight.from_gguf(kind, data, 6, 768).dequantize()), _bits(torch.from_numpy(expected)))
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_fields_hold_the_block_layout(kind):
-    """Codes, scales and mins as the class says: a value is d q + min (Q4) or d q (Q8_0), in column order."""
-    blocks = _blocks(kind, _weights(8, 64))
-    codes = blocks.unpacked_codes().float()
+    """Codes, scales and mins as the class says: a value is scale q + min (4 and 5 bits) or d q (Q8_0), in column
+    order."""
+    blocks = _blocks(kind, _weights(8, 256))
+    codes = blocks.unpacked_codes()
     scales = blocks.scales.repeat_interleave(32, dim=1)
     if kind == "Q8_0":
-        assert blocks.codes.dtype == torch.int8 and blocks.codes.shape == (8, 64) and blocks.mins is None
-        rebuilt = codes * scales
+        assert blocks.codes.dtype == torch.int8 and blocks.codes.shape == (8, 256) and blocks.mins is None
+        rebuilt = codes.float() * scales
     else:
-        assert blocks.codes.dtype == torch.uint8 and blocks.codes.shape == (8, 32)
-        assert blocks.mins.shape == blocks.scales.shape == (8, 2)
-        rebuilt = codes * scales + blocks.mins.repeat_interleave(32, dim=1)
+        assert blocks.codes.dtype == torch.uint8 and blocks.codes.shape == (8, 128)
+        assert blocks.mins.shape == blocks.scales.shape == (8, 8)
+        assert codes.dtype == torch.uint8 and int(codes.max()) < 2 ** blocks.bits
+        assert (blocks.high_bits is None) == (blocks.bits == 4)
+        assert blocks.bits == 4 or int(codes.max()) >= 16        # the fifth bits are read
+        rebuilt = codes.float() * scales + blocks.mins.repeat_interleave(32, dim=1)
     assert torch.equal(rebuilt, blocks.dequantize())
-    if kind == "Q4_0":
-        assert torch.equal(blocks.mins, -8 * blocks.scales)
+    if kind in ("Q4_0", "Q5_0"):
+        assert torch.equal(blocks.mins, -2 ** (blocks.bits - 1) * blocks.scales)
 
 
-@pytest.mark.parametrize("quant", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("quant", KINDS)
 def test_load_gguf_keeps_blocks_with_llama_cpp_rows_undone(tmp_path, quant):
-    model = tiny_model("llama_untied")
+    model = tiny_model("llama_untied", **K_SIZES)
     path = write_tiny_gguf(tmp_path / "tiny.gguf", "llama_untied", model, GGMLQuantizationType[quant])
     tensors = load_gguf(path).tensors
     for name, weight in model.state_dict().items():
@@ -88,20 +103,30 @@ def test_load_gguf_keeps_blocks_with_llama_cpp_rows_undone(tmp_path, quant):
             continue
         assert isinstance(ours, BlockWeight) and ours.kind == quant, name
         # Quantization is per row, so the file's permuted rows, dequantized and put back, are the HF rows'.
-        expected = gguf.quants.dequantize(gguf.quants.quantize(weight.numpy(), GGMLQuantizationType[quant]),
-                                          GGMLQuantizationType[quant])
+        expected = gguf.quants.dequantize(quantize(weight.numpy(), quant), GGMLQuantizationType[quant])
         assert torch.equal(_bits(ours.dequantize()), _bits(torch.from_numpy(expected))), name
 
 
-def test_a_kind_without_blocks_is_dequantized_at_load(tmp_path):
-    model = tiny_model("llama_tied")
-    path = write_tiny_gguf(tmp_path / "tiny.gguf", "llama_tied", model, GGMLQuantizationType.Q5_0)
+@pytest.mark.parametrize("kind", ["Q6_K", "Q2_K", "Q3_K", "F16"])
+def test_kinds_with_groups_of_16_are_dequantized(kind):
+    assert kind_of(GGMLQuantizationType[kind], (64, 256)) is None
+    assert kind_of(GGMLQuantizationType.Q4_K, (64, 256)) == "Q4_K"
+    assert kind_of(GGMLQuantizationType.Q4_K, (256,)) is None
+
+
+def test_a_q4_k_m_mix_keeps_q4_k_blocks_and_dequantizes_q6_k(tmp_path):
+    """As llama.cpp's Q4_K_M: Q4_K weights with some in Q6_K."""
+    model = tiny_model("llama_tied", **K_SIZES)
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "llama_tied", model, GGMLQuantizationType.Q4_K,
+                           {"down_proj": GGMLQuantizationType.Q6_K})
     tensors = load_gguf(path).tensors
-    weight = model.state_dict()["model.layers.0.mlp.up_proj.weight"].numpy()
-    expected = gguf.quants.dequantize(gguf.quants.quantize(weight, GGMLQuantizationType.Q5_0),
-                                      GGMLQuantizationType.Q5_0)
-    ours = tensors["model.layers.0.mlp.up_proj.weight"]
-    assert type(ours) is torch.Tensor and torch.equal(ours, torch.from_numpy(expected))
+    weight = model.state_dict()["model.layers.0.mlp.down_proj.weight"].numpy()
+    expected = gguf.quants.dequantize(quantize(weight, "Q6_K"), GGMLQuantizationType.Q6_K)
+    ours = tensors["model.layers.0.mlp.down_proj.weight"]
+    assert type(ours) is torch.Tensor and ours.dtype == torch.float32
+    assert torch.equal(ours, torch.from_numpy(expected))
+    up = tensors["model.layers.0.mlp.up_proj.weight"]
+    assert isinstance(up, BlockWeight) and up.kind == "Q4_K"
 
 
 def test_cat_of_one_kind_stays_in_blocks():
@@ -149,7 +174,8 @@ def test_it_behaves_as_its_dequantized_tensor():
 
 
 @pytest.mark.parametrize("kind, data, rows, columns", [
-    ("Q5_0", np.zeros(22, dtype=np.uint8), 1, 32),             # a kind kept as blocks only by others
+    ("Q6_K", np.zeros(210, dtype=np.uint8), 1, 256),           # a kind kept as blocks only by others
+    ("Q4_K", np.zeros(144, dtype=np.uint8), 1, 128),           # not whole super-blocks of 256 a row
     ("Q8_0", np.zeros(33, dtype=np.uint8), 1, 32),             # a block is 34 bytes
     ("Q4_1", np.zeros(20, dtype=np.uint8), 1, 48),             # not whole blocks a row
 ])
@@ -165,4 +191,8 @@ def test_fields_that_do_not_fit_are_invalid_argument():
     with pytest.raises(InvalidArgument, match="mins"):
         BlockWeight("Q8_0", torch.zeros(4, 64, dtype=torch.int8), scales, scales)
     with pytest.raises(InvalidArgument, match="not one of"):
-        BlockWeight("Q4_K", torch.zeros(4, 32, dtype=torch.uint8), scales, scales)
+        BlockWeight("Q6_K", torch.zeros(4, 32, dtype=torch.uint8), scales, scales)
+    with pytest.raises(InvalidArgument, match="high bits"):
+        BlockWeight("Q5_1", torch.zeros(4, 32, dtype=torch.uint8), scales, scales)      # its fifth bits missing
+    with pytest.raises(InvalidArgument, match="high bits"):
+        BlockWeight("Q4_K", torch.zeros(4, 32, dtype=torch.uint8), scales, scales, torch.zeros(4, 8, dtype=torch.uint8))

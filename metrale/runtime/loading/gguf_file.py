@@ -1,5 +1,6 @@
-"""Load a GGUF file as a Checkpoint: HF config from its metadata, tensors under HF names (2-D Q4_0, Q4_1 and Q8_0
-weights kept in their blocks, gguf_blocks.py; the others dequantised)."""
+"""Load a GGUF file as a Checkpoint: HF config from its metadata, tensors under HF names (2-D weights of the kinds
+with groups of 32, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q8_0, kept in their blocks, gguf_blocks.py; the others
+dequantised)."""
 
 import math
 import re
@@ -186,7 +187,7 @@ def _llama3_scaling(rope_factors: np.ndarray, rope_theta: float, head_dim: int) 
 
 
 def _read(tensor, path) -> BlockWeight | np.ndarray:
-    """A 2-D Q4_0, Q4_1 or Q8_0 weight in its blocks; any other tensor dequantised."""
+    """A 2-D weight of a kind in gguf_blocks.KINDS in its blocks; any other tensor dequantised."""
     shape = tuple(int(dim) for dim in reversed(tensor.shape))
     kind = kind_of(tensor.tensor_type, shape)
     if kind is None:
