@@ -64,6 +64,14 @@ def test_select_scores_every_row_in_pieces_and_gathers_mixed_decode_entries_once
     assert names[2:] == ["index_scores_d64", "index_top_k"] * pieces
     assert (selection.by_row.shape, selection.counts.shape, selection.width) == ((TOKENS, kept), (TOKENS,), kept)
     assert all(args[-2] == kept for (_, name), _, _, args, _ in recorded if name == "index_top_k")
+    # each piece's rows of the batch's per-row parts (row_contexts and row_tables both at BASE here)
+    scored = [args for (_, name), _, _, args, _ in recorded if name == "index_scores_d64"]
+    chosen = [args for (_, name), _, _, args, _ in recorded if name == "index_top_k"]
+    for start, score_args, top_args in zip(range(0, TOKENS, score_rows), scored, chosen):
+        assert [int(score_args[i]) for i in (7, 8, 10)] == [ctx.index["rows"].ptr + 4 * start, BASE + 4 * start,
+                                                            BASE + 4 * start]
+        assert [int(top_args[i]) for i in (0, 2, 5)] == [ctx.index["selected"].ptr + 4 * kept * start,
+                                                         ctx.index["counts"].ptr + 4 * start, BASE + 4 * start]
     selected, counts = selection.decode(FakeLibrary(), ctx, batch(6))
     assert selection.decode(FakeLibrary(), ctx, batch(6)) == (selected, counts)
     assert [name for (_, name), *_ in recorded[2 + 2 * pieces:]] == ["gather_rows_16b", "gather_rows_4b"]

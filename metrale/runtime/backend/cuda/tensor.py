@@ -58,8 +58,9 @@ class DeviceTensor:
         return DeviceTensor(self.ptr, tuple(shape), self.dtype)
 
     def rows(self, start: int, stop: int) -> "DeviceTensor":
-        """Rows [start, stop) of a 2-D tensor."""
-        return DeviceTensor(self.ptr + start * self.stride * self.itemsize, (stop - start, *self.shape[1:]),
+        """Rows [start, stop) of a 2-D (or wider) tensor; elements [start, stop) of a 1-D one."""
+        step = self.stride if len(self.shape) > 1 else 1
+        return DeviceTensor(self.ptr + start * step * self.itemsize, (stop - start, *self.shape[1:]),
                             self.dtype, self.row_stride)
 
     def columns(self, start: int, stop: int) -> "DeviceTensor":
