@@ -7,6 +7,8 @@ namespace {
 constexpr int TOP_K_THREADS = 512;
 constexpr int TOP_K_ITEMS = 8;          // keys a thread loads at a time (loads in flight), and columns it compacts
 constexpr int RADIX_BINS = 2048;        // the passes take 11, 11 and 10 bits of a key, highest first
+constexpr int SPAN = TOP_K_THREADS * TOP_K_ITEMS;   // the items a block loads at a time
+static_assert(SPAN < 65536, "the compaction counts a span's keys in 16 bits");
 
 // A float's order-preserving key: x > y <=> order_key(x) > order_key(y), -0 taken as +0 and NaN above everything
 // (as torch.topk orders them).
@@ -43,6 +45,20 @@ __device__ __forceinline__ void load_keys(unsigned (&out)[TOP_K_ITEMS], const un
     for (int e = 0; e < TOP_K_ITEMS; ++e) {
         const int i = base + e * TOP_K_THREADS + threadIdx.x;
         out[e] = i < size ? (in_shared ? keys[i] : order_key(row[i])) : 0u;
+    }
+}
+
+// visit(i, key) for item i of keys[0 .. size) in shared memory or of the row, SPAN items a round with load_keys'
+// loads in flight; items past size come as key 0 with i >= size, so every lane of a warp visits as often (visit may
+// vote across the warp).
+template <typename Visit>
+__device__ __forceinline__ void for_each_key(const unsigned* keys, const float* row, bool in_shared, int size,
+                                             Visit visit) {
+    for (int base = 0; base < size; base += SPAN) {
+        unsigned loaded[TOP_K_ITEMS];
+        load_keys(loaded, keys, row, in_shared, base, size);
+#pragma unroll
+        for (int e = 0; e < TOP_K_ITEMS; ++e) visit(base + e * TOP_K_THREADS + (int)threadIdx.x, loaded[e]);
     }
 }
 
@@ -129,19 +145,8 @@ extern "C" __global__ void __launch_bounds__(TOP_K_THREADS) index_top_k(int* ind
         return;
     }
     const bool staged = n <= capacity;
-    constexpr int SPAN = TOP_K_THREADS * TOP_K_ITEMS;   // the items a block loads at a time
-    static_assert(SPAN < 65536, "the compaction counts a span's keys in 16 bits");
-    if (staged) {
-        for (int base = 0; base < n; base += SPAN) {
-            unsigned loaded[TOP_K_ITEMS];
-            load_keys(loaded, keys, row, false, base, n);
-#pragma unroll
-            for (int e = 0; e < TOP_K_ITEMS; ++e) {
-                const int i = base + e * TOP_K_THREADS + threadIdx.x;
-                if (i < n) keys[i] = loaded[e];
-            }
-        }
-    }
+    if (staged)
+        for_each_key(keys, row, false, n, [&](int i, unsigned key) { if (i < n) keys[i] = key; });
     bool in_shared = staged;    // where the passes read their keys: keys[0 .. size) or the row
     int size = n;
     unsigned prefix = 0, mask = 0, remaining = k;       // the bits chosen; the keys still to take from their bin
@@ -149,14 +154,9 @@ extern "C" __global__ void __launch_bounds__(TOP_K_THREADS) index_top_k(int* ind
         const int shift = pass == 0 ? 21 : pass == 1 ? 10 : 0, bins = pass < 2 ? RADIX_BINS : RADIX_BINS / 2;
         for (int i = threadIdx.x; i < bins; i += TOP_K_THREADS) histogram[i] = 0;
         __syncthreads();
-        for (int base = 0; base < size; base += SPAN) {
-            unsigned loaded[TOP_K_ITEMS];
-            load_keys(loaded, keys, row, in_shared, base, size);
-#pragma unroll
-            for (int e = 0; e < TOP_K_ITEMS; ++e)
-                count_in_histogram(histogram, (loaded[e] >> shift) & (bins - 1),
-                                   base + e * TOP_K_THREADS + (int)threadIdx.x < size && (loaded[e] & mask) == prefix);
-        }
+        for_each_key(keys, row, in_shared, size, [&](int i, unsigned key) {
+            count_in_histogram(histogram, (key >> shift) & (bins - 1), i < size && (key & mask) == prefix);
+        });
         __syncthreads();
         const Bin chosen = find_bin(histogram, bins, remaining, &found);
         remaining -= chosen.above;
@@ -165,14 +165,9 @@ extern "C" __global__ void __launch_bounds__(TOP_K_THREADS) index_top_k(int* ind
         if (pass == 0 && !in_shared && chosen.count <= (unsigned)capacity) {
             if (threadIdx.x == 0) collected = 0;
             __syncthreads();
-            for (int base = 0; base < n; base += SPAN) {
-                unsigned loaded[TOP_K_ITEMS];
-                load_keys(loaded, keys, row, false, base, n);
-#pragma unroll
-                for (int e = 0; e < TOP_K_ITEMS; ++e)
-                    append(keys, &collected, loaded[e],
-                           base + e * TOP_K_THREADS + (int)threadIdx.x < n && (loaded[e] & mask) == prefix);
-            }
+            for_each_key(keys, row, false, n, [&](int i, unsigned key) {
+                append(keys, &collected, key, i < n && (key & mask) == prefix);
+            });
             __syncthreads();
             in_shared = true;
             size = chosen.count;
