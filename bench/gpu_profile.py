@@ -33,6 +33,8 @@ def parse_args(argv):
     parser.add_argument("--kernels", type=int, default=25, help="kernel rows to print")
     parser.add_argument("--host-rows", type=int, default=25, help="cProfile rows to print")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pdl", default="on", choices=("on", "off"),
+                        help="programmatic dependent launch (off: each kernel's own time, none waiting in another's)")
     return parser.parse_args(argv)
 
 
@@ -51,7 +53,8 @@ def main(argv=None) -> None:
     # No prefix cache: the profiled prefill computes the same tokens as its warm-up did, every one of them.
     config = EngineConfig(device="cuda", kv_blocks=kv_blocks, max_batch_tokens=max_batch_tokens,
                           max_model_len=max(longest, prefill[1] if prefill else 0),
-                          cuda_graph_batch_sizes=tuple(batches), prefix_cache=False)
+                          cuda_graph_batch_sizes=tuple(batches), prefix_cache=False,
+                          programmatic_launch=args.pdl == "on")
     checkpoint = checkpoint_of(shape, args.seed)
     gc.collect()
     torch.cuda.empty_cache()         # a mixture's transformers model, gone

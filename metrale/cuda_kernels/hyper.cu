@@ -31,19 +31,6 @@ __device__ __forceinline__ float unit_squares(uint4 v) {
     return s;
 }
 
-// A token's streams (units 16-byte units of bf16) copied into shared memory; returns this thread's share of their
-// sum of squares.
-__device__ __forceinline__ float stage_row(uint4* staged, const bf16* streams_row, int units) {
-    const uint4* row = reinterpret_cast<const uint4*>(streams_row);
-    float sum_squares = 0.f;
-    for (int u = threadIdx.x; u < units; u += blockDim.x) {
-        const uint4 v = row[u];
-        staged[u] = v;
-        sum_squares += unit_squares(v);
-    }
-    return sum_squares;
-}
-
 __device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
 // A hyper-connection's projection (HyperConnection, or HyperHead: rows = hc_mult, no post): fn [rows, hc_mult *
@@ -56,24 +43,56 @@ struct Connection {
     float norm_eps, eps, post_magnitude, post_eps;
 };
 
-// Each warp's partial dot products of the staged row (units 16-byte units of bf16) with fn's rows, and its share of
-// the row's sum of squares (entry rows), into partial[warp]. fn is read once per CTA; the row, from shared memory,
-// once per HYPER_ROW_CHUNK rows.
-__device__ __forceinline__ void project(const uint4* staged, int units, const Connection& c, float sum_squares,
-                                        float (*partial)[HYPER_MAX_ROWS + 1]) {
+// A CTA's piece of a token's row: units first .. first + count - 1 of each stream (16-byte units of bf16), staged
+// in shared memory as staged[k * count + j] = unit first + j of stream k. A row is split into pieces where a few
+// tokens would leave most SMs idle (the launcher's slices); one piece is the whole row otherwise.
+struct Piece {
+    int first, count;
+};
+
+__device__ __forceinline__ Piece piece_of(int groups, int span) {
+    const int first = blockIdx.y * span;
+    return {first, min(span, groups - first)};
+}
+
+// The piece of a token's streams copied into shared memory; returns this thread's share of its sum of squares.
+__device__ __forceinline__ float stage_piece(uint4* staged, const uint4* row, int n, int groups, Piece p) {
+    float sum_squares = 0.f;
+    for (int i = threadIdx.x; i < n * p.count; i += blockDim.x) {
+        const int k = i / p.count;
+        const uint4 v = row[k * groups + p.first + i - k * p.count];
+        staged[i] = v;
+        sum_squares += unit_squares(v);
+    }
+    return sum_squares;
+}
+
+// Each warp's partial dot products of the staged piece with fn's rows, and its share of the piece's sum of squares
+// (entry rows), into partial[warp] (zero for the rows it does not take). The warps split the piece's columns (k, j)
+// and, where those leave warps over, the rows; each thread reads its columns of fn, once per HYPER_ROW_CHUNK rows.
+__device__ __forceinline__ void project(const uint4* staged, int groups, Piece p, const Connection& c,
+                                        float sum_squares, float (*partial)[HYPER_MAX_ROWS + 1]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const long long width = 8LL * units;
-    for (int first = 0; first < c.rows; first += HYPER_ROW_CHUNK) {
+    const int cols = c.hc_mult * p.count, col_warps = (cols + 31) >> 5;
+    const int row_groups = max(1, min(HYPER_WARPS / col_warps, c.rows)), group_warps = HYPER_WARPS / row_groups;
+    const int group = warp / group_warps, first_col = (warp % group_warps) * 32 + lane;
+    const long long width = 8LL * c.hc_mult * groups;
+    for (int r = lane; r < c.rows; r += 32) partial[warp][r] = 0.f;
+    __syncwarp();
+    for (int first = group; group < row_groups && first < c.rows; first += row_groups * HYPER_ROW_CHUNK) {
         float acc[HYPER_ROW_CHUNK];
 #pragma unroll
         for (int r = 0; r < HYPER_ROW_CHUNK; ++r) acc[r] = 0.f;
-        for (int u = threadIdx.x; u < units; u += HYPER_THREADS) {
+        for (int col = first_col; col < cols; col += group_warps * 32) {
+            const int k = col / p.count;
             float v[8];
-            unpack_unit(staged[u], v);
+            unpack_unit(staged[col], v);
+            const float* column = c.fn + 8LL * (k * groups + p.first + col - k * p.count);
 #pragma unroll
             for (int r = 0; r < HYPER_ROW_CHUNK; ++r) {
-                if (first + r < c.rows) {
-                    const float4* w = reinterpret_cast<const float4*>(c.fn + (first + r) * width + 8LL * u);
+                const int row = first + r * row_groups;
+                if (row < c.rows) {
+                    const float4* w = reinterpret_cast<const float4*>(column + row * width);
                     const float4 a = w[0], b = w[1];
                     acc[r] += a.x * v[0] + a.y * v[1] + a.z * v[2] + a.w * v[3] + b.x * v[4] + b.y * v[5] +
                               b.z * v[6] + b.w * v[7];
@@ -82,14 +101,42 @@ __device__ __forceinline__ void project(const uint4* staged, int units, const Co
         }
 #pragma unroll
         for (int r = 0; r < HYPER_ROW_CHUNK; ++r) {
-            if (first + r < c.rows) {       // uniform over the warp: every lane shuffles
+            const int row = first + r * row_groups;
+            if (row < c.rows) {             // uniform over the warp: every lane shuffles
                 const float s = warp_sum(acc[r]);
-                if (lane == 0) partial[warp][first + r] = s;
+                if (lane == 0) partial[warp][row] = s;
             }
         }
     }
     const float s = warp_sum(sum_squares);
     if (lane == 0) partial[warp][c.rows] = s;
+}
+
+// The token's dot products (fn's rows . its row; then its sum of squares: dots[0 .. rows]) from every piece's, in
+// the CTA that holds its last piece to finish: the other CTAs return false. Each piece's go through partials
+// [T, slices, rows + 1] (float32); arrivals[t] counts the token's finished pieces, 0 before a launch and after (the
+// last piece resets it). One piece: the CTA's own, nothing written.
+__device__ bool gather_dots(float* dots, int rows, float* partials, unsigned* arrivals) {
+    __shared__ bool last;
+    const long long t = blockIdx.x;
+    const int slices = gridDim.y;
+    if (slices == 1) return true;
+    float* token_partials = partials + t * slices * (rows + 1);
+    if ((int)threadIdx.x <= rows) token_partials[blockIdx.y * (rows + 1) + threadIdx.x] = dots[threadIdx.x];
+    __threadfence();                    // this piece's streams and dots before its arrival
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(arrivals + t, 1u) == (unsigned)slices - 1;
+    __syncthreads();
+    if (!last) return false;
+    __threadfence();
+    if ((int)threadIdx.x <= rows) {
+        float s = 0.f;
+        for (int i = 0; i < slices; ++i) s += __ldcg(token_partials + i * (rows + 1) + threadIdx.x);
+        dots[threadIdx.x] = s;
+    }
+    if (threadIdx.x == 0) arrivals[t] = 0u;
+    __syncthreads();
+    return true;
 }
 
 // m [n, n] (shared, row-major) divided by each row's (by_row) or column's sum + eps, by one warp: lane entries lane
@@ -147,16 +194,24 @@ __device__ void sinkhorn_comb(const float* dots, float inv_rms, const Connection
     for (int e = lane; e < n * n; e += 32) comb_row[e] = m[e];
 }
 
-// The block's input and mix from a token's streams staged in shared memory (hc_mult * groups 16-byte units, groups
-// = hidden / 8; written by the CTA before the call, which syncs first); sum_squares: this thread's share of the row's
-// squares. x_row [hidden] bf16; post_row [hc_mult] (null: the head), comb_row [hc_mult^2] (null: none), fp32.
-__device__ void collapse_staged(const uint4* staged, float sum_squares, const Connection& c, int groups,
-                                uint4* x_row, float* post_row, float* comb_row) {
+// One unit of a token's streams: from shared memory, or (another CTA's piece) from global memory past L1, which
+// another CTA's stores do not reach.
+__device__ __forceinline__ uint4 row_unit(const uint4* units, int i, bool global) {
+    return global ? __ldcg(units + i) : units[i];
+}
+
+// The block's input and mix from the CTA's piece of a token's streams, staged in shared memory (written by the CTA
+// before the call, which syncs first); sum_squares: this thread's share of the piece's squares. The CTA that
+// finishes the token's last piece (gather_dots) goes on to x_row [hidden] bf16, post_row [hc_mult] (null: the
+// head) and comb_row [hc_mult^2] (null: none), fp32, reading the other pieces from row (the token's streams).
+__device__ void collapse_piece(const uint4* staged, const uint4* row, float sum_squares, const Connection& c,
+                               int groups, Piece p, float* partials, unsigned* arrivals, uint4* x_row,
+                               float* post_row, float* comb_row) {
     __shared__ float partial[HYPER_WARPS][HYPER_MAX_ROWS + 1];
     __shared__ float dots[HYPER_MAX_ROWS + 1];         // fn's rows . the row; then the sum of squares
     const int n = c.hc_mult;
     __syncthreads();
-    project(staged, n * groups, c, sum_squares, partial);
+    project(staged, groups, p, c, sum_squares, partial);
     __syncthreads();
     if ((int)threadIdx.x <= c.rows) {
         float s = 0.f;
@@ -165,19 +220,22 @@ __device__ void collapse_staged(const uint4* staged, float sum_squares, const Co
         dots[threadIdx.x] = s;
     }
     __syncthreads();
+    if (!gather_dots(dots, c.rows, partials, arrivals)) return;
     const float inv_rms = rsqrtf(dots[c.rows] / (float)(8 * n * groups) + c.norm_eps);
     // pre, in every thread's registers: n sigmoids cost less than a barrier
     float pre[HYPER_MAX_STREAMS];
 #pragma unroll
     for (int k = 0; k < HYPER_MAX_STREAMS; ++k)
         pre[k] = k < n ? sigmoid(dots[k] * inv_rms * c.scale[0] + c.base[k]) + c.eps : 0.f;
-    for (int g = threadIdx.x; g < groups; g += HYPER_THREADS) {
+    const bool whole = p.count == groups;               // the piece is the row: staged[k * groups + g]
+    const uint4* units = whole ? staged : row;
+    for (int g = threadIdx.x; g < groups; g += blockDim.x) {
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int k = 0; k < HYPER_MAX_STREAMS; ++k) {
             if (k < n) {
                 float v[8];
-                unpack_unit(staged[k * groups + g], v);
+                unpack_unit(row_unit(units, k * groups + g, !whole), v);
 #pragma unroll
                 for (int i = 0; i < 8; ++i) acc[i] += pre[k] * v[i];
             }
@@ -192,9 +250,10 @@ __device__ void collapse_staged(const uint4* staged, float sum_squares, const Co
 
 // Unit g of every new stream k = post[k] * out + (sum over j of comb[j * n + k] * stream j, or stream k where comb
 // is null), fp32, rounded to bf16, into new_row (may be streams_row: each unit is read before it is written) and
-// staged where not null. Returns the sum of squares of the rounded values.
+// staged[k * staged_stride] where staged is not null. Returns the sum of squares of the rounded values.
 __device__ __forceinline__ float expand_unit(int g, int n, int groups, const uint4* out_row, const uint4* streams_row,
-                                             uint4* new_row, uint4* staged, const float* post, const float* comb) {
+                                             uint4* new_row, uint4* staged, int staged_stride, const float* post,
+                                             const float* comb) {
     uint4 old[HYPER_MAX_STREAMS];
 #pragma unroll
     for (int j = 0; j < HYPER_MAX_STREAMS; ++j) {
@@ -227,7 +286,7 @@ __device__ __forceinline__ float expand_unit(int g, int n, int groups, const uin
         for (int i = 0; i < 8; ++i) mixed[i] = post[k] * out[i] + mixed[i];
         const uint4 rounded = pack_unit(mixed);
         new_row[k * groups + g] = rounded;
-        if (staged) staged[k * groups + g] = rounded;
+        if (staged) staged[k * staged_stride] = rounded;
         sum_squares += unit_squares(rounded);
     }
     return sum_squares;
@@ -246,38 +305,48 @@ extern "C" __global__ void hyper_widen(uint4* streams, long long streams_stride,
     for (int k = 0; k < hc_mult; ++k) streams[t * streams_stride + (long long)k * groups + g] = v;
 }
 
-// One CTA of HYPER_THREADS per token: x [T, hidden] bf16 = sum over n of pre[n] * stream n; post [T, hc_mult] and,
-// where sinkhorn_iters > 0, comb [T, hc_mult^2] (row-major [j][k]) fp32, contiguous. Dynamic shared memory: the
-// token's streams as bf16 (hc_mult * hidden * 2 bytes, 56 KB at 4 x 7168): exact, as the streams are bf16, and
-// half of fp32's, so twice the CTAs fit an SM; the projection reads it once per HYPER_ROW_CHUNK rows, the weighted
-// sum once more. Row strides in elements, multiples of 8; hidden % 8 == 0; rows 16-byte aligned.
+// x [T, hidden] bf16 = sum over n of pre[n] * stream n; post [T, hc_mult] and, where sinkhorn_iters > 0, comb [T,
+// hc_mult^2] (row-major [j][k]) fp32, contiguous. Grid (T, slices): CTA (t, s) of HYPER_THREADS holds units s * span
+// .. (s + 1) * span - 1 of each of token t's streams (one slice: the whole row); partials [T, slices, rows + 1]
+// float32 and arrivals [T] (0) where slices > 1 (gather_dots). Dynamic shared memory: the piece as bf16 (hc_mult *
+// span * 16 bytes; 56 KB for a whole row at 4 x 7168): exact, as the streams are bf16, and half of fp32's, so twice
+// the CTAs fit an SM; the projection reads it once per HYPER_ROW_CHUNK rows, the weighted sum once more. Row strides
+// in elements, multiples of 8; hidden % 8 == 0; rows 16-byte aligned.
 extern "C" __global__ void __launch_bounds__(HYPER_THREADS)
 hyper_collapse(bf16* x, long long x_stride, float* post, float* comb, const bf16* streams, long long streams_stride,
                const float* fn, const float* base, const float* scale, int hc_mult, int hidden, float norm_eps,
-               float eps, float post_magnitude, float post_eps, int sinkhorn_iters) {
+               float eps, float post_magnitude, float post_eps, int sinkhorn_iters, float* partials,
+               unsigned* arrivals, int span) {
     wait_for_previous_kernel();
     extern __shared__ uint4 staged[];
     const long long t = blockIdx.x;
     const int n = hc_mult, groups = hidden >> 3, with_comb = sinkhorn_iters > 0;
     const Connection c = {fn, base, scale, n, 2 * n + (with_comb ? n * n : 0), sinkhorn_iters, norm_eps, eps,
                           post_magnitude, post_eps};
-    const float sum_squares = stage_row(staged, streams + t * streams_stride, n * groups);
-    collapse_staged(staged, sum_squares, c, groups, reinterpret_cast<uint4*>(x + t * x_stride), post + t * n,
-                    with_comb ? comb + t * n * n : nullptr);
+    const Piece p = piece_of(groups, span);
+    const uint4* row = reinterpret_cast<const uint4*>(streams + t * streams_stride);
+    const float sum_squares = stage_piece(staged, row, n, groups, p);
+    collapse_piece(staged, row, sum_squares, c, groups, p, partials, arrivals,
+                   reinterpret_cast<uint4*>(x + t * x_stride), post + t * n, with_comb ? comb + t * n * n : nullptr);
 }
 
 // The streams after the last block, collapsed by HyperHead: x = sum over n of (sigmoid(logit * scale[0] + base) +
-// eps) * stream n. fn [hc_mult, hc_mult * hidden], base [hc_mult], scale [1]; layout as hyper_collapse.
+// eps) * stream n. fn [hc_mult, hc_mult * hidden], base [hc_mult], scale [1]; grid, pieces and layout as
+// hyper_collapse.
 extern "C" __global__ void __launch_bounds__(HYPER_THREADS)
 hyper_head(bf16* x, long long x_stride, const bf16* streams, long long streams_stride, const float* fn,
-           const float* base, const float* scale, int hc_mult, int hidden, float norm_eps, float eps) {
+           const float* base, const float* scale, int hc_mult, int hidden, float norm_eps, float eps, float* partials,
+           unsigned* arrivals, int span) {
     wait_for_previous_kernel();
     extern __shared__ uint4 staged[];
     const long long t = blockIdx.x;
     const int groups = hidden >> 3;
     const Connection c = {fn, base, scale, hc_mult, hc_mult, 0, norm_eps, eps, 0.f, 0.f};
-    const float sum_squares = stage_row(staged, streams + t * streams_stride, hc_mult * groups);
-    collapse_staged(staged, sum_squares, c, groups, reinterpret_cast<uint4*>(x + t * x_stride), nullptr, nullptr);
+    const Piece p = piece_of(groups, span);
+    const uint4* row = reinterpret_cast<const uint4*>(streams + t * streams_stride);
+    const float sum_squares = stage_piece(staged, row, hc_mult, groups, p);
+    collapse_piece(staged, row, sum_squares, c, groups, p, partials, arrivals,
+                   reinterpret_cast<uint4*>(x + t * x_stride), nullptr, nullptr);
 }
 
 // new_streams [T, hc_mult * hidden] = the streams after a block: hyper_expand's unit of out [T, hidden] and streams,
@@ -293,20 +362,21 @@ extern "C" __global__ void hyper_expand(uint4* new_streams, long long new_stride
     const long long t = unit / groups;
     const int g = (int)(unit - t * groups), n = hc_mult;
     expand_unit(g, n, groups, out + t * out_stride, streams + t * streams_stride, new_streams + t * new_stride,
-                nullptr, post + t * n, comb ? comb + t * n * n : nullptr);
+                nullptr, 0, post + t * n, comb ? comb + t * n * n : nullptr);
 }
 
 // A block boundary in one pass: the streams expanded by the block's output out [T, hidden] and its mix (post, comb),
 // then the next block's collapse of the new streams as bf16 holds them (transformers casts the streams to bf16
 // between blocks): x its input. In place: streams, post [T, hc_mult] and comb [T, hc_mult^2] (given where
 // sinkhorn_iters > 0, the previous connection's and the next's alike) become the next ones; each CTA reads its
-// token's mix into shared memory before its first barrier and writes the next after its last. Layout and shared
-// memory as hyper_collapse.
+// token's mix into shared memory before its first barrier (and before its piece's arrival), the mix's next value is
+// written after the token's last piece (each CTA expands its own units of every stream: the pieces never touch
+// another's). Grid, pieces and layout as hyper_collapse.
 extern "C" __global__ void __launch_bounds__(HYPER_THREADS)
 hyper_boundary(bf16* streams, long long streams_stride, bf16* x, long long x_stride, const bf16* out,
                long long out_stride, float* post, float* comb, const float* fn, const float* base, const float* scale,
                int hc_mult, int hidden, float norm_eps, float eps, float post_magnitude, float post_eps,
-               int sinkhorn_iters) {
+               int sinkhorn_iters, float* partials, unsigned* arrivals, int span) {
     wait_for_previous_kernel();
     extern __shared__ uint4 staged[];
     __shared__ float mix[HYPER_MAX_STREAMS + HYPER_MAX_STREAMS * HYPER_MAX_STREAMS];   // post, then comb
@@ -314,6 +384,7 @@ hyper_boundary(bf16* streams, long long streams_stride, bf16* x, long long x_str
     const int n = hc_mult, groups = hidden >> 3, with_comb = sinkhorn_iters > 0;
     const Connection c = {fn, base, scale, n, 2 * n + (with_comb ? n * n : 0), sinkhorn_iters, norm_eps, eps,
                           post_magnitude, post_eps};
+    const Piece p = piece_of(groups, span);
     float* post_row = post + t * n;
     float* comb_row = with_comb ? comb + t * n * n : nullptr;
     if ((int)threadIdx.x < n) mix[threadIdx.x] = post_row[threadIdx.x];
@@ -322,7 +393,9 @@ hyper_boundary(bf16* streams, long long streams_stride, bf16* x, long long x_str
     uint4* row = reinterpret_cast<uint4*>(streams + t * streams_stride);
     const uint4* out_row = reinterpret_cast<const uint4*>(out + t * out_stride);
     float sum_squares = 0.f;
-    for (int g = threadIdx.x; g < groups; g += HYPER_THREADS)
-        sum_squares += expand_unit(g, n, groups, out_row, row, row, staged, mix, comb_row ? mix + n : nullptr);
-    collapse_staged(staged, sum_squares, c, groups, reinterpret_cast<uint4*>(x + t * x_stride), post_row, comb_row);
+    for (int j = threadIdx.x; j < p.count; j += blockDim.x)
+        sum_squares += expand_unit(p.first + j, n, groups, out_row, row, row, staged + j, p.count, mix,
+                                   comb_row ? mix + n : nullptr);
+    collapse_piece(staged, row, sum_squares, c, groups, p, partials, arrivals,
+                   reinterpret_cast<uint4*>(x + t * x_stride), post_row, comb_row);
 }

@@ -47,25 +47,26 @@ extern "C" __global__ void rope_and_write_index(bf16* q, long long q_stride, con
 namespace {
 
 constexpr int WEIGHT_TOKENS = 8;    // tokens a CTA of index_weights
-constexpr int WEIGHT_HEADS = 8;     // heads a CTA of index_weights: one a warp
+constexpr int WEIGHT_WARPS = 8;     // warps a CTA of index_weights: each a slice of the head's columns
 
 }  // namespace
 
 // out [T, heads] fp32 (row stride out_stride) = (x [T, hidden] bf16 @ weights_proj [heads, hidden].T fp32) * scale,
-// in fp32. grid (ceil(T / 8), ceil(heads / 8)), 256 threads: warp w takes head 8 blockIdx.y + w over the CTA's 8
-// tokens, 4 columns a lane at a time (hidden % 4 == 0), so each CTA reads its heads' rows of weights_proj once.
-extern "C" __global__ void __launch_bounds__(32 * WEIGHT_HEADS) index_weights(float* out, long long out_stride,
+// in fp32. grid (ceil(T / 8), heads), 256 threads: the CTA's warps split head blockIdx.y's row of weights_proj, 4
+// columns a lane at a time (hidden % 4 == 0), over the CTA's 8 tokens; so each CTA reads its head's row once, and a
+// decode's few tokens still spread the rows over a CTA a head.
+extern "C" __global__ void __launch_bounds__(32 * WEIGHT_WARPS) index_weights(float* out, long long out_stride,
                                                                              const bf16* x, long long x_stride,
                                                                              const float* weights_proj, int tokens,
                                                                              int heads, int hidden, float scale) {
     wait_for_previous_kernel();
-    const int lane = threadIdx.x & 31, head = blockIdx.y * WEIGHT_HEADS + (threadIdx.x >> 5);
+    __shared__ float partial[WEIGHT_WARPS][WEIGHT_TOKENS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, head = blockIdx.y;
     const int token0 = blockIdx.x * WEIGHT_TOKENS, n = min(WEIGHT_TOKENS, tokens - token0);
-    if (head >= heads) return;
     const float* w = weights_proj + (long long)head * hidden;
     const bf16* rows = x + token0 * x_stride;
     float acc[WEIGHT_TOKENS] = {};
-    for (int i = 4 * lane; i < hidden; i += 128) {
+    for (int i = 4 * threadIdx.x; i < hidden; i += 4 * 32 * WEIGHT_WARPS) {
         const float4 wi = *reinterpret_cast<const float4*>(w + i);
 #pragma unroll
         for (int t = 0; t < WEIGHT_TOKENS; ++t) {
@@ -75,13 +76,18 @@ extern "C" __global__ void __launch_bounds__(32 * WEIGHT_HEADS) index_weights(fl
             acc[t] += wi.x * lo.x + wi.y * lo.y + wi.z * hi.x + wi.w * hi.y;
         }
     }
-    float mine = 0.f;           // lane t writes token t's
 #pragma unroll
     for (int t = 0; t < WEIGHT_TOKENS; ++t) {
         const float sum = warp_sum(acc[t]);
-        if (lane == t) mine = sum;
+        if (lane == 0) partial[warp][t] = sum;
     }
-    if (lane < n) out[(token0 + lane) * out_stride + head] = mine * scale;
+    __syncthreads();
+    if ((int)threadIdx.x < n) {
+        float sum = 0.f;
+#pragma unroll
+        for (int v = 0; v < WEIGHT_WARPS; ++v) sum += partial[v][threadIdx.x];
+        out[(token0 + threadIdx.x) * out_stride + head] = sum * scale;
+    }
 }
 
 namespace {

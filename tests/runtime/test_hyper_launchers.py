@@ -1,13 +1,13 @@
 """hyper.cu's launchers without a GPU: their arguments match each kernel's parameter list, one CTA per token (with the
-token's streams as bf16 in shared memory) or a flat grid over 16-byte units, and bad shapes are refused before
-anything is launched."""
+token's streams as bf16 in shared memory), a few tokens' rows split into pieces that meet in a scratch, or a flat grid
+over 16-byte units, and bad shapes are refused before anything is launched."""
 
 import numpy as np
 import pytest
 
 pytest.importorskip("cuda.core")
 
-from launcher_fakes import FakeLibrary, bf16, f32, parameter_types, record_launches  # noqa: E402
+from launcher_fakes import FakeLibrary, bf16, f32, i32, parameter_types, record_launches  # noqa: E402
 from metrale.runtime.backend.cuda.kernels import hyper  # noqa: E402
 from metrale.runtime.backend.layer_math import HyperConnection, HyperHead  # noqa: E402
 from metrale.runtime.errors import InvalidArgument  # noqa: E402
@@ -26,6 +26,10 @@ def mix(tokens, hc_mult, iters):
     return f32(tokens, hc_mult), f32(tokens, hc_mult * hc_mult) if iters else None
 
 
+def scratch():
+    return hyper.Scratch(f32(hyper.PIECE_CTAS * (hyper.MAX_ROWS + 1)), i32(hyper.PIECE_CTAS // 2))
+
+
 def only_launch(recorded, name):
     assert len(recorded) == 1
     (module, kernel), grid, block, args, shmem = recorded[0]
@@ -41,9 +45,9 @@ def test_collapse_is_a_cta_per_token(monkeypatch, shape):
     post, comb = mix(7, n, iters)
     hyper.collapse(FakeLibrary(), None, bf16(7, hidden), post, comb, bf16(7, n * hidden), connection(n, hidden, iters))
     grid, block, args, shmem = only_launch(recorded, "hyper_collapse")
-    assert grid == 7 and block == hyper.THREADS and shmem == 2 * n * hidden
+    assert grid == (7, 1) and block == hyper.THREADS and shmem == 2 * n * hidden
     assert args[3] == (np.uint64(0) if comb is None else comb.ptr)
-    assert args[-1] == iters and args[9:11] == [n, hidden]
+    assert args[15] == iters and args[9:11] == [n, hidden] and args[-3:] == [0, 0, hidden // 8]
 
 
 @pytest.mark.parametrize("shape", [HY4, DEEPSEEK_V4])
@@ -55,8 +59,32 @@ def test_boundary_is_a_cta_per_token(monkeypatch, shape):
     hyper.boundary(FakeLibrary(), None, bf16(300, hidden), streams, post, comb, bf16(300, hidden),
                    connection(n, hidden, iters))
     grid, block, args, shmem = only_launch(recorded, "hyper_boundary")
-    assert grid == 300 and block == hyper.THREADS and shmem == 2 * n * hidden
-    assert args[1] == n * hidden + 64 and args[-1] == iters
+    assert grid == (300, 1) and block == hyper.THREADS and shmem == 2 * n * hidden
+    assert args[1] == n * hidden + 64 and args[17] == iters and args[-1] == hidden // 8
+
+
+@pytest.mark.parametrize("tokens, slices, span", [(1, 44, 8), (7, 36, 10), (64, 4, 88), (128, 2, 176), (129, 1, 352)])
+def test_a_few_tokens_are_split_into_pieces_that_meet_in_the_scratch(monkeypatch, tokens, slices, span):
+    recorded = record_launches(monkeypatch, hyper)
+    n, hidden, iters, held = HY4["hc_mult"], HY4["hidden"], HY4["iters"], scratch()
+    post, comb = mix(tokens, n, iters)
+    hyper.boundary(FakeLibrary(), None, bf16(tokens, hidden), bf16(tokens, n * hidden), post, comb,
+                   bf16(tokens, hidden), connection(n, hidden, iters), held)
+    grid, block, args, shmem = only_launch(recorded, "hyper_boundary")
+    assert grid == (tokens, slices) and shmem == 16 * n * span
+    assert args[-3:] == [held.partials.ptr, held.arrivals.ptr, span]
+
+
+@pytest.mark.parametrize("hidden", [64, 2816, 7168, 8200])
+def test_pieces_cover_the_row_and_fit_the_scratch(hidden):
+    groups = hidden // 8
+    for tokens in range(1, 300):
+        slices, span = hyper.pieces(tokens, hidden, scratch())
+        assert (slices - 1) * span < groups <= slices * span          # every unit in one piece, none empty
+        if slices > 1:
+            assert span >= hyper.MIN_SPAN and tokens * slices <= hyper.PIECE_CTAS
+            assert tokens <= hyper.PIECE_CTAS // 2                    # arrivals has a counter for each token
+    assert hyper.pieces(1, hidden, None) == (1, groups)
 
 
 def test_head_is_a_cta_per_token(monkeypatch):
@@ -64,7 +92,7 @@ def test_head_is_a_cta_per_token(monkeypatch):
     head = HyperHead(f32(4, 4 * 2816), f32(4), f32(1), 4, 1e-6, 1e-6)
     hyper.head(FakeLibrary(), None, bf16(1, 2816), bf16(1, 4 * 2816), head)
     grid, block, _, shmem = only_launch(recorded, "hyper_head")
-    assert grid == 1 and block == hyper.THREADS and shmem == 2 * 4 * 2816
+    assert grid == (1, 1) and block == hyper.THREADS and shmem == 2 * 4 * 2816
 
 
 @pytest.mark.parametrize("with_comb", [False, True])
@@ -121,6 +149,10 @@ def collapse(x=None, streams=None, post=None, comb="default", hc=None, iters=20)
     lambda lib: hyper.head(lib, None, bf16(5, 64), bf16(5, 256), HyperHead(f32(4, 256), f32(4), f32(2), 4, 1e-6,
                                                                              1e-6)),
     lambda lib: hyper.widen(lib, None, bf16(5, 256), bf16(5, 64), 3),
+    lambda lib: hyper.collapse(lib, None, bf16(5, 64), *mix(5, 4, 0), bf16(5, 256), connection(4, 64, 0),
+                               hyper.Scratch(f32(100), i32(128))),              # too few partials
+    lambda lib: hyper.head(lib, None, bf16(5, 64), bf16(5, 256), HyperHead(f32(4, 256), f32(4), f32(1), 4, 1e-6,
+                                                                             1e-6), hyper.Scratch(*scratch()[::-1])),
 ])
 def test_bad_shapes_are_refused_before_a_launch(monkeypatch, call):
     recorded = record_launches(monkeypatch, hyper)
@@ -136,6 +168,7 @@ def test_every_kernel_has_a_launcher(monkeypatch):
     hyper.collapse(lib, None, bf16(2, 64), post, comb, bf16(2, 256), connection(4, 64, 20))
     hyper.expand(lib, None, bf16(2, 256), bf16(2, 64), bf16(2, 256), post, comb)
     hyper.boundary(lib, None, bf16(2, 64), bf16(2, 256), post, comb, bf16(2, 64), connection(4, 64, 20))
-    hyper.head(lib, None, bf16(2, 64), bf16(2, 256), HyperHead(f32(4, 256), f32(4), f32(1), 4, 1e-6, 1e-6))
+    hyper.head(lib, None, bf16(2, 64), bf16(2, 256), HyperHead(f32(4, 256), f32(4), f32(1), 4, 1e-6, 1e-6),
+               scratch())
     assert {name for _, name in lib.requested} == {"hyper_widen", "hyper_collapse", "hyper_expand", "hyper_boundary",
                                                    "hyper_head"} and len(recorded) == 5

@@ -35,7 +35,8 @@ class FakeContext:
                       "decode_selected": take((SEQS, kept), "int32"), "decode_counts": take((SEQS, 1), "int32"),
                       "rows": take((TOKENS,), "int32")}
         self.hyper = {"streams": take((TOKENS, hc_mult * HIDDEN), "bfloat16"),
-                      "post": take((TOKENS, hc_mult), "float32"), "comb": take((TOKENS, hc_mult * hc_mult), "float32")}
+                      "post": take((TOKENS, hc_mult), "float32"), "comb": take((TOKENS, hc_mult * hc_mult), "float32"),
+                      **{name: take(*spec) for name, spec in kernels.hyper.SCRATCH_SHAPES.items()}}
 
     def new(self, rows, cols, dtype="bfloat16"):
         return self.take((rows, cols), dtype)
@@ -105,3 +106,6 @@ def test_hyper_ops_run_in_the_streams_buffers(monkeypatch, sinkhorn_iters):
     assert out.shape == (TOKENS, HIDDEN)
     assert [name for (_, name), *_ in recorded] == ["hyper_widen", "hyper_collapse", "hyper_boundary", "hyper_expand",
                                                     "hyper_head"]
+    scratch = [ctx.hyper["partials"].ptr, ctx.hyper["arrivals"].ptr]
+    assert all(args[-3:-1] == scratch for (_, name), _, _, args, _ in recorded if name != "hyper_widen"
+               and name != "hyper_expand")          # a few tokens' pieces meet in the stream's scratch

@@ -47,7 +47,7 @@ def test_rope_and_write_is_a_token_a_cta(monkeypatch):
     assert args[-4:] == [64, 128, 64, 1]
 
 
-@pytest.mark.parametrize("tokens, heads, grid", [(1, 64, (1, 8)), (37, 64, (5, 8)), (9, 20, (2, 3))])
+@pytest.mark.parametrize("tokens, heads, grid", [(1, 64, (1, 64)), (37, 64, (5, 64)), (9, 20, (2, 20))])
 def test_weights_grid_follows_tokens_and_heads(monkeypatch, tokens, heads, grid):
     recorded = record_launches(monkeypatch, sparse_index)
     weights(FakeLibrary(), tokens, heads)

@@ -19,6 +19,7 @@ from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.cache.specs import PagedIndexKeys, PagedLatent
 from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.models import hyper, sparse_index
+from metrale.runtime.models.fused_linear import fuse, padding_rows
 from metrale.runtime.models.checkpoint import eos_token_ids, tensor_reader
 from metrale.runtime.models.hyper import HyperConfig
 from metrale.runtime.models.moe import MoeConfig, load_moe
@@ -163,7 +164,8 @@ class DeepseekForCausalLM:
     def extra_weight_bytes(config: MlaConfig) -> int:
         """A tied MiniCPM3 scales its embedding apart from its LM head: the table uploaded twice. And the tensors
         uploaded in float32, two bytes an element beyond the bf16 the checkpoint's count assumes: the router's
-        correction bias, the indexers' head weights, the sinks, the hyper-connections."""
+        correction bias, the indexers' head weights, the sinks, the hyper-connections. And the zero rows that pad
+        the parts of each layer's fused linears."""
         c = config
         twice = c.tie_word_embeddings and c.embedding_scale != 1.0
         table = 2 * c.vocab_size * c.hidden_size + 256 if twice else 0
@@ -174,7 +176,7 @@ class DeepseekForCausalLM:
             float32 += c.num_layers * c.num_heads
         if c.hyper:
             float32 += hyper.float32_numel(c.hyper, c.hidden_size, c.num_layers)
-        return table + 2 * float32
+        return table + 2 * float32 + 2 * c.hidden_size * sum(padding_rows(rows) for rows in fused_input_rows(c))
 
     def cache_specs(self) -> tuple[PagedLatent | PagedIndexKeys, ...]:
         """Each layer's latent and rotary key, one vector a token; then, with sparse attention, the index key of
@@ -213,20 +215,19 @@ class DeepseekForCausalLM:
         the layer runs no indexer of its own; None without sparse attention)."""
         ops, c = self.math, self.config
         cache, index_cache = caches
+        inputs = layer["attn_in"](ops, h)
+        q, compressed = inputs["q"], inputs["latent"]       # compressed: [T, kv_lora_rank + rope_dim]
         if c.q_lora_rank:
-            q_low_rank, _ = ops.rms_norm(ops.linear(h, layer["q_a_proj"], layer.get("q_a_bias")),
-                                         layer["q_a_layernorm"], c.latent_norm_eps)
-            q = ops.linear(q_low_rank, layer["q_b_proj"])
-        else:
-            q = ops.linear(h, layer["q_proj"], layer.get("q_bias"))
-        compressed = ops.linear(h, layer["kv_a_proj"], layer.get("kv_a_bias"))   # [T, kv_lora_rank + rope_dim]
+            queries = layer["q_up"](ops, ops.rms_norm(q, layer["q_a_layernorm"], c.latent_norm_eps)[0])
+            q = queries["q"]
         latent, _ = ops.rms_norm(compressed[:, :c.kv_lora_rank], layer["kv_a_layernorm"], c.latent_norm_eps)
         if index_cache is not None:
-            selection = sparse_index.select(ops, layer, c.indexer, h, q_low_rank, self.rope, meta, index_cache)
+            selection = sparse_index.select(ops, layer, c.indexer, h, queries["index_q"], inputs["index_k"], self.rope,
+                                            meta, index_cache)
         o = ops.latent_attention(q, latent, compressed[:, c.kv_lora_rank:], layer["mla"], self.rope, meta, cache,
                                  self.scale, selection, layer.get("sinks"))
         if c.gated_attention:
-            o = ops.mul_sigmoid(o, ops.linear(h, layer["gate_proj"]))
+            o = ops.mul_sigmoid(o, inputs["gate"])
         return ops.linear(o, layer["o_proj"], layer.get("o_bias")), selection
 
     def _mlp(self, h, layer: dict):
@@ -238,6 +239,23 @@ class DeepseekForCausalLM:
         if "shared" in layer:
             shared = ops.linear(ops.silu_mul(ops.linear(h, layer["shared"]["up_proj"])), layer["shared"]["down_proj"])
         return ops.moe(h, layer["router"], layer["experts"], shared)
+
+
+def fused_input_rows(c: MlaConfig) -> list[int]:
+    """The rows of every part of every layer's fused linears (attn_in, q_up), as _load_weights stacks them."""
+    heads, qk = c.num_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
+    rows = []
+    for i in range(c.num_layers):
+        rows += [c.q_lora_rank or heads * qk, c.kv_lora_rank + c.qk_rope_head_dim]
+        if c.gated_attention:
+            rows.append(heads * c.v_head_dim)
+        if c.indexer and c.indexer.own[i]:
+            rows.append(c.indexer.head_dim)
+        if c.q_lora_rank:                               # q_up's
+            rows.append(heads * qk)
+            if c.indexer and c.indexer.own[i]:
+                rows.append(c.indexer.num_heads * c.indexer.head_dim)
+    return rows
 
 
 def softmax_scale(c: MlaConfig) -> float:
@@ -268,27 +286,33 @@ def _load_weights(c: MlaConfig, tensors: dict[str, torch.Tensor], ops: LayerMath
         attn = at + "self_attn."
         layer = {"input_layernorm": ops.upload(take(at + "input_layernorm.weight")),
                  "post_attention_layernorm": ops.upload(take(at + "post_attention_layernorm.weight")),
-                 "kv_a_proj": ops.upload(take(attn + "kv_a_proj_with_mqa.weight")[kv_a_rows]),
                  "kv_a_layernorm": ops.upload(take(attn + "kv_a_layernorm.weight")),
                  "o_proj": ops.upload(take(attn + "o_proj.weight") * c.residual_scale)}
-        if c.q_lora_rank:
-            layer.update(q_a_proj=ops.upload(take(attn + "q_a_proj.weight")),
-                         q_a_layernorm=ops.upload(take(attn + "q_a_layernorm.weight")),
-                         q_b_proj=ops.upload(take(attn + "q_b_proj.weight")[q_rows]))
-        else:
-            layer["q_proj"] = ops.upload(take(attn + "q_proj.weight")[q_rows])
+        # The linears of the layer's normed input, one GEMM (fused_input_rows): the query's (low-rank, or whole),
+        # the latent's, Hy4's gate, the indexer's key.
+        inputs = {"q": take(attn + "q_a_proj.weight") if c.q_lora_rank else take(attn + "q_proj.weight")[q_rows],
+                  "latent": take(attn + "kv_a_proj_with_mqa.weight")[kv_a_rows]}
+        if c.gated_attention:
+            inputs["gate"] = take(attn + "gate_proj.weight")
+        if c.indexer and c.indexer.own[i]:
+            inputs["index_k"] = take(at + "self_attn.indexer.wk.weight")
+        biases = None
         if c.attention_bias:
-            layer.update(kv_a_bias=ops.upload(take(attn + "kv_a_proj_with_mqa.bias")[kv_a_rows]),
-                         o_bias=ops.upload(take(attn + "o_proj.bias") * c.residual_scale))
+            biases = {"latent": take(attn + "kv_a_proj_with_mqa.bias")[kv_a_rows]}
             if c.q_lora_rank:
-                layer["q_a_bias"] = ops.upload(take(attn + "q_a_proj.bias"))
+                biases["q"] = take(attn + "q_a_proj.bias")
+            layer["o_bias"] = ops.upload(take(attn + "o_proj.bias") * c.residual_scale)
+        layer["attn_in"] = fuse(ops, inputs, biases)
+        if c.q_lora_rank:      # the linears of the normed low-rank query: the query's, the indexer's query
+            queries = {"q": take(attn + "q_b_proj.weight")[q_rows]}
+            if c.indexer and c.indexer.own[i]:
+                queries["index_q"] = take(at + "self_attn.indexer.wq_b.weight")
+            layer.update(q_a_layernorm=ops.upload(take(attn + "q_a_layernorm.weight")), q_up=fuse(ops, queries))
         kv_b = take(attn + "kv_b_proj.weight").view(heads, nope + c.v_head_dim, c.kv_lora_rank)
         layer["mla"] = LatentAttention(ops.upload(kv_b[:, :nope].contiguous()), ops.upload(kv_b[:, nope:].contiguous()),
                                        rope_dim)
         if c.indexer and c.indexer.own[i]:
             layer.update(sparse_index.load_indexer(take, at, c.indexer, rope_dim, ops))
-        if c.gated_attention:
-            layer["gate_proj"] = ops.upload(take(attn + "gate_proj.weight"))
         if c.attention_sinks:
             layer["sinks"] = ops.upload_float32(take(attn + "sinks"))
         if c.moe and i in c.moe.layers:

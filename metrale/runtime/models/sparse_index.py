@@ -39,20 +39,18 @@ def indexer_config(hf: dict, rope_first: bool, norm_eps: float) -> IndexerConfig
 
 
 def load_indexer(take, prefix: str, config: IndexerConfig, rope_dim: int, ops: LayerMath) -> dict:
-    """Layer `prefix`'s indexer (its self_attn.indexer tensors), uploaded."""
+    """Layer `prefix`'s indexer (its self_attn.indexer tensors), uploaded; its query's and key's projections (wq_b,
+    wk) are the model's to fuse with the other linears of their inputs."""
     at = prefix + "self_attn.indexer."
-    return {"index_q": ops.upload(take(at + "wq_b.weight")), "index_k": ops.upload(take(at + "wk.weight")),
-            "index_norm": ops.upload(take(at + "k_norm.weight")),
+    return {"index_norm": ops.upload(take(at + "k_norm.weight")),
             "index_norm_bias": ops.upload(take(at + "k_norm.bias")),
             "indexer": SparseIndexer(ops.upload_float32(take(at + "weights_proj.weight")), config.num_heads,
                                      config.head_dim, rope_dim, config.rope_first, config.topk)}
 
 
-def select(ops: LayerMath, layer: dict, config: IndexerConfig, x, q_low_rank, rope: RopeTable, meta, cache):
-    """The layer's choice of tokens for each query: its index query from the attention's normed low-rank query,
-    its key from x (the layer's normed input)."""
-    q = ops.linear(q_low_rank, layer["index_q"])
-    k, _ = ops.layer_norm(ops.linear(x, layer["index_k"]), layer["index_norm"], layer["index_norm_bias"],
-                          config.norm_eps)
+def select(ops: LayerMath, layer: dict, config: IndexerConfig, x, q, k_projected, rope: RopeTable, meta, cache):
+    """The layer's choice of tokens for each query: its index query q (wq_b of the attention's normed low-rank
+    query), its key from k_projected (wk of x, the layer's normed input), x for the heads' weights."""
+    k, _ = ops.layer_norm(k_projected, layer["index_norm"], layer["index_norm_bias"], config.norm_eps)
     return ops.sparse_select(q, k, x, layer["indexer"], rope, meta, cache)
 

@@ -1,6 +1,7 @@
 """hyper.cu against cpu/hyper.py on the same bf16 streams: widen, collapse, expand, the fused block boundary (in
 place) and the head, in Hy4's form (no comb, post_eps = eps) and DeepSeek-V4's (a 20-iteration Sinkhorn comb), at
-Hy4's hidden size and a small one, for one token, a few and a prefill's."""
+Hy4's hidden size and a small one, for one token, a few and a prefill's; with a scratch (a few tokens' rows in pieces,
+a CTA each) and without (a CTA a token)."""
 
 import pytest
 import torch
@@ -68,6 +69,19 @@ def assert_mix_close(post: torch.Tensor, comb: torch.Tensor | None, want: refere
         assert relative_error(comb.cpu().view_as(want.comb), want.comb) < TOLERANCE[torch.float32]
 
 
+@pytest.fixture(params=["pieces", "whole rows"])
+def scratch(request):
+    """A scratch where a few tokens' pieces meet (checked back at zero arrivals after the test), or None."""
+    if request.param == "whole rows":
+        yield None
+        return
+    partials = torch.full((hyper.PIECE_CTAS * (hyper.MAX_ROWS + 1),), float("nan"), device=DEVICE)
+    arrivals = torch.zeros(hyper.PIECE_CTAS // 2, dtype=torch.int32, device=DEVICE)
+    yield hyper.Scratch(d(partials), d(arrivals))
+    torch.cuda.synchronize()
+    assert not arrivals.any()           # each token's last piece resets its count
+
+
 def nothing(*tensors) -> None:
     """Fills the outputs with NaN, so a value the kernel leaves unwritten fails the comparison."""
     for tensor in tensors:
@@ -88,7 +102,7 @@ def test_widen_copies_x_into_every_stream(kernel_library, stream, hidden, tokens
 
 @pytest.mark.parametrize("form", sorted(FORMS))
 @pytest.mark.parametrize("hidden, tokens", SHAPES)
-def test_collapse_matches_the_reference(kernel_library, stream, form, hidden, tokens):
+def test_collapse_matches_the_reference(kernel_library, stream, scratch, form, hidden, tokens):
     hc, hc_gpu, _held = connection(form, hidden, seed=2)
     padded = padded_streams(tokens, hidden, seed=3)
     streams = padded[:, :HC_MULT * hidden]
@@ -100,7 +114,7 @@ def test_collapse_matches_the_reference(kernel_library, stream, form, hidden, to
     nothing(x, post, comb)
     torch.cuda.synchronize()
     hyper.collapse(kernel_library, stream, d(x), d(post), comb if comb is None else d(comb),
-                   d(padded_gpu[:, :HC_MULT * hidden]), hc_gpu)
+                   d(padded_gpu[:, :HC_MULT * hidden]), hc_gpu, scratch)
     stream.sync()
     assert relative_error(x.cpu(), want_x) < TOLERANCE[torch.bfloat16]
     assert_mix_close(post, comb, want_mix)
@@ -127,7 +141,7 @@ def test_expand_matches_the_reference(kernel_library, stream, form, hidden, toke
 
 @pytest.mark.parametrize("form", sorted(FORMS))
 @pytest.mark.parametrize("hidden, tokens", SHAPES)
-def test_boundary_is_expand_then_the_next_collapse_in_place(kernel_library, stream, form, hidden, tokens):
+def test_boundary_is_expand_then_the_next_collapse_in_place(kernel_library, stream, scratch, form, hidden, tokens):
     hc, _, _ = connection(form, hidden, seed=8)
     next_hc, next_gpu, _held = connection(form, hidden, seed=9)
     mix = mix_of(hc, tokens, hidden, seed=10)
@@ -141,7 +155,7 @@ def test_boundary_is_expand_then_the_next_collapse_in_place(kernel_library, stre
     nothing(x)
     torch.cuda.synchronize()
     hyper.boundary(kernel_library, stream, d(x), d(padded_gpu[:, :width]), d(post), comb if comb is None else d(comb),
-                   d(out_gpu), next_gpu)
+                   d(out_gpu), next_gpu, scratch)
     stream.sync()
     assert relative_error(padded_gpu[:, :width].cpu(), want_streams) < TOLERANCE[torch.bfloat16]
     assert torch.equal(padded_gpu[:, width:].cpu(), padded[:, width:])      # the padding untouched
@@ -149,7 +163,7 @@ def test_boundary_is_expand_then_the_next_collapse_in_place(kernel_library, stre
     assert_mix_close(post, comb, want_mix)
 
 
-def test_boundary_collapses_the_streams_as_bf16_holds_them(kernel_library, stream):
+def test_boundary_collapses_the_streams_as_bf16_holds_them(kernel_library, stream, scratch):
     """The collapse after the expand reads the streams rounded to bf16: the kernel's mix is the CPU's collapse of the
     very streams the kernel wrote to fp32's tolerance (the unrounded streams move the logits by about 1e-3)."""
     hidden, tokens = 2816, 7
@@ -161,7 +175,7 @@ def test_boundary_collapses_the_streams_as_bf16_holds_them(kernel_library, strea
     post, comb = mix_on_gpu(mix)
     x = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=DEVICE)
     torch.cuda.synchronize()
-    hyper.boundary(kernel_library, stream, d(x), d(streams), d(post), d(comb), d(out), next_gpu)
+    hyper.boundary(kernel_library, stream, d(x), d(streams), d(post), d(comb), d(out), next_gpu, scratch)
     stream.sync()
     want_x, want_mix = reference.collapse(streams.cpu(), next_hc)
     assert relative_error(x.cpu(), want_x) < 1e-3
@@ -169,7 +183,7 @@ def test_boundary_collapses_the_streams_as_bf16_holds_them(kernel_library, strea
 
 
 @pytest.mark.parametrize("hidden, tokens", SHAPES)
-def test_head_matches_the_reference(kernel_library, stream, hidden, tokens):
+def test_head_matches_the_reference(kernel_library, stream, scratch, hidden, tokens):
     weights = projection(HC_MULT, hidden, 1, seed=18)
     held = [w.to(DEVICE) for w in weights]
     padded = padded_streams(tokens, hidden, seed=19)
@@ -180,6 +194,6 @@ def test_head_matches_the_reference(kernel_library, stream, hidden, tokens):
     nothing(x)
     torch.cuda.synchronize()
     hyper.head(kernel_library, stream, d(x), d(padded_gpu[:, :width]),
-               HyperHead(*(d(w) for w in held), HC_MULT, NORM_EPS, EPS))
+               HyperHead(*(d(w) for w in held), HC_MULT, NORM_EPS, EPS), scratch)
     stream.sync()
     assert relative_error(x.cpu(), want) < TOLERANCE[torch.bfloat16]

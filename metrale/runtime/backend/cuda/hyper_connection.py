@@ -1,6 +1,7 @@
 """Hyper-connection streams on the CUDA backend (CudaLayerMath's hyper_* ops): the residual's streams and a block's
 mix in the stream's own buffers (they live through every layer of a forward, past the activation ring), the
-kernels of kernels/hyper.py on them, the streams and the mix updated in place."""
+kernels of kernels/hyper.py on them, the streams and the mix updated in place; a decode's few tokens split into pieces
+that meet in the stream's scratch."""
 
 from typing import NamedTuple
 
@@ -25,7 +26,7 @@ def widen(lib, ctx: StreamContext, x: DeviceTensor, hc_mult: int) -> DeviceTenso
 def collapse(lib, ctx: StreamContext, streams: DeviceTensor, hc: HyperConnection) -> tuple[DeviceTensor, Mix]:
     tokens = streams.shape[0]
     x, mix = ctx.new(tokens, streams.shape[1] // hc.hc_mult), _mix(ctx, tokens, hc)
-    kernels.hyper.collapse(lib, ctx.stream, x, mix.post, mix.comb, streams, hc)
+    kernels.hyper.collapse(lib, ctx.stream, x, mix.post, mix.comb, streams, hc, _scratch(ctx))
     return x, mix
 
 
@@ -38,16 +39,20 @@ def boundary(lib, ctx: StreamContext, out: DeviceTensor, streams: DeviceTensor, 
              ) -> tuple[DeviceTensor, DeviceTensor, Mix]:
     """One kernel: the streams after the block (in place), the next block's input, and its mix (in place)."""
     x = ctx.new(*out.shape)
-    kernels.hyper.boundary(lib, ctx.stream, x, streams, mix.post, mix.comb, out, hc)
+    kernels.hyper.boundary(lib, ctx.stream, x, streams, mix.post, mix.comb, out, hc, _scratch(ctx))
     return streams, x, mix
 
 
 def head(lib, ctx: StreamContext, streams: DeviceTensor, hc_head: HyperHead) -> DeviceTensor:
     x = ctx.new(streams.shape[0], streams.shape[1] // hc_head.hc_mult)
-    kernels.hyper.head(lib, ctx.stream, x, streams, hc_head)
+    kernels.hyper.head(lib, ctx.stream, x, streams, hc_head, _scratch(ctx))
     return x
 
 
 def _mix(ctx: StreamContext, tokens: int, hc: HyperConnection) -> Mix:
     comb = ctx.hyper["comb"].rows(0, tokens) if hc.sinkhorn_iters else None
     return Mix(ctx.hyper["post"].rows(0, tokens), comb)
+
+
+def _scratch(ctx: StreamContext) -> kernels.hyper.Scratch:
+    return kernels.hyper.Scratch(ctx.hyper["partials"], ctx.hyper["arrivals"])

@@ -86,6 +86,7 @@ def stream_buffers(lib, shapes: MemoryShapes) -> Buffers:
         n = shapes.hc_mult
         buffers.update({"hyper_streams": ((t, n * shapes.hidden), "bfloat16"), "hyper_post": ((t, n), "float32"),
                         "hyper_comb": ((t, n * n), "float32")})
+        buffers.update({f"hyper_{name}": spec for name, spec in kernels.hyper.SCRATCH_SHAPES.items()})
     # Sparse attention's indexer: its head weights, scores of up to index_score_rows rows at a time over the longest
     # context, and each row's chosen tokens (by row, and gathered by decode entry), kept for the layers after it.
     if shapes.index_topk:
@@ -160,6 +161,8 @@ class StreamContext:
         self._timing, self._round_events = False, (None, None)
         self._timed_rounds: list[tuple[object, object]] = []      # while timing: every sampled round's events
         self.copy_to_device(self.moe_done, np.zeros(1, dtype=np.int32))
+        if self.hyper:      # no token's pieces have arrived
+            self.copy_to_device(self.hyper["arrivals"], np.zeros(self.hyper["arrivals"].shape, dtype=np.int32))
         if self.index:      # row ids 0 .. T-1: the indexer scores every row as a query of its own
             self.copy_to_device(self.index["rows"], np.arange(self.index["rows"].shape[0], dtype=np.int32))
 

@@ -1,7 +1,13 @@
 """Launchers for cuda_kernels/hyper.cu: mHC hyper-connections (DeepSeek-V4, Hy4) over a token's hc_mult residual
 streams, bf16 [T, hc_mult * hidden]: widen, collapse, expand, the block boundary (expand then the next collapse, in
 one kernel) and the head. A mix is post float32 [T, hc_mult] and, with DeepSeek-V4's Sinkhorn comb, comb float32
-[T, hc_mult * hc_mult] (row-major [j][k]: stream k takes comb[j][k] of stream j), both contiguous."""
+[T, hc_mult * hc_mult] (row-major [j][k]: stream k takes comb[j][k] of stream j), both contiguous.
+
+collapse, boundary and head run a CTA per token where the tokens fill the GPU; for a few tokens (a decode) each
+token's row is split into pieces, a CTA each, so the projection's weights are read by many SMs at once: the pieces'
+dot products meet in a Scratch, and the CTA of a token's last piece to finish writes its input and mix."""
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -12,14 +18,38 @@ from metrale.runtime.backend.layer_math import HyperConnection, HyperHead
 MODULE = "hyper"
 THREADS = 256                  # as hyper.cu's HYPER_THREADS
 MAX_STREAMS = 8                # as hyper.cu's HYPER_MAX_STREAMS
+MAX_ROWS = 2 * MAX_STREAMS + MAX_STREAMS ** 2      # as hyper.cu's HYPER_MAX_ROWS: fn's rows at the most
+# Pieces: a launch's CTAs where tokens are split (about two an SM on an H200), and the fewest 16-byte units of each
+# stream a piece holds. Tokens are split only where T <= PIECE_CTAS // 2, so T * slices <= PIECE_CTAS.
+PIECE_CTAS = 256
+MIN_SPAN = 8
 # The staged row beside the kernels' static shared arrays (3.5 KB), under the 227 KB a CTA may opt into.
 MAX_SHARED_BYTES = 220 * 1024
 NULL = np.uint64(0)
 
 
-def shared_bytes(hc_mult: int, hidden: int) -> int:
-    """The dynamic shared memory of the one-CTA-per-token kernels: the token's streams as bf16."""
-    return 2 * hc_mult * hidden
+class Scratch(NamedTuple):
+    """Where a token's pieces meet: partials float32 [PIECE_CTAS * (MAX_ROWS + 1)] (each piece's dot products) and
+    arrivals int32 [PIECE_CTAS // 2] (each token's finished pieces; zero between launches)."""
+    partials: DeviceTensor
+    arrivals: DeviceTensor
+
+
+SCRATCH_SHAPES = {"partials": ((PIECE_CTAS * (MAX_ROWS + 1),), "float32"), "arrivals": ((PIECE_CTAS // 2,), "int32")}
+
+
+def shared_bytes(hc_mult: int, span: int) -> int:
+    """The dynamic shared memory of collapse, boundary and head: a piece of span 16-byte units of each stream."""
+    return 16 * hc_mult * span
+
+
+def pieces(num_tokens: int, hidden: int, scratch: Scratch | None) -> tuple[int, int]:
+    """(slices, span): each token's row in slices pieces of span 16-byte units of each stream (the last may hold
+    fewer); one piece, the whole row, without a scratch or where the tokens alone fill the GPU."""
+    groups = hidden // 8
+    slices = 1 if scratch is None else max(1, min(PIECE_CTAS // max(num_tokens, 1), ceil_div(groups, MIN_SPAN)))
+    span = ceil_div(groups, slices)
+    return ceil_div(groups, span), span
 
 
 def widen(lib, stream, streams: DeviceTensor, x: DeviceTensor, hc_mult: int) -> None:
@@ -34,16 +64,18 @@ def widen(lib, stream, streams: DeviceTensor, x: DeviceTensor, hc_mult: int) -> 
 
 
 def collapse(lib, stream, x: DeviceTensor, post: DeviceTensor, comb: DeviceTensor | None, streams: DeviceTensor,
-             hc: HyperConnection) -> None:
+             hc: HyperConnection, scratch: Scratch | None = None) -> None:
     """A block's input x [T, hidden] (bf16) from streams [T, hc_mult * hidden] by hc (fn, base, scale float32 device
-    tensors), and its mix: post, and comb where hc.sinkhorn_iters (else None)."""
+    tensors), and its mix: post, and comb where hc.sinkhorn_iters (else None). scratch: a few tokens' pieces meet
+    there (None: a CTA per token)."""
     name = "hyper_collapse"
     num_tokens, hidden = _check_connection(name, x, streams, post, comb, hc)
     if num_tokens == 0:
         return
-    shared = shared_bytes(hc.hc_mult, hidden)
-    launch_kernel(stream, lib.get_with_shared(name, MODULE, shared), num_tokens, THREADS, x, np.int64(x.stride),
-                  post, _pointer(comb), streams, np.int64(streams.stride), *_connection_args(hc, hidden), shmem=shared)
+    (slices, span), shared = _pieces(name, num_tokens, hc.hc_mult, hidden, scratch)
+    launch_kernel(stream, lib.get_with_shared(name, MODULE, shared), (num_tokens, slices), THREADS, x,
+                  np.int64(x.stride), post, _pointer(comb), streams, np.int64(streams.stride),
+                  *_connection_args(hc, hidden), *_scratch_args(scratch), span, shmem=shared)
 
 
 def expand(lib, stream, new_streams: DeviceTensor, out: DeviceTensor, streams: DeviceTensor, post: DeviceTensor,
@@ -67,36 +99,55 @@ def expand(lib, stream, new_streams: DeviceTensor, out: DeviceTensor, streams: D
 
 
 def boundary(lib, stream, x: DeviceTensor, streams: DeviceTensor, post: DeviceTensor, comb: DeviceTensor | None,
-             out: DeviceTensor, hc: HyperConnection) -> None:
+             out: DeviceTensor, hc: HyperConnection, scratch: Scratch | None = None) -> None:
     """expand then hc's collapse, in one kernel and in place: streams become the streams after the block whose
     output is out [T, hidden] and whose mix is (post, comb); x [T, hidden] the next block's input from them (as bf16
     holds them); post and comb the next block's mix. comb is given where hc.sinkhorn_iters, the mix before and
-    after alike (one model's connections all have it or none)."""
+    after alike (one model's connections all have it or none). scratch as collapse's."""
     name = "hyper_boundary"
     num_tokens, hidden = _check_connection(name, x, streams, post, comb, hc)
     require(out.shape == x.shape, f"{name}: out {out.shape} must have x's shape {x.shape}")
     _rows(name, out, "out")
     if num_tokens == 0:
         return
-    shared = shared_bytes(hc.hc_mult, hidden)
-    launch_kernel(stream, lib.get_with_shared(name, MODULE, shared), num_tokens, THREADS, streams,
+    (slices, span), shared = _pieces(name, num_tokens, hc.hc_mult, hidden, scratch)
+    launch_kernel(stream, lib.get_with_shared(name, MODULE, shared), (num_tokens, slices), THREADS, streams,
                   np.int64(streams.stride), x, np.int64(x.stride), out, np.int64(out.stride), post, _pointer(comb),
-                  *_connection_args(hc, hidden), shmem=shared)
+                  *_connection_args(hc, hidden), *_scratch_args(scratch), span, shmem=shared)
 
 
-def head(lib, stream, x: DeviceTensor, streams: DeviceTensor, hc_head: HyperHead) -> None:
+def head(lib, stream, x: DeviceTensor, streams: DeviceTensor, hc_head: HyperHead, scratch: Scratch | None = None
+         ) -> None:
     """x [T, hidden] = the streams [T, hc_mult * hidden] after the last block, collapsed by hc_head (fn [hc_mult,
-    hc_mult * hidden], base [hc_mult], scale [1], float32 device tensors)."""
+    hc_mult * hidden], base [hc_mult], scale [1], float32 device tensors). scratch as collapse's."""
     name = "hyper_head"
     num_tokens, hidden = _rows(name, x, "x")
     _check_streams(name, streams, num_tokens, hc_head.hc_mult, hidden)
     _check_projection(name, hc_head, hc_head.hc_mult, 1, hidden)
     if num_tokens == 0:
         return
-    shared = shared_bytes(hc_head.hc_mult, hidden)
-    launch_kernel(stream, lib.get_with_shared(name, MODULE, shared), num_tokens, THREADS, x, np.int64(x.stride),
-                  streams, np.int64(streams.stride), hc_head.fn, hc_head.base, hc_head.scale, hc_head.hc_mult, hidden,
-                  float(hc_head.norm_eps), float(hc_head.eps), shmem=shared)
+    (slices, span), shared = _pieces(name, num_tokens, hc_head.hc_mult, hidden, scratch)
+    launch_kernel(stream, lib.get_with_shared(name, MODULE, shared), (num_tokens, slices), THREADS, x,
+                  np.int64(x.stride), streams, np.int64(streams.stride), hc_head.fn, hc_head.base, hc_head.scale,
+                  hc_head.hc_mult, hidden, float(hc_head.norm_eps), float(hc_head.eps), *_scratch_args(scratch), span,
+                  shmem=shared)
+
+
+def _pieces(name: str, num_tokens: int, hc_mult: int, hidden: int, scratch: Scratch | None
+            ) -> tuple[tuple[int, int], int]:
+    """pieces() and their shared memory, the scratch checked."""
+    if scratch is not None:
+        for field, (shape, dtype) in SCRATCH_SHAPES.items():
+            tensor = getattr(scratch, field)
+            require(tensor.dtype == dtype and tensor.is_contiguous and tensor.numel >= shape[0],
+                    f"{name}: the scratch's {field} must be {shape[0]} contiguous {dtype} at least")
+    slices, span = pieces(num_tokens, hidden, scratch)
+    return (slices, span), shared_bytes(hc_mult, span)
+
+
+def _scratch_args(scratch: Scratch | None) -> tuple:
+    """The kernels' partials and arrivals (null without a scratch: one piece a token never reads them)."""
+    return (NULL, NULL) if scratch is None else (scratch.partials, scratch.arrivals)
 
 
 def _connection_rows(hc: HyperConnection) -> int:
@@ -136,7 +187,7 @@ def _check_streams(name: str, streams: DeviceTensor, num_tokens: int, hc_mult: i
             f"{name}: streams must be [{num_tokens}, {hc_mult} * {hidden}] bfloat16, not {streams.shape} "
             f"{streams.dtype}")
     require_aligned(streams, 16, f"{name}: streams")
-    require(shared_bytes(hc_mult, hidden) <= MAX_SHARED_BYTES,
+    require(shared_bytes(hc_mult, hidden // 8) <= MAX_SHARED_BYTES,
             f"{name}: a token's {hc_mult} streams of {hidden} are more than shared memory holds")
 
 

@@ -14,7 +14,7 @@ from metrale.runtime.backend.cuda.tensor import DeviceTensor
 MODULE = "sparse_index"
 TOP_K_MODULE = "index_top_k"
 ROPE_THREADS = 256
-WEIGHT_TOKENS, WEIGHT_HEADS = 8, 8  # index_weights' tokens and heads (a warp each) a CTA
+WEIGHT_TOKENS, WEIGHT_WARPS = 8, 8  # index_weights' tokens a CTA, and its warps (each a slice of a head's row)
 THREADS = 128                       # index_scores': attention_tiles.cuh's
 SCORE_TILE = 128                    # keys a tile of index_scores
 MAX_CHUNK_TILES = 8                 # tiles a CTA of index_scores at most
@@ -82,11 +82,11 @@ def weights(lib, stream, out: DeviceTensor, x: DeviceTensor, weights_proj: Devic
                                             f"[heads, {hidden}]")
     require(out.dtype == "float32" and out.shape == (tokens, heads),
             f"index weights: out must be [{tokens}, {heads}] float32, not {out.shape} {out.dtype}")
-    require(0 < heads and ceil_div(heads, WEIGHT_HEADS) <= MAX_GRID_YZ, f"index weights: {heads} heads")
+    require(0 < heads <= MAX_GRID_YZ, f"index weights: {heads} heads")
     if tokens == 0:
         return
-    launch_kernel(stream, lib.get("index_weights", MODULE), (ceil_div(tokens, WEIGHT_TOKENS),
-                  ceil_div(heads, WEIGHT_HEADS)), 32 * WEIGHT_HEADS, out, np.int64(out.stride), x, np.int64(x.stride),
+    launch_kernel(stream, lib.get("index_weights", MODULE), (ceil_div(tokens, WEIGHT_TOKENS), heads),
+                  32 * WEIGHT_WARPS, out, np.int64(out.stride), x, np.int64(x.stride),
                   weights_proj, tokens, heads, hidden, float(scale))
 
 
