@@ -64,6 +64,14 @@ __device__ __forceinline__ void rotate_pair2(unsigned int& first, unsigned int& 
     second = float2_to_bf16x2(x2.x * c0 + x1.x * s0, x2.y * c1 + x1.y * s1);
 }
 
+// RMSNorm's scaling as transformers' LlamaRMSNorm computes it in bf16: bf16(weight * bf16(value * inv_rms)), two
+// at a time (norm.cu, and the norms fused into other kernels).
+__device__ __forceinline__ unsigned int scale_pair(unsigned int value, unsigned int weight, float inv_rms) {
+    const float2 v = bf16x2_to_float2(value), w = bf16x2_to_float2(weight);
+    const float2 n = bf16x2_to_float2(float2_to_bf16x2(v.x * inv_rms, v.y * inv_rms));
+    return float2_to_bf16x2(w.x * n.x, w.y * n.y);
+}
+
 // Reduction operators for warp_reduce / block_reduce. Max on floats is fmaxf: a NaN loses to any number.
 struct Sum {
     template <typename T>

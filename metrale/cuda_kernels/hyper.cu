@@ -43,6 +43,12 @@ struct Connection {
     float norm_eps, eps, post_magnitude, post_eps;
 };
 
+// The RMSNorm the block's input goes through (as norm.cu's rms_norm of it): weight [hidden] bf16, or null (none).
+struct OutputNorm {
+    const bf16* weight;
+    float eps;
+};
+
 // A CTA's piece of a token's row: units first .. first + count - 1 of each stream (16-byte units of bf16), staged
 // in shared memory as staged[k * count + j] = unit first + j of stream k. A row is split into pieces where a few
 // tokens would leave most SMs idle (the launcher's slices); one piece is the whole row otherwise.
@@ -202,11 +208,12 @@ __device__ __forceinline__ uint4 row_unit(const uint4* units, int i, bool global
 
 // The block's input and mix from the CTA's piece of a token's streams, staged in shared memory (written by the CTA
 // before the call, which syncs first); sum_squares: this thread's share of the piece's squares. The CTA that
-// finishes the token's last piece (gather_dots) goes on to x_row [hidden] bf16, post_row [hc_mult] (null: the
-// head) and comb_row [hc_mult^2] (null: none), fp32, reading the other pieces from row (the token's streams).
+// finishes the token's last piece (gather_dots) goes on to x_row [hidden] bf16 (through norm where its weight is
+// given), post_row [hc_mult] (null: the head) and comb_row [hc_mult^2] (null: none), fp32, reading the other pieces
+// from row (the token's streams).
 __device__ void collapse_piece(const uint4* staged, const uint4* row, float sum_squares, const Connection& c,
-                               int groups, Piece p, float* partials, unsigned* arrivals, uint4* x_row,
-                               float* post_row, float* comb_row) {
+                               int groups, Piece p, float* partials, unsigned* arrivals, OutputNorm norm,
+                               uint4* x_row, float* post_row, float* comb_row) {
     __shared__ float partial[HYPER_WARPS][HYPER_MAX_ROWS + 1];
     __shared__ float dots[HYPER_MAX_ROWS + 1];         // fn's rows . the row; then the sum of squares
     const int n = c.hc_mult;
@@ -229,6 +236,7 @@ __device__ void collapse_piece(const uint4* staged, const uint4* row, float sum_
         pre[k] = k < n ? sigmoid(dots[k] * inv_rms * c.scale[0] + c.base[k]) + c.eps : 0.f;
     const bool whole = p.count == groups;               // the piece is the row: staged[k * groups + g]
     const uint4* units = whole ? staged : row;
+    float x_squares = 0.f;
     for (int g = threadIdx.x; g < groups; g += blockDim.x) {
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -240,7 +248,18 @@ __device__ void collapse_piece(const uint4* staged, const uint4* row, float sum_
                 for (int i = 0; i < 8; ++i) acc[i] += pre[k] * v[i];
             }
         }
-        x_row[g] = pack_unit(acc);
+        const uint4 x = pack_unit(acc);
+        x_row[g] = x;
+        x_squares += unit_squares(x);
+    }
+    if (norm.weight) {      // each thread scales the units it wrote, so it reads back only its own stores
+        const float inv_rms = rsqrtf(block_sum(x_squares) / (float)(8 * groups) + norm.eps);
+        const uint4* weight = reinterpret_cast<const uint4*>(norm.weight);
+        for (int g = threadIdx.x; g < groups; g += blockDim.x) {
+            const uint4 v = x_row[g], w = weight[g];
+            x_row[g] = make_uint4(scale_pair(v.x, w.x, inv_rms), scale_pair(v.y, w.y, inv_rms),
+                                  scale_pair(v.z, w.z, inv_rms), scale_pair(v.w, w.w, inv_rms));
+        }
     }
     const int k = threadIdx.x;
     if (post_row && k < n)
@@ -305,7 +324,8 @@ extern "C" __global__ void hyper_widen(uint4* streams, long long streams_stride,
     for (int k = 0; k < hc_mult; ++k) streams[t * streams_stride + (long long)k * groups + g] = v;
 }
 
-// x [T, hidden] bf16 = sum over n of pre[n] * stream n; post [T, hc_mult] and, where sinkhorn_iters > 0, comb [T,
+// x [T, hidden] bf16 = sum over n of pre[n] * stream n (then RMSNorm'd by norm_weight [hidden] bf16 and
+// out_norm_eps, where norm_weight is not null); post [T, hc_mult] and, where sinkhorn_iters > 0, comb [T,
 // hc_mult^2] (row-major [j][k]) fp32, contiguous. Grid (T, slices): CTA (t, s) of HYPER_THREADS holds units s * span
 // .. (s + 1) * span - 1 of each of token t's streams (one slice: the whole row); partials [T, slices, rows + 1]
 // float32 and arrivals [T] (0) where slices > 1 (gather_dots). Dynamic shared memory: the piece as bf16 (hc_mult *
@@ -315,8 +335,8 @@ extern "C" __global__ void hyper_widen(uint4* streams, long long streams_stride,
 extern "C" __global__ void __launch_bounds__(HYPER_THREADS)
 hyper_collapse(bf16* x, long long x_stride, float* post, float* comb, const bf16* streams, long long streams_stride,
                const float* fn, const float* base, const float* scale, int hc_mult, int hidden, float norm_eps,
-               float eps, float post_magnitude, float post_eps, int sinkhorn_iters, float* partials,
-               unsigned* arrivals, int span) {
+               float eps, float post_magnitude, float post_eps, int sinkhorn_iters, const bf16* norm_weight,
+               float out_norm_eps, float* partials, unsigned* arrivals, int span) {
     wait_for_previous_kernel();
     extern __shared__ uint4 staged[];
     const long long t = blockIdx.x;
@@ -326,7 +346,7 @@ hyper_collapse(bf16* x, long long x_stride, float* post, float* comb, const bf16
     const Piece p = piece_of(groups, span);
     const uint4* row = reinterpret_cast<const uint4*>(streams + t * streams_stride);
     const float sum_squares = stage_piece(staged, row, n, groups, p);
-    collapse_piece(staged, row, sum_squares, c, groups, p, partials, arrivals,
+    collapse_piece(staged, row, sum_squares, c, groups, p, partials, arrivals, {norm_weight, out_norm_eps},
                    reinterpret_cast<uint4*>(x + t * x_stride), post + t * n, with_comb ? comb + t * n * n : nullptr);
 }
 
@@ -335,8 +355,8 @@ hyper_collapse(bf16* x, long long x_stride, float* post, float* comb, const bf16
 // hyper_collapse.
 extern "C" __global__ void __launch_bounds__(HYPER_THREADS)
 hyper_head(bf16* x, long long x_stride, const bf16* streams, long long streams_stride, const float* fn,
-           const float* base, const float* scale, int hc_mult, int hidden, float norm_eps, float eps, float* partials,
-           unsigned* arrivals, int span) {
+           const float* base, const float* scale, int hc_mult, int hidden, float norm_eps, float eps,
+           const bf16* norm_weight, float out_norm_eps, float* partials, unsigned* arrivals, int span) {
     wait_for_previous_kernel();
     extern __shared__ uint4 staged[];
     const long long t = blockIdx.x;
@@ -345,7 +365,7 @@ hyper_head(bf16* x, long long x_stride, const bf16* streams, long long streams_s
     const Piece p = piece_of(groups, span);
     const uint4* row = reinterpret_cast<const uint4*>(streams + t * streams_stride);
     const float sum_squares = stage_piece(staged, row, hc_mult, groups, p);
-    collapse_piece(staged, row, sum_squares, c, groups, p, partials, arrivals,
+    collapse_piece(staged, row, sum_squares, c, groups, p, partials, arrivals, {norm_weight, out_norm_eps},
                    reinterpret_cast<uint4*>(x + t * x_stride), nullptr, nullptr);
 }
 
@@ -376,7 +396,8 @@ extern "C" __global__ void __launch_bounds__(HYPER_THREADS)
 hyper_boundary(bf16* streams, long long streams_stride, bf16* x, long long x_stride, const bf16* out,
                long long out_stride, float* post, float* comb, const float* fn, const float* base, const float* scale,
                int hc_mult, int hidden, float norm_eps, float eps, float post_magnitude, float post_eps,
-               int sinkhorn_iters, float* partials, unsigned* arrivals, int span) {
+               int sinkhorn_iters, const bf16* norm_weight, float out_norm_eps, float* partials, unsigned* arrivals,
+               int span) {
     wait_for_previous_kernel();
     extern __shared__ uint4 staged[];
     __shared__ float mix[HYPER_MAX_STREAMS + HYPER_MAX_STREAMS * HYPER_MAX_STREAMS];   // post, then comb
@@ -396,6 +417,6 @@ hyper_boundary(bf16* streams, long long streams_stride, bf16* x, long long x_str
     for (int j = threadIdx.x; j < p.count; j += blockDim.x)
         sum_squares += expand_unit(p.first + j, n, groups, out_row, row, row, staged + j, p.count, mix,
                                    comb_row ? mix + n : nullptr);
-    collapse_piece(staged, row, sum_squares, c, groups, p, partials, arrivals,
+    collapse_piece(staged, row, sum_squares, c, groups, p, partials, arrivals, {norm_weight, out_norm_eps},
                    reinterpret_cast<uint4*>(x + t * x_stride), post_row, comb_row);
 }

@@ -226,7 +226,8 @@ __device__ __forceinline__ void route_token(const float* row, int num_experts, i
 // highest, DeepSeek-V2) take part. The top_k choices go to ids
 // [T, top_k] (best first) and their scores, divided by their sum where normalize (+ 1e-20 for sigmoid scores, as
 // DeepSeek-V3), times scaling, to weights [T, top_k]. The last block to finish (done counts them; it is 0 before a
-// launch and after) groups the entries (moe_group_entries). Block: ROUTE_THREADS.
+// launch and after) groups the entries (moe_group_entries); a grid of one block groups them after a barrier. Block:
+// ROUTE_THREADS.
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
 moe_route(const float* logits, int logits_stride, int num_tokens, int num_experts, int top_k, int scoring,
           int round_logits, int normalize, const float* correction_bias, int n_group, int topk_group,
@@ -248,6 +249,12 @@ moe_route(const float* logits, int logits_stride, int num_tokens, int num_expert
             route_token<MOE_MAX_EXPERTS / 32>(row, num_experts, top_k, scoring, round_logits, normalize,
                                               correction_bias, n_group, topk_group, group_best_two, scaling,
                                               token_ids, token_weights, lane);
+    }
+    if (gridDim.x == 1) {               // a decode's few tokens: the block's own ids, no count to wait on
+        __syncthreads();
+        moe_group_entries(ids, num_tokens * top_k, num_experts, tile_rows, max_tiles, offsets, sorted_entries,
+                          positions, tiles, tile_count);
+        return;
     }
     __shared__ bool last;
     __threadfence();                    // this block's ids before its count

@@ -55,13 +55,6 @@ struct ResidualRow {
     }
 };
 
-// bf16(weight * bf16(value * inv_rms)), two at a time.
-__device__ __forceinline__ unsigned int scale_pair(unsigned int value, unsigned int weight, float inv_rms) {
-    const float2 v = bf16x2_to_float2(value), w = bf16x2_to_float2(weight);
-    const float2 n = bf16x2_to_float2(float2_to_bf16x2(v.x * inv_rms, v.y * inv_rms));
-    return float2_to_bf16x2(w.x * n.x, w.y * n.y);
-}
-
 // This thread's first 16-byte unit of a norm's weight and bias (bias may be null): a row's only one up to hidden
 // 8192 (the launchers' _block). They are model weights, so they are loaded before the row, their round trip with
 // the row's, where after the row's stores (which they might alias, for the compiler) and the block's reductions

@@ -9,7 +9,7 @@ pytest.importorskip("cuda.core")
 
 from launcher_fakes import FakeLibrary, bf16, f32, i32, parameter_types, record_launches  # noqa: E402
 from metrale.runtime.backend.cuda.kernels import hyper  # noqa: E402
-from metrale.runtime.backend.layer_math import HyperConnection, HyperHead  # noqa: E402
+from metrale.runtime.backend.layer_math import HyperConnection, HyperHead, RmsNorm  # noqa: E402
 from metrale.runtime.errors import InvalidArgument  # noqa: E402
 
 HY4 = dict(hc_mult=4, hidden=2816, iters=0)
@@ -73,6 +73,18 @@ def test_a_few_tokens_are_split_into_pieces_that_meet_in_the_scratch(monkeypatch
     grid, block, args, shmem = only_launch(recorded, "hyper_boundary")
     assert grid == (tokens, slices) and shmem == 16 * n * span
     assert args[-3:] == [held.partials.ptr, held.arrivals.ptr, span]
+
+
+def test_a_norm_goes_with_the_collapse(monkeypatch):
+    recorded = record_launches(monkeypatch, hyper)
+    weight, post, comb = bf16(2816), *mix(3, 4, 0)
+    hyper.boundary(FakeLibrary(), None, bf16(3, 2816), bf16(3, 4 * 2816), post, comb, bf16(3, 2816),
+                   connection(4, 2816, 0), scratch(), RmsNorm(weight, 1e-5))
+    hyper.head(FakeLibrary(), None, bf16(3, 2816), bf16(3, 4 * 2816), HyperHead(f32(4, 4 * 2816), f32(4), f32(1), 4,
+                                                                                  1e-6, 1e-6))
+    (_, _, _, boundary_args, _), (_, _, _, head_args, _) = recorded
+    assert boundary_args[18] == weight.ptr and boundary_args[19] == np.float32(1e-5)
+    assert head_args[11:13] == [0, 0.0]                 # none: the input as the collapse leaves it
 
 
 @pytest.mark.parametrize("hidden", [64, 2816, 7168, 8200])
@@ -153,6 +165,10 @@ def collapse(x=None, streams=None, post=None, comb="default", hc=None, iters=20)
                                hyper.Scratch(f32(100), i32(128))),              # too few partials
     lambda lib: hyper.head(lib, None, bf16(5, 64), bf16(5, 256), HyperHead(f32(4, 256), f32(4), f32(1), 4, 1e-6,
                                                                              1e-6), hyper.Scratch(*scratch()[::-1])),
+    lambda lib: hyper.collapse(lib, None, bf16(5, 64), *mix(5, 4, 0), bf16(5, 256), connection(4, 64, 0), None,
+                               RmsNorm(bf16(32), 1e-5)),                 # a norm of another width
+    lambda lib: hyper.collapse(lib, None, bf16(5, 64), *mix(5, 4, 0), bf16(5, 256), connection(4, 64, 0), None,
+                               RmsNorm(f32(64), 1e-5)),                  # a float32 norm weight
 ])
 def test_bad_shapes_are_refused_before_a_launch(monkeypatch, call):
     recorded = record_launches(monkeypatch, hyper)

@@ -135,6 +135,14 @@ class LatentAttention:
 
 
 @dataclass(frozen=True)
+class RmsNorm:
+    """An RMSNorm (weight uploaded, eps) that an op applies to its result (as rms_norm would), where it takes one: so
+    a backend can fuse the norm into the op that makes its input."""
+    weight: Tensor
+    eps: float
+
+
+@dataclass(frozen=True)
 class HyperProjection:
     """Weights computed from a token's hyper-connection streams [hc_mult * hidden] (mHC: DeepSeek-V4, Hy4), uploaded,
     float32: the streams flattened and divided by their RMS (norm_eps, no weight), projected by fn [rows, hc_mult *
@@ -334,21 +342,22 @@ class LayerMath(Protocol):
     def hyper_widen(self, x: Tensor, hc_mult: int) -> Tensor:
         """The embedding's rows [T, hidden] copied into hc_mult streams -> [T, hc_mult * hidden]."""
 
-    def hyper_collapse(self, streams: Tensor, hc: HyperConnection) -> tuple[Tensor, Any]:
-        """A block's input from the streams [T, hc_mult * hidden] (HyperConnection's pre) -> ([T, hidden], the mix:
-        post and comb, the backend's own, for hyper_expand)."""
+    def hyper_collapse(self, streams: Tensor, hc: HyperConnection, norm: RmsNorm | None = None
+                       ) -> tuple[Tensor, Any]:
+        """A block's input from the streams [T, hc_mult * hidden] (HyperConnection's pre), through norm where given
+        -> ([T, hidden], the mix: post and comb, the backend's own, for hyper_expand)."""
 
     def hyper_expand(self, out: Tensor, streams: Tensor, mix: Any) -> Tensor:
         """The streams after a block: each (mixed by comb where the connection has one) plus post[n] times the
         block's output out [T, hidden], in float32, rounded to the streams' dtype."""
 
-    def hyper_boundary(self, out: Tensor, streams: Tensor, mix: Any, hc: HyperConnection
-                       ) -> tuple[Tensor, Tensor, Any]:
-        """hyper_expand, then the next block's hyper_collapse: (streams, its input, its mix). A backend may fuse
-        the two (hyper_boundary below is them apart)."""
+    def hyper_boundary(self, out: Tensor, streams: Tensor, mix: Any, hc: HyperConnection,
+                       norm: RmsNorm | None = None) -> tuple[Tensor, Tensor, Any]:
+        """hyper_expand, then the next block's hyper_collapse (through norm): (streams, its input, its mix). A
+        backend may fuse the two (hyper_boundary below is them apart)."""
 
-    def hyper_head(self, streams: Tensor, head: HyperHead) -> Tensor:
-        """The streams collapsed after the last block -> [T, hidden]."""
+    def hyper_head(self, streams: Tensor, head: HyperHead, norm: RmsNorm | None = None) -> Tensor:
+        """The streams collapsed after the last block, through norm where given -> [T, hidden]."""
 
     def sampled_rows(self, x: "Tensor | Linear", residual: Tensor, batch: PreparedBatch
                      ) -> tuple["Tensor | Linear", Tensor]:
@@ -368,8 +377,8 @@ def rope_then_attention(math: LayerMath, q: Tensor, k: Tensor, v: Tensor, rope: 
     return math.paged_attention(q, kv, batch, num_kv_heads, head_dim, scale, sliding_window)
 
 
-def hyper_boundary(math: LayerMath, out: Tensor, streams: Tensor, mix: Any, hc: HyperConnection
-                   ) -> tuple[Tensor, Tensor, Any]:
+def hyper_boundary(math: LayerMath, out: Tensor, streams: Tensor, mix: Any, hc: HyperConnection,
+                   norm: RmsNorm | None = None) -> tuple[Tensor, Tensor, Any]:
     """LayerMath.hyper_boundary as its two ops: a backend's where it fuses nothing."""
     streams = math.hyper_expand(out, streams, mix)
-    return (streams, *math.hyper_collapse(streams, hc))
+    return (streams, *math.hyper_collapse(streams, hc, norm))

@@ -8,7 +8,7 @@ import dataclasses
 
 import torch
 
-from metrale.runtime.backend.layer_math import LayerMath
+from metrale.runtime.backend.layer_math import LayerMath, RmsNorm
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.models import deepseek, hyper, sparse_index
@@ -65,23 +65,29 @@ class HyV4ForCausalLM(deepseek.DeepseekForCausalLM):
         self.weights["hc_head"] = hyper.load_head(take, "model.hc_head.", hc, math)
 
     def forward(self, batch: ForwardBatch, caches: list) -> torch.Tensor:
-        """Each block's input collapsed from the streams, its output written back into them (one boundary op
-        between blocks); the streams collapsed by the head, normed, to logits [N, vocab] of batch.sample_rows."""
+        """Each block's input collapsed from the streams and normed, its output written back into them (one
+        boundary op between blocks, the next block's norm in it); the streams collapsed by the head and normed, to
+        logits [N, vocab] of batch.sample_rows."""
         ops, c, w = self.math, self.config, self.weights
         meta = ops.prepare(batch)
+
+        def norm(weight):
+            return RmsNorm(weight, c.rms_norm_eps)
+
         streams = ops.hyper_widen(ops.embedding(w["embed"], meta.token_ids), c.hyper.hc_mult)
-        x, mix = ops.hyper_collapse(streams, w["layers"][0]["attn_hc"])
+        first = w["layers"][0]
+        h, mix = ops.hyper_collapse(streams, first["attn_hc"], norm(first["input_layernorm"]))
         selection = None
         blocks = list(zip(w["layers"], self.layer_caches(caches)))
         for i, (layer, cache) in enumerate(blocks):
-            h, _ = ops.rms_norm(x, layer["input_layernorm"], c.rms_norm_eps)
             out, selection = self._attention(h, layer, meta, cache, selection)
-            streams, x, mix = ops.hyper_boundary(out, streams, mix, layer["ffn_hc"])
-            h, _ = ops.rms_norm(x, layer["post_attention_layernorm"], c.rms_norm_eps)
+            streams, h, mix = ops.hyper_boundary(out, streams, mix, layer["ffn_hc"],
+                                                 norm(layer["post_attention_layernorm"]))
             out = self._mlp(h, layer)
             if i + 1 < len(blocks):
-                streams, x, mix = ops.hyper_boundary(out, streams, mix, blocks[i + 1][0]["attn_hc"])
+                following = blocks[i + 1][0]
+                streams, h, mix = ops.hyper_boundary(out, streams, mix, following["attn_hc"],
+                                                     norm(following["input_layernorm"]))
         streams = ops.hyper_expand(out, streams, mix)
         streams, _ = ops.sampled_rows(streams, streams, meta)
-        x, _ = ops.rms_norm(ops.hyper_head(streams, w["hc_head"]), w["norm"], c.rms_norm_eps)
-        return ops.logits(x, w["lm_head"])
+        return ops.logits(ops.hyper_head(streams, w["hc_head"], norm(w["norm"])), w["lm_head"])

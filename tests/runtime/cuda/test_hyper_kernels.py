@@ -12,7 +12,7 @@ from gpu_reference import TOLERANCE, relative_error  # noqa: E402
 from metrale.runtime.backend.cpu import hyper as reference  # noqa: E402
 from metrale.runtime.backend.cuda.kernels import hyper  # noqa: E402
 from metrale.runtime.backend.cuda.tensor import DeviceTensor  # noqa: E402
-from metrale.runtime.backend.layer_math import HyperConnection, HyperHead  # noqa: E402
+from metrale.runtime.backend.layer_math import HyperConnection, HyperHead, RmsNorm  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -180,6 +180,43 @@ def test_boundary_collapses_the_streams_as_bf16_holds_them(kernel_library, strea
     want_x, want_mix = reference.collapse(streams.cpu(), next_hc)
     assert relative_error(x.cpu(), want_x) < 1e-3
     assert_mix_close(post, comb, want_mix)
+
+
+def rms_normed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm of bf16 x (cpu/layer_math.py's)."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_boundary_and_head_norm_what_they_collapse(kernel_library, stream, scratch, form, tokens):
+    """The norm after a collapse (the next block's input norm, the final norm) fused into the kernel: the reference's
+    collapse then RMSNorm."""
+    hidden, eps = 2816, 1e-5
+    hc, _, _ = connection(form, hidden, seed=20)
+    next_hc, next_gpu, _held = connection(form, hidden, seed=21)
+    head_weights = projection(HC_MULT, hidden, 1, seed=22)
+    head_held = [w.to(DEVICE) for w in head_weights]
+    weight = (1 + 0.3 * torch.randn(hidden, generator=torch.Generator().manual_seed(23))).bfloat16()
+    mix = mix_of(hc, tokens, hidden, seed=24)
+    streams, out = padded_streams(tokens, hidden, seed=25)[:, :HC_MULT * hidden], random_rows(tokens, hidden, 26)
+    want_streams = reference.expand(out, streams, mix)
+    want_x = rms_normed(reference.collapse(want_streams, next_hc)[0], weight, eps)
+    want_head = rms_normed(reference.head(want_streams, HyperHead(*head_weights, HC_MULT, NORM_EPS, EPS)), weight, eps)
+    streams_gpu, out_gpu, weight_gpu = streams.contiguous().to(DEVICE), out.to(DEVICE), weight.to(DEVICE)
+    post, comb = mix_on_gpu(mix)
+    x, head_x = (torch.empty(tokens, hidden, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
+    nothing(x, head_x)
+    norm = RmsNorm(d(weight_gpu), eps)
+    torch.cuda.synchronize()
+    hyper.boundary(kernel_library, stream, d(x), d(streams_gpu), d(post), comb if comb is None else d(comb),
+                   d(out_gpu), next_gpu, scratch, norm)
+    hyper.head(kernel_library, stream, d(head_x), d(streams_gpu),
+               HyperHead(*(d(w) for w in head_held), HC_MULT, NORM_EPS, EPS), scratch, norm)
+    stream.sync()
+    assert relative_error(x.cpu(), want_x) < TOLERANCE[torch.bfloat16]
+    assert relative_error(head_x.cpu(), want_head) < TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.parametrize("hidden, tokens", SHAPES)

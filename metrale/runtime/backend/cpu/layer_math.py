@@ -156,17 +156,22 @@ class CpuLayerMath:
     def hyper_widen(self, x, hc_mult):
         return x.repeat(1, hc_mult)
 
-    def hyper_collapse(self, streams, hc):
-        return hyper.collapse(streams, hc)
+    def hyper_collapse(self, streams, hc, norm=None):
+        x, mix = hyper.collapse(streams, hc)
+        return self._normed(x, norm), mix
 
     def hyper_expand(self, out, streams, mix):
         return hyper.expand(out, streams, mix)
 
-    def hyper_boundary(self, out, streams, mix, hc):
-        return hyper_boundary(self, out, streams, mix, hc)
+    def hyper_boundary(self, out, streams, mix, hc, norm=None):
+        return hyper_boundary(self, out, streams, mix, hc, norm)
 
-    def hyper_head(self, streams, head):
-        return hyper.head(streams, head)
+    def hyper_head(self, streams, head, norm=None):
+        return self._normed(hyper.head(streams, head), norm)
+
+    @staticmethod
+    def _normed(x, norm):
+        return x if norm is None else _rms(x, norm.weight, norm.eps)
 
     def sparse_select(self, q, k, x, indexer, rope, batch: "CpuBatch", cache):
         return sparse.select(q, k, x, indexer, rope, batch, cache, _rotate)

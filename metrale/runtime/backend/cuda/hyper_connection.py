@@ -8,7 +8,7 @@ from typing import NamedTuple
 from metrale.runtime.backend.cuda import kernels
 from metrale.runtime.backend.cuda.stream_context import StreamContext
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
-from metrale.runtime.backend.layer_math import HyperConnection, HyperHead
+from metrale.runtime.backend.layer_math import HyperConnection, HyperHead, RmsNorm
 
 
 class Mix(NamedTuple):
@@ -23,10 +23,11 @@ def widen(lib, ctx: StreamContext, x: DeviceTensor, hc_mult: int) -> DeviceTenso
     return streams
 
 
-def collapse(lib, ctx: StreamContext, streams: DeviceTensor, hc: HyperConnection) -> tuple[DeviceTensor, Mix]:
+def collapse(lib, ctx: StreamContext, streams: DeviceTensor, hc: HyperConnection, norm: RmsNorm | None = None
+             ) -> tuple[DeviceTensor, Mix]:
     tokens = streams.shape[0]
     x, mix = ctx.new(tokens, streams.shape[1] // hc.hc_mult), _mix(ctx, tokens, hc)
-    kernels.hyper.collapse(lib, ctx.stream, x, mix.post, mix.comb, streams, hc, _scratch(ctx))
+    kernels.hyper.collapse(lib, ctx.stream, x, mix.post, mix.comb, streams, hc, _scratch(ctx), norm)
     return x, mix
 
 
@@ -35,17 +36,19 @@ def expand(lib, ctx: StreamContext, out: DeviceTensor, streams: DeviceTensor, mi
     return streams
 
 
-def boundary(lib, ctx: StreamContext, out: DeviceTensor, streams: DeviceTensor, mix: Mix, hc: HyperConnection
-             ) -> tuple[DeviceTensor, DeviceTensor, Mix]:
-    """One kernel: the streams after the block (in place), the next block's input, and its mix (in place)."""
+def boundary(lib, ctx: StreamContext, out: DeviceTensor, streams: DeviceTensor, mix: Mix, hc: HyperConnection,
+             norm: RmsNorm | None = None) -> tuple[DeviceTensor, DeviceTensor, Mix]:
+    """One kernel: the streams after the block (in place), the next block's input (through norm), and its mix (in
+    place)."""
     x = ctx.new(*out.shape)
-    kernels.hyper.boundary(lib, ctx.stream, x, streams, mix.post, mix.comb, out, hc, _scratch(ctx))
+    kernels.hyper.boundary(lib, ctx.stream, x, streams, mix.post, mix.comb, out, hc, _scratch(ctx), norm)
     return streams, x, mix
 
 
-def head(lib, ctx: StreamContext, streams: DeviceTensor, hc_head: HyperHead) -> DeviceTensor:
+def head(lib, ctx: StreamContext, streams: DeviceTensor, hc_head: HyperHead, norm: RmsNorm | None = None
+         ) -> DeviceTensor:
     x = ctx.new(streams.shape[0], streams.shape[1] // hc_head.hc_mult)
-    kernels.hyper.head(lib, ctx.stream, x, streams, hc_head, _scratch(ctx))
+    kernels.hyper.head(lib, ctx.stream, x, streams, hc_head, _scratch(ctx), norm)
     return x
 
 

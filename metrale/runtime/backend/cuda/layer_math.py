@@ -230,17 +230,17 @@ class CudaLayerMath:
     def hyper_widen(self, x, hc_mult):
         return hyper_connection.widen(self.lib, self.resources.bound.context, x, hc_mult)
 
-    def hyper_collapse(self, streams, hc):
-        return hyper_connection.collapse(self.lib, self.resources.bound.context, streams, hc)
+    def hyper_collapse(self, streams, hc, norm=None):
+        return hyper_connection.collapse(self.lib, self.resources.bound.context, streams, hc, norm)
 
     def hyper_expand(self, out, streams, mix):
         return hyper_connection.expand(self.lib, self.resources.bound.context, out, streams, mix)
 
-    def hyper_boundary(self, out, streams, mix, hc):
-        return hyper_connection.boundary(self.lib, self.resources.bound.context, out, streams, mix, hc)
+    def hyper_boundary(self, out, streams, mix, hc, norm=None):
+        return hyper_connection.boundary(self.lib, self.resources.bound.context, out, streams, mix, hc, norm)
 
-    def hyper_head(self, streams, head):
-        return hyper_connection.head(self.lib, self.resources.bound.context, streams, head)
+    def hyper_head(self, streams, head, norm=None):
+        return hyper_connection.head(self.lib, self.resources.bound.context, streams, head, norm)
 
     def sparse_select(self, q, k, x, indexer, rope, batch: CudaBatch, cache):
         return sparse_selection.select(self.lib, self.resources.bound.context, q, k, x, indexer, rope, batch, cache)

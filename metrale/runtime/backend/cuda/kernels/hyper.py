@@ -13,7 +13,7 @@ import numpy as np
 
 from metrale.runtime.backend.cuda.launch import ceil_div, launch_kernel, require, require_aligned
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
-from metrale.runtime.backend.layer_math import HyperConnection, HyperHead
+from metrale.runtime.backend.layer_math import HyperConnection, HyperHead, RmsNorm
 
 MODULE = "hyper"
 THREADS = 256                  # as hyper.cu's HYPER_THREADS
@@ -64,10 +64,10 @@ def widen(lib, stream, streams: DeviceTensor, x: DeviceTensor, hc_mult: int) -> 
 
 
 def collapse(lib, stream, x: DeviceTensor, post: DeviceTensor, comb: DeviceTensor | None, streams: DeviceTensor,
-             hc: HyperConnection, scratch: Scratch | None = None) -> None:
+             hc: HyperConnection, scratch: Scratch | None = None, norm: RmsNorm | None = None) -> None:
     """A block's input x [T, hidden] (bf16) from streams [T, hc_mult * hidden] by hc (fn, base, scale float32 device
-    tensors), and its mix: post, and comb where hc.sinkhorn_iters (else None). scratch: a few tokens' pieces meet
-    there (None: a CTA per token)."""
+    tensors), through norm where given (weight [hidden] bf16), and its mix: post, and comb where hc.sinkhorn_iters
+    (else None). scratch: a few tokens' pieces meet there (None: a CTA per token)."""
     name = "hyper_collapse"
     num_tokens, hidden = _check_connection(name, x, streams, post, comb, hc)
     if num_tokens == 0:
@@ -75,7 +75,8 @@ def collapse(lib, stream, x: DeviceTensor, post: DeviceTensor, comb: DeviceTenso
     (slices, span), shared = _pieces(name, num_tokens, hc.hc_mult, hidden, scratch)
     launch_kernel(stream, lib.get_with_shared(name, MODULE, shared), (num_tokens, slices), THREADS, x,
                   np.int64(x.stride), post, _pointer(comb), streams, np.int64(streams.stride),
-                  *_connection_args(hc, hidden), *_scratch_args(scratch), span, shmem=shared)
+                  *_connection_args(hc, hidden), *_norm_args(name, norm, hidden), *_scratch_args(scratch), span,
+                  shmem=shared)
 
 
 def expand(lib, stream, new_streams: DeviceTensor, out: DeviceTensor, streams: DeviceTensor, post: DeviceTensor,
@@ -99,11 +100,12 @@ def expand(lib, stream, new_streams: DeviceTensor, out: DeviceTensor, streams: D
 
 
 def boundary(lib, stream, x: DeviceTensor, streams: DeviceTensor, post: DeviceTensor, comb: DeviceTensor | None,
-             out: DeviceTensor, hc: HyperConnection, scratch: Scratch | None = None) -> None:
+             out: DeviceTensor, hc: HyperConnection, scratch: Scratch | None = None, norm: RmsNorm | None = None
+             ) -> None:
     """expand then hc's collapse, in one kernel and in place: streams become the streams after the block whose
     output is out [T, hidden] and whose mix is (post, comb); x [T, hidden] the next block's input from them (as bf16
     holds them); post and comb the next block's mix. comb is given where hc.sinkhorn_iters, the mix before and
-    after alike (one model's connections all have it or none). scratch as collapse's."""
+    after alike (one model's connections all have it or none). scratch and norm as collapse's."""
     name = "hyper_boundary"
     num_tokens, hidden = _check_connection(name, x, streams, post, comb, hc)
     require(out.shape == x.shape, f"{name}: out {out.shape} must have x's shape {x.shape}")
@@ -113,13 +115,14 @@ def boundary(lib, stream, x: DeviceTensor, streams: DeviceTensor, post: DeviceTe
     (slices, span), shared = _pieces(name, num_tokens, hc.hc_mult, hidden, scratch)
     launch_kernel(stream, lib.get_with_shared(name, MODULE, shared), (num_tokens, slices), THREADS, streams,
                   np.int64(streams.stride), x, np.int64(x.stride), out, np.int64(out.stride), post, _pointer(comb),
-                  *_connection_args(hc, hidden), *_scratch_args(scratch), span, shmem=shared)
+                  *_connection_args(hc, hidden), *_norm_args(name, norm, hidden), *_scratch_args(scratch), span,
+                  shmem=shared)
 
 
-def head(lib, stream, x: DeviceTensor, streams: DeviceTensor, hc_head: HyperHead, scratch: Scratch | None = None
-         ) -> None:
+def head(lib, stream, x: DeviceTensor, streams: DeviceTensor, hc_head: HyperHead, scratch: Scratch | None = None,
+         norm: RmsNorm | None = None) -> None:
     """x [T, hidden] = the streams [T, hc_mult * hidden] after the last block, collapsed by hc_head (fn [hc_mult,
-    hc_mult * hidden], base [hc_mult], scale [1], float32 device tensors). scratch as collapse's."""
+    hc_mult * hidden], base [hc_mult], scale [1], float32 device tensors). scratch and norm as collapse's."""
     name = "hyper_head"
     num_tokens, hidden = _rows(name, x, "x")
     _check_streams(name, streams, num_tokens, hc_head.hc_mult, hidden)
@@ -129,8 +132,8 @@ def head(lib, stream, x: DeviceTensor, streams: DeviceTensor, hc_head: HyperHead
     (slices, span), shared = _pieces(name, num_tokens, hc_head.hc_mult, hidden, scratch)
     launch_kernel(stream, lib.get_with_shared(name, MODULE, shared), (num_tokens, slices), THREADS, x,
                   np.int64(x.stride), streams, np.int64(streams.stride), hc_head.fn, hc_head.base, hc_head.scale,
-                  hc_head.hc_mult, hidden, float(hc_head.norm_eps), float(hc_head.eps), *_scratch_args(scratch), span,
-                  shmem=shared)
+                  hc_head.hc_mult, hidden, float(hc_head.norm_eps), float(hc_head.eps), *_norm_args(name, norm, hidden),
+                  *_scratch_args(scratch), span, shmem=shared)
 
 
 def _pieces(name: str, num_tokens: int, hc_mult: int, hidden: int, scratch: Scratch | None
@@ -143,6 +146,16 @@ def _pieces(name: str, num_tokens: int, hc_mult: int, hidden: int, scratch: Scra
                     f"{name}: the scratch's {field} must be {shape[0]} contiguous {dtype} at least")
     slices, span = pieces(num_tokens, hidden, scratch)
     return (slices, span), shared_bytes(hc_mult, span)
+
+
+def _norm_args(name: str, norm: RmsNorm | None, hidden: int) -> tuple:
+    """The kernels' norm_weight and out_norm_eps (null: the input as the collapse leaves it)."""
+    if norm is None:
+        return NULL, 0.0
+    weight = norm.weight
+    require(weight.dtype == "bfloat16" and weight.shape == (hidden,) and weight.ptr % 16 == 0,
+            f"{name}: the norm's weight must be [{hidden}] bfloat16, 16-byte aligned, not {weight.shape} {weight.dtype}")
+    return weight, float(norm.eps)
 
 
 def _scratch_args(scratch: Scratch | None) -> tuple:
