@@ -24,7 +24,7 @@ from metrale.v1 import worker_pb2 as pb
 from metrale.v1 import worker_pb2_grpc
 from service_harness import WORKER_DEVICE
 from test_metrics import free_port
-from worker_process import WorkerProcess
+from worker_process import WorkerProcess, start_on_free_port
 
 CLIENTS = 64
 LOAD_SECONDS = 60.0
@@ -248,12 +248,12 @@ def run_load(address: str, seconds: float, clients: int) -> tuple[Tally, list[Cl
 
 @pytest.fixture
 def loaded_worker(tiny_model_dir, tmp_path):
-    metrics_port = free_port()
     device = WORKER_DEVICE["device"]
-    worker = WorkerProcess(tiny_model_dir, tmp_path / "worker.log",
-                           args=("--kv-blocks", "512", "--max-model-len", "64", "--metrics-port", str(metrics_port),
-                                 "--drain-timeout", "20"), device=device)
-    worker.start(timeout=60.0 if device == "cpu" else 600.0)     # CUDA: kernels compiled, graphs captured
+    worker, metrics_port = start_on_free_port(
+        lambda port: WorkerProcess(tiny_model_dir, tmp_path / "worker.log",
+                                   args=("--kv-blocks", "512", "--max-model-len", "64", "--metrics-port", str(port),
+                                         "--drain-timeout", "20"), device=device),
+        free_port, timeout=60.0 if device == "cpu" else 600.0)      # CUDA: kernels compiled, graphs captured
     yield worker, metrics_port
     if worker.process.poll() is None:
         worker.stop()

@@ -35,6 +35,22 @@ def log_events(log_path: Path) -> list[dict]:
     return events
 
 
+def start_on_free_port(make_worker, free_port, timeout: float, attempts: int = 3) -> tuple["WorkerProcess", int]:
+    """(worker, port): make_worker(port) started with a port that was free when asked (its metrics port, say). Asked
+    again where the port was taken before the worker bound it: the worker's own port 0 may be handed the very port
+    free_port just let go."""
+    for attempt in range(attempts):
+        port = free_port()
+        worker = make_worker(port)
+        try:
+            worker.start(timeout=timeout)
+            return worker, port
+        except RuntimeError as error:
+            if "address in use" not in str(error) or attempt + 1 == attempts:
+                raise
+    raise AssertionError("unreachable")
+
+
 class WorkerProcess:
     """start() launches the worker and waits for SERVING; stop() sends SIGTERM and returns the exit code."""
 
