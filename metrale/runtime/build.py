@@ -13,7 +13,7 @@ from metrale.runtime.config import EngineConfig
 from metrale.runtime.engine import Engine
 from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.cache.blocks import blocks_for
-from metrale.runtime.loading import Checkpoint
+from metrale.runtime.loading import Checkpoint, fp8
 from metrale.runtime.models import family_of
 
 VERSION = "0.1.0"
@@ -56,7 +56,8 @@ def build_engine(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path |
     runner = backend.runner
     runner.plan(_weight_bytes(checkpoint, model_config, max_model_len, family.model_class),
                 _memory_shapes(model_config, config, max_model_len))
-    model = family.model_class(model_config, checkpoint.tensors, backend.math, max_model_len)
+    tensors = fp8.QuantizedTensors(checkpoint.tensors) if config.quantize == "fp8" else checkpoint.tensors
+    model = family.model_class(model_config, tensors, backend.math, max_model_len)
     cache = _allocate_cache(runner, model.cache_specs(), config, max_model_len,
                             # an encoder-decoder's prompts are its sources, whose cross K/V no token prefix names
                             config.prefix_cache and not getattr(model_config, "is_encoder_decoder", False))

@@ -7,6 +7,7 @@ from metrale.runtime.errors import InvalidArgument
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 RUN_AHEAD = ("auto", "on", "off")
+QUANTIZE = ("none", "fp8")
 
 
 @dataclass(frozen=True)
@@ -39,12 +40,17 @@ class EngineConfig:
     # GGUF's Q4_0 / Q4_1 / Q8_0 weights dequantized at load to dtype; else the CPU backend multiplies their blocks
     # as they are (backend/cpu/quantized.py). The CUDA backend dequantizes them either way.
     dequantize: bool = False
+    # "fp8": every linear weight of a bf16/fp16/fp32 checkpoint quantized at load to e4m3 with one scale a row
+    # (loading/fp8.py); "none": as the checkpoint holds them.
+    quantize: str = "none"
 
     def __post_init__(self):
         if self.device not in DEVICES:
             raise InvalidArgument(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.run_ahead not in RUN_AHEAD:
             raise InvalidArgument(f"run_ahead must be one of {RUN_AHEAD}, got {self.run_ahead!r}")
+        if self.quantize not in QUANTIZE:
+            raise InvalidArgument(f"quantize must be one of {QUANTIZE}, got {self.quantize!r}")
         if self.dtype not in DTYPES:
             raise InvalidArgument(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_block_size < 1 or self.kv_block_size & (self.kv_block_size - 1):

@@ -119,6 +119,8 @@ SERVE_FLAGS = [
      "models with Mamba2 layers; default: as many snapshots as --max-seqs", None),
     ("dequantize", _bool, "GGUF's quantized blocks dequantized at load to --dtype instead of multiplied as they are "
      "on the CPU backend (true|false)", None),
+    ("quantize", str, "fp8: a checkpoint's linear weights quantized at load to FP8 (e4m3, one scale a row)",
+     ("none", "fp8")),
     ("max-message-mb", int, "largest gRPC message, either way", None),
     ("max-concurrent-rpcs", int, "forward calls (steps, BeamGenerate, Generate) in flight at once; more get "
      "RESOURCE_EXHAUSTED; health, Info and Release are never refused (unset: no limit)", None),

@@ -1,6 +1,8 @@
 """FP8 checkpoints as published (quantization_config quant_method "fp8", e4m3 weights with float32 inverse scales per
 block): the engine's logits against transformers loading the same checkpoint dequantized, for a dense model and
-DeepSeek's latent attention and experts (and sparse attention's indexer); other schemes refused at load."""
+DeepSeek's latent attention and experts (and sparse attention's indexer); other schemes refused at load. A weight
+keeps its FP8 form (Fp8Weight) through the row picks and stacks of model code. --quantize fp8: a bf16/fp32
+checkpoint's linear weights quantized at load, against transformers running those very weights."""
 
 import json
 from pathlib import Path
@@ -14,9 +16,9 @@ from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.loading import load_checkpoint
-from metrale.runtime.loading.fp8 import dequantize
+from metrale.runtime.loading.fp8 import Fp8Weight, dequantize, is_linear_weight, quantize_rows
 from engine_runs import greedy_logits
-from tiny_models import write_tiny
+from tiny_models import load_reference, write_tiny
 
 E4M3_MAX = 448.0
 # Unequal, and dividing every tiny weight: transformers' load-time dequantization takes a block as the weight over its
@@ -58,6 +60,19 @@ def write_fp8(name: str, directory: Path, block: tuple[int, int] = BLOCK) -> Pat
     return target
 
 
+def assert_greedy_matches(engine, vocab_size: int, reference, name: str) -> list:
+    """The engine's greedy logits and tokens over 8 steps against the reference's on the same tokens (1e-4
+    relative, tokens equal); returns the engine's logits."""
+    prompt = torch.randint(3, vocab_size, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    ours, tokens = greedy_logits(engine, prompt, 8)
+    with torch.no_grad():
+        expected = reference(torch.tensor([tokens])).logits[0, len(prompt) - 1:]
+    for i, (row, want) in enumerate(zip(ours, expected)):
+        assert float((row - want).abs().max() / want.abs().max()) < 1e-4, f"{name}: step {i}"
+    assert tokens[len(prompt):] == expected[:-1].argmax(-1).tolist()
+    return ours
+
+
 @pytest.mark.parametrize("name", ["llama3_untied", "deepseek_v3", "deepseek_v32"])
 def test_fp8_checkpoints_match_transformers_dequantized(name, tmp_path):
     directory = write_fp8(name, tmp_path)
@@ -65,13 +80,57 @@ def test_fp8_checkpoints_match_transformers_dequantized(name, tmp_path):
         directory, dtype=torch.float32,
         quantization_config=transformers.FineGrainedFP8Config(weight_block_size=BLOCK, dequantize=True)).eval()
     engine, info = build_engine(load_checkpoint(directory), EngineConfig(device="cpu", kv_blocks=16))
+    assert_greedy_matches(engine, info.vocab_size, reference, name)
+
+
+@pytest.mark.parametrize("name", ["llama3_untied", "qwen3", "mixtral", "deepseek_v3", "hy_v4"])
+def test_quantize_fp8_runs_the_checkpoint_as_its_fp8_weights(name, tmp_path):
+    """--quantize fp8 against transformers loading the checkpoint with each linear weight replaced by its e4m3
+    values times their row's scale; and visibly apart from the unquantized model."""
+    source = write_tiny(name, tmp_path / "model")
+    tensors = load_file(source / "model.safetensors")
+    linear = [key for key, tensor in tensors.items() if is_linear_weight(key, tensor)]
+    assert linear and not any("embed" in key or "norm" in key or key.endswith(".gate.weight") for key in linear)
+    rounded = tmp_path / "rounded"
+    rounded.mkdir()
+    save_file({key: quantize_rows(t).dequantize() if key in linear else t for key, t in tensors.items()},
+              rounded / "model.safetensors", metadata={"format": "pt"})
+    (rounded / "config.json").write_text((source / "config.json").read_text())
+    engine, info = build_engine(load_checkpoint(source), EngineConfig(device="cpu", kv_blocks=16, quantize="fp8"))
+    ours = assert_greedy_matches(engine, info.vocab_size, load_reference(rounded), name)
+    plain, _ = build_engine(load_checkpoint(source), EngineConfig(device="cpu", kv_blocks=16))
     prompt = torch.randint(3, info.vocab_size, (12,), generator=torch.Generator().manual_seed(3)).tolist()
-    ours, tokens = greedy_logits(engine, prompt, 8)
-    with torch.no_grad():
-        expected = reference(torch.tensor([tokens])).logits[0, len(prompt) - 1:]
-    for i, (row, want) in enumerate(zip(ours, expected)):
-        assert float((row - want).abs().max() / want.abs().max()) < 1e-4, f"{name}: step {i}"
-    assert tokens[len(prompt):] == expected[:-1].argmax(-1).tolist()
+    unquantized = greedy_logits(plain, prompt, 0)[0][0]
+    assert float((ours[0] - unquantized).abs().max() / unquantized.abs().max()) > 1e-3
+
+
+def test_an_fp8_weight_keeps_its_form_through_row_picks_and_stacks():
+    weight = torch.randn(40, 24)
+    fp8, scale = quantized(weight, (16, 16))
+    blocks, whole = Fp8Weight.of_checkpoint(fp8, scale, (16, 16)), Fp8Weight.of_checkpoint(fp8, scale[:1, :1], None)
+    dense = dequantize(fp8, scale, (16, 16))
+    assert torch.equal(blocks.dequantize(), dense)
+    assert torch.equal(whole.dequantize(), dequantize(fp8, scale[:1, :1].view(()), None))
+    ids = torch.tensor([39, 0, 17, 16])
+    picked = blocks[ids]
+    assert isinstance(picked, Fp8Weight) and torch.equal(picked.dequantize(), dense[ids])
+    stacked = torch.cat([blocks, picked])
+    assert isinstance(stacked, Fp8Weight) and torch.equal(stacked.dequantize(), torch.cat([dense, dense[ids]]))
+    mixed = torch.cat([blocks, whole])                       # blocks of another width: the dense tensors' cat
+    assert isinstance(mixed, torch.Tensor) and torch.equal(mixed, torch.cat([dense, whole.dequantize()]))
+    assert torch.equal(blocks.t(), dense.t()) and torch.equal(blocks * 2.0, dense * 2.0)
+    assert torch.equal(blocks[:, 3:5], dense[:, 3:5]) and torch.equal(blocks.to(torch.bfloat16), dense.bfloat16())
+    with pytest.raises(InvalidArgument, match="does not fit"):
+        Fp8Weight(fp8, scale, 16)                            # block scales not yet a row each
+
+
+def test_quantize_rows_is_e4m3_with_one_scale_a_row():
+    weight = torch.randn(6, 40) * torch.tensor([[1e-3], [1.0], [30.0], [0.0], [1.0], [2.0]])
+    fp8 = quantize_rows(weight)
+    assert fp8.data.dtype == torch.float8_e4m3fn and fp8.scales.shape == (6, 1) and fp8.block == 40
+    assert torch.equal(fp8.data.float().abs().amax(dim=1)[[0, 1, 2, 4, 5]], torch.full((5,), 448.0))
+    assert torch.equal(fp8.dequantize()[3], torch.zeros(40))                    # a row of zeros stays zero
+    torch.testing.assert_close(fp8.dequantize(), weight, rtol=0.07, atol=0.0)  # 3 mantissa bits
 
 
 def test_a_scale_for_the_whole_weight_and_for_blocks():

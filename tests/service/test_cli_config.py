@@ -32,6 +32,7 @@ NON_DEFAULT = {
     "run-ahead": ("off", "engine.run_ahead", "off"),
     "prefix-cache": ("off", "engine.prefix_cache", False),
     "dequantize": ("true", "engine.dequantize", True),
+    "quantize": ("fp8", "engine.quantize", "fp8"),
     "ssm-snapshot-memory": ("1048576", "engine.ssm_snapshot_memory", 1048576),
     "cuda-graph-batch-sizes": ("1,4,16", "engine.cuda_graph_batch_sizes", (1, 4, 16)),
     "max-message-mb": ("8", "max_message_mb", 8),
@@ -135,6 +136,7 @@ def test_empty_variable_is_unset_and_explicit_environ_ignores_os_environ(monkeyp
     ({"METRALE_LOG_FORMAT": "xml"}, ["log_format", "xml"]),
     ({"METRALE_NUM_STREAMS": "0"}, ["num_streams", "0"]),
     ({"METRALE_RUN_AHEAD": "sometimes"}, ["run_ahead", "sometimes"]),
+    ({"METRALE_QUANTIZE": "int4"}, ["quantize", "int4"]),
     ({"METRALE_KV_MEMORY_FRACTION": "1.5"}, ["kv_memory_fraction", "1.5"]),
     ({"METRALE_SEQUENCE_TTL": "-1"}, ["sequence_ttl", "-1"]),
 ])

@@ -1,13 +1,15 @@
 """FP8 checkpoints as published (config.json's quantization_config, quant_method "fp8": DeepSeek-V3/V3.2, Kimi-K2,
 Qwen3's FP8 releases): float8 weights, each with a float32 weight_scale_inv, one a weight_block_size block (128 x
-128 in those releases) or one for the whole tensor; dequantized (weight x its block's scale, float32) when a model
-takes the weight. Every other quantization scheme is refused at load, by name."""
+128 in those releases) or one for the whole tensor. A model takes each as an Fp8Weight, which stands in for the
+dequantized tensor (weight x its block's scale, float32) and keeps its FP8 form through row picks and stacks up to
+the backend's upload. Every other quantization scheme is refused at load, by name."""
 
 from collections.abc import Iterator, Mapping
 
 import torch
 
 from metrale.runtime.errors import InvalidArgument
+from metrale.runtime.loading.deferred_weight import DeferredWeight
 
 SCALE = "_scale_inv"
 
@@ -26,21 +28,24 @@ def dequantized(tensors: Mapping[str, torch.Tensor], quantization: dict) -> Mapp
     return Fp8Tensors(tensors, tuple(block) if block else None)
 
 
-class Fp8Tensors(Mapping):
-    """name -> tensor, each float8 weight with a scale dequantized as it is read; the scales themselves hidden."""
+class TensorsAsRead(Mapping):
+    """name -> a checkpoint's tensor as read() makes it (a subclass's), over the names kept() keeps."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], block: tuple[int, int] | None):
-        self.tensors, self.block = tensors, block
-        self.names = [name for name in tensors if not name.endswith(SCALE)]
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self.tensors = tensors
+        self.names = [name for name in tensors if self.kept(name)]
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        tensor = self.tensors[name]
-        if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and name + SCALE in self.tensors:
-            return dequantize(tensor, self.tensors[name + SCALE], self.block)
+    def kept(self, name: str) -> bool:
+        return True
+
+    def read(self, name: str, tensor: torch.Tensor):
         return tensor
 
+    def __getitem__(self, name: str):
+        return self.read(name, self.tensors[name])
+
     def __contains__(self, name) -> bool:
-        return name in self.tensors and not name.endswith(SCALE)
+        return name in self.tensors and self.kept(name)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
@@ -53,18 +58,121 @@ class Fp8Tensors(Mapping):
         return numel(name) if numel is not None else self.tensors[name].numel()
 
 
+class Fp8Tensors(TensorsAsRead):
+    """Each float8 weight with a scale as an Fp8Weight (dequantized where it is not 2-D); the scales hidden."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], block: tuple[int, int] | None):
+        self.block = block
+        super().__init__(tensors)
+
+    def kept(self, name: str) -> bool:
+        return not name.endswith(SCALE)
+
+    def read(self, name: str, tensor: torch.Tensor):
+        if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and name + SCALE in self.tensors:
+            scale = self.tensors[name + SCALE]
+            if tensor.dim() == 2:
+                return Fp8Weight.of_checkpoint(tensor, scale, self.block)
+            return dequantize(tensor, scale, self.block)
+        return tensor
+
+
+# --quantize fp8: which checkpoint tensors are a linear layer's weight. Every 2-D floating weight whose name does not
+# name one of these: embeddings and the LM head (a table and the logits), norms, MoE routers (".gate.weight": their
+# choice is a ranking of close scores), the indexer's head weights (taken in float32).
+NOT_LINEAR = ("embed", "lm_head", "norm", ".gate.weight", "router", "weights_proj")
+E4M3_MAX = 448.0
+
+
+class QuantizedTensors(TensorsAsRead):
+    """Each linear weight as an Fp8Weight (e4m3, one scale a row: its largest magnitude over E4M3_MAX), quantized
+    as it is read; the rest as they are."""
+
+    def read(self, name: str, tensor: torch.Tensor):
+        return quantize_rows(tensor) if is_linear_weight(name, tensor) else tensor
+
+
+def is_linear_weight(name: str, tensor) -> bool:
+    """Whether --quantize fp8 quantizes this checkpoint tensor (a plain floating 2-D weight of a linear layer)."""
+    return (isinstance(tensor, torch.Tensor) and tensor.dim() == 2 and tensor.dtype.is_floating_point
+            and tensor.element_size() >= 2 and name.endswith(".weight") and not any(key in name for key in NOT_LINEAR))
+
+
+def quantize_rows(weight: torch.Tensor) -> "Fp8Weight":
+    """weight [rows, columns] as e4m3 with one float32 scale a row: amax / E4M3_MAX (1 for a row of zeros), each
+    element weight / scale rounded to nearest."""
+    values = weight.float()
+    scale = values.abs().amax(dim=1, keepdim=True) / E4M3_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return Fp8Weight((values / scale).to(torch.float8_e4m3fn), scale, weight.shape[1])
+
+
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
     """weight [out, in] (float8) x its scale: scale_inv [ceil(out / block[0]), ceil(in / block[1])] one a block, or
     one for the whole weight (a single value) -> float32."""
     scale = scale_inv.float()
     if scale.numel() > 1:
-        if block is None or weight.dim() != 2:
-            raise InvalidArgument(f"a {tuple(weight.shape)} fp8 weight with {tuple(scale.shape)} scales needs 2-D "
-                                  f"blocks (weight_block_size)")
+        _check_blocks(weight, scale, block)
         rows, cols = weight.shape
-        expected = (-(-rows // block[0]), -(-cols // block[1]))
-        if tuple(scale.shape) != expected:
-            raise InvalidArgument(f"a {tuple(weight.shape)} fp8 weight in {block} blocks has {expected} scales, "
-                                  f"not {tuple(scale.shape)}")
         scale = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
     return weight.float() * scale.reshape(scale.shape if scale.numel() > 1 else ())
+
+
+class Fp8Weight(DeferredWeight):
+    """A 2-D FP8 weight [rows, columns]: data float8 (e4m3 or e5m2) and scales float32 [rows, ceil(columns /
+    block)], element (r, c) being data[r, c] x scales[r, c // block]. A checkpoint's 128 x 128 block scales are held
+    a row each (each of a block's rows repeats its block's), a per-tensor scale as one block of the whole width, so
+    rows can be picked (weight[ids], ids an int64 tensor) and stacked (torch.cat of Fp8Weights of one block and
+    width) as they are. dequantize() is dequantize()'s above, bit for bit."""
+
+    OWN = ("data", "scales", "block", "shape")
+
+    def __init__(self, data: torch.Tensor, scales: torch.Tensor, block: int):
+        rows, columns = data.shape
+        if data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or scales.dtype != torch.float32 \
+                or block < 1 or tuple(scales.shape) != (rows, -(-columns // block)):
+            raise InvalidArgument(f"an FP8 weight {tuple(data.shape)} {data.dtype} with scales {tuple(scales.shape)} "
+                                  f"{scales.dtype} in blocks of {block} columns does not fit together")
+        self.data, self.scales, self.block, self.shape = data, scales, block, torch.Size((rows, columns))
+
+    @classmethod
+    def of_checkpoint(cls, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] | None
+                      ) -> "Fp8Weight":
+        """A checkpoint's weight and weight_scale_inv (as dequantize() takes them)."""
+        rows, columns = weight.shape
+        scale = scale_inv.float()
+        if scale.numel() == 1:
+            return cls(weight, scale.reshape(1, 1).expand(rows, 1).contiguous(), columns)
+        _check_blocks(weight, scale, block)
+        return cls(weight, scale.repeat_interleave(block[0], 0)[:rows].contiguous(), block[1])
+
+    def dequantize(self) -> torch.Tensor:
+        scale = self.scales.repeat_interleave(self.block, 1)[:, :self.shape[1]]
+        return self.data.float() * scale
+
+    def __getitem__(self, index):
+        if isinstance(index, torch.Tensor) and index.dim() == 1 and index.dtype == torch.int64:
+            return Fp8Weight(self.data[index], self.scales[index], self.block)
+        return self.dequantize()[index]
+
+    def __repr__(self) -> str:
+        return f"Fp8Weight({self.data.dtype}, {list(self.shape)}, blocks of {self.block})"
+
+    def joins(self, other: DeferredWeight) -> bool:
+        return (other.data.dtype, other.block, other.shape[1]) == (self.data.dtype, self.block, self.shape[1])
+
+    @classmethod
+    def joined(cls, weights: list["Fp8Weight"]) -> "Fp8Weight":
+        return cls(torch.cat([w.data for w in weights]), torch.cat([w.scales for w in weights]), weights[0].block)
+
+
+def _check_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> None:
+    """scale: one a block of weight's."""
+    if block is None or weight.dim() != 2:
+        raise InvalidArgument(f"a {tuple(weight.shape)} fp8 weight with {tuple(scale.shape)} scales needs 2-D "
+                              f"blocks (weight_block_size)")
+    rows, cols = weight.shape
+    expected = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scale.shape) != expected:
+        raise InvalidArgument(f"a {tuple(weight.shape)} fp8 weight in {block} blocks has {expected} scales, "
+                              f"not {tuple(scale.shape)}")

@@ -7,6 +7,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from metrale.runtime.errors import InvalidArgument
+from metrale.runtime.loading.deferred_weight import DeferredWeight
 
 BLOCK_SIZE = 32
 # kind -> bits of a code. Every kind here has a scale (and a min) per group of 32 columns; the K kinds keep eight
@@ -17,7 +18,7 @@ KINDS = tuple(CODE_BITS)
 OFFSETS = {"Q4_0": 8, "Q5_0": 16}
 
 
-class BlockWeight:
+class BlockWeight(DeferredWeight):
     """A 2-D GGUF weight [rows, columns] kept in groups of 32 along columns.
 
     kind: one of KINDS. A 4- or 5-bit code q (0..15 or 0..31) stands for scale q + min in its group; a Q8_0 code q
@@ -36,7 +37,7 @@ class BlockWeight:
     BlockWeight works on that tensor, except torch.cat along dim 0 of BlockWeights of one kind, which stays in blocks
     (a layer's fused q/k/v and gate/up rows)."""
 
-    dtype = torch.float32
+    OWN = ("kind", "codes", "scales", "mins", "high_bits", "shape")
 
     def __init__(self, kind: str, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                  high_bits: torch.Tensor | None = None):
@@ -80,18 +81,6 @@ class BlockWeight:
         return cls(kind, torch.from_numpy(codes.reshape(rows, columns // 2).copy()), scales, mins,
                    None if high_bits is None else torch.from_numpy(high_bits.reshape(rows, columns // 8).copy()))
 
-    def dim(self) -> int:
-        return 2
-
-    def numel(self) -> int:
-        return self.shape[0] * self.shape[1]
-
-    def size(self, dim: int | None = None):
-        return self.shape if dim is None else self.shape[dim]
-
-    def __len__(self) -> int:
-        return self.shape[0]
-
     def __repr__(self) -> str:
         return f"BlockWeight({self.kind}, {list(self.shape)})"
 
@@ -127,59 +116,15 @@ class BlockWeight:
         return BlockWeight(self.kind, self.codes[ids], self.scales[ids], None if self.mins is None else self.mins[ids],
                            None if self.high_bits is None else self.high_bits[ids])
 
+    def joins(self, other: DeferredWeight) -> bool:
+        return (other.kind, other.shape[1]) == (self.kind, self.shape[1])
+
     @classmethod
-    def concatenated(cls, weights: list["BlockWeight"]) -> "BlockWeight":
-        """The rows of weights of one kind and width, in order."""
+    def joined(cls, weights: list["BlockWeight"]) -> "BlockWeight":
         first = weights[0]
         return cls(first.kind, torch.cat([w.codes for w in weights]), torch.cat([w.scales for w in weights]),
                    None if first.mins is None else torch.cat([w.mins for w in weights]),
                    None if first.high_bits is None else torch.cat([w.high_bits for w in weights]))
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.cat and _cat_of_blocks(*args, **kwargs):
-            return cls.concatenated(list(args[0] if args else kwargs["tensors"]))
-        return func(*_dequantized(args), **_dequantized(kwargs))
-
-    def __getattr__(self, name: str):
-        # Tensor methods and attributes (.float(), .to(), .contiguous(), .T) on the dequantized tensor.
-        if name.startswith("__") or name in ("kind", "codes", "scales", "mins", "high_bits", "shape"):
-            raise AttributeError(name)
-        return getattr(self.dequantize(), name)
-
-    def __getitem__(self, index):
-        return self.dequantize()[index]
-
-    def __neg__(self):
-        return -self.dequantize()
-
-    def __add__(self, other):
-        return self.dequantize() + _dequantized(other)
-
-    def __radd__(self, other):
-        return _dequantized(other) + self.dequantize()
-
-    def __sub__(self, other):
-        return self.dequantize() - _dequantized(other)
-
-    def __rsub__(self, other):
-        return _dequantized(other) - self.dequantize()
-
-    def __mul__(self, other):
-        return self.dequantize() * _dequantized(other)
-
-    def __rmul__(self, other):
-        return _dequantized(other) * self.dequantize()
-
-    def __truediv__(self, other):
-        return self.dequantize() / _dequantized(other)
-
-    def __matmul__(self, other):
-        return self.dequantize() @ _dequantized(other)
-
-    def __rmatmul__(self, other):
-        return _dequantized(other) @ self.dequantize()
 
 
 def kind_of(tensor_type: GGMLQuantizationType, shape: tuple[int, ...]) -> str | None:
@@ -255,20 +200,3 @@ def _packed_nibbles(codes: np.ndarray) -> np.ndarray:
 
 
 _PARSERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k, "Q5_K": _q5_k}
-
-
-def _cat_of_blocks(tensors, dim: int = 0, **out) -> bool:
-    """Whether torch.cat(tensors, dim) stacks the rows of BlockWeights of one kind and width."""
-    kinds = {(w.kind, w.shape[1]) if isinstance(w, BlockWeight) else None for w in tensors}
-    return dim in (0, -2) and not out and len(kinds) == 1 and None not in kinds
-
-
-def _dequantized(value):
-    """value with every BlockWeight in it (in lists, tuples and dicts too) dequantized."""
-    if isinstance(value, BlockWeight):
-        return value.dequantize()
-    if type(value) in (list, tuple):
-        return type(value)(_dequantized(item) for item in value)
-    if isinstance(value, dict):
-        return {key: _dequantized(item) for key, item in value.items()}
-    return value
