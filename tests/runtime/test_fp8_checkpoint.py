@@ -118,7 +118,10 @@ def test_an_fp8_weight_keeps_its_form_through_row_picks_and_stacks():
     assert isinstance(stacked, Fp8Weight) and torch.equal(stacked.dequantize(), torch.cat([dense, dense[ids]]))
     mixed = torch.cat([blocks, whole])                       # blocks of another width: the dense tensors' cat
     assert isinstance(mixed, torch.Tensor) and torch.equal(mixed, torch.cat([dense, whole.dequantize()]))
-    assert torch.equal(blocks.t(), dense.t()) and torch.equal(blocks * 2.0, dense * 2.0)
+    assert torch.equal(blocks.t(), dense.t()) and torch.equal(blocks * torch.tensor(2.0), dense * 2.0)
+    for scaled in (blocks * 1.0, 0.5 * blocks):              # a number: still FP8, its scales scaled
+        assert isinstance(scaled, Fp8Weight)
+    assert torch.equal((blocks * 1.0).dequantize(), dense) and torch.equal((0.5 * blocks).dequantize(), 0.5 * dense)
     assert torch.equal(blocks[:, 3:5], dense[:, 3:5]) and torch.equal(blocks.to(torch.bfloat16), dense.bfloat16())
     with pytest.raises(InvalidArgument, match="does not fit"):
         Fp8Weight(fp8, scale, 16)                            # block scales not yet a row each

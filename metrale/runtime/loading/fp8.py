@@ -155,6 +155,15 @@ class Fp8Weight(DeferredWeight):
             return Fp8Weight(self.data[index], self.scales[index], self.block)
         return self.dequantize()[index]
 
+    def __mul__(self, other):
+        """A number times the weight stays FP8, its scales multiplied (a model's folded constant: DeepSeek's o_proj
+        times its residual scale, 1.0); anything else is the dequantized tensor's product."""
+        if isinstance(other, (int, float)) and not isinstance(other, bool):
+            return Fp8Weight(self.data, self.scales * other, self.block)
+        return super().__mul__(other)
+
+    __rmul__ = __mul__
+
     def __repr__(self) -> str:
         return f"Fp8Weight({self.data.dtype}, {list(self.shape)}, blocks of {self.block})"
 
