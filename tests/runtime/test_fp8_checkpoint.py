@@ -159,3 +159,19 @@ def test_other_schemes_are_refused_at_load(tmp_path, quantization, message):
     (directory / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
     with pytest.raises(InvalidArgument, match=message):
         load_checkpoint(directory)
+
+
+def test_fused_linears_of_fp8_weights_stay_fp8():
+    """DeepSeek's fused input linears (models/fused_linear.py) of FP8 parts: one FP8 stack, zero rows padding each
+    part to 8 rows."""
+    from types import SimpleNamespace
+    from metrale.runtime.models.fused_linear import fuse
+    parts = {"q": quantize_rows(torch.randn(12, 32)), "latent": quantize_rows(torch.randn(8, 32)),
+             "gate": quantize_rows(torch.randn(3, 32))}
+    fused = fuse(SimpleNamespace(upload=lambda tensor: tensor), parts)
+    assert isinstance(fused.weight, Fp8Weight) and fused.weight.shape == (16 + 8 + 8, 32)
+    assert fused.parts == {"q": (0, 12), "latent": (16, 24), "gate": (24, 27)}
+    dense = fused.weight.dequantize()
+    for name, (start, stop) in fused.parts.items():
+        assert torch.equal(dense[start:stop], parts[name].dequantize())
+    assert not dense[12:16].any() and not dense[27:].any()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from metrale.runtime.backend.layer_math import LayerMath
+from metrale.runtime.loading.fp8 import Fp8Weight
 
 PART_ALIGN = 8              # rows: 16 bytes of bf16 output
 
@@ -30,14 +31,22 @@ def fuse(ops: LayerMath, weights: dict[str, torch.Tensor], biases: dict[str, tor
     stacked, bias_rows, parts, start = [], [], {}, 0
     for name, weight in weights.items():
         pad = padding_rows(weight.shape[0])
-        stacked += [weight, weight.new_zeros(pad, weight.shape[1])]
+        stacked += [weight, zero_rows(weight, pad)] if pad else [weight]
         if biases is not None:
             bias = biases.get(name)
-            bias_rows += [bias if bias is not None else weight.new_zeros(weight.shape[0]), weight.new_zeros(pad)]
+            bias_rows += [bias if bias is not None else torch.zeros(weight.shape[0]), torch.zeros(pad)]
         parts[name] = (start, start + weight.shape[0])
         start += weight.shape[0] + pad
     bias = ops.upload(torch.cat(bias_rows)) if biases is not None else None
     return FusedLinear(ops.upload(torch.cat(stacked)), bias, parts)
+
+
+def zero_rows(weight, rows: int):
+    """rows zero rows of weight's width, in its form: an FP8 weight's stay FP8 (so the stack does)."""
+    if isinstance(weight, Fp8Weight):
+        return Fp8Weight(torch.zeros(rows, weight.shape[1], dtype=weight.data.dtype),
+                         torch.ones(rows, weight.scales.shape[1]), weight.block)
+    return torch.zeros(rows, weight.shape[1], dtype=weight.dtype)
 
 
 def padding_rows(rows: int) -> int:
