@@ -64,6 +64,17 @@ __device__ __forceinline__ void rotate_pair2(unsigned int& first, unsigned int& 
     second = float2_to_bf16x2(x2.x * c0 + x1.x * s0, x2.y * c1 + x1.y * s1);
 }
 
+// 8 bf16 in a uint4 <-> 8 floats.
+__device__ __forceinline__ void unpack8(uint4 v, float* f) {
+    float2 a = bf16x2_to_float2(v.x), b = bf16x2_to_float2(v.y), c = bf16x2_to_float2(v.z), d = bf16x2_to_float2(v.w);
+    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y; f[4] = c.x; f[5] = c.y; f[6] = d.x; f[7] = d.y;
+}
+
+__device__ __forceinline__ uint4 pack8(const float* f) {
+    return make_uint4(float2_to_bf16x2(f[0], f[1]), float2_to_bf16x2(f[2], f[3]), float2_to_bf16x2(f[4], f[5]),
+                      float2_to_bf16x2(f[6], f[7]));
+}
+
 // RMSNorm's scaling as transformers' LlamaRMSNorm computes it in bf16: bf16(weight * bf16(value * inv_rms)), two
 // at a time (norm.cu, and the norms fused into other kernels).
 __device__ __forceinline__ unsigned int scale_pair(unsigned int value, unsigned int weight, float inv_rms) {

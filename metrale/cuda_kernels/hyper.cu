@@ -2,148 +2,15 @@
 // residual streams (bf16 [T, hc_mult * hidden], stream n in columns n * hidden .. (n + 1) * hidden) collapsed into a
 // block's input, widened again by its output, mixed between blocks by comb. Weights fp32, math fp32, each bf16
 // result rounded once.
-#include "common.cuh"
-
-#define HYPER_THREADS 256
-#define HYPER_WARPS (HYPER_THREADS / 32)
-#define HYPER_MAX_STREAMS 8
-#define HYPER_MAX_ROWS (2 * HYPER_MAX_STREAMS + HYPER_MAX_STREAMS * HYPER_MAX_STREAMS)   // pre, post, comb logits
-#define HYPER_ROW_CHUNK 16          // fn rows a thread accumulates at once (registers); more rows take more passes
-
-// A 16-byte unit (8 bf16) <-> 8 floats.
-__device__ __forceinline__ void unpack_unit(uint4 v, float* f) {
-    const float2 a = bf16x2_to_float2(v.x), b = bf16x2_to_float2(v.y), c = bf16x2_to_float2(v.z),
-                 d = bf16x2_to_float2(v.w);
-    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y; f[4] = c.x; f[5] = c.y; f[6] = d.x; f[7] = d.y;
-}
-
-__device__ __forceinline__ uint4 pack_unit(const float* f) {
-    return make_uint4(float2_to_bf16x2(f[0], f[1]), float2_to_bf16x2(f[2], f[3]), float2_to_bf16x2(f[4], f[5]),
-                      float2_to_bf16x2(f[6], f[7]));
-}
-
-__device__ __forceinline__ float unit_squares(uint4 v) {
-    float f[8];
-    unpack_unit(v, f);
-    float s = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) s += f[i] * f[i];
-    return s;
-}
+#include "hyper_pieces.cuh"
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
-
-// A hyper-connection's projection (HyperConnection, or HyperHead: rows = hc_mult, no post): fn [rows, hc_mult *
-// hidden], base [rows], scale [2 or 3; 1 for the head], fp32 device pointers. comb where sinkhorn_iters > 0.
-struct Connection {
-    const float* fn;
-    const float* base;
-    const float* scale;
-    int hc_mult, rows, sinkhorn_iters;
-    float norm_eps, eps, post_magnitude, post_eps;
-};
 
 // The RMSNorm the block's input goes through (as norm.cu's rms_norm of it): weight [hidden] bf16, or null (none).
 struct OutputNorm {
     const bf16* weight;
     float eps;
 };
-
-// A CTA's piece of a token's row: units first .. first + count - 1 of each stream (16-byte units of bf16), staged
-// in shared memory as staged[k * count + j] = unit first + j of stream k. A row is split into pieces where a few
-// tokens would leave most SMs idle (the launcher's slices); one piece is the whole row otherwise.
-struct Piece {
-    int first, count;
-};
-
-__device__ __forceinline__ Piece piece_of(int groups, int span) {
-    const int first = blockIdx.y * span;
-    return {first, min(span, groups - first)};
-}
-
-// The piece of a token's streams copied into shared memory; returns this thread's share of its sum of squares.
-__device__ __forceinline__ float stage_piece(uint4* staged, const uint4* row, int n, int groups, Piece p) {
-    float sum_squares = 0.f;
-    for (int i = threadIdx.x; i < n * p.count; i += blockDim.x) {
-        const int k = i / p.count;
-        const uint4 v = row[k * groups + p.first + i - k * p.count];
-        staged[i] = v;
-        sum_squares += unit_squares(v);
-    }
-    return sum_squares;
-}
-
-// Each warp's partial dot products of the staged piece with fn's rows, and its share of the piece's sum of squares
-// (entry rows), into partial[warp] (zero for the rows it does not take). The warps split the piece's columns (k, j)
-// and, where those leave warps over, the rows; each thread reads its columns of fn, once per HYPER_ROW_CHUNK rows.
-__device__ __forceinline__ void project(const uint4* staged, int groups, Piece p, const Connection& c,
-                                        float sum_squares, float (*partial)[HYPER_MAX_ROWS + 1]) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int cols = c.hc_mult * p.count, col_warps = (cols + 31) >> 5;
-    const int row_groups = max(1, min(HYPER_WARPS / col_warps, c.rows)), group_warps = HYPER_WARPS / row_groups;
-    const int group = warp / group_warps, first_col = (warp % group_warps) * 32 + lane;
-    const long long width = 8LL * c.hc_mult * groups;
-    for (int r = lane; r < c.rows; r += 32) partial[warp][r] = 0.f;
-    __syncwarp();
-    for (int first = group; group < row_groups && first < c.rows; first += row_groups * HYPER_ROW_CHUNK) {
-        float acc[HYPER_ROW_CHUNK];
-#pragma unroll
-        for (int r = 0; r < HYPER_ROW_CHUNK; ++r) acc[r] = 0.f;
-        for (int col = first_col; col < cols; col += group_warps * 32) {
-            const int k = col / p.count;
-            float v[8];
-            unpack_unit(staged[col], v);
-            const float* column = c.fn + 8LL * (k * groups + p.first + col - k * p.count);
-#pragma unroll
-            for (int r = 0; r < HYPER_ROW_CHUNK; ++r) {
-                const int row = first + r * row_groups;
-                if (row < c.rows) {
-                    const float4* w = reinterpret_cast<const float4*>(column + row * width);
-                    const float4 a = w[0], b = w[1];
-                    acc[r] += a.x * v[0] + a.y * v[1] + a.z * v[2] + a.w * v[3] + b.x * v[4] + b.y * v[5] +
-                              b.z * v[6] + b.w * v[7];
-                }
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < HYPER_ROW_CHUNK; ++r) {
-            const int row = first + r * row_groups;
-            if (row < c.rows) {             // uniform over the warp: every lane shuffles
-                const float s = warp_sum(acc[r]);
-                if (lane == 0) partial[warp][row] = s;
-            }
-        }
-    }
-    const float s = warp_sum(sum_squares);
-    if (lane == 0) partial[warp][c.rows] = s;
-}
-
-// The token's dot products (fn's rows . its row; then its sum of squares: dots[0 .. rows]) from every piece's, in
-// the CTA that holds its last piece to finish: the other CTAs return false. Each piece's go through partials
-// [T, slices, rows + 1] (float32); arrivals[t] counts the token's finished pieces, 0 before a launch and after (the
-// last piece resets it). One piece: the CTA's own, nothing written.
-__device__ bool gather_dots(float* dots, int rows, float* partials, unsigned* arrivals) {
-    __shared__ bool last;
-    const long long t = blockIdx.x;
-    const int slices = gridDim.y;
-    if (slices == 1) return true;
-    float* token_partials = partials + t * slices * (rows + 1);
-    if ((int)threadIdx.x <= rows) token_partials[blockIdx.y * (rows + 1) + threadIdx.x] = dots[threadIdx.x];
-    __threadfence();                    // this piece's streams and dots before its arrival
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(arrivals + t, 1u) == (unsigned)slices - 1;
-    __syncthreads();
-    if (!last) return false;
-    __threadfence();
-    if ((int)threadIdx.x <= rows) {
-        float s = 0.f;
-        for (int i = 0; i < slices; ++i) s += __ldcg(token_partials + i * (rows + 1) + threadIdx.x);
-        dots[threadIdx.x] = s;
-    }
-    if (threadIdx.x == 0) arrivals[t] = 0u;
-    __syncthreads();
-    return true;
-}
 
 // m [n, n] (shared, row-major) divided by each row's (by_row) or column's sum + eps, by one warp: lane entries lane
 // and lane + 32 (n <= 8).
@@ -243,12 +110,12 @@ __device__ void collapse_piece(const uint4* staged, const uint4* row, float sum_
         for (int k = 0; k < HYPER_MAX_STREAMS; ++k) {
             if (k < n) {
                 float v[8];
-                unpack_unit(row_unit(units, k * groups + g, !whole), v);
+                unpack8(row_unit(units, k * groups + g, !whole), v);
 #pragma unroll
                 for (int i = 0; i < 8; ++i) acc[i] += pre[k] * v[i];
             }
         }
-        const uint4 x = pack_unit(acc);
+        const uint4 x = pack8(acc);
         x_row[g] = x;
         x_squares += unit_squares(x);
     }
@@ -279,7 +146,7 @@ __device__ __forceinline__ float expand_unit(int g, int n, int groups, const uin
         if (j < n) old[j] = streams_row[j * groups + g];
     }
     float out[8];
-    unpack_unit(out_row[g], out);
+    unpack8(out_row[g], out);
     float sum_squares = 0.f;
 #pragma unroll
     for (int k = 0; k < HYPER_MAX_STREAMS; ++k) {
@@ -292,18 +159,18 @@ __device__ __forceinline__ float expand_unit(int g, int n, int groups, const uin
             for (int j = 0; j < HYPER_MAX_STREAMS; ++j) {
                 if (j < n) {
                     float v[8];
-                    unpack_unit(old[j], v);
+                    unpack8(old[j], v);
                     const float w = comb[j * n + k];
 #pragma unroll
                     for (int i = 0; i < 8; ++i) mixed[i] += w * v[i];
                 }
             }
         } else {
-            unpack_unit(old[k], mixed);
+            unpack8(old[k], mixed);
         }
 #pragma unroll
         for (int i = 0; i < 8; ++i) mixed[i] = post[k] * out[i] + mixed[i];
-        const uint4 rounded = pack_unit(mixed);
+        const uint4 rounded = pack8(mixed);
         new_row[k * groups + g] = rounded;
         if (staged) staged[k * staged_stride] = rounded;
         sum_squares += unit_squares(rounded);

@@ -250,19 +250,17 @@ moe_route(const float* logits, int logits_stride, int num_tokens, int num_expert
                                               correction_bias, n_group, topk_group, group_best_two, scaling,
                                               token_ids, token_weights, lane);
     }
-    if (gridDim.x == 1) {               // a decode's few tokens: the block's own ids, no count to wait on
+    if (gridDim.x > 1) {
+        __shared__ bool last;
+        __threadfence();                // this block's ids before its count
         __syncthreads();
-        moe_group_entries(ids, num_tokens * top_k, num_experts, tile_rows, max_tiles, offsets, sorted_entries,
-                          positions, tiles, tile_count);
-        return;
+        if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
+        __syncthreads();
+        if (!last) return;
+        __threadfence();
+    } else {                            // a decode's few tokens: the block's own ids, no count to wait on
+        __syncthreads();
     }
-    __shared__ bool last;
-    __threadfence();                    // this block's ids before its count
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
     moe_group_entries(ids, num_tokens * top_k, num_experts, tile_rows, max_tiles, offsets, sorted_entries, positions,
                       tiles, tile_count);
     if (threadIdx.x == 0) *done = 0u;

@@ -10,17 +10,6 @@
 #define HEAD_NORM_WARPS 4
 #define MAX_PARTIALS 8              // layer_norm_partials' split-K partials at the most
 
-// 8 bf16 in a uint4 <-> 8 floats.
-__device__ __forceinline__ void unpack8(uint4 v, float* f) {
-    float2 a = bf16x2_to_float2(v.x), b = bf16x2_to_float2(v.y), c = bf16x2_to_float2(v.z), d = bf16x2_to_float2(v.w);
-    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y; f[4] = c.x; f[5] = c.y; f[6] = d.x; f[7] = d.y;
-}
-
-__device__ __forceinline__ uint4 pack8(const float* f) {
-    return make_uint4(float2_to_bf16x2(f[0], f[1]), float2_to_bf16x2(f[2], f[3]), float2_to_bf16x2(f[4], f[5]),
-                      float2_to_bf16x2(f[6], f[7]));
-}
-
 // One row of a norm's input, in 16-byte units: x's, plus residual's where given (rounded to bf16 as a bf16 torch
 // add), the sum also stored to residual_out where given (both may be null). A null x reads as a zero row
 // (layer_norm_gathered's index outside its table).

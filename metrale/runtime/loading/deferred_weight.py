@@ -3,26 +3,25 @@ tensor wherever model code treats it as one: any torch function, method or opera
 tensor, except the few a subclass keeps in its own form (joined(): torch.cat of its kind along rows), so a backend
 that multiplies the form itself gets it at upload."""
 
+from abc import ABC, abstractmethod
+
 import torch
 
 
-class DeferredWeight:
-    """shape [rows, columns]; a subclass gives dequantize() -> float32, and may give joins() and joined()."""
+class DeferredWeight(ABC):
+    """shape [rows, columns]; a subclass gives dequantize() -> float32, and where its form can stack rows, joins()
+    (whether torch.cat along rows keeps self and another in the form) and the classmethod joined(weights) (the
+    rows of weights that each join the first, in order)."""
 
     dtype = torch.float32
     OWN = ("shape",)          # attributes a subclass sets: never looked up on the dequantized tensor
 
+    @abstractmethod
     def dequantize(self) -> torch.Tensor:
-        raise NotImplementedError
+        """The float32 tensor the weight stands for."""
 
     def joins(self, other: "DeferredWeight") -> bool:
-        """Whether torch.cat along rows keeps self and other in the form (their kind and width alike)."""
         return False
-
-    @classmethod
-    def joined(cls, weights: list) -> "DeferredWeight":
-        """The rows of weights (each joins() the first), in order."""
-        raise NotImplementedError
 
     def dim(self) -> int:
         return 2

@@ -16,9 +16,9 @@ from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.backend.layer_math import HyperConnection, HyperHead, RmsNorm
 
 MODULE = "hyper"
-THREADS = 256                  # as hyper.cu's HYPER_THREADS
-MAX_STREAMS = 8                # as hyper.cu's HYPER_MAX_STREAMS
-MAX_ROWS = 2 * MAX_STREAMS + MAX_STREAMS ** 2      # as hyper.cu's HYPER_MAX_ROWS: fn's rows at the most
+THREADS = 256                  # as hyper_pieces.cuh's HYPER_THREADS
+MAX_STREAMS = 8                # as hyper_pieces.cuh's HYPER_MAX_STREAMS
+MAX_ROWS = 2 * MAX_STREAMS + MAX_STREAMS ** 2      # as hyper_pieces.cuh's HYPER_MAX_ROWS: fn's rows at the most
 # Pieces: a launch's CTAs where tokens are split (about two an SM on an H200), and the fewest 16-byte units of each
 # stream a piece holds. Tokens are split only where T <= PIECE_CTAS // 2, so T * slices <= PIECE_CTAS.
 PIECE_CTAS = 256
