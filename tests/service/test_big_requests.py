@@ -19,7 +19,7 @@ MAX_TEXT_BYTES = 1 << 20
 
 
 def health_gaps_while(worker, call) -> tuple[list[float], object]:
-    """Runs call() on a thread and checks health every 50 ms while it runs; returns the gaps (seconds) between one
+    """Runs call() on a thread and checks health every 10 ms while it runs; returns the gaps (seconds) between one
     answer and the next, which include any time this process's interpreter was held up too, and call's outcome
     (its result or its RpcError)."""
     outcome, done = {}, threading.Event()
@@ -35,7 +35,7 @@ def health_gaps_while(worker, call) -> tuple[list[float], object]:
     thread = threading.Thread(target=run)
     thread.start()
     gaps, last = [], time.perf_counter()
-    while not done.wait(0.05):
+    while not done.wait(0.01):
         status = health.Check(health_pb2.HealthCheckRequest(service="metrale.v1.Worker"), timeout=30).status
         assert status == health_pb2.HealthCheckResponse.SERVING
         now = time.perf_counter()
@@ -85,7 +85,7 @@ def test_text_over_the_byte_limit_is_refused_before_tokenizing(default_worker):
 
 def test_a_prompt_past_max_model_len_is_refused_while_health_answers(default_worker):
     stub = default_worker.stub
-    text = random_words(MAX_TEXT_BYTES // 2)          # ~280,000 tokens; max_model_len is 8192
+    text = random_words(MAX_TEXT_BYTES)               # ~560,000 tokens; max_model_len is 8192
     gaps, error = health_gaps_while(
         default_worker, lambda: list(stub.Generate(pb.GenerateRequest(prompt=text, max_new_tokens=1), timeout=60)))
     assert isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.OUT_OF_RANGE
