@@ -14,7 +14,8 @@ from metrale.runtime.engine import Engine
 from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.cache.blocks import blocks_for
 from metrale.runtime.loading import Checkpoint, fp8
-from metrale.runtime.models import family_of
+from metrale.runtime.models import Family, family_of
+from metrale.runtime.parallel.sharding import ShardedTensors
 
 VERSION = "0.1.0"
 
@@ -42,22 +43,24 @@ class ModelInfo:
     prefix_cache: bool = False
 
 
-def build_engine(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path | None = None
+def build_engine(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path | None = None, group=None
                  ) -> tuple[Engine, ModelInfo]:
-    """cache_dir: where compiled kernels are kept (default ~/.cache/metrale)."""
+    """cache_dir: where compiled kernels are kept (default ~/.cache/metrale); group: the ranks of a tensor-parallel
+    worker (parallel/group.py), this one's model their shard of it; None: one device."""
     family = family_of(checkpoint.config)
     model_config = family.config_from_hf(checkpoint.config)
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     if max_model_len > model_config.max_position_embeddings:
         raise InvalidArgument(f"max_model_len={max_model_len} is over the model's max_position_embeddings="
                               f"{model_config.max_position_embeddings}")
+    local_config, tensors = _shard(family, model_config, checkpoint, group)
     backend = create_backend(config.device, config.dtype, cache_dir or default_cache_dir(), config.programmatic_launch,
-                             config.dequantize)
+                             config.dequantize, group)
     runner = backend.runner
-    runner.plan(_weight_bytes(checkpoint, model_config, max_model_len, family.model_class),
-                _memory_shapes(model_config, config, max_model_len))
-    tensors = fp8.QuantizedTensors(checkpoint.tensors) if config.quantize == "fp8" else checkpoint.tensors
-    model = family.model_class(model_config, tensors, backend.math, max_model_len)
+    runner.plan(_weight_bytes(tensors, local_config, max_model_len, family.model_class),
+                _memory_shapes(local_config, config, max_model_len))
+    tensors = fp8.QuantizedTensors(tensors) if config.quantize == "fp8" else tensors
+    model = family.model_class(local_config, tensors, backend.math, max_model_len)
     cache = _allocate_cache(runner, model.cache_specs(), config, max_model_len,
                             # an encoder-decoder's prompts are its sources, whose cross K/V no token prefix names
                             config.prefix_cache and not getattr(model_config, "is_encoder_decoder", False))
@@ -76,11 +79,22 @@ def build_engine(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path |
     return engine, info
 
 
-def _weight_bytes(checkpoint: Checkpoint, c, max_model_len: int, model_class: type) -> int:
+def _shard(family: Family, model_config, checkpoint: Checkpoint, group):
+    """The rank's config and checkpoint tensors (the whole model's on one device)."""
+    if group is None:
+        return model_config, checkpoint.tensors
+    if family.tensor_parallel is None:
+        raise InvalidArgument(f"tensor parallel does not run {model_config.architecture} yet (one device does)")
+    local_config, splits = family.tensor_parallel(model_config, group.shard)
+    return local_config, ShardedTensors(checkpoint.tensors, splits, group.shard)
+
+
+def _weight_bytes(tensors, c, max_model_len: int, model_class: type) -> int:
     """An upper bound: every checkpoint tensor in bf16, rope tables in float32, each 256-byte aligned, and what the
     model uploads beside its checkpoint's tensors (model_class.extra_weight_bytes, where it has one, and the LM head's
     padding rows)."""
-    tensors = sum(2 * checkpoint.numel(name) + 256 for name in checkpoint.tensors)
+    numel = getattr(tensors, "numel", None) or (lambda name: tensors[name].numel())
+    tensors = sum(2 * numel(name) + 256 for name in tensors)
     extra = getattr(model_class, "extra_weight_bytes", lambda config: 0)(c) + 2 * LM_HEAD_PADDING_ROWS * c.hidden_size
     return tensors + 2 * (4 * max_model_len * c.head_dim // 2 + 256) + extra
 

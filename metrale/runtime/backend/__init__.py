@@ -39,17 +39,20 @@ def runs_on_cuda(device: str) -> bool:
 
 
 def create_backend(device: str, dtype: str, cache_dir: Path, programmatic_launch: bool = True,
-                   dequantize: bool = False) -> Backend:
+                   dequantize: bool = False, group=None) -> Backend:
     """device: 'auto' (CUDA where a GPU is present), 'cpu' or 'cuda'; programmatic_launch: CUDA's PDL on Hopper;
     dequantize: the CPU backend dequantizes GGUF block weights at upload instead of multiplying them as they are
-    (the CUDA backend always uploads them dequantized, in bfloat16)."""
+    (the CUDA backend always uploads them dequantized, in bfloat16); group: a tensor-parallel worker's ranks
+    (parallel/group.py), None for one device."""
     if runs_on_cuda(device):
         if not cuda_available():
             raise FailedPrecondition("--device cuda, but no CUDA device is visible")
+        if group is not None:
+            raise FailedPrecondition("tensor parallel runs on the CPU backend only, for now")
         from metrale.runtime.backend.cuda import create_cuda_backend
         return Backend(*create_cuda_backend(cache_dir, dtype, programmatic_launch))
     from metrale.runtime.backend.cpu import create_cpu_backend
-    return Backend(*create_cpu_backend(dtype, dequantize))
+    return Backend(*create_cpu_backend(dtype, dequantize, group))
 
 
 __all__ = ["Backend", "LayerMath", "Runner", "create_backend", "cuda_available", "runs_on_cuda"]

@@ -218,6 +218,10 @@ class LayerMath(Protocol):
     def upload_float32(self, tensor: torch.Tensor) -> Tensor:
         """A float32 table (rope cos/sin) in the backend's memory."""
 
+    def upload_tied(self, table: torch.Tensor) -> tuple[Tensor, Tensor]:
+        """A table [vocab, hidden] that is both the embedding and the LM head (tied embeddings): (embed, lm_head),
+        one upload where the two can share it (upload_lm_head's)."""
+
     def upload_experts(self, up: torch.Tensor, down: torch.Tensor, activation: str = "silu", limit: float = 0.0
                        ) -> Experts:
         """A mixture's experts, up [experts, 2 * width or width, hidden] (a gated one's gate rows then up rows) and
@@ -365,7 +369,12 @@ class LayerMath(Protocol):
         it and the vocab projection. Where every row samples, x may stay a Linear for the norm to fuse."""
 
     def logits(self, x: Tensor, lm_head: Tensor) -> Tensor:
-        """x [N, hidden] @ lm_head[vocab, hidden].T -> [N, vocab] float32."""
+        """x [N, hidden] @ lm_head[vocab, hidden].T -> [N, vocab] float32. Tensor parallel: each rank's LM head
+        holds its part of the vocabulary (upload_lm_head keeps it) and every rank gets the whole row."""
+
+    def all_reduce(self, x: "Tensor | Linear") -> "Tensor | Linear":
+        """Tensor parallel: x, a rank's partial sum (the product of a linear split by its input columns, the
+        parallel/sharding.py rule), summed over the ranks. On one device x itself (a Linear stays one)."""
 
 
 def rope_then_attention(math: LayerMath, q: Tensor, k: Tensor, v: Tensor, rope: RopeTable, batch: PreparedBatch,

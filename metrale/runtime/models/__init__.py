@@ -12,16 +12,19 @@ from metrale.runtime.models import deepseek, dots1, falcon_h1, granite_hybrid, h
 class Family:
     config_from_hf: Callable[[dict], object]
     model_class: type
+    # (config, Shard) -> a rank's config and the checkpoint's splits (parallel/sharding.py); None: the family runs
+    # on one device.
+    tensor_parallel: Callable | None = None
 
 
 ARCHITECTURES: dict[str, Family] = {
-    "LlamaForCausalLM": Family(llama.config_from_hf, llama.LlamaForCausalLM),
-    "MistralForCausalLM": Family(mistral.config_from_hf, llama.LlamaForCausalLM),
-    "Qwen2ForCausalLM": Family(qwen2.config_from_hf, llama.LlamaForCausalLM),
-    "Qwen3ForCausalLM": Family(qwen3.config_from_hf, llama.LlamaForCausalLM),
-    "MixtralForCausalLM": Family(mixtral.config_from_hf, llama.LlamaForCausalLM),
-    "Qwen3MoeForCausalLM": Family(qwen3_moe.config_from_hf, llama.LlamaForCausalLM),
-    "Dots1ForCausalLM": Family(dots1.config_from_hf, llama.LlamaForCausalLM),
+    "LlamaForCausalLM": Family(llama.config_from_hf, llama.LlamaForCausalLM, llama.tensor_parallel),
+    "MistralForCausalLM": Family(mistral.config_from_hf, llama.LlamaForCausalLM, llama.tensor_parallel),
+    "Qwen2ForCausalLM": Family(qwen2.config_from_hf, llama.LlamaForCausalLM, llama.tensor_parallel),
+    "Qwen3ForCausalLM": Family(qwen3.config_from_hf, llama.LlamaForCausalLM, llama.tensor_parallel),
+    "MixtralForCausalLM": Family(mixtral.config_from_hf, llama.LlamaForCausalLM, llama.tensor_parallel),
+    "Qwen3MoeForCausalLM": Family(qwen3_moe.config_from_hf, llama.LlamaForCausalLM, llama.tensor_parallel),
+    "Dots1ForCausalLM": Family(dots1.config_from_hf, llama.LlamaForCausalLM, llama.tensor_parallel),
     "M2M100ForConditionalGeneration": Family(m2m100.config_from_hf, m2m100.M2M100ForConditionalGeneration),
     "Mamba2ForCausalLM": Family(mamba2.config_from_hf, hybrid.HybridForCausalLM),
     "NemotronHForCausalLM": Family(nemotron_h.config_from_hf, hybrid.HybridForCausalLM),

@@ -1,7 +1,7 @@
 """The Llama family decoder (Llama, and the variants Mistral, Qwen2 and Qwen3 configure, and their mixtures of
 experts: Mixtral, Qwen3-MoE, dots.llm1), in layer math."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -12,6 +12,8 @@ from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.models.checkpoint import eos_token_ids, tensor_reader
 from metrale.runtime.models.moe import MoeConfig, load_moe
 from metrale.runtime.models.rope import inverse_frequencies, rope_cos_sin, rope_parameters
+from metrale.runtime.parallel.group import Shard
+from metrale.runtime.parallel.sharding import COLUMNS, ROWS, divided
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,23 @@ LAYER_TENSORS = ("input_layernorm.weight", "post_attention_layernorm.weight", "s
 QK_NORM_TENSORS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 
 
+# Tensor parallel (parallel/sharding.py): the heads' projections and the MLP's gate and up split by output rows, the
+# attention output and MLP down by input columns.
+SPLITS = {"q_proj.weight": COLUMNS, "k_proj.weight": COLUMNS, "v_proj.weight": COLUMNS, "q_proj.bias": COLUMNS,
+          "k_proj.bias": COLUMNS, "v_proj.bias": COLUMNS, "gate_proj.weight": COLUMNS, "up_proj.weight": COLUMNS,
+          "o_proj.weight": ROWS, "o_proj.bias": ROWS, "down_proj.weight": ROWS}
+
+
+def tensor_parallel(config: DecoderConfig, shard: Shard) -> tuple[DecoderConfig, dict[str, str]]:
+    """A rank's config (its share of the heads, KV heads and MLP width) and the checkpoint's splits."""
+    if config.moe:
+        raise InvalidArgument("tensor parallel does not run mixtures of experts yet (one device does)")
+    local = replace(config, num_heads=divided(config.num_heads, shard, "num_attention_heads"),
+                    num_kv_heads=divided(config.num_kv_heads, shard, "num_key_value_heads"),
+                    intermediate_size=divided(config.intermediate_size, shard, "intermediate_size"))
+    return local, SPLITS
+
+
 def config_from_hf(hf: dict) -> DecoderConfig:
     """Llama puts attention_bias on all four attention projections."""
     bias = hf.get("attention_bias", False)
@@ -111,7 +130,8 @@ class LlamaForCausalLM:
         """The dense MLP, or the mixture of experts (plus its shared experts' MLP, where it has them)."""
         ops = self.math
         if "router" not in layer:
-            return ops.linear(ops.silu_mul(ops.linear(h, layer["mlp.gate_up_proj"])), layer["mlp.down_proj.weight"])
+            return ops.all_reduce(ops.linear(ops.silu_mul(ops.linear(h, layer["mlp.gate_up_proj"])),
+                                             layer["mlp.down_proj.weight"]))
         shared = None
         if "shared" in layer:
             shared = ops.linear(ops.silu_mul(ops.linear(h, layer["shared"]["up_proj"])), layer["shared"]["down_proj"])
@@ -125,14 +145,14 @@ class LlamaForCausalLM:
             q = ops.head_rms_norm(q, layer["self_attn.q_norm.weight"], c.rms_norm_eps, c.head_dim)
             k = ops.head_rms_norm(k, layer["self_attn.k_norm.weight"], c.rms_norm_eps, c.head_dim)
         o = ops.self_attention(q, k, v, self.rope, meta, kv, c.num_kv_heads, c.head_dim, self.scale, c.sliding_window)
-        return ops.linear(o, layer["self_attn.o_proj.weight"], layer.get("self_attn.o_proj.bias"))
+        return ops.all_reduce(ops.linear(o, layer["self_attn.o_proj.weight"], layer.get("self_attn.o_proj.bias")))
 
 
 def _load_weights(c: DecoderConfig, tensors: dict[str, torch.Tensor], ops: LayerMath) -> dict:
     take = tensor_reader(tensors, c.architecture)
 
     if c.tie_word_embeddings:       # one table, laid out as the LM head wants it (its ids index the same rows)
-        embed = lm_head = ops.upload_lm_head(take("model.embed_tokens.weight"))
+        embed, lm_head = ops.upload_tied(take("model.embed_tokens.weight"))
     else:
         embed, lm_head = ops.upload(take("model.embed_tokens.weight")), ops.upload_lm_head(take("lm_head.weight"))
     layers = []

@@ -4,8 +4,8 @@ from metrale.runtime.backend.cpu.layer_math import DTYPES, CpuLayerMath
 from metrale.runtime.backend.cpu.runner import CpuRunner
 
 
-def create_cpu_backend(dtype: str, dequantize: bool = False) -> tuple[CpuLayerMath, CpuRunner]:
-    math = CpuLayerMath(dtype, dequantize)
+def create_cpu_backend(dtype: str, dequantize: bool = False, group=None) -> tuple[CpuLayerMath, CpuRunner]:
+    math = CpuLayerMath(dtype, dequantize, group)
     return math, CpuRunner(math.dtype)
 
 

@@ -18,15 +18,17 @@ DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfl
 class CpuLayerMath:
     """The layer math in torch, in dtype. dequantize: GGUF block weights (BlockWeight) become dtype tensors at upload;
     else they are packed and multiplied as they are (QuantizedWeight), which linear, linear_relu, logits and
-    embedding take."""
+    embedding take. group: the ranks of a tensor-parallel worker (parallel/group.py), whose partial sums all_reduce
+    adds up and whose LM head parts logits gathers; None: one device."""
 
     device = "cpu"
 
-    def __init__(self, dtype: str = "auto", dequantize: bool = False):
+    def __init__(self, dtype: str = "auto", dequantize: bool = False, group=None):
         if dtype not in DTYPES:
             raise InvalidArgument(f"dtype {dtype!r} is not supported on the CPU backend")
         self.dtype = DTYPES[dtype]
         self.dequantize = dequantize
+        self.group = group
 
     def upload(self, tensor: torch.Tensor) -> torch.Tensor | QuantizedWeight:
         if isinstance(tensor, BlockWeight) and not self.dequantize:
@@ -34,7 +36,19 @@ class CpuLayerMath:
         return tensor.to(self.dtype).contiguous()
 
     def upload_lm_head(self, tensor: torch.Tensor) -> torch.Tensor | QuantizedWeight:
-        return self.upload(tensor)
+        """Tensor parallel: the rank's part of the vocabulary, the last part padded with zero rows (logits drops
+        their columns)."""
+        if self.group is None:
+            return self.upload(tensor)
+        shard = self.group.shard
+        rows = -(-tensor.shape[0] // shard.size)
+        part = tensor[shard.rank * rows:(shard.rank + 1) * rows]
+        self.vocab_size = tensor.shape[0]
+        return self.upload(F.pad(part, (0, 0, 0, rows - part.shape[0])))
+
+    def upload_tied(self, table):
+        head = self.upload_lm_head(table)
+        return (head if self.group is None else self.upload(table)), head
 
     def upload_float32(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.float().contiguous()
@@ -216,7 +230,13 @@ class CpuLayerMath:
         return self.linear(x.x, x.weight, x.bias) if isinstance(x, Linear) else x
 
     def logits(self, x, lm_head):
-        return self.linear(x, lm_head).float()
+        logits = self.linear(x, lm_head).float()
+        if self.group is None:
+            return logits
+        return self.group.all_gather(logits)[:, :self.vocab_size]
+
+    def all_reduce(self, x):
+        return x if self.group is None else self.group.all_reduce(self._computed(x))
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

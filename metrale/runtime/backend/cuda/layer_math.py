@@ -37,6 +37,10 @@ class CudaLayerMath:
         rows = padded_vocab(tensor.shape[0])
         return self.upload(torch.nn.functional.pad(tensor, (0, 0, 0, rows - tensor.shape[0])))
 
+    def upload_tied(self, table: torch.Tensor) -> tuple[DeviceTensor, DeviceTensor]:
+        head = self.upload_lm_head(table)
+        return head, head
+
     def upload_float32(self, tensor: torch.Tensor) -> DeviceTensor:
         return self._upload(tensor.float(), "float32")
 
@@ -383,6 +387,9 @@ class CudaLayerMath:
         out = ctx.new(rows.shape[0], x.shape[1], x.dtype)
         kernels.embedding.gather_rows(self.lib, ctx.stream, out, x, rows)
         return out
+
+    def all_reduce(self, x):
+        return x        # one device: tensor parallel is not on the CUDA backend yet
 
     def logits(self, x, lm_head):
         ctx = self.resources.bound.context

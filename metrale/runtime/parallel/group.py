@@ -1,0 +1,57 @@
+"""The ranks of a tensor-parallel worker and their collectives: a sum over the ranks and a gather along the last
+dim. Over torch.distributed's gloo on the CPU backend (CI proves the sharded math with processes on one machine)."""
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+class GroupFailed(RuntimeError):
+    """A collective did not complete: a rank died, hung past the timeout, or left the group. The worker then stops
+    serving (a runner's device error)."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's place in the group: rank of size."""
+    rank: int
+    size: int
+
+    def part(self, length: int, what: str) -> slice:
+        """The rank's equal part of `length` (what: said in the error where the size does not divide it)."""
+        if length % self.size:
+            raise ValueError(f"{what} ({length}) is not a multiple of the tensor-parallel size {self.size}")
+        step = length // self.size
+        return slice(self.rank * step, (self.rank + 1) * step)
+
+
+class GlooGroup:
+    """The ranks joined at address (host:port, rank 0 listens) over gloo; timeout bounds every collective."""
+
+    def __init__(self, shard: Shard, address: str, timeout_s: float = 60.0):
+        self.shard = shard
+        dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=shard.rank, world_size=shard.size,
+                                timeout=timedelta(seconds=timeout_s))
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the ranks (in float32, then in x's dtype): every rank gets the same sum."""
+        total = x.float().contiguous()
+        try:
+            dist.all_reduce(total)
+        except RuntimeError as error:
+            raise GroupFailed(f"tensor-parallel sum failed: {error}") from error
+        return total.to(x.dtype)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x, concatenated along the last dim in rank order."""
+        parts = [torch.empty_like(x) for _ in range(self.shard.size)]
+        try:
+            dist.all_gather(parts, x.contiguous())
+        except RuntimeError as error:
+            raise GroupFailed(f"tensor-parallel gather failed: {error}") from error
+        return torch.cat(parts, dim=-1)
+
+    def close(self) -> None:
+        dist.destroy_process_group()

@@ -1,0 +1,58 @@
+"""Which part of each checkpoint tensor a rank holds, as Megatron-LM splits a decoder: a linear that fans out
+(query/key/value heads, the MLP's gate and up) by its output rows, "columns" of the layer (each rank computes its
+heads' or its MLP slice's outputs in full); the linear after it (attention output, MLP down) by its input columns,
+"rows" (each rank's product is a partial sum that the layer math sums over the ranks, its bias added once: rank 0
+holds it, the others zeros); everything else (norms, the embedding) whole on every rank. A family says which
+tensor is which by name suffix, and divides its config's head and width counts by the size."""
+
+from typing import Mapping
+
+import torch
+
+from metrale.runtime.errors import InvalidArgument
+from metrale.runtime.loading.fp8 import TensorsAsRead
+from metrale.runtime.parallel.group import Shard
+
+COLUMNS = "columns"
+ROWS = "rows"
+
+
+class ShardedTensors(TensorsAsRead):
+    """name -> this rank's part of the checkpoint tensor: splits maps name suffixes to COLUMNS or ROWS (any other
+    tensor is whole)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], splits: Mapping[str, str], shard: Shard):
+        self.splits, self.shard = splits, shard
+        super().__init__(tensors)
+
+    def split_of(self, name: str) -> str | None:
+        return next((kind for suffix, kind in self.splits.items() if name.endswith(suffix)), None)
+
+    def read(self, name: str, tensor: torch.Tensor):
+        kind = self.split_of(name)
+        if kind is None:
+            return tensor
+        if type(tensor) is not torch.Tensor:
+            raise InvalidArgument(f"tensor parallel splits plain tensors, not {name}'s {type(tensor).__name__} "
+                                  f"(quantized checkpoints run on one device)")
+        try:
+            if kind == COLUMNS:
+                return tensor[self.shard.part(tensor.shape[0], f"{name}'s rows")].contiguous()
+            if tensor.dim() == 1:       # a row-split linear's bias: added once, by rank 0
+                return tensor if self.shard.rank == 0 else torch.zeros_like(tensor)
+            return tensor[:, self.shard.part(tensor.shape[1], f"{name}'s columns")].contiguous()
+        except ValueError as error:
+            raise InvalidArgument(str(error)) from None
+
+    def numel(self, name: str) -> int:
+        whole = super().numel(name)
+        kind = self.split_of(name)
+        whole_on_each = kind is None or (kind == ROWS and name.endswith(".bias"))
+        return whole if whole_on_each else whole // self.shard.size
+
+
+def divided(count: int, shard: Shard, what: str) -> int:
+    """count / shard.size, where the size divides it (InvalidArgument naming what otherwise)."""
+    if count % shard.size:
+        raise InvalidArgument(f"{what} ({count}) is not a multiple of --tensor-parallel {shard.size}")
+    return count // shard.size

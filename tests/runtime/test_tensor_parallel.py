@@ -1,0 +1,81 @@
+"""Tensor parallel on the CPU backend: ranks in processes of their own, joined over gloo, each holding its shard of
+a tiny checkpoint, give the tokens and logits of the one-device engine (and so of transformers, test_models.py)."""
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from metrale.runtime.build import build_engine
+from metrale.runtime.config import EngineConfig
+from metrale.runtime.errors import InvalidArgument
+from metrale.runtime.loading import load_checkpoint
+from metrale.runtime.parallel.group import Shard
+from metrale.runtime.parallel.sharding import COLUMNS, ROWS, ShardedTensors
+from tensor_parallel_rank import CONFIG, steps
+from tiny_models import write_tiny
+
+RANK_SCRIPT = Path(__file__).parents[1] / "tensor_parallel_rank.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(directory: Path, size: int, out: Path) -> dict:
+    port = free_port()
+    ranks = [subprocess.Popen([sys.executable, str(RANK_SCRIPT), str(directory), str(rank), str(size), str(port),
+                               str(out)], stderr=subprocess.PIPE, text=True) for rank in range(size)]
+    for rank in ranks:
+        _, err = rank.communicate(timeout=300)
+        assert rank.returncode == 0, err[-3000:]
+    return torch.load(out)
+
+
+# Heads 4 and KV heads 2 split in two; tied and untied embeddings (the LM head's vocabulary split, the embedding
+# whole), row-split biases (added once), Qwen3's per-head norms, Mistral's window.
+@pytest.mark.parametrize("name", ["llama_tied", "llama_attention_bias", "qwen2", "qwen3", "mistral"])
+def test_two_ranks_give_the_one_device_tokens_and_logits(name, tmp_path):
+    directory = write_tiny(name, tmp_path / name)
+    tensor_parallel = run_ranks(directory, 2, tmp_path / "rank0.pt")
+    engine, _ = build_engine(load_checkpoint(directory), CONFIG)
+    tokens, logits = steps(engine)
+    assert tensor_parallel["tokens"] == tokens
+    for i, (ours, want) in enumerate(zip(tensor_parallel["logits"], logits)):
+        assert ours.shape == want.shape
+        assert float((ours - want).abs().max() / want.abs().max()) < 1e-5, f"output {i}"
+
+
+class ShardOnly:
+    """A group as build_engine's checks see it, before any collective."""
+
+    def __init__(self, rank: int, size: int):
+        self.shard = Shard(rank, size)
+
+
+@pytest.mark.parametrize("name, message", [("llama3_untied", "num_key_value_heads (1)"),
+                                           ("mixtral", "mixtures of experts"), ("mamba2", "Mamba2ForCausalLM")])
+def test_what_cannot_be_split_is_refused_at_load(name, message, tmp_path):
+    directory = write_tiny(name, tmp_path / name)
+    with pytest.raises(InvalidArgument, match="tensor.parallel") as caught:
+        build_engine(load_checkpoint(directory), EngineConfig(device="cpu", kv_blocks=8), group=ShardOnly(0, 2))
+    assert message in str(caught.value)
+
+
+def test_a_rank_holds_its_rows_or_columns_and_the_bias_once():
+    weight, bias = torch.arange(24.0).view(4, 6), torch.arange(4.0)
+    tensors = {"a.q_proj.weight": weight, "a.o_proj.weight": weight, "a.o_proj.bias": bias, "a.norm.weight": bias}
+    splits = {"q_proj.weight": COLUMNS, "o_proj.weight": ROWS, "o_proj.bias": ROWS}
+    first, second = (ShardedTensors(tensors, splits, Shard(rank, 2)) for rank in (0, 1))
+    assert torch.equal(torch.cat([first["a.q_proj.weight"], second["a.q_proj.weight"]]), weight)
+    assert torch.equal(torch.cat([first["a.o_proj.weight"], second["a.o_proj.weight"]], dim=1), weight)
+    assert torch.equal(first["a.o_proj.bias"], bias) and not second["a.o_proj.bias"].any()
+    assert first["a.norm.weight"] is bias
+    assert [first.numel(n) for n in tensors] == [12, 12, 4, 4]
+    with pytest.raises(InvalidArgument, match="multiple of the tensor-parallel size 3"):
+        ShardedTensors(tensors, splits, Shard(0, 3))["a.q_proj.weight"]

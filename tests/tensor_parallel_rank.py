@@ -1,0 +1,50 @@
+"""One rank of a tensor-parallel engine on the CPU backend, for the tests: builds its shard of a checkpoint in a gloo
+group and runs steps() on it, every rank the same steps (so their collectives meet); rank 0 saves what it saw.
+
+python tests/tensor_parallel_rank.py CHECKPOINT RANK SIZE PORT OUT"""
+
+import sys
+
+import torch
+
+from metrale.runtime.build import build_engine
+from metrale.runtime.config import EngineConfig
+from metrale.runtime.loading import load_checkpoint
+from metrale.runtime.sampling import OutputOptions
+from metrale.runtime.step import DecodeToken, PrefillSlice, Step
+
+NUM_DECODES = 8
+CONFIG = EngineConfig(device="cpu", kv_blocks=32, kv_block_size=4)
+
+
+def steps(engine) -> tuple[list[int], list[torch.Tensor]]:
+    """Two sequences: one prompt in one chunk, another in two chunks beside it, then greedy decode steps of both;
+    the tokens chosen and every step's logits rows."""
+    logits_out = OutputOptions(return_logits=True)
+    first, second = tuple(range(3, 23)), tuple(range(40, 53))
+    outputs = engine.step(Step(prefill=(PrefillSlice(1, first, output=logits_out),
+                                        PrefillSlice(2, second[:6], is_last_chunk=False, output=logits_out)))).outputs
+    outputs += engine.step(Step(prefill=(PrefillSlice(2, second[6:], chunk_start=6),))).outputs
+    tokens, logits = [o.token for o in outputs], [o.logits for o in outputs]
+    last = {1: tokens[0], 2: tokens[1]}
+    for _ in range(NUM_DECODES):
+        outputs = engine.step(Step(decode=tuple(DecodeToken(seq, token) for seq, token in last.items()))).outputs
+        last = {seq: o.token for seq, o in zip(last, outputs)}
+        tokens += [o.token for o in outputs]
+        logits += [o.logits for o in outputs]
+    return tokens, logits
+
+
+def main(checkpoint: str, rank: int, size: int, port: int, out: str) -> None:
+    from metrale.runtime.parallel.group import GlooGroup, Shard
+
+    group = GlooGroup(Shard(rank, size), f"127.0.0.1:{port}", timeout_s=60)
+    engine, _ = build_engine(load_checkpoint(checkpoint), CONFIG, group=group)
+    tokens, logits = steps(engine)
+    if rank == 0:
+        torch.save({"tokens": tokens, "logits": logits}, out)
+    group.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
