@@ -1,13 +1,18 @@
 """One rank of a tensor-parallel engine on the CPU backend, for the tests: builds its shard of a checkpoint in a gloo
-group and runs steps() on it, every rank the same steps (so their collectives meet); rank 0 saves what it saw.
+group; rank 0 runs steps() on its engine and saves what it saw, the others follow its calls.
 
-python tests/tensor_parallel_rank.py CHECKPOINT RANK SIZE PORT OUT"""
+python tests/tensor_parallel_rank.py CHECKPOINT RANK SIZE PORT OUT [DIE_AFTER]
+
+DIE_AFTER: the other ranks exit, as a crash would, at rank 0's DIE_AFTER-th message; rank 0 then saves the error its
+step raised."""
+
+import os
 
 import sys
 
 import torch
 
-from metrale.runtime.build import build_engine
+from metrale.runtime.build import build_engine, build_follower
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.loading import load_checkpoint
 from metrale.runtime.sampling import OutputOptions
@@ -35,16 +40,40 @@ def steps(engine) -> tuple[list[int], list[torch.Tensor]]:
     return tokens, logits
 
 
-def main(checkpoint: str, rank: int, size: int, port: int, out: str) -> None:
+class DyingGroup:
+    """A follower's group that ends the process at the die_after-th message, before running it."""
+
+    def __init__(self, group, die_after: int):
+        self.group, self.left = group, die_after
+
+    def receive(self):
+        self.left -= 1
+        if self.left < 0:
+            os._exit(3)
+        return self.group.receive()
+
+
+def main(checkpoint: str, rank: int, size: int, port: int, out: str, die_after: int | None = None) -> None:
     from metrale.runtime.parallel.group import GlooGroup, Shard
 
+    from metrale.runtime.parallel.follower import follow
+
     group = GlooGroup(Shard(rank, size), f"127.0.0.1:{port}", timeout_s=60)
-    engine, _ = build_engine(load_checkpoint(checkpoint), CONFIG, group=group)
-    tokens, logits = steps(engine)
     if rank == 0:
+        engine, _ = build_engine(load_checkpoint(checkpoint), CONFIG, group=group)
+        try:
+            tokens, logits = steps(engine)
+        except Exception as error:
+            torch.save({"error": f"{type(error).__name__}: {error}"}, out)
+            os._exit(0)         # the group cannot close without the dead rank
+        engine.runner.stop()
         torch.save({"tokens": tokens, "logits": logits}, out)
+    else:
+        follower = group if die_after is None else DyingGroup(group, die_after)
+        follow(follower, *build_follower(load_checkpoint(checkpoint), CONFIG, group))
     group.close()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5],
+         int(sys.argv[6]) if len(sys.argv) > 6 else None)

@@ -15,6 +15,7 @@ from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.cache.blocks import blocks_for
 from metrale.runtime.loading import Checkpoint, fp8
 from metrale.runtime.models import Family, family_of
+from metrale.runtime.parallel.leader import LeaderRunner
 from metrale.runtime.parallel.sharding import ShardedTensors
 
 VERSION = "0.1.0"
@@ -46,21 +47,11 @@ class ModelInfo:
 def build_engine(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path | None = None, group=None
                  ) -> tuple[Engine, ModelInfo]:
     """cache_dir: where compiled kernels are kept (default ~/.cache/metrale); group: the ranks of a tensor-parallel
-    worker (parallel/group.py), this one's model their shard of it; None: one device."""
-    family = family_of(checkpoint.config)
-    model_config = family.config_from_hf(checkpoint.config)
-    max_model_len = config.max_model_len or model_config.max_position_embeddings
-    if max_model_len > model_config.max_position_embeddings:
-        raise InvalidArgument(f"max_model_len={max_model_len} is over the model's max_position_embeddings="
-                              f"{model_config.max_position_embeddings}")
-    local_config, tensors = _shard(family, model_config, checkpoint, group)
-    backend = create_backend(config.device, config.dtype, cache_dir or default_cache_dir(), config.programmatic_launch,
-                             config.dequantize, group)
-    runner = backend.runner
-    runner.plan(_weight_bytes(tensors, local_config, max_model_len, family.model_class),
-                _memory_shapes(local_config, config, max_model_len))
-    tensors = fp8.QuantizedTensors(tensors) if config.quantize == "fp8" else tensors
-    model = family.model_class(local_config, tensors, backend.math, max_model_len)
+    worker (parallel/group.py), this one rank 0, whose runner hands the others its calls (parallel/leader.py); None:
+    one device."""
+    model_config, max_model_len, runner, model = _load(checkpoint, config, cache_dir, group)
+    if group is not None:
+        runner = LeaderRunner(runner, group)
     cache = _allocate_cache(runner, model.cache_specs(), config, max_model_len,
                             # an encoder-decoder's prompts are its sources, whose cross K/V no token prefix names
                             config.prefix_cache and not getattr(model_config, "is_encoder_decoder", False))
@@ -77,6 +68,31 @@ def build_engine(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path |
                      hc_mult=model_config.hc_mult, is_mla=model_config.is_mla, has_ssm=model_config.has_ssm,
                      prefix_cache=cache.prefix_cache)
     return engine, info
+
+
+def build_follower(checkpoint: Checkpoint, config: EngineConfig, group, cache_dir: Path | None = None):
+    """A tensor-parallel worker's other rank: its shard of the model and its runner, for parallel/follower.py's
+    follow(group, model, runner)."""
+    _, _, runner, model = _load(checkpoint, config, cache_dir, group)
+    return model, runner
+
+
+def _load(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path | None, group):
+    """The model's config, max_model_len, and the runner and model (this rank's shard) of a new backend."""
+    family = family_of(checkpoint.config)
+    model_config = family.config_from_hf(checkpoint.config)
+    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    if max_model_len > model_config.max_position_embeddings:
+        raise InvalidArgument(f"max_model_len={max_model_len} is over the model's max_position_embeddings="
+                              f"{model_config.max_position_embeddings}")
+    local_config, tensors = _shard(family, model_config, checkpoint, group)
+    backend = create_backend(config.device, config.dtype, cache_dir or default_cache_dir(), config.programmatic_launch,
+                             config.dequantize, group)
+    backend.runner.plan(_weight_bytes(tensors, local_config, max_model_len, family.model_class),
+                        _memory_shapes(local_config, config, max_model_len))
+    tensors = fp8.QuantizedTensors(tensors) if config.quantize == "fp8" else tensors
+    return model_config, max_model_len, backend.runner, family.model_class(local_config, tensors, backend.math,
+                                                                          max_model_len)
 
 
 def _shard(family: Family, model_config, checkpoint: Checkpoint, group):

@@ -1,6 +1,7 @@
 """Tensor parallel on the CPU backend: ranks in processes of their own, joined over gloo, each holding its shard of
 a tiny checkpoint, give the tokens and logits of the one-device engine (and so of transformers, test_models.py)."""
 
+import os
 import socket
 import subprocess
 import sys
@@ -19,6 +20,9 @@ from tensor_parallel_rank import CONFIG, steps
 from tiny_models import write_tiny
 
 RANK_SCRIPT = Path(__file__).parents[1] / "tensor_parallel_rank.py"
+# The ranks import this checkout's package, whichever one pip installed.
+RANK_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]),
+                                                         os.environ.get("PYTHONPATH", "")])}
 
 
 def free_port() -> int:
@@ -27,14 +31,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(directory: Path, size: int, out: Path) -> dict:
+def run_ranks(directory: Path, size: int, out: Path, *extra: str) -> tuple[dict, list[int]]:
+    """Rank 0's saved outcome and every rank's exit status."""
     port = free_port()
     ranks = [subprocess.Popen([sys.executable, str(RANK_SCRIPT), str(directory), str(rank), str(size), str(port),
-                               str(out)], stderr=subprocess.PIPE, text=True) for rank in range(size)]
-    for rank in ranks:
-        _, err = rank.communicate(timeout=300)
-        assert rank.returncode == 0, err[-3000:]
-    return torch.load(out)
+                               str(out), *extra], stderr=subprocess.PIPE, text=True, env=RANK_ENV)
+             for rank in range(size)]
+    errors = [rank.communicate(timeout=300)[1] for rank in ranks]
+    assert ranks[0].returncode == 0, errors[0][-3000:]
+    return torch.load(out), [rank.returncode for rank in ranks]
 
 
 # Heads 4 and KV heads 2 split in two; tied and untied embeddings (the LM head's vocabulary split, the embedding
@@ -42,13 +47,24 @@ def run_ranks(directory: Path, size: int, out: Path) -> dict:
 @pytest.mark.parametrize("name", ["llama_tied", "llama_attention_bias", "qwen2", "qwen3", "mistral"])
 def test_two_ranks_give_the_one_device_tokens_and_logits(name, tmp_path):
     directory = write_tiny(name, tmp_path / name)
-    tensor_parallel = run_ranks(directory, 2, tmp_path / "rank0.pt")
+    tensor_parallel, codes = run_ranks(directory, 2, tmp_path / "rank0.pt")
+    assert codes == [0, 0]
     engine, _ = build_engine(load_checkpoint(directory), CONFIG)
     tokens, logits = steps(engine)
     assert tensor_parallel["tokens"] == tokens
     for i, (ours, want) in enumerate(zip(tensor_parallel["logits"], logits)):
         assert ours.shape == want.shape
         assert float((ours - want).abs().max() / want.abs().max()) < 1e-5, f"output {i}"
+
+
+def test_a_rank_that_dies_fails_the_step_as_a_device_fault(tmp_path):
+    """Rank 1 ends at rank 0's fourth call (after the cache, the warm-up and the first prefill): rank 0's next
+    step gets a DeviceFault (the worker stops serving), not a hang and not a bug's StepFailed."""
+    directory = write_tiny("llama_tied", tmp_path / "llama_tied")
+    outcome, codes = run_ranks(directory, 2, tmp_path / "rank0.pt", "3")
+    assert codes == [0, 3]
+    assert outcome["error"].startswith("DeviceFault: the device failed running the step: "), outcome["error"]
+    assert "tensor-parallel" in outcome["error"]
 
 
 class ShardOnly:

@@ -1,5 +1,6 @@
-"""The ranks of a tensor-parallel worker and their collectives: a sum over the ranks and a gather along the last
-dim. Over torch.distributed's gloo on the CPU backend (CI proves the sharded math with processes on one machine)."""
+"""The ranks of a tensor-parallel worker and their collectives: a sum over the ranks, a gather along the last dim,
+and rank 0's calls handed to the others (leader.py, follower.py). Over torch.distributed's gloo on the CPU backend
+(CI proves the sharded math with processes on one machine)."""
 
 from dataclasses import dataclass
 from datetime import timedelta
@@ -52,6 +53,22 @@ class GlooGroup:
         except RuntimeError as error:
             raise GroupFailed(f"tensor-parallel gather failed: {error}") from error
         return torch.cat(parts, dim=-1)
+
+    def send(self, message) -> None:
+        """Rank 0: a picklable message to every other rank, in the order sent."""
+        self._broadcast(message)
+
+    def receive(self):
+        """Another rank: rank 0's next message."""
+        return self._broadcast(None)
+
+    def _broadcast(self, message):
+        box = [message]
+        try:
+            dist.broadcast_object_list(box, src=0)
+        except RuntimeError as error:
+            raise GroupFailed(f"tensor-parallel message failed: {error}") from error
+        return box[0]
 
     def close(self) -> None:
         dist.destroy_process_group()

@@ -1,0 +1,68 @@
+"""Rank 0's runner in a tensor-parallel worker: the engine's, with every call that changes what the ranks hold (the
+cache's allocation, forwards, encoder passes, cache copies, warm-up) sent to the other ranks before it runs here.
+They run the same calls in the same order (follower.py), so each forward's collectives meet across the ranks; one
+call at a time, so two streams' forwards cannot cross."""
+
+import dataclasses
+import threading
+
+from metrale.runtime.backend.runner import Runner
+from metrale.runtime.parallel.group import GroupFailed
+
+STOP = ("stop",)
+
+
+class LeaderRunner:
+    def __init__(self, runner: Runner, group):
+        self.runner, self.group = runner, group
+        self.lock = threading.Lock()
+        # A rank that died or hung fails the collective: the worker stops serving, as for a device fault.
+        self.device_errors = (*runner.device_errors, GroupFailed)
+        self.concurrent_forwards = False
+        self.supports_beam = runner.supports_beam
+
+    def __getattr__(self, name):
+        """What only rank 0 does (planning, sampling, beam candidates, counters) or keeps to itself."""
+        return getattr(self.runner, name)
+
+    def _mirrored(self, message: tuple, run):
+        with self.lock:
+            self.group.send(message)
+            return run()
+
+    def allocate_cache(self, specs, num_blocks, block_size, num_state_slots):
+        """Rank 0 sizes the cache; each rank allocates its shard of it (its model's specs)."""
+        return self._mirrored(("allocate_cache", num_blocks, block_size, num_state_slots),
+                              lambda: self.runner.allocate_cache(specs, num_blocks, block_size, num_state_slots))
+
+    def warm_up(self, forward, graph_batch_sizes, max_context, max_source_len=0):
+        return self._mirrored(("warm_up", graph_batch_sizes, max_context, max_source_len),
+                              lambda: self.runner.warm_up(forward, graph_batch_sizes, max_context, max_source_len))
+
+    def run_forward(self, forward, batch, replayable):
+        return self._mirrored(("forward", _sendable(batch), replayable),
+                              lambda: self.runner.run_forward(forward, batch, replayable))
+
+    def run_encoder(self, encode, batch, replayable):
+        return self._mirrored(("encode", _sendable(batch), replayable),
+                              lambda: self.runner.run_encoder(encode, batch, replayable))
+
+    def device_search(self, search, forward, layers):
+        return None         # the host steps beam searches: each step's forward is then mirrored like any other
+
+    def copy_block_prefixes(self, layers, copies):
+        return self._mirrored(("copy_blocks", copies), lambda: self.runner.copy_block_prefixes(layers, copies))
+
+    def copy_state_slots(self, layers, copies):
+        return self._mirrored(("copy_states", copies), lambda: self.runner.copy_state_slots(layers, copies))
+
+    def stop(self) -> None:
+        """Ends the other ranks' loops."""
+        with self.lock:
+            self.group.send(STOP)
+
+
+def _sendable(batch):
+    """The batch without what rank 0's runner staged for itself (each rank stages its own)."""
+    cross = batch.cross and _sendable(batch.cross)
+    return dataclasses.replace(batch, staged=None, cross=cross)
