@@ -116,6 +116,11 @@ class DeviceFault(WorkerError):
     """The device itself failed (a driver or library status, a kernel's fault flag); the worker stops serving."""
 
 
+class RankLost(DeviceFault):
+    """A rank of a tensor-parallel worker died or hung past its collectives' timeout: the worker stops serving, and
+    the call may be retried on another worker (UNAVAILABLE)."""
+
+
 class Overloaded(WorkerError):
     """More forward calls in flight than --max-concurrent-rpcs allows."""
 

@@ -42,6 +42,9 @@ class WorkerConfig:
     auth_tokens_file: str | None = None
     log_format: str = "auto"
     cache_dir: str | None = None
+    # Ranks the model is split over (runtime/parallel/): this process serves and runs rank 0, the others are
+    # processes it starts. 1: one device.
+    tensor_parallel: int = 1
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self):
@@ -69,6 +72,8 @@ class WorkerConfig:
             taken[port] = name
         if not self.drain_timeout >= 0:
             raise InvalidArgument(f"drain_timeout must be >= 0 seconds, got {self.drain_timeout}")
+        if not 1 <= self.tensor_parallel <= 64:
+            raise InvalidArgument(f"tensor_parallel must be in [1, 64], got {self.tensor_parallel}")
         if not self.sequence_ttl >= 0:
             raise InvalidArgument(f"sequence_ttl must be >= 0 seconds (0: never), got {self.sequence_ttl}")
         if self.log_format not in ("auto", "json", "console"):
@@ -121,6 +126,8 @@ SERVE_FLAGS = [
      "on the CPU backend (true|false)", None),
     ("quantize", str, "fp8: a checkpoint's linear weights quantized at load to FP8 (e4m3, one scale a row)",
      ("none", "fp8")),
+    ("tensor-parallel", int, "ranks the model is split over (heads and MLP columns, Megatron-style), one process "
+     "each; the CPU backend and the dense Llama family for now", None),
     ("max-message-mb", int, "largest gRPC message, either way", None),
     ("max-concurrent-rpcs", int, "forward calls (steps, BeamGenerate, Generate) in flight at once; more get "
      "RESOURCE_EXHAUSTED; health, Info and Release are never refused (unset: no limit)", None),

@@ -14,6 +14,8 @@ from grpc_reflection.v1alpha import reflection
 from metrale.runtime.backend import runs_on_cuda
 from metrale.runtime.build import ModelInfo, build_engine
 from metrale.runtime.own_thread import run_on_own_thread
+from metrale.runtime.parallel.group import GlooGroup, Shard
+from metrale.runtime.parallel.launch import free_address, start_followers
 from metrale.runtime.streams import StreamThreads
 from metrale.runtime.loading import Checkpoint
 from metrale.service.config import WorkerConfig
@@ -33,8 +35,10 @@ class WorkerServer:
     """The running worker: the server, its servicer and health state. start(), then wait() or drain().
     Built on the event loop that will serve it."""
 
-    def __init__(self, engine, info: ModelInfo, tokenizer, config: WorkerConfig):
+    def __init__(self, engine, info: ModelInfo, tokenizer, config: WorkerConfig, ranks: list | None = None):
         self.config = config
+        # A tensor-parallel worker's other ranks (processes), stopped after the last step.
+        self.ranks = ranks or []
         self.threads = StreamThreads(config.engine.num_streams, on_thread_start=engine.bind_stream)
         self.state = ServingState(config.max_concurrent_rpcs)
         self.health = health.aio.HealthServicer()
@@ -72,10 +76,22 @@ class WorkerServer:
     def from_checkpoint(cls, checkpoint: Checkpoint, config: WorkerConfig) -> "WorkerServer":
         """The engine built on this thread for the CUDA backend (the thread keeps the device's context current), on
         a thread of its own for the CPU backend (own_thread.py: its OpenMP team ends with the build)."""
+        group, ranks = None, []
+        if config.tensor_parallel > 1:
+            address = free_address()
+            ranks = start_followers(checkpoint.source, config.engine, config.tensor_parallel, address,
+                                    config.cache_dir)
+            group = GlooGroup(Shard(0, config.tensor_parallel), address)
+
         def build():
-            return build_engine(checkpoint, config.engine, Path(config.cache_dir) if config.cache_dir else None)
-        engine, info = build() if runs_on_cuda(config.engine.device) else run_on_own_thread(build)
-        return cls(engine, info, checkpoint.tokenizer, config)
+            return build_engine(checkpoint, config.engine, Path(config.cache_dir) if config.cache_dir else None, group)
+        try:
+            engine, info = build() if runs_on_cuda(config.engine.device) else run_on_own_thread(build)
+        except BaseException:
+            for rank in ranks:
+                rank.terminate()
+            raise
+        return cls(engine, info, checkpoint.tokenizer, config, ranks)
 
     async def start(self) -> None:
         if self.config.metrics_port:
@@ -110,8 +126,21 @@ class WorkerServer:
             await self.health_server.stop(grace=0)
         await asyncio.to_thread(self.threads.close)
         self.servicer.close()
+        if self.ranks:
+            await asyncio.to_thread(self._stop_ranks)
         self._stopped.set()
         log.info("stopped")
+
+    def _stop_ranks(self) -> None:
+        """Ends the other ranks' loops (where rank 0 can still reach them) and waits for their processes."""
+        try:
+            self.servicer.engine.runner.stop()
+        except Exception:
+            log.warning("tensor_parallel_stop_failed", exc_info=True)
+        for rank in self.ranks:
+            rank.join(timeout=10)
+            if rank.is_alive():
+                rank.terminate()
 
     async def wait(self) -> None:
         await self._stopped.wait()

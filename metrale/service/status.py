@@ -27,6 +27,7 @@ STATUS_OF = {
     errors.Cancelled: grpc.StatusCode.CANCELLED,
     errors.StepFailed: grpc.StatusCode.INTERNAL,
     errors.DeviceFault: grpc.StatusCode.INTERNAL,
+    errors.RankLost: grpc.StatusCode.UNAVAILABLE,
 }
 # The services whose handlers raise WorkerErrors; health and reflection are grpc's own and keep their behaviour.
 WRAPPED_PREFIX = "/metrale.v1.Worker/"

@@ -156,13 +156,16 @@ def test_every_worker_flag_is_reachable_from_values(chart):
     values = {"worker": {"device": "cpu", "dtype": "bfloat16", "kv-blocks": 1000000, "kv-memory-fraction": 0.5,
                          "kv-block-size": 32, "max-batch-tokens": 4096, "max-seqs": 64, "max-model-len": 2048,
                          "cuda-graph-batch-sizes": "1,2", "num-streams": 3, "run-ahead": "off", "prefix-cache": "off",
-                         "dequantize": True, "quantize": "fp8",
+                         "dequantize": True, "quantize": "fp8", "tensor-parallel": 2,
                          "max-message-mb": 8, "max-text-bytes": 4096, "drain-timeout": 2.5, "reflection": False,
                          "log-format": "console",
                          "max-concurrent-rpcs": 128, "keepalive-time": 30, "keepalive-timeout": 7.5,
                          "keepalive-min-client-ping": 5, "ssm-snapshot-memory": 2000000000, "sequence-ttl": 90}}
     assert set(values["worker"]) == settable
-    config = parsed_args(render(chart, values))
+    rendered = render(chart, {**values, "gpu": {"count": 2}})
+    assert container(rendered)["resources"]["limits"]["nvidia.com/gpu"] == 2      # a GPU a rank
+    config = parsed_args(rendered)
+    assert config.tensor_parallel == 2
     engine = config.engine
     assert (engine.device, engine.dtype, engine.kv_blocks, engine.kv_memory_fraction, engine.kv_block_size) == (
         "cpu", "bfloat16", 1000000, 0.5, 32)
@@ -173,6 +176,11 @@ def test_every_worker_flag_is_reachable_from_values(chart):
             config.log_format) == (8, 4096, 2.5, False, "console")
     assert (config.max_concurrent_rpcs, config.keepalive_time, config.keepalive_timeout,
             config.keepalive_min_client_ping, config.sequence_ttl) == (128, 30.0, 7.5, 5.0, 90.0)
+
+
+def test_a_gpu_count_other_than_the_ranks_is_refused(chart):
+    with pytest.raises(Exception, match="must equal worker.tensor-parallel"):
+        render(chart, {"worker": {"tensor-parallel": 4}, "gpu": {"count": 2}})
 
 
 # Values files the schema must refuse, one mistake each (their first line says which).

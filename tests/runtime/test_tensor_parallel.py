@@ -57,14 +57,13 @@ def test_two_ranks_give_the_one_device_tokens_and_logits(name, tmp_path):
         assert float((ours - want).abs().max() / want.abs().max()) < 1e-5, f"output {i}"
 
 
-def test_a_rank_that_dies_fails_the_step_as_a_device_fault(tmp_path):
+def test_a_rank_that_dies_fails_the_step_as_a_lost_rank(tmp_path):
     """Rank 1 ends at rank 0's fourth call (after the cache, the warm-up and the first prefill): rank 0's next
-    step gets a DeviceFault (the worker stops serving), not a hang and not a bug's StepFailed."""
+    step gets RankLost (a DeviceFault: the worker stops serving), not a hang and not a bug's StepFailed."""
     directory = write_tiny("llama_tied", tmp_path / "llama_tied")
     outcome, codes = run_ranks(directory, 2, tmp_path / "rank0.pt", "3")
     assert codes == [0, 3]
-    assert outcome["error"].startswith("DeviceFault: the device failed running the step: "), outcome["error"]
-    assert "tensor-parallel" in outcome["error"]
+    assert outcome["error"].startswith("RankLost: tensor-parallel "), outcome["error"]
 
 
 class ShardOnly:

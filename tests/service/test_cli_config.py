@@ -33,6 +33,7 @@ NON_DEFAULT = {
     "prefix-cache": ("off", "engine.prefix_cache", False),
     "dequantize": ("true", "engine.dequantize", True),
     "quantize": ("fp8", "engine.quantize", "fp8"),
+    "tensor-parallel": ("2", "tensor_parallel", 2),
     "ssm-snapshot-memory": ("1048576", "engine.ssm_snapshot_memory", 1048576),
     "cuda-graph-batch-sizes": ("1,4,16", "engine.cuda_graph_batch_sizes", (1, 4, 16)),
     "max-message-mb": ("8", "max_message_mb", 8),

@@ -8,10 +8,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-
-class GroupFailed(RuntimeError):
-    """A collective did not complete: a rank died, hung past the timeout, or left the group. The worker then stops
-    serving (a runner's device error)."""
+from metrale.runtime.errors import RankLost
 
 
 @dataclass(frozen=True)
@@ -28,30 +25,37 @@ class Shard:
         return slice(self.rank * step, (self.rank + 1) * step)
 
 
+# How long the other ranks wait for rank 0's next call: a worker may sit idle for as long as no one calls it.
+CALL_WAIT = timedelta(days=365)
+
+
 class GlooGroup:
-    """The ranks joined at address (host:port, rank 0 listens) over gloo; timeout bounds every collective."""
+    """The ranks joined at address (host:port, rank 0 listens) over gloo. timeout_s bounds every collective of a
+    forward, so a rank that hangs fails the step; the wait for rank 0's next call is unbounded, and a rank that
+    exits (or whose machine drops it) fails it at once."""
 
     def __init__(self, shard: Shard, address: str, timeout_s: float = 60.0):
         self.shard = shard
         dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=shard.rank, world_size=shard.size,
-                                timeout=timedelta(seconds=timeout_s))
+                                timeout=CALL_WAIT)
+        self.collectives = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the ranks (in float32, then in x's dtype): every rank gets the same sum."""
         total = x.float().contiguous()
         try:
-            dist.all_reduce(total)
+            dist.all_reduce(total, group=self.collectives)
         except RuntimeError as error:
-            raise GroupFailed(f"tensor-parallel sum failed: {error}") from error
+            raise RankLost(f"tensor-parallel sum failed: {error}") from error
         return total.to(x.dtype)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's x, concatenated along the last dim in rank order."""
         parts = [torch.empty_like(x) for _ in range(self.shard.size)]
         try:
-            dist.all_gather(parts, x.contiguous())
+            dist.all_gather(parts, x.contiguous(), group=self.collectives)
         except RuntimeError as error:
-            raise GroupFailed(f"tensor-parallel gather failed: {error}") from error
+            raise RankLost(f"tensor-parallel gather failed: {error}") from error
         return torch.cat(parts, dim=-1)
 
     def send(self, message) -> None:
@@ -67,7 +71,7 @@ class GlooGroup:
         try:
             dist.broadcast_object_list(box, src=0)
         except RuntimeError as error:
-            raise GroupFailed(f"tensor-parallel message failed: {error}") from error
+            raise RankLost(f"tensor-parallel message failed: {error}") from error
         return box[0]
 
     def close(self) -> None:

@@ -7,7 +7,6 @@ import dataclasses
 import threading
 
 from metrale.runtime.backend.runner import Runner
-from metrale.runtime.parallel.group import GroupFailed
 
 STOP = ("stop",)
 
@@ -16,8 +15,6 @@ class LeaderRunner:
     def __init__(self, runner: Runner, group):
         self.runner, self.group = runner, group
         self.lock = threading.Lock()
-        # A rank that died or hung fails the collective: the worker stops serving, as for a device fault.
-        self.device_errors = (*runner.device_errors, GroupFailed)
         self.concurrent_forwards = False
         self.supports_beam = runner.supports_beam
 

@@ -1,0 +1,41 @@
+"""Starts a tensor-parallel worker's other ranks as processes of their own (spawned: no state of rank 0's is
+inherited), each loading the checkpoint itself and following rank 0's calls until it stops them or goes away."""
+
+import multiprocessing
+import socket
+
+from metrale.runtime.config import EngineConfig
+from metrale.runtime.parallel.group import GlooGroup, Shard
+
+
+def free_address() -> str:
+    """A local TCP address for rank 0 to meet the others at."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def start_followers(model_path: str, config: EngineConfig, size: int, address: str, cache_dir: str | None
+                    ) -> list[multiprocessing.Process]:
+    """Ranks 1 .. size - 1, started; daemonic, so they end with rank 0's process."""
+    context = multiprocessing.get_context("spawn")
+    ranks = [context.Process(target=run_follower, args=(model_path, config, rank, size, address, cache_dir),
+                             name=f"metrale-rank-{rank}", daemon=True) for rank in range(1, size)]
+    for rank in ranks:
+        rank.start()
+    return ranks
+
+
+def run_follower(model_path: str, config: EngineConfig, rank: int, size: int, address: str, cache_dir: str | None
+                 ) -> None:
+    from pathlib import Path
+
+    from metrale.runtime.build import build_follower
+    from metrale.runtime.loading import load_checkpoint
+    from metrale.runtime.parallel.follower import follow
+
+    group = GlooGroup(Shard(rank, size), address)
+    model, runner = build_follower(load_checkpoint(Path(model_path)), config, group,
+                                   Path(cache_dir) if cache_dir else None)
+    follow(group, model, runner)
+    group.close()
