@@ -88,7 +88,8 @@ def _load(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path | None, 
     local_config, tensors = _shard(family, model_config, checkpoint, group)
     backend = create_backend(config.device, config.dtype, cache_dir or default_cache_dir(), config.programmatic_launch,
                              config.dequantize, group)
-    backend.runner.plan(_weight_bytes(tensors, local_config, max_model_len, family.model_class),
+    backend.runner.plan(_weight_bytes(tensors, getattr(tensors, "numel", checkpoint.numel), local_config, max_model_len,
+                                      family.model_class),
                         _memory_shapes(local_config, config, max_model_len))
     tensors = fp8.QuantizedTensors(tensors) if config.quantize == "fp8" else tensors
     return model_config, max_model_len, backend.runner, family.model_class(local_config, tensors, backend.math,
@@ -105,12 +106,11 @@ def _shard(family: Family, model_config, checkpoint: Checkpoint, group):
     return local_config, ShardedTensors(checkpoint.tensors, splits, group.shard)
 
 
-def _weight_bytes(tensors, c, max_model_len: int, model_class: type) -> int:
-    """An upper bound: every checkpoint tensor in bf16, rope tables in float32, each 256-byte aligned, and what the
-    model uploads beside its checkpoint's tensors (model_class.extra_weight_bytes, where it has one, and the LM head's
-    padding rows)."""
-    numel = getattr(tensors, "numel", None) or (lambda name: tensors[name].numel())
-    tensors = sum(2 * numel(name) + 256 for name in tensors)
+def _weight_bytes(names, numel, c, max_model_len: int, model_class: type) -> int:
+    """An upper bound: every checkpoint tensor (names, each of numel(name) elements: this rank's part) in bf16, rope
+    tables in float32, each 256-byte aligned, and what the model uploads beside its checkpoint's tensors
+    (model_class.extra_weight_bytes, where it has one, and the LM head's padding rows)."""
+    tensors = sum(2 * numel(name) + 256 for name in names)
     extra = getattr(model_class, "extra_weight_bytes", lambda config: 0)(c) + 2 * LM_HEAD_PADDING_ROWS * c.hidden_size
     return tensors + 2 * (4 * max_model_len * c.head_dim // 2 + 256) + extra
 

@@ -44,7 +44,8 @@ def test_the_weights_arena_holds_every_upload_of_the_model(name, tmp_path):
     config = family.config_from_hf(checkpoint.config)
     tally = ArenaTally()
     family.model_class(config, checkpoint.tensors, tally, config.max_position_embeddings)
-    planned = _weight_bytes(checkpoint.tensors, config, config.max_position_embeddings, family.model_class)
+    planned = _weight_bytes(checkpoint.tensors, checkpoint.numel, config, config.max_position_embeddings,
+                            family.model_class)
     assert tally.taken <= planned < 3 * tally.taken
 
 

@@ -92,5 +92,5 @@ def test_a_rank_holds_its_rows_or_columns_and_the_bias_once():
     assert torch.equal(first["a.o_proj.bias"], bias) and not second["a.o_proj.bias"].any()
     assert first["a.norm.weight"] is bias
     assert [first.numel(n) for n in tensors] == [12, 12, 4, 4]
-    with pytest.raises(InvalidArgument, match="multiple of the tensor-parallel size 3"):
+    with pytest.raises(InvalidArgument, match=r"a.q_proj.weight's rows \(4\) is not a multiple of --tensor-parallel 3"):
         ShardedTensors(tensors, splits, Shard(0, 3))["a.q_proj.weight"]

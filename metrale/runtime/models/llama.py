@@ -13,7 +13,7 @@ from metrale.runtime.models.checkpoint import eos_token_ids, tensor_reader
 from metrale.runtime.models.moe import MoeConfig, load_moe
 from metrale.runtime.models.rope import inverse_frequencies, rope_cos_sin, rope_parameters
 from metrale.runtime.parallel.group import Shard
-from metrale.runtime.parallel.sharding import COLUMNS, ROWS, divided
+from metrale.runtime.parallel.sharding import COLUMNS, ROWS
 
 
 @dataclass(frozen=True)
@@ -80,9 +80,9 @@ def tensor_parallel(config: DecoderConfig, shard: Shard) -> tuple[DecoderConfig,
     """A rank's config (its share of the heads, KV heads and MLP width) and the checkpoint's splits."""
     if config.moe:
         raise InvalidArgument("tensor parallel does not run mixtures of experts yet (one device does)")
-    local = replace(config, num_heads=divided(config.num_heads, shard, "num_attention_heads"),
-                    num_kv_heads=divided(config.num_kv_heads, shard, "num_key_value_heads"),
-                    intermediate_size=divided(config.intermediate_size, shard, "intermediate_size"))
+    local = replace(config, num_heads=shard.divided(config.num_heads, "num_attention_heads"),
+                    num_kv_heads=shard.divided(config.num_kv_heads, "num_key_value_heads"),
+                    intermediate_size=shard.divided(config.intermediate_size, "intermediate_size"))
     return local, SPLITS
 
 

@@ -8,7 +8,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from metrale.runtime.errors import RankLost
+from metrale.runtime.errors import InvalidArgument, RankLost
 
 
 @dataclass(frozen=True)
@@ -17,11 +17,15 @@ class Shard:
     rank: int
     size: int
 
+    def divided(self, count: int, what: str) -> int:
+        """count / size, where the size divides it (InvalidArgument naming what otherwise)."""
+        if count % self.size:
+            raise InvalidArgument(f"{what} ({count}) is not a multiple of --tensor-parallel {self.size}")
+        return count // self.size
+
     def part(self, length: int, what: str) -> slice:
-        """The rank's equal part of `length` (what: said in the error where the size does not divide it)."""
-        if length % self.size:
-            raise ValueError(f"{what} ({length}) is not a multiple of the tensor-parallel size {self.size}")
-        step = length // self.size
+        """The rank's equal part of `length`."""
+        step = self.divided(length, what)
         return slice(self.rank * step, (self.rank + 1) * step)
 
 

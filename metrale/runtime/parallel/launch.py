@@ -3,8 +3,12 @@ inherited), each loading the checkpoint itself and following rank 0's calls unti
 
 import multiprocessing
 import socket
+from pathlib import Path
 
+from metrale.runtime.build import build_follower
 from metrale.runtime.config import EngineConfig
+from metrale.runtime.loading import load_checkpoint
+from metrale.runtime.parallel.follower import follow
 from metrale.runtime.parallel.group import GlooGroup, Shard
 
 
@@ -28,12 +32,6 @@ def start_followers(model_path: str, config: EngineConfig, size: int, address: s
 
 def run_follower(model_path: str, config: EngineConfig, rank: int, size: int, address: str, cache_dir: str | None
                  ) -> None:
-    from pathlib import Path
-
-    from metrale.runtime.build import build_follower
-    from metrale.runtime.loading import load_checkpoint
-    from metrale.runtime.parallel.follower import follow
-
     group = GlooGroup(Shard(rank, size), address)
     model, runner = build_follower(load_checkpoint(Path(model_path)), config, group,
                                    Path(cache_dir) if cache_dir else None)

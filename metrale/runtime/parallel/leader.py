@@ -16,7 +16,6 @@ class LeaderRunner:
         self.runner, self.group = runner, group
         self.lock = threading.Lock()
         self.concurrent_forwards = False
-        self.supports_beam = runner.supports_beam
 
     def __getattr__(self, name):
         """What only rank 0 does (planning, sampling, beam candidates, counters) or keeps to itself."""

@@ -35,24 +35,14 @@ class ShardedTensors(TensorsAsRead):
         if type(tensor) is not torch.Tensor:
             raise InvalidArgument(f"tensor parallel splits plain tensors, not {name}'s {type(tensor).__name__} "
                                   f"(quantized checkpoints run on one device)")
-        try:
-            if kind == COLUMNS:
-                return tensor[self.shard.part(tensor.shape[0], f"{name}'s rows")].contiguous()
-            if tensor.dim() == 1:       # a row-split linear's bias: added once, by rank 0
-                return tensor if self.shard.rank == 0 else torch.zeros_like(tensor)
-            return tensor[:, self.shard.part(tensor.shape[1], f"{name}'s columns")].contiguous()
-        except ValueError as error:
-            raise InvalidArgument(str(error)) from None
+        if kind == COLUMNS:
+            return tensor[self.shard.part(tensor.shape[0], f"{name}'s rows")].contiguous()
+        if tensor.dim() == 1:       # a row-split linear's bias: added once, by rank 0
+            return tensor if self.shard.rank == 0 else torch.zeros_like(tensor)
+        return tensor[:, self.shard.part(tensor.shape[1], f"{name}'s columns")].contiguous()
 
     def numel(self, name: str) -> int:
         whole = super().numel(name)
         kind = self.split_of(name)
         whole_on_each = kind is None or (kind == ROWS and name.endswith(".bias"))
         return whole if whole_on_each else whole // self.shard.size
-
-
-def divided(count: int, shard: Shard, what: str) -> int:
-    """count / shard.size, where the size divides it (InvalidArgument naming what otherwise)."""
-    if count % shard.size:
-        raise InvalidArgument(f"{what} ({count}) is not a multiple of --tensor-parallel {shard.size}")
-    return count // shard.size

@@ -6,7 +6,7 @@ No torch on this path: torch only hands over checkpoint tensors at load time."""
 import numpy as np
 import torch
 
-from metrale.runtime.backend.cuda import hyper_connection, kernels, latent_prefill, sparse_selection
+from metrale.runtime.backend.cuda import hyper_connection, kernels, latent_prefill, mixture, sparse_selection
 from metrale.runtime.backend.cuda.batch import CudaBatch
 from metrale.runtime.backend.cuda.resources import CudaResources
 from metrale.runtime.backend.cuda.stream_context import StreamContext, padded_vocab
@@ -160,36 +160,7 @@ class CudaLayerMath:
         return out
 
     def moe(self, x, router: MoeRouter, experts: Experts, shared=None):
-        """The router's logits (a float32 GEMM), moe.cu's routing with its grouping (one launch), the two grouped
-        GEMMs with the activation between them (a gated one in the first's epilogue, relu2 activation.cu's), and the
-        weighted combine (with the shared experts' output): no host round trip."""
-        ctx, moe = self.resources.bound.context, kernels.moe
-        tokens, hidden = x.shape
-        num_experts, top_k, width = router.num_experts, router.top_k, experts.width
-        entries = tokens * top_k
-        logits = ctx.new(tokens, moe.logits_width(num_experts), "float32").columns(0, num_experts)
-        linear_into(self.lib, self.resources.gemm, ctx, logits, x, router.weight)
-        rows = moe.tile_rows(entries, num_experts)
-        take = ctx.ring.take
-        routed = moe.Routed(take((tokens, top_k), "int32"), take((tokens, top_k), "float32"),
-                            take((num_experts + 1,), "int32"), take((entries,), "int32"), take((entries,), "int32"),
-                            take((moe.max_tiles(entries, num_experts, rows), 2), "int32"), take((1,), "int32"), rows)
-        moe.route(self.lib, ctx.stream, routed, logits, top_k, router.scoring == "softmax", router.normalize,
-                  router.correction_bias, router.n_group, router.topk_group, router.scaling, ctx.moe_done,
-                  router.group_score, router.float32_logits)
-        activated = ctx.new(entries, width)
-        if experts.activation == "silu":            # silu(gate) * up in the GEMM's epilogue
-            moe.grouped_gemm(self.lib, ctx.stream, activated, x, experts.up, routed, gather_div=top_k, gated=True,
-                             limit=experts.limit)
-        else:
-            up = ctx.new(entries, width)
-            moe.grouped_gemm(self.lib, ctx.stream, up, x, experts.up, routed, gather_div=top_k)
-            kernels.activation.relu_squared(self.lib, ctx.stream, activated, up)
-        expert_out = ctx.new(entries, hidden)
-        moe.grouped_gemm(self.lib, ctx.stream, expert_out, activated, experts.down, routed, gather_div=0)
-        out = ctx.new(tokens, hidden)
-        moe.combine(self.lib, ctx.stream, out, expert_out, routed, shared)
-        return out
+        return mixture.moe(self.lib, self.resources, x, router, experts, shared)
 
     def ssm_conv(self, x, weight, bias, batch: CudaBatch, conv_state):
         ctx = self.resources.bound.context
