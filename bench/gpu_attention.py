@@ -2,7 +2,7 @@
 must read / time), and prefill attention against torch's scaled_dot_product_attention (flash) measured in the
 same run, in causal TFLOP/s. Llama-3-8B heads: 32 query heads, 8 KV heads, head_dim 128, KV blocks of 16.
 
-Run from the repository root: python3 -m bench.gpu_attention [--sweep]
+Run from the repository root: python3 -m bench.gpu_attention [--sweep] [--prefill-only]
 """
 
 import argparse
@@ -13,11 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from bench.gpu_ceilings import copy_bandwidth, gpu_machine_line
+from bench.kernel_variant import add_variant_option, variant_libraries
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 DECODE_CASES = ((1, 1024), (1, 4096), (1, 8192), (8, 4096), (32, 1024), (64, 1024), (64, 2000), (64, 4096),
                 (256, 1024), (8, 32768))
-PREFILL_LENGTHS = (4096, 16384)
+PREFILL_CASES = ((1, 4096), (1, 16384), (1, 32768), (8, 4096), (8, 16384), (8, 32768))
 SWEEP = (64, 128, 256, 512, 1024, 2048)
 
 
@@ -25,6 +26,8 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time decode at each partition size in SWEEP")
     parser.add_argument("--reps", type=int, default=20, help="launches per timed CUDA graph")
+    parser.add_argument("--prefill-only", action="store_true", help="time prefill attention only")
+    add_variant_option(parser, "prefill_attention_hopper.cu")
     return parser.parse_args(argv)
 
 
@@ -101,25 +104,29 @@ def decode_case(lib, stream, batch: int, context: int, reps: int, partition=None
     return seconds
 
 
-def prefill_case(lib, stream, length: int, reps: int) -> tuple[float, float, float]:
-    """(ours s, SDPA s, relative error of ours against SDPA) for one causal sequence of `length` tokens."""
+def prefill_case(lib, stream, batch: int, length: int, reps: int, variants: dict) -> tuple:
+    """(ours s, the mma.sync kernel's s, SDPA s, relative error of ours against SDPA, {variant: s}) for `batch`
+    causal sequences of `length` tokens each."""
     from metrale.runtime.backend.cuda.kernels.attention import paged_prefill_attention
     from metrale.runtime.backend.cuda.tensor import DeviceTensor as D
-    kv, tables = paged_kv(1, length)
-    q = torch.randn(length, HEADS * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    kv, tables = paged_kv(batch, length)
+    q = torch.randn(batch * length, HEADS * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
-    starts = torch.zeros(1, device="cuda", dtype=torch.int32)
-    lens = torch.full((1,), length, device="cuda", dtype=torch.int32)
+    starts = torch.arange(batch, device="cuda", dtype=torch.int32) * length
+    lens = torch.full((batch,), length, device="cuda", dtype=torch.int32)
     torch.cuda.synchronize()
     args = [D.from_torch(t) for t in (out, q, kv, starts, lens, lens, tables)]
 
-    def launch():
-        paged_prefill_attention(lib, stream, *args, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, -1, 1, length)
-    ours = time_graph(stream, launch, max(2, reps // 4))
-    # SDPA on the same K/V, gathered to [1, heads, T, hd] (as the peer holds them), GQA without repeats.
-    keys = kv[0][tables[0].long()].reshape(-1, KV_HEADS, HEAD_DIM)[:length].transpose(0, 1)[None].contiguous()
-    values = kv[1][tables[0].long()].reshape(-1, KV_HEADS, HEAD_DIM)[:length].transpose(0, 1)[None].contiguous()
-    queries = q.view(length, HEADS, HEAD_DIM).transpose(0, 1)[None].contiguous()
+    def launcher(hopper, library=lib):
+        return lambda: paged_prefill_attention(library, stream, *args, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5,
+                                               -1, batch, length, hopper=hopper)
+    older = time_graph(stream, launcher(False), max(2, reps // 4))
+    timed = {name: time_graph(stream, launcher(None, variant), max(2, reps // 4)) for name, variant in variants.items()}
+    ours = time_graph(stream, launcher(None), max(2, reps // 4))
+    # SDPA on the same K/V, gathered to [B, heads, T, hd] (as the peer holds them), GQA without repeats.
+    keys = kv[0][tables.long()].view(batch, -1, KV_HEADS, HEAD_DIM)[:, :length].transpose(1, 2).contiguous()
+    values = kv[1][tables.long()].view(batch, -1, KV_HEADS, HEAD_DIM)[:, :length].transpose(1, 2).contiguous()
+    queries = q.view(batch, length, HEADS, HEAD_DIM).transpose(1, 2).contiguous()
 
     def sdpa():
         return F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=True)
@@ -132,9 +139,9 @@ def prefill_case(lib, stream, length: int, reps: int) -> tuple[float, float, flo
         sdpa()
     torch.cuda.synchronize()
     theirs = (time.perf_counter() - started) / reps
-    ours_out = out.view(length, HEADS, HEAD_DIM).transpose(0, 1)[None].float()
+    ours_out = out.view(batch, length, HEADS, HEAD_DIM).transpose(1, 2).float()
     error = ((ours_out - reference.float()).norm() / reference.float().norm()).item()
-    return ours, theirs, error
+    return ours, older, theirs, error, timed
 
 
 def kernel_library():
@@ -154,6 +161,23 @@ def main(argv=None) -> None:
     print(gpu_machine_line("gpu_attention", "cuda"), flush=True)
     bandwidth = copy_bandwidth("cuda", 2 * 10**9)
     lib, stream = kernel_library()
+    if not args.prefill_only:
+        decode_table(lib, stream, args, bandwidth)
+    print("# prefill attention, causal sequences; TFLOP/s = 2 * 2 * T^2 / 2 * heads * head_dim * batch / time; "
+          "mma.sync: prefill_attention.cu, the kernel other architectures run")
+    variants = variant_libraries(lib, "prefill_attention_hopper", args.variant)
+    variants.pop("package")
+    print(f"{'batch':>5} {'tokens':>7} {'ours ms':>8} {'ours TF/s':>9} {'mma.sync TF/s':>13} {'sdpa ms':>8} "
+          f"{'sdpa TF/s':>9} {'ours/sdpa':>9} {'rel err':>8}" + "".join(f" {name + ' TF/s':>14}" for name in variants))
+    for batch, length in PREFILL_CASES:
+        ours, older, theirs, error, timed = prefill_case(lib, stream, batch, length, args.reps, variants)
+        flops = 2 * length * length * HEADS * HEAD_DIM * batch
+        print(f"{batch:5d} {length:7d} {ours * 1e3:8.3f} {flops / ours / 1e12:9.1f} {flops / older / 1e12:13.1f} "
+              f"{theirs * 1e3:8.3f} {flops / theirs / 1e12:9.1f} {theirs / ours:9.2f} {error:8.1e}"
+              + "".join(f" {flops / seconds / 1e12:14.1f}" for seconds in timed.values()), flush=True)
+
+
+def decode_table(lib, stream, args, bandwidth: float) -> None:
     kv_token = 2 * KV_HEADS * HEAD_DIM * 2
     print(f"# paged decode attention, {HEADS} heads / {KV_HEADS} KV heads, head_dim {HEAD_DIM}, blocks of {BLOCK}; "
           f"fraction of copy bandwidth {bandwidth / 1e12:.2f} TB/s (KV bytes / time, attention and merge launches)")
@@ -166,14 +190,6 @@ def main(argv=None) -> None:
             fraction = batch * context * kv_token / seconds / bandwidth
             cells.append(f"{seconds * 1e6:7.1f}us {fraction:4.2f}")
         print(f"{batch:5d} {context:7d} " + " ".join(f"{c:>14}" for c in cells), flush=True)
-    print("# prefill attention, one causal sequence; TFLOP/s = 2 * 2 * T^2 / 2 * heads * head_dim / time")
-    print(f"{'tokens':>7} {'ours ms':>8} {'ours TF/s':>9} {'sdpa ms':>8} {'sdpa TF/s':>9} {'ours/sdpa':>9} "
-          f"{'rel err':>8}")
-    for length in PREFILL_LENGTHS:
-        ours, theirs, error = prefill_case(lib, stream, length, args.reps)
-        flops = 2 * length * length * HEADS * HEAD_DIM
-        print(f"{length:7d} {ours * 1e3:8.3f} {flops / ours / 1e12:9.1f} {theirs * 1e3:8.3f} "
-              f"{flops / theirs / 1e12:9.1f} {flops / ours / (flops / theirs):9.2f} {error:8.1e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,14 @@ class KernelVariant:
             self._kernels[kernel_name] = self._code.get_kernel(kernel_name)
         return self._kernels[kernel_name]
 
+    def get_with_shared(self, kernel_name: str, module: str, shared_bytes: int):
+        if module != self._module:
+            return self._lib.get_with_shared(kernel_name, module, shared_bytes)
+        from metrale.runtime.backend.cuda.compiler import allow_dynamic_shared
+        kernel = self.get(kernel_name, module)
+        allow_dynamic_shared(kernel, shared_bytes)
+        return kernel
+
     def max_block(self, kernel_name: str, module: str) -> int:
         """As KernelLibrary.max_block, from this build's registers for the variant's module."""
         if module != self._module:

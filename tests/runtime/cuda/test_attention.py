@@ -230,9 +230,10 @@ def test_decode_with_new_tokens_equals_rope_and_write_then_attention(kernel_libr
 
 
 def run_prefill(lib, stream, segments, num_heads, num_kv_heads, head_dim, block_size, sliding_window, sharpness=1.0,
-                causal=True):
+                causal=True, hopper=None):
     """segments: (query_len, context_len) each; segments sit in T in order with one unowned row between them.
-    causal=False: every query sees all of its segment's context (then query_len may pass context_len)."""
+    causal=False: every query sees all of its segment's context (then query_len may pass context_len).
+    hopper: as paged_prefill_attention takes it (False: the mma.sync kernel on any device)."""
     query_lens = [n for n, _ in segments]
     contexts = [c for _, c in segments]
     first_read = [window_start(c - n, sliding_window) if causal else 0 for n, c in segments]
@@ -253,7 +254,7 @@ def run_prefill(lib, stream, segments, num_heads, num_kv_heads, head_dim, block_
                             DeviceTensor.from_torch(kv), DeviceTensor.from_torch(starts_device),
                             DeviceTensor.from_torch(lens_device), DeviceTensor.from_torch(contexts_device),
                             DeviceTensor.from_torch(tables), num_heads, num_kv_heads, head_dim, scale, sliding_window,
-                            len(segments), max(query_lens), causal)
+                            len(segments), max(query_lens), causal, hopper=hopper)
     stream.sync()
     ours, reference = [], []
     untouched = torch.ones(num_rows, dtype=torch.bool, device=DEVICE)
@@ -279,6 +280,7 @@ PREFILL_SEGMENTS = {
     "chunked-aligned": [(64, 1000)],
     "chunked-one": [(1, 300)],
     "mixed": [(700, 700), (1, 50), (129, 400), (64, 64), (5, 1000), (33, 33)],
+    "long": [(2500, 2500), (1000, 3100)],
 }
 
 
@@ -287,9 +289,11 @@ PREFILL_SEGMENTS = {
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(8, 8), (16, 4), (32, 4)], ids=["g1", "g4", "g8"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("sliding_window", [-1, 100])
-def test_prefill(kernel_library, stream, segments, num_heads, num_kv_heads, head_dim, sliding_window):
+@pytest.mark.parametrize("kernel", ["default", "mma.sync"])
+def test_prefill(kernel_library, stream, segments, num_heads, num_kv_heads, head_dim, sliding_window, kernel):
+    # default: the Hopper kernel on an H100/H200; mma.sync: the kernel of other architectures, on every device
     run_prefill(kernel_library, stream, PREFILL_SEGMENTS[segments], num_heads, num_kv_heads, head_dim, 16,
-                sliding_window)
+                sliding_window, hopper=None if kernel == "default" else False)
 
 
 @pytest.mark.gpu

@@ -11,11 +11,16 @@ from metrale.runtime.backend.cuda.launch import MAX_GRID_YZ, ceil_div, launch_ke
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 
 DECODE_MODULE, MHA_MODULE, PREFILL_MODULE = "decode_attention", "decode_attention_mha", "prefill_attention"
+HOPPER_MODULE = "prefill_attention_hopper"
 HEAD_DIMS = (32, 64, 128)
 BLOCK_SIZES = (16, 32, 64)     # powers of two dividing KV_TILE
 THREADS = 128                  # as in attention_tiles.cuh: 4 warps
 KV_TILE = 64                   # as in attention_tiles.cuh: keys per K/V tile
 PREFILL_ROWS = 64              # as in attention_tiles.cuh: query rows per prefill CTA
+# As in prefill_attention_hopper.cu: a loading and two computing warpgroups, 128 query rows a CTA, 128-key K/V
+# tiles in 3 stages, rows in 64-column tiles of 128 bytes (1024-byte aligned).
+HOPPER_HEAD_DIMS = (64, 128)
+HOPPER_THREADS, HOPPER_ROWS, HOPPER_KEYS, HOPPER_STAGES = 384, 128, 128, 3
 MAX_DECODE_GROUP = 16          # decode: a kv group's query heads fill the 16 rows of one mma tile
 MHA_WARPS = 4                  # as in decode_attention_mha.cu: heads (a warp each) per multi-head decode CTA
 # decode: a split's fixed cost (query load, pipeline fill, the warps' merge, the partial write) in the time of
@@ -224,7 +229,8 @@ def _check_new_tokens(new: NewTokens, rows: int, width: int, head_dim: int) -> N
 def paged_prefill_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_cache: DeviceTensor,
                             query_starts: DeviceTensor, query_lens: DeviceTensor, context_lens: DeviceTensor,
                             block_tables: DeviceTensor, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                            sliding_window: int, num_segments: int, max_query_len: int, causal: bool = True) -> None:
+                            sliding_window: int, num_segments: int, max_query_len: int, causal: bool = True,
+                            hopper: bool | None = None) -> None:
     """Causal attention of each segment's queries over its paged KV: segment s owns rows
     query_starts[s] .. + query_lens[s] of q and out, the queries at the last query_lens[s] positions of its
     context_lens[s] keys (earlier chunks and the new tokens, all already in kv_cache), read through
@@ -235,7 +241,9 @@ def paged_prefill_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_
     touched); kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] bf16; query_starts, query_lens,
     context_lens [S] int32, S >= num_segments; block_tables [S, max_blocks] int32. Not checked on the device
     (the caller guarantees): 0 <= query_lens[s] <= max_query_len, query_lens[s] <= context_lens[s]
-    <= max_blocks * block_size, block ids in [0, num_blocks), segment rows inside [0, T)."""
+    <= max_blocks * block_size, block ids in [0, num_blocks), segment rows inside [0, T).
+    hopper: run prefill_attention_hopper.cu's wgmma kernel (None: wherever the device is sm_90a and the head dim one
+    it builds; False: prefill_attention.cu's, for comparison)."""
     _check_common("paged_prefill_attention", out, q, kv_cache, block_tables, num_heads, num_kv_heads, head_dim,
                   sliding_window)
     for name, tensor in (("query_starts", query_starts), ("query_lens", query_lens), ("context_lens", context_lens)):
@@ -250,12 +258,27 @@ def paged_prefill_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_
     if num_segments == 0 or max_query_len == 0:
         return
     block_size = kv_cache.shape[2]
+    available = lib.arch == "sm_90a" and head_dim in HOPPER_HEAD_DIMS
+    require(not hopper or available, f"paged_prefill_attention: no Hopper kernel for {lib.arch}, head_dim {head_dim}")
+    args = (out, np.int64(out.stride), q, np.int64(q.stride), kv_cache, np.int64(kv_cache.numel // 2), query_starts,
+            query_lens, context_lens, block_tables, block_tables.shape[1], num_kv_heads, num_heads // num_kv_heads,
+            block_size.bit_length() - 1, np.float32(scale * LOG2_E), sliding_window, int(causal))
+    if available and hopper is not False:
+        shared = hopper_prefill_shared_bytes(head_dim)
+        kernel = lib.get_with_shared(f"paged_prefill_attention_hopper_hd{head_dim}", HOPPER_MODULE, shared)
+        launch_kernel(stream, kernel, (ceil_div(max_query_len, HOPPER_ROWS), num_heads, num_segments),
+                      HOPPER_THREADS, *args, shmem=shared)
+        return
     kernel = lib.get(f"paged_prefill_attention_hd{head_dim}", PREFILL_MODULE)
-    launch_kernel(stream, kernel, (ceil_div(max_query_len, PREFILL_ROWS), num_heads, num_segments), THREADS, out,
-                  np.int64(out.stride), q, np.int64(q.stride), kv_cache, np.int64(kv_cache.numel // 2), query_starts,
-                  query_lens, context_lens, block_tables, block_tables.shape[1], num_kv_heads,
-                  num_heads // num_kv_heads, block_size.bit_length() - 1, np.float32(scale * LOG2_E), sliding_window,
-                  int(causal))
+    launch_kernel(stream, kernel, (ceil_div(max_query_len, PREFILL_ROWS), num_heads, num_segments), THREADS, *args)
+
+
+def hopper_prefill_shared_bytes(head_dim: int) -> int:
+    """HopperTiles<head_dim>::SHARED_BYTES: the alignment slack, the Q tile, the K/V stages, their barriers and two
+    tiles' key tokens."""
+    row_parts = head_dim // 64
+    tiles = row_parts * 128 * (HOPPER_ROWS + 2 * HOPPER_STAGES * HOPPER_KEYS)
+    return 1024 + tiles + 16 * HOPPER_STAGES + 8 * HOPPER_KEYS
 
 
 def _check_common(name: str, out: DeviceTensor, q: DeviceTensor, kv_cache: DeviceTensor, block_tables: DeviceTensor,
