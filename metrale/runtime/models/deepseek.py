@@ -25,7 +25,7 @@ from metrale.runtime.models.hyper import HyperConfig
 from metrale.runtime.models.moe import MoeConfig, load_moe
 from metrale.runtime.models.sparse_index import IndexerConfig
 from metrale.runtime.models.rope import attention_factor, inverse_frequencies, rope_cos_sin, rope_parameters, \
-    yarn_mscale
+    rotate_half_order, yarn_mscale
 
 
 @dataclass(frozen=True)
@@ -101,8 +101,8 @@ def config_from_hf(hf: dict) -> MlaConfig:
                       logits_divisor=hf["hidden_size"] / (hf.get("dim_model_base") or hf["hidden_size"]))
     else:
         family = dict(moe=_moe(hf, architecture))
-    if sparse:      # the indexer's key LayerNorm at nn.LayerNorm's eps, its rotary dims first
-        family["indexer"] = sparse_index.indexer_config(hf, rope_first=True, norm_eps=1e-6)
+    if sparse:      # the indexer's key LayerNorm at nn.LayerNorm's eps, its rotary dims first and rotate-half
+        family["indexer"] = sparse_index.indexer_config(hf, rope_first=True, rope_interleave=False, norm_eps=1e-6)
     return MlaConfig(
         architecture=architecture, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
         intermediate_size=hf["intermediate_size"], num_layers=num_layers, num_heads=hf["num_attention_heads"],
@@ -267,11 +267,6 @@ def softmax_scale(c: MlaConfig) -> float:
     return scale
 
 
-def rotate_half_order(rope_dim: int) -> torch.Tensor:
-    """Interleaved pairs (0, 1), (2, 3), ... as rotate-half's (i, i + rope_dim / 2): the even dims, then the odd."""
-    return torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)])
-
-
 def _load_weights(c: MlaConfig, tensors: dict[str, torch.Tensor], ops: LayerMath) -> dict:
     take = tensor_reader(tensors, c.architecture, as_float=c.residual_scale != 1.0 or c.embedding_scale != 1.0)
     heads, nope, rope_dim = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
@@ -295,7 +290,7 @@ def _load_weights(c: MlaConfig, tensors: dict[str, torch.Tensor], ops: LayerMath
         if c.gated_attention:
             inputs["gate"] = take(attn + "gate_proj.weight")
         if c.indexer and c.indexer.own[i]:
-            inputs["index_k"] = take(at + "self_attn.indexer.wk.weight")
+            inputs["index_k"] = take(at + "self_attn.indexer.wk.weight")[sparse_index.key_rows(c.indexer, rope_dim)]
         biases = None
         if c.attention_bias:
             biases = {"latent": take(attn + "kv_a_proj_with_mqa.bias")[kv_a_rows]}
@@ -306,7 +301,8 @@ def _load_weights(c: MlaConfig, tensors: dict[str, torch.Tensor], ops: LayerMath
         if c.q_lora_rank:      # the linears of the normed low-rank query: the query's, the indexer's query
             queries = {"q": take(attn + "q_b_proj.weight")[q_rows]}
             if c.indexer and c.indexer.own[i]:
-                queries["index_q"] = take(at + "self_attn.indexer.wq_b.weight")
+                queries["index_q"] = take(at + "self_attn.indexer.wq_b.weight")[
+                    sparse_index.query_rows(c.indexer, rope_dim)]
             layer.update(q_a_layernorm=ops.upload(take(attn + "q_a_layernorm.weight")), q_up=fuse(ops, queries))
         kv_b = take(attn + "kv_b_proj.weight").view(heads, nope + c.v_head_dim, c.kv_lora_rank)
         layer["mla"] = LatentAttention(ops.upload(kv_b[:, :nope].contiguous()), ops.upload(kv_b[:, nope:].contiguous()),

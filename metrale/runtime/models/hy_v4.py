@@ -1,5 +1,5 @@
-"""Tencent's Hy4 (HYV4ForCausalLM), in layer math: DeepSeek's multi-head latent attention (rotate-half rotary dims)
-with sparse attention (an indexer every few layers, whose choice the layers between reuse), a learned sink logit and
+"""Tencent's Hy4 (HYV4ForCausalLM), in layer math: DeepSeek's multi-head latent attention (rotary dims in interleaved
+pairs, as transformers >= 5.25 rotates them) with sparse attention (an indexer every few layers, whose choice the layers between reuse), a learned sink logit and
 a sigmoid gate per head; DeepSeek-V3's mixture of experts with a clamped SwiGLU in its routed experts; and a residual
 of hc_mult hyper-connection streams, collapsed into each block's input and written back after it, then collapsed by
 a head before the final norm. The released checkpoint's tensor names are mapped to transformers' (RENAMES)."""
@@ -28,7 +28,7 @@ RENAMES = [
 
 def config_from_hf(hf: dict) -> deepseek.MlaConfig:
     """DeepSeek-V3's config read from Hy4's (its latent attention, its sigmoid router; the first layer dense where
-    config.json does not say), then what Hy4 adds: rotate-half rotary dims, the indexers, sinks and gates, the
+    config.json does not say), then what Hy4 adds: interleaved rotary dims in its indexers too, the indexers, sinks and gates, the
     experts' clamp and the hyper-connections."""
     if not hf.get("q_lora_rank"):
         raise InvalidArgument("Hy4's indexer reads the query's low-rank projection: q_lora_rank must be set")
@@ -39,9 +39,10 @@ def config_from_hf(hf: dict) -> deepseek.MlaConfig:
     hc = HyperConfig(hc_mult=hf.get("hc_mult", 4), norm_eps=eps, eps=hf.get("hc_eps", 1e-6),
                      post_magnitude=hf.get("hc_magnitude", 2.0), post_eps=hf.get("hc_eps", 1e-6))
     return dataclasses.replace(
-        v3, architecture=hf["architectures"][0], rope_interleave=False,
+        v3, architecture=hf["architectures"][0], rope_interleave=True,
         moe=dataclasses.replace(v3.moe, limit=max(hf.get("swiglu_limit", 10.0), 0.0)),
-        indexer=sparse_index.indexer_config({**hf, "indexer_types": indexer_types}, rope_first=False, norm_eps=eps),
+        indexer=sparse_index.indexer_config({**hf, "indexer_types": indexer_types}, rope_first=False,
+                                            rope_interleave=True, norm_eps=eps),
         gated_attention=True, attention_sinks=True, hyper=hc, hc_mult=hc.hc_mult)
 
 

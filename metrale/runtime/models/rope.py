@@ -8,6 +8,12 @@ import torch
 from metrale.runtime.errors import InvalidArgument
 
 
+def rotate_half_order(rope_dim: int) -> torch.Tensor:
+    """Interleaved pairs (0, 1), (2, 3), ... as rotate-half's (i, i + rope_dim / 2): the even dims, then the odd.
+    A query's and a key's rotary rows reordered alike leave their products unchanged."""
+    return torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)])
+
+
 def rope_parameters(hf: dict) -> dict:
     """The rope settings of a config.json, old style (rope_theta + rope_scaling) or new (rope_parameters)."""
     params = dict(hf.get("rope_parameters") or {})

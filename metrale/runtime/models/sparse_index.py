@@ -4,8 +4,11 @@ tokens it makes for a layer's attention."""
 
 from dataclasses import dataclass
 
+import torch
+
 from metrale.runtime.backend.layer_math import LayerMath, RopeTable, SparseIndexer
 from metrale.runtime.errors import InvalidArgument
+from metrale.runtime.models.rope import rotate_half_order
 
 
 @dataclass(frozen=True)
@@ -15,6 +18,7 @@ class IndexerConfig:
     topk: int
     norm_eps: float                     # its key's LayerNorm
     rope_first: bool                    # the rotary dims first in each head (DeepSeek-V3.2) or last (Hy4)
+    rope_interleave: bool               # the rotary dims in interleaved pairs (Hy4), or rotate-half (DeepSeek-V3.2)
     own: tuple[bool, ...]               # layer i runs its own indexer (else it reuses the last one's choice)
 
     @property
@@ -23,7 +27,7 @@ class IndexerConfig:
         return tuple(i for i, own in enumerate(self.own) if own)
 
 
-def indexer_config(hf: dict, rope_first: bool, norm_eps: float) -> IndexerConfig:
+def indexer_config(hf: dict, rope_first: bool, rope_interleave: bool, norm_eps: float) -> IndexerConfig:
     """From config.json's index_* fields and indexer_types ("full" or "shared" per layer; absent: all full)."""
     layers = hf["num_hidden_layers"]
     kinds = hf.get("indexer_types") or ["full"] * layers
@@ -31,19 +35,36 @@ def indexer_config(hf: dict, rope_first: bool, norm_eps: float) -> IndexerConfig
         raise InvalidArgument(f"indexer_types {kinds} must give 'full' or 'shared' for each of the {layers} layers, "
                               f"the first 'full'")
     config = IndexerConfig(num_heads=hf["index_n_heads"], head_dim=hf["index_head_dim"], topk=hf["index_topk"],
-                           norm_eps=norm_eps, rope_first=rope_first, own=tuple(kind == "full" for kind in kinds))
+                           norm_eps=norm_eps, rope_first=rope_first, rope_interleave=rope_interleave,
+                           own=tuple(kind == "full" for kind in kinds))
     if config.topk < 1 or config.head_dim < hf["qk_rope_head_dim"]:
         raise InvalidArgument(f"index_topk {config.topk} must be positive and index_head_dim {config.head_dim} hold "
                               f"the rotary {hf['qk_rope_head_dim']} dims")
     return config
 
 
+def key_rows(config: IndexerConfig, rope_dim: int) -> torch.Tensor:
+    """The order a head's dims are read in (the key's wk rows and LayerNorm entries, each query head's wq_b rows):
+    interleaved rotary pairs reordered into the rotate-half layout the backends rotate, the rest as they are. The
+    LayerNorm's statistics, and every query-key product, do not depend on the order."""
+    rope = rotate_half_order(rope_dim) if config.rope_interleave else torch.arange(rope_dim)
+    other = torch.arange(config.head_dim - rope_dim)
+    return torch.cat([rope, rope_dim + other]) if config.rope_first else torch.cat([other, other.numel() + rope])
+
+
+def query_rows(config: IndexerConfig, rope_dim: int) -> torch.Tensor:
+    """key_rows for each of the index query's heads, in wq_b's rows."""
+    rows = key_rows(config, rope_dim)
+    return torch.cat([head * config.head_dim + rows for head in range(config.num_heads)])
+
+
 def load_indexer(take, prefix: str, config: IndexerConfig, rope_dim: int, ops: LayerMath) -> dict:
     """Layer `prefix`'s indexer (its self_attn.indexer tensors), uploaded; its query's and key's projections (wq_b,
-    wk) are the model's to fuse with the other linears of their inputs."""
+    wk) are the model's to fuse with the other linears of their inputs, their rows in key_rows' order."""
     at = prefix + "self_attn.indexer."
-    return {"index_norm": ops.upload(take(at + "k_norm.weight")),
-            "index_norm_bias": ops.upload(take(at + "k_norm.bias")),
+    rows = key_rows(config, rope_dim)
+    return {"index_norm": ops.upload(take(at + "k_norm.weight")[rows]),
+            "index_norm_bias": ops.upload(take(at + "k_norm.bias")[rows]),
             "indexer": SparseIndexer(ops.upload_float32(take(at + "weights_proj.weight")), config.num_heads,
                                      config.head_dim, rope_dim, config.rope_first, config.topk)}
 
