@@ -10,6 +10,9 @@
 #            algorithms for NLLB-200's decode linears)                                                (~1 min)
 #   smollm2  bench/gpu_decode.py at the default model's shape, with the peer, gRPC and transformers (~2 min)
 #   llama    bench/gpu_decode.py at the Llama-3-8B shape, every batch, prefill, peer and gRPC (~4 min)
+#   long-prefill  bench/gpu_decode.py at the Llama-3-8B shape with 32k positions: prefill of 1 x 8k and 8 x 4k, and
+#            one 32k prompt whole (time to first token) and in the worker's chunks of 2k; then the prefill attention
+#            kernels alone against SDPA (bench/gpu_attention.py --prefill-only)                          (~3 min)
 #   profile  bench/gpu_profile.py at both shapes, batches 1 and 256: where a step's time goes (~2 min)
 #   prefix   bench/prefix_cache.py at the Llama-3-8B shape: 64 requests sharing a 4,096-token system prompt, each
 #            with a 64-token question, --prefix-cache on against off                                    (~3 min)
@@ -93,6 +96,12 @@ for part in "${@:-tests}"; do
       run_bench smollm2 bench.gpu_decode --shape smollm2-135m --batches 1,32 --prefill '' --hf-generate ;;
     llama)
       run_bench llama3-8b bench.gpu_decode --shape llama3-8b ;;
+    long-prefill)
+      run_bench long-prefill bench.gpu_decode --shape llama3-8b --max-positions 32768 --batches 1 --steps 4 \
+        --warmup 1 --prefill 1x8192,8x4096 --chunked-prefill 32768x2048 --prefill-reps 3 --prefill-warmup 1 \
+        --skip-peer --skip-grpc --max-batch-tokens 32768
+      python3 -m bench.gpu_attention --prefill-only > "$OUT/prefill_attention.txt" 2>&1
+      summary+=("== prefill attention" "$(cat "$OUT/prefill_attention.txt")") ;;
     prefix)
       run_bench prefix-cache bench.prefix_cache --device cuda --shape llama3-8b --requests 64 --system 4096 \
         --question 64 --decode-steps 16 --reps 3 ;;

@@ -41,6 +41,10 @@ def parse_args(argv):
     parser.add_argument("--warmup", type=int, default=5, help="untimed decode steps first (peer: compile, graphs)")
     parser.add_argument("--prefill", default="1x4096,8x512", help="prefill cases NUMxLEN, comma-separated; "
                                                                   "'' for none")
+    parser.add_argument("--chunked-prefill", default="", metavar="LENxCHUNK",
+                        help="also one prompt of LEN tokens whole and in the worker's chunks of CHUNK, e.g. 32768x2048")
+    parser.add_argument("--max-positions", type=int, default=None,
+                        help="the shape's max_position_embeddings (e.g. 32768 for Llama-3.1's context at 3-8B's widths)")
     parser.add_argument("--prefill-reps", type=int, default=5, help="timed prefills per case and implementation")
     parser.add_argument("--prefill-warmup", type=int, default=2, help="untimed prefills first")
     parser.add_argument("--copy-mb", type=int, default=4096, help="bytes copied to measure copy bandwidth (MB)")
@@ -82,13 +86,16 @@ def round_up(n: int, multiple: int) -> int:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     shape, device = SHAPES[args.shape], args.device
+    if args.max_positions:
+        shape = dataclasses.replace(shape, max_positions=args.max_positions)
+    long_len, chunk = (int(v) for v in args.chunked_prefill.lower().split("x")) if args.chunked_prefill else (0, 0)
     batches = [int(b) for b in args.batches.split(",")]
     cases = parse_prefill_cases(args.prefill)
     max_batch = max(batches)
     decode_len = args.context + args.warmup + args.steps          # tokens a sequence holds after the last step
     check_tokens = random_tokens(2, min(64, args.context), shape.vocab, args.seed + 1)
-    longest = max([decode_len, check_tokens.shape[1]] + [length for _, length in cases])
-    max_batch_tokens = max([args.max_batch_tokens] + [n * length for n, length in cases])
+    longest = max([decode_len, check_tokens.shape[1], long_len] + [length for _, length in cases])
+    max_batch_tokens = max([args.max_batch_tokens, long_len] + [n * length for n, length in cases])
     if longest > shape.max_positions:
         raise SystemExit(f"sequences of {longest} tokens pass the shape's {shape.max_positions} positions")
     if device == "cuda" and not torch.cuda.is_available():
@@ -121,6 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
     # The engine: a KV pool sized for the largest phase, max_model_len for the longest sequence.
     kv_blocks = args.kv_blocks or max([max_batch * blocks_for(decode_len, EngineConfig.kv_block_size)]
                                       + [n * blocks_for(length, EngineConfig.kv_block_size) for n, length in cases]
+                                      + [blocks_for(long_len, EngineConfig.kv_block_size)]
                                       + [2 * blocks_for(check_tokens.shape[1], EngineConfig.kv_block_size)]) + 8
     extra = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(args.engine_config).items()}
     known = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -173,6 +181,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     # Prefill: model FLOP/s against the GEMM rate.
     prefill_rows = measure_prefill(run, args, shape, cases, gemm, ours, peer, device)
+    chunked = measure_chunked_prefill(run, args, shape, long_len, chunk, ours) if long_len and ours else {}
+    result["chunked_prefill"] = {"tokens": long_len, "chunk": chunk, **chunked}
 
     # Decode at each batch size, the engine then the peer, side by side.
     decode_rows: list[DecodeRow] = []
@@ -241,6 +251,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"# prefill: model FLOPs (2 x params x tokens + causal attention, lm_head on last tokens) / p50 time, "
               f"against bf16 GEMM {gemm / 1e12:.1f} TFLOP/s")
         print(format_prefill_table(prefill_rows))
+    if chunked.get("whole") and chunked.get("chunked"):
+        whole_flops = prefill_flops(shape, 1, long_len) / (chunked["whole"] / 1e3)
+        print(f"# one prompt of {long_len} tokens (time to first token, engine): whole {chunked['whole']:.1f} ms "
+              f"({whole_flops / 1e12:.1f} TFLOP/s, {whole_flops / gemm:.2f} of the GEMM rate), in the worker's chunks "
+              f"of {chunk} {chunked['chunked']:.1f} ms ({chunked['chunked'] / chunked['whole']:.3f}x)")
     print(f"# total {run.elapsed():.0f} s, device memory in use at most {run.peak_bytes_in_use / 1e9:.1f} GB "
           f"(at phase ends); phases (s): " + ", ".join(f"{k} {v:.1f}" for k, v in run.phases.items())
           + (f"; ERRORS: {run.errors}" if run.errors else ""))
@@ -269,6 +284,17 @@ def measure_prefill(run: Run, args, shape, cases, gemm: float, ours, peer, devic
             row.step_ms = times or []
             rows.append(row)
     return rows
+
+
+def measure_chunked_prefill(run: Run, args, shape, long_len: int, chunk: int, ours) -> dict:
+    """p50 ms of one prompt of long_len tokens prefilled whole, then in chunks of `chunk` (one step each)."""
+    tokens = random_tokens(1, long_len, shape.vocab, args.seed + 4)
+    chunked = {}
+    for name, size in (("whole", 0), ("chunked", chunk)):
+        times, _ = run.phase(f"prefill {long_len} {name}", ours.time_prefill, tokens, args.prefill_warmup,
+                             args.prefill_reps, size)
+        chunked[name] = sorted(times)[len(times) // 2] if times else None
+    return chunked
 
 
 def decode_engine_row(run: Run, args, ours, batch: int, prompts: torch.Tensor, floor_ms: float) -> DecodeRow:

@@ -68,9 +68,12 @@ def test_gpu_ssm_runs_every_phase_on_the_cpu(bench, tmp_path, capsys):
 
 def test_gpu_decode_skip_peer_and_engine_config(bench, tmp_path):
     result = bench.gpu_decode.main(tiny_run_args(tmp_path, "--skip-peer", "--skip-grpc", "--prefill", "",
-                                                 "--engine-config", '{"cuda_graph_batch_sizes": [1, 2]}'))
+                                                 "--engine-config", '{"cuda_graph_batch_sizes": [1, 2]}',
+                                                 "--max-positions", "1024", "--chunked-prefill", "600x128"))
     assert [(r.batch, r.impl) for r in result["decode_rows"]] == [(1, "metrale"), (2, "metrale")]
     assert result["prefill_rows"] == []
+    chunked = result["chunked_prefill"]      # past the tiny shape's 512 positions, with --max-positions
+    assert chunked["tokens"] == 600 and chunked["chunk"] == 128 and chunked["whole"] > 0 and chunked["chunked"] > 0
     assert result["engine_config"]["cuda_graph_batch_sizes"] == (1, 2)
     with pytest.raises(SystemExit, match="no field"):
         bench.gpu_decode.main(tiny_run_args(tmp_path, "--engine-config", '{"no_such_field": 1}'))
