@@ -1,5 +1,6 @@
-"""The decode attention launcher's multi-head variants without a GPU: the kernel each picks, its arguments against
-the kernel's parameter list, and the variants it refuses before any launch."""
+"""The attention launchers without a GPU: the decode launcher's multi-head variants and the prefill launcher's
+choice of kernel (the wgmma kernel on sm_90a for head dims 64 and 128, the mma.sync kernel elsewhere): the kernel
+each picks, its arguments against the kernel's parameter list, and the variants they refuse before any launch."""
 
 import pytest
 
@@ -73,3 +74,54 @@ def test_decode_attention_refuses_variants_it_cannot_take(monkeypatch, case, cal
     with pytest.raises(InvalidArgument, match="paged_decode_attention"):
         call(FakeLibrary())
     assert recorded == []
+
+
+class Ada(FakeLibrary):
+    arch = "sm_89"
+
+
+def prefill(lib, head_dim, max_query_len=300, hopper=None):
+    """3 segments of at most max_query_len rows, Llama-3-8B's heads."""
+    heads, kv_heads, segments, rows = 32, 8, 3, 700
+    attention.paged_prefill_attention(
+        lib, None, bf16(rows, heads * head_dim), bf16(rows, heads * head_dim),
+        bf16(2, NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim), i32(segments), i32(segments), i32(segments),
+        i32(segments, 40), heads, kv_heads, head_dim, head_dim ** -0.5, -1, segments, max_query_len, hopper=hopper)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_hopper_runs_the_wgmma_kernel(monkeypatch, head_dim):
+    launches = record_launches(monkeypatch, attention)
+    prefill(FakeLibrary(), head_dim)
+    [((module, name), grid, block, args, shmem)] = launches
+    assert (module, name) == ("prefill_attention_hopper", f"paged_prefill_attention_hopper_hd{head_dim}")
+    assert grid == (3, 32, 3) and block == 384      # 128 query rows a CTA
+    # Q [128 rows] and 3 stages of K and V [128 keys], 128-byte rows of 64 columns, the 1024-byte alignment's
+    # slack, 6 barriers and two tiles' key tokens
+    assert shmem == 1024 + head_dim * 2 * (128 + 3 * 2 * 128) + 6 * 8 + 2 * 128 * 4 <= 227 * 1024
+    assert [type(a) for a in args] == parameter_types(module, name, "HOPPER_PREFILL_KERNEL")
+
+
+@pytest.mark.parametrize("lib, head_dim, hopper", [(FakeLibrary(), 32, None), (Ada(), 128, None),
+                                                   (FakeLibrary(), 128, False)], ids=["hd32", "sm_89", "asked"])
+def test_elsewhere_the_mma_sync_kernel(monkeypatch, lib, head_dim, hopper):
+    launches = record_launches(monkeypatch, attention)
+    prefill(lib, head_dim, hopper=hopper)
+    [((module, name), grid, block, args, shmem)] = launches
+    assert (module, name) == ("prefill_attention", f"paged_prefill_attention_hd{head_dim}")
+    assert grid == (5, 32, 3) and block == 128 and shmem == 0    # 64 query rows a CTA
+    assert [type(a) for a in args] == parameter_types(module, name, "PREFILL_KERNEL")
+
+
+def test_both_kernels_take_the_same_arguments(monkeypatch):
+    launches = record_launches(monkeypatch, attention)
+    prefill(FakeLibrary(), 128)
+    prefill(FakeLibrary(), 128, hopper=False)
+    assert launches[0][3] == launches[1][3]
+
+
+def test_hopper_asked_where_there_is_none():
+    with pytest.raises(InvalidArgument, match="no Hopper kernel for sm_89"):
+        prefill(Ada(), 128, hopper=True)
+    with pytest.raises(InvalidArgument, match="head_dim 32"):
+        prefill(FakeLibrary(), 32, hopper=True)
