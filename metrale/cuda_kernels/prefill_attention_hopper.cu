@@ -84,36 +84,40 @@ __device__ __forceinline__ void paged_prefill_attention_hopper(bf16* out, long l
     if (warpgroup == 0) {
         registers_decrease<40>();
         // Thread i looks up where key i of each tile lives (its token's cache row, -1 outside lo .. hi - 1) for
-        // the warpgroup; then consecutive threads copy consecutive 16-byte chunks of the tile's rows (zeros for
-        // -1). A tile's full barrier is arrived at once its copies have landed (a stage frees only after the tile two
-        // before it has been computed on, time enough for the next one to land).
+        // the warpgroup, the next tile's while this one's copies are issued and a stage is waited for; then
+        // consecutive threads copy consecutive 16-byte chunks of the tile's rows (zeros for -1). The copies arrive
+        // on the tile's full barrier as they land; stage j is refilled once the consumers are done with tile j - 3.
         constexpr int CHUNKS = HEAD_DIM / 8, ROWS_A_PASS = HOPPER_KEYS / CHUNKS;
         const bf16* k_plane = kv_cache + (long long)(head / group_size) * HEAD_DIM;
         const int* block_table = block_tables + (long long)segment * max_blocks;
         const long long token_stride = (long long)num_kv_heads * HEAD_DIM;
         int* tokens = reinterpret_cast<int*>(stages + HOPPER_STAGES * T::STAGE_BYTES + 16 * HOPPER_STAGES);
         const int chunk = thread % CHUNKS;
+        auto lookup = [&](int i) {
+            const int key = (first_tile + i) * HOPPER_KEYS + thread, slot = key & ((1 << block_shift) - 1);
+            return key >= lo && key < hi ? (block_table[key >> block_shift] << block_shift) + slot : -1;
+        };
+        int token = lookup(0);
         for (int i = 0; i < tiles; ++i) {
             const int stage = i % HOPPER_STAGES;
+            const int next = i + 1 < tiles ? lookup(i + 1) : -1;
             if (i >= HOPPER_STAGES) barrier_wait(empty(stage), (i / HOPPER_STAGES - 1) & 1);
-            const int key = (first_tile + i) * HOPPER_KEYS + thread, slot = key & ((1 << block_shift) - 1);
             int* tile_tokens = tokens + (i & 1) * HOPPER_KEYS;   // two tiles' worth: one may still be read
-            tile_tokens[thread] = key >= lo && key < hi ? (block_table[key >> block_shift] << block_shift) + slot : -1;
+            tile_tokens[thread] = token;
             named_barrier(5, 128);
             unsigned char* k_tile = stages + stage * T::STAGE_BYTES;
 #pragma unroll
             for (int pass = 0; pass < CHUNKS; ++pass) {
-                const int row = thread / CHUNKS + ROWS_A_PASS * pass, token = tile_tokens[row];
-                const bf16* source = k_plane + (long long)max(token, 0) * token_stride + 8 * chunk;
+                const int row = thread / CHUNKS + ROWS_A_PASS * pass, row_token = tile_tokens[row];
+                const bf16* source = k_plane + (long long)max(row_token, 0) * token_stride + 8 * chunk;
                 const unsigned offset = (chunk >> 3) * T::KV_PART + swizzled_offset(row, chunk & 7);
-                copy_async_16(k_tile + offset, source, token >= 0);
-                copy_async_16(k_tile + T::KV_BYTES + offset, source + plane_elems, token >= 0);
+                copy_async_16(k_tile + offset, source, row_token >= 0);
+                copy_async_16(k_tile + T::KV_BYTES + offset, source + plane_elems, row_token >= 0);
             }
-            copy_async_commit();
-            copy_async_wait<0>();
-            fence_async_shared();
-            barrier_arrive(full(stage));
+            barrier_arrive_on_copies(full(stage));
+            token = next;
         }
+        copy_async_wait<0>();   // the last copies land before the thread exits
         return;
     }
 
@@ -216,6 +220,7 @@ __device__ __forceinline__ void paged_prefill_attention_hopper(bf16* out, long l
     if (group == 1) named_barrier_arrive(TURN, 256);
     {
         barrier_wait(full(0), 0);
+        fence_async_shared();   // the loader's copies landed in the generic proxy; wgmma reads in the async one
         named_barrier(TURN + group, 256);
         float scores[HOPPER_KEYS / 2], rescale[2];
         warpgroup_fence();
@@ -230,6 +235,7 @@ __device__ __forceinline__ void paged_prefill_attention_hopper(bf16* out, long l
     for (int i = 1; i < tiles; ++i) {
         const int stage = i % HOPPER_STAGES, previous = (i - 1) % HOPPER_STAGES;
         barrier_wait(full(stage), (i / HOPPER_STAGES) & 1);
+        fence_async_shared();
         named_barrier(TURN + group, 256);
         float scores[HOPPER_KEYS / 2], rescale[2];
         pin_registers(acc);

@@ -56,6 +56,12 @@ __device__ __forceinline__ void barrier_arrive(unsigned barrier) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(barrier) : "memory");
 }
 
+// Arrives on the barrier once this thread's cp.async copies issued so far have landed (without waiting for them
+// here); the barrier's count includes this arrival.
+__device__ __forceinline__ void barrier_arrive_on_copies(unsigned barrier) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(barrier) : "memory");
+}
+
 // Waits until the barrier's phase of parity `parity` has completed.
 __device__ __forceinline__ void barrier_wait(unsigned barrier, unsigned parity) {
     unsigned done;
