@@ -22,10 +22,10 @@ struct HopperTiles {
     static constexpr int Q_BYTES = PARTS * Q_PART;
     static constexpr int KV_BYTES = PARTS * KV_PART;                   // one K or V tile
     static constexpr int STAGE_BYTES = 2 * KV_BYTES;                   // K, then V
-    // the swizzle's 1024-byte alignment, Q, the stages, a full and an empty barrier a stage, then two tiles' key
-    // tokens (int32)
+    // the swizzle's 1024-byte alignment, Q, the stages, a full and an empty barrier a stage, then a gathered
+    // tile's key tokens (int32)
     static constexpr int SHARED_BYTES = 1024 + Q_BYTES + HOPPER_STAGES * STAGE_BYTES + 16 * HOPPER_STAGES +
-                                        2 * HOPPER_KEYS * 4;
+                                        HOPPER_KEYS * 4;
     static_assert(HEAD_DIM % 64 == 0, "head_dim must be a multiple of 64");
     static_assert(SHARED_BYTES <= 227 * 1024, "more shared memory than an SM has");
 };
@@ -50,7 +50,8 @@ __device__ __forceinline__ void paged_prefill_attention_hopper(bf16* out, long l
                                                                const int* query_lens, const int* context_lens,
                                                                const int* block_tables, int max_blocks,
                                                                int num_kv_heads, int group_size, int block_shift,
-                                                               float scale_log2, int sliding_window, int causal) {
+                                                               float scale_log2, int sliding_window, int causal,
+                                                               const void* kv_map) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using T = HopperTiles<HEAD_DIM>;
     extern __shared__ unsigned char dynamic_shared[];
@@ -83,38 +84,61 @@ __device__ __forceinline__ void paged_prefill_attention_hopper(bf16* out, long l
 
     if (warpgroup == 0) {
         registers_decrease<40>();
-        // Thread i looks up where key i of each tile lives (its token's cache row, -1 outside lo .. hi - 1) for
-        // the warpgroup, the next tile's while this one's copies are issued and a stage is waited for; then
-        // consecutive threads copy consecutive 16-byte chunks of the tile's rows (zeros for -1). The copies arrive
-        // on the tile's full barrier as they land; stage j is refilled once the consumers are done with tile j - 3.
+        // A tile whose keys are all inside lo .. hi - 1 comes through the KV map (kv_map, when given): lane l of warp
+        // 0 copies one page's rows of one 64-column part of K or V with the tensor memory accelerator, and lane 0
+        // tells the full barrier how many bytes to expect. A tile with keys outside (the last one's past the
+        // context, where a page's stale slots could hold NaN, and the first one's below a sliding window) is
+        // gathered with cp.async: thread i looks up key i's cache row (-1 outside lo .. hi - 1) into a table, then
+        // consecutive threads copy consecutive 16-byte chunks of the rows (zeros for -1), and the copies arrive on
+        // the full barrier as they land. Each thread looks up the next tile's page or key while this one's copies
+        // are issued and a stage is waited for; stage j is refilled once the consumers are done with tile j - 3.
         constexpr int CHUNKS = HEAD_DIM / 8, ROWS_A_PASS = HOPPER_KEYS / CHUNKS;
-        const bf16* k_plane = kv_cache + (long long)(head / group_size) * HEAD_DIM;
+        const int kv_head = head / group_size, page = 1 << block_shift, pages = HOPPER_KEYS >> block_shift;
+        const bf16* k_plane = kv_cache + (long long)kv_head * HEAD_DIM;
         const int* block_table = block_tables + (long long)segment * max_blocks;
         const long long token_stride = (long long)num_kv_heads * HEAD_DIM;
         int* tokens = reinterpret_cast<int*>(stages + HOPPER_STAGES * T::STAGE_BYTES + 16 * HOPPER_STAGES);
         const int chunk = thread % CHUNKS;
-        auto lookup = [&](int i) {
-            const int key = (first_tile + i) * HOPPER_KEYS + thread, slot = key & ((1 << block_shift) - 1);
-            return key >= lo && key < hi ? (block_table[key >> block_shift] << block_shift) + slot : -1;
+        auto mapped = [&](int i) {
+            const int key = (first_tile + i) * HOPPER_KEYS;
+            return kv_map != nullptr && key >= lo && key + HOPPER_KEYS <= hi;
+        };
+        auto lookup = [&](int i) {   // a mapped tile: the first cache row of page (thread % pages); else key thread's
+            const int key = (first_tile + i) * HOPPER_KEYS + (mapped(i) ? (thread % pages) * page : thread);
+            return key >= lo && key < hi ? (block_table[key >> block_shift] << block_shift) + (key & (page - 1)) : -1;
         };
         int token = lookup(0);
         for (int i = 0; i < tiles; ++i) {
             const int stage = i % HOPPER_STAGES;
             const int next = i + 1 < tiles ? lookup(i + 1) : -1;
             if (i >= HOPPER_STAGES) barrier_wait(empty(stage), (i / HOPPER_STAGES - 1) & 1);
-            int* tile_tokens = tokens + (i & 1) * HOPPER_KEYS;   // two tiles' worth: one may still be read
-            tile_tokens[thread] = token;
-            named_barrier(5, 128);
             unsigned char* k_tile = stages + stage * T::STAGE_BYTES;
+            if (mapped(i)) {
+                if (thread == 0)
+                    barrier_arrive_expect(full(stage), T::STAGE_BYTES);
+                else
+                    barrier_arrive(full(stage));
+                __syncwarp();
+                if (thread < 2 * T::PARTS * pages) {
+                    const int plane = thread / (T::PARTS * pages), part = thread / pages % T::PARTS;
+                    tensor_copy_4d(shared_address(k_tile + plane * T::KV_BYTES + part * T::KV_PART) +
+                                       (thread % pages) * page * SWIZZLE_ROW_BYTES,
+                                   kv_map, 64 * part, kv_head, token, plane, full(stage));
+                }
+            } else {
+                named_barrier(5, 128);   // the table's last readers are done
+                tokens[thread] = token;
+                named_barrier(5, 128);
 #pragma unroll
-            for (int pass = 0; pass < CHUNKS; ++pass) {
-                const int row = thread / CHUNKS + ROWS_A_PASS * pass, row_token = tile_tokens[row];
-                const bf16* source = k_plane + (long long)max(row_token, 0) * token_stride + 8 * chunk;
-                const unsigned offset = (chunk >> 3) * T::KV_PART + swizzled_offset(row, chunk & 7);
-                copy_async_16(k_tile + offset, source, row_token >= 0);
-                copy_async_16(k_tile + T::KV_BYTES + offset, source + plane_elems, row_token >= 0);
+                for (int pass = 0; pass < CHUNKS; ++pass) {
+                    const int row = thread / CHUNKS + ROWS_A_PASS * pass, row_token = tokens[row];
+                    const bf16* source = k_plane + (long long)max(row_token, 0) * token_stride + 8 * chunk;
+                    const unsigned offset = (chunk >> 3) * T::KV_PART + swizzled_offset(row, chunk & 7);
+                    copy_async_16(k_tile + offset, source, row_token >= 0);
+                    copy_async_16(k_tile + T::KV_BYTES + offset, source + plane_elems, row_token >= 0);
+                }
+                barrier_arrive_on_copies(full(stage));
             }
-            barrier_arrive_on_copies(full(stage));
             token = next;
         }
         copy_async_wait<0>();   // the last copies land before the thread exits
@@ -294,11 +318,12 @@ __device__ __forceinline__ void paged_prefill_attention_hopper(bf16* out, long l
         bf16* out, long long out_stride, const bf16* q, long long q_stride, const bf16* kv_cache,                   \
         long long plane_elems, const int* query_starts, const int* query_lens, const int* context_lens,            \
         const int* block_tables, int max_blocks, int num_kv_heads, int group_size, int block_shift,               \
-        float scale_log2, int sliding_window, int causal) {                                                         \
+        float scale_log2, int sliding_window, int causal, const void* kv_map) {                                    \
         wait_for_previous_kernel();                                                                                  \
         paged_prefill_attention_hopper<HEAD_DIM>(out, out_stride, q, q_stride, kv_cache, plane_elems, query_starts, \
                                                  query_lens, context_lens, block_tables, max_blocks, num_kv_heads,  \
-                                                 group_size, block_shift, scale_log2, sliding_window, causal);      \
+                                                 group_size, block_shift, scale_log2, sliding_window, causal,       \
+                                                 kv_map);                                                           \
     }
 
 HOPPER_PREFILL_KERNEL(64)

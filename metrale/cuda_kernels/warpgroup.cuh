@@ -62,6 +62,20 @@ __device__ __forceinline__ void barrier_arrive_on_copies(unsigned barrier) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(barrier) : "memory");
 }
 
+// Arrives on the barrier and adds `bytes` to the transaction bytes its phase waits for (tensor_copy_4d's).
+__device__ __forceinline__ void barrier_arrive_expect(unsigned barrier, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(barrier), "r"(bytes) : "memory");
+}
+
+// The box of a 4-D tensor map (its address in global memory) at coordinates x, y, z, w (innermost first) into
+// shared memory at `destination`, laid out as the map's swizzle says; its bytes count on the barrier as they land.
+__device__ __forceinline__ void tensor_copy_4d(unsigned destination, const void* map, int x, int y, int z, int w,
+                                               unsigned barrier) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, "
+                 "%4, %5}], [%6];\n" ::"r"(destination), "l"(map), "r"(x), "r"(y), "r"(z), "r"(w), "r"(barrier)
+                 : "memory");
+}
+
 // Waits until the barrier's phase of parity `parity` has completed.
 __device__ __forceinline__ void barrier_wait(unsigned barrier, unsigned parity) {
     unsigned done;

@@ -80,13 +80,23 @@ class Ada(FakeLibrary):
     arch = "sm_89"
 
 
-def prefill(lib, head_dim, max_query_len=300, hopper=None):
+MAP = BASE + (1 << 30)                            # where a fake cache's tensor map lives
+
+
+def prefill(lib, head_dim, max_query_len=300, hopper=None, tma=True):
     """3 segments of at most max_query_len rows, Llama-3-8B's heads."""
     heads, kv_heads, segments, rows = 32, 8, 3, 700
     attention.paged_prefill_attention(
         lib, None, bf16(rows, heads * head_dim), bf16(rows, heads * head_dim),
         bf16(2, NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim), i32(segments), i32(segments), i32(segments),
-        i32(segments, 40), heads, kv_heads, head_dim, head_dim ** -0.5, -1, segments, max_query_len, hopper=hopper)
+        i32(segments, 40), heads, kv_heads, head_dim, head_dim ** -0.5, -1, segments, max_query_len, hopper=hopper,
+        tma=tma)
+
+
+@pytest.fixture(autouse=True)
+def fake_tensor_maps(monkeypatch):
+    """paged_kv_map encodes with the driver; here every cache's map is at MAP."""
+    monkeypatch.setattr(attention, "paged_kv_map", lambda kv_cache: MAP)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -97,9 +107,17 @@ def test_hopper_runs_the_wgmma_kernel(monkeypatch, head_dim):
     assert (module, name) == ("prefill_attention_hopper", f"paged_prefill_attention_hopper_hd{head_dim}")
     assert grid == (3, 32, 3) and block == 384      # 128 query rows a CTA
     # Q [128 rows] and 3 stages of K and V [128 keys], 128-byte rows of 64 columns, the 1024-byte alignment's
-    # slack, 6 barriers and two tiles' key tokens
-    assert shmem == 1024 + head_dim * 2 * (128 + 3 * 2 * 128) + 6 * 8 + 2 * 128 * 4 <= 227 * 1024
+    # slack, 6 barriers and a tile's key tokens
+    assert shmem == 1024 + head_dim * 2 * (128 + 3 * 2 * 128) + 6 * 8 + 128 * 4 <= 227 * 1024
     assert [type(a) for a in args] == parameter_types(module, name, "HOPPER_PREFILL_KERNEL")
+    assert args[-1] == MAP                          # the cache's tensor map, last
+
+
+def test_hopper_without_the_tensor_map(monkeypatch):
+    launches = record_launches(monkeypatch, attention)
+    prefill(FakeLibrary(), 128, tma=False)
+    [(_, _, _, args, _)] = launches
+    assert args[-1] == 0                            # a null map: every tile gathered with cp.async
 
 
 @pytest.mark.parametrize("lib, head_dim, hopper", [(FakeLibrary(), 32, None), (Ada(), 128, None),
@@ -117,7 +135,7 @@ def test_both_kernels_take_the_same_arguments(monkeypatch):
     launches = record_launches(monkeypatch, attention)
     prefill(FakeLibrary(), 128)
     prefill(FakeLibrary(), 128, hopper=False)
-    assert launches[0][3] == launches[1][3]
+    assert launches[0][3][:-1] == launches[1][3]    # and the Hopper kernel the tensor map
 
 
 def test_hopper_asked_where_there_is_none():

@@ -230,10 +230,10 @@ def test_decode_with_new_tokens_equals_rope_and_write_then_attention(kernel_libr
 
 
 def run_prefill(lib, stream, segments, num_heads, num_kv_heads, head_dim, block_size, sliding_window, sharpness=1.0,
-                causal=True, hopper=None):
+                causal=True, hopper=None, tma=True):
     """segments: (query_len, context_len) each; segments sit in T in order with one unowned row between them.
     causal=False: every query sees all of its segment's context (then query_len may pass context_len).
-    hopper: as paged_prefill_attention takes it (False: the mma.sync kernel on any device)."""
+    hopper, tma: as paged_prefill_attention takes them (hopper=False: the mma.sync kernel on any device)."""
     query_lens = [n for n, _ in segments]
     contexts = [c for _, c in segments]
     first_read = [window_start(c - n, sliding_window) if causal else 0 for n, c in segments]
@@ -254,7 +254,7 @@ def run_prefill(lib, stream, segments, num_heads, num_kv_heads, head_dim, block_
                             DeviceTensor.from_torch(kv), DeviceTensor.from_torch(starts_device),
                             DeviceTensor.from_torch(lens_device), DeviceTensor.from_torch(contexts_device),
                             DeviceTensor.from_torch(tables), num_heads, num_kv_heads, head_dim, scale, sliding_window,
-                            len(segments), max(query_lens), causal, hopper=hopper)
+                            len(segments), max(query_lens), causal, hopper=hopper, tma=tma)
     stream.sync()
     ours, reference = [], []
     untouched = torch.ones(num_rows, dtype=torch.bool, device=DEVICE)
@@ -281,6 +281,8 @@ PREFILL_SEGMENTS = {
     "chunked-one": [(1, 300)],
     "mixed": [(700, 700), (1, 50), (129, 400), (64, 64), (5, 1000), (33, 33)],
     "long": [(2500, 2500), (1000, 3100)],
+    # contexts ending on a 128-key tile's edge (the Hopper kernel's tiles all whole, none gathered) and just past it
+    "tile-edges": [(256, 256), (128, 384), (129, 257)],
 }
 
 
@@ -289,11 +291,12 @@ PREFILL_SEGMENTS = {
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(8, 8), (16, 4), (32, 4)], ids=["g1", "g4", "g8"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("sliding_window", [-1, 100])
-@pytest.mark.parametrize("kernel", ["default", "mma.sync"])
+@pytest.mark.parametrize("kernel", ["default", "cp.async", "mma.sync"])
 def test_prefill(kernel_library, stream, segments, num_heads, num_kv_heads, head_dim, sliding_window, kernel):
-    # default: the Hopper kernel on an H100/H200; mma.sync: the kernel of other architectures, on every device
+    # default: the Hopper kernel on an H100/H200 (whole tiles through the tensor map); cp.async: it gathering every
+    # tile; mma.sync: the kernel of other architectures, on every device
     run_prefill(kernel_library, stream, PREFILL_SEGMENTS[segments], num_heads, num_kv_heads, head_dim, 16,
-                sliding_window, hopper=None if kernel == "default" else False)
+                sliding_window, hopper=False if kernel == "mma.sync" else None, tma=kernel != "cp.async")
 
 
 @pytest.mark.gpu

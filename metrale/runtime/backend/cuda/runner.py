@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from metrale.runtime.backend.cuda import kernels
+from metrale.runtime.backend.cuda.kernels.attention import HOPPER_HEAD_DIMS
 from metrale.runtime.backend.cuda.beam_search import CudaDeviceSearch, fits, seed_of, state_arrays, state_bytes
 from metrale.runtime.backend.cuda.resources import CudaResources
 from metrale.runtime.backend.cuda.sampler import QueuedRows
@@ -15,6 +16,7 @@ from metrale.runtime.backend.cuda.gemm_tuning import AlgoTuner
 from metrale.runtime.backend.cuda.graphs import DecodeGraphs, PrefillGraphs, no_collection
 from metrale.runtime.backend.cuda.stream_context import StreamContext, StreamCandidates
 from metrale.runtime.backend.cuda.tensor import DTYPES, DeviceTensor
+from metrale.runtime.backend.cuda.tensor_maps import paged_kv_map
 from metrale.runtime.backend.runner import MemoryShapes
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.beam.on_device import SearchStart
@@ -94,6 +96,9 @@ class CudaRunner:
             return [None] * len(specs)
         pool = Arena(self.cuda.allocate(pool_bytes), pool_bytes, "cache pool")
         layers: list = [pool.take(paged[i], "bfloat16") if i in paged else None for i in range(len(specs))]
+        for i, spec in enumerate(specs):   # the tensor maps prefill attention loads through, before any capture
+            if isinstance(spec, PagedKv) and self.lib.arch == "sm_90a" and spec.head_dim in HOPPER_HEAD_DIMS:
+                paged_kv_map(layers[i])
         for i, shapes in states.items():
             layers[i] = tuple(pool.take(shape, "float32") for shape in shapes)
         # The KV and state tensors, which the GEMM tuner may use as scratch before any sequence holds them (not the

@@ -9,6 +9,7 @@ import numpy as np
 
 from metrale.runtime.backend.cuda.launch import MAX_GRID_YZ, ceil_div, launch_kernel, require, require_aligned
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
+from metrale.runtime.backend.cuda.tensor_maps import paged_kv_map
 
 DECODE_MODULE, MHA_MODULE, PREFILL_MODULE = "decode_attention", "decode_attention_mha", "prefill_attention"
 HOPPER_MODULE = "prefill_attention_hopper"
@@ -230,7 +231,7 @@ def paged_prefill_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_
                             query_starts: DeviceTensor, query_lens: DeviceTensor, context_lens: DeviceTensor,
                             block_tables: DeviceTensor, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                             sliding_window: int, num_segments: int, max_query_len: int, causal: bool = True,
-                            hopper: bool | None = None) -> None:
+                            hopper: bool | None = None, tma: bool = True) -> None:
     """Causal attention of each segment's queries over its paged KV: segment s owns rows
     query_starts[s] .. + query_lens[s] of q and out, the queries at the last query_lens[s] positions of its
     context_lens[s] keys (earlier chunks and the new tokens, all already in kv_cache), read through
@@ -243,7 +244,9 @@ def paged_prefill_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_
     (the caller guarantees): 0 <= query_lens[s] <= max_query_len, query_lens[s] <= context_lens[s]
     <= max_blocks * block_size, block ids in [0, num_blocks), segment rows inside [0, T).
     hopper: run prefill_attention_hopper.cu's wgmma kernel (None: wherever the device is sm_90a and the head dim one
-    it builds; False: prefill_attention.cu's, for comparison)."""
+    it builds; False: prefill_attention.cu's, for comparison); tma: the Hopper kernel loads the K/V tiles with keys
+    only inside the context through the cache's tensor map (tensor_maps.paged_kv_map; False: with cp.async, as it
+    loads the others, for comparison)."""
     _check_common("paged_prefill_attention", out, q, kv_cache, block_tables, num_heads, num_kv_heads, head_dim,
                   sliding_window)
     for name, tensor in (("query_starts", query_starts), ("query_lens", query_lens), ("context_lens", context_lens)):
@@ -251,6 +254,8 @@ def paged_prefill_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_
                 f"paged_prefill_attention: {name} must be [S >= {num_segments}] int32")
     require(block_tables.shape[0] >= num_segments,
             f"paged_prefill_attention: block_tables must have at least {num_segments} rows")
+    available = lib.arch == "sm_90a" and head_dim in HOPPER_HEAD_DIMS
+    require(not hopper or available, f"paged_prefill_attention: no Hopper kernel for {lib.arch}, head_dim {head_dim}")
     require(num_segments <= MAX_GRID_YZ and num_heads <= MAX_GRID_YZ,
             f"paged_prefill_attention: at most {MAX_GRID_YZ} segments and heads")
     require(max_query_len >= 0, "paged_prefill_attention: max_query_len must be >= 0")
@@ -258,27 +263,26 @@ def paged_prefill_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_
     if num_segments == 0 or max_query_len == 0:
         return
     block_size = kv_cache.shape[2]
-    available = lib.arch == "sm_90a" and head_dim in HOPPER_HEAD_DIMS
-    require(not hopper or available, f"paged_prefill_attention: no Hopper kernel for {lib.arch}, head_dim {head_dim}")
     args = (out, np.int64(out.stride), q, np.int64(q.stride), kv_cache, np.int64(kv_cache.numel // 2), query_starts,
             query_lens, context_lens, block_tables, block_tables.shape[1], num_kv_heads, num_heads // num_kv_heads,
             block_size.bit_length() - 1, np.float32(scale * LOG2_E), sliding_window, int(causal))
     if available and hopper is not False:
         shared = hopper_prefill_shared_bytes(head_dim)
         kernel = lib.get_with_shared(f"paged_prefill_attention_hopper_hd{head_dim}", HOPPER_MODULE, shared)
+        kv_map = np.uint64(paged_kv_map(kv_cache) if tma else 0)
         launch_kernel(stream, kernel, (ceil_div(max_query_len, HOPPER_ROWS), num_heads, num_segments),
-                      HOPPER_THREADS, *args, shmem=shared)
+                      HOPPER_THREADS, *args, kv_map, shmem=shared)
         return
     kernel = lib.get(f"paged_prefill_attention_hd{head_dim}", PREFILL_MODULE)
     launch_kernel(stream, kernel, (ceil_div(max_query_len, PREFILL_ROWS), num_heads, num_segments), THREADS, *args)
 
 
 def hopper_prefill_shared_bytes(head_dim: int) -> int:
-    """HopperTiles<head_dim>::SHARED_BYTES: the alignment slack, the Q tile, the K/V stages, their barriers and two
-    tiles' key tokens."""
+    """HopperTiles<head_dim>::SHARED_BYTES: the alignment slack, the Q tile, the K/V stages, their barriers and a
+    gathered tile's key tokens."""
     row_parts = head_dim // 64
     tiles = row_parts * 128 * (HOPPER_ROWS + 2 * HOPPER_STAGES * HOPPER_KEYS)
-    return 1024 + tiles + 16 * HOPPER_STAGES + 8 * HOPPER_KEYS
+    return 1024 + tiles + 16 * HOPPER_STAGES + 4 * HOPPER_KEYS
 
 
 def _check_common(name: str, out: DeviceTensor, q: DeviceTensor, kv_cache: DeviceTensor, block_tables: DeviceTensor,
