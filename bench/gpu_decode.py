@@ -44,7 +44,7 @@ def parse_args(argv):
     parser.add_argument("--chunked-prefill", default="", metavar="LENxCHUNK",
                         help="also one prompt of LEN tokens whole and in the worker's chunks of CHUNK, e.g. 32768x2048")
     parser.add_argument("--max-positions", type=int, default=None,
-                        help="the shape's max_position_embeddings (e.g. 32768 for Llama-3.1's context at 3-8B's widths)")
+                        help="the shape's max_position_embeddings (e.g. 32768: Llama-3.1's context at 3-8B's widths)")
     parser.add_argument("--prefill-reps", type=int, default=5, help="timed prefills per case and implementation")
     parser.add_argument("--prefill-warmup", type=int, default=2, help="untimed prefills first")
     parser.add_argument("--copy-mb", type=int, default=4096, help="bytes copied to measure copy bandwidth (MB)")
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     shape, device = SHAPES[args.shape], args.device
     if args.max_positions:
         shape = dataclasses.replace(shape, max_positions=args.max_positions)
-    long_len, chunk = (int(v) for v in args.chunked_prefill.lower().split("x")) if args.chunked_prefill else (0, 0)
+    long_len, chunk = parse_chunked_prefill(args.chunked_prefill)
     batches = [int(b) for b in args.batches.split(",")]
     cases = parse_prefill_cases(args.prefill)
     max_batch = max(batches)
@@ -244,8 +244,9 @@ def main(argv: list[str] | None = None) -> dict:
           f"to the end of sampling), other = host clock around Engine.step; grpc: a client process's Decode round "
           f"trip with the engine running ahead (the next step runs while the answer travels), steps: the same over one "
           f"open Steps stream, grpc-sync: unary without run-ahead, idle ms: p50 of the time the device sat idle "
-          f"between one step's sampling and the next step's forward (CUDA events), other = round trip - forward_us - queue_us (transport, dispatch, conversion and the step's "
-          f"planning; negative where the run-ahead hid it); peer: CUDA events around each graph replay, other = host wall per step; ratios of p50")
+          f"between one step's sampling and the next step's forward (CUDA events), other = round trip - forward_us - "
+          f"queue_us (transport, dispatch, conversion and the step's planning; negative where the run-ahead hid it); "
+          f"peer: CUDA events around each graph replay, other = host wall per step; ratios of p50")
     print(format_decode_table(decode_rows))
     if prefill_rows:
         print(f"# prefill: model FLOPs (2 x params x tokens + causal attention, lm_head on last tokens) / p50 time, "
@@ -284,6 +285,19 @@ def measure_prefill(run: Run, args, shape, cases, gemm: float, ours, peer, devic
             row.step_ms = times or []
             rows.append(row)
     return rows
+
+
+def parse_chunked_prefill(spec: str) -> tuple[int, int]:
+    """'LENxCHUNK' -> (LEN, CHUNK), both > 0; '' -> (0, 0)."""
+    if not spec:
+        return 0, 0
+    try:
+        long_len, chunk = (int(v) for v in spec.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--chunked-prefill {spec!r}: expected LENxCHUNK, e.g. 32768x2048") from None
+    if long_len <= 0 or chunk <= 0:
+        raise SystemExit(f"--chunked-prefill {spec!r}: LEN and CHUNK must be > 0")
+    return long_len, chunk
 
 
 def measure_chunked_prefill(run: Run, args, shape, long_len: int, chunk: int, ours) -> dict:

@@ -275,7 +275,7 @@ __device__ __forceinline__ void paged_prefill_attention_hopper(bf16* out, long l
         warpgroup_wait<0>();
         pin_registers(acc);
         barrier_arrive(empty(previous));
-        // O so far (tiles .. i - 1) to this tile's row maxima
+        // O so far (tiles 0 .. i - 1) to this tile's row maxima
 #pragma unroll
         for (int j = 0; j < HEAD_DIM / 8; ++j) {
             acc[4 * j] *= rescale[0];

@@ -110,7 +110,8 @@ __device__ __forceinline__ void registers_increase() {
 // wgmma.mma_async m64nNk16, bf16 in, fp32 accumulate, over a warpgroup; d is this thread's share of the 64 x N
 // accumulator (the mma.m16n8k16 C layout of its warp's 16 rows, repeated over the N / 8 column blocks:
 // d[4j .. 4j + 3] = C[g][8j + 2t, +1], C[g + 8][8j + 2t, +1]).
-//   shared_a:    d (+)= A [64 x 16] (a_desc, K-major) * B [16 x N] (b_desc, K-major); accumulate 0 overwrites d.
+//   shared_a:    d (+)= A [64 x 16] (a_desc, K-major) * B [16 x N] (b_desc, K-major); accumulate 0 overwrites d
+//                (N = 128: S = Q K^T of a 128-key tile).
 //   registers_a: d += A [64 x 16] * B [16 x N] (b_desc, MN-major); a is this thread's mma.m16n8k16 A fragment of
 //                its warp's 16 rows.
 template <int N>
@@ -118,21 +119,6 @@ struct Wgmma;
 
 template <>
 struct Wgmma<64> {
-    static __device__ __forceinline__ void shared_a(float (&d)[32], unsigned long long a_desc,
-                                                    unsigned long long b_desc, int accumulate) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-                     "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-                       "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-                       "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-                       "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-                       "+f"(d[30]), "+f"(d[31])
-                     : "l"(a_desc), "l"(b_desc), "r"(accumulate));
-    }
     static __device__ __forceinline__ void registers_a(float (&d)[32], const unsigned (&a)[4],
                                                        unsigned long long b_desc) {
         asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"

@@ -1,8 +1,9 @@
 """Tencent's Hy4 (HYV4ForCausalLM), in layer math: DeepSeek's multi-head latent attention (rotary dims in interleaved
-pairs, as transformers >= 5.25 rotates them) with sparse attention (an indexer every few layers, whose choice the layers between reuse), a learned sink logit and
-a sigmoid gate per head; DeepSeek-V3's mixture of experts with a clamped SwiGLU in its routed experts; and a residual
-of hc_mult hyper-connection streams, collapsed into each block's input and written back after it, then collapsed by
-a head before the final norm. The released checkpoint's tensor names are mapped to transformers' (RENAMES)."""
+pairs, as transformers >= 5.25 rotates them) with sparse attention (an indexer every few layers, whose choice the
+layers between reuse), a learned sink logit and a sigmoid gate per head; DeepSeek-V3's mixture of experts with a
+clamped SwiGLU in its routed experts; and a residual of hc_mult hyper-connection streams, collapsed into each block's
+input and written back after it, then collapsed by a head before the final norm. The released checkpoint's tensor
+names are mapped to transformers' (RENAMES)."""
 
 import dataclasses
 
@@ -28,8 +29,8 @@ RENAMES = [
 
 def config_from_hf(hf: dict) -> deepseek.MlaConfig:
     """DeepSeek-V3's config read from Hy4's (its latent attention, its sigmoid router; the first layer dense where
-    config.json does not say), then what Hy4 adds: interleaved rotary dims in its indexers too, the indexers, sinks and gates, the
-    experts' clamp and the hyper-connections."""
+    config.json does not say), then what Hy4 adds: interleaved rotary dims in its indexers too, the indexers, sinks
+    and gates, the experts' clamp and the hyper-connections."""
     if not hf.get("q_lora_rank"):
         raise InvalidArgument("Hy4's indexer reads the query's low-rank projection: q_lora_rank must be set")
     hf = {"rms_norm_eps": 1e-5, "first_k_dense_replace": 1, **hf}         # HYV4Config's defaults
