@@ -2,7 +2,7 @@
 must read / time), and prefill attention against torch's scaled_dot_product_attention (flash) measured in the
 same run, in causal TFLOP/s. Llama-3-8B heads: 32 query heads, 8 KV heads, head_dim 128, KV blocks of 16.
 
-Run from the repository root: python3 -m bench.gpu_attention [--sweep] [--prefill-only]
+Run from the repository root: python3 -m bench.gpu_attention [--sweep] [--prefill-only | --decode-only]
 """
 
 import argparse
@@ -17,7 +17,7 @@ from bench.kernel_variant import add_variant_option, variant_libraries
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 DECODE_CASES = ((1, 1024), (1, 4096), (1, 8192), (8, 4096), (32, 1024), (64, 1024), (64, 2000), (64, 4096),
-                (256, 1024), (8, 32768))
+                (256, 1024), (8, 32768), (16, 8192), (64, 8192), (1, 32768), (16, 32768), (64, 32768))
 PREFILL_CASES = ((1, 4096), (1, 16384), (1, 32768), (8, 4096), (8, 16384), (8, 32768))
 SWEEP = (64, 128, 256, 512, 1024, 2048)
 
@@ -27,6 +27,7 @@ def parse_args(argv):
     parser.add_argument("--sweep", action="store_true", help="also time decode at each partition size in SWEEP")
     parser.add_argument("--reps", type=int, default=20, help="launches per timed CUDA graph")
     parser.add_argument("--prefill-only", action="store_true", help="time prefill attention only")
+    parser.add_argument("--decode-only", action="store_true", help="time decode attention only")
     add_variant_option(parser, "prefill_attention_hopper.cu")
     return parser.parse_args(argv)
 
@@ -166,18 +167,22 @@ def main(argv=None) -> None:
     lib, stream = kernel_library()
     if not args.prefill_only:
         decode_table(lib, stream, args, bandwidth)
+    if args.decode_only:
+        return
     print("# prefill attention, causal sequences; TFLOP/s = 2 * 2 * T^2 / 2 * heads * head_dim * batch / time; "
           "cp.async: ours gathering every K/V tile instead of loading whole ones through the tensor map; "
           "mma.sync: prefill_attention.cu, the kernel other architectures run")
     variants = variant_libraries(lib, "prefill_attention_hopper", args.variant)
     variants.pop("package")
     print(f"{'batch':>5} {'tokens':>7} {'ours ms':>8} {'ours TF/s':>9} {'cp.async TF/s':>13} {'mma.sync TF/s':>13} "
-          f"{'sdpa ms':>8} {'sdpa TF/s':>9} {'ours/sdpa':>9} {'rel err':>8}" + "".join(f" {name + ' TF/s':>14}" for name in variants))
+          f"{'sdpa ms':>8} {'sdpa TF/s':>9} {'ours/sdpa':>9} {'rel err':>8}"
+          + "".join(f" {name + ' TF/s':>14}" for name in variants))
     for batch, length in PREFILL_CASES:
         ours, gathered, older, theirs, error, timed = prefill_case(lib, stream, batch, length, args.reps, variants)
         flops = 2 * length * length * HEADS * HEAD_DIM * batch
         print(f"{batch:5d} {length:7d} {ours * 1e3:8.3f} {flops / ours / 1e12:9.1f} {flops / gathered / 1e12:13.1f} "
-              f"{flops / older / 1e12:13.1f} {theirs * 1e3:8.3f} {flops / theirs / 1e12:9.1f} {theirs / ours:9.2f} {error:8.1e}"
+              f"{flops / older / 1e12:13.1f} {theirs * 1e3:8.3f} {flops / theirs / 1e12:9.1f} {theirs / ours:9.2f} "
+              f"{error:8.1e}"
               + "".join(f" {flops / seconds / 1e12:14.1f}" for seconds in timed.values()), flush=True)
 
 

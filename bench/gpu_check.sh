@@ -13,6 +13,12 @@
 #   long-prefill  bench/gpu_decode.py at the Llama-3-8B shape with 32k positions: prefill of 1 x 8k and 8 x 4k, and
 #            one 32k prompt whole (time to first token) and in the worker's chunks of 2k; then the prefill attention
 #            kernels alone against SDPA (bench/gpu_attention.py --prefill-only)                          (~3 min)
+#   long-decode-8k  bench/gpu_decode.py at the Llama-3-8B shape with 8k contexts: batches 1 and 16 with the peer and
+#            gRPC; batch 64 (the two KV caches do not fit side by side) the engine with gRPC, then the peer alone;
+#            then the decode attention kernel alone against copy bandwidth, up to 64 x 32k (bench/gpu_attention.py
+#            --decode-only)                                                                              (~9 min)
+#   long-decode-32k  the same with 32k contexts: batch 1 with the peer, batch 16 the engine then the peer alone
+#            (64 x 32k is 275 GB of KV, past one H200)                                                    (~8 min)
 #   profile  bench/gpu_profile.py at both shapes, batches 1 and 256: where a step's time goes (~2 min)
 #   prefix   bench/prefix_cache.py at the Llama-3-8B shape: 64 requests sharing a 4,096-token system prompt, each
 #            with a 64-token question, --prefix-cache on against off                                    (~3 min)
@@ -46,7 +52,9 @@
 #   mha      bench/gpu_mha_attention.py: the multi-head decode attention kernels at NLLB's beam step shapes, with each
 #            bench/variants/decode_attention_mha/NAME.cu (carry bench/variants) timed beside the package's  (~1 min)
 # Usage (from the repository root, with .whl carried):
-#   bash bench/gpu_check.sh [tests|api-models|load|kernels|smollm2|llama|profile|prefix|beam|search|ssm|ssm-kernels|ssm-profile|ssm-prefix|moe-kernels|moe|mla|mla-kernels|hy4|hy4-32k|dsa-kernels|mha|serving]...
+#   bash bench/gpu_check.sh [tests|api-models|load|kernels|smollm2|llama|long-prefill|long-decode-8k|long-decode-32k|
+#     profile|prefix|beam|search|ssm|ssm-kernels|ssm-profile|ssm-prefix|moe-kernels|moe|mla|mla-kernels|hy4|hy4-32k|
+#     dsa-kernels|mha|serving]...
 # (default: tests). Logs and JSON land in $OUT (default /tmp/gpu-check).
 set -uo pipefail
 source scripts/device_env.sh || exit 1
@@ -102,6 +110,20 @@ for part in "${@:-tests}"; do
         --skip-peer --skip-grpc --max-batch-tokens 32768
       python3 -m bench.gpu_attention --prefill-only > "$OUT/prefill_attention.txt" 2>&1
       summary+=("== prefill attention" "$(cat "$OUT/prefill_attention.txt")") ;;
+    long-decode-8k)
+      long=(bench.gpu_decode --shape llama3-8b --max-positions 32768 --context 8192 --steps 16 --warmup 3 --prefill ''
+            --max-batch-tokens 32768)
+      run_bench long-decode-8k "${long[@]}" --batches 1,16
+      run_bench long-decode-8k-b64 "${long[@]}" --batches 64 --skip-peer
+      run_bench long-decode-8k-b64-peer "${long[@]}" --batches 64 --skip-engine --skip-grpc
+      python3 -m bench.gpu_attention --decode-only > "$OUT/decode_attention.txt" 2>&1
+      summary+=("== decode attention" "$(cat "$OUT/decode_attention.txt")") ;;
+    long-decode-32k)
+      long=(bench.gpu_decode --shape llama3-8b --max-positions 32768 --context 32640 --steps 16 --warmup 3 --prefill ''
+            --max-batch-tokens 32768)
+      run_bench long-decode-32k "${long[@]}" --batches 1
+      run_bench long-decode-32k-b16 "${long[@]}" --batches 16 --skip-peer
+      run_bench long-decode-32k-b16-peer "${long[@]}" --batches 16 --skip-engine --skip-grpc ;;
     prefix)
       run_bench prefix-cache bench.prefix_cache --device cuda --shape llama3-8b --requests 64 --system 4096 \
         --question 64 --decode-steps 16 --reps 3 ;;

@@ -60,6 +60,8 @@ def parse_args(argv):
     parser.add_argument("--peer-compile", default="reduce-overhead", choices=("reduce-overhead", "default", "none"),
                         help="how the peer's decode step is compiled")
     parser.add_argument("--skip-peer", action="store_true", help="measure the engine alone")
+    parser.add_argument("--skip-engine", action="store_true",
+                        help="measure the peer alone (where its KV cache and the engine's do not fit side by side)")
     parser.add_argument("--skip-grpc", action="store_true", help="no decode through gRPC")
     parser.add_argument("--hf-generate", action="store_true",
                         help="also time transformers' eager generate at batch 1 (small shapes)")
@@ -142,10 +144,11 @@ def main(argv: list[str] | None = None) -> dict:
                              "max_seqs": max(512, max_batch), "max_model_len": max_model_len,
                              "prefix_cache": False, **extra})
     result["engine_config"] = dataclasses.asdict(config)
-    built, _ = run.phase("engine build", build_engine, checkpoint, config)
+    built = None if args.skip_engine else run.phase("engine build", build_engine, checkpoint, config)[0]
     ours = EngineRunner(built[0], max_batch_tokens) if built else None
-    log(f"engine: {config}; KV pool {kv_blocks} blocks ({kv_blocks * config.kv_block_size * kv_token / 1e9:.1f} GB); "
-        f"device {device_memory_gb(device)}")
+    if built:
+        pool_gb = kv_blocks * config.kv_block_size * kv_token / 1e9
+        log(f"engine: {config}; KV pool {kv_blocks} blocks ({pool_gb:.1f} GB); device {device_memory_gb(device)}")
 
     peer = None
     check_steps = 2
@@ -204,7 +207,8 @@ def main(argv: list[str] | None = None) -> dict:
     for batch in batches:
         floor_ms = decode_step_bytes(shape, batch, mean_context) / bandwidth * 1e3
         prompts = random_tokens(batch, args.context, shape.vocab, args.seed + 3)
-        decode_rows.append(decode_engine_row(run, args, ours, batch, prompts, floor_ms))
+        if ours:
+            decode_rows.append(decode_engine_row(run, args, ours, batch, prompts, floor_ms))
         if worker:
             decode_rows.append(decode_grpc_row(run, args, worker, shape, batch, floor_ms))
             decode_rows.append(decode_grpc_row(run, args, worker, shape, batch, floor_ms, rpc="steps"))

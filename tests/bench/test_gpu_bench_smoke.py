@@ -245,3 +245,11 @@ def test_gpu_moe_runs_hy4s_shape_on_the_cpu(bench, capsys):
     assert kv_bytes_per_token(shape) == 2 * 3 * 48 + 2 * 2 * 32
     assert cache_read_bytes(shape, 1, 20) == 2 * 3 * 48 * 8 + 2 * 2 * 32 * 20
     assert "hf-eager" in capsys.readouterr().out
+
+
+def test_gpu_decode_skip_engine(bench, tmp_path):
+    result = bench.gpu_decode.main(tiny_run_args(tmp_path, "--skip-engine", "--prefill", "1x16"))
+    assert result["errors"] == []
+    assert [(r.batch, r.impl) for r in result["decode_rows"]] == [(1, "peer"), (2, "peer")]
+    assert all(r.ok and len(r.step_ms) == 2 for r in result["decode_rows"])
+    assert [(r.label, r.impl) for r in result["prefill_rows"] if r.ok] == [("1x16", "peer")]

@@ -283,6 +283,8 @@ PREFILL_SEGMENTS = {
     "long": [(2500, 2500), (1000, 3100)],
     # contexts ending on a 128-key tile's edge (the Hopper kernel's tiles all whole, none gathered) and just past it
     "tile-edges": [(256, 256), (128, 384), (129, 257)],
+    # segments with no new rows (a sequence with nothing to prefill this step) beside ones with some
+    "empty-beside": [(0, 40), (70, 300), (0, 1), (5, 5)],
 }
 
 
@@ -301,7 +303,7 @@ def test_prefill(kernel_library, stream, segments, num_heads, num_kv_heads, head
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim, block_size", [(32, 16), (64, 32), (128, 64)])
-@pytest.mark.parametrize("sliding_window", [-1, 1, 64, 257])
+@pytest.mark.parametrize("sliding_window", [-1, 1, 64, 128, 257])   # 128: a window the size of a Hopper tile
 def test_prefill_block_sizes_and_windows(kernel_library, stream, head_dim, block_size, sliding_window):
     run_prefill(kernel_library, stream, [(300, 300), (17, 500), (128, 193)], 8, 2, head_dim, block_size,
                 sliding_window)
