@@ -13,6 +13,8 @@
 #   long-prefill  bench/gpu_decode.py at the Llama-3-8B shape with 32k positions: prefill of 1 x 8k and 8 x 4k, and
 #            one 32k prompt whole (time to first token) and in the worker's chunks of 2k; then the prefill attention
 #            kernels alone against SDPA (bench/gpu_attention.py --prefill-only)                          (~3 min)
+#   prefill-variants  the prefill attention kernels against SDPA with each bench/variants/prefill_attention_hopper/
+#            NAME.cu (carry bench/variants) timed and checked beside the package's                      (~2 min)
 #   long-decode-8k  bench/gpu_decode.py at the Llama-3-8B shape with 8k contexts: batches 1 and 16 with the peer and
 #            gRPC; batch 64 (the two KV caches do not fit side by side) the engine with gRPC, then the peer alone;
 #            then the decode attention kernel alone against copy bandwidth, up to 64 x 32k (bench/gpu_attention.py
@@ -52,9 +54,9 @@
 #   mha      bench/gpu_mha_attention.py: the multi-head decode attention kernels at NLLB's beam step shapes, with each
 #            bench/variants/decode_attention_mha/NAME.cu (carry bench/variants) timed beside the package's  (~1 min)
 # Usage (from the repository root, with .whl carried):
-#   bash bench/gpu_check.sh [tests|api-models|load|kernels|smollm2|llama|long-prefill|long-decode-8k|long-decode-32k|
-#     profile|prefix|beam|search|ssm|ssm-kernels|ssm-profile|ssm-prefix|moe-kernels|moe|mla|mla-kernels|hy4|hy4-32k|
-#     dsa-kernels|mha|serving]...
+#   bash bench/gpu_check.sh [tests|api-models|load|kernels|smollm2|llama|long-prefill|prefill-variants|long-decode-8k|
+#     long-decode-32k|profile|prefix|beam|search|ssm|ssm-kernels|ssm-profile|ssm-prefix|moe-kernels|moe|mla|
+#     mla-kernels|hy4|hy4-32k|dsa-kernels|mha|serving]...
 # (default: tests). Logs and JSON land in $OUT (default /tmp/gpu-check).
 set -uo pipefail
 source scripts/device_env.sh || exit 1
@@ -110,6 +112,14 @@ for part in "${@:-tests}"; do
         --skip-peer --skip-grpc --max-batch-tokens 32768
       python3 -m bench.gpu_attention --prefill-only > "$OUT/prefill_attention.txt" 2>&1
       summary+=("== prefill attention" "$(cat "$OUT/prefill_attention.txt")") ;;
+    prefill-variants)
+      variants=()
+      for f in bench/variants/prefill_attention_hopper/*.cu; do
+        [ -e "$f" ] && variants+=(--variant "$(basename "$f" .cu)=$f")
+      done
+      python3 -m bench.gpu_attention --prefill-only "${variants[@]}" > "$OUT/prefill_variants.txt" 2>&1 \
+        || summary+=("prefill-variants: FAILED (see prefill_variants.txt)")
+      summary+=("== prefill attention variants" "$(grep -v '^# gpu' "$OUT/prefill_variants.txt")") ;;
     long-decode-8k)
       long=(bench.gpu_decode --shape llama3-8b --max-positions 32768 --context 8192 --steps 16 --warmup 3 --prefill ''
             --max-batch-tokens 32768)
