@@ -52,3 +52,18 @@ def test_a_compile_error_carries_the_nvrtc_log():
 
     with pytest.raises(FailedPrecondition, match="undeclared_name"):
         compile_cubin("broken", 'extern "C" __global__ void k() { undeclared_name(); }', "sm_90a")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_hopper_prefill_launcher_gives_the_shared_memory_the_kernel_lays_out(head_dim):
+    # The launcher's hopper_prefill_shared_bytes against HopperTiles<head_dim>::SHARED_BYTES, which NVRTC checks: the
+    # source with a static_assert appended compiles only where the two agree.
+    from metrale.runtime.backend.cuda.kernels.attention import hopper_prefill_shared_bytes
+    from metrale.runtime.errors import FailedPrecondition
+
+    source = SOURCES["prefill_attention_hopper"]
+    shared = hopper_prefill_shared_bytes(head_dim)
+    check = f"\nstatic_assert(HopperTiles<{head_dim}>::SHARED_BYTES == {{}}, \"shared bytes\");\n"
+    assert compile_cubin("prefill_attention_hopper", source + check.format(shared), "sm_90a")[:4] == b"\x7fELF"
+    with pytest.raises(FailedPrecondition, match="shared bytes"):
+        compile_cubin("prefill_attention_hopper", source + check.format(shared + 16), "sm_90a")
