@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from bench.gpu_ceilings import copy_bandwidth, gpu_machine_line
 from bench.kernel_variant import add_variant_option, variant_libraries
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16     # BLOCK: the worker's default kv_block_size
 DECODE_CASES = ((1, 1024), (1, 4096), (1, 8192), (8, 4096), (32, 1024), (64, 1024), (64, 2000), (64, 4096),
                 (256, 1024), (8, 32768), (16, 8192), (64, 8192), (1, 32768), (16, 32768), (64, 32768))
 PREFILL_CASES = ((1, 4096), (1, 16384), (1, 32768), (8, 4096), (8, 16384), (8, 32768))
@@ -33,11 +33,11 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-def paged_kv(batch: int, context: int, device: str = "cuda"):
+def paged_kv(batch: int, context: int, block_size: int, device: str = "cuda"):
     """A random KV cache of batch sequences of `context` tokens each, blocks shuffled; (kv, tables)."""
-    per_seq = math.ceil(context / BLOCK)
+    per_seq = math.ceil(context / block_size)
     num_blocks = batch * per_seq
-    kv = torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    kv = torch.randn(2, num_blocks, block_size, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
     tables = torch.randperm(num_blocks, device=device, dtype=torch.int32).view(batch, per_seq).contiguous()
     return kv, tables
 
@@ -70,10 +70,10 @@ def seconds_per_replay(graph, stream, replays: int, warmup: int = 1) -> float:
     return (time.perf_counter() - started) / replays
 
 
-def decode_case(lib, stream, batch: int, context: int, reps: int, partition=None) -> float:
+def decode_case(lib, stream, batch: int, context: int, block_size: int, reps: int, partition=None) -> float:
     from metrale.runtime.backend.cuda.kernels.attention import decode_workspace_elements, paged_decode_attention
     from metrale.runtime.backend.cuda.tensor import DeviceTensor as D
-    kv, tables = paged_kv(batch, context)
+    kv, tables = paged_kv(batch, context, block_size)
     q = torch.randn(batch, HEADS * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     rows = torch.arange(batch, device="cuda", dtype=torch.int32)
@@ -106,13 +106,13 @@ def decode_case(lib, stream, batch: int, context: int, reps: int, partition=None
     return seconds
 
 
-def prefill_case(lib, stream, batch: int, length: int, reps: int, variants: dict) -> tuple:
+def prefill_case(lib, stream, batch: int, length: int, block_size: int, reps: int, variants: dict) -> tuple:
     """({kernel: (s, relative error against SDPA)} for ours, "cp.async" (ours gathering every tile), "mma.sync" and
     each variant; SDPA s) for `batch` causal sequences of `length` tokens each."""
     from metrale.runtime.backend.cuda.kernels.attention import paged_prefill_attention
     from metrale.runtime.backend.cuda.tensor import DeviceTensor as D
     from metrale.runtime.backend.cuda.tensor_maps import paged_kv_map
-    kv, tables = paged_kv(batch, length)
+    kv, tables = paged_kv(batch, length, block_size)
     q = torch.randn(batch * length, HEADS * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     starts = torch.arange(batch, device="cuda", dtype=torch.int32) * length
@@ -164,8 +164,6 @@ def kernel_library():
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    global BLOCK
-    BLOCK = args.block_size
     print(gpu_machine_line("gpu_attention", "cuda"), flush=True)
     bandwidth = copy_bandwidth("cuda", 2 * 10**9)
     lib, stream = kernel_library()
@@ -173,7 +171,8 @@ def main(argv=None) -> None:
         decode_table(lib, stream, args, bandwidth)
     if args.decode_only:
         return
-    print(f"# prefill attention, causal sequences, KV blocks of {BLOCK}; TFLOP/s = 2 * 2 * T^2 / 2 * heads * head_dim * batch / time; "
+    print(f"# prefill attention, causal sequences, KV blocks of {args.block_size}; "
+          "TFLOP/s = 2 * 2 * T^2 / 2 * heads * head_dim * batch / time; "
           "cp.async: ours gathering every K/V tile instead of loading whole ones through the tensor map; "
           "mma.sync: prefill_attention.cu, the kernel other architectures run; !: an output off SDPA's by more than "
           "1e-2 relative (a wrong kernel, or a variant timing a part)")
@@ -183,7 +182,7 @@ def main(argv=None) -> None:
           f"{'sdpa ms':>8} {'sdpa TF/s':>9} {'ours/sdpa':>9} {'rel err':>8}"
           + "".join(f" {name + ' TF/s':>14}" for name in variants))
     for batch, length in PREFILL_CASES:
-        kernels, theirs = prefill_case(lib, stream, batch, length, args.reps, variants)
+        kernels, theirs = prefill_case(lib, stream, batch, length, args.block_size, args.reps, variants)
         flops = 2 * length * length * HEADS * HEAD_DIM * batch
 
         def rate(name: str, width: int) -> str:   # TFLOP/s, marked "!" past bf16's error
@@ -197,14 +196,15 @@ def main(argv=None) -> None:
 
 def decode_table(lib, stream, args, bandwidth: float) -> None:
     kv_token = 2 * KV_HEADS * HEAD_DIM * 2
-    print(f"# paged decode attention, {HEADS} heads / {KV_HEADS} KV heads, head_dim {HEAD_DIM}, blocks of {BLOCK}; "
-          f"fraction of copy bandwidth {bandwidth / 1e12:.2f} TB/s (KV bytes / time, attention and merge launches)")
+    print(f"# paged decode attention, {HEADS} heads / {KV_HEADS} KV heads, head_dim {HEAD_DIM}, "
+          f"blocks of {args.block_size}; fraction of copy bandwidth {bandwidth / 1e12:.2f} TB/s (KV bytes / time, "
+          f"attention and merge launches)")
     partitions = (None,) + (SWEEP if args.sweep else ())
     print(f"{'batch':>5} {'context':>7} " + " ".join(f"{'default' if p is None else p:>14}" for p in partitions))
     for batch, context in DECODE_CASES:
         cells = []
         for partition in partitions:
-            seconds = decode_case(lib, stream, batch, context, args.reps, partition)
+            seconds = decode_case(lib, stream, batch, context, args.block_size, args.reps, partition)
             fraction = batch * context * kv_token / seconds / bandwidth
             cells.append(f"{seconds * 1e6:7.1f}us {fraction:4.2f}")
         print(f"{batch:5d} {context:7d} " + " ".join(f"{c:>14}" for c in cells), flush=True)

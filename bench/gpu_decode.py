@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from bench.decode_tables import DecodeRow, PrefillRow, format_decode_table, format_prefill_table, row_record
+from bench.decode_tables import DecodeRow, format_decode_table, format_prefill_table, row_record
 from bench.engine_runner import EngineRunner
 from bench.gpu_ceilings import copy_bandwidth, device_memory_gb, gemm_rate, gpu_machine_line
 from bench.grpc_client import decode_round_trips_in_subprocess
@@ -22,7 +22,9 @@ from bench.model_shapes import SHAPES, decode_step_bytes, decode_weight_bytes, k
     random_checkpoint, random_tokens
 from bench.peer_llama import build_peer, check_compiled_decode, peer_prefill, time_peer_decode
 from bench.phases import Run, log
-from bench.side_by_side import check_same_model, chunks_of, time_hf_generate, time_peer_prefill
+from bench.prefill_cases import measure_chunked_prefill, measure_prefill, parse_chunked_prefill, \
+    parse_prefill_cases
+from bench.side_by_side import check_same_model, chunks_of, time_hf_generate
 from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.cache.blocks import blocks_for
@@ -71,14 +73,6 @@ def parse_args(argv):
     parser.add_argument("--json", default=None, help="write every number here (default: $OUT/gpu_decode.json "
                                                      "where $OUT is set)")
     return parser.parse_args(argv)
-
-
-def parse_prefill_cases(text: str) -> list[tuple[int, int]]:
-    cases = []
-    for case in filter(None, (c.strip() for c in text.split(","))):
-        n, length = case.lower().split("x")
-        cases.append((int(n), int(length)))
-    return cases
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -266,53 +260,6 @@ def main(argv: list[str] | None = None) -> dict:
           + (f"; ERRORS: {run.errors}" if run.errors else ""))
     result["decode_rows"], result["prefill_rows"] = decode_rows, prefill_rows
     return result
-
-
-def measure_prefill(run: Run, args, shape, cases, gemm: float, ours, peer, device: str) -> list[PrefillRow]:
-    """One prefill of every case on the engine, then on the peer: model FLOP/s against the GEMM rate."""
-    rows: list[PrefillRow] = []
-    for n, length in cases:
-        tokens = random_tokens(n, length, shape.vocab, args.seed + 2)
-        flops = prefill_flops(shape, n, length)
-        row = PrefillRow(n, length, "metrale", flops, gemm)
-        if ours:
-            times, row.note = run.phase(f"prefill {n}x{length} metrale", ours.time_prefill, tokens,
-                                        args.prefill_warmup, args.prefill_reps)
-            row.step_ms = times or []
-        else:
-            row.note = "no engine"
-        rows.append(row)
-        if peer:
-            row = PrefillRow(n, length, "peer", flops, gemm)
-            times, row.note = run.phase(f"prefill {n}x{length} peer", time_peer_prefill, peer, tokens.to(device),
-                                        args.prefill_warmup, args.prefill_reps)
-            row.step_ms = times or []
-            rows.append(row)
-    return rows
-
-
-def parse_chunked_prefill(spec: str) -> tuple[int, int]:
-    """'LENxCHUNK' -> (LEN, CHUNK), both > 0; '' -> (0, 0)."""
-    if not spec:
-        return 0, 0
-    try:
-        long_len, chunk = (int(v) for v in spec.lower().split("x"))
-    except ValueError:
-        raise SystemExit(f"--chunked-prefill {spec!r}: expected LENxCHUNK, e.g. 32768x2048") from None
-    if long_len <= 0 or chunk <= 0:
-        raise SystemExit(f"--chunked-prefill {spec!r}: LEN and CHUNK must be > 0")
-    return long_len, chunk
-
-
-def measure_chunked_prefill(run: Run, args, shape, long_len: int, chunk: int, ours) -> dict:
-    """p50 ms of one prompt of long_len tokens prefilled whole, then in chunks of `chunk` (one step each)."""
-    tokens = random_tokens(1, long_len, shape.vocab, args.seed + 4)
-    chunked = {}
-    for name, size in (("whole", 0), ("chunked", chunk)):
-        times, _ = run.phase(f"prefill {long_len} {name}", ours.time_prefill, tokens, args.prefill_warmup,
-                             args.prefill_reps, size)
-        chunked[name] = sorted(times)[len(times) // 2] if times else None
-    return chunked
 
 
 def decode_engine_row(run: Run, args, ours, batch: int, prompts: torch.Tensor, floor_ms: float) -> DecodeRow:

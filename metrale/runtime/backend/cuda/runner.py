@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from metrale.runtime.backend.cuda import kernels
-from metrale.runtime.backend.cuda.kernels.attention import HOPPER_HEAD_DIMS
+from metrale.runtime.backend.cuda.kernels.attention import hopper_prefill_available
 from metrale.runtime.backend.cuda.beam_search import CudaDeviceSearch, fits, seed_of, state_arrays, state_bytes
 from metrale.runtime.backend.cuda.resources import CudaResources
 from metrale.runtime.backend.cuda.sampler import QueuedRows
@@ -97,7 +97,7 @@ class CudaRunner:
         pool = Arena(self.cuda.allocate(pool_bytes), pool_bytes, "cache pool")
         layers: list = [pool.take(paged[i], "bfloat16") if i in paged else None for i in range(len(specs))]
         for i, spec in enumerate(specs):   # the tensor maps prefill attention loads through, before any capture
-            if isinstance(spec, PagedKv) and self.lib.arch == "sm_90a" and spec.head_dim in HOPPER_HEAD_DIMS:
+            if isinstance(spec, PagedKv) and hopper_prefill_available(self.lib.arch, spec.head_dim):
                 paged_kv_map(layers[i])
         for i, shapes in states.items():
             layers[i] = tuple(pool.take(shape, "float32") for shape in shapes)

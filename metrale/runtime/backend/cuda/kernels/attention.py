@@ -254,7 +254,7 @@ def paged_prefill_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_
                 f"paged_prefill_attention: {name} must be [S >= {num_segments}] int32")
     require(block_tables.shape[0] >= num_segments,
             f"paged_prefill_attention: block_tables must have at least {num_segments} rows")
-    available = lib.arch == "sm_90a" and head_dim in HOPPER_HEAD_DIMS
+    available = hopper_prefill_available(lib.arch, head_dim)
     require(not hopper or available, f"paged_prefill_attention: no Hopper kernel for {lib.arch}, head_dim {head_dim}")
     require(num_segments <= MAX_GRID_YZ and num_heads <= MAX_GRID_YZ,
             f"paged_prefill_attention: at most {MAX_GRID_YZ} segments and heads")
@@ -275,6 +275,11 @@ def paged_prefill_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_
         return
     kernel = lib.get(f"paged_prefill_attention_hd{head_dim}", PREFILL_MODULE)
     launch_kernel(stream, kernel, (ceil_div(max_query_len, PREFILL_ROWS), num_heads, num_segments), THREADS, *args)
+
+
+def hopper_prefill_available(arch: str, head_dim: int) -> bool:
+    """Whether paged_prefill_attention runs prefill_attention_hopper.cu here (which loads through tensor maps)."""
+    return arch == "sm_90a" and head_dim in HOPPER_HEAD_DIMS
 
 
 def hopper_prefill_shared_bytes(head_dim: int) -> int:

@@ -1,0 +1,62 @@
+"""The prefill cases of bench/gpu_decode.py: prompts NUMxLEN timed on the engine and the peer against the GEMM
+rate, and one long prompt whole against in the worker's chunks."""
+
+from bench.decode_tables import PrefillRow
+from bench.model_shapes import prefill_flops, random_tokens
+from bench.phases import Run
+from bench.side_by_side import time_peer_prefill
+
+
+def parse_prefill_cases(text: str) -> list[tuple[int, int]]:
+    cases = []
+    for case in filter(None, (c.strip() for c in text.split(","))):
+        n, length = case.lower().split("x")
+        cases.append((int(n), int(length)))
+    return cases
+
+
+def measure_prefill(run: Run, args, shape, cases, gemm: float, ours, peer, device: str) -> list[PrefillRow]:
+    """One prefill of every case on the engine, then on the peer: model FLOP/s against the GEMM rate."""
+    rows: list[PrefillRow] = []
+    for n, length in cases:
+        tokens = random_tokens(n, length, shape.vocab, args.seed + 2)
+        flops = prefill_flops(shape, n, length)
+        row = PrefillRow(n, length, "metrale", flops, gemm)
+        if ours:
+            times, row.note = run.phase(f"prefill {n}x{length} metrale", ours.time_prefill, tokens,
+                                        args.prefill_warmup, args.prefill_reps)
+            row.step_ms = times or []
+        else:
+            row.note = "no engine"
+        rows.append(row)
+        if peer:
+            row = PrefillRow(n, length, "peer", flops, gemm)
+            times, row.note = run.phase(f"prefill {n}x{length} peer", time_peer_prefill, peer, tokens.to(device),
+                                        args.prefill_warmup, args.prefill_reps)
+            row.step_ms = times or []
+            rows.append(row)
+    return rows
+
+
+def parse_chunked_prefill(spec: str) -> tuple[int, int]:
+    """'LENxCHUNK' -> (LEN, CHUNK), both > 0; '' -> (0, 0)."""
+    if not spec:
+        return 0, 0
+    try:
+        long_len, chunk = (int(v) for v in spec.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--chunked-prefill {spec!r}: expected LENxCHUNK, e.g. 32768x2048") from None
+    if long_len <= 0 or chunk <= 0:
+        raise SystemExit(f"--chunked-prefill {spec!r}: LEN and CHUNK must be > 0")
+    return long_len, chunk
+
+
+def measure_chunked_prefill(run: Run, args, shape, long_len: int, chunk: int, ours) -> dict:
+    """p50 ms of one prompt of long_len tokens prefilled whole, then in chunks of `chunk` (one step each)."""
+    tokens = random_tokens(1, long_len, shape.vocab, args.seed + 4)
+    chunked = {}
+    for name, size in (("whole", 0), ("chunked", chunk)):
+        times, _ = run.phase(f"prefill {long_len} {name}", ours.time_prefill, tokens, args.prefill_warmup,
+                             args.prefill_reps, size)
+        chunked[name] = sorted(times)[len(times) // 2] if times else None
+    return chunked
