@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def bench(monkeypatch):
     # The scripts run as `python -m bench.<name>` from the repository root, which is not always on sys.path here.
     monkeypatch.syspath_prepend(str(ROOT))
+    import bench.decode_tables
     import bench.gpu_decode
     import bench.gpu_moe
     import bench.gpu_ssm
@@ -175,7 +176,7 @@ def test_accounting_of_the_llama3_8b_shape(bench):
 
 
 def test_tables_show_failures_and_ratios(bench):
-    gd = bench.gpu_decode
+    gd = bench.decode_tables
     rows = [gd.DecodeRow(1, "metrale", 4.0, [5.0, 5.0, 6.0], [4.5]), gd.DecodeRow(1, "peer", 4.0, [5.5, 5.5],
                                                                                   [5.6]),
             gd.DecodeRow(1, "steps", 4.0, [6.25], [1.0], idle_ms=[float("nan"), 0.5, 0.3, 0.4]),
