@@ -11,8 +11,9 @@
 #   smollm2  bench/gpu_decode.py at the default model's shape, with the peer, gRPC and transformers (~2 min)
 #   llama    bench/gpu_decode.py at the Llama-3-8B shape, every batch, prefill, peer and gRPC (~4 min)
 #   long-prefill  bench/gpu_decode.py at the Llama-3-8B shape with 32k positions: prefill of 1 x 8k and 8 x 4k, and
-#            one 32k prompt whole (time to first token) and in the worker's chunks of 2k; then the prefill attention
-#            kernels alone against SDPA (bench/gpu_attention.py --prefill-only)                          (~3 min)
+#            one 32k prompt whole (time to first token) and in the worker's chunks of 2k, on the engine and through
+#            gRPC; then the prefill attention kernels alone against SDPA (bench/gpu_attention.py --prefill-only)
+#                                                                                                        (~4 min)
 #   prefill-variants  the prefill attention kernels against SDPA with each bench/variants/prefill_attention_hopper/
 #            NAME.cu (carry bench/variants) timed and checked beside the package's                      (~2 min)
 #   long-decode-8k  bench/gpu_decode.py at the Llama-3-8B shape with 8k contexts: batches 1 and 16 with the peer and
@@ -109,7 +110,7 @@ for part in "${@:-tests}"; do
     long-prefill)
       run_bench long-prefill bench.gpu_decode --shape llama3-8b --max-positions 32768 --batches 1 --steps 4 \
         --warmup 1 --prefill 1x8192,8x4096 --chunked-prefill 32768x2048 --prefill-reps 3 --prefill-warmup 1 \
-        --skip-peer --skip-grpc --max-batch-tokens 32768
+        --skip-peer --max-batch-tokens 32768
       python3 -m bench.gpu_attention --prefill-only > "$OUT/prefill_attention.txt" 2>&1
       summary+=("== prefill attention" "$(cat "$OUT/prefill_attention.txt")") ;;
     prefill-variants)

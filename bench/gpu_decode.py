@@ -64,7 +64,7 @@ def parse_args(argv):
     parser.add_argument("--skip-peer", action="store_true", help="measure the engine alone")
     parser.add_argument("--skip-engine", action="store_true",
                         help="measure the peer alone (where its KV cache and the engine's do not fit side by side)")
-    parser.add_argument("--skip-grpc", action="store_true", help="no decode through gRPC")
+    parser.add_argument("--skip-grpc", action="store_true", help="no prefill or decode through gRPC")
     parser.add_argument("--hf-generate", action="store_true",
                         help="also time transformers' eager generate at batch 1 (small shapes)")
     parser.add_argument("--seed", type=int, default=0)
@@ -176,9 +176,16 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{', '.join(f'{e:.2e}' for e in checked['errors'])}, same argmax {checked['same_argmax']}"
                 f"/{checked['compared']}, finite {checked['finite']}{warn}")
 
+    worker = None
+    if ours and not args.skip_grpc:
+        # The engine behind a real WorkerServer on loopback; the client runs in a process of its own.
+        server_config = WorkerConfig(host="127.0.0.1", port=0, reflection=False, drain_timeout=5.0, engine=config)
+        worker, _ = run.phase("grpc worker", InProcessWorker,
+                              lambda: WorkerServer(ours.engine, built[1], None, server_config))
+
     # Prefill: model FLOP/s against the GEMM rate.
-    prefill_rows = measure_prefill(run, args, shape, cases, gemm, ours, peer, device)
-    chunked = measure_chunked_prefill(run, args, shape, long_len, chunk, ours) if long_len and ours else {}
+    prefill_rows = measure_prefill(run, args, shape, cases, gemm, ours, peer, device, worker)
+    chunked = measure_chunked_prefill(run, args, shape, long_len, chunk, ours, worker) if long_len and ours else {}
     result["chunked_prefill"] = {"tokens": long_len, "chunk": chunk, **chunked}
 
     # Decode at each batch size, the engine then the peer, side by side.
@@ -190,12 +197,6 @@ def main(argv: list[str] | None = None) -> dict:
         if note:
             peer = None
         log(f"peer caches {max_batch} x {peer_decode_len} tokens; device {device_memory_gb(device)}")
-    worker = None
-    if ours and not args.skip_grpc:
-        # The engine behind a real WorkerServer on loopback; the client runs in a process of its own.
-        server_config = WorkerConfig(host="127.0.0.1", port=0, reflection=False, drain_timeout=5.0, engine=config)
-        worker, _ = run.phase("grpc worker", InProcessWorker,
-                              lambda: WorkerServer(ours.engine, built[1], None, server_config))
     mean_context = args.context + args.warmup + (args.steps + 1) / 2      # KV read per sequence, timed steps
     peer_failed = ""
     for batch in batches:
@@ -255,6 +256,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"# one prompt of {long_len} tokens (time to first token, engine): whole {chunked['whole']:.1f} ms "
               f"({whole_flops / 1e12:.1f} TFLOP/s, {whole_flops / gemm:.2f} of the GEMM rate), in the worker's chunks "
               f"of {chunk} {chunked['chunked']:.1f} ms ({chunked['chunked'] / chunked['whole']:.3f}x)")
+    if chunked.get("grpc whole") and chunked.get("grpc chunked"):
+        whole_flops = prefill_flops(shape, 1, long_len) / (chunked["grpc whole"] / 1e3)
+        print(f"# the same through gRPC (a client process's Prefill round trip): whole {chunked['grpc whole']:.1f} ms "
+              f"({whole_flops / 1e12:.1f} TFLOP/s, {whole_flops / gemm:.2f} of the GEMM rate), in chunks of {chunk} "
+              f"{chunked['grpc chunked']:.1f} ms ({chunked['grpc chunked'] / chunked['grpc whole']:.3f}x)")
     print(f"# total {run.elapsed():.0f} s, device memory in use at most {run.peak_bytes_in_use / 1e9:.1f} GB "
           f"(at phase ends); phases (s): " + ", ".join(f"{k} {v:.1f}" for k, v in run.phases.items())
           + (f"; ERRORS: {run.errors}" if run.errors else ""))

@@ -82,6 +82,34 @@ class StepStream:
             pass
 
 
+def prefill_round_trips(address: str, prompts: list[list[int]], warmup: int, reps: int, chunk_size: int = 0,
+                        first_seq_id: int = 1 << 41) -> list[float]:
+    """ms per Prefill round trip of all `prompts` in one request (chunk_size > 0: the worker runs each in chunks of
+    that many tokens), as a gateway sees its time to first token; the sequences are released after each."""
+    times = []
+    with grpc.insecure_channel(address, options=CLIENT_OPTIONS) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        for rep in range(warmup + reps):
+            ids = [first_seq_id + rep * len(prompts) + i for i in range(len(prompts))]
+            request = pb.PrefillRequest(slices=[pb.PrefillSlice(seq_id=i, tokens=p, is_last_chunk=True,
+                                                                chunk_size=chunk_size)
+                                                for i, p in zip(ids, prompts)])
+            started = time.perf_counter()
+            stub.Prefill(request)
+            elapsed = (time.perf_counter() - started) * 1e3
+            stub.Release(pb.ReleaseRequest(seq_ids=ids))
+            if rep >= warmup:
+                times.append(elapsed)
+    return times
+
+
+def prefill_round_trips_in_subprocess(address: str, prompts: list[list[int]], warmup: int, reps: int,
+                                      chunk_size: int = 0, timeout: float = 300.0) -> list[float]:
+    """prefill_round_trips in a fresh (spawned) process."""
+    return run_spawned(prefill_round_trips, (address, prompts, warmup, reps, chunk_size), timeout,
+                       "the gRPC prefill client")
+
+
 def _breakdown(args, rpc) -> list[tuple]:
     breakdown = []
     decode_round_trips(*args, breakdown=breakdown, rpc=rpc)

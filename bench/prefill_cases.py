@@ -2,6 +2,7 @@
 rate, and one long prompt whole against in the worker's chunks."""
 
 from bench.decode_tables import PrefillRow
+from bench.grpc_client import prefill_round_trips_in_subprocess
 from bench.model_shapes import prefill_flops, random_tokens
 from bench.phases import Run
 from bench.side_by_side import time_peer_prefill
@@ -15,8 +16,10 @@ def parse_prefill_cases(text: str) -> list[tuple[int, int]]:
     return cases
 
 
-def measure_prefill(run: Run, args, shape, cases, gemm: float, ours, peer, device: str) -> list[PrefillRow]:
-    """One prefill of every case on the engine, then on the peer: model FLOP/s against the GEMM rate."""
+def measure_prefill(run: Run, args, shape, cases, gemm: float, ours, peer, device: str,
+                    worker=None) -> list[PrefillRow]:
+    """One prefill of every case on the engine, through gRPC (with a worker: a client process's Prefill round
+    trip), then on the peer: model FLOP/s against the GEMM rate."""
     rows: list[PrefillRow] = []
     for n, length in cases:
         tokens = random_tokens(n, length, shape.vocab, args.seed + 2)
@@ -29,6 +32,12 @@ def measure_prefill(run: Run, args, shape, cases, gemm: float, ours, peer, devic
         else:
             row.note = "no engine"
         rows.append(row)
+        if worker:
+            row = PrefillRow(n, length, "grpc", flops, gemm)
+            times, row.note = run.phase(f"prefill {n}x{length} grpc", prefill_round_trips_in_subprocess,
+                                        worker.address, tokens.tolist(), args.prefill_warmup, args.prefill_reps)
+            row.step_ms = times or []
+            rows.append(row)
         if peer:
             row = PrefillRow(n, length, "peer", flops, gemm)
             times, row.note = run.phase(f"prefill {n}x{length} peer", time_peer_prefill, peer, tokens.to(device),
@@ -51,12 +60,17 @@ def parse_chunked_prefill(spec: str) -> tuple[int, int]:
     return long_len, chunk
 
 
-def measure_chunked_prefill(run: Run, args, shape, long_len: int, chunk: int, ours) -> dict:
-    """p50 ms of one prompt of long_len tokens prefilled whole, then in chunks of `chunk` (one step each)."""
+def measure_chunked_prefill(run: Run, args, shape, long_len: int, chunk: int, ours, worker=None) -> dict:
+    """p50 ms of one prompt of long_len tokens prefilled whole, then in chunks of `chunk` (one step each), on the
+    engine ("whole", "chunked") and, with a worker, through gRPC ("grpc whole", "grpc chunked")."""
     tokens = random_tokens(1, long_len, shape.vocab, args.seed + 4)
     chunked = {}
     for name, size in (("whole", 0), ("chunked", chunk)):
         times, _ = run.phase(f"prefill {long_len} {name}", ours.time_prefill, tokens, args.prefill_warmup,
                              args.prefill_reps, size)
         chunked[name] = sorted(times)[len(times) // 2] if times else None
+        if worker:
+            times, _ = run.phase(f"prefill {long_len} {name} grpc", prefill_round_trips_in_subprocess,
+                                 worker.address, tokens.tolist(), args.prefill_warmup, args.prefill_reps, size)
+            chunked[f"grpc {name}"] = sorted(times)[len(times) // 2] if times else None
     return chunked

@@ -33,7 +33,7 @@ def tiny_run_args(tmp_path, *more):
 
 
 def test_gpu_decode_runs_every_phase_on_the_cpu(bench, tmp_path, capsys):
-    result = bench.gpu_decode.main(tiny_run_args(tmp_path))
+    result = bench.gpu_decode.main(tiny_run_args(tmp_path, "--chunked-prefill", "24x8"))
     assert result["errors"] == []
     decode = result["decode_rows"]
     assert [(r.batch, r.impl) for r in decode] == [
@@ -42,9 +42,12 @@ def test_gpu_decode_runs_every_phase_on_the_cpu(bench, tmp_path, capsys):
     assert all(r.ok and len(r.step_ms) == 2 and r.floor_ms > 0 and r.tokens_per_s > 0 for r in decode)
     assert all(len(r.other_ms) == 2 for r in decode if r.impl == "metrale")   # host clock of each step
     prefill = result["prefill_rows"]
-    assert [(r.label, r.impl) for r in prefill] == [("1x16", "metrale"), ("1x16", "peer"), ("2x8", "metrale"),
-                                                     ("2x8", "peer")]
+    assert [(r.label, r.impl) for r in prefill] == [("1x16", "metrale"), ("1x16", "grpc"), ("1x16", "peer"),
+                                                     ("2x8", "metrale"), ("2x8", "grpc"), ("2x8", "peer")]
     assert all(r.ok and r.fraction_of_gemm > 0 for r in prefill)
+    chunked = result["chunked_prefill"]      # one prompt whole and in chunks, on the engine and through gRPC
+    assert chunked["tokens"] == 24 and chunked["chunk"] == 8
+    assert all(chunked[k] > 0 for k in ("whole", "chunked", "grpc whole", "grpc chunked"))
     # Same model on both sides (engine float32 on the CPU, peer bf16).
     assert result["check"]["finite"] and result["check"]["relative_error"] < 5e-2
     out = capsys.readouterr().out
