@@ -251,16 +251,13 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"# prefill: model FLOPs (2 x params x tokens + causal attention, lm_head on last tokens) / p50 time, "
               f"against bf16 GEMM {gemm / 1e12:.1f} TFLOP/s")
         print(format_prefill_table(prefill_rows))
-    if chunked.get("whole") and chunked.get("chunked"):
-        whole_flops = prefill_flops(shape, 1, long_len) / (chunked["whole"] / 1e3)
-        print(f"# one prompt of {long_len} tokens (time to first token, engine): whole {chunked['whole']:.1f} ms "
-              f"({whole_flops / 1e12:.1f} TFLOP/s, {whole_flops / gemm:.2f} of the GEMM rate), in the worker's chunks "
-              f"of {chunk} {chunked['chunked']:.1f} ms ({chunked['chunked'] / chunked['whole']:.3f}x)")
-    if chunked.get("grpc whole") and chunked.get("grpc chunked"):
-        whole_flops = prefill_flops(shape, 1, long_len) / (chunked["grpc whole"] / 1e3)
-        print(f"# the same through gRPC (a client process's Prefill round trip): whole {chunked['grpc whole']:.1f} ms "
-              f"({whole_flops / 1e12:.1f} TFLOP/s, {whole_flops / gemm:.2f} of the GEMM rate), in chunks of {chunk} "
-              f"{chunked['grpc chunked']:.1f} ms ({chunked['grpc chunked'] / chunked['grpc whole']:.3f}x)")
+    for where, key in (("engine", ""), ("through gRPC, a client process's Prefill round trip", "grpc ")):
+        whole, in_chunks = chunked.get(f"{key}whole"), chunked.get(f"{key}chunked")
+        if whole and in_chunks:
+            whole_flops = prefill_flops(shape, 1, long_len) / (whole / 1e3)
+            print(f"# one prompt of {long_len} tokens (time to first token, {where}): whole {whole:.1f} ms "
+                  f"({whole_flops / 1e12:.1f} TFLOP/s, {whole_flops / gemm:.2f} of the GEMM rate), in the worker's "
+                  f"chunks of {chunk} {in_chunks:.1f} ms ({in_chunks / whole:.3f}x)")
     print(f"# total {run.elapsed():.0f} s, device memory in use at most {run.peak_bytes_in_use / 1e9:.1f} GB "
           f"(at phase ends); phases (s): " + ", ".join(f"{k} {v:.1f}" for k, v in run.phases.items())
           + (f"; ERRORS: {run.errors}" if run.errors else ""))

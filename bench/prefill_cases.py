@@ -24,27 +24,24 @@ def measure_prefill(run: Run, args, shape, cases, gemm: float, ours, peer, devic
     for n, length in cases:
         tokens = random_tokens(n, length, shape.vocab, args.seed + 2)
         flops = prefill_flops(shape, n, length)
-        row = PrefillRow(n, length, "metrale", flops, gemm)
-        if ours:
-            times, row.note = run.phase(f"prefill {n}x{length} metrale", ours.time_prefill, tokens,
-                                        args.prefill_warmup, args.prefill_reps)
+
+        def timed(impl: str, time_it, *inputs) -> PrefillRow:
+            row = PrefillRow(n, length, impl, flops, gemm)
+            times, row.note = run.phase(f"prefill {n}x{length} {impl}", time_it, *inputs, args.prefill_warmup,
+                                        args.prefill_reps)
             row.step_ms = times or []
-        else:
-            row.note = "no engine"
-        rows.append(row)
+            return row
+        rows.append(timed("metrale", ours.time_prefill, tokens) if ours
+                    else PrefillRow(n, length, "metrale", flops, gemm, note="no engine"))
         if worker:
-            row = PrefillRow(n, length, "grpc", flops, gemm)
-            times, row.note = run.phase(f"prefill {n}x{length} grpc", prefill_round_trips_in_subprocess,
-                                        worker.address, tokens.tolist(), args.prefill_warmup, args.prefill_reps)
-            row.step_ms = times or []
-            rows.append(row)
+            rows.append(timed("grpc", prefill_round_trips_in_subprocess, worker.address, tokens.tolist()))
         if peer:
-            row = PrefillRow(n, length, "peer", flops, gemm)
-            times, row.note = run.phase(f"prefill {n}x{length} peer", time_peer_prefill, peer, tokens.to(device),
-                                        args.prefill_warmup, args.prefill_reps)
-            row.step_ms = times or []
-            rows.append(row)
+            rows.append(timed("peer", time_peer_prefill, peer, tokens.to(device)))
     return rows
+
+
+def p50(times: list[float] | None) -> float | None:
+    return sorted(times)[len(times) // 2] if times else None
 
 
 def parse_chunked_prefill(spec: str) -> tuple[int, int]:
@@ -68,9 +65,9 @@ def measure_chunked_prefill(run: Run, args, shape, long_len: int, chunk: int, ou
     for name, size in (("whole", 0), ("chunked", chunk)):
         times, _ = run.phase(f"prefill {long_len} {name}", ours.time_prefill, tokens, args.prefill_warmup,
                              args.prefill_reps, size)
-        chunked[name] = sorted(times)[len(times) // 2] if times else None
+        chunked[name] = p50(times)
         if worker:
             times, _ = run.phase(f"prefill {long_len} {name} grpc", prefill_round_trips_in_subprocess,
                                  worker.address, tokens.tolist(), args.prefill_warmup, args.prefill_reps, size)
-            chunked[f"grpc {name}"] = sorted(times)[len(times) // 2] if times else None
+            chunked[f"grpc {name}"] = p50(times)
     return chunked
