@@ -1,5 +1,7 @@
 // Skinny GEMM ("GEMV") for decode linears: out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]), M <= 16: the
-// kernels of skinny_gemm.cuh (its comment gives the design) over x's rows as they are.
+// kernels of skinny_gemm.cuh (its comment gives the design) over x's rows as they are, for a bf16 weight and for an
+// e4m3 weight with one float32 scale a row (dequantized in registers: the bf16 kernel's result on the weight
+// dequantized and rounded to bf16, bit for bit).
 #include "skinny_gemm.cuh"
 
 // Grid: ceil(N / 16) CTAs of 256 threads. x_stride in 16-byte chunks, out_stride in elements, k_chunks = K / 8;
@@ -8,26 +10,43 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M8) skinny_gemm_m
     bf16* out, long long out_stride, const uint4* x, long long x_stride, const uint4* weight, const bf16* bias,
     int m, int n, int k_chunks, int relu) {
     wait_for_previous_kernel();
-    skinny_gemm<1>(out, out_stride, StridedRows{x, x_stride}, weight, bias, m, n, k_chunks, relu);
+    skinny_gemm<1>(out, out_stride, StridedRows{x, x_stride}, Bf16Weights{weight}, bias, m, n, k_chunks, relu);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M8) skinny_gemm_m8_f32(
     float* out, long long out_stride, const uint4* x, long long x_stride, const uint4* weight, const float* bias,
     int m, int n, int k_chunks, int relu) {
     wait_for_previous_kernel();
-    skinny_gemm<1>(out, out_stride, StridedRows{x, x_stride}, weight, bias, m, n, k_chunks, relu);
+    skinny_gemm<1>(out, out_stride, StridedRows{x, x_stride}, Bf16Weights{weight}, bias, m, n, k_chunks, relu);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M16) skinny_gemm_m16_bf16(
     bf16* out, long long out_stride, const uint4* x, long long x_stride, const uint4* weight, const bf16* bias,
     int m, int n, int k_chunks, int relu) {
     wait_for_previous_kernel();
-    skinny_gemm<2>(out, out_stride, StridedRows{x, x_stride}, weight, bias, m, n, k_chunks, relu);
+    skinny_gemm<2>(out, out_stride, StridedRows{x, x_stride}, Bf16Weights{weight}, bias, m, n, k_chunks, relu);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M16) skinny_gemm_m16_f32(
     float* out, long long out_stride, const uint4* x, long long x_stride, const uint4* weight, const float* bias,
     int m, int n, int k_chunks, int relu) {
     wait_for_previous_kernel();
-    skinny_gemm<2>(out, out_stride, StridedRows{x, x_stride}, weight, bias, m, n, k_chunks, relu);
+    skinny_gemm<2>(out, out_stride, StridedRows{x, x_stride}, Bf16Weights{weight}, bias, m, n, k_chunks, relu);
+}
+
+// FP8 weights (sm_89 and later): weight [N, K] e4m3 as 8-byte chunks (K / 8 a row), scales [N] float32; out bf16.
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M8) skinny_gemm_m8_fp8(
+    bf16* out, long long out_stride, const uint4* x, long long x_stride, const uint2* weight, const float* scales,
+    const bf16* bias, int m, int n, int k_chunks, int relu) {
+    wait_for_previous_kernel();
+    skinny_gemm<1>(out, out_stride, StridedRows{x, x_stride}, Fp8RowWeights{weight, scales}, bias, m, n, k_chunks,
+                   relu);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M16) skinny_gemm_m16_fp8(
+    bf16* out, long long out_stride, const uint4* x, long long x_stride, const uint2* weight, const float* scales,
+    const bf16* bias, int m, int n, int k_chunks, int relu) {
+    wait_for_previous_kernel();
+    skinny_gemm<2>(out, out_stride, StridedRows{x, x_stride}, Fp8RowWeights{weight, scales}, bias, m, n, k_chunks,
+                   relu);
 }

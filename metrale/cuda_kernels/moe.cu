@@ -42,7 +42,8 @@ moe_skinny_gemm_m8(bf16* out, const uint4* a, long long a_stride, const uint4* w
     const int expert = tiles[2 * tile], row0 = tiles[2 * tile + 1];
     const int rows = min(8, offsets[expert + 1] - row0), width = gated ? n / 2 : n;
     skinny_gemm<1>(out + (long long)row0 * width, (long long)width,
-                   TileRows{a, a_stride, sorted_entries, gather_div, row0}, weight + (long long)expert * n * k_chunks,
+                   TileRows{a, a_stride, sorted_entries, gather_div, row0},
+                   Bf16Weights{weight + (long long)expert * n * k_chunks},
                    static_cast<const bf16*>(nullptr), rows, n, k_chunks, 0, gated, limit);
 }
 

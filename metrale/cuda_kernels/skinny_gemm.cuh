@@ -1,7 +1,8 @@
 // The skinny GEMM ("GEMV") of decode linears (gemv.cu) and of a mixture's experts at decode (moe.cu): out [M, N] =
 // x [M, K] @ weight [N, K]^T (+ bias [N]), M <= 16, on tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate), in one launch that reads every weight byte once.
 //
-// weight [N, K] bf16, contiguous (nn.Linear layout), passed as 16-byte chunks: k_chunks = K / 8 per row.
+// weight [N, K] bf16, contiguous (nn.Linear layout), passed as 16-byte chunks: k_chunks = K / 8 per row; or e4m3
+// with a float32 scale a row (Fp8RowWeights: 8-byte chunks, each widened to bf16 in registers before its mma).
 // x [M, K] bf16, row stride x_stride in 16-byte chunks (x may be a column slice). out [M, N] bf16 or float32,
 // row stride out_stride in elements; bias [N] of out's dtype or null. Every pointer 16-byte aligned but out's
 // and bias's (element-aligned: they are written and read one element at a time).
@@ -25,7 +26,8 @@
 // Work split: a CTA of 8 warps owns 16 weight rows; its warps split the row's steps into 8 contiguous ranges
 // (splitting K, so that a small N still gives many warps: N = 4096 is 256 CTAs), sum their 16 x M partial
 // products in shared memory, and the CTA writes 16 x M outputs (+ bias) once. Each lane loads UNROLL steps (2
-// UNROLL streaming 16-byte weight loads) before multiplying any: 4 KB of weight per warp in flight, 96 KB per SM
+// UNROLL streaming 16-byte weight loads; 8 steps of 8-byte loads for FP8) before multiplying any: 4 KB of weight per
+// warp in flight either way, 96 KB per SM
 // at 3 CTAs (M <= 8), 64 KB at 2 (M <= 16), well over bandwidth x latency / SMs (4.8 TB/s x ~1 us / 132 = 36 KB
 // on an H200). The weight is read once, with ld.global.nc.L1::no_allocate so it does not push x out of L1: every
 // CTA reads all of x (M x K x 2 bytes, tiny next to its 16 x K x 2 of weight when M <= 8), from L1 or L2.
@@ -38,7 +40,6 @@ constexpr int WARPS = 8;
 constexpr int THREADS = 32 * WARPS;
 constexpr int TILE_ROWS = 16;      // weight rows of a CTA: the mma's M
 constexpr int STEP_CHUNKS = 4;     // 16-byte chunks of each row per warp step: one per t
-constexpr int UNROLL = 4;          // warp steps loaded before the first is multiplied
 // CTAs per SM that ptxas must fit (its register budget). Asking for them also makes it issue all of a batch's
 // loads before the first mma (about 75 and 100 registers on sm_90a); with the bare launch bound it interleaves
 // each step's mmas with the next step's loads to save registers, and one step is in flight at a time.
@@ -56,6 +57,15 @@ __device__ __forceinline__ uint4 load_weight(const uint4* pointer, bool valid) {
     return v;
 }
 
+// 8 bytes of the weight (an FP8 weight's chunk), as above.
+__device__ __forceinline__ uint2 load_weight(const uint2* pointer, bool valid) {
+    uint2 v;
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n"
+                 " @p ld.global.nc.L1::no_allocate.L2::256B.v2.u32 {%0, %1}, [%2];\n}\n"
+                 : "=r"(v.x), "=r"(v.y) : "l"(pointer), "r"((int)valid));
+    return v;
+}
+
 // 16 bytes of x, or zeros where !valid: re-read by every CTA, so cached in L1 (plain global loads are, on sm_80+).
 // Not .nc: x is the previous kernel's output, and programmatic dependent launch orders only coherent loads after
 // griddepcontrol.wait (common.cuh); the weight above is written by no kernel, so its .nc loads are safe.
@@ -67,6 +77,50 @@ __device__ __forceinline__ uint4 load_activation(const uint4* pointer, bool vali
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(pointer), "r"((int)valid));
     return v;
 }
+
+// The weight's form, as skinny_gemm reads it: Raw, what one lane loads for one 16-byte chunk of x (8 of K); load(),
+// that load (zeros where !valid); widen(), the 8 bf16 values it stands for, ready for the mma; UNROLL, the warp steps
+// loaded before the first is multiplied (as many bytes in flight for either form).
+struct Bf16Weights {          // [N, K] bf16: a chunk is 16 bytes of it, as it is
+    typedef uint4 Raw;
+    static constexpr int UNROLL = 4;
+    const uint4* data;
+    __device__ __forceinline__ const Raw* row(int r, int k_chunks) const { return data + (long long)r * k_chunks; }
+    __device__ __forceinline__ float scale(int) const { return 1.f; }
+    __device__ __forceinline__ static Raw load(const Raw* p, bool valid) { return load_weight(p, valid); }
+    __device__ __forceinline__ static uint4 widen(Raw raw, float) { return raw; }
+};
+
+// Two e4m3 (the low byte the lower element) -> two bf16 of their values times scale, packed as float2_to_bf16x2:
+// each value exact in f16 and float, multiplied in fp32 and rounded to bf16 once, as a weight dequantized to
+// float32 on the host (loading/fp8.py) and uploaded as bf16 would be. sm_89 and later.
+__device__ __forceinline__ unsigned int e4m3x2_to_bf16x2(unsigned int pair, float scale) {
+#if __CUDA_ARCH__ >= 890
+    unsigned int halves;
+    float lo, hi;
+    asm("{\n .reg .b16 pair, l, h;\n cvt.u16.u32 pair, %3;\n cvt.rn.f16x2.e4m3x2 %0, pair;\n"
+        " mov.b32 {l, h}, %0;\n cvt.f32.f16 %1, l;\n cvt.f32.f16 %2, h;\n}\n"
+        : "=r"(halves), "=f"(lo), "=f"(hi) : "r"(pair));
+    return float2_to_bf16x2(lo * scale, hi * scale);
+#else
+    __trap();
+    return 0;
+#endif
+}
+
+struct Fp8RowWeights {        // [N, K] e4m3 with one float32 scale a row: a chunk is 8 bytes of it
+    typedef uint2 Raw;
+    static constexpr int UNROLL = 8;
+    const uint2* data;
+    const float* scales;
+    __device__ __forceinline__ const Raw* row(int r, int k_chunks) const { return data + (long long)r * k_chunks; }
+    __device__ __forceinline__ float scale(int r) const { return scales[r]; }
+    __device__ __forceinline__ static Raw load(const Raw* p, bool valid) { return load_weight(p, valid); }
+    __device__ __forceinline__ static uint4 widen(Raw raw, float scale) {
+        return make_uint4(e4m3x2_to_bf16x2(raw.x & 0xffffu, scale), e4m3x2_to_bf16x2(raw.x >> 16, scale),
+                          e4m3x2_to_bf16x2(raw.y & 0xffffu, scale), e4m3x2_to_bf16x2(raw.y >> 16, scale));
+    }
+};
 
 __device__ __forceinline__ float to_float(bf16 v) { return bf16_to_float(v); }
 __device__ __forceinline__ float to_float(float v) { return v; }
@@ -85,10 +139,12 @@ struct StridedRows {
 // gate and up rows interleaved by 8 (rows 16 q + i and 16 q + 8 + i: the gate's and the up's row 8 q + i), and out
 // [M, N / 2] = silu(gate) * up (common.cuh's silu_mul_of_rounded, with its clamp where limit > 0), N % 16 == 0: a
 // CTA's 16 rows are 8 columns.
-template <int TOKEN_TILES, typename Out, typename Rows>
-__device__ __forceinline__ void skinny_gemm(Out* out, long long out_stride, Rows rows, const uint4* weight,
+template <int TOKEN_TILES, typename Out, typename Rows, typename Weights>
+__device__ __forceinline__ void skinny_gemm(Out* out, long long out_stride, Rows rows, Weights weight,
                                             const Out* bias, int m, int n, int k_chunks, int relu, int gated = 0,
                                             float limit = 0.f) {
+    typedef typename Weights::Raw Raw;
+    constexpr int UNROLL = Weights::UNROLL;
     constexpr int TOKENS = 8 * TOKEN_TILES;
     __shared__ float partial[WARPS][TILE_ROWS][TOKENS];   // each warp's share of out^T for the CTA's 16 rows
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -103,8 +159,10 @@ __device__ __forceinline__ void skinny_gemm(Out* out, long long out_stride, Rows
 
     // This lane's weight rows g, g + 8 and x rows g + 8 j, at chunk_begin; rows past N or M read nothing (zeros).
     const bool low_valid = row0 + g < n, high_valid = row0 + g + 8 < n;
-    const uint4* w_low = weight + (long long)(low_valid ? row0 + g : 0) * k_chunks + chunk_begin;
-    const uint4* w_high = weight + (long long)(high_valid ? row0 + g + 8 : 0) * k_chunks + chunk_begin;
+    const Raw* w_low = weight.row(low_valid ? row0 + g : 0, k_chunks) + chunk_begin;
+    const Raw* w_high = weight.row(high_valid ? row0 + g + 8 : 0, k_chunks) + chunk_begin;
+    const float scale_low = weight.scale(low_valid ? row0 + g : 0);
+    const float scale_high = weight.scale(high_valid ? row0 + g + 8 : 0);
     const uint4* x_row[TOKEN_TILES];
     bool x_valid[TOKEN_TILES];
 #pragma unroll
@@ -119,12 +177,13 @@ __device__ __forceinline__ void skinny_gemm(Out* out, long long out_stride, Rows
     constexpr int BATCH_CHUNKS = UNROLL * STEP_CHUNKS;
     const int batches = (step_end - step_begin + UNROLL - 1) / UNROLL;   // the same in every lane: mma is warp-wide
     for (int batch = 0, chunk = chunk_begin; batch < batches; ++batch, chunk += BATCH_CHUNKS) {
-        uint4 a_low[UNROLL], a_high[UNROLL], b[UNROLL][TOKEN_TILES];
+        Raw raw_low[UNROLL], raw_high[UNROLL];
+        uint4 b[UNROLL][TOKEN_TILES];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const bool k_valid = chunk + u * STEP_CHUNKS < chunk_end;
-            a_low[u] = load_weight(w_low + u * STEP_CHUNKS, k_valid && low_valid);
-            a_high[u] = load_weight(w_high + u * STEP_CHUNKS, k_valid && high_valid);
+            raw_low[u] = Weights::load(w_low + u * STEP_CHUNKS, k_valid && low_valid);
+            raw_high[u] = Weights::load(w_high + u * STEP_CHUNKS, k_valid && high_valid);
 #pragma unroll
             for (int j = 0; j < TOKEN_TILES; ++j)
                 b[u][j] = load_activation(x_row[j] + u * STEP_CHUNKS, k_valid && x_valid[j]);
@@ -135,10 +194,12 @@ __device__ __forceinline__ void skinny_gemm(Out* out, long long out_stride, Rows
         for (int j = 0; j < TOKEN_TILES; ++j) x_row[j] += BATCH_CHUNKS;
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
+            const uint4 a_low = Weights::widen(raw_low[u], scale_low);
+            const uint4 a_high = Weights::widen(raw_high[u], scale_high);
 #pragma unroll
             for (int j = 0; j < TOKEN_TILES; ++j) {
-                mma_bf16(acc[j], {a_low[u].x, a_high[u].x, a_low[u].y, a_high[u].y}, b[u][j].x, b[u][j].y);
-                mma_bf16(acc[j], {a_low[u].z, a_high[u].z, a_low[u].w, a_high[u].w}, b[u][j].z, b[u][j].w);
+                mma_bf16(acc[j], {a_low.x, a_high.x, a_low.y, a_high.y}, b[u][j].x, b[u][j].y);
+                mma_bf16(acc[j], {a_low.z, a_high.z, a_low.w, a_high.w}, b[u][j].z, b[u][j].w);
             }
         }
     }

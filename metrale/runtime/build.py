@@ -1,6 +1,6 @@
 """Builds a ready engine from a checkpoint: backend, model, cache, and what Info reports."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from metrale.runtime.backend import create_backend
@@ -90,7 +90,8 @@ def _load(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path | None, 
                              config.dequantize, group)
     backend.runner.plan(_weight_bytes(tensors, getattr(tensors, "numel", checkpoint.numel), local_config, max_model_len,
                                       family.model_class),
-                        _memory_shapes(local_config, config, max_model_len))
+                        _memory_shapes(local_config, config, max_model_len,
+                                       config.quantize == "fp8" or "quantization_config" in checkpoint.config))
     tensors = fp8.QuantizedTensors(tensors) if config.quantize == "fp8" else tensors
     return model_config, max_model_len, backend.runner, family.model_class(local_config, tensors, backend.math,
                                                                           max_model_len)
@@ -115,15 +116,22 @@ def _weight_bytes(names, numel, c, max_model_len: int, model_class: type) -> int
     return tensors + 2 * (4 * max_model_len * c.head_dim // 2 + 256) + extra
 
 
-def _memory_shapes(c, config: EngineConfig, max_model_len: int) -> MemoryShapes:
-    return MemoryShapes(hidden=c.hidden_size, q_size=c.num_heads * c.head_dim, kv_size=c.num_kv_heads * c.head_dim,
-                        intermediate=c.intermediate_size, vocab=c.vocab_size, max_batch_tokens=config.max_batch_tokens,
-                        max_seqs=config.max_seqs, max_blocks_per_seq=blocks_for(max_model_len, config.kv_block_size),
-                        head_dim=c.head_dim, kv_block_size=config.kv_block_size, streams=config.num_streams,
-                        ssm_width=c.mixer.activation_width if getattr(c, "mixer", None) else 0,
-                        ssm_chunk_size=c.mixer.chunk_size if getattr(c, "mixer", None) else 0,
-                        moe_width=c.moe.activation_width(c.hidden_size) if getattr(c, "moe", None) else 0,
-                        **_latent_shapes(c))
+def _memory_shapes(c, config: EngineConfig, max_model_len: int, fp8: bool = False) -> MemoryShapes:
+    """fp8: some weights may be FP8 (quantized at load, or as the checkpoint holds them)."""
+    shapes = MemoryShapes(
+        hidden=c.hidden_size, q_size=c.num_heads * c.head_dim, kv_size=c.num_kv_heads * c.head_dim,
+        intermediate=c.intermediate_size, vocab=c.vocab_size, max_batch_tokens=config.max_batch_tokens,
+        max_seqs=config.max_seqs, max_blocks_per_seq=blocks_for(max_model_len, config.kv_block_size),
+        head_dim=c.head_dim, kv_block_size=config.kv_block_size, streams=config.num_streams,
+        ssm_width=c.mixer.activation_width if getattr(c, "mixer", None) else 0,
+        ssm_chunk_size=c.mixer.chunk_size if getattr(c, "mixer", None) else 0,
+        moe_width=c.moe.activation_width(c.hidden_size) if getattr(c, "moe", None) else 0,
+        **_latent_shapes(c))
+    if not fp8:
+        return shapes
+    # Every linear's input is one of these activations (or narrower): the widest bounds the quantized input.
+    return replace(shapes, fp8_width=max(shapes.hidden, shapes.q_size, shapes.intermediate, shapes.ssm_width,
+                                         shapes.moe_width, shapes.latent_width))
 
 
 def _latent_shapes(c) -> dict:

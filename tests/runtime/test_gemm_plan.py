@@ -8,7 +8,8 @@ import torch
 from metrale.runtime.backend.cuda.gemm import CublasLt
 from metrale.runtime.backend.cuda.gemm_plan import (CUBLAS_OP_N, CUBLAS_OP_T, CUBLASLT_EPILOGUE_BIAS,
                                                     CUBLASLT_EPILOGUE_DEFAULT, CUBLASLT_EPILOGUE_RELU,
-                                                    CUBLASLT_EPILOGUE_RELU_BIAS, GemmPlan, MatrixLayout, linear_key)
+                                                    CUBLASLT_EPILOGUE_RELU_BIAS, GemmPlan, LinearKey, MatrixLayout,
+                                                    fp8_linear_key, linear_key)
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.errors import FailedPrecondition, InvalidArgument
 
@@ -114,7 +115,33 @@ def test_key_ignores_pointers_and_sees_strides_dtype_and_bias():
     assert linear_key(*operands(out_dtype="float32")) != linear_key(*operands())
     wide_x = tensor((7, 576), ptr=BASE * 16, row_stride=640)
     assert linear_key(out, wide_x, weight, bias).x_stride == 640
-    assert linear_key(out, x, weight, bias) == (7, 1536, 576, 576, 1536, "bfloat16", True, False, 1, 1, 0, 0, False)
+    assert linear_key(out, x, weight, bias) == (7, 1536, 576, 576, 1536, "bfloat16", True, False, 1, 1, 0, 0, False,
+                                                False)
+
+
+def test_an_fp8_linear_is_the_same_tn_gemm_over_e4m3_with_a_scale_a_row():
+    m, n, k = 40, 1536, 576
+    x, data = tensor((m, k), "float8_e4m3", ptr=BASE * 16), tensor((n, k), "float8_e4m3", ptr=BASE * 32)
+    x_scales, scales = tensor((m,), "float32", ptr=BASE * 80), tensor((n,), "float32", ptr=BASE * 96)
+    out, bias = tensor((m, n), ptr=BASE * 64, row_stride=n + 64), tensor((n,), ptr=BASE * 48)
+    key = fp8_linear_key(out, x, x_scales, data, scales, bias, relu=True)
+    assert key == LinearKey(m, n, k, k, n + 64, "bfloat16", True, True, fp8=True)
+    plan = GemmPlan.for_linear(key)
+    assert plan.scaled and (plan.transa, plan.transb, plan.epilogue) == (CUBLAS_OP_T, CUBLAS_OP_N,
+                                                                         CUBLASLT_EPILOGUE_RELU_BIAS)
+    assert (plan.a, plan.b, plan.d) == (MatrixLayout("float8_e4m3", k, n, k), MatrixLayout("float8_e4m3", k, m, k),
+                                        MatrixLayout("bfloat16", n, m, n + 64))
+    assert not GemmPlan.for_linear(linear_key(*operands())).scaled
+    bad = {"x in bf16": (out, tensor((m, k)), x_scales, data, scales, None),
+           "K not a multiple of 16": (out, tensor((m, 8), "float8_e4m3"), x_scales, tensor((n, 8), "float8_e4m3"),
+                                      scales, None),
+           "a scale a block": (out, x, x_scales, data, tensor((n, 5), "float32"), None),
+           "float32 out": (tensor((m, n), "float32"), x, x_scales, data, scales, None),
+           "unaligned scales": (out, x, tensor((m,), "float32", ptr=BASE + 4), data, scales, None)}
+    for case, operands_ in bad.items():
+        with pytest.raises(InvalidArgument, match="FP8 linear"):
+            fp8_linear_key(*operands_)
+            pytest.fail(case)
 
 
 def test_a_head_linear_is_one_batch_a_head():

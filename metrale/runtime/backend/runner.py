@@ -55,6 +55,9 @@ class MemoryShapes:
     index_heads: int = 0
     index_dim: int = 0
     index_topk: int = 0
+    # The widest input of a linear whose weight is FP8 (0: none): each stream's buffer for that input quantized per
+    # token, for the W8A8 GEMM.
+    fp8_width: int = 0
     # Device streams: a backend that runs forwards at once gives each its own workspaces.
     streams: int = 1
 

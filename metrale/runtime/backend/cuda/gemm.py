@@ -13,7 +13,8 @@ import threading
 import numpy as np
 
 from metrale.runtime.backend.cuda.gemm_plan import (ALIGNMENT, CUBLAS_COMPUTE_32F, CUBLASLT_EPILOGUE_BIAS,
-                                                    CUDA_DATA_TYPE, GemmPlan, LinearKey, head_linear_key, linear_key)
+                                                    CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F, CUDA_DATA_TYPE,
+                                                    GemmPlan, LinearKey, fp8_linear_key, head_linear_key, linear_key)
 from metrale.runtime.backend.cuda.launch import require
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.errors import DeviceFault, FailedPrecondition, InvalidArgument
@@ -81,6 +82,11 @@ class CublasLt:
         # A biased call copies bias.ptr into its shape's descriptor (cuBLASLt keeps the value, not this address).
         self._bias_pointer = np.zeros(1, dtype=np.int64)
         self._bias_pointer_attribute = self._lt.MatmulDescAttribute.BIAS_POINTER
+        # An FP8 call's scale vectors: the weight's (A) and the input's (B), set in its shape's descriptor likewise.
+        self._scale_pointers = np.zeros(2, dtype=np.int64)
+        self._scale_pointer_address = self._scale_pointers.ctypes.data
+        self._scale_pointer_attributes = (self._lt.MatmulDescAttribute.A_SCALE_POINTER,
+                                          self._lt.MatmulDescAttribute.B_SCALE_POINTER)
         # Addresses and sizes read by every call, computed once (numpy's .ctypes.data costs microseconds).
         self._alpha_address, self._beta_address = self._alpha.ctypes.data, self._beta.ctypes.data
         self._bias_pointer_address = self._bias_pointer.ctypes.data
@@ -123,6 +129,32 @@ class CublasLt:
         except lt.cuBLASLtError as error:   # inlined _call: this is the hot path
             raise CublasLtError("cublasLtMatmul" if bias is None else "cublasLtMatmul (with bias)",
                                 self._status_name(error.status)) from None
+
+    def fp8_linear(self, stream, out: DeviceTensor, x: DeviceTensor, x_scales: DeviceTensor, weight,
+                   bias: DeviceTensor | None = None, workspace: DeviceTensor | None = None, relu: bool = False) -> None:
+        """out [M, N] bf16 = (x [M, K] e4m3 x x_scales [M]) @ weight.T (+ bias [N] bf16), then max(., 0) if relu:
+        cuBLASLt's FP8 matmul, each operand scaled a row (OUTER_VEC_32F), fp32 accumulation. weight: an Fp8Matrix
+        (data [N, K] e4m3, scales [N] float32). Checked by fp8_linear_key."""
+        if self._handle is None:
+            raise FailedPrecondition("FP8 linear on a closed CublasLt")
+        key = fp8_linear_key(out, x, x_scales, weight.data, weight.scales, bias, relu)
+        if key.m == 0:
+            return
+        workspace = self._workspace_of(workspace)
+        matmul = self._matmul_of(key)
+        lt = self._lt
+        try:
+            with self._lock:    # the pointers sit in the shape's descriptor until the call is enqueued
+                self._scale_pointers[0], self._scale_pointers[1] = weight.scales.ptr, x_scales.ptr
+                for i, attribute in enumerate(self._scale_pointer_attributes):
+                    lt.matmul_desc_set_attribute(matmul.desc, attribute, self._scale_pointer_address + 8 * i, 8)
+                if bias is not None:
+                    self._bias_pointer[0] = bias.ptr
+                    lt.matmul_desc_set_attribute(matmul.desc, self._bias_pointer_attribute,
+                                                 self._bias_pointer_address, 8)
+                self._enqueue(stream, matmul, out, x, weight.data, workspace.ptr, workspace.nbytes)
+        except lt.cuBLASLtError as error:
+            raise CublasLtError("cublasLtMatmul (FP8)", self._status_name(error.status)) from None
 
     def head_linear(self, stream, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, x_head_stride: int,
                     out_head_stride: int, workspace: DeviceTensor | None = None, transposed: bool = False) -> None:
@@ -197,6 +229,11 @@ class CublasLt:
                 # The heuristic reads the bias pointer only for its alignment: address ALIGNMENT stands for every
                 # bias linear_key accepts. linear() sets the real one before each call.
                 self._set_desc(desc, attr.BIAS_POINTER, ALIGNMENT)
+            if plan.scaled:
+                for mode, pointer in ((attr.A_SCALE_MODE, attr.A_SCALE_POINTER),
+                                      (attr.B_SCALE_MODE, attr.B_SCALE_POINTER)):
+                    self._set_desc(desc, mode, CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F)
+                    self._set_desc(desc, pointer, ALIGNMENT)    # as the bias pointer: fp8_linear sets the real ones
             for layout in (plan.a, plan.b, plan.d):
                 layouts.append(self._call("cublasLtMatrixLayoutCreate", lt.matrix_layout_create,
                                           CUDA_DATA_TYPE[layout.dtype], layout.rows, layout.cols, layout.ld))

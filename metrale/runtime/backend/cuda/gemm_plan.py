@@ -9,11 +9,14 @@ from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.errors import InvalidArgument
 
 # cudaDataType_t values (library_types.h).
-CUDA_DATA_TYPE = {"bfloat16": 14, "float32": 0}
+CUDA_DATA_TYPE = {"bfloat16": 14, "float32": 0, "float8_e4m3": 28}
 CUBLAS_COMPUTE_32F = 68
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 CUBLASLT_EPILOGUE_DEFAULT, CUBLASLT_EPILOGUE_RELU, CUBLASLT_EPILOGUE_BIAS = 1, 2, 4
 CUBLASLT_EPILOGUE_RELU_BIAS = CUBLASLT_EPILOGUE_RELU | CUBLASLT_EPILOGUE_BIAS
+# cublasLtMatmulMatrixScale_t: a float32 scale for each row of op(A) and each column of op(B) (an FP8 weight's rows,
+# a quantized input's tokens).
+CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F = 3
 OUT_DTYPES = ("bfloat16", "float32")
 # Every pointer and row stride is checked to this alignment, and the heuristic is told so: its default
 # assumption is 256 bytes, and an algorithm picked under it may misbehave on a row view that is only 16-aligned.
@@ -39,6 +42,7 @@ class LinearKey(NamedTuple):
     x_head_stride: int = 0
     out_head_stride: int = 0
     transposed: bool = False     # the heads' weights stored [heads, K, N]
+    fp8: bool = False            # x and weight e4m3, each with a float32 scale a row (W8A8: fp8_linear_key)
 
 
 @dataclass(frozen=True)
@@ -71,9 +75,15 @@ class GemmPlan:
     transa: int
     transb: int
     epilogue: int
+    scaled: bool = False    # A and B scaled by OUTER_VEC_32F vectors (the FP8 matmul)
 
     @classmethod
     def for_linear(cls, key: LinearKey) -> "GemmPlan":
+        if key.fp8:             # the same TN GEMM (cuBLASLt's FP8 matmul takes no other) over e4m3 operands
+            return cls(a=MatrixLayout("float8_e4m3", key.k, key.n, key.k),
+                       b=MatrixLayout("float8_e4m3", key.k, key.m, key.x_stride),
+                       d=MatrixLayout(key.out_dtype, key.n, key.m, key.out_stride), transa=CUBLAS_OP_T,
+                       transb=CUBLAS_OP_N, epilogue=_EPILOGUES[key.has_bias, key.relu], scaled=True)
         if key.heads > 1:       # batch h: weight[h], and x's and out's columns of head h
             # weight[h] [N, K] row-major is column-major [K, N], transposed; stored [K, N], it is [N, K] as it is
             a = (MatrixLayout("bfloat16", key.n, key.k, key.n, key.heads, key.n * key.k) if key.transposed
@@ -172,3 +182,30 @@ def head_linear_key(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, x_
         raise InvalidArgument(f"head linear: {heads} heads do not fit in rows of x {x.stride} and out {out.stride}")
     return key._replace(heads=heads, x_head_stride=x_head_stride, out_head_stride=out_head_stride,
                         transposed=transposed)
+
+
+def fp8_linear_key(out: DeviceTensor, x: DeviceTensor, x_scales: DeviceTensor, data: DeviceTensor,
+                   scales: DeviceTensor, bias: DeviceTensor | None, relu: bool = False) -> LinearKey:
+    """Checks a W8A8 linear's operands and returns its cache key: out [M, N] bf16 (a column slice may do) = (x [M, K]
+    x x_scales [M]) @ (data [N, K] x scales [N]).T (+ bias [N] bf16): x and data contiguous e4m3, K % 16 == 0, every
+    pointer and out's row stride 16-byte aligned."""
+    if len(x.shape) != 2 or x.dtype != "float8_e4m3" or not x.is_contiguous:
+        raise InvalidArgument(f"FP8 linear: x must be a contiguous [M, K] float8_e4m3, not {x.shape} {x.dtype}")
+    if len(data.shape) != 2 or data.dtype != "float8_e4m3" or not data.is_contiguous:
+        raise InvalidArgument(f"FP8 linear: weight must be a contiguous [N, K] float8_e4m3, not {data.shape} "
+                              f"{data.dtype}")
+    m, k = x.shape
+    n = data.shape[0]
+    if data.shape[1] != k or n == 0 or k % 16:
+        raise InvalidArgument(f"FP8 linear: x {x.shape} and weight {data.shape} must agree on a K that is a "
+                              f"multiple of 16, with N > 0")
+    if x_scales.shape != (m,) or scales.shape != (n,) or x_scales.dtype != "float32" or scales.dtype != "float32":
+        raise InvalidArgument(f"FP8 linear: scales must be [{m}] and [{n}] float32, not {x_scales.shape} "
+                              f"{x_scales.dtype} and {scales.shape} {scales.dtype}")
+    if out.shape != (m, n) or out.dtype != "bfloat16" or out.stride < n:
+        raise InvalidArgument(f"FP8 linear: out must be [{m}, {n}] bfloat16, not {out.shape} {out.dtype}")
+    if (x.ptr | data.ptr | out.ptr | 2 * out.stride | x_scales.ptr | scales.ptr) % ALIGNMENT:
+        raise InvalidArgument(f"FP8 linear: x, weight, out and the scales must be {ALIGNMENT}-byte aligned")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != "bfloat16" or bias.ptr % ALIGNMENT):
+        raise InvalidArgument(f"FP8 linear: bias must be an aligned [{n}] bfloat16, not {bias.shape} {bias.dtype}")
+    return LinearKey(m, n, k, k, out.stride, "bfloat16", bias is not None, relu, fp8=True)

@@ -8,6 +8,7 @@ import torch
 
 from metrale.runtime.backend.cuda import hyper_connection, kernels, latent_prefill, mixture, sparse_selection
 from metrale.runtime.backend.cuda.batch import CudaBatch
+from metrale.runtime.backend.cuda.fp8_matrix import Fp8Matrix, kept_as_fp8
 from metrale.runtime.backend.cuda.resources import CudaResources
 from metrale.runtime.backend.cuda.stream_context import StreamContext, padded_vocab
 from metrale.runtime.backend.cuda.linears import k_splits, linear_into, partials
@@ -16,6 +17,9 @@ from metrale.runtime.backend.layer_math import Experts, LatentAttention, Linear,
     rope_then_attention
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.errors import InvalidArgument
+
+# How a tensor of each uploaded dtype travels to the device (numpy has no bf16 or e4m3: their bits do).
+HOST_VIEWS = {"bfloat16": torch.int16, "float32": torch.float32, "float8_e4m3": torch.uint8}
 
 
 class CudaLayerMath:
@@ -30,7 +34,11 @@ class CudaLayerMath:
         """The calling thread's stream context."""
         return self.resources.bound.context
 
-    def upload(self, tensor: torch.Tensor) -> DeviceTensor:
+    def upload(self, tensor: torch.Tensor) -> DeviceTensor | Fp8Matrix:
+        """bf16; an FP8 weight in the form fp8_matrix.py keeps (one scale a row) as an Fp8Matrix."""
+        if kept_as_fp8(tensor, self.lib.arch):
+            return Fp8Matrix(self._upload(tensor.data.view(torch.uint8), "float8_e4m3"),
+                             self._upload(tensor.scales.reshape(-1), "float32"))
         return self._upload(tensor.to(torch.bfloat16), "bfloat16")
 
     def upload_lm_head(self, tensor: torch.Tensor) -> DeviceTensor:
@@ -52,7 +60,7 @@ class CudaLayerMath:
         return Experts(self.upload(up), self.upload(down), activation, limit)
 
     def _upload(self, tensor: torch.Tensor, dtype: str) -> DeviceTensor:
-        host = tensor.contiguous().view(torch.int16 if dtype == "bfloat16" else torch.float32).numpy()
+        host = tensor.contiguous().view(HOST_VIEWS[dtype]).numpy()
         out = self.resources.weights.take(tuple(tensor.shape), dtype)
         self.cuda.copy_to_device(out, host, self.cuda.stream)
         self.cuda.stream.sync()
@@ -104,7 +112,7 @@ class CudaLayerMath:
         residual: without one, the linear, then the norm."""
         x, weight = linear.x, linear.weight
         m, n = x.shape[0], weight.shape[0]
-        splits = k_splits(m, weight.shape[1])
+        splits = k_splits(m, weight)
         if splits == 1 or residual is None:
             return self.layer_norm(self.linear(x, weight, linear.bias), norm_weight, norm_bias, eps, residual)
         ctx = self.resources.bound.context
@@ -333,7 +341,7 @@ class CudaLayerMath:
         paged_attention."""
         x, weight = query.x, query.weight
         m, n = x.shape[0], weight.shape[0]
-        splits = k_splits(m, weight.shape[1])
+        splits = k_splits(m, weight)
         if splits == 1 or batch.num_prefill or not batch.num_decode or n != num_kv_heads * head_dim:
             return self.paged_attention(self.linear(x, weight, query.bias), kv, batch, num_kv_heads, head_dim, scale,
                                         sliding_window, causal=False)

@@ -1,8 +1,12 @@
 """Which GEMM runs a linear on the CUDA backend: the skinny-GEMM kernel for a few rows, cuBLASLt otherwise, and at
-decode row counts the K-split form (float32 partials of K's slices) that a norm or the attention kernel sums."""
+decode row counts the K-split form (float32 partials of K's slices) that a norm or the attention kernel sums. An FP8
+weight (fp8_matrix.py): the skinny GEMM for a few rows, else cuBLASLt's FP8 matmul over the input quantized per
+token; never split."""
 
 from metrale.runtime.backend.cuda import kernels
+from metrale.runtime.backend.cuda.fp8_matrix import Fp8Matrix
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
+from metrale.runtime.errors import InvalidArgument
 
 # Linears of at most this many rows with weights of at most this many elements run on the skinny-GEMM kernel:
 # on an H200 (bench/gpu_skinny_gemm.py) it beats cuBLASLt by 1.05-1.13x on 6144 x 4096 and 4096 x 4096 and by
@@ -19,22 +23,45 @@ SPLIT_LONG_K = 2048
 SPLITS_BY_ROWS = ((SKINNY_MAX_M, 1, 1), (64, 4, 8), (256, 1, 4))      # (up to rows, short K, long K)
 
 
-def k_splits(rows: int, k: int) -> int:
+def k_splits(rows: int, weight: DeviceTensor | Fp8Matrix) -> int:
     """The K slices a linear of `rows` rows hands its reader as partials (SPLITS_BY_ROWS), 1 for none: slices of
-    whole 16-byte units only, as the split GEMM needs."""
+    whole 16-byte units only, as the split GEMM needs; none for an FP8 weight."""
+    if isinstance(weight, Fp8Matrix):
+        return 1
+    k = weight.shape[1]
     splits = next(((short, long)[k > SPLIT_LONG_K] for most, short, long in SPLITS_BY_ROWS if rows <= most), 1)
     return 1 if k % (8 * splits) else splits
 
 
-def linear_into(lib, gemm, ctx, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
+def linear_into(lib, gemm, ctx, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor | Fp8Matrix,
                 bias: DeviceTensor | None = None, relu: bool = False) -> None:
     """out = x @ weight.T (+ bias, then relu): decode-sized linears on the skinny-GEMM kernel where it beats
     cuBLASLt, the rest on cuBLASLt (either takes the relu in its epilogue)."""
-    if (x.shape[0] <= SKINNY_MAX_M and weight.numel <= SKINNY_MAX_WEIGHT
+    if isinstance(weight, Fp8Matrix):
+        fp8_linear_into(lib, gemm, ctx, out, x, weight, bias, relu)
+    elif (x.shape[0] <= SKINNY_MAX_M and weight.numel <= SKINNY_MAX_WEIGHT
             and kernels.skinny_gemm.supports(x, weight, out, bias)):
         kernels.skinny_gemm.skinny_linear(lib, ctx.stream, out, x, weight, bias, relu=relu)
     else:
         gemm.linear(ctx.stream, out, x, weight, bias, ctx.gemm_workspace, relu=relu)
+
+
+def fp8_linear_into(lib, gemm, ctx, out: DeviceTensor, x: DeviceTensor, weight: Fp8Matrix,
+                    bias: DeviceTensor | None = None, relu: bool = False) -> None:
+    """out = x @ weight.T (+ bias, then relu) for an FP8 weight: up to 16 rows on the skinny GEMM (the weight
+    widened to bf16 in registers: exact to the bf16 weight it dequantizes to); more on cuBLASLt's FP8 matmul, x first
+    quantized per token into the stream's fp8_input."""
+    m, k = x.shape
+    if m <= kernels.skinny_gemm.MAX_M:
+        kernels.skinny_gemm.skinny_linear(lib, ctx.stream, out, x, weight, bias, relu=relu)
+        return
+    if ctx.fp8_input is None or k > ctx.fp8_input.shape[1] or m > ctx.fp8_input.shape[0]:
+        raise InvalidArgument(f"an FP8 linear's input [{m}, {k}] does not fit the stream's FP8 input buffer "
+                              f"{None if ctx.fp8_input is None else ctx.fp8_input.shape} (MemoryShapes.fp8_width)")
+    quantized = DeviceTensor(ctx.fp8_input.ptr, (m, k), "float8_e4m3")
+    scales = ctx.fp8_scales.rows(0, m)
+    kernels.fp8.quantize_rows(lib, ctx.stream, quantized, scales, x)
+    gemm.fp8_linear(ctx.stream, out, quantized, scales, weight, bias, ctx.gemm_workspace, relu=relu)
 
 
 def partials(gemm, ctx, x: DeviceTensor, weight: DeviceTensor, splits: int) -> DeviceTensor:

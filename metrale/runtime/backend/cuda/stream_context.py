@@ -75,6 +75,9 @@ def stream_buffers(lib, shapes: MemoryShapes) -> Buffers:
         # moe_route's count of its finished blocks: 0 between launches (its last block resets it).
         "moe_done": ((1,), "int32"),
     }
+    # An FP8 linear's input quantized per token (its rows of e4m3, their scales), read by the GEMM right after.
+    if shapes.fp8_width:
+        buffers.update({"fp8_input": ((t, shapes.fp8_width), "float8_e4m3"), "fp8_scales": ((t,), "float32")})
     # Multi-head latent attention's up-projected prefill (latent_prefill.py), where its head dims are built.
     if shapes.latent_rank and latent_prefill.supports(shapes.latent_nope, shapes.latent_rope, shapes.latent_v):
         sizes = latent_prefill.buffer_elements(shapes.latent_rank + shapes.latent_rope, shapes.latent_heads,
@@ -145,6 +148,7 @@ class StreamContext:
         self.latest_candidates: StreamCandidates | None = None      # what the candidates buffer holds
         self.beam_state = taken["beam_state"]
         self.moe_done = taken["moe_done"]
+        self.fp8_input, self.fp8_scales = taken.get("fp8_input"), taken.get("fp8_scales")
         self.latent_keys, self.latent_merge = taken.get("latent_keys"), taken.get("latent_merge")
         self.latent_plan = taken.get("latent_plan")
         self.hyper, self.index = _prefixed(taken, "hyper_"), _prefixed(taken, "index_")

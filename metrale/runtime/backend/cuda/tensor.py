@@ -7,9 +7,9 @@ import numpy as np
 
 from metrale.runtime.errors import InvalidArgument
 
-# name -> (bytes per element, numpy dtype for host copies; bf16 travels as uint16)
+# name -> (bytes per element, numpy dtype for host copies; bf16 travels as uint16, e4m3 as uint8)
 DTYPES = {"bfloat16": (2, np.uint16), "float16": (2, np.float16), "float32": (4, np.float32),
-          "int32": (4, np.int32), "int64": (8, np.int64), "uint8": (1, np.uint8)}
+          "int32": (4, np.int32), "int64": (8, np.int64), "uint8": (1, np.uint8), "float8_e4m3": (1, np.uint8)}
 
 
 @dataclass(slots=True, unsafe_hash=True)
@@ -82,6 +82,7 @@ class DeviceTensor:
     def from_torch(cls, tensor) -> "DeviceTensor":
         """A view of a CUDA torch tensor (tests and references only; the hot path never holds torch tensors)."""
         name = str(tensor.dtype).removeprefix("torch.")
+        name = "float8_e4m3" if name == "float8_e4m3fn" else name
         if tensor.dim() == 2 and tensor.stride(1) == 1 and tensor.stride(0) != tensor.shape[1]:
             return cls(tensor.data_ptr(), tuple(tensor.shape), name, tensor.stride(0))
         if not tensor.is_contiguous():

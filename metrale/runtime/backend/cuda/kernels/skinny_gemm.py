@@ -1,7 +1,9 @@
-"""Launcher for cuda_kernels/gemv.cu: the skinny GEMM of decode linears, out = x @ weight.T (+ bias), M <= 16."""
+"""Launcher for cuda_kernels/gemv.cu: the skinny GEMM of decode linears, out = x @ weight.T (+ bias), M <= 16, for a
+bf16 weight and for an Fp8Matrix (e4m3 with a scale a row, widened to bf16 in registers)."""
 
 import numpy as np
 
+from metrale.runtime.backend.cuda.fp8_matrix import Fp8Matrix
 from metrale.runtime.backend.cuda.launch import ceil_div, launch_kernel
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.errors import InvalidArgument
@@ -14,15 +16,20 @@ OUT_DTYPES = ("bfloat16", "float32")
 # (M <= 8, out dtype) -> kernel: M <= 8 is one 8-token mma tile, M <= 16 two.
 KERNELS = {(True, "bfloat16"): "skinny_gemm_m8_bf16", (True, "float32"): "skinny_gemm_m8_f32",
            (False, "bfloat16"): "skinny_gemm_m16_bf16", (False, "float32"): "skinny_gemm_m16_f32"}
+FP8_KERNELS = {True: "skinny_gemm_m8_fp8", False: "skinny_gemm_m16_fp8"}      # bf16 out
 NULL = np.uint64(0)
 
 
-def unsupported_reason(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
+def unsupported_reason(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor | Fp8Matrix,
                        bias: DeviceTensor | None) -> str | None:
     """Why skinny_linear cannot run this linear, or None. Plain comparisons; a message is formatted only on failure."""
     if len(x.shape) != 2 or x.dtype != "bfloat16":
         return f"x must be [M, K] bfloat16, not {x.shape} {x.dtype}"
-    if len(weight.shape) != 2 or weight.dtype != "bfloat16" or not weight.is_contiguous:
+    if isinstance(weight, Fp8Matrix):
+        problem = _fp8_problem(weight, out)
+        if problem is not None:
+            return problem
+    elif len(weight.shape) != 2 or weight.dtype != "bfloat16" or not weight.is_contiguous:
         return f"weight must be a contiguous [N, K] bfloat16, not {weight.shape} {weight.dtype} stride {weight.stride}"
     m, k = x.shape
     n = weight.shape[0]
@@ -37,9 +44,10 @@ def unsupported_reason(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
     x_stride, out_stride = x.stride, out.stride
     if x_stride < k or out_stride < n:
         return f"a row stride is shorter than its row (x {x_stride} < {k} or out {out_stride} < {n})"
-    if (x.ptr | weight.ptr | 2 * x_stride) % 16:
+    weight_ptr = weight.data.ptr if isinstance(weight, Fp8Matrix) else weight.ptr
+    if (x.ptr | weight_ptr | 2 * x_stride) % 16:
         return (f"x and weight must be 16-byte aligned (pointer and row stride): x {x.ptr:#x} stride {x_stride}, "
-                f"weight {weight.ptr:#x}")
+                f"weight {weight_ptr:#x}")
     if out.ptr % out.itemsize:
         return f"out {out.ptr:#x} is not {out.itemsize}-byte aligned"
     if bias is not None and (bias.shape != (n,) or bias.dtype != out.dtype or bias.ptr % bias.itemsize):
@@ -48,18 +56,31 @@ def unsupported_reason(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
     return None
 
 
-def supports(x: DeviceTensor, weight: DeviceTensor, out: DeviceTensor, bias: DeviceTensor | None = None) -> bool:
+def _fp8_problem(weight: Fp8Matrix, out: DeviceTensor) -> str | None:
+    data, scales = weight.data, weight.scales
+    if len(data.shape) != 2 or data.dtype != "float8_e4m3" or not data.is_contiguous or data.shape[1] % 16:
+        return f"an FP8 weight must be a contiguous [N, K] float8_e4m3 with K % 16 == 0, not {data.shape} {data.dtype}"
+    if scales.shape != (data.shape[0],) or scales.dtype != "float32":
+        return f"an FP8 weight's scales must be [{data.shape[0]}] float32, not {scales.shape} {scales.dtype}"
+    if out.dtype != "bfloat16":
+        return f"an FP8 weight's out must be bfloat16, not {out.dtype}"
+    return None
+
+
+def supports(x: DeviceTensor, weight: DeviceTensor | Fp8Matrix, out: DeviceTensor,
+             bias: DeviceTensor | None = None) -> bool:
     """Whether skinny_linear takes this linear (M <= MAX_M, K % 8 == 0, alignment, dtypes); never raises."""
     return unsupported_reason(out, x, weight, bias) is None
 
 
-def skinny_linear(lib, stream, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
+def skinny_linear(lib, stream, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor | Fp8Matrix,
                   bias: DeviceTensor | None = None, relu: bool = False) -> None:
     """out [M, N] = x [M, K] @ weight [N, K].T (+ bias [N]) in one launch, for M <= 16 (decode rows).
     x: bf16, may be a column slice (row stride a multiple of 8 elements); weight: bf16, contiguous; out: bf16 or
     float32 (logits), may be a column slice; bias: out's dtype. x and weight 16-byte aligned; K % 8 == 0.
     fp32 accumulation, rounded once to out's dtype (bias added, then max(., 0) if relu, before rounding). M == 0
-    launches nothing."""
+    launches nothing. An Fp8Matrix weight (K % 16 == 0, out bf16) gives the result of its values dequantized and
+    rounded to bf16, bit for bit."""
     problem = unsupported_reason(out, x, weight, bias)
     if problem is not None:
         raise InvalidArgument(f"skinny_linear: {problem}")
@@ -67,6 +88,11 @@ def skinny_linear(lib, stream, out: DeviceTensor, x: DeviceTensor, weight: Devic
     if m == 0:
         return
     n = out.shape[1]
+    if isinstance(weight, Fp8Matrix):
+        launch_kernel(stream, lib.get(FP8_KERNELS[m <= 8], MODULE), ceil_div(n, TILE_ROWS), THREADS, out,
+                      np.int64(out.stride), x, np.int64(x.stride // 8), weight.data, weight.scales,
+                      bias if bias is not None else NULL, m, n, k // 8, int(relu))
+        return
     kernel = lib.get(KERNELS[m <= 8, out.dtype], MODULE)
     launch_kernel(stream, kernel, ceil_div(n, TILE_ROWS), THREADS, out, np.int64(out.stride), x,
                   np.int64(x.stride // 8), weight, bias if bias is not None else NULL, m, n, k // 8, int(relu))

@@ -1,0 +1,137 @@
+"""FP8 weights' linears on the GPU: the per-token quantization of an input (fp8.cu) against torch's e4m3 cast; the
+skinny GEMM over an FP8 weight against the bf16 kernel over the weight it dequantizes to (bit for bit); cuBLASLt's
+W8A8 matmul and linears.fp8_linear_into against a float64 reference from the same quantized operands."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("cuda.core")
+
+from gpu_reference import relative_error  # noqa: E402
+from metrale.runtime.backend.cuda import kernels  # noqa: E402
+from metrale.runtime.backend.cuda.fp8_matrix import Fp8Matrix  # noqa: E402
+from metrale.runtime.backend.cuda.gemm import CublasLt  # noqa: E402
+from metrale.runtime.backend.cuda.linears import fp8_linear_into  # noqa: E402
+from metrale.runtime.backend.cuda.tensor import DeviceTensor  # noqa: E402
+from metrale.runtime.loading.fp8 import E4M3_MAX, quantize_rows  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+# (N, K): Llama-3-8B's qkv, o, gate_up, down; a small model's; tails (N not a multiple of 16, K of 32).
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (960, 576), (1000, 208), (17, 16), (33, 4112)]
+# A bf16 result rounds once: within a few bf16 units of the float64 product of the same operands.
+BOUND = 1e-2
+
+
+def fp8_weight(n: int, k: int, seed: int):
+    """(the device Fp8Matrix and its torch tensors, the bf16 weight it dequantizes to) of a random [N, K] weight."""
+    generator = torch.Generator().manual_seed(seed)
+    quantized = quantize_rows(torch.randn(n, k, generator=generator) / k ** 0.5)
+    data, scales = quantized.data.cuda(), quantized.scales.reshape(-1).cuda()
+    matrix = Fp8Matrix(DeviceTensor.from_torch(data), DeviceTensor.from_torch(scales))
+    return matrix, (data, scales), quantized.dequantize().to(torch.bfloat16).cuda()
+
+
+def random_x(m: int, k: int, seed: int, pad: int = 0) -> torch.Tensor:
+    """bf16 [M, K] (a column slice of [M, K + 2 pad] with pad), its rows at scales from 1e-3 to 1e3."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    wide = torch.randn(m, k + 2 * pad, generator=generator, device="cuda")
+    wide *= torch.logspace(-3, 3, m, device="cuda")[:, None]
+    return wide.to(torch.bfloat16)[:, pad:pad + k]
+
+
+def torch_quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's rows as loading/fp8.py quantizes a weight's: (e4m3 [M, K], float32 scales [M]), on the GPU. Computed on
+    the CPU, whose division is IEEE's (torch's CUDA division by a number multiplies by its reciprocal)."""
+    values = x.float().cpu()
+    scales = values.abs().amax(dim=1) / E4M3_MAX
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    quantized = (values / scales[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return quantized.cuda(), scales.cuda()
+
+
+@pytest.fixture(scope="module")
+def cublaslt(cuda_device):
+    workspace = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
+    lt = CublasLt(DeviceTensor.from_torch(workspace))
+    yield lt
+    lt.close()
+
+
+@pytest.mark.parametrize("m, k, pad", [(1, 16, 0), (5, 4096, 0), (64, 14336, 0), (300, 576, 32)])
+def test_quantize_rows_equals_torchs_cast(kernel_library, stream, m, k, pad):
+    x = random_x(m, k, seed=m + k, pad=pad)
+    x[m // 2] = 0                                        # a row of zeros: scale 1, all zeros
+    q = torch.full((m, k), 0x7f, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)     # NaN
+    scales = torch.full((m,), float("nan"), device="cuda")
+    torch.cuda.synchronize()
+    kernels.fp8.quantize_rows(kernel_library, stream, DeviceTensor.from_torch(q), DeviceTensor.from_torch(scales),
+                              DeviceTensor.from_torch(x))
+    stream.sync()
+    want_q, want_scales = torch_quantized(x)
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
+def test_skinny_fp8_equals_bf16_of_the_dequantized_weight(kernel_library, stream, m, n, k, relu):
+    matrix, _, dequantized = fp8_weight(n, k, seed=n + k)
+    x = random_x(m, k, seed=m + 3 * k, pad=8 if m == 9 else 0)
+    bias = torch.randn(n, device="cuda").bfloat16() if m % 2 else None
+    ours, theirs = (torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    torch.cuda.synchronize()
+    for out, weight in ((ours, matrix), (theirs, DeviceTensor.from_torch(dequantized))):
+        kernels.skinny_gemm.skinny_linear(kernel_library, stream, DeviceTensor.from_torch(out),
+                                          DeviceTensor.from_torch(x), weight,
+                                          DeviceTensor.from_torch(bias) if bias is not None else None, relu=relu)
+    stream.sync()
+    assert torch.equal(ours, theirs)
+
+
+def w8a8_reference(q_x, x_scales, data, scales, bias=None, relu=False) -> torch.Tensor:
+    result = (q_x.double() * x_scales.double()[:, None]) @ (data.double() * scales.double()[:, None]).T
+    result = result + bias.double() if bias is not None else result
+    return result.clamp_min(0) if relu else result
+
+
+@pytest.mark.parametrize("with_bias, relu", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("n, k", SHAPES[:6])
+@pytest.mark.parametrize("m", [17, 64, 300, 4096])
+def test_cublaslt_w8a8_matches_float64(cublaslt, stream, m, n, k, with_bias, relu):
+    matrix, (data, scales), _ = fp8_weight(n, k, seed=n * k)
+    q_x, x_scales = torch_quantized(random_x(m, k, seed=m * n))
+    bias = torch.randn(n, device="cuda").bfloat16() if with_bias else None
+    out = torch.full((m, n + 16), float("nan"), dtype=torch.bfloat16, device="cuda")[:, 8:8 + n]   # a column slice
+    torch.cuda.synchronize()
+    cublaslt.fp8_linear(stream, DeviceTensor.from_torch(out), DeviceTensor.from_torch(q_x),
+                        DeviceTensor.from_torch(x_scales), matrix,
+                        DeviceTensor.from_torch(bias) if bias is not None else None, relu=relu)
+    stream.sync()
+    error = relative_error(out, w8a8_reference(q_x, x_scales, data, scales, bias, relu))
+    assert error < BOUND, f"relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("m", [1, 16, 17, 200])
+def test_fp8_linear_into_quantizes_then_multiplies(kernel_library, cublaslt, stream, m):
+    """Up to 16 rows the skinny GEMM (the dequantized weight's product); past them the input quantized per token
+    into the stream's buffer, then the W8A8 matmul."""
+    n, k = 4096, 1024
+    matrix, (data, scales), dequantized = fp8_weight(n, k, seed=m)
+    x = random_x(m, k, seed=2 * m, pad=16)
+    buffer = torch.empty(256, 2048, dtype=torch.float8_e4m3fn, device="cuda")
+    ctx = SimpleNamespace(stream=stream, gemm_workspace=None, fp8_input=DeviceTensor.from_torch(buffer),
+                          fp8_scales=DeviceTensor.from_torch(torch.empty(256, device="cuda")))
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    torch.cuda.synchronize()
+    fp8_linear_into(kernel_library, cublaslt, ctx, DeviceTensor.from_torch(out), DeviceTensor.from_torch(x), matrix)
+    stream.sync()
+    if m <= 16:
+        reference = x.double() @ dequantized.double().T
+    else:
+        reference = w8a8_reference(*torch_quantized(x), data, scales)
+    error = relative_error(out, reference)
+    assert error < BOUND, f"relative error {error:.2e}"
