@@ -45,6 +45,29 @@ def gemm_rate(device: str, n: int, repeats: int = 20, sets: int = 3) -> float:
     return 2 * n ** 3 / seconds
 
 
+def fp8_gemm_rate(device: str, n: int, repeats: int = 20, sets: int = 3) -> float:
+    """FLOP/s of an n x n x n e4m3 matmul with a float32 scale a row of each operand and bf16 out (torch._scaled_mm:
+    cuBLASLt's FP8 matmul, as the FP8 linears run), rotating among `sets` input pairs; median."""
+    pairs = [(torch.randn(n, n, device=device).to(torch.float8_e4m3fn),
+              torch.randn(n, n, device=device).to(torch.float8_e4m3fn).T) for _ in range(sets)]
+    scale_a, scale_b = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
+
+    def matmul(a, b):
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+
+    for a, b in pairs:
+        matmul(a, b)
+    timer = DeviceTimer(device)
+    for i in range(repeats):
+        a, b = pairs[i % sets]
+        started = timer.start()
+        matmul(a, b)
+        timer.stop(started)
+    seconds = statistics.median(timer.elapsed_ms()) / 1e3
+    del pairs
+    return 2 * n ** 3 / seconds
+
+
 def gpu_machine_line(name: str, device: str) -> str:
     """What the figures ran on: GPU, driver, clocks, torch, CUDA, triton, CPU cores and the date."""
     if torch.device(device).type != "cuda":

@@ -52,12 +52,15 @@
 #            tokens, beside dense latent attention over the same cache, batches 1 and 64 at 4k and 32k (~1 min)
 #   serving  bench/serving.py: the reference gateway and a Llama-3-8B-shaped worker under Poisson arrivals at several
 #            rates (throughput, TTFT and ITL p50/p99), and the gateway at saturation against the step benchmark (~6 min)
+#   fp8      --quantize fp8: the FP8 tests, bench/gpu_fp8_gemm.py (the FP8 linears beside bf16's), then
+#            bench/gpu_decode.py at the Llama-3-8B shape with FP8 weights: decode at batches 1, 64, 256 against the
+#            FP8 floor and the bf16 peer, through gRPC, and the 8 x 1k prefill against the FP8 GEMM rate      (~6 min)
 #   mha      bench/gpu_mha_attention.py: the multi-head decode attention kernels at NLLB's beam step shapes, with each
 #            bench/variants/decode_attention_mha/NAME.cu (carry bench/variants) timed beside the package's  (~1 min)
 # Usage (from the repository root, with .whl carried):
 #   bash bench/gpu_check.sh [tests|api-models|load|kernels|smollm2|llama|long-prefill|prefill-variants|long-decode-8k|
 #     long-decode-32k|profile|prefix|beam|search|ssm|ssm-kernels|ssm-profile|ssm-prefix|moe-kernels|moe|mla|
-#     mla-kernels|hy4|hy4-32k|dsa-kernels|mha|serving]...
+#     mla-kernels|hy4|hy4-32k|dsa-kernels|fp8|mha|serving]...
 # (default: tests). Logs and JSON land in $OUT (default /tmp/gpu-check).
 set -uo pipefail
 source scripts/device_env.sh || exit 1
@@ -103,6 +106,13 @@ for part in "${@:-tests}"; do
       python3 -m bench.gpu_gemm_algos --tokens 4,16,64,256 --algos 24 > "$OUT/gemm_algos.txt" 2>&1 \
         || summary+=("kernels: FAILED (see gemm_algos.txt)")
       summary+=("== gemm algos" "$(grep -v '^# gpu' "$OUT/gemm_algos.txt")") ;;
+    fp8)
+      run_pytest fp8 -m gpu -s tests/runtime/cuda/test_fp8_linear.py tests/runtime/cuda/test_fp8_models.py
+      summary+=("$(grep -E 'largest relative error' "$OUT/fp8.log")")
+      python3 -m bench.gpu_fp8_gemm > "$OUT/fp8_gemm.txt" 2>&1 || summary+=("fp8: FAILED (see fp8_gemm.txt)")
+      summary+=("== fp8 gemm" "$(grep -v '^# gpu' "$OUT/fp8_gemm.txt")")
+      run_bench llama3-8b-fp8 bench.gpu_decode --shape llama3-8b --batches 1,64,256 --prefill 8x1024 \
+        --engine-config '{"quantize": "fp8"}' ;;
     smollm2)
       run_bench smollm2 bench.gpu_decode --shape smollm2-135m --batches 1,32 --prefill '' --hf-generate ;;
     llama)

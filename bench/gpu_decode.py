@@ -16,7 +16,7 @@ import torch
 
 from bench.decode_tables import DecodeRow, format_decode_table, format_prefill_table, row_record
 from bench.engine_runner import EngineRunner
-from bench.gpu_ceilings import copy_bandwidth, device_memory_gb, gemm_rate, gpu_machine_line
+from bench.gpu_ceilings import copy_bandwidth, device_memory_gb, fp8_gemm_rate, gemm_rate, gpu_machine_line
 from bench.grpc_client import decode_round_trips_in_subprocess
 from bench.model_shapes import SHAPES, decode_step_bytes, decode_weight_bytes, kv_bytes_per_token, prefill_flops, \
     random_checkpoint, random_tokens
@@ -96,6 +96,12 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"sequences of {longest} tokens pass the shape's {shape.max_positions} positions")
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda, but torch sees no CUDA device")
+    extra = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(args.engine_config).items()}
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    if set(extra) - known:
+        raise SystemExit(f"--engine-config: EngineConfig has no field(s) {sorted(set(extra) - known)}")
+    # --quantize fp8: the floor reads the FP8 weights, prefill is held to the FP8 GEMM rate; the peer stays bf16.
+    fp8 = extra.get("quantize") == "fp8"
     run = Run(args.time_budget, device)
     result = {"args": vars(args), "shape": dataclasses.asdict(shape), "phases": run.phases, "errors": run.errors}
 
@@ -104,15 +110,16 @@ def main(argv: list[str] | None = None) -> dict:
 
     # Ceilings first, on an empty device.
     bandwidth, note = run.phase("copy bandwidth", copy_bandwidth, device, args.copy_mb * 10**6)
-    gemm, _ = run.phase("GEMM rate", gemm_rate, device, args.gemm_size)
+    gemm, _ = run.phase("GEMM rate", fp8_gemm_rate if fp8 else gemm_rate, device, args.gemm_size)
+    gemm_name = "FP8 GEMM" if fp8 else "bf16 GEMM"
     if bandwidth is None or gemm is None:
         raise SystemExit(f"the ceilings could not be measured: {run.errors}")
     if device == "cuda":
         torch.cuda.empty_cache()
     result["copy_bandwidth_bytes_per_s"], result["gemm_flops_per_s"] = bandwidth, gemm
-    weights, kv_token = decode_weight_bytes(shape), kv_bytes_per_token(shape)
+    weights, kv_token = decode_weight_bytes(shape, fp8), kv_bytes_per_token(shape)
     log(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write, median of 10 copies of {args.copy_mb} MB); "
-        f"bf16 GEMM {gemm / 1e12:.1f} TFLOP/s ({args.gemm_size}^3, median of 20)")
+        f"{gemm_name} {gemm / 1e12:.1f} TFLOP/s ({args.gemm_size}^3, median of 20)")
     log(f"{args.shape}: weights read per decode step {weights / 1e9:.3f} GB, KV {kv_token / 1e3:.1f} kB/token")
 
     checkpoint, _ = run.phase("random checkpoint", random_checkpoint, shape, args.seed, device)
@@ -126,10 +133,6 @@ def main(argv: list[str] | None = None) -> dict:
                                       + [n * blocks_for(length, EngineConfig.kv_block_size) for n, length in cases]
                                       + [blocks_for(long_len, EngineConfig.kv_block_size)]
                                       + [2 * blocks_for(check_tokens.shape[1], EngineConfig.kv_block_size)]) + 8
-    extra = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(args.engine_config).items()}
-    known = {f.name for f in dataclasses.fields(EngineConfig)}
-    if set(extra) - known:
-        raise SystemExit(f"--engine-config: EngineConfig has no field(s) {sorted(set(extra) - known)}")
     max_model_len = args.max_model_len or longest
     if max_model_len < longest:
         raise SystemExit(f"--max-model-len {max_model_len} is under the {longest} tokens this run needs")
@@ -200,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
     mean_context = args.context + args.warmup + (args.steps + 1) / 2      # KV read per sequence, timed steps
     peer_failed = ""
     for batch in batches:
-        floor_ms = decode_step_bytes(shape, batch, mean_context) / bandwidth * 1e3
+        floor_ms = decode_step_bytes(shape, batch, mean_context, fp8) / bandwidth * 1e3
         prompts = random_tokens(batch, args.context, shape.vocab, args.seed + 3)
         if ours:
             decode_rows.append(decode_engine_row(run, args, ours, batch, prompts, floor_ms))
@@ -249,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(format_decode_table(decode_rows))
     if prefill_rows:
         print(f"# prefill: model FLOPs (2 x params x tokens + causal attention, lm_head on last tokens) / p50 time, "
-              f"against bf16 GEMM {gemm / 1e12:.1f} TFLOP/s")
+              f"against {gemm_name} {gemm / 1e12:.1f} TFLOP/s")
         print(format_prefill_table(prefill_rows))
     for where, key in (("engine", ""), ("through gRPC, a client process's Prefill round trip", "grpc ")):
         whole, in_chunks = chunked.get(f"{key}whole"), chunked.get(f"{key}chunked")

@@ -169,11 +169,17 @@ def layer_matmul_params(shape: Shape) -> int:
     return shape.hidden * (q + 2 * kv) + q * shape.hidden + 3 * shape.hidden * shape.ffn
 
 
-def decode_weight_bytes(shape: Shape) -> int:
+def decode_weight_bytes(shape: Shape, fp8: bool = False) -> int:
     """Bytes of bf16 weights a decode step reads whole: every layer's matrices and norms, the final norm and the
-    vocab projection. The embedding table gives one row per token, so it counts only as the tied lm_head."""
-    per_layer = layer_matmul_params(shape) + 2 * shape.hidden
-    return 2 * (shape.layers * per_layer + shape.hidden + shape.vocab * shape.hidden)
+    vocab projection. The embedding table gives one row per token, so it counts only as the tied lm_head. fp8: the
+    layers' matrices in e4m3 with a float32 scale a row (--quantize fp8; the vocab projection stays bf16)."""
+    if not fp8:
+        per_layer = layer_matmul_params(shape) + 2 * shape.hidden
+        return 2 * (shape.layers * per_layer + shape.hidden + shape.vocab * shape.hidden)
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    rows = q + 2 * kv + shape.hidden + 2 * shape.ffn + shape.hidden         # qkv, o, gate and up, down
+    per_layer = layer_matmul_params(shape) + 4 * rows + 2 * 2 * shape.hidden
+    return shape.layers * per_layer + 2 * (shape.hidden + shape.vocab * shape.hidden)
 
 
 def kv_bytes_per_token(shape: Shape) -> int:
@@ -226,10 +232,11 @@ def hybrid_prefill_flops(shape: HybridShape, num_seqs: int, seq_len: int) -> flo
     return float(2 * matrices * tokens + 2 * shape.vocab * shape.hidden * num_seqs + attention + scan)
 
 
-def decode_step_bytes(shape: "Shape | HybridShape", batch: int, context: float) -> float:
+def decode_step_bytes(shape: "Shape | HybridShape", batch: int, context: float, fp8: bool = False) -> float:
     """What a decode step of `batch` sequences holding `context` tokens must move at the least (the floor's bytes):
-    the weights read, each sequence's KV read and, in a hybrid, each sequence's SSM state read and written."""
+    the weights read (fp8: decode_weight_bytes'), each sequence's KV read and, in a hybrid, each sequence's SSM state
+    read and written."""
     if isinstance(shape, HybridShape):
         return hybrid_decode_weight_bytes(shape) + batch * (context * hybrid_kv_bytes_per_token(shape)
                                                             + 2 * hybrid_state_bytes(shape))
-    return decode_weight_bytes(shape) + batch * context * kv_bytes_per_token(shape)
+    return decode_weight_bytes(shape, fp8) + batch * context * kv_bytes_per_token(shape)

@@ -1,7 +1,6 @@
 // Skinny GEMM ("GEMV") for decode linears: out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]), M <= 16: the
 // kernels of skinny_gemm.cuh (its comment gives the design) over x's rows as they are, for a bf16 weight and for an
-// e4m3 weight with one float32 scale a row (dequantized in registers: the bf16 kernel's result on the weight
-// dequantized and rounded to bf16, bit for bit).
+// e4m3 weight with one float32 scale a row (widened in registers to the bf16 weight it dequantizes to).
 #include "skinny_gemm.cuh"
 
 // Grid: ceil(N / 16) CTAs of 256 threads. x_stride in 16-byte chunks, out_stride in elements, k_chunks = K / 8;
@@ -34,9 +33,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M16) skinny_gemm_
     skinny_gemm<2>(out, out_stride, StridedRows{x, x_stride}, Bf16Weights{weight}, bias, m, n, k_chunks, relu);
 }
 
-// FP8 weights (sm_89 and later): weight [N, K] e4m3 as 8-byte chunks (K / 8 a row), scales [N] float32; out bf16.
+// FP8 weights (sm_89 and later): weight [N, K] e4m3 as 16-byte loads (K / 16 a row; k_chunks = K / 8 as above),
+// scales [N] float32; out bf16.
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M8) skinny_gemm_m8_fp8(
-    bf16* out, long long out_stride, const uint4* x, long long x_stride, const uint2* weight, const float* scales,
+    bf16* out, long long out_stride, const uint4* x, long long x_stride, const uint4* weight, const float* scales,
     const bf16* bias, int m, int n, int k_chunks, int relu) {
     wait_for_previous_kernel();
     skinny_gemm<1>(out, out_stride, StridedRows{x, x_stride}, Fp8RowWeights{weight, scales}, bias, m, n, k_chunks,
@@ -44,7 +44,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M8) skinny_gemm_m
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M16) skinny_gemm_m16_fp8(
-    bf16* out, long long out_stride, const uint4* x, long long x_stride, const uint2* weight, const float* scales,
+    bf16* out, long long out_stride, const uint4* x, long long x_stride, const uint4* weight, const float* scales,
     const bf16* bias, int m, int n, int k_chunks, int relu) {
     wait_for_previous_kernel();
     skinny_gemm<2>(out, out_stride, StridedRows{x, x_stride}, Fp8RowWeights{weight, scales}, bias, m, n, k_chunks,

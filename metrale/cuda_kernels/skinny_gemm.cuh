@@ -2,7 +2,8 @@
 // x [M, K] @ weight [N, K]^T (+ bias [N]), M <= 16, on tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate), in one launch that reads every weight byte once.
 //
 // weight [N, K] bf16, contiguous (nn.Linear layout), passed as 16-byte chunks: k_chunks = K / 8 per row; or e4m3
-// with a float32 scale a row (Fp8RowWeights: 8-byte chunks, each widened to bf16 in registers before its mma).
+// with a float32 scale a row (Fp8RowWeights: a lane's 16-byte load is two chunks' weights, 16 of K, widened to bf16
+// in registers before their mmas; K % 16 == 0).
 // x [M, K] bf16, row stride x_stride in 16-byte chunks (x may be a column slice). out [M, N] bf16 or float32,
 // row stride out_stride in elements; bias [N] of out's dtype or null. Every pointer 16-byte aligned but out's
 // and bias's (element-aligned: they are written and read one element at a time).
@@ -26,8 +27,8 @@
 // Work split: a CTA of 8 warps owns 16 weight rows; its warps split the row's steps into 8 contiguous ranges
 // (splitting K, so that a small N still gives many warps: N = 4096 is 256 CTAs), sum their 16 x M partial
 // products in shared memory, and the CTA writes 16 x M outputs (+ bias) once. Each lane loads UNROLL steps (2
-// UNROLL streaming 16-byte weight loads; 8 steps of 8-byte loads for FP8) before multiplying any: 4 KB of weight per
-// warp in flight either way, 96 KB per SM
+// UNROLL streaming 16-byte weight loads; an FP8 step is two chunks a lane) before multiplying any: 4 KB of weight per
+// warp in flight, 96 KB per SM
 // at 3 CTAs (M <= 8), 64 KB at 2 (M <= 16), well over bandwidth x latency / SMs (4.8 TB/s x ~1 us / 132 = 36 KB
 // on an H200). The weight is read once, with ld.global.nc.L1::no_allocate so it does not push x out of L1: every
 // CTA reads all of x (M x K x 2 bytes, tiny next to its 16 x K x 2 of weight when M <= 8), from L1 or L2.
@@ -57,15 +58,6 @@ __device__ __forceinline__ uint4 load_weight(const uint4* pointer, bool valid) {
     return v;
 }
 
-// 8 bytes of the weight (an FP8 weight's chunk), as above.
-__device__ __forceinline__ uint2 load_weight(const uint2* pointer, bool valid) {
-    uint2 v;
-    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n"
-                 " @p ld.global.nc.L1::no_allocate.L2::256B.v2.u32 {%0, %1}, [%2];\n}\n"
-                 : "=r"(v.x), "=r"(v.y) : "l"(pointer), "r"((int)valid));
-    return v;
-}
-
 // 16 bytes of x, or zeros where !valid: re-read by every CTA, so cached in L1 (plain global loads are, on sm_80+).
 // Not .nc: x is the previous kernel's output, and programmatic dependent launch orders only coherent loads after
 // griddepcontrol.wait (common.cuh); the weight above is written by no kernel, so its .nc loads are safe.
@@ -78,17 +70,15 @@ __device__ __forceinline__ uint4 load_activation(const uint4* pointer, bool vali
     return v;
 }
 
-// The weight's form, as skinny_gemm reads it: Raw, what one lane loads for one 16-byte chunk of x (8 of K); load(),
-// that load (zeros where !valid); widen(), the 8 bf16 values it stands for, ready for the mma; UNROLL, the warp steps
-// loaded before the first is multiplied (as many bytes in flight for either form).
-struct Bf16Weights {          // [N, K] bf16: a chunk is 16 bytes of it, as it is
-    typedef uint4 Raw;
-    static constexpr int UNROLL = 4;
+// The weight's form, as skinny_gemm reads it: a lane's 16-byte load covers CHUNKS 16-byte chunks of x (8 of K
+// each); widen() turns it into those chunks' bf16 weights, ready for the mma; UNROLL, the warp steps loaded before
+// the first is multiplied (4 KB of weight in flight a warp for either form).
+struct Bf16Weights {          // [N, K] bf16: a load is one chunk, as it is
+    static constexpr int CHUNKS = 1, UNROLL = 4;
     const uint4* data;
-    __device__ __forceinline__ const Raw* row(int r, int k_chunks) const { return data + (long long)r * k_chunks; }
+    __device__ __forceinline__ const uint4* row(int r, int k_chunks) const { return data + (long long)r * k_chunks; }
     __device__ __forceinline__ float scale(int) const { return 1.f; }
-    __device__ __forceinline__ static Raw load(const Raw* p, bool valid) { return load_weight(p, valid); }
-    __device__ __forceinline__ static uint4 widen(Raw raw, float) { return raw; }
+    __device__ __forceinline__ static void widen(uint4 raw, float, uint4 (&out)[CHUNKS]) { out[0] = raw; }
 };
 
 // Two e4m3 (the low byte the lower element) -> two bf16 of their values times scale, packed as float2_to_bf16x2:
@@ -108,17 +98,22 @@ __device__ __forceinline__ unsigned int e4m3x2_to_bf16x2(unsigned int pair, floa
 #endif
 }
 
-struct Fp8RowWeights {        // [N, K] e4m3 with one float32 scale a row: a chunk is 8 bytes of it
-    typedef uint2 Raw;
-    static constexpr int UNROLL = 8;
-    const uint2* data;
+__device__ __forceinline__ uint4 e4m3x8_to_bf16x8(unsigned int low, unsigned int high, float scale) {
+    return make_uint4(e4m3x2_to_bf16x2(low & 0xffffu, scale), e4m3x2_to_bf16x2(low >> 16, scale),
+                      e4m3x2_to_bf16x2(high & 0xffffu, scale), e4m3x2_to_bf16x2(high >> 16, scale));
+}
+
+struct Fp8RowWeights {        // [N, K] e4m3 with one float32 scale a row: a load is two chunks (16 of K)
+    static constexpr int CHUNKS = 2, UNROLL = 4;
+    const uint4* data;
     const float* scales;
-    __device__ __forceinline__ const Raw* row(int r, int k_chunks) const { return data + (long long)r * k_chunks; }
+    __device__ __forceinline__ const uint4* row(int r, int k_chunks) const {
+        return data + (long long)r * (k_chunks / CHUNKS);
+    }
     __device__ __forceinline__ float scale(int r) const { return scales[r]; }
-    __device__ __forceinline__ static Raw load(const Raw* p, bool valid) { return load_weight(p, valid); }
-    __device__ __forceinline__ static uint4 widen(Raw raw, float scale) {
-        return make_uint4(e4m3x2_to_bf16x2(raw.x & 0xffffu, scale), e4m3x2_to_bf16x2(raw.x >> 16, scale),
-                          e4m3x2_to_bf16x2(raw.y & 0xffffu, scale), e4m3x2_to_bf16x2(raw.y >> 16, scale));
+    __device__ __forceinline__ static void widen(uint4 raw, float scale, uint4 (&out)[CHUNKS]) {
+        out[0] = e4m3x8_to_bf16x8(raw.x, raw.y, scale);
+        out[1] = e4m3x8_to_bf16x8(raw.z, raw.w, scale);
     }
 };
 
@@ -143,24 +138,24 @@ template <int TOKEN_TILES, typename Out, typename Rows, typename Weights>
 __device__ __forceinline__ void skinny_gemm(Out* out, long long out_stride, Rows rows, Weights weight,
                                             const Out* bias, int m, int n, int k_chunks, int relu, int gated = 0,
                                             float limit = 0.f) {
-    typedef typename Weights::Raw Raw;
-    constexpr int UNROLL = Weights::UNROLL;
+    constexpr int UNROLL = Weights::UNROLL, CHUNKS = Weights::CHUNKS, STEP = STEP_CHUNKS * CHUNKS;
     constexpr int TOKENS = 8 * TOKEN_TILES;
     __shared__ float partial[WARPS][TILE_ROWS][TOKENS];   // each warp's share of out^T for the CTA's 16 rows
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int row0 = blockIdx.x * TILE_ROWS;
 
-    // This warp's steps [step_begin, step_end): an eighth of ceil(K / 32), contiguous. Lane t reads chunks
-    // chunk, chunk + 4, ... below chunk_end (the warp's range, and K: a chunk past either reads nothing).
-    const int steps = (k_chunks + STEP_CHUNKS - 1) / STEP_CHUNKS;
+    // This warp's steps [step_begin, step_end): an eighth of ceil(K / (32 CHUNKS)), contiguous. A step is STEP
+    // chunks; lane t reads its CHUNKS chunks from chunk, chunk + STEP, ... below chunk_end (the warp's range, and K: a
+    // load past either reads nothing). K is a multiple of CHUNKS chunks.
+    const int steps = (k_chunks + STEP - 1) / STEP;
     const int step_begin = steps * warp / WARPS, step_end = steps * (warp + 1) / WARPS;
-    const int chunk_begin = step_begin * STEP_CHUNKS + t;
-    const int chunk_end = min(k_chunks, step_end * STEP_CHUNKS + t);
+    const int chunk_begin = step_begin * STEP + t * CHUNKS;
+    const int chunk_end = min(k_chunks, step_end * STEP + t * CHUNKS);
 
     // This lane's weight rows g, g + 8 and x rows g + 8 j, at chunk_begin; rows past N or M read nothing (zeros).
     const bool low_valid = row0 + g < n, high_valid = row0 + g + 8 < n;
-    const Raw* w_low = weight.row(low_valid ? row0 + g : 0, k_chunks) + chunk_begin;
-    const Raw* w_high = weight.row(high_valid ? row0 + g + 8 : 0, k_chunks) + chunk_begin;
+    const uint4* w_low = weight.row(low_valid ? row0 + g : 0, k_chunks) + chunk_begin / CHUNKS;
+    const uint4* w_high = weight.row(high_valid ? row0 + g + 8 : 0, k_chunks) + chunk_begin / CHUNKS;
     const float scale_low = weight.scale(low_valid ? row0 + g : 0);
     const float scale_high = weight.scale(high_valid ? row0 + g + 8 : 0);
     const uint4* x_row[TOKEN_TILES];
@@ -174,33 +169,36 @@ __device__ __forceinline__ void skinny_gemm(Out* out, long long out_stride, Rows
 #pragma unroll
     for (int j = 0; j < TOKEN_TILES; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 
-    constexpr int BATCH_CHUNKS = UNROLL * STEP_CHUNKS;
     const int batches = (step_end - step_begin + UNROLL - 1) / UNROLL;   // the same in every lane: mma is warp-wide
-    for (int batch = 0, chunk = chunk_begin; batch < batches; ++batch, chunk += BATCH_CHUNKS) {
-        Raw raw_low[UNROLL], raw_high[UNROLL];
-        uint4 b[UNROLL][TOKEN_TILES];
+    for (int batch = 0, chunk = chunk_begin; batch < batches; ++batch, chunk += UNROLL * STEP) {
+        uint4 raw_low[UNROLL], raw_high[UNROLL], b[UNROLL][TOKEN_TILES][CHUNKS];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            const bool k_valid = chunk + u * STEP_CHUNKS < chunk_end;
-            raw_low[u] = Weights::load(w_low + u * STEP_CHUNKS, k_valid && low_valid);
-            raw_high[u] = Weights::load(w_high + u * STEP_CHUNKS, k_valid && high_valid);
+            const bool k_valid = chunk + u * STEP < chunk_end;
+            raw_low[u] = load_weight(w_low + u * STEP_CHUNKS, k_valid && low_valid);
+            raw_high[u] = load_weight(w_high + u * STEP_CHUNKS, k_valid && high_valid);
 #pragma unroll
             for (int j = 0; j < TOKEN_TILES; ++j)
-                b[u][j] = load_activation(x_row[j] + u * STEP_CHUNKS, k_valid && x_valid[j]);
-        }
-        w_low += BATCH_CHUNKS;
-        w_high += BATCH_CHUNKS;
 #pragma unroll
-        for (int j = 0; j < TOKEN_TILES; ++j) x_row[j] += BATCH_CHUNKS;
+                for (int c = 0; c < CHUNKS; ++c)
+                    b[u][j][c] = load_activation(x_row[j] + u * STEP + c, k_valid && x_valid[j]);
+        }
+        w_low += UNROLL * STEP_CHUNKS;
+        w_high += UNROLL * STEP_CHUNKS;
+#pragma unroll
+        for (int j = 0; j < TOKEN_TILES; ++j) x_row[j] += UNROLL * STEP;
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            const uint4 a_low = Weights::widen(raw_low[u], scale_low);
-            const uint4 a_high = Weights::widen(raw_high[u], scale_high);
+            uint4 a_low[CHUNKS], a_high[CHUNKS];
+            Weights::widen(raw_low[u], scale_low, a_low);
+            Weights::widen(raw_high[u], scale_high, a_high);
 #pragma unroll
-            for (int j = 0; j < TOKEN_TILES; ++j) {
-                mma_bf16(acc[j], {a_low.x, a_high.x, a_low.y, a_high.y}, b[u][j].x, b[u][j].y);
-                mma_bf16(acc[j], {a_low.z, a_high.z, a_low.w, a_high.w}, b[u][j].z, b[u][j].w);
-            }
+            for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+                for (int j = 0; j < TOKEN_TILES; ++j) {
+                    mma_bf16(acc[j], {a_low[c].x, a_high[c].x, a_low[c].y, a_high[c].y}, b[u][j][c].x, b[u][j][c].y);
+                    mma_bf16(acc[j], {a_low[c].z, a_high[c].z, a_low[c].w, a_high[c].w}, b[u][j][c].z, b[u][j][c].w);
+                }
         }
     }
 

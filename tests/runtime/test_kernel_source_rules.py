@@ -18,13 +18,12 @@ def test_every_kernel_waits_for_the_previous_one_first():
 
 def test_no_kernel_reads_activations_through_the_non_coherent_path():
     # griddepcontrol.wait orders coherent loads only (common.cuh): ld.global.nc is kept for the skinny GEMM's
-    # weights (written by no kernel: its two load_weight forms, 16 and 8 bytes); no __ldg and no __restrict__ (which
-    # lets the compiler emit such loads).
+    # weights (written by no kernel); no __ldg and no __restrict__ (which lets the compiler emit such loads).
     for module, source in kernel_sources().items():
         code = "\n".join(line.split("//")[0] for line in source.splitlines())
         assert "__ldg(" not in code and "__restrict__" not in code, f"{module}.cu"
         nc = code.count("ld.global.nc")
         skinny = "skinny_gemm(" in code          # gemv.cu and moe.cu, through skinny_gemm.cuh
-        assert nc == (2 if skinny else 0), f"{module}.cu has {nc} non-coherent loads"
+        assert nc == (1 if skinny else 0), f"{module}.cu has {nc} non-coherent loads"
         if nc:
-            assert code[code.index("load_weight("):code.index("load_activation(")].count("ld.global.nc") == nc
+            assert "ld.global.nc" in code[code.index("load_weight("):code.index("load_activation(")]

@@ -93,9 +93,14 @@ class QuantizedTensors(TensorsAsRead):
 
 
 def is_linear_weight(name: str, tensor) -> bool:
-    """Whether --quantize fp8 quantizes this checkpoint tensor (a plain floating 2-D weight of a linear layer)."""
+    """Whether --quantize fp8 quantizes this checkpoint tensor: a linear layer's 2-D weight, floating (of 16 bits or
+    more) or in GGUF's blocks (quantized from its dequantized values); never one already FP8."""
+    if not name.endswith(".weight") or any(key in name for key in NOT_LINEAR):
+        return False
+    if isinstance(tensor, DeferredWeight):
+        return not isinstance(tensor, Fp8Weight) and len(tensor.shape) == 2
     return (isinstance(tensor, torch.Tensor) and tensor.dim() == 2 and tensor.dtype.is_floating_point
-            and tensor.element_size() >= 2 and name.endswith(".weight") and not any(key in name for key in NOT_LINEAR))
+            and tensor.element_size() >= 2)
 
 
 def quantize_rows(weight: torch.Tensor) -> "Fp8Weight":

@@ -9,6 +9,7 @@ CUDA_HOME). We load it ourselves first so a missing library is one FailedPrecond
 """
 
 import threading
+from dataclasses import replace
 
 import numpy as np
 
@@ -115,7 +116,8 @@ class CublasLt:
         if matmul is None:
             matmul = self._matmul_of(key)
             if self.tuner is not None:
-                self.tuner.tune(self, key, stream, out, x, weight, bias, workspace, relu, splits)
+                self.tuner.tune(self, key, stream, weight, lambda w: self.linear(stream, out, x, w, bias, workspace,
+                                                                                 relu, splits))
         lt = self._lt
         try:
             if bias is None:
@@ -141,7 +143,12 @@ class CublasLt:
         if key.m == 0:
             return
         workspace = self._workspace_of(workspace)
-        matmul = self._matmul_of(key)
+        matmul = self._matmuls.get(key)
+        if matmul is None:
+            matmul = self._matmul_of(key)
+            if self.tuner is not None:
+                self.tuner.tune(self, key, stream, weight.data, lambda data: self.fp8_linear(
+                    stream, out, x, x_scales, replace(weight, data=data), bias, workspace, relu))
         lt = self._lt
         try:
             with self._lock:    # the pointers sit in the shape's descriptor until the call is enqueued

@@ -63,10 +63,10 @@ class AlgoTuner:
         self.scratch, self.l2_bytes = scratch, l2_bytes
         self.chosen: dict = {}      # LinearKey -> (index in the heuristic's list, seconds per launch of each)
 
-    def tune(self, lt, key, stream, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
-             bias: DeviceTensor | None, workspace: DeviceTensor, relu: bool, splits: int = 1) -> None:
-        """Times key's candidates on these operands (out is overwritten) and makes lt use the fastest. Leaves the
-        heuristic's choice where the weight is small, or where the scratch cannot hold copies spanning the L2."""
+    def tune(self, lt, key, stream, weight: DeviceTensor, run) -> None:
+        """Times key's candidates, each as run(w) (the call's linear over w, a copy of its weight tensor: its output
+        is overwritten) and makes lt use the fastest. Leaves the heuristic's choice where the weight is small, or
+        where the scratch cannot hold copies spanning the L2."""
         weights = self._weight_copies(weight, stream)
         if weights is None:
             return
@@ -76,9 +76,8 @@ class AlgoTuner:
         with no_collection():
             for candidate in candidates:
                 lt.use_algo(key, candidate)
-                times.append(time_per_launch(stream, [
-                    lambda w=weights[i % len(weights)]: lt.linear(stream, out, x, w, bias, workspace, relu, splits)
-                    for i in range(launches)]))
+                times.append(time_per_launch(stream, [lambda w=weights[i % len(weights)]: run(w)
+                                                      for i in range(launches)]))
         best = min(range(len(times)), key=times.__getitem__)
         if times[0] <= times[best] * (1 + MARGIN):
             best = 0
