@@ -68,9 +68,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the smoke test's path")
     parser.add_argument("--steps", type=int, default=64, help="greedy decode steps after each prompt")
     parser.add_argument("--prompts", type=int, default=len(QUESTIONS), help="how many of the chat prompts")
+    parser.add_argument("--text-tokens", type=int, default=None, help="score only the text's first this many tokens")
     args = parser.parse_args(argv)
     checkpoint = load_checkpoint(args.model or fetch_default_model(default_cache_dir()))
     text = checkpoint.tokenizer.encode(TEXT) if checkpoint.tokenizer is not None else list(TEXT.encode())
+    text = text[:args.text_tokens]
     prompts = {question: prompt_ids(checkpoint, question) for question in QUESTIONS[:args.prompts]}
     max_len = max([len(text)] + [len(p) + args.steps + 1 for p in prompts.values()])
     engines = {name: build_engine(checkpoint, EngineConfig(device=args.device, max_model_len=max_len, kv_blocks=

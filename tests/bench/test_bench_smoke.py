@@ -18,6 +18,7 @@ def bench(monkeypatch):
     import bench.beam_generate
     import bench.beam_host
     import bench.cpu_decode
+    import bench.fp8_accuracy
     import bench.gguf_accuracy
     import bench.grpc_overhead
     import bench.prefix_cache
@@ -85,6 +86,16 @@ def test_gguf_accuracy_compares_blocks_and_bfloat16_with_float32(bench, tmp_path
     assert [r.run for r in rows] == ["blocks", "bfloat16"] * 2
     assert all(0 < r.max_error < 0.1 and r.steps == 4 for r in rows)
     assert "max rel" in capsys.readouterr().out
+
+
+def test_fp8_accuracy_scores_both_runs(bench, tmp_path, capsys):
+    model = write_tiny_gguf(tmp_path / "tiny.gguf", "llama_tied", tiny_model("llama_tied"),
+                            gguf.GGMLQuantizationType.Q8_0)
+    result = bench.fp8_accuracy.main(["--model", str(model), "--device", "cpu", "--steps", "3", "--prompts", "2",
+                                      "--text-tokens", "40"])
+    assert result["steps"] == 8 and 0 <= result["agree"] <= 8
+    assert all(1 < p < 256 for p in result["perplexity"].values())
+    assert "perplexity" in capsys.readouterr().out
 
 
 def test_beam_generate_reports_both_sides_and_agreement(bench, tmp_path, capsys):
