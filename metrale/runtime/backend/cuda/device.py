@@ -113,6 +113,41 @@ class Arena:
         return DeviceTensor(self.base + start, tuple(shape), dtype)
 
 
+class GrowingArena(Arena):
+    """An Arena whose memory is committed as it is taken: `nbytes` of address space reserved at once (CUDA's virtual
+    memory management), physical memory mapped behind it STEP bytes at a time as take() reaches past what is mapped.
+    The weights' plan is an upper bound (every tensor as bf16); FP8 weights take half of it, and the memory they leave
+    is never committed, so the KV pool sized after the upload gets it."""
+
+    STEP = 64 << 20
+
+    def __init__(self, device: "CudaDevice", nbytes: int, name: str):
+        prop = driver.CUmemAllocationProp()
+        prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = device.device.device_id
+        granularity = int(check(driver.cuMemGetAllocationGranularity(
+            prop, driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)))
+        self.step = -(-self.STEP // granularity) * granularity
+        reserved = -(-max(nbytes, 1) // self.step) * self.step
+        super().__init__(int(check(driver.cuMemAddressReserve(reserved, 0, 0, 0))), nbytes, name)
+        self._prop, self.mapped = prop, 0
+        self._access = driver.CUmemAccessDesc()
+        self._access.location = prop.location
+        self._access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._handles = []          # kept for as long as the process: the weights live that long
+
+    def take(self, shape: tuple[int, ...], dtype: str) -> DeviceTensor:
+        tensor = super().take(shape, dtype)
+        while self.mapped < self.used:
+            handle = check(driver.cuMemCreate(self.step, self._prop, 0))
+            self._handles.append(handle)
+            check(driver.cuMemMap(self.base + self.mapped, self.step, 0, handle, 0))
+            check(driver.cuMemSetAccess(self.base + self.mapped, self.step, [self._access], 1))
+            self.mapped += self.step
+        return tensor
+
+
 class RingArena(Arena):
     """The activation workspace. Reset at the start of every forward, so a forward's tensors get the same
     addresses every time (CUDA graphs replay them). Allocation wraps around: a tensor must be dead once

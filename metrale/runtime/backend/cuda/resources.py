@@ -4,7 +4,7 @@ weights' arena, each stream's context, the KV pool), cuBLASLt and the calling th
 from pathlib import Path
 
 from metrale.runtime.backend.cuda.compiler import KernelCache, KernelLibrary
-from metrale.runtime.backend.cuda.device import ALIGNMENT, Arena, CudaDevice
+from metrale.runtime.backend.cuda.device import Arena, CudaDevice, GrowingArena
 from metrale.runtime.backend.cuda.gemm import CublasLt
 from metrale.runtime.backend.cuda.stream_context import StreamContext, StreamBinding, stream_buffers, stream_bytes
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
@@ -35,11 +35,13 @@ class CudaResources:
             raise InvalidArgument(f"the memory plan needs at least one stream, not {shapes.streams}")
         self.shapes = shapes
         buffers = stream_buffers(self.lib, shapes)
-        weights, per_stream = -(-weight_bytes // ALIGNMENT) * ALIGNMENT, stream_bytes(buffers)
-        base = self.cuda.allocate(weights + shapes.streams * per_stream)
-        self.weights = Arena(base, weights, "weights")
-        self.streams = [StreamContext(self.cuda, self.lib, shapes, Arena(base + weights + i * per_stream, per_stream, f"stream {i}"),
-                           buffers) for i in range(shapes.streams)]
+        per_stream = stream_bytes(buffers)
+        base = self.cuda.allocate(shapes.streams * per_stream)
+        # The weights' bound counts every tensor as bf16: memory is committed only as far as the upload reaches.
+        self.weights = GrowingArena(self.cuda, weight_bytes, "weights")
+        self.streams = [StreamContext(self.cuda, self.lib, shapes, Arena(base + i * per_stream, per_stream,
+                                                                         f"stream {i}"), buffers)
+                        for i in range(shapes.streams)]
         self.gemm = CublasLt(self.streams[0].gemm_workspace)
         self.bound = StreamBinding(self.streams[0])
 
