@@ -22,15 +22,15 @@
 //   mma 0: a = {w_low.x, w_high.x, w_low.y, w_high.y}, b = {x_g.x, x_g.y}   (elements 0..3 of the chunk)
 //   mma 1: a = {w_low.z, w_high.z, w_low.w, w_high.w}, b = {x_g.z, x_g.w}   (elements 4..7)
 // A warp step is 4 chunks (c = 4 step + t, 32 k) of 16 weight rows: each weight load instruction reads 64
-// contiguous bytes of 8 rows. Tokens 8..15 (M > 8) are a second B tile, x rows g + 8, into a second accumulator.
+// contiguous bytes of 8 rows. An FP8 weight's step is 8 chunks (64 k): lane t loads chunks 8 step + 2t and 2t + 1
+// in one 16-byte load, and feeds each chunk's two mmas as above. Tokens 8..15 (M > 8) are a second B tile, x rows g + 8, into a second accumulator.
 //
 // Work split: a CTA of 8 warps owns 16 weight rows; its warps split the row's steps into 8 contiguous ranges
 // (splitting K, so that a small N still gives many warps: N = 4096 is 256 CTAs), sum their 16 x M partial
 // products in shared memory, and the CTA writes 16 x M outputs (+ bias) once. Each lane loads UNROLL steps (2
-// UNROLL streaming 16-byte weight loads; an FP8 step is two chunks a lane) before multiplying any: 4 KB of weight per
-// warp in flight, 96 KB per SM
-// at 3 CTAs (M <= 8), 64 KB at 2 (M <= 16), well over bandwidth x latency / SMs (4.8 TB/s x ~1 us / 132 = 36 KB
-// on an H200). The weight is read once, with ld.global.nc.L1::no_allocate so it does not push x out of L1: every
+// UNROLL streaming 16-byte weight loads) before multiplying any: 4 KB of weight per warp in flight, 96 KB per SM at
+// 3 CTAs (M <= 8), 64 KB at 2 (M <= 16), well over bandwidth x latency / SMs (4.8 TB/s x ~1 us / 132 = 36 KB on an
+// H200). The weight is read once, with ld.global.nc.L1::no_allocate so it does not push x out of L1: every
 // CTA reads all of x (M x K x 2 bytes, tiny next to its 16 x K x 2 of weight when M <= 8), from L1 or L2.
 #pragma once
 #include "mma.cuh"

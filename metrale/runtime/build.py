@@ -129,9 +129,10 @@ def _memory_shapes(c, config: EngineConfig, max_model_len: int, fp8: bool = Fals
         **_latent_shapes(c))
     if not fp8:
         return shapes
-    # Every linear's input is one of these activations (or narrower): the widest bounds the quantized input.
+    # Every linear's input is one of these activations (or narrower: the mixer, mixture and latent widths are a
+    # layer's sums, an upper bound): the widest bounds the quantized input. An encoder's feed-forward width too.
     return replace(shapes, fp8_width=max(shapes.hidden, shapes.q_size, shapes.intermediate, shapes.ssm_width,
-                                         shapes.moe_width, shapes.latent_width))
+                                         shapes.moe_width, shapes.latent_width, getattr(c, "encoder_ffn", 0)))
 
 
 def _latent_shapes(c) -> dict:

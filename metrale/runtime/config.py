@@ -40,8 +40,8 @@ class EngineConfig:
     # GGUF's Q4_0 / Q4_1 / Q8_0 weights dequantized at load to dtype; else the CPU backend multiplies their blocks
     # as they are (backend/cpu/quantized.py). The CUDA backend dequantizes them either way.
     dequantize: bool = False
-    # "fp8": every linear weight of a bf16/fp16/fp32 checkpoint quantized at load to e4m3 with one scale a row
-    # (loading/fp8.py); "none": as the checkpoint holds them.
+    # "fp8": every linear weight of a bf16/fp16/fp32 checkpoint or a GGUF file's blocks quantized at load to e4m3
+    # with one scale a row (loading/fp8.py); "none": as the checkpoint holds them.
     quantize: str = "none"
 
     def __post_init__(self):

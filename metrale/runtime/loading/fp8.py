@@ -78,9 +78,9 @@ class Fp8Tensors(TensorsAsRead):
 
 
 # --quantize fp8: which checkpoint tensors are a linear layer's weight. Every 2-D floating weight whose name does not
-# name one of these: embeddings and the LM head (a table and the logits), norms, MoE routers (".gate.weight": their
-# choice is a ranking of close scores), the indexer's head weights (taken in float32).
-NOT_LINEAR = ("embed", "lm_head", "norm", ".gate.weight", "router", "weights_proj")
+# name one of these: embeddings and the LM head (a table and the logits; M2M100's is "model.shared"), norms, MoE
+# routers (".gate.weight": their choice is a ranking of close scores), the indexer's head weights (taken in float32).
+NOT_LINEAR = ("embed", "lm_head", "norm", ".gate.weight", "router", "weights_proj", "model.shared.weight")
 E4M3_MAX = 448.0
 
 

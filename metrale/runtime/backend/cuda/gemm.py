@@ -64,7 +64,8 @@ class CublasLt:
     """A cuBLASLt handle, the per-shape cache and a default workspace, shared by every stream: each call takes
     its stream and its stream's own workspace (calls in flight on two streams must not share one). cuBLASLt may be
     called from several host threads on one handle; the lock guards what is ours to share: creating a shape's
-    descriptors, and a biased call's bias pointer, which sits in the shape's descriptor until the call is enqueued."""
+    descriptors, and a biased call's bias pointer and an FP8 call's scale pointers, which sit in the shape's
+    descriptor until the call is enqueued."""
 
     def __init__(self, workspace: DeviceTensor):
         require(workspace.dtype == "uint8" and len(workspace.shape) == 1 and workspace.nbytes > 0,

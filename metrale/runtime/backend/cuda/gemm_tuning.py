@@ -9,8 +9,8 @@ in the step). So each candidate runs as a CUDA graph of launches cycling through
 span L2_SPAN times the L2, placed in a scratch region (the KV pool before any sequence holds it); a weight that
 spans that alone runs over itself.
 
-The backend tunes during warm-up only: CublasLt.linear calls tune() for a shape it meets for the first time while
-a tuner is set (cuda/runner.py's warm-up runs each decode bucket's forward once, eagerly, before capturing it).
+The backend tunes during warm-up only: CublasLt.linear and fp8_linear call tune() for a shape met for the first time
+while a tuner is set (cuda/runner.py's warm-up runs each decode bucket's forward once, eagerly, before capturing it).
 """
 
 import statistics

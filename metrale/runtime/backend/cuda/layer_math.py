@@ -36,7 +36,7 @@ class CudaLayerMath:
 
     def upload(self, tensor: torch.Tensor) -> DeviceTensor | Fp8Matrix:
         """bf16; an FP8 weight in the form fp8_matrix.py keeps (one scale a row) as an Fp8Matrix."""
-        if kept_as_fp8(tensor, self.lib.arch):
+        if kept_as_fp8(tensor, self.lib.arch, self.resources.gemm.version):
             return Fp8Matrix(self._upload(tensor.data.view(torch.uint8), "float8_e4m3"),
                              self._upload(tensor.scales.reshape(-1), "float32"))
         return self._upload(tensor.to(torch.bfloat16), "bfloat16")

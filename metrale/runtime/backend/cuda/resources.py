@@ -29,8 +29,8 @@ class CudaResources:
         self.kv_pool: DeviceTensor | None = None
 
     def plan(self, weight_bytes: int, shapes: MemoryShapes) -> None:
-        """Places the weights and shapes.streams copies of a stream's buffers in one allocation; the KV pool takes
-        what is left, later."""
+        """Reserves the weights' arena (weight_bytes, a bound: memory committed as the upload takes it) and places
+        shapes.streams copies of a stream's buffers in one allocation; the KV pool takes what is left, later."""
         if shapes.streams < 1:
             raise InvalidArgument(f"the memory plan needs at least one stream, not {shapes.streams}")
         self.shapes = shapes

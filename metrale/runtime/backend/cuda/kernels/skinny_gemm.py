@@ -3,7 +3,7 @@ bf16 weight and for an Fp8Matrix (e4m3 with a scale a row, widened to bf16 in re
 
 import numpy as np
 
-from metrale.runtime.backend.cuda.fp8_matrix import Fp8Matrix
+from metrale.runtime.backend.cuda.fp8_matrix import K_MULTIPLE, Fp8Matrix
 from metrale.runtime.backend.cuda.launch import ceil_div, launch_kernel
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.errors import InvalidArgument
@@ -57,9 +57,11 @@ def unsupported_reason(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor 
 
 
 def _fp8_problem(weight: Fp8Matrix, out: DeviceTensor) -> str | None:
+    """Why the FP8 kernels cannot take this weight and out, or None."""
     data, scales = weight.data, weight.scales
-    if len(data.shape) != 2 or data.dtype != "float8_e4m3" or not data.is_contiguous or data.shape[1] % 16:
-        return f"an FP8 weight must be a contiguous [N, K] float8_e4m3 with K % 16 == 0, not {data.shape} {data.dtype}"
+    if len(data.shape) != 2 or data.dtype != "float8_e4m3" or not data.is_contiguous or data.shape[1] % K_MULTIPLE:
+        return (f"an FP8 weight must be a contiguous [N, K] float8_e4m3 with K % {K_MULTIPLE} == 0, not {data.shape} "
+                f"{data.dtype}")
     if scales.shape != (data.shape[0],) or scales.dtype != "float32":
         return f"an FP8 weight's scales must be [{data.shape[0]}] float32, not {scales.shape} {scales.dtype}"
     if out.dtype != "bfloat16":
