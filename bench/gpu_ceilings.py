@@ -32,17 +32,7 @@ def gemm_rate(device: str, n: int, repeats: int = 20, sets: int = 3) -> float:
     pairs = [(torch.randn(n, n, device=device, dtype=torch.bfloat16),
               torch.randn(n, n, device=device, dtype=torch.bfloat16)) for _ in range(sets)]
     out = torch.empty(n, n, device=device, dtype=torch.bfloat16)
-    for a, b in pairs:
-        torch.matmul(a, b, out=out)
-    timer = DeviceTimer(device)
-    for i in range(repeats):
-        a, b = pairs[i % sets]
-        started = timer.start()
-        torch.matmul(a, b, out=out)
-        timer.stop(started)
-    seconds = statistics.median(timer.elapsed_ms()) / 1e3
-    del pairs, out
-    return 2 * n ** 3 / seconds
+    return _matmul_rate(device, n, pairs, lambda a, b: torch.matmul(a, b, out=out), repeats)
 
 
 def fp8_gemm_rate(device: str, n: int, repeats: int = 20, sets: int = 3) -> float:
@@ -51,20 +41,22 @@ def fp8_gemm_rate(device: str, n: int, repeats: int = 20, sets: int = 3) -> floa
     pairs = [(torch.randn(n, n, device=device).to(torch.float8_e4m3fn),
               torch.randn(n, n, device=device).to(torch.float8_e4m3fn).T) for _ in range(sets)]
     scale_a, scale_b = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
+    return _matmul_rate(device, n, pairs, lambda a, b: torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b,
+                                                                        out_dtype=torch.bfloat16), repeats)
 
-    def matmul(a, b):
-        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
 
+def _matmul_rate(device: str, n: int, pairs: list, matmul, repeats: int) -> float:
+    """2 n^3 over the median time of matmul(a, b), once over each pair first, then `repeats` times rotating."""
     for a, b in pairs:
         matmul(a, b)
     timer = DeviceTimer(device)
     for i in range(repeats):
-        a, b = pairs[i % sets]
+        a, b = pairs[i % len(pairs)]
         started = timer.start()
         matmul(a, b)
         timer.stop(started)
     seconds = statistics.median(timer.elapsed_ms()) / 1e3
-    del pairs
+    pairs.clear()
     return 2 * n ** 3 / seconds
 
 

@@ -58,6 +58,11 @@ def nvrtc_version() -> str:
     return f"{major}.{minor}"
 
 
+def arch_number(arch: str) -> int:
+    """An NVRTC target's compute capability as a number: 'sm_90a' -> 90, 'sm_89' -> 89."""
+    return int(arch[3:].rstrip("af"))
+
+
 def compile_cubin(name: str, source: str, arch: str) -> bytes:
     """arch: 'sm_90a', 'sm_89', 'sm_80', ... Raises FailedPrecondition with the NVRTC log."""
     options = ProgramOptions(arch=arch, name=f"{name}.cu", **OPTIONS)
@@ -114,7 +119,7 @@ class KernelLibrary:
         for name, source in kernel_sources().items():
             self._modules[name] = ObjectCode.from_cubin(cache.cubin(name, source, arch))
         self.arch = arch
-        use_programmatic_launch(programmatic_launch and int(arch[3:].rstrip("af")) >= 90)
+        use_programmatic_launch(programmatic_launch and arch_number(arch) >= 90)
 
     def get(self, kernel_name: str, module: str):
         kernel = self._kernels.get((module, kernel_name))

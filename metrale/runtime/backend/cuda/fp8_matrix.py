@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from metrale.runtime.backend.cuda.compiler import arch_number
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.loading.fp8 import Fp8Weight
 
@@ -37,7 +38,7 @@ def kept_as_fp8(weight, arch: str, cublas_version: int) -> bool:
     """Whether a checkpoint weight goes to the device as an Fp8Matrix: an Fp8Weight of e4m3 values with one scale a
     row and K a multiple of K_MULTIPLE, on Hopper or later with cuBLAS MIN_CUBLAS or later. (Any other weight is
     never asked for its parts: a GGUF BlockWeight would dequantize itself to answer.)"""
-    if not isinstance(weight, Fp8Weight) or int(arch[3:].rstrip("af")) < 90 or cublas_version < MIN_CUBLAS:
+    if not isinstance(weight, Fp8Weight) or arch_number(arch) < 90 or cublas_version < MIN_CUBLAS:
         return False
     data, scales = weight.data, weight.scales
     return (data.dtype == torch.float8_e4m3fn and tuple(scales.shape) == (data.shape[0], 1)

@@ -21,6 +21,10 @@ from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.errors import DeviceFault, FailedPrecondition, InvalidArgument
 
 
+# Slots of CublasLt._pointers: which descriptor pointer a call sets.
+BIAS, A_SCALE, B_SCALE = 0, 1, 2
+
+
 class CublasLtError(DeviceFault):
     """A cuBLASLt call returned a status other than CUBLAS_STATUS_SUCCESS."""
 
@@ -81,17 +85,14 @@ class CublasLt:
         # Host scalars in fp32 (the scale type); POINTER_MODE_HOST reads them when a matmul is enqueued.
         self._alpha = np.ones(1, dtype=np.float32)
         self._beta = np.zeros(1, dtype=np.float32)
-        # A biased call copies bias.ptr into its shape's descriptor (cuBLASLt keeps the value, not this address).
-        self._bias_pointer = np.zeros(1, dtype=np.int64)
-        self._bias_pointer_attribute = self._lt.MatmulDescAttribute.BIAS_POINTER
-        # An FP8 call's scale vectors: the weight's (A) and the input's (B), set in its shape's descriptor likewise.
-        self._scale_pointers = np.zeros(2, dtype=np.int64)
-        self._scale_pointer_address = self._scale_pointers.ctypes.data
-        self._scale_pointer_attributes = (self._lt.MatmulDescAttribute.A_SCALE_POINTER,
-                                          self._lt.MatmulDescAttribute.B_SCALE_POINTER)
+        # A call's pointers that live in its shape's descriptor (BIAS, A_SCALE, B_SCALE: a bias, and an FP8 call's
+        # scale vectors, the weight's and the input's), copied there from this array (cuBLASLt keeps the values).
+        self._pointers = np.zeros(3, dtype=np.int64)
+        attribute = self._lt.MatmulDescAttribute
+        self._pointer_attributes = (attribute.BIAS_POINTER, attribute.A_SCALE_POINTER, attribute.B_SCALE_POINTER)
         # Addresses and sizes read by every call, computed once (numpy's .ctypes.data costs microseconds).
         self._alpha_address, self._beta_address = self._alpha.ctypes.data, self._beta.ctypes.data
-        self._bias_pointer_address = self._bias_pointer.ctypes.data
+        self._pointers_address = self._pointers.ctypes.data
         self._workspace_bytes = workspace.nbytes
         self.version = self._lt.get_version()   # e.g. 130100 for cuBLAS 13.1.0
         self._handle = self._call("cublasLtCreate", self._lt.create)
@@ -112,23 +113,14 @@ class CublasLt:
         if key.m == 0:
             return
         workspace = self._workspace_of(workspace)
-        workspace_bytes = workspace.nbytes
-        matmul = self._matmuls.get(key)
-        if matmul is None:
-            matmul = self._matmul_of(key)
-            if self.tuner is not None:
-                self.tuner.tune(self, key, stream, weight, lambda w: self.linear(stream, out, x, w, bias, workspace,
-                                                                                 relu, splits))
+        matmul = self._matmuls.get(key) or self._first_matmul(key, stream, weight, lambda w: self.linear(
+            stream, out, x, w, bias, workspace, relu, splits))
         lt = self._lt
         try:
             if bias is None:
-                self._enqueue(stream, matmul, out, x, weight, workspace.ptr, workspace_bytes)
+                self._enqueue(stream, matmul, out, x, weight, workspace.ptr, workspace.nbytes)
             else:
-                with self._lock:    # another stream's biased call of this shape would move the pointer
-                    self._bias_pointer[0] = bias.ptr
-                    lt.matmul_desc_set_attribute(matmul.desc, self._bias_pointer_attribute,
-                                                 self._bias_pointer_address, 8)
-                    self._enqueue(stream, matmul, out, x, weight, workspace.ptr, workspace_bytes)
+                self._enqueue_pointing(stream, matmul, ((BIAS, bias.ptr),), out, x, weight, workspace)
         except lt.cuBLASLtError as error:   # inlined _call: this is the hot path
             raise CublasLtError("cublasLtMatmul" if bias is None else "cublasLtMatmul (with bias)",
                                 self._status_name(error.status)) from None
@@ -144,24 +136,12 @@ class CublasLt:
         if key.m == 0:
             return
         workspace = self._workspace_of(workspace)
-        matmul = self._matmuls.get(key)
-        if matmul is None:
-            matmul = self._matmul_of(key)
-            if self.tuner is not None:
-                self.tuner.tune(self, key, stream, weight.data, lambda data: self.fp8_linear(
-                    stream, out, x, x_scales, replace(weight, data=data), bias, workspace, relu))
-        lt = self._lt
+        matmul = self._matmuls.get(key) or self._first_matmul(key, stream, weight.data, lambda data: self.fp8_linear(
+            stream, out, x, x_scales, replace(weight, data=data), bias, workspace, relu))
+        pointers = ((A_SCALE, weight.scales.ptr), (B_SCALE, x_scales.ptr)) + (((BIAS, bias.ptr),) if bias else ())
         try:
-            with self._lock:    # the pointers sit in the shape's descriptor until the call is enqueued
-                self._scale_pointers[0], self._scale_pointers[1] = weight.scales.ptr, x_scales.ptr
-                for i, attribute in enumerate(self._scale_pointer_attributes):
-                    lt.matmul_desc_set_attribute(matmul.desc, attribute, self._scale_pointer_address + 8 * i, 8)
-                if bias is not None:
-                    self._bias_pointer[0] = bias.ptr
-                    lt.matmul_desc_set_attribute(matmul.desc, self._bias_pointer_attribute,
-                                                 self._bias_pointer_address, 8)
-                self._enqueue(stream, matmul, out, x, weight.data, workspace.ptr, workspace.nbytes)
-        except lt.cuBLASLtError as error:
+            self._enqueue_pointing(stream, matmul, pointers, out, x, weight.data, workspace)
+        except self._lt.cuBLASLtError as error:
             raise CublasLtError("cublasLtMatmul (FP8)", self._status_name(error.status)) from None
 
     def head_linear(self, stream, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, x_head_stride: int,
@@ -188,6 +168,25 @@ class CublasLt:
             raise InvalidArgument(f"linear: a {workspace.nbytes}-byte workspace is smaller than the "
                                   f"{self._workspace_bytes} bytes the algorithms were chosen for")
         return workspace
+
+    def _first_matmul(self, key: LinearKey, stream, weight: DeviceTensor, run) -> _Matmul:
+        """A shape met for the first time: its descriptors, and, while a tuner is set (warm-up), its algorithm
+        chosen by timing run(w) over copies w of the weight tensor."""
+        matmul = self._matmul_of(key)
+        if self.tuner is not None:
+            self.tuner.tune(self, key, stream, weight, run)
+        return matmul
+
+    def _enqueue_pointing(self, stream, matmul: _Matmul, pointers: tuple, out: DeviceTensor, x: DeviceTensor,
+                          weight: DeviceTensor, workspace: DeviceTensor) -> None:
+        """_enqueue with the call's (slot, address) pointers set in the shape's descriptor first, under the lock:
+        another stream's call of the shape would move them before this one is enqueued."""
+        set_attribute = self._lt.matmul_desc_set_attribute
+        with self._lock:
+            for slot, address in pointers:
+                self._pointers[slot] = address
+                set_attribute(matmul.desc, self._pointer_attributes[slot], self._pointers_address + 8 * slot, 8)
+            self._enqueue(stream, matmul, out, x, weight, workspace.ptr, workspace.nbytes)
 
     def _enqueue(self, stream, matmul: _Matmul, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
                  workspace_ptr: int, workspace_bytes: int) -> None:
@@ -235,7 +234,7 @@ class CublasLt:
             if plan.epilogue & CUBLASLT_EPILOGUE_BIAS:
                 self._set_desc(desc, attr.BIAS_DATA_TYPE, CUDA_DATA_TYPE[plan.d.dtype])   # = out's: see linear_key
                 # The heuristic reads the bias pointer only for its alignment: address ALIGNMENT stands for every
-                # bias linear_key accepts. linear() sets the real one before each call.
+                # bias linear_key accepts. Each call sets the real one (_enqueue_pointing).
                 self._set_desc(desc, attr.BIAS_POINTER, ALIGNMENT)
             if plan.scaled:
                 for mode, pointer in ((attr.A_SCALE_MODE, attr.A_SCALE_POINTER),

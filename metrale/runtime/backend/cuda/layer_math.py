@@ -12,14 +12,11 @@ from metrale.runtime.backend.cuda.fp8_matrix import Fp8Matrix, kept_as_fp8
 from metrale.runtime.backend.cuda.resources import CudaResources
 from metrale.runtime.backend.cuda.stream_context import StreamContext, padded_vocab
 from metrale.runtime.backend.cuda.linears import k_splits, linear_into, partials
-from metrale.runtime.backend.cuda.tensor import DeviceTensor
+from metrale.runtime.backend.cuda.tensor import DTYPES, DeviceTensor
 from metrale.runtime.backend.layer_math import Experts, LatentAttention, Linear, MoeRouter, RopeTable, SsmScan, \
     rope_then_attention
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.errors import InvalidArgument
-
-# How a tensor of each uploaded dtype travels to the device (numpy has no bf16 or e4m3: their bits do).
-HOST_VIEWS = {"bfloat16": torch.int16, "float32": torch.float32, "float8_e4m3": torch.uint8}
 
 
 class CudaLayerMath:
@@ -60,7 +57,8 @@ class CudaLayerMath:
         return Experts(self.upload(up), self.upload(down), activation, limit)
 
     def _upload(self, tensor: torch.Tensor, dtype: str) -> DeviceTensor:
-        host = tensor.contiguous().view(HOST_VIEWS[dtype]).numpy()
+        # As the dtype's host copies travel (tensor.DTYPES: numpy has no bf16 or e4m3, so their bits do).
+        host = tensor.contiguous().view(getattr(torch, DTYPES[dtype][1].__name__)).numpy()
         out = self.resources.weights.take(tuple(tensor.shape), dtype)
         self.cuda.copy_to_device(out, host, self.cuda.stream)
         self.cuda.stream.sync()
