@@ -1,6 +1,6 @@
 """Builds a ready engine from a checkpoint: backend, model, cache, and what Info reports."""
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from metrale.runtime.backend import create_backend
@@ -91,7 +91,7 @@ def _load(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path | None, 
     backend.runner.plan(_weight_bytes(tensors, getattr(tensors, "numel", checkpoint.numel), local_config, max_model_len,
                                       family.model_class),
                         _memory_shapes(local_config, config, max_model_len,
-                                       config.quantize == "fp8" or "quantization_config" in checkpoint.config))
+                                       fp8.widest_fp8_input(tensors, config.quantize == "fp8")))
     tensors = fp8.QuantizedTensors(tensors) if config.quantize == "fp8" else tensors
     return model_config, max_model_len, backend.runner, family.model_class(local_config, tensors, backend.math,
                                                                           max_model_len)
@@ -116,8 +116,8 @@ def _weight_bytes(names, numel, c, max_model_len: int, model_class: type) -> int
     return tensors + 2 * (4 * max_model_len * c.head_dim // 2 + 256) + extra
 
 
-def _memory_shapes(c, config: EngineConfig, max_model_len: int, fp8: bool = False) -> MemoryShapes:
-    """fp8: some weights may be FP8 (quantized at load, or as the checkpoint holds them)."""
+def _memory_shapes(c, config: EngineConfig, max_model_len: int, fp8_width: int = 0) -> MemoryShapes:
+    """fp8_width: the widest input of a linear whose weight may be FP8 (0: none is)."""
     shapes = MemoryShapes(
         hidden=c.hidden_size, q_size=c.num_heads * c.head_dim, kv_size=c.num_kv_heads * c.head_dim,
         intermediate=c.intermediate_size, vocab=c.vocab_size, max_batch_tokens=config.max_batch_tokens,
@@ -126,13 +126,8 @@ def _memory_shapes(c, config: EngineConfig, max_model_len: int, fp8: bool = Fals
         ssm_width=c.mixer.activation_width if getattr(c, "mixer", None) else 0,
         ssm_chunk_size=c.mixer.chunk_size if getattr(c, "mixer", None) else 0,
         moe_width=c.moe.activation_width(c.hidden_size) if getattr(c, "moe", None) else 0,
-        **_latent_shapes(c))
-    if not fp8:
-        return shapes
-    # Every linear's input is one of these activations (or narrower: the mixer, mixture and latent widths are a
-    # layer's sums, an upper bound): the widest bounds the quantized input. An encoder's feed-forward width too.
-    return replace(shapes, fp8_width=max(shapes.hidden, shapes.q_size, shapes.intermediate, shapes.ssm_width,
-                                         shapes.moe_width, shapes.latent_width, getattr(c, "encoder_ffn", 0)))
+        fp8_width=fp8_width, **_latent_shapes(c))
+    return shapes
 
 
 def _latent_shapes(c) -> dict:

@@ -2,8 +2,10 @@
 the stream buffer their quantized inputs take, without a GPU."""
 
 import json
+from collections.abc import Mapping
 
 import torch
+from safetensors.torch import load_file
 
 from metrale.runtime.backend.cuda.fp8_matrix import Fp8Matrix, kept_as_fp8
 from metrale.runtime.backend.cuda.linears import k_splits
@@ -11,8 +13,14 @@ from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.build import _memory_shapes
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.loading.deferred_weight import DeferredWeight
-from metrale.runtime.loading.fp8 import Fp8Weight, is_linear_weight, quantize_rows
+from metrale.runtime.loading import load_checkpoint
+from metrale.runtime.loading.checkpoint import shape_of
+from metrale.runtime.loading.fp8 import Fp8Weight, is_linear_weight, quantize_rows, widest_fp8_input
+from metrale.runtime.loading.hf_dir import load_tensors
 from metrale.runtime.models import family_of
+from metrale.runtime.parallel.group import Shard
+from metrale.runtime.parallel.sharding import COLUMNS, ROWS, ShardedTensors
+from test_fp8_checkpoint import write_fp8
 from tiny_models import write_tiny
 
 
@@ -53,9 +61,53 @@ def test_an_fp8_linear_is_never_split_along_k():
 
 
 def test_fp8_weights_give_each_stream_a_buffer_for_the_widest_input(tmp_path):
-    hf = json.loads((write_tiny("llama3_untied", tmp_path) / "config.json").read_text())
-    c = family_of(hf).config_from_hf(hf)
+    """The buffer is as wide as the widest linear input that may be FP8, from the files' headers (no tensor read):
+    for a latent-attention model that is a linear's columns, far under the layer's activation sums."""
     engine = EngineConfig(device="cpu", max_batch_tokens=64)
-    assert _memory_shapes(c, engine, 512).fp8_width == 0
-    assert _memory_shapes(c, engine, 512, fp8=True).fp8_width == max(c.hidden_size, c.intermediate_size,
-                                                                      c.num_heads * c.head_dim)
+    for name in ("llama3_untied", "deepseek_v3"):
+        directory = write_tiny(name, tmp_path / name)
+        hf = json.loads((directory / "config.json").read_text())
+        c = family_of(hf).config_from_hf(hf)
+        tensors = load_tensors(directory)
+        linears = [w for key, w in load_file(directory / "model.safetensors").items() if is_linear_weight(key, w)]
+        widest = widest_fp8_input(Unread(tensors), quantize=True)
+        assert widest == max(w.shape[1] for w in linears)
+        assert widest_fp8_input(tensors, quantize=False) == 0
+        assert _memory_shapes(c, engine, 512).fp8_width == 0
+        assert _memory_shapes(c, engine, 512, widest).fp8_width == widest
+    assert widest < _memory_shapes(c, engine, 512).latent_width                  # deepseek_v3's
+    # A checkpoint's own FP8 weights (write_fp8's: the projections' weights) count, and nothing else.
+    held = load_checkpoint(write_fp8("deepseek_v3", tmp_path / "held")).tensors
+    fp8_keys = [key for key in held if key.endswith("proj.weight") or "proj_with_mqa" in key]
+    assert all(held.holds_fp8(key) == (key in fp8_keys) for key in held)
+    assert widest_fp8_input(held, quantize=False) == max(shape_of(held, key)[1] for key in fp8_keys)
+
+
+class Unread(Mapping):
+    """A checkpoint's tensors that fail if one is read: shapes come from its headers."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def __getitem__(self, name):
+        raise AssertionError(f"{name} read")
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __len__(self):
+        return len(self.tensors)
+
+    def shape(self, name):
+        return self.tensors.shape(name)
+
+
+def test_a_sharded_tensor_has_its_part_s_shape(tmp_path):
+    directory = write_tiny("llama3_untied", tmp_path)
+    tensors = load_tensors(directory)
+    splits = {"q_proj.weight": COLUMNS, "o_proj.weight": ROWS, "o_proj.bias": ROWS}
+    sharded = ShardedTensors(tensors, splits, Shard(rank=1, size=2))
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+                 "model.norm.weight"):
+        assert sharded.shape(name) == tuple(sharded[name].shape)
+        assert sharded.numel(name) == sharded[name].numel()

@@ -1,5 +1,6 @@
 """A loaded checkpoint: its Hugging Face style config and its tensors under Hugging Face names."""
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -21,5 +22,10 @@ class Checkpoint:
 
     def numel(self, name: str) -> int:
         """Elements of tensor `name`, without reading it where its mapping can say (SafetensorsFiles)."""
-        numel = getattr(self.tensors, "numel", None)
-        return numel(name) if numel is not None else self.tensors[name].numel()
+        return math.prod(shape_of(self.tensors, name))
+
+
+def shape_of(tensors: Mapping, name: str) -> tuple[int, ...]:
+    """tensors[name]'s shape, without reading the tensor where the mapping can say (SafetensorsFiles)."""
+    shape = getattr(tensors, "shape", None)
+    return shape(name) if shape is not None else tuple(tensors[name].shape)

@@ -4,11 +4,13 @@ Qwen3's FP8 releases): float8 weights, each with a float32 weight_scale_inv, one
 dequantized tensor (weight x its block's scale, float32) and keeps its FP8 form through row picks and stacks up to
 the backend's upload. Every other quantization scheme is refused at load, by name."""
 
+import math
 from collections.abc import Iterator, Mapping
 
 import torch
 
 from metrale.runtime.errors import InvalidArgument
+from metrale.runtime.loading.checkpoint import shape_of
 from metrale.runtime.loading.deferred_weight import DeferredWeight
 
 SCALE = "_scale_inv"
@@ -53,9 +55,16 @@ class TensorsAsRead(Mapping):
     def __len__(self) -> int:
         return len(self.names)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape as read, from the mapping beneath without reading it where that can say."""
+        return shape_of(self.tensors, name)
+
     def numel(self, name: str) -> int:
-        numel = getattr(self.tensors, "numel", None)
-        return numel(name) if numel is not None else self.tensors[name].numel()
+        return math.prod(self.shape(name))
+
+    def holds_fp8(self, name: str) -> bool:
+        """Whether the tensor is read as an FP8 weight (as the checkpoint holds it)."""
+        return getattr(self.tensors, "holds_fp8", lambda name: False)(name)
 
 
 class Fp8Tensors(TensorsAsRead):
@@ -67,6 +76,9 @@ class Fp8Tensors(TensorsAsRead):
 
     def kept(self, name: str) -> bool:
         return not name.endswith(SCALE)
+
+    def holds_fp8(self, name: str) -> bool:
+        return name + SCALE in self.tensors and len(self.shape(name)) == 2
 
     def read(self, name: str, tensor: torch.Tensor):
         if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and name + SCALE in self.tensors:
@@ -92,10 +104,26 @@ class QuantizedTensors(TensorsAsRead):
         return quantize_rows(tensor) if is_linear_weight(name, tensor) else tensor
 
 
+def widest_fp8_input(tensors: Mapping, quantize: bool) -> int:
+    """The most columns (a linear's input width) of a weight that may be FP8 on the device, 0 if none: every linear
+    weight --quantize fp8 quantizes (quantize), or that the checkpoint holds in FP8. A bound from names and shapes;
+    nothing is read. A model's FP8 upload keeps its checkpoint weight's columns (rows are picked and joined,
+    anything else dequantizes), so its input is never wider."""
+    held = getattr(tensors, "holds_fp8", lambda name: False)
+    widths = [shape[1] for name in tensors if len(shape := shape_of(tensors, name)) == 2
+              and ((quantize and is_linear_name(name)) or held(name))]
+    return max(widths, default=0)
+
+
+def is_linear_name(name: str) -> bool:
+    """A name --quantize fp8 may quantize (the tensor must also be a 2-D floating weight: is_linear_weight)."""
+    return name.endswith(".weight") and not any(key in name for key in NOT_LINEAR)
+
+
 def is_linear_weight(name: str, tensor) -> bool:
     """Whether --quantize fp8 quantizes this checkpoint tensor: a linear layer's 2-D weight, floating (of 16 bits or
     more) or in GGUF's blocks (quantized from its dequantized values); never one already FP8."""
-    if not name.endswith(".weight") or any(key in name for key in NOT_LINEAR):
+    if not is_linear_name(name):
         return False
     if isinstance(tensor, DeferredWeight):
         return not isinstance(tensor, Fp8Weight) and len(tensor.shape) == 2

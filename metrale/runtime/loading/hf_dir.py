@@ -4,6 +4,7 @@ PyTorch's pytorch_model.bin (sharded or not), read with weights_only=True (no co
 are dequantized as they are read (fp8.py)."""
 
 import json
+import math
 import pickle
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -36,7 +37,7 @@ def torch_files(directory: Path) -> list[Path]:
 
 class SafetensorsFiles(Mapping):
     """name -> tensor over a model's safetensors files, read when asked for (each time: a model takes each tensor
-    once, uploads it and lets it go); numel() from the files' headers without reading any tensor."""
+    once, uploads it and lets it go); shape() and numel() from the files' headers without reading any tensor."""
 
     def __init__(self, files: list[Path]):
         self._handles = [safe_open(str(path), framework="pt") for path in files]
@@ -54,11 +55,11 @@ class SafetensorsFiles(Mapping):
     def __contains__(self, name) -> bool:
         return name in self._where
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._where[name].get_slice(name).get_shape())
+
     def numel(self, name: str) -> int:
-        n = 1
-        for d in self._where[name].get_slice(name).get_shape():
-            n *= d
-        return n
+        return math.prod(self.shape(name))
 
 
 def load_tensors(directory: Path) -> Mapping[str, torch.Tensor]:

@@ -41,8 +41,10 @@ class ShardedTensors(TensorsAsRead):
             return tensor if self.shard.rank == 0 else torch.zeros_like(tensor)
         return tensor[:, self.shard.part(tensor.shape[1], f"{name}'s columns")].contiguous()
 
-    def numel(self, name: str) -> int:
-        whole = super().numel(name)
-        kind = self.split_of(name)
-        whole_on_each = kind is None or (kind == ROWS and name.endswith(".bias"))
-        return whole if whole_on_each else whole // self.shard.size
+    def shape(self, name: str) -> tuple[int, ...]:
+        shape, kind = super().shape(name), self.split_of(name)
+        if kind == COLUMNS:
+            return (shape[0] // self.shard.size, *shape[1:])
+        if kind == ROWS and len(shape) == 2:
+            return (shape[0], shape[1] // self.shard.size)
+        return shape
