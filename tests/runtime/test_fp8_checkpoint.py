@@ -60,6 +60,45 @@ def write_fp8(name: str, directory: Path, block: tuple[int, int] = BLOCK) -> Pat
     return target
 
 
+def write_compressed(name: str, directory: Path, strategy: str, scale_dtype=torch.float32, static: bool = False,
+                     kv_scales: bool = False) -> Path:
+    """The tiny checkpoint as llm-compressor publishes FP8 (quant_method "compressed-tensors", format
+    "float-quantized"): each linear's weight e4m3 with a weight_scale by tensor, channel or block (BLOCK); inputs
+    quantized per token at run time, or (static) with an input_scale each; with kv_scales, a k_scale and v_scale
+    per attention layer (a kv_cache_scheme)."""
+    source = write_tiny(name, directory / "bf16")
+    tensors, out = load_file(source / "model.safetensors"), {}
+    for key, tensor in tensors.items():
+        if tensor.dim() == 2 and key.endswith("proj.weight"):
+            rows, cols = tensor.shape
+            block = {"tensor": (rows, cols), "channel": (1, cols), "block": BLOCK}[strategy]
+            out[key], scale = quantized(tensor, block)
+            out[key + "_scale"] = (scale.reshape(1) if strategy == "tensor" else scale).to(scale_dtype)
+            if static:
+                out[key.removesuffix("weight") + "input_scale"] = torch.tensor([0.02], dtype=scale_dtype)
+        else:
+            out[key] = tensor
+        if kv_scales and key.endswith("self_attn.k_proj.weight"):
+            out[key.removesuffix("k_proj.weight") + "k_scale"] = torch.tensor(0.5, dtype=scale_dtype)
+            out[key.removesuffix("k_proj.weight") + "v_scale"] = torch.tensor(0.25, dtype=scale_dtype)
+    target = directory / "compressed"
+    target.mkdir()
+    save_file(out, target / "model.safetensors", metadata={"format": "pt"})
+    weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False,
+               "block_structure": list(BLOCK) if strategy == "block" else None}
+    inputs = {"num_bits": 8, "type": "float", "strategy": "tensor" if static else "token", "symmetric": True,
+              "dynamic": not static}
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": inputs}},
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True,
+                            "dynamic": False} if kv_scales else None}
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
 def assert_greedy_matches(engine, vocab_size: int, reference, name: str) -> list:
     """The engine's greedy logits and tokens over 8 steps against the reference's on the same tokens (1e-4
     relative, tokens equal); returns the engine's logits."""
@@ -81,6 +120,67 @@ def test_fp8_checkpoints_match_transformers_dequantized(name, tmp_path):
         quantization_config=transformers.FineGrainedFP8Config(weight_block_size=BLOCK, dequantize=True)).eval()
     engine, info = build_engine(load_checkpoint(directory), EngineConfig(device="cpu", kv_blocks=16))
     assert_greedy_matches(engine, info.vocab_size, reference, name)
+
+
+@pytest.mark.parametrize("name, strategy", [("llama3_untied", "channel"), ("qwen3", "tensor"),
+                                            ("mixtral", "block"), ("deepseek_v3", "channel")])
+def test_compressed_tensors_fp8_matches_transformers_reading_it(name, strategy, tmp_path):
+    """llm-compressor's FP8 layout, read by transformers itself (its compressed-tensors loader, dequantized):
+    greedy logits within 1e-4. The scales are float32 here, so its dequantized weights are exact as ours are."""
+    directory = write_compressed(name, tmp_path, strategy)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, quantization_config=transformers.CompressedTensorsConfig(dequantize=True)
+    ).eval()
+    engine, info = build_engine(load_checkpoint(directory), EngineConfig(device="cpu", kv_blocks=16))
+    assert_greedy_matches(engine, info.vocab_size, reference, name)
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
+def test_fp8_scales_as_published_read_exactly(strategy, tmp_path):
+    """bfloat16 scales (as the releases have them), static input scales and KV scales beside: each weight reads as
+    its e4m3 values times its scale, exactly; the input and KV scales are not tensors of the model. A scale for the
+    whole weight or one a row keeps one scale a row (what the GPU multiplies in FP8)."""
+    directory = write_compressed("llama3_untied", tmp_path, strategy, torch.bfloat16, static=True, kv_scales=True)
+    published = load_file(directory / "model.safetensors")
+    tensors = load_checkpoint(directory).tensors
+    assert not [key for key in tensors if key.endswith(("_scale", "_scale_inv"))]
+    assert {key.rsplit(".", 1)[1] for key in published if key not in tensors} == {"weight_scale", "input_scale",
+                                                                                  "k_scale", "v_scale"}
+    key = "model.layers.1.mlp.down_proj.weight"
+    weight, scale = tensors[key], published[key + "_scale"].float()
+    assert isinstance(weight, Fp8Weight) and weight.block == (BLOCK[1] if strategy == "block" else weight.shape[1])
+    rows, cols = weight.shape
+    if strategy == "block":
+        scale = scale.repeat_interleave(BLOCK[0], 0)[:rows].repeat_interleave(BLOCK[1], 1)[:, :cols]
+    assert torch.equal(weight.dequantize(), published[key].float() * scale)
+
+
+def test_fp8_method_with_a_weight_scale_reads_as_its_dequantized_weights(tmp_path):
+    """AutoFP8 / vLLM's own serialization (quant_method "fp8", activation_scheme "static"): a weight_scale for the
+    whole weight and an input_scale, against transformers running the dequantized weights."""
+    directory = write_compressed("llama3_untied", tmp_path / "source", "tensor", static=True)
+    published = load_file(directory / "model.safetensors")
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
+    for target, tensors in (("fp8", published), ("dense", {key: t.float() * published[key + "_scale"].float()
+                                                           if key + "_scale" in published else t
+                                                           for key, t in published.items()
+                                                           if not key.endswith(("_scale", "input_scale"))})):
+        (tmp_path / target).mkdir()
+        save_file(tensors, tmp_path / target / "model.safetensors", metadata={"format": "pt"})
+        (tmp_path / target / "config.json").write_text(json.dumps(
+            config if target == "fp8" else {k: v for k, v in config.items() if k != "quantization_config"}))
+    engine, info = build_engine(load_checkpoint(tmp_path / "fp8"), EngineConfig(device="cpu", kv_blocks=16))
+    assert_greedy_matches(engine, info.vocab_size, load_reference(tmp_path / "dense"), "fp8 weight_scale")
+
+
+def test_an_fp8_weight_without_its_scale_is_refused(tmp_path):
+    directory = write_compressed("llama_tied", tmp_path, "channel")
+    tensors = load_file(directory / "model.safetensors")
+    del tensors["model.layers.0.self_attn.q_proj.weight_scale"]
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(InvalidArgument, match="q_proj.weight is torch.float8_e4m3fn without a scale"):
+        build_engine(load_checkpoint(directory), EngineConfig(device="cpu", kv_blocks=16))
 
 
 @pytest.mark.parametrize("name", ["llama3_untied", "qwen3", "mixtral", "deepseek_v3", "hy_v4"])
@@ -149,9 +249,24 @@ def test_a_scale_for_the_whole_weight_and_for_blocks():
         dequantize(fp8, scale[:, :1], (16, 16))
 
 
+W4A16 = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group",
+                                                          "group_size": 128, "symmetric": True}}}
+FP8_GROUP = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}
+
+
 @pytest.mark.parametrize("quantization, message", [
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes' is not supported"),
     ({"quant_method": "fp8", "fmt": "e3m4"}, "'e3m4' is not supported"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": W4A16},
+     "format 'pack-quantized' is not supported"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": W4A16},
+     "4-bit int weights are not supported"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+        "g": {**FP8_GROUP, "weights": {**FP8_GROUP["weights"], "strategy": "group"}}}}, "strategy 'group'"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+        "g": {**FP8_GROUP, "input_activations": {"num_bits": 8, "type": "int"}}}}, "8-bit int are not supported"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "frozen",
+      "config_groups": {"g": FP8_GROUP}}, "quantization_status 'frozen'"),
 ])
 def test_other_schemes_are_refused_at_load(tmp_path, quantization, message):
     directory = write_tiny("llama_tied", tmp_path / "model")

@@ -4,6 +4,7 @@ the stream buffer their quantized inputs take, without a GPU."""
 import json
 from collections.abc import Mapping
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -20,7 +21,7 @@ from metrale.runtime.loading.hf_dir import load_tensors
 from metrale.runtime.models import family_of
 from metrale.runtime.parallel.group import Shard
 from metrale.runtime.parallel.sharding import COLUMNS, ROWS, ShardedTensors
-from test_fp8_checkpoint import write_fp8
+from test_fp8_checkpoint import write_compressed, write_fp8
 from tiny_models import write_tiny
 
 
@@ -46,6 +47,15 @@ def test_one_scale_a_row_in_e4m3_is_kept_on_hopper_with_cublas_12_9():
     assert not kept_as_fp8(e5m2, "sm_90a", 130100)
     assert not kept_as_fp8(torch.randn(48, 64), "sm_90a", 130100)
     assert not kept_as_fp8(NeverDequantized(), "sm_90a", 130100)
+
+
+@pytest.mark.parametrize("strategy, kept", [("tensor", True), ("channel", True), ("block", False)])
+def test_published_fp8_with_a_scale_a_row_or_for_all_stays_fp8(strategy, kept, tmp_path):
+    """llm-compressor's FP8 by tensor or channel reaches a Hopper device in FP8 (one scale a row); block scales go
+    dequantized."""
+    tensors = load_checkpoint(write_compressed("llama3_untied", tmp_path, strategy, torch.bfloat16)).tensors
+    weights = [tensors[key] for key in tensors if key.endswith("proj.weight")]
+    assert weights and all(kept_as_fp8(w, "sm_90a", 130100) == kept for w in weights)
 
 
 def test_quantize_fp8_leaves_tables_as_they_are():

@@ -1,8 +1,8 @@
-"""FP8 checkpoints as published (config.json's quantization_config, quant_method "fp8": DeepSeek-V3/V3.2, Kimi-K2,
-Qwen3's FP8 releases): float8 weights, each with a float32 weight_scale_inv, one a weight_block_size block (128 x
-128 in those releases) or one for the whole tensor. A model takes each as an Fp8Weight, which stands in for the
-dequantized tensor (weight x its block's scale, float32) and keeps its FP8 form through row picks and stacks up to
-the backend's upload. Every other quantization scheme is refused at load, by name."""
+"""FP8 checkpoints as published (fp8_schemes.py says which configs): float8 weights, each with its scales, one for
+the whole weight, one a row, or one a block (128 x 128 in DeepSeek's and Qwen3's releases). A model takes each as an
+Fp8Weight, which stands in for the dequantized tensor (weight x its scale, float32) and keeps its FP8 form through
+row picks and stacks up to the backend's upload. And --quantize fp8: a checkpoint's linear weights made Fp8Weights
+as they are read."""
 
 import math
 from collections.abc import Iterator, Mapping
@@ -12,22 +12,15 @@ import torch
 from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.loading.checkpoint import shape_of
 from metrale.runtime.loading.deferred_weight import DeferredWeight
+from metrale.runtime.loading.fp8_schemes import ASIDE, WEIGHT_SCALES, fp8_scheme
 
-SCALE = "_scale_inv"
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def dequantized(tensors: Mapping[str, torch.Tensor], quantization: dict) -> Mapping[str, torch.Tensor]:
-    """The checkpoint's tensors with its FP8 weights dequantized, for a quantization_config (InvalidArgument where
-    the scheme is not FP8 with inverse scales)."""
-    method = quantization.get("quant_method")
-    if method != "fp8":
-        raise InvalidArgument(f"quantization scheme {method!r} is not supported (fp8 with weight_scale_inv is)")
-    if quantization.get("fmt", "e4m3") not in ("e4m3", "e5m2"):
-        raise InvalidArgument(f"fp8 format {quantization['fmt']!r} is not supported (e4m3, e5m2 are)")
-    block = quantization.get("weight_block_size")
-    if block is not None and (len(block) != 2 or min(block) < 1):
-        raise InvalidArgument(f"weight_block_size {block} must be two positive sizes")
-    return Fp8Tensors(tensors, tuple(block) if block else None)
+    """The checkpoint's tensors with its FP8 weights as Fp8Weights, for a quantization_config (InvalidArgument where
+    the scheme is not FP8 weights with their scales)."""
+    return Fp8Tensors(tensors, fp8_scheme(quantization).block)
 
 
 class TensorsAsRead(Mapping):
@@ -68,25 +61,33 @@ class TensorsAsRead(Mapping):
 
 
 class Fp8Tensors(TensorsAsRead):
-    """Each float8 weight with a scale as an Fp8Weight (dequantized where it is not 2-D); the scales hidden."""
+    """Each float8 weight with its scale (weight_scale_inv or weight_scale) as an Fp8Weight, dequantized where it is
+    not 2-D; the scales, and the input and KV scales the backends do not take, hidden."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], block: tuple[int, int] | None):
         self.block = block
         super().__init__(tensors)
 
     def kept(self, name: str) -> bool:
-        return not name.endswith(SCALE)
+        return not name.endswith(ASIDE) and not any(name.endswith(".weight" + s) for s in WEIGHT_SCALES)
+
+    def scale_name(self, name: str) -> str | None:
+        """The name of weight `name`'s scale, None where it has none."""
+        return next((name + s for s in WEIGHT_SCALES if name + s in self.tensors), None)
 
     def holds_fp8(self, name: str) -> bool:
-        return name + SCALE in self.tensors and len(self.shape(name)) == 2
+        return self.scale_name(name) is not None and len(self.shape(name)) == 2
 
     def read(self, name: str, tensor: torch.Tensor):
-        if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and name + SCALE in self.tensors:
-            scale = self.tensors[name + SCALE]
-            if tensor.dim() == 2:
-                return Fp8Weight.of_checkpoint(tensor, scale, self.block)
-            return dequantize(tensor, scale, self.block)
-        return tensor
+        if tensor.dtype not in FP8_DTYPES:
+            return tensor
+        scale = self.scale_name(name)
+        if scale is None:
+            names = " or ".join(name + suffix for suffix in WEIGHT_SCALES)
+            raise InvalidArgument(f"{name} is {tensor.dtype} without a scale ({names})")
+        if tensor.dim() == 2:
+            return Fp8Weight.of_checkpoint(tensor, self.tensors[scale], self.block)
+        return dequantize(tensor, self.tensors[scale], self.block)
 
 
 # --quantize fp8: which checkpoint tensors are a linear layer's weight. Every 2-D floating weight whose name does not
@@ -140,15 +141,21 @@ def quantize_rows(weight: torch.Tensor) -> "Fp8Weight":
     return Fp8Weight((values / scale).to(torch.float8_e4m3fn), scale, weight.shape[1])
 
 
-def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
-    """weight [out, in] (float8) x its scale: scale_inv [ceil(out / block[0]), ceil(in / block[1])] one a block, or
-    one for the whole weight (a single value) -> float32."""
-    scale = scale_inv.float()
-    if scale.numel() > 1:
-        _check_blocks(weight, scale, block)
-        rows, cols = weight.shape
-        scale = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-    return weight.float() * scale.reshape(scale.shape if scale.numel() > 1 else ())
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """weight (float8) x its scale -> float32. scale: one value for the whole weight; or for a 2-D weight [out, in],
+    one a row ([out] or [out, 1]) or one a block ([ceil(out / block[0]), ceil(in / block[1])]); a weight of more
+    dimensions takes a scale that broadcasts over it (one a matrix of a stack, or one for all)."""
+    scale = scale.float()
+    if scale.numel() == 1:
+        return weight.float() * scale.reshape(())
+    if weight.dim() == 2:
+        return Fp8Weight.of_checkpoint(weight, scale, block).dequantize()
+    try:
+        torch.broadcast_shapes(weight.shape, scale.shape)
+    except RuntimeError:
+        raise InvalidArgument(f"a {tuple(weight.shape)} fp8 weight's {tuple(scale.shape)} scales do not broadcast "
+                              f"over it") from None
+    return weight.float() * scale
 
 
 class Fp8Weight(DeferredWeight):
@@ -169,13 +176,16 @@ class Fp8Weight(DeferredWeight):
         self.data, self.scales, self.block, self.shape = data, scales, block, torch.Size((rows, columns))
 
     @classmethod
-    def of_checkpoint(cls, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] | None
+    def of_checkpoint(cls, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None
                       ) -> "Fp8Weight":
-        """A checkpoint's weight and weight_scale_inv (as dequantize() takes them)."""
+        """A checkpoint's 2-D weight and its scale (as dequantize() takes them): one for the whole weight, one a row
+        ([rows] or [rows, 1], where the checkpoint has no blocks), or one a block."""
         rows, columns = weight.shape
-        scale = scale_inv.float()
+        scale = scale.float()
         if scale.numel() == 1:
             return cls(weight, scale.reshape(1, 1).expand(rows, 1).contiguous(), columns)
+        if block is None and tuple(scale.shape) in ((rows,), (rows, 1)):
+            return cls(weight, scale.reshape(rows, 1).contiguous(), columns)
         _check_blocks(weight, scale, block)
         return cls(weight, scale.repeat_interleave(block[0], 0)[:rows].contiguous(), block[1])
 
@@ -211,8 +221,8 @@ class Fp8Weight(DeferredWeight):
 def _check_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> None:
     """scale: one a block of weight's."""
     if block is None or weight.dim() != 2:
-        raise InvalidArgument(f"a {tuple(weight.shape)} fp8 weight with {tuple(scale.shape)} scales needs 2-D "
-                              f"blocks (weight_block_size)")
+        raise InvalidArgument(f"a {tuple(weight.shape)} fp8 weight with {tuple(scale.shape)} scales: not one, one a "
+                              f"row, nor one a block of a weight_block_size")
     rows, cols = weight.shape
     expected = (-(-rows // block[0]), -(-cols // block[1]))
     if tuple(scale.shape) != expected:

@@ -1,0 +1,104 @@
+"""Which FP8 checkpoint a config.json's quantization_config describes, read into one Fp8Scheme; every other scheme is
+refused by name. Two families of configs publish FP8 weights:
+
+- quant_method "fp8": DeepSeek-V3/V3.2, Kimi-K2 and Qwen3's FP8 releases (e4m3 weights, a float32
+  weight_scale_inv for each weight_block_size block, 128 x 128), and the AutoFP8 / vLLM serialization (a
+  weight_scale for the whole weight or one for each row; activation_scheme "static" adds an input_scale);
+- quant_method "compressed-tensors" with format "float-quantized": llm-compressor's FP8 (the RedHatAI / neuralmagic
+  "-FP8" and "-FP8-dynamic" models): 8-bit float weights with a weight_scale by tensor, by channel (one a row) or by
+  block (block_structure), inputs quantized per token at run time or with a static input_scale.
+
+Either way each FP8 weight is multiplied by its scale to dequantize (an "inverse" scale is one to multiply by), so
+both read as the same Fp8Weight. The activations' schemes are not followed: the CUDA backend quantizes each input
+per token as it runs (a static input_scale is ignored, a finer choice than it), and the CPU backend multiplies the
+dequantized weights. A kv_cache_scheme's k_scale and v_scale are kept aside: the KV cache stays in the model's
+dtype."""
+
+from dataclasses import dataclass
+
+from metrale.runtime.errors import InvalidArgument
+
+# Scales a quantized checkpoint holds beside its weights, by name suffix; the weight's own scale first.
+WEIGHT_SCALES = ("_scale_inv", "_scale")
+ASIDE = (".input_scale", ".k_scale", ".v_scale")
+FLOAT_STRATEGIES = ("tensor", "channel", "block")
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """fmt: "e4m3" or "e5m2"; block: the (rows, columns) a scale covers where scales come in blocks, else None."""
+    fmt: str = "e4m3"
+    block: tuple[int, int] | None = None
+
+
+def fp8_scheme(quantization: dict) -> Fp8Scheme:
+    """The scheme of a quantization_config (InvalidArgument naming what is not FP8 weights with their scales)."""
+    method = quantization.get("quant_method")
+    if method == "fp8":
+        return _fp8(quantization)
+    if method == "compressed-tensors":
+        return _compressed_tensors(quantization)
+    raise InvalidArgument(f"quantization scheme {method!r} is not supported (fp8, and compressed-tensors' "
+                          f"float-quantized FP8, are)")
+
+
+def _fp8(quantization: dict) -> Fp8Scheme:
+    fmt = quantization.get("fmt", "e4m3")
+    if fmt not in ("e4m3", "e5m2"):
+        raise InvalidArgument(f"fp8 format {fmt!r} is not supported (e4m3, e5m2 are)")
+    activations = quantization.get("activation_scheme", "dynamic")
+    if activations not in ("dynamic", "static"):
+        raise InvalidArgument(f"fp8 activation_scheme {activations!r} is not supported (dynamic, static are)")
+    return Fp8Scheme(fmt, _block(quantization.get("weight_block_size"), "weight_block_size"))
+
+
+def _compressed_tensors(quantization: dict) -> Fp8Scheme:
+    fmt = quantization.get("format")
+    if fmt != "float-quantized":
+        raise InvalidArgument(f"compressed-tensors format {fmt!r} is not supported (float-quantized, FP8 weights, "
+                              f"is)")
+    status = quantization.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise InvalidArgument(f"compressed-tensors quantization_status {status!r} is not supported (a compressed "
+                              f"checkpoint's is 'compressed')")
+    groups = quantization.get("config_groups") or {}
+    if not groups:
+        raise InvalidArgument("compressed-tensors config without config_groups: no weights are quantized")
+    blocks = {_group_block(name, group) for name, group in groups.items()}
+    if len(blocks) > 1:
+        raise InvalidArgument(f"compressed-tensors config_groups with different weight blocks {sorted(map(str, blocks))} "
+                              f"are not supported (one block size for the checkpoint is)")
+    return Fp8Scheme("e4m3", blocks.pop())
+
+
+def _group_block(name: str, group: dict) -> tuple[int, int] | None:
+    """A config group's weight block (None: a scale for the whole weight or for each row), after checking that it
+    quantizes weights to 8-bit floats symmetrically and its activations, if at all, to 8-bit floats."""
+    weights = group.get("weights") or {}
+    what = f"compressed-tensors group {name!r}"
+    if (weights.get("num_bits"), weights.get("type")) != (8, "float"):
+        raise InvalidArgument(f"{what}: {weights.get('num_bits')}-bit {weights.get('type')} weights are not "
+                              f"supported (8-bit float ones are)")
+    if not weights.get("symmetric", True):
+        raise InvalidArgument(f"{what}: asymmetric weights (a zero point) are not supported")
+    strategy = weights.get("strategy")
+    if strategy not in FLOAT_STRATEGIES:
+        raise InvalidArgument(f"{what}: weight strategy {strategy!r} is not supported ({', '.join(FLOAT_STRATEGIES)} "
+                              f"are)")
+    inputs = group.get("input_activations")
+    if inputs and (inputs.get("num_bits"), inputs.get("type")) != (8, "float"):
+        raise InvalidArgument(f"{what}: input activations of {inputs.get('num_bits')}-bit {inputs.get('type')} are "
+                              f"not supported (8-bit float ones are)")
+    if group.get("output_activations"):
+        raise InvalidArgument(f"{what}: quantized output activations are not supported")
+    if strategy != "block":
+        return None
+    return _block(weights.get("block_structure"), f"{what}'s block_structure")
+
+
+def _block(block, what: str) -> tuple[int, int] | None:
+    if block is None:
+        return None
+    if len(block) != 2 or min(block) < 1:
+        raise InvalidArgument(f"{what} {block} must be two positive sizes")
+    return tuple(block)
