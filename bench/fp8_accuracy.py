@@ -1,12 +1,14 @@
-"""What --quantize fp8 costs in accuracy on a real model: the embedded default model (SmolLM2-135M-Instruct; its GGUF
-dequantized to bf16 is the yardstick) against the same model with its linear weights quantized to FP8 at load. On
-the CUDA backend that is W8A16 at decode rows and W8A8 (inputs quantized per token) in prompts. Two figures:
-- greedy: the bf16 run's 64 greedy tokens after each chat prompt, the FP8 run fed the same tokens; the share of
-  steps whose FP8 argmax is bf16's token, and how long the FP8 run's own greedy continuation stays equal;
+"""What FP8 costs in accuracy on a real model: the embedded default model (SmolLM2-135M-Instruct; its GGUF dequantized
+to bf16, or float32 with --dtype float32, is the yardstick) against the same model with its linear weights quantized
+to FP8 at load (--quantize fp8, the default), its KV cache in FP8 (--kv-dtype fp8), or both. On the CUDA backend FP8
+weights are W8A16 at decode rows and W8A8 (inputs quantized per token) in prompts. Two figures:
+- greedy: the base run's 64 greedy tokens after each chat prompt, the FP8 run fed the same tokens; the share of
+  steps whose FP8 argmax is the base run's token, and how long the FP8 run's own greedy continuation stays equal;
 - perplexity of a fixed English text: its first half a prompt (a prefill), its second half fed token by token
   (decode steps); each run's perplexity of the second half, and their ratio.
 
 Run from the repository root: python3 -m bench.fp8_accuracy [--model PATH] [--device cuda] [--steps 64]
+    [--quantize fp8|none] [--kv-dtype auto|fp8] [--dtype bfloat16|float32]
 """
 
 import argparse
@@ -69,21 +71,27 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=64, help="greedy decode steps after each prompt")
     parser.add_argument("--prompts", type=int, default=len(QUESTIONS), help="how many of the chat prompts")
     parser.add_argument("--text-tokens", type=int, default=None, help="score only the text's first this many tokens")
+    parser.add_argument("--quantize", default="fp8", choices=("fp8", "none"), help="the FP8 run's weights")
+    parser.add_argument("--kv-dtype", default="auto", choices=("auto", "fp8"), help="the FP8 run's KV cache")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="both runs' dtype")
     args = parser.parse_args(argv)
+    if args.quantize == "none" and args.kv_dtype == "auto":
+        parser.error("nothing in FP8: give --quantize fp8 and/or --kv-dtype fp8")
     checkpoint = load_checkpoint(args.model or fetch_default_model(default_cache_dir()))
     text = checkpoint.tokenizer.encode(TEXT) if checkpoint.tokenizer is not None else list(TEXT.encode())
     text = text[:args.text_tokens]
     prompts = {question: prompt_ids(checkpoint, question) for question in QUESTIONS[:args.prompts]}
     max_len = max([len(text)] + [len(p) + args.steps + 1 for p in prompts.values()])
     engines = {name: build_engine(checkpoint, EngineConfig(device=args.device, max_model_len=max_len, kv_blocks=
-                                                           4 * max_len, dtype="bfloat16", quantize=quantize))[0]
-               for name, quantize in (("bf16", "none"), ("fp8", "fp8"))}
+                                                           4 * max_len, dtype=args.dtype, **settings))[0]
+               for name, settings in (("base", {}), ("fp8", dict(quantize=args.quantize, kv_dtype=args.kv_dtype)))}
     print(gpu_machine_line("fp8_accuracy", args.device))
-    print(f"# {checkpoint.source}: bf16 (dequantized) against --quantize fp8, {args.steps} greedy steps a prompt")
-    print(f"{'prompt':<30}  {'argmax = bf16':>13}  {'same until':>10}")
+    print(f"# {checkpoint.source}: {args.dtype} (dequantized) against --quantize {args.quantize} --kv-dtype "
+          f"{args.kv_dtype}, {args.steps} greedy steps a prompt")
+    print(f"{'prompt':<30}  {'argmax = base':>13}  {'same until':>10}")
     agree = steps = 0
     for question, prompt in prompts.items():
-        _, reference = decode(engines["bf16"], prompt, args.steps)
+        _, reference = decode(engines["base"], prompt, args.steps)
         logits, _ = decode(engines["fp8"], prompt, args.steps, fed=reference)
         _, own = decode(engines["fp8"], prompt, args.steps)
         same = sum(int(a == b) for a, b in zip(logits.argmax(-1).tolist(), reference))
@@ -91,9 +99,9 @@ def main(argv: list[str] | None = None) -> dict:
         agree, steps = agree + same, steps + len(reference)
         print(f"{question[:30]:<30}  {f'{same}/{len(reference)}':>13}  {until:>10}")
     ppl = {name: perplexity(engine, text) for name, engine in engines.items()}
-    print(f"# greedy: {agree}/{steps} steps ({agree / steps:.3f}) take bf16's token; perplexity of the text's second "
-          f"half ({len(text) - len(text) // 2} of {len(text)} tokens): bf16 {ppl['bf16']:.4f}, fp8 {ppl['fp8']:.4f} "
-          f"({ppl['fp8'] / ppl['bf16'] - 1:+.2%})")
+    print(f"# greedy: {agree}/{steps} steps ({agree / steps:.3f}) take the base run's token; perplexity of the "
+          f"text's second half ({len(text) - len(text) // 2} of {len(text)} tokens): base {ppl['base']:.4f}, fp8 "
+          f"{ppl['fp8']:.4f} ({ppl['fp8'] / ppl['base'] - 1:+.2%})")
     return {"agree": agree, "steps": steps, "perplexity": ppl}
 
 

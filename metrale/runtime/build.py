@@ -7,7 +7,7 @@ from metrale.runtime.backend import create_backend
 from metrale.runtime.backend.layer_math import LM_HEAD_PADDING_ROWS
 from metrale.runtime.backend.runner import MemoryShapes, Runner
 from metrale.runtime.cache.manager import CacheManager, blocks_that_fit, snapshots_for, state_slots_for
-from metrale.runtime.cache.specs import PAGED, slot_bytes
+from metrale.runtime.cache.specs import PAGED, slot_bytes, with_kv_dtype
 from metrale.runtime.default_model import default_cache_dir
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.engine import Engine
@@ -52,7 +52,7 @@ def build_engine(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path |
     model_config, max_model_len, runner, model = _load(checkpoint, config, cache_dir, group)
     if group is not None:
         runner = LeaderRunner(runner, group)
-    cache = _allocate_cache(runner, model.cache_specs(), config, max_model_len,
+    cache = _allocate_cache(runner, with_kv_dtype(model.cache_specs(), config.kv_dtype), config, max_model_len,
                             # an encoder-decoder's prompts are its sources, whose cross K/V no token prefix names
                             config.prefix_cache and not getattr(model_config, "is_encoder_decoder", False))
     engine = Engine(model, runner, cache, config, max_model_len)
@@ -71,10 +71,10 @@ def build_engine(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path |
 
 
 def build_follower(checkpoint: Checkpoint, config: EngineConfig, group, cache_dir: Path | None = None):
-    """A tensor-parallel worker's other rank: its shard of the model and its runner, for parallel/follower.py's
-    follow(group, model, runner)."""
+    """A tensor-parallel worker's other rank: its shard of the model, its runner and its cache's specs, for
+    parallel/follower.py's follow(group, model, runner, specs)."""
     _, _, runner, model = _load(checkpoint, config, cache_dir, group)
-    return model, runner
+    return model, runner, with_kv_dtype(model.cache_specs(), config.kv_dtype)
 
 
 def _load(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path | None, group):
@@ -88,6 +88,9 @@ def _load(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path | None, 
     local_config, tensors = _shard(family, model_config, checkpoint, group)
     backend = create_backend(config.device, config.dtype, cache_dir or default_cache_dir(), config.programmatic_launch,
                              config.dequantize, group)
+    if config.kv_dtype not in backend.runner.kv_dtypes:
+        raise InvalidArgument(f"--kv-dtype {config.kv_dtype} does not run on the {backend.runner.device} backend "
+                              f"(it runs {', '.join(backend.runner.kv_dtypes)})")
     backend.runner.plan(_weight_bytes(tensors, getattr(tensors, "numel", checkpoint.numel), local_config, max_model_len,
                                       family.model_class),
                         _memory_shapes(local_config, config, max_model_len,

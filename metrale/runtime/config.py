@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass
 
+from metrale.runtime.cache.specs import KV_DTYPES
 from metrale.runtime.errors import InvalidArgument
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -43,6 +44,9 @@ class EngineConfig:
     # "fp8": every linear weight of a bf16/fp16/fp32 checkpoint or a GGUF file's blocks quantized at load to e4m3
     # with one scale a row (loading/fp8.py); "none": as the checkpoint holds them.
     quantize: str = "none"
+    # "fp8": attention K and V cached in e4m3 with a scale per KV head (the checkpoint's k_scale / v_scale, else 1),
+    # half a bf16 cache's bytes (cache/specs.py's PagedKvFp8); "auto": in the model's dtype.
+    kv_dtype: str = "auto"
 
     def __post_init__(self):
         if self.device not in DEVICES:
@@ -51,6 +55,8 @@ class EngineConfig:
             raise InvalidArgument(f"run_ahead must be one of {RUN_AHEAD}, got {self.run_ahead!r}")
         if self.quantize not in QUANTIZE:
             raise InvalidArgument(f"quantize must be one of {QUANTIZE}, got {self.quantize!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise InvalidArgument(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
         if self.dtype not in DTYPES:
             raise InvalidArgument(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_block_size < 1 or self.kv_block_size & (self.kv_block_size - 1):

@@ -4,6 +4,7 @@ import argparse
 import os
 from dataclasses import dataclass, field, fields
 
+from metrale.runtime.cache.specs import KV_DTYPES
 from metrale.runtime.config import DEVICES, DTYPES, RUN_AHEAD, EngineConfig
 from metrale.runtime.errors import InvalidArgument
 
@@ -126,6 +127,8 @@ SERVE_FLAGS = [
      "on the CPU backend (true|false)", None),
     ("quantize", str, "fp8: a checkpoint's linear weights quantized at load to FP8 (e4m3, one scale a row)",
      ("none", "fp8")),
+    ("kv-dtype", str, "fp8: attention K and V cached in FP8 (e4m3, a scale per KV head: the checkpoint's k_scale "
+     "and v_scale, else 1), half a bf16 cache's bytes; the CPU backend for now. auto: the model's dtype", KV_DTYPES),
     ("tensor-parallel", int, "ranks the model is split over (heads and MLP columns, Megatron-style), one process "
      "each; the CPU backend and the dense Llama family for now", None),
     ("max-message-mb", int, "largest gRPC message, either way", None),

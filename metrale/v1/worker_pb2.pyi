@@ -24,7 +24,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "architecture", "dtype", "device", "vocab_size", "max_model_len", "kv_block_size", "num_kv_blocks", "free_kv_blocks", "is_mla", "hc_mult", "supports_beam", "is_encoder_decoder", "has_ssm", "eos_token_ids", "bos_token_id", "pad_token_id", "num_streams", "max_batch_tokens", "version", "live_sequences", "prefix_cache", "cached_kv_blocks", "single_chunk_prefill", "max_seqs", "sequence_ttl_seconds", "chat_template")
+    __slots__ = ("model_id", "architecture", "dtype", "device", "vocab_size", "max_model_len", "kv_block_size", "num_kv_blocks", "free_kv_blocks", "is_mla", "hc_mult", "supports_beam", "is_encoder_decoder", "has_ssm", "eos_token_ids", "bos_token_id", "pad_token_id", "num_streams", "max_batch_tokens", "version", "live_sequences", "prefix_cache", "cached_kv_blocks", "single_chunk_prefill", "max_seqs", "sequence_ttl_seconds", "chat_template", "kv_dtype")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class InfoResponse(_message.Message):
     MAX_SEQS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     dtype: str
@@ -79,7 +80,8 @@ class InfoResponse(_message.Message):
     max_seqs: int
     sequence_ttl_seconds: float
     chat_template: str
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., is_mla: _Optional[bool] = ..., hc_mult: _Optional[int] = ..., supports_beam: _Optional[bool] = ..., is_encoder_decoder: _Optional[bool] = ..., has_ssm: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., num_streams: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., version: _Optional[str] = ..., live_sequences: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., cached_kv_blocks: _Optional[int] = ..., single_chunk_prefill: _Optional[bool] = ..., max_seqs: _Optional[int] = ..., sequence_ttl_seconds: _Optional[float] = ..., chat_template: _Optional[str] = ...) -> None: ...
+    kv_dtype: str
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., is_mla: _Optional[bool] = ..., hc_mult: _Optional[int] = ..., supports_beam: _Optional[bool] = ..., is_encoder_decoder: _Optional[bool] = ..., has_ssm: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., num_streams: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., version: _Optional[str] = ..., live_sequences: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., cached_kv_blocks: _Optional[int] = ..., single_chunk_prefill: _Optional[bool] = ..., max_seqs: _Optional[int] = ..., sequence_ttl_seconds: _Optional[float] = ..., chat_template: _Optional[str] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias")

@@ -96,6 +96,9 @@ def test_fp8_accuracy_scores_both_runs(bench, tmp_path, capsys):
     assert result["steps"] == 8 and 0 <= result["agree"] <= 8
     assert all(1 < p < 256 for p in result["perplexity"].values())
     assert "perplexity" in capsys.readouterr().out
+    kv = bench.fp8_accuracy.main(["--model", str(model), "--device", "cpu", "--steps", "3", "--prompts", "1",
+                                  "--text-tokens", "40", "--quantize", "none", "--kv-dtype", "fp8"])
+    assert kv["steps"] == 4 and kv["perplexity"]["base"] == result["perplexity"]["base"]
 
 
 def test_beam_generate_reports_both_sides_and_agreement(bench, tmp_path, capsys):

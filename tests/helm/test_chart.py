@@ -156,7 +156,7 @@ def test_every_worker_flag_is_reachable_from_values(chart):
     values = {"worker": {"device": "cpu", "dtype": "bfloat16", "kv-blocks": 1000000, "kv-memory-fraction": 0.5,
                          "kv-block-size": 32, "max-batch-tokens": 4096, "max-seqs": 64, "max-model-len": 2048,
                          "cuda-graph-batch-sizes": "1,2", "num-streams": 3, "run-ahead": "off", "prefix-cache": "off",
-                         "dequantize": True, "quantize": "fp8", "tensor-parallel": 2,
+                         "dequantize": True, "quantize": "fp8", "kv-dtype": "fp8", "tensor-parallel": 2,
                          "max-message-mb": 8, "max-text-bytes": 4096, "drain-timeout": 2.5, "reflection": False,
                          "log-format": "console",
                          "max-concurrent-rpcs": 128, "keepalive-time": 30, "keepalive-timeout": 7.5,
@@ -171,7 +171,7 @@ def test_every_worker_flag_is_reachable_from_values(chart):
         "cpu", "bfloat16", 1000000, 0.5, 32)
     assert (engine.max_batch_tokens, engine.max_seqs, engine.max_model_len, engine.num_streams) == (4096, 64, 2048, 3)
     assert (engine.run_ahead, engine.prefix_cache, engine.ssm_snapshot_memory) == ("off", False, 2000000000)
-    assert engine.dequantize is True and engine.quantize == "fp8"
+    assert engine.dequantize is True and engine.quantize == "fp8" and engine.kv_dtype == "fp8"
     assert (config.max_message_mb, config.max_text_bytes, config.drain_timeout, config.reflection,
             config.log_format) == (8, 4096, 2.5, False, "console")
     assert (config.max_concurrent_rpcs, config.keepalive_time, config.keepalive_timeout,

@@ -138,14 +138,15 @@ def test_compressed_tensors_fp8_matches_transformers_reading_it(name, strategy, 
 @pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
 def test_fp8_scales_as_published_read_exactly(strategy, tmp_path):
     """bfloat16 scales (as the releases have them), static input scales and KV scales beside: each weight reads as
-    its e4m3 values times its scale, exactly; the input and KV scales are not tensors of the model. A scale for the
-    whole weight or one a row keeps one scale a row (what the GPU multiplies in FP8)."""
+    its e4m3 values times its scale, exactly; the scales and static input scales are not tensors of the model (the KV
+    scales are: the FP8 KV cache's). A scale for the whole weight or one a row keeps one scale a row (what the GPU
+    multiplies in FP8)."""
     directory = write_compressed("llama3_untied", tmp_path, strategy, torch.bfloat16, static=True, kv_scales=True)
     published = load_file(directory / "model.safetensors")
     tensors = load_checkpoint(directory).tensors
-    assert not [key for key in tensors if key.endswith(("_scale", "_scale_inv"))]
-    assert {key.rsplit(".", 1)[1] for key in published if key not in tensors} == {"weight_scale", "input_scale",
-                                                                                  "k_scale", "v_scale"}
+    assert not [key for key in tensors if key.endswith(("weight_scale", "_scale_inv", "input_scale"))]
+    assert {key.rsplit(".", 1)[1] for key in published if key not in tensors} == {"weight_scale", "input_scale"}
+    assert "model.layers.0.self_attn.k_scale" in tensors and "model.layers.1.self_attn.v_scale" in tensors
     key = "model.layers.1.mlp.down_proj.weight"
     weight, scale = tensors[key], published[key + "_scale"].float()
     assert isinstance(weight, Fp8Weight) and weight.block == (BLOCK[1] if strategy == "block" else weight.shape[1])

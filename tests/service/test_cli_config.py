@@ -33,6 +33,7 @@ NON_DEFAULT = {
     "prefix-cache": ("off", "engine.prefix_cache", False),
     "dequantize": ("true", "engine.dequantize", True),
     "quantize": ("fp8", "engine.quantize", "fp8"),
+    "kv-dtype": ("fp8", "engine.kv_dtype", "fp8"),
     "tensor-parallel": ("2", "tensor_parallel", 2),
     "ssm-snapshot-memory": ("1048576", "engine.ssm_snapshot_memory", 1048576),
     "cuda-graph-batch-sizes": ("1,4,16", "engine.cuda_graph_batch_sizes", (1, 4, 16)),
@@ -138,6 +139,7 @@ def test_empty_variable_is_unset_and_explicit_environ_ignores_os_environ(monkeyp
     ({"METRALE_NUM_STREAMS": "0"}, ["num_streams", "0"]),
     ({"METRALE_RUN_AHEAD": "sometimes"}, ["run_ahead", "sometimes"]),
     ({"METRALE_QUANTIZE": "int4"}, ["quantize", "int4"]),
+    ({"METRALE_KV_DTYPE": "int8"}, ["kv_dtype", "int8"]),
     ({"METRALE_KV_MEMORY_FRACTION": "1.5"}, ["kv_memory_fraction", "1.5"]),
     ({"METRALE_SEQUENCE_TTL": "-1"}, ["sequence_ttl", "-1"]),
 ])

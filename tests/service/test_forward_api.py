@@ -50,6 +50,7 @@ def test_info(stub, worker, tiny_model_dir):
     assert info.is_mla == ("kv_lora_rank" in config) and not info.single_chunk_prefill
     assert info.supports_beam and info.eos_token_ids == [2]
     assert info.chat_template == ""         # the tiny checkpoints carry no tokenizer
+    assert info.kv_dtype == info.dtype
 
 
 @pytest.mark.parametrize("splits", [[25], [16, 9], [7, 11, 7], [1] * 25, [3, 13, 9]])

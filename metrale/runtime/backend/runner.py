@@ -80,6 +80,8 @@ class Runner(Protocol):
     queues_work: bool
     # Whether beam search runs here (BeamGenerate): it needs beam_candidates and copy_block_prefixes.
     supports_beam: bool
+    # The --kv-dtype values its attention reads (cache/specs.py's KV_DTYPES: "fp8" is PagedKvFp8 layers).
+    kv_dtypes: tuple[str, ...]
     # The most rows a decode forward replays a CUDA graph for (the largest decode bucket: such a step costs the host
     # one launch, not one per kernel); 0: none.
     decode_graph_rows: int

@@ -5,6 +5,8 @@ keys), from which the cache manager sizes, allocates and hands out the cache."""
 import math
 from dataclasses import dataclass
 
+from metrale.runtime.errors import InvalidArgument
+
 
 @dataclass(frozen=True)
 class PagedKv:
@@ -12,9 +14,31 @@ class PagedKv:
     num_kv_heads, head_dim] in the backend's dtype."""
     num_kv_heads: int
     head_dim: int
+    # K's and V's scale for each KV head where the checkpoint gives them (a kv_cache_scheme's k_scale and v_scale),
+    # for an FP8 cache (PagedKvFp8); None: none given.
+    scales: tuple[tuple[float, ...], tuple[float, ...]] | None = None
 
     def elements_per_token(self) -> int:
         return 2 * self.num_kv_heads * self.head_dim
+
+    def bytes_per_token(self, itemsize: int) -> int:
+        return itemsize * self.elements_per_token()
+
+
+@dataclass(frozen=True)
+class PagedKvFp8:
+    """PagedKv kept in FP8 (--kv-dtype fp8): [2, blocks, block_size, num_kv_heads, head_dim] of e4m3 values, each K
+    or V value over its head's scale, rounded to nearest and saturated at +-448; scales [2, num_kv_heads] float32
+    (K's, then V's). Attention reads value x scale, for every cached token, the step's own included."""
+    num_kv_heads: int
+    head_dim: int
+    scales: tuple[tuple[float, ...], tuple[float, ...]]
+
+    def elements_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim
+
+    def bytes_per_token(self, itemsize: int) -> int:
+        return self.elements_per_token()           # a byte each, whatever the model's dtype
 
 
 @dataclass(frozen=True)
@@ -26,6 +50,9 @@ class PagedLatent:
     def elements_per_token(self) -> int:
         return self.width
 
+    def bytes_per_token(self, itemsize: int) -> int:
+        return itemsize * self.width
+
 
 @dataclass(frozen=True)
 class PagedIndexKeys:
@@ -36,6 +63,9 @@ class PagedIndexKeys:
 
     def elements_per_token(self) -> int:
         return self.width
+
+    def bytes_per_token(self, itemsize: int) -> int:
+        return itemsize * self.width
 
 
 @dataclass(frozen=True)
@@ -54,15 +84,28 @@ class NoCache:
     """Nothing kept between steps (a feed-forward layer, a hyper-connection mix)."""
 
 
-LayerCache = PagedKv | PagedLatent | PagedIndexKeys | RecurrentState | NoCache
-PAGED = (PagedKv, PagedLatent, PagedIndexKeys)
+LayerCache = PagedKv | PagedKvFp8 | PagedLatent | PagedIndexKeys | RecurrentState | NoCache
+PAGED = (PagedKv, PagedKvFp8, PagedLatent, PagedIndexKeys)
+KV_DTYPES = ("auto", "fp8")
+E4M3_MAX = 448.0
 # A recurrent state is kept in float32 whatever the backend's dtype: it accumulates over every token.
 STATE_ITEMSIZE = 4
 
 
 def block_bytes(specs: tuple[LayerCache, ...], block_size: int, itemsize: int) -> int:
-    """Bytes one block takes across every paged layer."""
-    return block_size * itemsize * sum(spec.elements_per_token() for spec in specs if isinstance(spec, PAGED))
+    """Bytes one block takes across every paged layer (itemsize: the backend's dtype's)."""
+    return block_size * sum(spec.bytes_per_token(itemsize) for spec in specs if isinstance(spec, PAGED))
+
+
+def with_kv_dtype(specs: tuple[LayerCache, ...], kv_dtype: str) -> tuple[LayerCache, ...]:
+    """The model's specs with its attention K/V in kv_dtype: "auto" keeps the model's dtype, "fp8" makes each
+    PagedKv a PagedKvFp8 with the checkpoint's scales, or 1 for every head where it gives none."""
+    if kv_dtype not in KV_DTYPES:
+        raise InvalidArgument(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+    if kv_dtype == "auto":
+        return specs
+    return tuple(PagedKvFp8(spec.num_kv_heads, spec.head_dim, spec.scales or ((1.0,) * spec.num_kv_heads,) * 2)
+                 if isinstance(spec, PagedKv) else spec for spec in specs)
 
 
 def slot_bytes(specs: tuple[LayerCache, ...]) -> int:

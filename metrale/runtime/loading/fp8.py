@@ -62,7 +62,7 @@ class TensorsAsRead(Mapping):
 
 class Fp8Tensors(TensorsAsRead):
     """Each float8 weight with its scale (weight_scale_inv or weight_scale) as an Fp8Weight, dequantized where it is
-    not 2-D; the scales, and the input and KV scales the backends do not take, hidden."""
+    not 2-D; the weights' scales and the static input scales (which no backend takes) hidden."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], block: tuple[int, int] | None):
         self.block = block

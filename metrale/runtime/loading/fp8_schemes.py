@@ -11,8 +11,8 @@ refused by name. Two families of configs publish FP8 weights:
 Either way each FP8 weight is multiplied by its scale to dequantize (an "inverse" scale is one to multiply by), so
 both read as the same Fp8Weight. The activations' schemes are not followed: the CUDA backend quantizes each input
 per token as it runs (a static input_scale is ignored, a finer choice than it), and the CPU backend multiplies the
-dequantized weights. A kv_cache_scheme's k_scale and v_scale are kept aside: the KV cache stays in the model's
-dtype."""
+dequantized weights. A kv_cache_scheme's k_scale and v_scale are the scales of an FP8 KV cache (--kv-dtype fp8), where
+the family reads them (the Llama family)."""
 
 from dataclasses import dataclass
 
@@ -20,7 +20,7 @@ from metrale.runtime.errors import InvalidArgument
 
 # Scales a quantized checkpoint holds beside its weights, by name suffix; the weight's own scale first.
 WEIGHT_SCALES = ("_scale_inv", "_scale")
-ASIDE = (".input_scale", ".k_scale", ".v_scale")
+ASIDE = (".input_scale",)
 FLOAT_STRATEGIES = ("tensor", "channel", "block")
 
 

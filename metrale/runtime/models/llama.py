@@ -9,7 +9,7 @@ from metrale.runtime.backend.layer_math import LayerMath, RopeTable
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.cache.specs import PagedKv
 from metrale.runtime.errors import InvalidArgument
-from metrale.runtime.models.checkpoint import eos_token_ids, tensor_reader
+from metrale.runtime.models.checkpoint import eos_token_ids, kv_scales, tensor_reader
 from metrale.runtime.models.moe import MoeConfig, load_moe
 from metrale.runtime.models.rope import inverse_frequencies, rope_cos_sin, rope_parameters
 from metrale.runtime.parallel.group import Shard
@@ -97,6 +97,8 @@ class LlamaForCausalLM:
         self.config = config
         self.math = math
         self.weights = _load_weights(config, tensors, math)
+        self.kv_scales = [kv_scales(tensors, f"model.layers.{i}.self_attn.", config.num_kv_heads)
+                          for i in range(config.num_layers)]
         cos, sin = rope_cos_sin(inverse_frequencies(config.rope, config.head_dim), max_model_len)
         self.rope = RopeTable(math.upload_float32(cos), math.upload_float32(sin))
         self.scale = config.head_dim ** -0.5
@@ -104,8 +106,8 @@ class LlamaForCausalLM:
         self.kv_size = config.num_kv_heads * config.head_dim
 
     def cache_specs(self) -> tuple[PagedKv, ...]:
-        """Each layer's attention K/V."""
-        return (PagedKv(self.config.num_kv_heads, self.config.head_dim),) * self.config.num_layers
+        """Each layer's attention K/V (with the checkpoint's scales for an FP8 cache, where it has them)."""
+        return tuple(PagedKv(self.config.num_kv_heads, self.config.head_dim, scales) for scales in self.kv_scales)
 
     def replayable(self, batch: ForwardBatch) -> bool:
         """The forward reads every batch only through prepare()."""

@@ -4,7 +4,8 @@ calls (leader.py) as they come, until rank 0 stops it. It answers nothing: rank 
 from metrale.runtime.parallel.leader import STOP
 
 
-def follow(group, model, runner) -> None:
+def follow(group, model, runner, specs: tuple) -> None:
+    """specs: the model's cache specs as rank 0's (build.py's with_kv_dtype)."""
     layers = None
 
     def forward(batch):
@@ -16,7 +17,7 @@ def follow(group, model, runner) -> None:
     while (message := group.receive()) != STOP:
         call, *args = message
         if call == "allocate_cache":
-            layers = runner.allocate_cache(model.cache_specs(), *args)
+            layers = runner.allocate_cache(specs, *args)
         elif call == "warm_up":
             runner.warm_up(forward, *args)
         elif call == "forward":

@@ -33,7 +33,7 @@ def start_followers(model_path: str, config: EngineConfig, size: int, address: s
 def run_follower(model_path: str, config: EngineConfig, rank: int, size: int, address: str, cache_dir: str | None
                  ) -> None:
     group = GlooGroup(Shard(rank, size), address)
-    model, runner = build_follower(load_checkpoint(Path(model_path)), config, group,
-                                   Path(cache_dir) if cache_dir else None)
-    follow(group, model, runner)
+    model, runner, specs = build_follower(load_checkpoint(Path(model_path)), config, group,
+                                          Path(cache_dir) if cache_dir else None)
+    follow(group, model, runner, specs)
     group.close()

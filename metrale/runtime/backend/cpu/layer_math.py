@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from metrale.runtime.backend.cpu import hyper, moe, sparse, ssm
+from metrale.runtime.backend.cpu.fp8_kv import kv_plane, store_kv
 from metrale.runtime.backend.cpu.quantized import QuantizedWeight
 from metrale.runtime.backend.layer_math import Experts, LatentAttention, Linear, MoeRouter, RopeTable, SsmScan, \
     hyper_boundary, rope_then_attention
@@ -104,10 +105,7 @@ class CpuLayerMath:
         cos, sin = batch.rope_at_positions(rope)
         q = _rotate(q.view(q.shape[0], -1, head_dim), cos, sin)
         k = _rotate(k.view(k.shape[0], -1, head_dim), cos, sin)
-        num_blocks, block_size = kv.shape[1], kv.shape[2]
-        flat = kv.view(2, num_blocks * block_size, *kv.shape[3:])
-        flat[0, batch.slot_mapping] = k
-        flat[1, batch.slot_mapping] = v.view(k.shape)
+        store_kv(kv, batch.slot_mapping, k, v.view(k.shape))
         return q.reshape(q.shape[0], -1)
 
     def self_attention(self, q, k, v, rope: RopeTable, batch: "CpuBatch", kv, num_kv_heads, head_dim, scale,
@@ -115,18 +113,15 @@ class CpuLayerMath:
         return rope_then_attention(self, q, k, v, rope, batch, kv, num_kv_heads, head_dim, scale, sliding_window)
 
     def write_kv(self, k, v, batch: "CpuBatch", kv):
-        num_blocks, block_size = kv.shape[1], kv.shape[2]
-        flat = kv.view(2, num_blocks * block_size, *kv.shape[3:])
-        flat[0, batch.slot_mapping] = k.view(k.shape[0], *kv.shape[3:])
-        flat[1, batch.slot_mapping] = v.view(k.shape[0], *kv.shape[3:])
+        store_kv(kv, batch.slot_mapping, k.view(k.shape[0], *kv.shape[3:]), v.view(k.shape[0], *kv.shape[3:]))
 
     def paged_attention(self, q, kv, batch: "CpuBatch", num_kv_heads, head_dim, scale, sliding_window, causal=True):
         q = self._computed(q)
         out = torch.empty_like(q)
         if batch.single_rows.numel():
             # Every one-token segment at once, over KV padded to the longest context.
-            keys = kv[0][batch.single_tables].flatten(1, 2)[:, :batch.single_context]   # [B, C, kvh, hd]
-            values = kv[1][batch.single_tables].flatten(1, 2)[:, :batch.single_context]
+            keys = kv_plane(kv, 0, batch.single_tables).flatten(1, 2)[:, :batch.single_context]   # [B, C, kvh, hd]
+            values = kv_plane(kv, 1, batch.single_tables).flatten(1, 2)[:, :batch.single_context]
             queries = q[batch.single_rows].view(len(batch.single_rows), num_kv_heads, -1, head_dim)
             allowed = batch.single_allowed(sliding_window)                              # [B, C]
             scores = torch.einsum("bkgd,bckd->bkgc", queries.float(), keys.float()) * scale
@@ -135,8 +130,8 @@ class CpuLayerMath:
             attended = torch.einsum("bkgc,bckd->bkgd", probs, values.float()).to(q.dtype)
             out[batch.single_rows] = attended.reshape(len(batch.single_rows), -1)
         for start, n, context, table in batch.multi_segments:
-            keys = kv[0, table].reshape(-1, num_kv_heads, head_dim)[:context]    # [C, kvh, hd]
-            values = kv[1, table].reshape(-1, num_kv_heads, head_dim)[:context]
+            keys = kv_plane(kv, 0, table).reshape(-1, num_kv_heads, head_dim)[:context]    # [C, kvh, hd]
+            values = kv_plane(kv, 1, table).reshape(-1, num_kv_heads, head_dim)[:context]
             queries = q[start:start + n].view(n, num_kv_heads, -1, head_dim)      # [n, kvh, g, hd]
             out[start:start + n] = _attend(queries, keys, values, scale, sliding_window, causal).reshape(n, -1)
         return out

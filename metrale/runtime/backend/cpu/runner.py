@@ -7,7 +7,8 @@ import os
 import torch
 
 from metrale.runtime.beam.candidates import HostCandidates, best_first
-from metrale.runtime.cache.specs import NoCache, PagedIndexKeys, PagedKv, PagedLatent, RecurrentState
+from metrale.runtime.backend.cpu.fp8_kv import Fp8Kv
+from metrale.runtime.cache.specs import NoCache, PagedIndexKeys, PagedKv, PagedKvFp8, PagedLatent, RecurrentState
 from metrale.runtime.sampling import SampleResult, sample
 
 
@@ -20,6 +21,7 @@ class CpuRunner:
     runs_ahead_by_default = False       # the host computes the step itself: a guess would only compete with it
     queues_work = False
     supports_beam = True
+    kv_dtypes = ("auto", "fp8")
     decode_graph_rows = 0
     prefill_graphs = False
 
@@ -44,6 +46,8 @@ class CpuRunner:
     def _layer_cache(self, spec, num_blocks: int, block_size: int, num_state_slots: int):
         if isinstance(spec, PagedKv):
             return torch.zeros((2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim), dtype=self.dtype)
+        if isinstance(spec, PagedKvFp8):
+            return Fp8Kv(spec, num_blocks, block_size)
         if isinstance(spec, (PagedLatent, PagedIndexKeys)):
             return torch.zeros((num_blocks, block_size, spec.width), dtype=self.dtype)
         if isinstance(spec, RecurrentState):
@@ -81,6 +85,9 @@ class CpuRunner:
 
     def copy_block_prefixes(self, layers: list, copies: list[tuple[int, int, int]]) -> None:
         for layer in layers:
+            if isinstance(layer, Fp8Kv):
+                for src, dst, n in copies:
+                    layer.copy_prefix(src, dst, n)
             if not isinstance(layer, torch.Tensor):      # a recurrent state, or no cache
                 continue
             for src, dst, n in copies:

@@ -30,6 +30,8 @@ class CudaRunner:
     # Each stream has its own CUDA stream and buffers; the weights are only read, and streams never share a sequence.
     concurrent_forwards = True
     supports_beam = True
+    # Its attention kernels read bf16 K/V.
+    kv_dtypes = ("auto",)
     # cuda.core's failed driver calls; the backend's own checks (device.check, cuBLASLt's status, a kernel's fault
     # flag) raise DeviceFault, which is a device fault wherever it comes from.
     device_errors = (CUDAError,)
