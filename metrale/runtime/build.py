@@ -7,7 +7,7 @@ from metrale.runtime.backend import create_backend
 from metrale.runtime.backend.layer_math import LM_HEAD_PADDING_ROWS
 from metrale.runtime.backend.runner import MemoryShapes, Runner
 from metrale.runtime.cache.manager import CacheManager, blocks_that_fit, snapshots_for, state_slots_for
-from metrale.runtime.cache.specs import PAGED, slot_bytes, with_kv_dtype
+from metrale.runtime.cache.specs import PAGED, PagedKvFp8, slot_bytes, with_kv_dtype
 from metrale.runtime.default_model import default_cache_dir
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.engine import Engine
@@ -42,6 +42,8 @@ class ModelInfo:
     has_ssm: bool = False
     # Whether prompts reuse cached blocks (--prefix-cache, where the model allows it).
     prefix_cache: bool = False
+    # The attention K/V cache's element type: dtype's, or "float8_e4m3fn" (--kv-dtype fp8).
+    kv_dtype: str = ""
 
 
 def build_engine(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path | None = None, group=None
@@ -52,7 +54,8 @@ def build_engine(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path |
     model_config, max_model_len, runner, model = _load(checkpoint, config, cache_dir, group)
     if group is not None:
         runner = LeaderRunner(runner, group)
-    cache = _allocate_cache(runner, with_kv_dtype(model.cache_specs(), config.kv_dtype), config, max_model_len,
+    specs = with_kv_dtype(model.cache_specs(), config.kv_dtype)
+    cache = _allocate_cache(runner, specs, config, max_model_len,
                             # an encoder-decoder's prompts are its sources, whose cross K/V no token prefix names
                             config.prefix_cache and not getattr(model_config, "is_encoder_decoder", False))
     engine = Engine(model, runner, cache, config, max_model_len)
@@ -66,7 +69,8 @@ def build_engine(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path |
                      tokenizer_note=checkpoint.metadata.get("tokenizer_unsupported", "the checkpoint has none"),
                      chat_template=getattr(checkpoint.tokenizer, "chat_template", None) or "",
                      hc_mult=model_config.hc_mult, is_mla=model_config.is_mla, has_ssm=model_config.has_ssm,
-                     prefix_cache=cache.prefix_cache)
+                     prefix_cache=cache.prefix_cache, kv_dtype="float8_e4m3fn" if any(
+                         isinstance(spec, PagedKvFp8) for spec in specs) else str(runner.dtype).removeprefix("torch."))
     return engine, info
 
 
@@ -85,6 +89,9 @@ def _load(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path | None, 
     if max_model_len > model_config.max_position_embeddings:
         raise InvalidArgument(f"max_model_len={max_model_len} is over the model's max_position_embeddings="
                               f"{model_config.max_position_embeddings}")
+    if config.kv_dtype == "fp8" and getattr(model_config, "is_encoder_decoder", False):
+        raise InvalidArgument(f"--kv-dtype fp8 does not run {model_config.architecture}: its encoder's attention "
+                              f"works in the decoder's cache blocks, which would round it too")
     local_config, tensors = _shard(family, model_config, checkpoint, group)
     backend = create_backend(config.device, config.dtype, cache_dir or default_cache_dir(), config.programmatic_launch,
                              config.dequantize, group)

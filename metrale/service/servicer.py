@@ -68,7 +68,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_streams=self.threads.num_streams, max_batch_tokens=c.max_batch_tokens, version=VERSION,
             live_sequences=stats.live_sequences, prefix_cache=i.prefix_cache, cached_kv_blocks=stats.cached_kv_blocks,
             max_seqs=c.max_seqs, sequence_ttl_seconds=self.sequence_ttl, chat_template=i.chat_template,
-            kv_dtype="float8_e4m3fn" if c.kv_dtype == "fp8" else i.dtype)
+            kv_dtype=i.kv_dtype)
 
     async def Prefill(self, request, context):
         return await self._forward(request, convert.step_from_prefill, request.stream)

@@ -175,6 +175,31 @@ def test_fp8_method_with_a_weight_scale_reads_as_its_dequantized_weights(tmp_pat
     assert_greedy_matches(engine, info.vocab_size, load_reference(tmp_path / "dense"), "fp8 weight_scale")
 
 
+def test_weight_only_fp8_and_kv_scales_alone_load(tmp_path):
+    """compressed-tensors writes FP8 weights without input quantization as "naive-quantized" (the same tensors),
+    and a checkpoint of KV cache scales alone as "dense" (plain weights)."""
+    directory = write_compressed("llama3_untied", tmp_path / "naive", "channel")
+    config = json.loads((directory / "config.json").read_text())
+    quantization = config["quantization_config"]
+    quantization["format"] = "naive-quantized"
+    del quantization["config_groups"]["group_0"]["input_activations"]
+    (directory / "config.json").write_text(json.dumps(config))
+    weight = load_checkpoint(directory).tensors["model.layers.0.mlp.up_proj.weight"]
+    assert isinstance(weight, Fp8Weight) and weight.block == weight.shape[1]
+    dense = write_tiny("llama3_untied", tmp_path / "dense")
+    tensors = load_file(dense / "model.safetensors")
+    tensors.update({"model.layers.0.self_attn.k_scale": torch.tensor(0.5),
+                    "model.layers.0.self_attn.v_scale": torch.tensor(0.25)})
+    save_file(tensors, dense / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dense / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "dense", "config_groups": {},
+                                     "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                         "symmetric": True, "dynamic": False}}
+    (dense / "config.json").write_text(json.dumps(config))
+    engine, _ = build_engine(load_checkpoint(dense), EngineConfig(device="cpu", kv_blocks=16, kv_dtype="fp8"))
+    assert engine.cache.layers[0].scales.flatten().tolist() == [0.5, 0.25]
+
+
 def test_an_fp8_weight_without_its_scale_is_refused(tmp_path):
     directory = write_compressed("llama_tied", tmp_path, "channel")
     tensors = load_file(directory / "model.safetensors")
@@ -261,7 +286,19 @@ FP8_GROUP = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", 
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": W4A16},
      "format 'pack-quantized' is not supported"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": W4A16},
-     "4-bit int weights are not supported"),
+     "weights of 4-bit int are not supported"),
+    ({"quant_method": "compressed-tensors", "format": "naive-quantized", "config_groups": {
+        "g": {**FP8_GROUP, "weights": {**FP8_GROUP["weights"], "type": "int"}}}}, "weights of 8-bit int"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+        "g": {**FP8_GROUP, "weights": {**FP8_GROUP["weights"], "strategy": "block"}}}}, "without a block_structure"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": FP8_GROUP},
+      "kv_cache_scheme": {"num_bits": 8, "type": "int", "strategy": "tensor"}}, "kv_cache_scheme of 8-bit int"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": ["weights"]}},
+     "group 'g' must be a JSON object"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {}},
+     "without a config group of quantized weights"),
+    ({"quant_method": "compressed-tensors", "format": "dense", "config_groups": {"g": FP8_GROUP}},
+     "format 'dense' with quantized weights"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
         "g": {**FP8_GROUP, "weights": {**FP8_GROUP["weights"], "strategy": "group"}}}}, "strategy 'group'"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {

@@ -86,11 +86,14 @@ def test_fp8_weights_give_each_stream_a_buffer_for_the_widest_input(tmp_path):
         assert _memory_shapes(c, engine, 512).fp8_width == 0
         assert _memory_shapes(c, engine, 512, widest).fp8_width == widest
     assert widest < _memory_shapes(c, engine, 512).latent_width                  # deepseek_v3's
-    # A checkpoint's own FP8 weights (write_fp8's: the projections' weights) count, and nothing else.
-    held = load_checkpoint(write_fp8("deepseek_v3", tmp_path / "held")).tensors
-    fp8_keys = [key for key in held if key.endswith("proj.weight") or "proj_with_mqa" in key]
+    # A checkpoint's own FP8 weights count where a GPU keeps them in FP8 (one scale a row), and nothing else: block
+    # scales upload dequantized, so they need no buffer.
+    held = load_checkpoint(write_compressed("deepseek_v3", tmp_path / "held", "channel")).tensors
+    fp8_keys = [key for key in held if key.endswith("proj.weight")]              # write_compressed's rule
     assert all(held.holds_fp8(key) == (key in fp8_keys) for key in held)
     assert widest_fp8_input(held, quantize=False) == max(shape_of(held, key)[1] for key in fp8_keys)
+    blocks = load_checkpoint(write_fp8("deepseek_v3", tmp_path / "blocks")).tensors
+    assert widest_fp8_input(blocks, quantize=False) == 0
 
 
 class Unread(Mapping):

@@ -24,7 +24,7 @@ from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.loading import load_checkpoint
 from engine_runs import greedy_logits
 from test_fp8_checkpoint import assert_greedy_matches
-from tiny_models import write_tiny
+from tiny_models import write_tiny, write_tiny_m2m100
 
 E4M3_MAX = 448.0
 # The reference's K and V scales by layer: [2, kv_heads] (K's, V's); set by each test before its forward.
@@ -124,21 +124,50 @@ def test_beam_and_fork_copies_carry_fp8_blocks():
     assert torch.equal(layers[0].values[:, 2, 3].float(), torch.zeros(2, 2, 4))
 
 
+def with_scales(name: str, directory, scales: dict) -> None:
+    """The tiny checkpoint `name` written to directory with layer 0's attention holding `scales` (name -> tensor)."""
+    write_tiny(name, directory)
+    tensors = load_file(directory / "model.safetensors")
+    tensors.update({f"model.layers.0.self_attn.{key}": t for key, t in scales.items()})
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+
+
 @pytest.mark.parametrize("scales, message", [
-    ({"k_scale": torch.tensor([1.0, 2.0, 3.0])}, "but no 'model.layers.0.self_attn.v_scale'"),
-    ({"k_scale": torch.tensor([1.0, 2.0, 3.0]), "v_scale": torch.tensor(1.0)}, "one per KV head"),
+    ({"k_scale": torch.tensor([1.0, 2.0, 3.0])}, "layer 0 has a K or V scale but no v_scale"),
+    ({"k_scale": torch.tensor([1.0, 2.0, 3.0]), "v_scale": torch.tensor(1.0)}, "one per KV head \\(2 here\\)"),
     ({"k_scale": torch.tensor(0.0), "v_scale": torch.tensor(1.0)}, "one positive scale"),
 ])
-def test_bad_kv_scales_are_refused_at_load(scales, message, tmp_path):
-    directory = write_tiny("qwen2", tmp_path)                               # 2 KV heads
-    tensors = load_file(directory / "model.safetensors")
-    tensors.update({f"model.layers.0.self_attn.{name}": t for name, t in scales.items()})
-    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+def test_bad_kv_scales_are_refused_for_an_fp8_cache_only(scales, message, tmp_path):
+    with_scales("qwen2", tmp_path, scales)                                  # 2 KV heads
+    with pytest.raises(InvalidArgument, match=message):
+        build_engine(load_checkpoint(tmp_path), EngineConfig(device="cpu", kv_blocks=16, kv_dtype="fp8"))
+    build_engine(load_checkpoint(tmp_path), EngineConfig(device="cpu", kv_blocks=16))     # unused: not checked
+
+
+def test_older_kv_scale_names_are_read(tmp_path):
+    """AutoFP8's k_proj.k_scale and llm-compressor's older k_proj.output_scale (and their V twins)."""
+    with_scales("qwen2", tmp_path, {"k_proj.k_scale": torch.tensor(0.5), "v_proj.output_scale": torch.tensor([0.25])})
+    engine, _ = build_engine(load_checkpoint(tmp_path), EngineConfig(device="cpu", kv_blocks=16, kv_dtype="fp8"))
+    assert engine.cache.layers[0].scales.squeeze(-1).tolist() == [[0.5, 0.5], [0.25, 0.25]]
+    assert engine.cache.layers[1].scales.squeeze(-1).tolist() == [[1.0, 1.0], [1.0, 1.0]]
+
+
+@pytest.mark.parametrize("name, message", [("deepseek_v3", "this model caches none"),
+                                           ("m2m100", "encoder's attention")])
+def test_models_without_an_fp8_cache_refuse_it(name, message, tmp_path):
+    """Latent attention caches no K and V; an encoder-decoder's encoder works in the decoder's cache blocks."""
+    directory = write_tiny_m2m100(tmp_path) if name == "m2m100" else write_tiny(name, tmp_path)
     with pytest.raises(InvalidArgument, match=message):
         build_engine(load_checkpoint(directory), EngineConfig(device="cpu", kv_blocks=16, kv_dtype="fp8"))
 
 
-def test_the_backends_say_which_kv_dtypes_they_run():
-    assert "fp8" in CpuRunner.kv_dtypes and CudaRunner.kv_dtypes == ("auto",)
+def test_a_backend_that_cannot_read_an_fp8_cache_refuses_it_at_start(tmp_path, monkeypatch):
+    """As the CUDA backend does (its attention kernels read bf16 K/V), before any weight is uploaded."""
+    assert CudaRunner.kv_dtypes == ("auto",)
+    monkeypatch.setattr(CpuRunner, "kv_dtypes", ("auto",))
+    monkeypatch.setattr(CpuRunner, "plan", lambda *args: pytest.fail("planned"))
+    with pytest.raises(InvalidArgument, match="--kv-dtype fp8 does not run on the cpu backend \\(it runs auto\\)"):
+        build_engine(load_checkpoint(write_tiny("qwen2", tmp_path)),
+                     EngineConfig(device="cpu", kv_blocks=16, kv_dtype="fp8"))
     with pytest.raises(InvalidArgument, match="kv_dtype"):
         EngineConfig(kv_dtype="int8")

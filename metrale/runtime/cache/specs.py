@@ -18,11 +18,8 @@ class PagedKv:
     # for an FP8 cache (PagedKvFp8); None: none given.
     scales: tuple[tuple[float, ...], tuple[float, ...]] | None = None
 
-    def elements_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim
-
     def bytes_per_token(self, itemsize: int) -> int:
-        return itemsize * self.elements_per_token()
+        return 2 * self.num_kv_heads * self.head_dim * itemsize
 
 
 @dataclass(frozen=True)
@@ -34,11 +31,8 @@ class PagedKvFp8:
     head_dim: int
     scales: tuple[tuple[float, ...], tuple[float, ...]]
 
-    def elements_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim
-
     def bytes_per_token(self, itemsize: int) -> int:
-        return self.elements_per_token()           # a byte each, whatever the model's dtype
+        return 2 * self.num_kv_heads * self.head_dim           # a byte a value, whatever the model's dtype
 
 
 @dataclass(frozen=True)
@@ -46,9 +40,6 @@ class PagedLatent:
     """One vector of `width` values per token (multi-head latent attention's compressed KV and its rotary part),
     in blocks of the shared pool: a layer tensor [blocks, block_size, width] in the backend's dtype."""
     width: int
-
-    def elements_per_token(self) -> int:
-        return self.width
 
     def bytes_per_token(self, itemsize: int) -> int:
         return itemsize * self.width
@@ -60,9 +51,6 @@ class PagedIndexKeys:
     indexer scores its queries against), in blocks of the shared pool beside the latents: a tensor [blocks,
     block_size, width] in the backend's dtype."""
     width: int
-
-    def elements_per_token(self) -> int:
-        return self.width
 
     def bytes_per_token(self, itemsize: int) -> int:
         return itemsize * self.width
@@ -87,7 +75,6 @@ class NoCache:
 LayerCache = PagedKv | PagedKvFp8 | PagedLatent | PagedIndexKeys | RecurrentState | NoCache
 PAGED = (PagedKv, PagedKvFp8, PagedLatent, PagedIndexKeys)
 KV_DTYPES = ("auto", "fp8")
-E4M3_MAX = 448.0
 # A recurrent state is kept in float32 whatever the backend's dtype: it accumulates over every token.
 STATE_ITEMSIZE = 4
 
@@ -99,13 +86,32 @@ def block_bytes(specs: tuple[LayerCache, ...], block_size: int, itemsize: int) -
 
 def with_kv_dtype(specs: tuple[LayerCache, ...], kv_dtype: str) -> tuple[LayerCache, ...]:
     """The model's specs with its attention K/V in kv_dtype: "auto" keeps the model's dtype, "fp8" makes each
-    PagedKv a PagedKvFp8 with the checkpoint's scales, or 1 for every head where it gives none."""
+    PagedKv a PagedKvFp8 with the checkpoint's scales (one for all heads spread to each), or 1 for every head where
+    it gives none. InvalidArgument for fp8 where no layer caches K and V, or for scales that do not fit the heads."""
     if kv_dtype not in KV_DTYPES:
         raise InvalidArgument(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
     if kv_dtype == "auto":
         return specs
-    return tuple(PagedKvFp8(spec.num_kv_heads, spec.head_dim, spec.scales or ((1.0,) * spec.num_kv_heads,) * 2)
-                 if isinstance(spec, PagedKv) else spec for spec in specs)
+    if not any(isinstance(spec, PagedKv) for spec in specs):
+        raise InvalidArgument("--kv-dtype fp8 caches attention K and V in FP8, and this model caches none (its "
+                              "latent or state caches stay in the model's dtype)")
+    return tuple(PagedKvFp8(spec.num_kv_heads, spec.head_dim, _head_scales(spec, layer))
+                 if isinstance(spec, PagedKv) else spec for layer, spec in enumerate(specs))
+
+
+def _head_scales(spec: PagedKv, layer: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    if spec.scales is None:
+        return ((1.0,) * spec.num_kv_heads,) * 2
+    names = ("k_scale", "v_scale")
+    if missing := [name for name, scales in zip(names, spec.scales) if not scales]:
+        raise InvalidArgument(f"layer {layer} has a K or V scale but no {missing[0]}")
+    heads = []
+    for name, scales in zip(names, spec.scales):
+        if len(scales) not in (1, spec.num_kv_heads) or not all(0 < s < math.inf for s in scales):
+            raise InvalidArgument(f"layer {layer}'s {name} must be one positive scale or one per KV head "
+                                  f"({spec.num_kv_heads} here), not {list(scales)}")
+        heads.append(tuple(scales) * (spec.num_kv_heads // len(scales)))
+    return heads[0], heads[1]
 
 
 def slot_bytes(specs: tuple[LayerCache, ...]) -> int:

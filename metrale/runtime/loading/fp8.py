@@ -12,7 +12,7 @@ import torch
 from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.loading.checkpoint import shape_of
 from metrale.runtime.loading.deferred_weight import DeferredWeight
-from metrale.runtime.loading.fp8_schemes import ASIDE, WEIGHT_SCALES, fp8_scheme
+from metrale.runtime.loading.fp8_schemes import ASIDE, WEIGHT_SCALES, Fp8Scheme, fp8_scheme
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -20,7 +20,7 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 def dequantized(tensors: Mapping[str, torch.Tensor], quantization: dict) -> Mapping[str, torch.Tensor]:
     """The checkpoint's tensors with its FP8 weights as Fp8Weights, for a quantization_config (InvalidArgument where
     the scheme is not FP8 weights with their scales)."""
-    return Fp8Tensors(tensors, fp8_scheme(quantization).block)
+    return Fp8Tensors(tensors, fp8_scheme(quantization))
 
 
 class TensorsAsRead(Mapping):
@@ -64,8 +64,8 @@ class Fp8Tensors(TensorsAsRead):
     """Each float8 weight with its scale (weight_scale_inv or weight_scale) as an Fp8Weight, dequantized where it is
     not 2-D; the weights' scales and the static input scales (which no backend takes) hidden."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], block: tuple[int, int] | None):
-        self.block = block
+    def __init__(self, tensors: Mapping[str, torch.Tensor], scheme: Fp8Scheme):
+        self.scheme, self.block = scheme, scheme.block
         super().__init__(tensors)
 
     def kept(self, name: str) -> bool:
@@ -76,7 +76,12 @@ class Fp8Tensors(TensorsAsRead):
         return next((name + s for s in WEIGHT_SCALES if name + s in self.tensors), None)
 
     def holds_fp8(self, name: str) -> bool:
-        return self.scale_name(name) is not None and len(self.shape(name)) == 2
+        """A 2-D e4m3 weight with one scale or one a row (by the headers): what a Hopper GPU keeps in FP8."""
+        scale, shape = self.scale_name(name), self.shape(name)
+        if scale is None or len(shape) != 2 or self.scheme.fmt != "e4m3":
+            return False
+        scale_shape = self.shape(scale)
+        return math.prod(scale_shape) == 1 or (self.block is None and scale_shape in ((shape[0],), (shape[0], 1)))
 
     def read(self, name: str, tensor: torch.Tensor):
         if tensor.dtype not in FP8_DTYPES:
@@ -95,6 +100,11 @@ class Fp8Tensors(TensorsAsRead):
 # routers (".gate.weight": their choice is a ranking of close scores), the indexer's head weights (taken in float32).
 NOT_LINEAR = ("embed", "lm_head", "norm", ".gate.weight", "router", "weights_proj", "model.shared.weight")
 E4M3_MAX = 448.0
+
+
+def to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """x (already over its scale) rounded to nearest e4m3, ties to even, saturated at +-E4M3_MAX."""
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 class QuantizedTensors(TensorsAsRead):
@@ -138,7 +148,7 @@ def quantize_rows(weight: torch.Tensor) -> "Fp8Weight":
     values = weight.float()
     scale = values.abs().amax(dim=1, keepdim=True) / E4M3_MAX
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return Fp8Weight((values / scale).to(torch.float8_e4m3fn), scale, weight.shape[1])
+    return Fp8Weight(to_e4m3(values / scale), scale, weight.shape[1])
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
@@ -222,7 +232,7 @@ def _check_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, i
     """scale: one a block of weight's."""
     if block is None or weight.dim() != 2:
         raise InvalidArgument(f"a {tuple(weight.shape)} fp8 weight with {tuple(scale.shape)} scales: not one, one a "
-                              f"row, nor one a block of a weight_block_size")
+                              f"row, nor one a block (the config gives no block size)")
     rows, cols = weight.shape
     expected = (-(-rows // block[0]), -(-cols // block[1]))
     if tuple(scale.shape) != expected:

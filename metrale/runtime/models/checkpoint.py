@@ -59,21 +59,18 @@ class Renamed(Mapping):
         return len(self.names)
 
 
-def kv_scales(tensors, prefix: str, num_kv_heads: int) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
-    """An attention layer's FP8 KV cache scales as the checkpoint gives them (a kv_cache_scheme's prefix + "k_scale"
-    and "v_scale": one for every head, or one a KV head), each K or V value over its head's; None where it has
-    none (cache/specs.py's PagedKvFp8 then takes 1)."""
-    names = (prefix + "k_scale", prefix + "v_scale")
-    if not any(name in tensors for name in names):
+def kv_scales(tensors, prefix: str) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """An attention layer's FP8 KV cache scales as the checkpoint gives them (a kv_cache_scheme's: prefix
+    "k_scale" and "v_scale", or the older k_proj.k_scale / k_proj.output_scale and their v_proj twins), each K or V
+    value over its head's: the values as they are, one for every head or one a head (cache/specs.py's
+    with_kv_dtype checks them, for an FP8 cache only); () for one the checkpoint lacks; None where it has neither."""
+    found = [next((tensors[prefix + name] for name in names if prefix + name in tensors), None)
+             for names in KV_SCALE_NAMES]
+    if found == [None, None]:
         return None
-    if missing := [name for name in names if name not in tensors]:
-        raise InvalidArgument(f"the checkpoint has {' and '.join(n for n in names if n in tensors)} but no "
-                              f"{missing[0]!r}")
-    scales = []
-    for name in names:
-        values = tensors[name].float().flatten()
-        if values.numel() not in (1, num_kv_heads) or not bool(torch.isfinite(values).all() and (values > 0).all()):
-            raise InvalidArgument(f"{name} must be one positive scale or one per KV head ({num_kv_heads}), not "
-                                  f"{values.tolist()}")
-        scales.append(tuple(values.expand(num_kv_heads).tolist()))
-    return scales[0], scales[1]
+    return tuple(() if t is None else tuple(t.float().flatten().tolist()) for t in found)
+
+
+# A layer's K and V scale names (after its attention's prefix), the kv_cache_scheme's first.
+KV_SCALE_NAMES = (("k_scale", "k_proj.k_scale", "k_proj.output_scale"),
+                  ("v_scale", "v_proj.v_scale", "v_proj.output_scale"))

@@ -97,8 +97,7 @@ class LlamaForCausalLM:
         self.config = config
         self.math = math
         self.weights = _load_weights(config, tensors, math)
-        self.kv_scales = [kv_scales(tensors, f"model.layers.{i}.self_attn.", config.num_kv_heads)
-                          for i in range(config.num_layers)]
+        self.kv_scales = [kv_scales(tensors, f"model.layers.{i}.self_attn.") for i in range(config.num_layers)]
         cos, sin = rope_cos_sin(inverse_frequencies(config.rope, config.head_dim), max_model_len)
         self.rope = RopeTable(math.upload_float32(cos), math.upload_float32(sin))
         self.scale = config.head_dim ** -0.5

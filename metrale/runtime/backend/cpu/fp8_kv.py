@@ -3,11 +3,13 @@ layer: store a step's K and V at their slots, read the K or V planes of some blo
 
 import torch
 
-from metrale.runtime.cache.specs import E4M3_MAX, PagedKvFp8
+from metrale.runtime.cache.specs import PagedKvFp8
+from metrale.runtime.loading.fp8 import to_e4m3
 
 
 class Fp8Kv:
-    """values float8_e4m3fn [2, blocks, block_size, kv_heads, head_dim]; scales float32 [2, kv_heads, 1] (K's, V's)."""
+    """values float8_e4m3fn [2, blocks, block_size, kv_heads, head_dim]; scales float32 [2, kv_heads, 1] (K's, V's:
+    the spec's, shaped to divide a [..., kv_heads, head_dim] tensor)."""
 
     def __init__(self, spec: PagedKvFp8, num_blocks: int, block_size: int):
         self.values = torch.zeros((2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim),
@@ -18,13 +20,10 @@ class Fp8Kv:
     def shape(self) -> torch.Size:
         return self.values.shape
 
-    def copy_prefix(self, src: int, dst: int, count: int) -> None:
-        self.values[:, dst, :count] = self.values[:, src, :count]
-
 
 def quantized(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [..., kv_heads, head_dim] over its heads' scales [kv_heads, 1], rounded to nearest e4m3, saturated."""
-    return (x.float() / scales).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return to_e4m3(x.float() / scales)
 
 
 def store_kv(kv, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

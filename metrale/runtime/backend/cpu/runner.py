@@ -86,8 +86,7 @@ class CpuRunner:
     def copy_block_prefixes(self, layers: list, copies: list[tuple[int, int, int]]) -> None:
         for layer in layers:
             if isinstance(layer, Fp8Kv):
-                for src, dst, n in copies:
-                    layer.copy_prefix(src, dst, n)
+                layer = layer.values
             if not isinstance(layer, torch.Tensor):      # a recurrent state, or no cache
                 continue
             for src, dst, n in copies:
