@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from metrale.runtime.backend.layer_math import Experts, LayerMath, RopeTable
+from metrale.runtime.backend.layer_math import LayerMath, RopeTable
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.cache.specs import PagedKv
 from metrale.runtime.errors import InvalidArgument

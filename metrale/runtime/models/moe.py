@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from metrale.runtime.backend.layer_math import Experts, LayerMath, MoeRouter
+from metrale.runtime.backend.layer_math import LayerMath, MoeRouter
 from metrale.runtime.errors import InvalidArgument
 
 
