@@ -23,7 +23,8 @@
 //   mma 1: a = {w_low.z, w_high.z, w_low.w, w_high.w}, b = {x_g.z, x_g.w}   (elements 4..7)
 // A warp step is 4 chunks (c = 4 step + t, 32 k) of 16 weight rows: each weight load instruction reads 64
 // contiguous bytes of 8 rows. An FP8 weight's step is 8 chunks (64 k): lane t loads chunks 8 step + 2t and 2t + 1
-// in one 16-byte load, and feeds each chunk's two mmas as above. Tokens 8..15 (M > 8) are a second B tile, x rows g + 8, into a second accumulator.
+// in one 16-byte load, and feeds each chunk's two mmas as above. Tokens 8..15 (M > 8) are a second B tile, x rows
+// g + 8, into a second accumulator.
 //
 // Work split: a CTA of 8 warps owns 16 weight rows; its warps split the row's steps into 8 contiguous ranges
 // (splitting K, so that a small N still gives many warps: N = 4096 is 256 CTAs), sum their 16 x M partial

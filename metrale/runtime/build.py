@@ -7,7 +7,7 @@ from metrale.runtime.backend import create_backend
 from metrale.runtime.backend.layer_math import LM_HEAD_PADDING_ROWS
 from metrale.runtime.backend.runner import MemoryShapes, Runner
 from metrale.runtime.cache.manager import CacheManager, blocks_that_fit, snapshots_for, state_slots_for
-from metrale.runtime.cache.specs import PAGED, PagedKvFp8, slot_bytes, with_kv_dtype
+from metrale.runtime.cache.specs import PAGED, slot_bytes, with_kv_dtype
 from metrale.runtime.default_model import default_cache_dir
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.engine import Engine
@@ -62,15 +62,17 @@ def build_engine(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path |
     runner.warm_up(engine.forwards.forward, config.cuda_graph_batch_sizes, max_model_len, engine.limits.max_source_len)
     tokenizer = checkpoint.tokenizer
     eos = model_config.eos_token_ids or tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
-    info = ModelInfo(model_id=checkpoint.source, architecture=model_config.architecture,
-                     dtype=str(runner.dtype).removeprefix("torch."), device=runner.device,
+    dtype = str(runner.dtype).removeprefix("torch.")
+    info = ModelInfo(model_id=checkpoint.source, architecture=model_config.architecture, dtype=dtype,
+                     device=runner.device,
                      vocab_size=model_config.vocab_size, max_model_len=max_model_len, eos_token_ids=eos,
                      bos_token_id=model_config.bos_token_id, pad_token_id=model_config.pad_token_id,
                      tokenizer_note=checkpoint.metadata.get("tokenizer_unsupported", "the checkpoint has none"),
                      chat_template=getattr(checkpoint.tokenizer, "chat_template", None) or "",
                      hc_mult=model_config.hc_mult, is_mla=model_config.is_mla, has_ssm=model_config.has_ssm,
-                     prefix_cache=cache.prefix_cache, kv_dtype="float8_e4m3fn" if any(
-                         isinstance(spec, PagedKvFp8) for spec in specs) else str(runner.dtype).removeprefix("torch."))
+                     prefix_cache=cache.prefix_cache,
+                     # with_kv_dtype made every K/V layer FP8 or refused the model
+                     kv_dtype="float8_e4m3fn" if config.kv_dtype == "fp8" else dtype)
     return engine, info
 
 
@@ -128,7 +130,7 @@ def _weight_bytes(names, numel, c, max_model_len: int, model_class: type) -> int
 
 def _memory_shapes(c, config: EngineConfig, max_model_len: int, fp8_width: int = 0) -> MemoryShapes:
     """fp8_width: the widest input of a linear whose weight may be FP8 (0: none is)."""
-    shapes = MemoryShapes(
+    return MemoryShapes(
         hidden=c.hidden_size, q_size=c.num_heads * c.head_dim, kv_size=c.num_kv_heads * c.head_dim,
         intermediate=c.intermediate_size, vocab=c.vocab_size, max_batch_tokens=config.max_batch_tokens,
         max_seqs=config.max_seqs, max_blocks_per_seq=blocks_for(max_model_len, config.kv_block_size),
@@ -137,7 +139,6 @@ def _memory_shapes(c, config: EngineConfig, max_model_len: int, fp8_width: int =
         ssm_chunk_size=c.mixer.chunk_size if getattr(c, "mixer", None) else 0,
         moe_width=c.moe.activation_width(c.hidden_size) if getattr(c, "moe", None) else 0,
         fp8_width=fp8_width, **_latent_shapes(c))
-    return shapes
 
 
 def _latent_shapes(c) -> dict:

@@ -171,3 +171,10 @@ def test_a_backend_that_cannot_read_an_fp8_cache_refuses_it_at_start(tmp_path, m
                      EngineConfig(device="cpu", kv_blocks=16, kv_dtype="fp8"))
     with pytest.raises(InvalidArgument, match="kv_dtype"):
         EngineConfig(kv_dtype="int8")
+
+
+@pytest.mark.gpu
+def test_the_cuda_backend_refuses_an_fp8_cache_at_start(tmp_path):
+    with pytest.raises(InvalidArgument, match="--kv-dtype fp8 does not run on the cuda backend \\(it runs auto\\)"):
+        build_engine(load_checkpoint(write_tiny("qwen2", tmp_path)),
+                     EngineConfig(device="cuda", kv_blocks=16, kv_dtype="fp8"))

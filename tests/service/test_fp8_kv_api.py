@@ -1,13 +1,9 @@
 """A CPU worker with --kv-dtype fp8 through gRPC: Info says so and counts the blocks its memory holds; prompts
-and decode steps run, chunked or whole alike; the CUDA backend refuses the flag at start, by name."""
-
-import pytest
+and decode steps run, chunked or whole alike (the CUDA backend's refusal: tests/runtime/test_fp8_kv_cache.py)."""
 
 from metrale.runtime.config import EngineConfig
-from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.loading import load_checkpoint
 from metrale.service.config import WorkerConfig
-from metrale.service.server import WorkerServer
 from metrale.v1 import worker_pb2 as pb
 from service_harness import serve_checkpoint
 
@@ -33,12 +29,3 @@ def test_a_worker_with_an_fp8_kv_cache(tiny_model_dir):
     finally:
         worker.stop()
 
-
-def test_the_cuda_backend_refuses_an_fp8_kv_cache(tiny_model_dir):
-    pytest.importorskip("cuda.bindings")
-    from metrale.runtime.backend import cuda_available
-    if not cuda_available():
-        pytest.skip("needs a CUDA device")
-    config = WorkerConfig(host="127.0.0.1", port=0, engine=EngineConfig(device="cuda", kv_blocks=32, kv_dtype="fp8"))
-    with pytest.raises(InvalidArgument, match="--kv-dtype fp8 does not run on the cuda backend"):
-        WorkerServer.from_checkpoint(load_checkpoint(tiny_model_dir), config)

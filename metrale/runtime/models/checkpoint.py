@@ -66,7 +66,7 @@ def kv_scales(tensors, prefix: str) -> tuple[tuple[float, ...], tuple[float, ...
     with_kv_dtype checks them, for an FP8 cache only); () for one the checkpoint lacks; None where it has neither."""
     found = [next((tensors[prefix + name] for name in names if prefix + name in tensors), None)
              for names in KV_SCALE_NAMES]
-    if found == [None, None]:
+    if all(t is None for t in found):
         return None
     return tuple(() if t is None else tuple(t.float().flatten().tolist()) for t in found)
 

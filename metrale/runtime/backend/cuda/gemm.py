@@ -138,7 +138,7 @@ class CublasLt:
         workspace = self._workspace_of(workspace)
         matmul = self._matmuls.get(key) or self._first_matmul(key, stream, weight.data, lambda data: self.fp8_linear(
             stream, out, x, x_scales, replace(weight, data=data), bias, workspace, relu))
-        pointers = ((A_SCALE, weight.scales.ptr), (B_SCALE, x_scales.ptr)) + (((BIAS, bias.ptr),) if bias else ())
+        pointers = ((A_SCALE, weight.scales.ptr), (B_SCALE, x_scales.ptr)) + (((BIAS, bias.ptr),) if bias is not None else ())
         try:
             self._enqueue_pointing(stream, matmul, pointers, out, x, weight.data, workspace)
         except self._lt.cuBLASLtError as error:
