@@ -107,7 +107,8 @@ for part in "${@:-tests}"; do
         || summary+=("kernels: FAILED (see gemm_algos.txt)")
       summary+=("== gemm algos" "$(grep -v '^# gpu' "$OUT/gemm_algos.txt")") ;;
     fp8)
-      run_pytest fp8 -m gpu -s tests/runtime/cuda/test_fp8_linear.py tests/runtime/cuda/test_fp8_models.py
+      run_pytest fp8 -m gpu -s tests/runtime/cuda/test_fp8_linear.py tests/runtime/cuda/test_fp8_models.py \
+        tests/runtime/cuda/test_fp8_kv_kernels.py tests/runtime/cuda/test_fp8_kv_models.py
       summary+=("$(grep -E 'largest relative error' "$OUT/fp8.log")")
       python3 -m bench.gpu_fp8_gemm > "$OUT/fp8_gemm.txt" 2>&1 || summary+=("fp8: FAILED (see fp8_gemm.txt)")
       summary+=("== fp8 gemm" "$(grep -v '^# gpu' "$OUT/fp8_gemm.txt")")

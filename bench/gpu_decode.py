@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--engine-config: EngineConfig has no field(s) {sorted(set(extra) - known)}")
     # --quantize fp8: the floor reads the FP8 weights, prefill is held to the FP8 GEMM rate; the peer stays bf16.
     fp8 = extra.get("quantize") == "fp8"
+    kv_itemsize = 1 if extra.get("kv_dtype") == "fp8" else 2     # --kv-dtype fp8: the floor reads e4m3 K and V
     run = Run(args.time_budget, device)
     result = {"args": vars(args), "shape": dataclasses.asdict(shape), "phases": run.phases, "errors": run.errors}
 
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
     if device == "cuda":
         torch.cuda.empty_cache()
     result["copy_bandwidth_bytes_per_s"], result["gemm_flops_per_s"] = bandwidth, gemm
-    weights, kv_token = decode_weight_bytes(shape, fp8), kv_bytes_per_token(shape)
+    weights, kv_token = decode_weight_bytes(shape, fp8), kv_bytes_per_token(shape, kv_itemsize)
     log(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write, median of 10 copies of {args.copy_mb} MB); "
         f"{gemm_name} {gemm / 1e12:.1f} TFLOP/s ({args.gemm_size}^3, median of 20)")
     log(f"{args.shape}: weights read per decode step {weights / 1e9:.3f} GB, KV {kv_token / 1e3:.1f} kB/token")
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
     mean_context = args.context + args.warmup + (args.steps + 1) / 2      # KV read per sequence, timed steps
     peer_failed = ""
     for batch in batches:
-        floor_ms = decode_step_bytes(shape, batch, mean_context, fp8) / bandwidth * 1e3
+        floor_ms = decode_step_bytes(shape, batch, mean_context, fp8, kv_itemsize) / bandwidth * 1e3
         prompts = random_tokens(batch, args.context, shape.vocab, args.seed + 3)
         if ours:
             decode_rows.append(decode_engine_row(run, args, ours, batch, prompts, floor_ms))

@@ -182,8 +182,9 @@ def decode_weight_bytes(shape: Shape, fp8: bool = False) -> int:
     return shape.layers * per_layer + 2 * (shape.hidden + shape.vocab * shape.hidden)
 
 
-def kv_bytes_per_token(shape: Shape) -> int:
-    return 2 * shape.layers * 2 * shape.kv_heads * shape.head_dim   # K and V, bf16, every layer
+def kv_bytes_per_token(shape: Shape, itemsize: int = 2) -> int:
+    """K and V of every layer, bf16 (itemsize 1: --kv-dtype fp8's e4m3)."""
+    return itemsize * shape.layers * 2 * shape.kv_heads * shape.head_dim
 
 
 def prefill_flops(shape: Shape, num_seqs: int, seq_len: int) -> float:
@@ -232,11 +233,12 @@ def hybrid_prefill_flops(shape: HybridShape, num_seqs: int, seq_len: int) -> flo
     return float(2 * matrices * tokens + 2 * shape.vocab * shape.hidden * num_seqs + attention + scan)
 
 
-def decode_step_bytes(shape: "Shape | HybridShape", batch: int, context: float, fp8: bool = False) -> float:
+def decode_step_bytes(shape: "Shape | HybridShape", batch: int, context: float, fp8: bool = False,
+                      kv_itemsize: int = 2) -> float:
     """What a decode step of `batch` sequences holding `context` tokens must move at the least (the floor's bytes):
-    the weights read (fp8: decode_weight_bytes'), each sequence's KV read and, in a hybrid, each sequence's SSM state
-    read and written."""
+    the weights read (fp8: decode_weight_bytes'), each sequence's KV read (kv_itemsize bytes a value) and, in a
+    hybrid, each sequence's SSM state read and written."""
     if isinstance(shape, HybridShape):
         return hybrid_decode_weight_bytes(shape) + batch * (context * hybrid_kv_bytes_per_token(shape)
                                                             + 2 * hybrid_state_bytes(shape))
-    return decode_weight_bytes(shape, fp8) + batch * context * kv_bytes_per_token(shape)
+    return decode_weight_bytes(shape, fp8) + batch * context * kv_bytes_per_token(shape, kv_itemsize)

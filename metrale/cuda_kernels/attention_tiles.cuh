@@ -4,7 +4,10 @@
 //
 // q [T, num_heads * head_dim] bf16, row stride q_stride (elements; q may be a column slice of qkv).
 // kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] bf16, contiguous; plane 0 = K, 1 = V;
-//   plane_elems = num_blocks * block_size * num_kv_heads * head_dim. Token k of a sequence lives in block
+//   plane_elems = num_blocks * block_size * num_kv_heads * head_dim. An FP8 cache (the kernels' _fp8 entries)
+//   holds e4m3 values in the same layout, a byte each, with a scale a kv head for K and for V (kv_scales
+//   [2, num_kv_heads] float32): its tiles widen to bf16 exactly in shared memory, K's scale multiplies
+//   scale_log2 and V's the output, so the fragments and the softmax below are the bf16 cache's. Token k of a sequence lives in block
 //   block_table[k / block_size], row k % block_size. block_size is a power of two dividing KV_TILE.
 // block_tables [S, max_blocks] int32; out [T, num_heads * head_dim] bf16, row stride out_stride.
 // Query head h attends with kv head h / group_size. The queries of a segment are the last positions of its
@@ -79,6 +82,64 @@ __device__ __forceinline__ void load_kv_tile(bf16* tile, const bf16* plane, cons
         }
         copy_async_16(tile + row * T::STRIDE + column, source, valid);
     }
+}
+
+// An FP8 cache's tile: the keys' e4m3 rows land dense ([KV_TILE][HEAD_DIM] bytes) at the start of the bf16 tile's
+// buffer, then widen_kv_tile turns them into the bf16 tile in place. Arguments as load_kv_tile's, in bytes.
+template <int HEAD_DIM>
+struct Fp8Tile {
+    static constexpr int CHUNKS = HEAD_DIM / 16;                 // 16-byte chunks per row
+    static constexpr int PER_THREAD = KV_TILE * CHUNKS / THREADS;
+    static_assert(HEAD_DIM % 16 == 0 && (KV_TILE * CHUNKS) % THREADS == 0, "an FP8 tile is whole chunks a thread");
+};
+
+template <int HEAD_DIM>
+__device__ __forceinline__ void load_fp8_kv_tile(bf16* tile, const unsigned char* plane, const int* block_table,
+                                                 int block_shift, int token_stride, int tile_start, int lo, int hi) {
+    using F = Fp8Tile<HEAD_DIM>;
+    unsigned char* bytes = reinterpret_cast<unsigned char*>(tile);
+#pragma unroll
+    for (int i = 0; i < F::PER_THREAD; ++i) {
+        const int chunk = threadIdx.x + i * THREADS;
+        const int row = chunk / F::CHUNKS, column = (chunk % F::CHUNKS) * 16;
+        const int key = tile_start + row;
+        const bool valid = key >= lo && key < hi;
+        const unsigned char* source = plane;
+        if (valid) {
+            const long long slot = ((long long)block_table[key >> block_shift] << block_shift) +
+                                   (key & ((1 << block_shift) - 1));
+            source = plane + slot * token_stride + column;
+        }
+        copy_async_16(bytes + row * HEAD_DIM + column, source, valid);
+    }
+}
+
+// The landed e4m3 rows of a tile (all copies waited for and visible) -> the bf16 tile, in place: every thread
+// takes its chunks into registers, all wait, then each writes its chunks widened. Two barriers; every thread
+// of the CTA calls it.
+template <int HEAD_DIM>
+__device__ __forceinline__ void widen_kv_tile(bf16* tile) {
+    using F = Fp8Tile<HEAD_DIM>;
+    uint4 raw[F::PER_THREAD];
+#pragma unroll
+    for (int i = 0; i < F::PER_THREAD; ++i) raw[i] = reinterpret_cast<const uint4*>(tile)[threadIdx.x + i * THREADS];
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < F::PER_THREAD; ++i) {
+        const int chunk = threadIdx.x + i * THREADS;
+        const int row = chunk / F::CHUNKS, column = (chunk % F::CHUNKS) * 16;
+        const unsigned words[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
+        unsigned wide[8];
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            wide[2 * w] = e4m3x2_to_bf16x2(words[w] & 0xffffu);
+            wide[2 * w + 1] = e4m3x2_to_bf16x2(words[w] >> 16);
+        }
+        uint4* destination = reinterpret_cast<uint4*>(tile + row * Tile<HEAD_DIM>::STRIDE + column);
+        destination[0] = make_uint4(wide[0], wide[1], wide[2], wide[3]);
+        destination[1] = make_uint4(wide[4], wide[5], wide[6], wide[7]);
+    }
+    __syncthreads();
 }
 
 // ROWS query rows of HEAD_DIM into a tile; rows >= valid_rows are zero-filled.
@@ -267,6 +328,45 @@ __device__ __forceinline__ void for_each_kv_tile(bf16* k_tile, bf16* v_tile, con
             load_kv_tile<HEAD_DIM>(v_tile, v_plane, block_table, block_shift, token_stride, start, lo, hi);
         },
         read_query, step);
+}
+
+// for_each_kv_tile over an FP8 cache (planes in bytes): each tile widened before its step sees it.
+template <int HEAD_DIM, typename ReadQuery, typename Step>
+__device__ __forceinline__ void for_each_fp8_kv_tile(bf16* k_tile, bf16* v_tile, const unsigned char* k_plane,
+                                                     const unsigned char* v_plane, const int* block_table,
+                                                     int block_shift, int token_stride, int lo, int hi,
+                                                     ReadQuery read_query, Step step) {
+    for_each_tile(
+        lo, hi,
+        [&](int start) {
+            load_fp8_kv_tile<HEAD_DIM>(k_tile, k_plane, block_table, block_shift, token_stride, start, lo, hi);
+        },
+        [&](int start) {
+            load_fp8_kv_tile<HEAD_DIM>(v_tile, v_plane, block_table, block_shift, token_stride, start, lo, hi);
+        },
+        read_query,
+        [&](int tile, int phase) {
+            widen_kv_tile<HEAD_DIM>(phase == 0 ? k_tile : v_tile);
+            step(tile, phase);
+        });
+}
+
+// The K/V tile loop of a bf16 (FP8 false: kv_cache is bf16) or FP8 cache (kv_cache holds e4m3 bytes) for kv head
+// kv_head: for_each_kv_tile or for_each_fp8_kv_tile.
+template <int HEAD_DIM, bool FP8, typename ReadQuery, typename Step>
+__device__ __forceinline__ void for_each_cached_tile(bf16* k_tile, bf16* v_tile, const bf16* kv_cache,
+                                                     long long plane_elems, int kv_head, const int* block_table,
+                                                     int block_shift, int token_stride, int lo, int hi,
+                                                     ReadQuery read_query, Step step) {
+    if constexpr (FP8) {
+        const unsigned char* k_plane = reinterpret_cast<const unsigned char*>(kv_cache) + kv_head * HEAD_DIM;
+        for_each_fp8_kv_tile<HEAD_DIM>(k_tile, v_tile, k_plane, k_plane + plane_elems, block_table, block_shift,
+                                       token_stride, lo, hi, read_query, step);
+    } else {
+        const bf16* k_plane = kv_cache + kv_head * HEAD_DIM;
+        for_each_kv_tile<HEAD_DIM>(k_tile, v_tile, k_plane, k_plane + plane_elems, block_table, block_shift,
+                                   token_stride, lo, hi, read_query, step);
+    }
 }
 
 }  // namespace

@@ -75,6 +75,33 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
                       float2_to_bf16x2(f[6], f[7]));
 }
 
+// e4m3 (FP8 weights, activations and KV cache; sm_89 and later, elsewhere a trap). Two floats -> two e4m3 (lo in
+// the low byte), rounded to nearest even, saturating at +-448.
+__device__ __forceinline__ unsigned int float2_to_e4m3x2(float lo, float hi) {
+#if __CUDA_ARCH__ >= 890
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    __trap();
+    return 0;
+#endif
+}
+
+// Two e4m3 (the low byte the lower index) -> two bf16, exactly (every e4m3 value is a bf16 one): through f16x2,
+// which holds them exactly too.
+__device__ __forceinline__ unsigned int e4m3x2_to_bf16x2(unsigned short pair) {
+#if __CUDA_ARCH__ >= 890
+    float lo, hi;
+    asm("{\n .reg .b32 h2;\n .reg .b16 l, h;\n cvt.rn.f16x2.e4m3x2 h2, %2;\n mov.b32 {l, h}, h2;\n"
+        " cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}" : "=f"(lo), "=f"(hi) : "h"(pair));
+    return float2_to_bf16x2(lo, hi);
+#else
+    __trap();
+    return 0;
+#endif
+}
+
 // RMSNorm's scaling as transformers' LlamaRMSNorm computes it in bf16: bf16(weight * bf16(value * inv_rms)), two
 // at a time (norm.cu, and the norms fused into other kernels).
 __device__ __forceinline__ unsigned int scale_pair(unsigned int value, unsigned int weight, float inv_rms) {

@@ -12,8 +12,9 @@ namespace {
 // every 64-key tile; the warps merge through shared memory at the end. A sequence whose keys lie in one
 // split is written to out here; otherwise each split writes its normalized output and log2-sum-exp to
 // partial_out [B, num_heads, num_splits, HEAD_DIM] and partial_lse [B, num_heads, num_splits] fp32.
-template <int HEAD_DIM>
-__device__ __forceinline__ void paged_decode_attention(const DecodeArgs& a) {
+// FP8: the cache holds e4m3 values with kv_scales [2, num_kv_heads] (attention_tiles.cuh).
+template <int HEAD_DIM, bool FP8 = false>
+__device__ __forceinline__ void paged_decode_attention(const DecodeArgs& a, const float* kv_scales = nullptr) {
     using T = Tile<HEAD_DIM>;
     __shared__ __align__(16) unsigned char shared[T::DECODE_BYTES];
     bf16* k_tile = reinterpret_cast<bf16*>(shared);
@@ -33,15 +34,19 @@ __device__ __forceinline__ void paged_decode_attention(const DecodeArgs& a) {
     load_query_tile<HEAD_DIM, DECODE_ROWS>(query_tile, a.q + row * a.q_stride + (long long)head0 * HEAD_DIM,
                                            HEAD_DIM, group_size);
     copy_async_commit();
-    const bf16* k_plane = a.kv_cache + kv_head * HEAD_DIM;
+    float scale_log2 = a.scale_log2, value_scale = 1.f;
+    if constexpr (FP8) {
+        scale_log2 *= kv_scales[kv_head];
+        value_scale = kv_scales[num_kv_heads + kv_head];
+    }
     const int* block_table = a.block_tables + (long long)seq * a.max_blocks;
 
     WarpAttention<HEAD_DIM> attention;
     attention.start();
     unsigned probs[1][4];
     const int key0 = 16 * warp;   // this warp's keys in every tile
-    for_each_kv_tile<HEAD_DIM>(
-        k_tile, v_tile, k_plane, k_plane + a.plane_elems, block_table, a.block_shift, num_kv_heads * HEAD_DIM, lo,
+    for_each_cached_tile<HEAD_DIM, FP8>(
+        k_tile, v_tile, a.kv_cache, a.plane_elems, kv_head, block_table, a.block_shift, num_kv_heads * HEAD_DIM, lo,
         hi, [] {},
         [&](int tile, int phase) {
             if (phase == 0) {
@@ -52,7 +57,7 @@ __device__ __forceinline__ void paged_decode_attention(const DecodeArgs& a) {
                     [&](int kk, unsigned (&fragment)[4]) {
                         load_query_fragment<HEAD_DIM>(fragment, query_tile, 0, kk);
                     },
-                    k_tile, key0, a.scale_log2, edge,
+                    k_tile, key0, scale_log2, edge,
                     [&](int, int key) { return tile + key >= lo && tile + key < hi; });
             } else {
                 attention.template add_values<16>(probs, v_tile, key0);
@@ -95,10 +100,10 @@ __device__ __forceinline__ void paged_decode_attention(const DecodeArgs& a) {
         }
         const int head = head0 + head_row;
         if (whole) {
-            a.out[row * a.out_stride + (long long)head * HEAD_DIM + d] = float_to_bf16(o / sum);
+            a.out[row * a.out_stride + (long long)head * HEAD_DIM + d] = float_to_bf16(o / sum * value_scale);
         } else {
             const long long part = ((long long)seq * num_heads + head) * num_splits + split;
-            a.partial_out[part * HEAD_DIM + d] = o / sum;
+            a.partial_out[part * HEAD_DIM + d] = o / sum * value_scale;
             if (d == 0) a.partial_lse[part] = m + log2f(sum);
         }
     }
@@ -109,6 +114,16 @@ __device__ __forceinline__ void paged_decode_attention(const DecodeArgs& a) {
 DECODE_ENTRY(paged_decode_attention, THREADS, 32)
 DECODE_ENTRY(paged_decode_attention, THREADS, 64)
 DECODE_ENTRY(paged_decode_attention, THREADS, 128)
+
+#define DECODE_FP8_ENTRY(HEAD_DIM)                                                                                \
+    extern "C" __global__ void __launch_bounds__(THREADS) paged_decode_attention_fp8_hd##HEAD_DIM(                \
+        DECODE_PARAMS, const float* kv_scales) {                                                                 \
+        wait_for_previous_kernel();                                                                              \
+        paged_decode_attention<HEAD_DIM, true>(DECODE_ARGS, kv_scales);                                          \
+    }
+DECODE_FP8_ENTRY(32)
+DECODE_FP8_ENTRY(64)
+DECODE_FP8_ENTRY(128)
 
 // grid (num_heads, B), head_dim threads: the out row of each decode sequence whose keys span several
 // splits = the mean of the splits' partial outputs weighted by 2^lse, and a head's sink (sinks [num_heads]

@@ -7,18 +7,6 @@ namespace {
 constexpr int THREADS = 256;
 constexpr float E4M3_MAX = 448.f;
 
-// Two floats -> two e4m3 (lo in the low byte), rounded to nearest even, saturating at +-448.
-__device__ __forceinline__ unsigned int float2_to_e4m3x2(float lo, float hi) {
-#if __CUDA_ARCH__ >= 890
-    unsigned short r;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-    return r;
-#else
-    __trap();
-    return 0;
-#endif
-}
-
 __device__ __forceinline__ float chunk_max(uint4 v) {
     const float2 a = bf16x2_to_float2(v.x), b = bf16x2_to_float2(v.y), c = bf16x2_to_float2(v.z),
                  d = bf16x2_to_float2(v.w);

@@ -8,15 +8,16 @@ namespace {
 // attends query rows [tile * 64, tile * 64 + 64) of segment s (warp w: rows 16w .. 16w + 15) for one head,
 // over keys from the window start of its first row to its last row's position. Tiles run last first, so
 // the longest CTAs of a causal segment start earliest. Not causal (an encoder's self-attention, a decoder's
-// cross-attention over its source's blocks): every row sees every key of the segment's context.
-template <int HEAD_DIM>
+// cross-attention over its source's blocks): every row sees every key of the segment's context. FP8: the cache
+// holds e4m3 values with kv_scales [2, num_kv_heads] (attention_tiles.cuh).
+template <int HEAD_DIM, bool FP8 = false>
 __device__ __forceinline__ void paged_prefill_attention(bf16* out, long long out_stride, const bf16* q,
                                                         long long q_stride, const bf16* kv_cache,
                                                         long long plane_elems, const int* query_starts,
                                                         const int* query_lens, const int* context_lens,
                                                         const int* block_tables, int max_blocks, int num_kv_heads,
                                                         int group_size, int block_shift, float scale_log2,
-                                                        int sliding_window, int causal) {
+                                                        int sliding_window, int causal, const float* kv_scales) {
     using T = Tile<HEAD_DIM>;
     __shared__ __align__(16) unsigned char shared[T::KV_BYTES];
     bf16* k_tile = reinterpret_cast<bf16*>(shared);
@@ -40,7 +41,11 @@ __device__ __forceinline__ void paged_prefill_attention(bf16* out, long long out
                                             rows);
     copy_async_commit();
     const int kv_head = head / group_size;
-    const bf16* k_plane = kv_cache + kv_head * HEAD_DIM;
+    float value_scale = 1.f;
+    if constexpr (FP8) {
+        scale_log2 *= kv_scales[kv_head];
+        value_scale = kv_scales[num_kv_heads + kv_head];
+    }
     const int* block_table = block_tables + (long long)segment * max_blocks;
 
     // positions of this lane's rows; padding rows past the segment take the last row's
@@ -53,8 +58,8 @@ __device__ __forceinline__ void paged_prefill_attention(bf16* out, long long out
     WarpAttention<HEAD_DIM> attention;
     attention.start();
     unsigned probs[KV_TILE / 16][4];
-    for_each_kv_tile<HEAD_DIM>(
-        k_tile, v_tile, k_plane, k_plane + plane_elems, block_table, block_shift, num_kv_heads * HEAD_DIM, lo, hi,
+    for_each_cached_tile<HEAD_DIM, FP8>(
+        k_tile, v_tile, kv_cache, plane_elems, kv_head, block_table, block_shift, num_kv_heads * HEAD_DIM, lo, hi,
         [&] {
 #pragma unroll
             for (int kk = 0; kk < HEAD_DIM / 16; ++kk) load_query_fragment<HEAD_DIM>(query[kk], v_tile, 16 * warp, kk);
@@ -85,7 +90,7 @@ __device__ __forceinline__ void paged_prefill_attention(bf16* out, long long out
     for (int r = 0; r < 2; ++r) {
         const int row = 16 * warp + g + 8 * r;
         if (row >= rows) continue;
-        const float inverse = 1.f / attention.row_sum[r];   // >= 1 key: the row's own position
+        const float inverse = value_scale / attention.row_sum[r];   // >= 1 key: the row's own position
         unsigned* destination = reinterpret_cast<unsigned*>(out + (first_row + row) * out_stride +
                                                             (long long)head * HEAD_DIM + 2 * t);
 #pragma unroll
@@ -97,21 +102,26 @@ __device__ __forceinline__ void paged_prefill_attention(bf16* out, long long out
 
 }  // namespace
 
-#define PREFILL_KERNEL(HEAD_DIM)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(THREADS, 1) paged_prefill_attention_hd##HEAD_DIM(                     \
+// paged_prefill_attention_hdD reads a bf16 cache (kv_scales unread), paged_prefill_attention_fp8_hdD an FP8 one.
+#define PREFILL_KERNEL(NAME, HEAD_DIM, FP8)                                                                        \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME##_hd##HEAD_DIM(                                   \
         bf16* out, long long out_stride, const bf16* q, long long q_stride, const bf16* kv_cache,                   \
         long long plane_elems, const int* query_starts, const int* query_lens, const int* context_lens,            \
         const int* block_tables, int max_blocks, int num_kv_heads, int group_size, int block_shift,               \
-        float scale_log2, int sliding_window, int causal) {                                                         \
+        float scale_log2, int sliding_window, int causal, const float* kv_scales) {                                 \
         wait_for_previous_kernel();                                                                                  \
-        paged_prefill_attention<HEAD_DIM>(out, out_stride, q, q_stride, kv_cache, plane_elems, query_starts,        \
-                                          query_lens, context_lens, block_tables, max_blocks, num_kv_heads,         \
-                                          group_size, block_shift, scale_log2, sliding_window, causal);             \
+        paged_prefill_attention<HEAD_DIM, FP8>(out, out_stride, q, q_stride, kv_cache, plane_elems, query_starts,   \
+                                               query_lens, context_lens, block_tables, max_blocks, num_kv_heads,    \
+                                               group_size, block_shift, scale_log2, sliding_window, causal,         \
+                                               kv_scales);                                                          \
     }
 
-PREFILL_KERNEL(32)
-PREFILL_KERNEL(64)
-PREFILL_KERNEL(128)
+PREFILL_KERNEL(paged_prefill_attention, 32, false)
+PREFILL_KERNEL(paged_prefill_attention, 64, false)
+PREFILL_KERNEL(paged_prefill_attention, 128, false)
+PREFILL_KERNEL(paged_prefill_attention_fp8, 32, true)
+PREFILL_KERNEL(paged_prefill_attention_fp8, 64, true)
+PREFILL_KERNEL(paged_prefill_attention_fp8, 128, true)
 
 // Multi-head latent attention's prefill, up-projected (DeepSeek-V2/V3: key 128 + 64 rotary, value 128): each head
 // attends over keys of NOPE + ROPE and values of V, over one piece of each segment's context whose latents were

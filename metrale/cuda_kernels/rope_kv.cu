@@ -14,11 +14,21 @@
 // loaded as two 8-byte vectors; cos/sin of the group are one float4 each. head_dim % 8 == 0.
 #include "common.cuh"
 
+// Four bf16 (two pairs) over scale -> four e4m3, the lowest index in the low byte.
+__device__ __forceinline__ unsigned int e4m3x4(uint2 v, float scale) {
+    const float2 lo = bf16x2_to_float2(v.x), hi = bf16x2_to_float2(v.y);
+    return float2_to_e4m3x2(lo.x / scale, lo.y / scale) | (float2_to_e4m3x2(hi.x / scale, hi.y / scale) << 16);
+}
+
 // grid (T, ceil(items / blockDim.x)), items = (num_heads + 2 * num_kv_heads) * head_dim / 8 per token.
-extern "C" __global__ void rope_and_write_kv(bf16* qkv, long long qkv_stride, const float* cos, const float* sin,
-                                             const int* positions, const int* slot_mapping, bf16* kv_cache,
-                                             long long num_slots, int num_heads, int num_kv_heads, int head_dim) {
-    wait_for_previous_kernel();
+// FP8: kv_cache holds e4m3 bytes, each K or V value over its head's scale (kv_scales [2, num_kv_heads] float32,
+// K's then V's), rounded to nearest even and saturated at +-448 (the rotated k as bf16 first, as the bf16 cache
+// would hold it); otherwise bf16, and kv_scales is not read.
+template <bool FP8>
+__device__ __forceinline__ void rope_and_write(bf16* qkv, long long qkv_stride, const float* cos, const float* sin,
+                                               const int* positions, const int* slot_mapping, void* kv_cache,
+                                               const float* kv_scales, long long num_slots, int num_heads,
+                                               int num_kv_heads, int head_dim) {
     const long long token = blockIdx.x;
     const int groups_per_head = head_dim >> 3;
     const int item = blockIdx.y * blockDim.x + threadIdx.x;
@@ -48,11 +58,30 @@ extern "C" __global__ void rope_and_write_kv(bf16* qkv, long long qkv_stride, co
     }
     const int slot = slot_mapping[token];
     if (slot < 0) return;
-    const long long slot_elements = (long long)num_kv_heads * head_dim;
-    bf16* dst = kv_cache + (plane * num_slots + slot) * slot_elements + (long long)kv_head * head_dim;
-    *reinterpret_cast<uint2*>(dst + 4 * group) = a;
-    *reinterpret_cast<uint2*>(dst + half + 4 * group) = b;
+    const long long offset = (plane * num_slots + slot) * num_kv_heads * head_dim + (long long)kv_head * head_dim;
+    if constexpr (FP8) {
+        const float scale = kv_scales[plane * num_kv_heads + kv_head];
+        unsigned char* dst = static_cast<unsigned char*>(kv_cache) + offset;
+        *reinterpret_cast<unsigned int*>(dst + 4 * group) = e4m3x4(a, scale);
+        *reinterpret_cast<unsigned int*>(dst + half + 4 * group) = e4m3x4(b, scale);
+    } else {
+        bf16* dst = static_cast<bf16*>(kv_cache) + offset;
+        *reinterpret_cast<uint2*>(dst + 4 * group) = a;
+        *reinterpret_cast<uint2*>(dst + half + 4 * group) = b;
+    }
 }
+
+#define ROPE_AND_WRITE_KV(NAME, FP8)                                                                            \
+    extern "C" __global__ void NAME(bf16* qkv, long long qkv_stride, const float* cos, const float* sin,      \
+                                    const int* positions, const int* slot_mapping, void* kv_cache,             \
+                                    const float* kv_scales, long long num_slots, int num_heads,                \
+                                    int num_kv_heads, int head_dim) {                                          \
+        wait_for_previous_kernel();                                                                             \
+        rope_and_write<FP8>(qkv, qkv_stride, cos, sin, positions, slot_mapping, kv_cache, kv_scales, num_slots, \
+                            num_heads, num_kv_heads, head_dim);                                                 \
+    }
+ROPE_AND_WRITE_KV(rope_and_write_kv, false)
+ROPE_AND_WRITE_KV(rope_and_write_kv_fp8, true)
 
 // k, v [T, num_kv_heads * head_dim] bf16 (row strides in elements, multiples of 8) into kv_cache at slot_mapping,
 // as rope_and_write_kv writes them, without rotation. grid (T, ceil(units / blockDim.x)), units = 2 * width / 8:
@@ -73,18 +102,18 @@ extern "C" __global__ void write_kv(const bf16* k, long long k_stride, const bf1
 }
 
 // For each copy (src block, dst block, n) of copies [num_copies, 3] int32 and each layer: the first n slots of
-// block src, k and v planes, into block dst. Layer l's cache starts layer_stride elements after layer l - 1's;
-// each is [2, num_blocks, block_size, num_kv_heads, head_dim]. grid (num_copies, num_layers, 2): one (copy,
-// layer, plane) per CTA, 16-byte units; slot_elements % 8 == 0.
-extern "C" __global__ void copy_kv_prefixes(bf16* kv_cache, long long layer_stride, long long plane_elements,
-                                            int block_size, int slot_elements, const int* copies) {
+// block src, k and v planes, into block dst. Layer l's cache starts layer_stride bytes after layer l - 1's;
+// each is [2, num_blocks, block_size, slot_bytes] (bf16 or e4m3 values: bytes here). grid (num_copies,
+// num_layers, 2): one (copy, layer, plane) per CTA, 16-byte units; slot_bytes % 16 == 0.
+extern "C" __global__ void copy_kv_prefixes(unsigned char* kv_cache, long long layer_stride, long long plane_bytes,
+                                            int block_size, int slot_bytes, const int* copies) {
     wait_for_previous_kernel();
     const int* copy = copies + 3 * blockIdx.x;
     const int src = copy[0], dst = copy[1], n = copy[2];
-    const long long base = blockIdx.y * layer_stride + blockIdx.z * plane_elements;
-    const long long block_elements = (long long)block_size * slot_elements;
-    const uint4* from = reinterpret_cast<const uint4*>(kv_cache + base + src * block_elements);
-    uint4* to = reinterpret_cast<uint4*>(kv_cache + base + dst * block_elements);
-    const int units = (n * slot_elements) >> 3;
+    const long long base = blockIdx.y * layer_stride + blockIdx.z * plane_bytes;
+    const long long block_bytes = (long long)block_size * slot_bytes;
+    const uint4* from = reinterpret_cast<const uint4*>(kv_cache + base + src * block_bytes);
+    uint4* to = reinterpret_cast<uint4*>(kv_cache + base + dst * block_bytes);
+    const int units = (n * slot_bytes) >> 4;
     for (int i = threadIdx.x; i < units; i += blockDim.x) to[i] = from[i];
 }

@@ -7,7 +7,7 @@ import numpy as np
 
 from metrale.runtime.backend.cuda.compiler import kernel_sources
 from metrale.runtime.backend.cuda.launch import kernel_arg
-from metrale.runtime.backend.cuda.tensor import DeviceTensor
+from metrale.runtime.backend.cuda.tensor import DeviceTensor, Fp8KvTensor
 
 BASE = 1 << 32   # a made-up device address, 256-byte aligned
 
@@ -22,6 +22,11 @@ def f32(*shape, offset=0, row_stride=None):
 
 def i32(*shape, offset=0):
     return DeviceTensor(BASE + offset, shape, "int32")
+
+
+def fp8_kv(*shape, offset=0, scales_offset=1 << 28):
+    """An FP8 KV cache layer [2, blocks, block_size, kv_heads, head_dim] with its [2, kv_heads] scales."""
+    return Fp8KvTensor(BASE + offset, shape, "float8_e4m3", scales=f32(2, shape[3], offset=scales_offset))
 
 
 def parameter_types(module: str, kernel: str, macro: str | None = None) -> list[type]:

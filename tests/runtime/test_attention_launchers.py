@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("cuda.core")
 
-from launcher_fakes import BASE, FakeLibrary, bf16, f32, i32, parameter_types, record_launches  # noqa: E402
+from launcher_fakes import BASE, FakeLibrary, bf16, f32, fp8_kv, i32, parameter_types, record_launches  # noqa: E402
 from metrale.runtime.backend.cuda.kernels import attention  # noqa: E402
 from metrale.runtime.errors import InvalidArgument  # noqa: E402
 
@@ -83,12 +83,12 @@ class Ada(FakeLibrary):
 MAP = BASE + (1 << 30)                            # where a fake cache's tensor map lives
 
 
-def prefill(lib, head_dim, max_query_len=300, hopper=None, tma=True):
-    """3 segments of at most max_query_len rows, Llama-3-8B's heads."""
+def prefill(lib, head_dim, max_query_len=300, hopper=None, tma=True, cache=bf16):
+    """3 segments of at most max_query_len rows, Llama-3-8B's heads; cache: bf16 or fp8_kv."""
     heads, kv_heads, segments, rows = 32, 8, 3, 700
     attention.paged_prefill_attention(
         lib, None, bf16(rows, heads * head_dim), bf16(rows, heads * head_dim),
-        bf16(2, NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim), i32(segments), i32(segments), i32(segments),
+        cache(2, NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim), i32(segments), i32(segments), i32(segments),
         i32(segments, 40), heads, kv_heads, head_dim, head_dim ** -0.5, -1, segments, max_query_len, hopper=hopper,
         tma=tma)
 
@@ -135,7 +135,48 @@ def test_both_kernels_take_the_same_arguments(monkeypatch):
     launches = record_launches(monkeypatch, attention)
     prefill(FakeLibrary(), 128)
     prefill(FakeLibrary(), 128, hopper=False)
-    assert launches[0][3][:-1] == launches[1][3]    # and the Hopper kernel the tensor map
+    assert launches[0][3][:-1] == launches[1][3][:-1]   # then the tensor map, or the (null) FP8 scales
+    assert launches[1][3][-1] == 0
+
+
+def test_an_fp8_cache_prefills_with_the_mma_sync_kernel_on_hopper_too(monkeypatch):
+    """The wgmma kernel loads bf16 tiles through tensor maps; the mma.sync kernel widens e4m3 tiles."""
+    launches = record_launches(monkeypatch, attention)
+    prefill(FakeLibrary(), 128, cache=fp8_kv)
+    [((module, name), grid, block, args, _)] = launches
+    assert (module, name, grid, block) == ("prefill_attention", "paged_prefill_attention_fp8_hd128", (5, 32, 3), 128)
+    assert [type(a) for a in args] == parameter_types(module, name, "PREFILL_KERNEL")
+    assert args[-1] == BASE + (1 << 28)             # the scales
+    with pytest.raises(InvalidArgument, match="no Hopper kernel"):
+        prefill(FakeLibrary(), 128, hopper=True, cache=fp8_kv)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(HEADS, KV_HEADS), (HEADS, HEADS)], ids=["grouped", "multi-head"])
+def test_an_fp8_cache_decodes_with_the_grouped_fp8_entry(monkeypatch, heads, kv_heads):
+    """Multi-head models too: the multi-head kernels read bf16 caches only."""
+    d = DECODE_HEAD_DIM
+    launches = record_launches(monkeypatch, attention)
+    attention.paged_decode_attention(FakeLibrary(), None, bf16(5, heads * d), bf16(5, heads * d),
+                                     fp8_kv(2, NUM_BLOCKS, BLOCK_SIZE, kv_heads, d), i32(3), i32(3), i32(3, 4), None,
+                                     heads, kv_heads, d, d ** -0.5, -1, 64, partition=64)
+    [((module, name), grid, block, args, _)] = launches
+    assert (module, name, grid, block) == ("decode_attention", f"paged_decode_attention_fp8_hd{d}", (1, kv_heads, 3),
+                                           128)
+    assert [type(a) for a in args] == parameter_types(module, name, "DECODE_FP8_ENTRY")
+    assert args[-1] == BASE + (1 << 28) and args[-6] == heads // kv_heads
+
+
+def test_an_fp8_cache_takes_no_new_tokens_and_needs_its_scales(monkeypatch):
+    record_launches(monkeypatch, attention)
+    d = DECODE_HEAD_DIM
+    new = attention.NewTokens(bf16(5, HEADS * d), bf16(5, HEADS * d), None, None, i32(5), i32(5))
+    with pytest.raises(InvalidArgument, match="an FP8 cache takes neither new tokens nor query partials"):
+        attention.paged_decode_attention(FakeLibrary(), None, bf16(5, HEADS * d), bf16(5, HEADS * d),
+                                         fp8_kv(2, NUM_BLOCKS, BLOCK_SIZE, HEADS, d), i32(3), i32(3), i32(3, 4),
+                                         None, HEADS, HEADS, d, d ** -0.5, -1, 64, partition=64, new_tokens=new)
+    bare = attention.DeviceTensor(BASE, (2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, 128), "float8_e4m3")
+    with pytest.raises(InvalidArgument, match="kv_cache must be bfloat16, or an Fp8KvTensor"):
+        prefill(FakeLibrary(), 128, cache=lambda *shape: bare)
 
 
 def test_hopper_asked_where_there_is_none():

@@ -6,13 +6,14 @@ import pytest
 
 pytest.importorskip("cuda.core")
 
-from launcher_fakes import BASE, FakeLibrary, bf16, f32, i32, parameter_types  # noqa: E402
+from launcher_fakes import BASE, FakeLibrary, bf16, f32, fp8_kv, i32, parameter_types  # noqa: E402
 from metrale.runtime.backend.cuda.kernels import activation, embedding, norm, rope_kv  # noqa: E402
 from metrale.runtime.backend.cuda.launch import ceil_div, kernel_arg  # noqa: E402
 from metrale.runtime.backend.cuda.tensor import DeviceTensor  # noqa: E402
 from metrale.runtime.errors import InvalidArgument  # noqa: E402
 
 LAUNCHER_MODULES = (activation, embedding, norm, rope_kv)
+MACROS = {"rope_and_write_kv": "ROPE_AND_WRITE_KV", "rope_and_write_kv_fp8": "ROPE_AND_WRITE_KV"}   # stamped out
 
 
 @pytest.fixture
@@ -23,7 +24,7 @@ def launches(monkeypatch):
     def record(stream, kernel, grid, block, *args, shmem=0):
         module, name = kernel
         converted = [kernel_arg(a) for a in args]
-        assert [type(a) for a in converted] == parameter_types(module, name), f"{name}: argument types"
+        assert [type(a) for a in converted] == parameter_types(module, name, MACROS.get(name)), f"{name}: arguments"
         grid = grid if isinstance(grid, tuple) else (grid,)
         assert 0 < grid[0] < 2 ** 31 and all(0 < g <= 65535 for g in grid[1:]), f"{name}: grid {grid}"
         assert isinstance(block, int) and 32 <= block <= 1024 and block % 32 == 0, f"{name}: block {block}"
@@ -271,4 +272,11 @@ def test_rope_and_write_kv_launch(launches):
     [(name, grid, block, args)] = launches
     items = (HEADS + 2 * KV_HEADS) * HEAD_DIM // 8
     assert (name, grid, block) == ("rope_and_write_kv", (5, ceil_div(items, 128)), 128)
-    assert args[1] == QKV_WIDTH and args[7:] == [NUM_BLOCKS * BLOCK_SIZE, HEADS, KV_HEADS, HEAD_DIM]
+    assert args[1] == QKV_WIDTH and args[7] == 0 and args[8:] == [NUM_BLOCKS * BLOCK_SIZE, HEADS, KV_HEADS, HEAD_DIM]
+
+
+def test_rope_and_write_kv_into_an_fp8_cache(launches):
+    rope_kv.rope_and_write_kv(FakeLibrary(), None, bf16(5, QKV_WIDTH), f32(P, 8), f32(P, 8), i32(5), i32(5),
+                              fp8_kv(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM), HEADS, KV_HEADS, HEAD_DIM)
+    [(name, _, _, args)] = launches
+    assert name == "rope_and_write_kv_fp8" and args[7] == BASE + (1 << 28)     # the cache's scales

@@ -246,7 +246,7 @@ class CudaLayerMath:
     def self_attention(self, q, k, v, rope: RopeTable, batch: CudaBatch, kv, num_kv_heads, head_dim, scale,
                        sliding_window):
         num_heads = q.shape[1] // head_dim
-        if batch.num_prefill or num_heads != num_kv_heads:
+        if batch.num_prefill or num_heads != num_kv_heads or kv.dtype != "bfloat16":     # (an FP8 cache: written first)
             return rope_then_attention(self, q, k, v, rope, batch, kv, num_kv_heads, head_dim, scale, sliding_window)
         # Decode rows of a multi-head model: one kernel rotates and writes each new token and attends it.
         ctx = self.resources.bound.context

@@ -15,12 +15,13 @@ from metrale.runtime.backend.cuda.device import ALIGNMENT, Arena, CUDAError
 from metrale.runtime.backend.cuda.gemm_tuning import AlgoTuner
 from metrale.runtime.backend.cuda.graphs import DecodeGraphs, PrefillGraphs, no_collection
 from metrale.runtime.backend.cuda.stream_context import StreamContext, StreamCandidates
-from metrale.runtime.backend.cuda.tensor import DTYPES, DeviceTensor
+from metrale.runtime.backend.cuda.compiler import arch_number
+from metrale.runtime.backend.cuda.tensor import DTYPES, DeviceTensor, Fp8KvTensor
 from metrale.runtime.backend.cuda.tensor_maps import paged_kv_map
 from metrale.runtime.backend.runner import MemoryShapes
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.beam.on_device import SearchStart
-from metrale.runtime.cache.specs import NoCache, PagedIndexKeys, PagedKv, PagedLatent, RecurrentState
+from metrale.runtime.cache.specs import NoCache, PagedIndexKeys, PagedKv, PagedKvFp8, PagedLatent, RecurrentState
 from metrale.runtime.errors import InvalidArgument
 
 
@@ -30,8 +31,6 @@ class CudaRunner:
     # Each stream has its own CUDA stream and buffers; the weights are only read, and streams never share a sequence.
     concurrent_forwards = True
     supports_beam = True
-    # Its attention kernels read bf16 K/V.
-    kv_dtypes = ("auto",)
     # cuda.core's failed driver calls; the backend's own checks (device.check, cuBLASLt's status, a kernel's fault
     # flag) raise DeviceFault, which is a device fault wherever it comes from.
     device_errors = (CUDAError,)
@@ -43,6 +42,8 @@ class CudaRunner:
 
     def __init__(self, resources: CudaResources):
         self.resources, self.cuda, self.lib = resources, resources.cuda, resources.lib
+        # The attention kernels read bf16 K/V, and e4m3 K/V from sm_89 on (the conversions are Ada's and later).
+        self.kv_dtypes = ("auto", "fp8") if arch_number(self.lib.arch) >= 89 else ("auto",)
         self._states: kernels.ssm.StateTable | None = None     # the recurrent layers' state tensors, where any
 
     def plan(self, weight_bytes: int, shapes: MemoryShapes) -> None:
@@ -74,21 +75,25 @@ class CudaRunner:
         return int(self.cuda.free_memory() * fraction)
 
     def allocate_cache(self, specs: tuple, num_blocks: int, block_size: int, num_state_slots: int) -> list:
-        """One pool allocation holding a [2, blocks, block_size, heads, head_dim] bf16 tensor per PagedKv layer (a
-        [blocks, block_size, width] one per PagedLatent or PagedIndexKeys spec), at equal strides where they are alike
-        (copy_kv_prefixes needs that), then a RecurrentState layer's float32 [slots, *shape] tensors (a tuple each)
-        and the table ssm_copy_slots reads them by; None for a NoCache layer."""
-        paged = {}
+        """One pool allocation holding a [2, blocks, block_size, heads, head_dim] bf16 tensor per PagedKv layer (e4m3
+        per PagedKvFp8 layer, an Fp8KvTensor; its scales last), a [blocks, block_size, width] one
+        per PagedLatent or PagedIndexKeys spec, at equal strides where they are alike (copy_kv_prefixes needs that),
+        then a RecurrentState layer's float32 [slots, *shape] tensors (a tuple each) and the table ssm_copy_slots
+        reads them by; None for a NoCache layer."""
+        paged, dtypes = {}, {}
         for i, spec in enumerate(specs):
-            if isinstance(spec, PagedKv):
+            if isinstance(spec, (PagedKv, PagedKvFp8)):
                 paged[i] = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+                dtypes[i] = "float8_e4m3" if isinstance(spec, PagedKvFp8) else "bfloat16"
             elif isinstance(spec, (PagedLatent, PagedIndexKeys)):
                 paged[i] = (num_blocks, block_size, spec.width)
             elif not isinstance(spec, (RecurrentState, NoCache)):
                 raise InvalidArgument(f"the CUDA backend has no kernels for {type(spec).__name__} layers yet")
         states = {i: [(num_state_slots, *shape) for shape in spec.shapes]
                   for i, spec in enumerate(specs) if isinstance(spec, RecurrentState) and num_state_slots}
-        tensors = [(shape, "bfloat16") for shape in paged.values()]
+        scales = {i: (2, spec.num_kv_heads) for i, spec in enumerate(specs) if isinstance(spec, PagedKvFp8)}
+        tensors = [(shape, dtypes.get(i, "bfloat16")) for i, shape in paged.items()]
+        tensors += [(shape, "float32") for shape in scales.values()]
         tensors += [(shape, "float32") for shapes in states.values() for shape in shapes]
         count = sum(map(len, states.values()))
         if count:
@@ -97,18 +102,27 @@ class CudaRunner:
         if not pool_bytes:
             return [None] * len(specs)
         pool = Arena(self.cuda.allocate(pool_bytes), pool_bytes, "cache pool")
-        layers: list = [pool.take(paged[i], "bfloat16") if i in paged else None for i in range(len(specs))]
+        layers: list = [pool.take(paged[i], dtypes.get(i, "bfloat16")) if i in paged else None
+                        for i in range(len(specs))]
         for i, spec in enumerate(specs):   # the tensor maps prefill attention loads through, before any capture
             if isinstance(spec, PagedKv) and hopper_prefill_available(self.lib.arch, spec.head_dim):
                 paged_kv_map(layers[i])
         for i, shapes in states.items():
             layers[i] = tuple(pool.take(shape, "float32") for shape in shapes)
         # The KV and state tensors, which the GEMM tuner may use as scratch before any sequence holds them (not the
-        # state table after them).
+        # FP8 scales and the state table after them).
         self.resources.kv_pool = DeviceTensor(pool.base, (pool.used,), "uint8")
+        for i, shape in scales.items():    # past the tuner's scratch, as the state table is
+            layers[i] = Fp8KvTensor(layers[i].ptr, layers[i].shape, layers[i].dtype,
+                                    scales=self._uploaded(pool.take(shape, "float32"), specs[i].scales))
         if count:
             self._states = self._state_table(pool, [t for i in states for t in layers[i]])
         return layers
+
+    def _uploaded(self, tensor: DeviceTensor, values) -> DeviceTensor:
+        self.cuda.copy_to_device(tensor, np.asarray(values, dtype=DTYPES[tensor.dtype][1]), self.cuda.stream)
+        self.cuda.stream.sync()
+        return tensor
 
     def _state_table(self, pool: Arena, tensors: list[DeviceTensor]) -> kernels.ssm.StateTable:
         """The state tensors' addresses and slot sizes, uploaded once."""

@@ -88,3 +88,11 @@ class DeviceTensor:
         if not tensor.is_contiguous():
             raise InvalidArgument("from_torch needs a contiguous tensor or a 2-D column slice")
         return cls(tensor.data_ptr(), tuple(tensor.shape), name)
+
+
+@dataclass(slots=True, unsafe_hash=True)
+class Fp8KvTensor(DeviceTensor):
+    """An FP8 KV cache layer (cache/specs.py's PagedKvFp8): e4m3 values [2, blocks, block_size, kv_heads, head_dim]
+    with their heads' scales, `scales` [2, kv_heads] float32 (K's, then V's) on the device. A DeviceTensor, so the
+    code that copies or pools paged layers takes it as one; the attention kernels read the scales beside it."""
+    scales: DeviceTensor | None = None

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from metrale.runtime.backend.cuda.kernels.rope_kv import kv_cache_scales
 from metrale.runtime.backend.cuda.launch import MAX_GRID_YZ, ceil_div, launch_kernel, require, require_aligned
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.backend.cuda.tensor_maps import paged_kv_map
@@ -133,7 +134,8 @@ def paged_decode_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_c
     window) read through block_tables[b].
 
     out, q [T, num_heads * head_dim] bf16 (q may be a column slice; rows not in seq_rows are not touched);
-    kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] bf16; seq_rows, context_lens [B] int32;
+    kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] bf16, or an Fp8KvTensor (e4m3 values with their
+    heads' scales: the grouped kernel's _fp8 entry, whatever the group size); seq_rows, context_lens [B] int32;
     block_tables [B, max_blocks] int32; workspace float32 of at least decode_workspace_elements(...)
     elements (read only when that is > 0; may be None then); sliding_window -1 for none. Not checked on the device (the caller
     guarantees): 1 <= context_lens[b] <= max_context <= max_blocks * block_size, block ids in [0, num_blocks),
@@ -142,8 +144,9 @@ def paged_decode_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_c
     for any contexts up to max_context. partition: keys per split, overriding decode_partition (benchmarks).
     new_tokens (num_heads == num_kv_heads only): each sequence's newest key (context_lens[b] - 1) is its row's new
     token, rotated with its query and written into kv_cache here, rather than read from it. q_partials
-    (num_heads == num_kv_heads only): q is the query's linear as split-K partials, [splits * T, width] float32."""
-    _check_common("paged_decode_attention", out, q if q_partials is None else out, kv_cache, block_tables,
+    (num_heads == num_kv_heads only): q is the query's linear as split-K partials, [splits * T, width] float32.
+    Neither with an FP8 cache."""
+    fp8 = _check_common("paged_decode_attention", out, q if q_partials is None else out, kv_cache, block_tables,
                   num_heads, num_kv_heads, head_dim, sliding_window)
     require(len(seq_rows.shape) == 1 and seq_rows.dtype == "int32",
             "paged_decode_attention: seq_rows must be [B] int32")
@@ -178,13 +181,18 @@ def paged_decode_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_c
         extra = (k, np.int64(k.stride), v, np.int64(v.stride), cos, sin, new_tokens.positions, new_tokens.slots)
     if q_partials is not None:
         extra = _partial_query(q_partials, q, out, num_heads, num_kv_heads, new_tokens)
-    if num_heads == num_kv_heads:   # a warp per head: an mma tile would fill one row in 16
+    if fp8 is not None:
+        require(new_tokens is None and q_partials is None,
+                "paged_decode_attention: an FP8 cache takes neither new tokens nor query partials")
+        extra = (fp8,)
+    if num_heads == num_kv_heads and fp8 is None:   # a warp per head: an mma tile would fill one row in 16
         name = ("paged_decode_attention_mha_partial_q" if q_partials is not None else
                 "paged_decode_attention_mha_new" if new_tokens is not None else "paged_decode_attention_mha")
         kernel, grid, block, heads = (lib.get(f"{name}_hd{head_dim}", MHA_MODULE),
                                       (splits, ceil_div(num_heads, MHA_WARPS), batch), 32 * MHA_WARPS, num_heads)
     else:                           # the group's query heads share each K/V tile: the rows of one mma tile
-        kernel, grid, block, heads = (lib.get(f"paged_decode_attention_hd{head_dim}", DECODE_MODULE),
+        name = "paged_decode_attention_fp8" if fp8 is not None else "paged_decode_attention"
+        kernel, grid, block, heads = (lib.get(f"{name}_hd{head_dim}", DECODE_MODULE),
                                       (splits, num_kv_heads, batch), THREADS, num_heads // num_kv_heads)
     launch_kernel(stream, kernel, grid, block, out, np.int64(out.stride), q, np.int64(q.stride), kv_cache,
                   np.int64(kv_cache.numel // 2), seq_rows, context_lens, block_tables, block_tables.shape[1],
@@ -239,7 +247,8 @@ def paged_prefill_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_
     encoder's self-attention, a decoder's cross-attention), with no sliding window and any query_lens[s].
 
     out, q [T, num_heads * head_dim] bf16 (q may be a column slice; rows outside the segments are not
-    touched); kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] bf16; query_starts, query_lens,
+    touched); kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] bf16, or an Fp8KvTensor (e4m3 values
+    with their heads' scales: prefill_attention.cu's _fp8 kernel, on Hopper too); query_starts, query_lens,
     context_lens [S] int32, S >= num_segments; block_tables [S, max_blocks] int32. Not checked on the device
     (the caller guarantees): 0 <= query_lens[s] <= max_query_len, query_lens[s] <= context_lens[s]
     <= max_blocks * block_size, block ids in [0, num_blocks), segment rows inside [0, T).
@@ -247,14 +256,14 @@ def paged_prefill_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_
     it builds; False: prefill_attention.cu's, for comparison); tma: the Hopper kernel loads the K/V tiles with keys
     only inside the context through the cache's tensor map (tensor_maps.paged_kv_map; False: with cp.async, as it
     loads the others, for comparison)."""
-    _check_common("paged_prefill_attention", out, q, kv_cache, block_tables, num_heads, num_kv_heads, head_dim,
-                  sliding_window)
+    fp8 = _check_common("paged_prefill_attention", out, q, kv_cache, block_tables, num_heads, num_kv_heads, head_dim,
+                        sliding_window)
     for name, tensor in (("query_starts", query_starts), ("query_lens", query_lens), ("context_lens", context_lens)):
         require(len(tensor.shape) == 1 and tensor.shape[0] >= num_segments and tensor.dtype == "int32",
                 f"paged_prefill_attention: {name} must be [S >= {num_segments}] int32")
     require(block_tables.shape[0] >= num_segments,
             f"paged_prefill_attention: block_tables must have at least {num_segments} rows")
-    available = hopper_prefill_available(lib.arch, head_dim)
+    available = hopper_prefill_available(lib.arch, head_dim) and fp8 is None
     require(not hopper or available, f"paged_prefill_attention: no Hopper kernel for {lib.arch}, head_dim {head_dim}")
     require(num_segments <= MAX_GRID_YZ and num_heads <= MAX_GRID_YZ,
             f"paged_prefill_attention: at most {MAX_GRID_YZ} segments and heads")
@@ -273,8 +282,10 @@ def paged_prefill_attention(lib, stream, out: DeviceTensor, q: DeviceTensor, kv_
         launch_kernel(stream, kernel, (ceil_div(max_query_len, HOPPER_ROWS), num_heads, num_segments),
                       HOPPER_THREADS, *args, kv_map, shmem=shared)
         return
-    kernel = lib.get(f"paged_prefill_attention_hd{head_dim}", PREFILL_MODULE)
-    launch_kernel(stream, kernel, (ceil_div(max_query_len, PREFILL_ROWS), num_heads, num_segments), THREADS, *args)
+    name = "paged_prefill_attention_fp8" if fp8 is not None else "paged_prefill_attention"
+    launch_kernel(stream, lib.get(f"{name}_hd{head_dim}", PREFILL_MODULE),
+                  (ceil_div(max_query_len, PREFILL_ROWS), num_heads, num_segments), THREADS, *args,
+                  np.uint64(0) if fp8 is None else fp8)
 
 
 def hopper_prefill_available(arch: str, head_dim: int) -> bool:
@@ -291,7 +302,8 @@ def hopper_prefill_shared_bytes(head_dim: int) -> int:
 
 
 def _check_common(name: str, out: DeviceTensor, q: DeviceTensor, kv_cache: DeviceTensor, block_tables: DeviceTensor,
-                  num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int) -> None:
+                  num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int) -> DeviceTensor | None:
+    """The checks both launchers share; returns an FP8 cache's scales (None for bf16)."""
     require(head_dim in HEAD_DIMS, f"{name}: head_dim {head_dim} is not one of {HEAD_DIMS}")
     require(num_kv_heads > 0 and num_heads % num_kv_heads == 0,
             f"{name}: num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
@@ -299,10 +311,10 @@ def _check_common(name: str, out: DeviceTensor, q: DeviceTensor, kv_cache: Devic
     require(q.dtype == "bfloat16" and len(q.shape) == 2 and q.shape[1] == width,
             f"{name}: q must be [T, {width}] bfloat16, not {q.shape} {q.dtype}")
     require(out.dtype == "bfloat16" and out.shape == q.shape, f"{name}: out must be bfloat16 of q's shape {q.shape}")
-    require(kv_cache.dtype == "bfloat16" and len(kv_cache.shape) == 5 and kv_cache.shape[0] == 2
+    fp8 = kv_cache_scales(kv_cache, name)
+    require(len(kv_cache.shape) == 5 and kv_cache.shape[0] == 2
             and kv_cache.shape[3:] == (num_kv_heads, head_dim) and kv_cache.is_contiguous,
-            f"{name}: kv_cache must be [2, num_blocks, block_size, {num_kv_heads}, {head_dim}] bfloat16, "
-            f"not {kv_cache.shape}")
+            f"{name}: kv_cache must be [2, num_blocks, block_size, {num_kv_heads}, {head_dim}], not {kv_cache.shape}")
     require(kv_cache.shape[2] in BLOCK_SIZES, f"{name}: block_size {kv_cache.shape[2]} is not one of {BLOCK_SIZES}")
     require(len(block_tables.shape) == 2 and block_tables.dtype == "int32",
             f"{name}: block_tables must be [S, max_blocks] int32")
@@ -311,6 +323,7 @@ def _check_common(name: str, out: DeviceTensor, q: DeviceTensor, kv_cache: Devic
     require_aligned(out, 4, f"{name}: out")
     require(kv_cache.ptr % 16 == 0, f"{name}: kv_cache must be 16-byte aligned")
     require(block_tables.ptr % 4 == 0, f"{name}: block_tables must be 4-byte aligned")
+    return fp8
 
 
 # Multi-head latent attention's up-projected prefill: the (nope, rope, v) head dims prefill_attention.cu builds.
