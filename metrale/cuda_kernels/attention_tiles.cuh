@@ -7,8 +7,9 @@
 //   plane_elems = num_blocks * block_size * num_kv_heads * head_dim. An FP8 cache (the kernels' _fp8 entries)
 //   holds e4m3 values in the same layout, a byte each, with a scale a kv head for K and for V (kv_scales
 //   [2, num_kv_heads] float32): its tiles widen to bf16 exactly in shared memory, K's scale multiplies
-//   scale_log2 and V's the output, so the fragments and the softmax below are the bf16 cache's. Token k of a sequence lives in block
-//   block_table[k / block_size], row k % block_size. block_size is a power of two dividing KV_TILE.
+//   scale_log2 and V's the output, so the fragments and the softmax below are the bf16 cache's.
+//   Token k of a sequence lives in block block_table[k / block_size], row k % block_size. block_size is a power of
+//   two dividing KV_TILE.
 // block_tables [S, max_blocks] int32; out [T, num_heads * head_dim] bf16, row stride out_stride.
 // Query head h attends with kv head h / group_size. The queries of a segment are the last positions of its
 // context; a query at position p sees keys max(0, p - window + 1) .. p (window <= 0: no window).
