@@ -2,7 +2,11 @@
 the logits of the bf16 engine over a checkpoint of the dequantized weights, within bf16's rounding (the two skinny
 GEMMs sum K in another order). Wider steps quantize each linear's input per token (W8A8): against the CPU backend's
 float32 run of the FP8 weights (which test_fp8_checkpoint shows equal to transformers on them within 1e-4), within
-W8A8_BOUND (docs/architecture.md derives it), beside the bf16 engine's own error over the dequantized weights."""
+W8A8_BOUND (docs/architecture.md derives it), beside the bf16 engine's own error over the dequantized weights. The
+same narrow-step rule for FP8 checkpoints as llm-compressor publishes them and for M2M100. (The helpers that write the
+dequantized copies give the CPU backend's logits exactly: the tests run there with DEVICE "cpu".)"""
+
+import json
 
 import pytest
 import torch
@@ -14,11 +18,14 @@ from metrale.runtime.loading import load_checkpoint
 from metrale.runtime.loading.fp8 import is_linear_weight, quantize_rows
 from metrale.runtime.sampling import OutputOptions
 from metrale.runtime.step import DecodeToken, PrefillSlice, Step
-from tiny_models import write_tiny
+from tiny_models import write_tiny, write_tiny_m2m100
 
+from cuda_engines import SOURCES
 from gpu_reference import TOLERANCE, relative_error
+from test_fp8_checkpoint import BLOCK, write_compressed
 
 pytestmark = pytest.mark.gpu
+DEVICE = "cuda"
 LOGITS = OutputOptions(return_logits=True)
 W8A8_BOUND = 2.0 ** -3
 CONFIG = dict(kv_blocks=256, kv_block_size=16, max_batch_tokens=1024, max_seqs=32)
@@ -27,13 +34,40 @@ CONFIG = dict(kv_blocks=256, kv_block_size=16, max_batch_tokens=1024, max_seqs=3
 def checkpoints(name: str, tmp_path):
     """(the tiny checkpoint, a copy with each linear weight replaced by its --quantize fp8 values dequantized)."""
     source = write_tiny(name, tmp_path / name, weight_std=0.04, norm_std=0.1)
+    return source, rounded_copy(source, tmp_path / "rounded")
+
+
+def rounded_copy(source, target):
+    """source's checkpoint with each linear weight replaced by its --quantize fp8 values dequantized, in target."""
     tensors = load_file(source / "model.safetensors")
-    rounded = tmp_path / "rounded"
-    rounded.mkdir()
+    target.mkdir()
     save_file({key: quantize_rows(t).dequantize() if is_linear_weight(key, t) else t for key, t in tensors.items()},
-              rounded / "model.safetensors", metadata={"format": "pt"})
-    (rounded / "config.json").write_text((source / "config.json").read_text())
-    return source, rounded
+              target / "model.safetensors", metadata={"format": "pt"})
+    (target / "config.json").write_text((source / "config.json").read_text())
+    return target
+
+
+def dequantized_copy(published, strategy: str, target):
+    """A checkpoint written by write_compressed with each FP8 weight as float32 values (e4m3 x its scale by tensor,
+    row or BLOCK block), without its quantization_config, in target."""
+    tensors, out = load_file(published / "model.safetensors"), {}
+    for key, tensor in tensors.items():
+        if key.endswith("_scale"):
+            continue
+        scale = tensors.get(key + "_scale")
+        if scale is not None:
+            scale = scale.float()
+            if strategy == "block":
+                rows, cols = tensor.shape
+                scale = scale.repeat_interleave(BLOCK[0], 0)[:rows].repeat_interleave(BLOCK[1], 1)[:, :cols]
+            tensor = tensor.float() * (scale.reshape(()) if strategy == "tensor" else scale)
+        out[key] = tensor
+    target.mkdir()
+    save_file(out, target / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((published / "config.json").read_text())
+    del config["quantization_config"]
+    (target / "config.json").write_text(json.dumps(config))
+    return target
 
 
 def engine(directory, tmp_path, device: str, quantize: str = "none"):
@@ -62,7 +96,7 @@ def prompts(count: int, length: int, seed: int) -> dict[int, list[int]]:
 @pytest.mark.parametrize("name", ["llama3_untied", "qwen3", "mixtral", "deepseek_v3"])
 def test_narrow_steps_are_the_bf16_engine_over_the_dequantized_weights(name, tmp_path):
     source, rounded = checkpoints(name, tmp_path)
-    fp8, bf16 = engine(source, tmp_path, "cuda", "fp8"), engine(rounded, tmp_path, "cuda")
+    fp8, bf16 = engine(source, tmp_path, DEVICE, "fp8"), engine(rounded, tmp_path, DEVICE)
     narrow = prompts(2, 4, seed=1)                                # 8 rows a step at most
     want, fed = run(bf16, narrow, None, 6)
     got, _ = run(fp8, narrow, fed, 6)
@@ -85,3 +119,33 @@ def test_wide_steps_are_within_the_w8a8_bound_of_the_fp8_weights(name, tmp_path)
     print(f"{name}: largest relative error W8A8 {max(errors['W8A8']):.2e}, bf16 {max(errors['bf16']):.2e}; "
           f"median W8A8 {sorted(errors['W8A8'])[len(wide) * 7 // 2]:.2e}")
     assert max(errors["W8A8"]) < W8A8_BOUND, errors["W8A8"]
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
+def test_published_fp8_checkpoints_are_the_bf16_engine_over_their_dequantized_weights(strategy, tmp_path):
+    """llm-compressor's FP8 as published (compressed-tensors float-quantized): a scale a tensor or a row stays FP8
+    on Hopper (W8A16 at these narrow steps), block scales are dequantized to bf16 at load; either way the logits are
+    the bf16 engine's over the weights dequantized, within bf16's rounding."""
+    published = write_compressed("llama3_untied", tmp_path, strategy)
+    rounded = dequantized_copy(published, strategy, tmp_path / "rounded")
+    fp8, bf16 = engine(published, tmp_path, DEVICE), engine(rounded, tmp_path, DEVICE)
+    narrow = prompts(2, 4, seed=5)
+    want, fed = run(bf16, narrow, None, 6)
+    got, _ = run(fp8, narrow, fed, 6)
+    errors = [relative_error(row[s], expected[s]) for row, expected in zip(got, want) for s in narrow]
+    print(f"published FP8 by {strategy}: against bf16 over the dequantized weights, largest relative error "
+          f"{max(errors):.2e}")
+    assert max(errors) < TOLERANCE[torch.bfloat16], errors
+
+
+def test_m2m100_quantized_at_load_is_the_bf16_engine_over_its_dequantized_weights(tmp_path):
+    """An encoder-decoder under --quantize fp8: the encoder's prompt rows and the decoder's narrow steps."""
+    source = write_tiny_m2m100(tmp_path / "m2m100", weight_std=0.04, norm_std=0.1)
+    rounded = rounded_copy(source, tmp_path / "rounded")
+    fp8, bf16 = engine(source, tmp_path, DEVICE, "fp8"), engine(rounded, tmp_path, DEVICE)
+    sources = {0: SOURCES[0], 1: SOURCES[2]}                      # 8 rows: narrow steps only
+    want, fed = run(bf16, sources, None, 6)
+    got, _ = run(fp8, sources, fed, 6)
+    errors = [relative_error(row[s], expected[s]) for row, expected in zip(got, want) for s in sources]
+    print(f"m2m100: W8A16 against bf16 over the dequantized weights, largest relative error {max(errors):.2e}")
+    assert max(errors) < TOLERANCE[torch.bfloat16], errors
