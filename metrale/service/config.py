@@ -128,7 +128,8 @@ SERVE_FLAGS = [
     ("quantize", str, "fp8: a checkpoint's linear weights quantized at load to FP8 (e4m3, one scale a row)",
      ("none", "fp8")),
     ("kv-dtype", str, "fp8: attention K and V cached in FP8 (e4m3, a scale per KV head: the checkpoint's k_scale "
-     "and v_scale, else 1), half a bf16 cache's bytes; the CPU backend for now. auto: the model's dtype", KV_DTYPES),
+     "and v_scale, else 1), half a bf16 cache's bytes; the CPU backend, and CUDA from sm_89. auto: the model's "
+     "dtype", KV_DTYPES),
     ("tensor-parallel", int, "ranks the model is split over (heads and MLP columns, Megatron-style), one process "
      "each; the CPU backend and the dense Llama family for now", None),
     ("max-message-mb", int, "largest gRPC message, either way", None),
