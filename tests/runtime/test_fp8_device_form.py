@@ -21,7 +21,7 @@ from metrale.runtime.loading.hf_dir import load_tensors
 from metrale.runtime.models import family_of
 from metrale.runtime.parallel.group import Shard
 from metrale.runtime.parallel.sharding import COLUMNS, ROWS, ShardedTensors
-from test_fp8_checkpoint import write_compressed, write_fp8
+from fp8_checkpoints import write_compressed, write_fp8
 from tiny_models import write_tiny
 
 

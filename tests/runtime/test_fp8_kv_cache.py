@@ -4,6 +4,7 @@ head's scale, to nearest e4m3, saturated, times the scale) for every token, as t
 takes in memory; the checks on scales; the backends that refuse it."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from metrale.runtime.backend.cpu.fp8_kv import Fp8Kv, kv_plane, store_kv
 from metrale.runtime.backend.cpu.runner import CpuRunner
+from metrale.runtime.backend.cuda.runner import CudaRunner
 from metrale.runtime.build import build_engine
 from metrale.runtime.cache.manager import blocks_that_fit
 from metrale.runtime.cache.specs import PagedKv, PagedKvFp8, PagedLatent, with_kv_dtype
@@ -169,3 +171,50 @@ def test_a_backend_that_cannot_read_an_fp8_cache_refuses_it_at_start(tmp_path, m
                      EngineConfig(device="cpu", kv_blocks=16, kv_dtype="fp8"))
     with pytest.raises(InvalidArgument, match="kv_dtype"):
         EngineConfig(kv_dtype="int8")
+
+
+class FakeCuda:
+    """The cuda device CudaRunner.allocate_cache uses: an address for the pool, and the uploads it makes."""
+
+    def __init__(self):
+        self.uploads, self.stream = [], SimpleNamespace(sync=lambda: None)
+
+    def allocate(self, nbytes: int) -> int:
+        self.nbytes = nbytes
+        return 1 << 32
+
+    def copy_to_device(self, tensor, host, stream) -> None:
+        self.uploads.append((tensor, host.copy()))
+
+
+def cuda_runner(arch: str) -> CudaRunner:
+    return CudaRunner(SimpleNamespace(cuda=FakeCuda(), lib=SimpleNamespace(arch=arch)))
+
+
+@pytest.mark.parametrize("arch, kv_dtypes", [("sm_80", ("auto",)), ("sm_89", ("auto", "fp8")),
+                                             ("sm_90a", ("auto", "fp8"))])
+def test_the_cuda_backend_reads_an_fp8_cache_from_sm_89(arch, kv_dtypes):
+    """Its e4m3 conversions are Ada's and later."""
+    assert cuda_runner(arch).kv_dtypes == kv_dtypes
+
+
+def test_cuda_fp8_layers_lie_at_equal_strides_with_their_scales_past_the_tuners_scratch():
+    """copy_kv_prefixes needs the K/V layers at equal strides; the GEMM tuner may scribble over kv_pool before any
+    sequence holds a block, so the scales (and the state table) lie after it, uploaded once."""
+    from metrale.runtime.backend.cuda.tensor import Fp8KvTensor
+    from metrale.runtime.cache.specs import RecurrentState
+
+    runner = cuda_runner("sm_90a")
+    scales = ((0.5, 0.25), (2.0, 4.0))
+    specs = (PagedKvFp8(2, 64, scales), RecurrentState(((4, 8),)), PagedKvFp8(2, 64, scales))
+    layers = runner.allocate_cache(specs, 10, 16, 3)
+    first, state, second = layers
+    assert isinstance(first, Fp8KvTensor) and first.dtype == "float8_e4m3" and first.shape == (2, 10, 16, 2, 64)
+    assert second.ptr - first.ptr == -(-first.nbytes // 256) * 256                   # equal strides, then the state
+    pool = runner.resources.kv_pool
+    assert state[0].ptr > second.ptr and state[0].ptr + state[0].nbytes <= pool.ptr + pool.nbytes
+    for layer in (first, second):
+        assert layer.scales.shape == (2, 2) and layer.scales.ptr >= pool.ptr + pool.nbytes
+    uploads = {tensor.ptr: host for tensor, host in runner.cuda.uploads}
+    assert uploads[first.scales.ptr].tolist() == [[0.5, 0.25], [2.0, 4.0]]
+    assert first.scales.ptr != second.scales.ptr

@@ -103,16 +103,17 @@ def test_copy_kv_prefixes_moves_fp8_bytes(kernel_library, stream):
 
 @pytest.mark.parametrize("batch", ["1", "7-mixed", "64-mixed"])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(8, 8), (32, 8), (16, 1)], ids=["g1", "g4", "g16"])
-@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("head_dim, block_size", [(32, 16), (64, 32), (128, 16), (128, 64)])
 @pytest.mark.parametrize("sliding_window", [-1, 700])
 @pytest.mark.parametrize("magnitude", ["saturating", "subnormal"])
-def test_decode(kernel_library, stream, batch, num_heads, num_kv_heads, head_dim, sliding_window, magnitude):
+def test_decode(kernel_library, stream, batch, num_heads, num_kv_heads, head_dim, block_size, sliding_window,
+                magnitude):
     """The grouped kernel's _fp8 entry, whatever the group size (the multi-head kernels read bf16 only); values
     past 448 x their scales, or (scale 1) many below e4m3's smallest normal."""
     contexts = DECODE_BATCHES[batch]
     count, max_context = len(contexts), max(contexts)
     first_read = [window_start(c - 1, sliding_window) for c in contexts]
-    kv, tables, sequences = paged_cache(contexts, first_read, 16, num_kv_heads, head_dim, DEVICE,
+    kv, tables, sequences = paged_cache(contexts, first_read, block_size, num_kv_heads, head_dim, DEVICE,
                                         table_tokens=max_context)
     scales = head_scales(num_kv_heads, seed=count + head_dim)
     if magnitude == "subnormal":
@@ -147,16 +148,21 @@ def test_decode(kernel_library, stream, batch, num_heads, num_kv_heads, head_dim
 
 @pytest.mark.parametrize("segments", ["37", "chunked", "mixed", "long", "empty-beside"])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(8, 8), (32, 4)], ids=["g1", "g8"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim, block_size", [(32, 16), (64, 64), (128, 16), (128, 32)])
 @pytest.mark.parametrize("sliding_window", [-1, 100])
-def test_prefill(kernel_library, stream, segments, num_heads, num_kv_heads, head_dim, sliding_window):
+@pytest.mark.parametrize("magnitude", ["saturating", "subnormal"])
+def test_prefill(kernel_library, stream, segments, num_heads, num_kv_heads, head_dim, block_size, sliding_window,
+                 magnitude):
     """prefill_attention.cu's _fp8 kernel (on Hopper too: the wgmma kernel reads bf16 tiles through tensor maps),
     chunks over a cached context included."""
     segments = PREFILL_SEGMENTS[segments]
     query_lens, contexts = [n for n, _ in segments], [c for _, c in segments]
     first_read = [window_start(c - n, sliding_window) for n, c in segments]
-    kv, tables, sequences = paged_cache(contexts, first_read, 16, num_kv_heads, head_dim, DEVICE)
+    kv, tables, sequences = paged_cache(contexts, first_read, block_size, num_kv_heads, head_dim, DEVICE)
     scales = head_scales(num_kv_heads, seed=len(segments) + head_dim)
+    if magnitude == "subnormal":
+        kv, sequences = kv * 0.02, [x * 0.02 for x in sequences]
+        scales = torch.ones_like(scales)
     values, layer = fp8_cache(kv, scales)
     starts, row = [], 1
     for n in query_lens:

@@ -22,7 +22,7 @@ from tiny_models import write_tiny, write_tiny_m2m100
 
 from cuda_engines import SOURCES
 from gpu_reference import TOLERANCE, relative_error
-from test_fp8_checkpoint import BLOCK, write_compressed
+from fp8_checkpoints import BLOCK, write_compressed
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
