@@ -3,6 +3,7 @@ must read / time), and prefill attention against torch's scaled_dot_product_atte
 same run, in causal TFLOP/s. Llama-3-8B heads: 32 query heads, 8 KV heads, head_dim 128, KV blocks of 16.
 
 Run from the repository root: python3 -m bench.gpu_attention [--sweep] [--prefill-only | --decode-only]
+[--kv-dtype fp8]
 """
 
 import argparse
@@ -29,6 +30,8 @@ def parse_args(argv):
     parser.add_argument("--prefill-only", action="store_true", help="time prefill attention only")
     parser.add_argument("--decode-only", action="store_true", help="time decode attention only")
     parser.add_argument("--block-size", type=int, default=BLOCK, help="tokens a KV block (the worker's default: 16)")
+    parser.add_argument("--kv-dtype", default="auto", choices=("auto", "fp8"),
+                        help="fp8: decode over an FP8 cache (e4m3, a scale a KV head: its largest value over 448)")
     add_variant_option(parser, "prefill_attention_hopper.cu")
     return parser.parse_args(argv)
 
@@ -40,6 +43,18 @@ def paged_kv(batch: int, context: int, block_size: int, device: str = "cuda"):
     kv = torch.randn(2, num_blocks, block_size, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
     tables = torch.randperm(num_blocks, device=device, dtype=torch.int32).view(batch, per_seq).contiguous()
     return kv, tables
+
+
+def fp8_kv(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv [2, blocks, block_size, kv_heads, head_dim] bf16 as an FP8 cache holds it: (e4m3 values, scales [2,
+    kv_heads] float32, each head's largest magnitude over 448), quantized a slice of blocks at a time."""
+    from metrale.runtime.loading.fp8 import E4M3_MAX, to_e4m3
+    scales = (kv.abs().amax(dim=(1, 2, 4)).float() / E4M3_MAX).contiguous()
+    values = torch.empty(kv.shape, dtype=torch.float8_e4m3fn, device=kv.device)
+    step = 4096
+    for start in range(0, kv.shape[1], step):
+        values[:, start:start + step] = to_e4m3(kv[:, start:start + step].float() / scales.view(2, 1, 1, -1, 1))
+    return values, scales
 
 
 def time_graph(stream, launch, reps: int, replays: int = 5) -> float:
@@ -70,10 +85,14 @@ def seconds_per_replay(graph, stream, replays: int, warmup: int = 1) -> float:
     return (time.perf_counter() - started) / replays
 
 
-def decode_case(lib, stream, batch: int, context: int, block_size: int, reps: int, partition=None) -> float:
+def decode_case(lib, stream, batch: int, context: int, block_size: int, reps: int, partition=None,
+                fp8: bool = False) -> float:
     from metrale.runtime.backend.cuda.kernels.attention import decode_workspace_elements, paged_decode_attention
-    from metrale.runtime.backend.cuda.tensor import DeviceTensor as D
+    from metrale.runtime.backend.cuda.tensor import DeviceTensor as D, Fp8KvTensor
     kv, tables = paged_kv(batch, context, block_size)
+    scales = None
+    if fp8:      # the cache the kernel reads, and the values it holds for the reference
+        kv, scales = fp8_kv(kv)
     q = torch.randn(batch, HEADS * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     rows = torch.arange(batch, device="cuda", dtype=torch.int32)
@@ -85,7 +104,8 @@ def decode_case(lib, stream, batch: int, context: int, block_size: int, reps: in
     copies = [kv] + [kv.clone() for _ in range(math.ceil(3 * l2_bytes() / kv.nbytes) - 1)]
     torch.cuda.synchronize()
     args = [D.from_torch(t) for t in (out, q, kv, rows, contexts, tables, workspace)]
-    caches = [D.from_torch(c) for c in copies]
+    caches = [D.from_torch(c) if scales is None else
+              Fp8KvTensor(c.data_ptr(), tuple(c.shape), "float8_e4m3", scales=D.from_torch(scales)) for c in copies]
     launched = []
 
     def launch():
@@ -95,6 +115,8 @@ def decode_case(lib, stream, batch: int, context: int, block_size: int, reps: in
                                HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, -1, context, partition)
     seconds = time_graph(stream, launch, max(reps, len(caches)))
     del copies
+    if scales is not None:
+        kv = kv.float() * scales.view(2, 1, 1, -1, 1)
     reference = F.scaled_dot_product_attention(
         q.view(batch, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM).float(),
         kv[0][tables.long()].view(batch, -1, KV_HEADS, HEAD_DIM)[:, :context].transpose(1, 2).float(),
@@ -195,16 +217,17 @@ def main(argv=None) -> None:
 
 
 def decode_table(lib, stream, args, bandwidth: float) -> None:
-    kv_token = 2 * KV_HEADS * HEAD_DIM * 2
+    fp8 = args.kv_dtype == "fp8"
+    kv_token = 2 * KV_HEADS * HEAD_DIM * (1 if fp8 else 2)
     print(f"# paged decode attention, {HEADS} heads / {KV_HEADS} KV heads, head_dim {HEAD_DIM}, "
-          f"blocks of {args.block_size}; fraction of copy bandwidth {bandwidth / 1e12:.2f} TB/s (KV bytes / time, "
-          f"attention and merge launches)")
+          f"blocks of {args.block_size}{', an FP8 cache (a byte a value)' if fp8 else ''}; fraction of copy bandwidth "
+          f"{bandwidth / 1e12:.2f} TB/s (KV bytes / time, attention and merge launches)")
     partitions = (None,) + (SWEEP if args.sweep else ())
     print(f"{'batch':>5} {'context':>7} " + " ".join(f"{'default' if p is None else p:>14}" for p in partitions))
     for batch, context in DECODE_CASES:
         cells = []
         for partition in partitions:
-            seconds = decode_case(lib, stream, batch, context, args.block_size, args.reps, partition)
+            seconds = decode_case(lib, stream, batch, context, args.block_size, args.reps, partition, fp8)
             fraction = batch * context * kv_token / seconds / bandwidth
             cells.append(f"{seconds * 1e6:7.1f}us {fraction:4.2f}")
         print(f"{batch:5d} {context:7d} " + " ".join(f"{c:>14}" for c in cells), flush=True)

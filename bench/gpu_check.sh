@@ -54,7 +54,8 @@
 #            rates (throughput, TTFT and ITL p50/p99), and the gateway at saturation against the step benchmark (~6 min)
 #   fp8      --quantize fp8: the FP8 tests, bench/gpu_fp8_gemm.py (the FP8 linears beside bf16's), then
 #            bench/gpu_decode.py at the Llama-3-8B shape with FP8 weights: decode at batches 1, 64, 256 against the
-#            FP8 floor and the bf16 peer, through gRPC, and the 8 x 1k prefill against the FP8 GEMM rate      (~6 min)
+#            FP8 floor and the bf16 peer, through gRPC, and the 8 x 1k prefill against the FP8 GEMM rate; the decode
+#            attention kernel alone over an FP8 cache (bench/gpu_attention.py --decode-only --kv-dtype fp8)  (~7 min)
 #   mha      bench/gpu_mha_attention.py: the multi-head decode attention kernels at NLLB's beam step shapes, with each
 #            bench/variants/decode_attention_mha/NAME.cu (carry bench/variants) timed beside the package's  (~1 min)
 # Usage (from the repository root, with .whl carried):
@@ -113,7 +114,10 @@ for part in "${@:-tests}"; do
       python3 -m bench.gpu_fp8_gemm > "$OUT/fp8_gemm.txt" 2>&1 || summary+=("fp8: FAILED (see fp8_gemm.txt)")
       summary+=("== fp8 gemm" "$(grep -v '^# gpu' "$OUT/fp8_gemm.txt")")
       run_bench llama3-8b-fp8 bench.gpu_decode --shape llama3-8b --batches 1,64,256 --prefill 8x1024 \
-        --engine-config '{"quantize": "fp8"}' ;;
+        --engine-config '{"quantize": "fp8"}'
+      python3 -m bench.gpu_attention --decode-only --kv-dtype fp8 > "$OUT/fp8_kv_attention.txt" 2>&1 \
+        || summary+=("fp8 kv attention: FAILED (see fp8_kv_attention.txt)")
+      summary+=("== fp8 kv decode attention" "$(grep -v '^# gpu' "$OUT/fp8_kv_attention.txt")") ;;
     smollm2)
       run_bench smollm2 bench.gpu_decode --shape smollm2-135m --batches 1,32 --prefill '' --hf-generate ;;
     llama)
