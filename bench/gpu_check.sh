@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Everything GPU on the lent H200, in parts that each fit one 10-minute call; a short summary last.
 #   tests    the gpu-marked tests (kernels against torch references, models against transformers, graphs,
-#            the sampler) and the API tests with their workers on the CUDA backend          (~8 min)
+#            the sampler) and the API tests with their workers on the CUDA backend: models, then api   (~8 min warm;
+#            past one 10-minute call on a fresh machine, whose cubins compile cold: run models, then api, there)
+#   models   the gpu-marked tests alone                                                     (~6 min cold)
+#   api      the API tests with their workers on the CUDA backend alone                     (~4 min)
 #   api-models  the API tests again with a hybrid (Nemotron-H), a mixture of experts (dots.llm1) and a latent
 #            attention model (DeepSeek-V3) served                                                      (~4 min)
 #   load     tests/service/test_load.py with its worker process on the CUDA backend: 64 clients for 60 s with faults,
@@ -59,9 +62,9 @@
 #   mha      bench/gpu_mha_attention.py: the multi-head decode attention kernels at NLLB's beam step shapes, with each
 #            bench/variants/decode_attention_mha/NAME.cu (carry bench/variants) timed beside the package's  (~1 min)
 # Usage (from the repository root, with .whl carried):
-#   bash bench/gpu_check.sh [tests|api-models|load|kernels|smollm2|llama|long-prefill|prefill-variants|long-decode-8k|
-#     long-decode-32k|profile|prefix|beam|search|ssm|ssm-kernels|ssm-profile|ssm-prefix|moe-kernels|moe|mla|
-#     mla-kernels|hy4|hy4-32k|dsa-kernels|fp8|mha|serving]...
+#   bash bench/gpu_check.sh [tests|models|api|api-models|load|kernels|smollm2|llama|long-prefill|prefill-variants|
+#     long-decode-8k|long-decode-32k|profile|prefix|beam|search|ssm|ssm-kernels|ssm-profile|ssm-prefix|moe-kernels|
+#     moe|mla|mla-kernels|hy4|hy4-32k|dsa-kernels|fp8|mha|serving]...
 # (default: tests). Logs and JSON land in $OUT (default /tmp/gpu-check).
 set -uo pipefail
 source scripts/device_env.sh || exit 1
@@ -82,12 +85,13 @@ run_bench() {  # name, module, args...
 }
 for part in "${@:-tests}"; do
   case $part in
-    tests)
-      run_pytest kernels-and-models -m gpu tests/runtime
-      run_pytest api-on-cuda --worker-device cuda tests/service/test_forward_api.py tests/service/test_errors.py \
-        tests/service/test_concurrency.py tests/service/test_generate.py tests/service/test_faults.py \
-        tests/service/test_metrics.py tests/service/test_run_ahead.py tests/service/test_beam_api.py \
-        tests/service/test_fault_isolation.py tests/service/test_limits.py tests/service/test_prefix_cache_api.py ;;
+    tests|models|api)
+      [[ $part == api ]] || run_pytest kernels-and-models -m gpu tests/runtime
+      [[ $part == models ]] || run_pytest api-on-cuda --worker-device cuda tests/service/test_forward_api.py \
+        tests/service/test_errors.py tests/service/test_concurrency.py tests/service/test_generate.py \
+        tests/service/test_faults.py tests/service/test_metrics.py tests/service/test_run_ahead.py \
+        tests/service/test_beam_api.py tests/service/test_fault_isolation.py tests/service/test_limits.py \
+        tests/service/test_prefix_cache_api.py ;;
     api-models)
       run_pytest api-on-cuda-hybrid --worker-device cuda --worker-model nemotron_h tests/service/test_forward_api.py \
         tests/service/test_errors.py tests/service/test_beam_api.py tests/service/test_run_ahead.py \
