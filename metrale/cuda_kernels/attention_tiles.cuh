@@ -62,6 +62,11 @@ __device__ __forceinline__ float fast_exp2(float x) {   // ex2(-inf) = +0
     return y;
 }
 
+// The cache slot (block x block_size + row) of a sequence's key through its block table.
+__device__ __forceinline__ long long cache_slot(const int* block_table, int block_shift, int key) {
+    return ((long long)block_table[key >> block_shift] << block_shift) + (key & ((1 << block_shift) - 1));
+}
+
 // Keys [tile_start, tile_start + KV_TILE) of one sequence and kv head from one cache plane into a tile;
 // keys outside [lo, hi) are zero-filled without touching the block table or the cache.
 // plane: the K or V plane, already offset by kv_head * HEAD_DIM; token_stride = num_kv_heads * HEAD_DIM.
@@ -75,18 +80,14 @@ __device__ __forceinline__ void load_kv_tile(bf16* tile, const bf16* plane, cons
         const int row = chunk / T::CHUNKS, column = (chunk % T::CHUNKS) * 8;
         const int key = tile_start + row;
         const bool valid = key >= lo && key < hi;
-        const bf16* source = plane;
-        if (valid) {
-            const long long slot = ((long long)block_table[key >> block_shift] << block_shift) +
-                                   (key & ((1 << block_shift) - 1));
-            source = plane + slot * token_stride + column;
-        }
+        const bf16* source = valid ? plane + cache_slot(block_table, block_shift, key) * token_stride + column : plane;
         copy_async_16(tile + row * T::STRIDE + column, source, valid);
     }
 }
 
-// An FP8 cache's tile: the keys' e4m3 rows land dense ([KV_TILE][HEAD_DIM] bytes) at the start of the bf16 tile's
-// buffer, then widen_kv_tile turns them into the bf16 tile in place. Arguments as load_kv_tile's, in bytes.
+// An FP8 cache's tile (load_kv_tile of a plane of e4m3 bytes, its arguments in bytes): the keys' rows land dense
+// ([KV_TILE][HEAD_DIM] bytes) at the start of the bf16 tile's buffer, then widen_kv_tile turns them into the bf16
+// tile in place.
 template <int HEAD_DIM>
 struct Fp8Tile {
     static constexpr int CHUNKS = HEAD_DIM / 16;                 // 16-byte chunks per row
@@ -95,8 +96,8 @@ struct Fp8Tile {
 };
 
 template <int HEAD_DIM>
-__device__ __forceinline__ void load_fp8_kv_tile(bf16* tile, const unsigned char* plane, const int* block_table,
-                                                 int block_shift, int token_stride, int tile_start, int lo, int hi) {
+__device__ __forceinline__ void load_kv_tile(bf16* tile, const unsigned char* plane, const int* block_table,
+                                             int block_shift, int token_stride, int tile_start, int lo, int hi) {
     using F = Fp8Tile<HEAD_DIM>;
     unsigned char* bytes = reinterpret_cast<unsigned char*>(tile);
 #pragma unroll
@@ -105,12 +106,8 @@ __device__ __forceinline__ void load_fp8_kv_tile(bf16* tile, const unsigned char
         const int row = chunk / F::CHUNKS, column = (chunk % F::CHUNKS) * 16;
         const int key = tile_start + row;
         const bool valid = key >= lo && key < hi;
-        const unsigned char* source = plane;
-        if (valid) {
-            const long long slot = ((long long)block_table[key >> block_shift] << block_shift) +
-                                   (key & ((1 << block_shift) - 1));
-            source = plane + slot * token_stride + column;
-        }
+        const unsigned char* source =
+            valid ? plane + cache_slot(block_table, block_shift, key) * token_stride + column : plane;
         copy_async_16(bytes + row * HEAD_DIM + column, source, valid);
     }
 }
@@ -315,11 +312,27 @@ __device__ __forceinline__ void for_each_tile(int lo, int hi, LoadK load_k, Load
     }
 }
 
-// for_each_tile over the paged KV cache: K and V tiles of HEAD_DIM through the block table.
-template <int HEAD_DIM, typename ReadQuery, typename Step>
-__device__ __forceinline__ void for_each_kv_tile(bf16* k_tile, bf16* v_tile, const bf16* k_plane,
-                                                 const bf16* v_plane, const int* block_table, int block_shift,
-                                                 int token_stride, int lo, int hi, ReadQuery read_query, Step step) {
+// A cache plane's values: bf16, or an FP8 cache's e4m3 bytes.
+template <bool FP8>
+struct CacheValue {
+    using type = bf16;
+};
+template <>
+struct CacheValue<true> {
+    using type = unsigned char;
+};
+
+// for_each_tile over the paged KV cache of kv head kv_head: K and V tiles of HEAD_DIM through the block table, from a
+// bf16 cache, or (FP8) from one of e4m3 values (kv_cache and plane_elems then in bytes), each tile widened before its
+// step sees it.
+template <int HEAD_DIM, bool FP8, typename ReadQuery, typename Step>
+__device__ __forceinline__ void for_each_kv_tile(bf16* k_tile, bf16* v_tile, const bf16* kv_cache,
+                                                 long long plane_elems, int kv_head, const int* block_table,
+                                                 int block_shift, int token_stride, int lo, int hi,
+                                                 ReadQuery read_query, Step step) {
+    using Value = typename CacheValue<FP8>::type;
+    const Value* k_plane = reinterpret_cast<const Value*>(kv_cache) + kv_head * HEAD_DIM;
+    const Value* v_plane = k_plane + plane_elems;
     for_each_tile(
         lo, hi,
         [&](int start) {
@@ -328,46 +341,11 @@ __device__ __forceinline__ void for_each_kv_tile(bf16* k_tile, bf16* v_tile, con
         [&](int start) {
             load_kv_tile<HEAD_DIM>(v_tile, v_plane, block_table, block_shift, token_stride, start, lo, hi);
         },
-        read_query, step);
-}
-
-// for_each_kv_tile over an FP8 cache (planes in bytes): each tile widened before its step sees it.
-template <int HEAD_DIM, typename ReadQuery, typename Step>
-__device__ __forceinline__ void for_each_fp8_kv_tile(bf16* k_tile, bf16* v_tile, const unsigned char* k_plane,
-                                                     const unsigned char* v_plane, const int* block_table,
-                                                     int block_shift, int token_stride, int lo, int hi,
-                                                     ReadQuery read_query, Step step) {
-    for_each_tile(
-        lo, hi,
-        [&](int start) {
-            load_fp8_kv_tile<HEAD_DIM>(k_tile, k_plane, block_table, block_shift, token_stride, start, lo, hi);
-        },
-        [&](int start) {
-            load_fp8_kv_tile<HEAD_DIM>(v_tile, v_plane, block_table, block_shift, token_stride, start, lo, hi);
-        },
         read_query,
         [&](int tile, int phase) {
-            widen_kv_tile<HEAD_DIM>(phase == 0 ? k_tile : v_tile);
+            if constexpr (FP8) widen_kv_tile<HEAD_DIM>(phase == 0 ? k_tile : v_tile);
             step(tile, phase);
         });
-}
-
-// The K/V tile loop of a bf16 (FP8 false: kv_cache is bf16) or FP8 cache (kv_cache holds e4m3 bytes) for kv head
-// kv_head: for_each_kv_tile or for_each_fp8_kv_tile.
-template <int HEAD_DIM, bool FP8, typename ReadQuery, typename Step>
-__device__ __forceinline__ void for_each_cached_tile(bf16* k_tile, bf16* v_tile, const bf16* kv_cache,
-                                                     long long plane_elems, int kv_head, const int* block_table,
-                                                     int block_shift, int token_stride, int lo, int hi,
-                                                     ReadQuery read_query, Step step) {
-    if constexpr (FP8) {
-        const unsigned char* k_plane = reinterpret_cast<const unsigned char*>(kv_cache) + kv_head * HEAD_DIM;
-        for_each_fp8_kv_tile<HEAD_DIM>(k_tile, v_tile, k_plane, k_plane + plane_elems, block_table, block_shift,
-                                       token_stride, lo, hi, read_query, step);
-    } else {
-        const bf16* k_plane = kv_cache + kv_head * HEAD_DIM;
-        for_each_kv_tile<HEAD_DIM>(k_tile, v_tile, k_plane, k_plane + plane_elems, block_table, block_shift,
-                                   token_stride, lo, hi, read_query, step);
-    }
 }
 
 }  // namespace

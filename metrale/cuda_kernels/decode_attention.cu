@@ -45,7 +45,7 @@ __device__ __forceinline__ void paged_decode_attention(const DecodeArgs& a, cons
     attention.start();
     unsigned probs[1][4];
     const int key0 = 16 * warp;   // this warp's keys in every tile
-    for_each_cached_tile<HEAD_DIM, FP8>(
+    for_each_kv_tile<HEAD_DIM, FP8>(
         k_tile, v_tile, a.kv_cache, a.plane_elems, kv_head, block_table, a.block_shift, num_kv_heads * HEAD_DIM, lo,
         hi, [] {},
         [&](int tile, int phase) {

@@ -58,7 +58,7 @@ __device__ __forceinline__ void paged_prefill_attention(bf16* out, long long out
     WarpAttention<HEAD_DIM> attention;
     attention.start();
     unsigned probs[KV_TILE / 16][4];
-    for_each_cached_tile<HEAD_DIM, FP8>(
+    for_each_kv_tile<HEAD_DIM, FP8>(
         k_tile, v_tile, kv_cache, plane_elems, kv_head, block_table, block_shift, num_kv_heads * HEAD_DIM, lo, hi,
         [&] {
 #pragma unroll
