@@ -120,6 +120,7 @@ class CudaRunner:
         return layers
 
     def _uploaded(self, tensor: DeviceTensor, values) -> DeviceTensor:
+        """tensor, holding values (host numbers of its shape) once the upload is done."""
         self.cuda.copy_to_device(tensor, np.asarray(values, dtype=DTYPES[tensor.dtype][1]), self.cuda.stream)
         self.cuda.stream.sync()
         return tensor
@@ -129,10 +130,8 @@ class CudaRunner:
         words = [t.nbytes // t.shape[0] // 16 for t in tensors]
         if any(t.nbytes // t.shape[0] % 16 for t in tensors):
             raise InvalidArgument("a recurrent state's slot is not a whole number of 16-byte words")
-        bases, slot_words = pool.take((len(tensors),), "int64"), pool.take((len(tensors),), "int64")
-        for device, host in ((bases, [t.ptr for t in tensors]), (slot_words, words)):
-            self.cuda.copy_to_device(device, np.asarray(host, dtype=np.int64), self.cuda.stream)
-        self.cuda.stream.sync()
+        bases = self._uploaded(pool.take((len(tensors),), "int64"), [t.ptr for t in tensors])
+        slot_words = self._uploaded(pool.take((len(tensors),), "int64"), words)
         return kernels.ssm.StateTable(bases, slot_words, len(tensors), max(words))
 
     def warm_up(self, forward, graph_batch_sizes: tuple[int, ...], max_context: int, max_source_len: int = 0) -> None:
