@@ -1,13 +1,15 @@
 """FP8 weights' linears against bf16's on the decode and prefill linears of Llama-3-8B: the skinny GEMM at M = 1, 8,
 16 (FP8: the weight widened to bf16 in registers) as weight bytes / device time over the copy bandwidth of the same
 run; cuBLASLt at more rows, bf16 against FP8 (the input quantized per token, then the W8A8 matmul; and the matmul
-alone) in TFLOP/s. Needs a CUDA GPU with FP8 (sm_89 and later).
+alone) in TFLOP/s. With --blocks, the FP8 weights are in 128 x 128 blocks as DeepSeek's and Qwen3's releases are (a
+scale a row per 128 columns on the device) and the input is quantized per token and 128 columns. Needs a CUDA GPU
+with FP8 (sm_89 and later).
 
 Each case is a CUDA graph of back-to-back launches timed with events (gpu_skinny_gemm.py's method), over weight
 copies that together span 3x the L2.
 
 Run from the repository root:
-    python3 -m bench.gpu_fp8_gemm [--skinny 1,8,16] [--rows 64,256,1024,8192]
+    python3 -m bench.gpu_fp8_gemm [--skinny 1,8,16] [--rows 64,256,1024,8192] [--blocks]
 """
 
 import argparse
@@ -20,16 +22,24 @@ from bench.gpu_skinny_gemm import L2_SPAN, WORKSPACE_BYTES, time_per_launch
 SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
 
 
-def weights(n: int, k: int, copies: int):
-    """copies of a random [N, K] weight: (bf16 DeviceTensor, Fp8Matrix) each, and the torch tensors behind them."""
-    from metrale.runtime.backend.cuda.fp8_matrix import Fp8Matrix
+def weights(n: int, k: int, copies: int, blocks: bool):
+    """copies of a random [N, K] weight: (bf16 DeviceTensor, Fp8Matrix) each, and the torch tensors behind them; the
+    FP8 weight quantized a row, or in 128 x 128 blocks (blocks)."""
+    from metrale.runtime.backend.cuda.fp8_matrix import BLOCK, Fp8Matrix, device_scales
     from metrale.runtime.backend.cuda.tensor import DeviceTensor
-    from metrale.runtime.loading.fp8 import quantize_rows
+    from metrale.runtime.loading.fp8 import E4M3_MAX, Fp8Weight, quantize_rows
 
-    fp8 = quantize_rows(torch.randn(n, k) / k ** 0.5)
-    data, scales, bf16 = fp8.data.cuda(), fp8.scales.reshape(-1).cuda(), fp8.dequantize().bfloat16().cuda()
+    weight = torch.randn(n, k) / k ** 0.5
+    if blocks:
+        grid = weight.view(n // BLOCK, BLOCK, k // BLOCK, BLOCK)
+        scale = grid.abs().amax(dim=(1, 3)) / E4M3_MAX
+        data = (grid / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(n, k)
+        fp8 = Fp8Weight.of_checkpoint(data, scale, (BLOCK, BLOCK))
+    else:
+        fp8 = quantize_rows(weight)
+    data, scales, bf16 = fp8.data.cuda(), device_scales(fp8).cuda(), fp8.dequantize().bfloat16().cuda()
     held = [(bf16.clone(), data.clone(), scales.clone()) for _ in range(copies)]
-    views = [(DeviceTensor.from_torch(b), Fp8Matrix(DeviceTensor.from_torch(d), DeviceTensor.from_torch(s)))
+    views = [(DeviceTensor.from_torch(b), Fp8Matrix(DeviceTensor.from_torch(d), DeviceTensor.from_torch(s), blocks))
              for b, d, s in held]
     return views, held
 
@@ -39,6 +49,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--skinny", default="1,8,16", help="M values of the skinny GEMM, comma-separated")
     parser.add_argument("--rows", default="64,256,1024,8192", help="M values of cuBLASLt, comma-separated")
     parser.add_argument("--launches", type=int, default=20, help="launches per graph (more if the weight copies are)")
+    parser.add_argument("--blocks", action="store_true", help="FP8 weights in 128 x 128 blocks, inputs by 128 columns")
     args = parser.parse_args(argv)
 
     from metrale.runtime.backend.cuda import kernels
@@ -62,13 +73,14 @@ def main(argv=None) -> list[dict]:
           f" {'fp8 gemm us':>11} {'bf16 TF/s':>9} {'fp8 TF/s':>8}")
     for linear, n, k in SHAPES:
         copies = -(-L2_SPAN * l2 // (n * k))
-        views, held = weights(n, k, copies)
+        views, held = weights(n, k, copies, args.blocks)
         launches = max(args.launches, copies)
         for m in [int(t) for t in args.skinny.split(",")] + [int(t) for t in args.rows.split(",")]:
             x = DeviceTensor.from_torch(torch.randn(m, k, device="cuda").bfloat16())
             out = DeviceTensor.from_torch(torch.empty(m, n, device="cuda").bfloat16())
             q = DeviceTensor.from_torch(torch.empty(m, k, dtype=torch.float8_e4m3fn, device="cuda"))
-            q_scales = DeviceTensor.from_torch(torch.empty(m, device="cuda"))
+            q_scales = DeviceTensor.from_torch(torch.empty((k // 128, m) if args.blocks else (m,), device="cuda"))
+            quantize = kernels.fp8.quantize_groups if args.blocks else kernels.fp8.quantize_rows
             torch.cuda.synchronize()
             if m <= kernels.skinny_gemm.MAX_M:
                 def bf16(w): kernels.skinny_gemm.skinny_linear(lib, stream, out, x, w[0])
@@ -78,7 +90,7 @@ def main(argv=None) -> list[dict]:
                 def bf16(w): lt.linear(stream, out, x, w[0])
                 def gemm_only(w): lt.fp8_linear(stream, out, q, q_scales, w[1])
                 def fp8(w):
-                    kernels.fp8.quantize_rows(lib, stream, q, q_scales, x)
+                    quantize(lib, stream, q, q_scales, x)
                     gemm_only(w)
             for run in (bf16, fp8) + ((gemm_only,) if gemm_only else ()):
                 run(views[0])            # cuBLASLt plans the shape outside the capture
@@ -92,11 +104,12 @@ def main(argv=None) -> list[dict]:
             gemm = f"{times['gemm'] * 1e6:11.2f}" if "gemm" in times else f"{'':>11}"
             print(f"{linear:<8} {f'{n}x{k}':>11} {m:>5} {times['bf16'] * 1e6:8.2f} "
                   f"{2 * n * k / times['bf16'] / copy:6.3f} {times['fp8'] * 1e6:8.2f} "
-                  f"{(n * k + 4 * n) / times['fp8'] / copy:6.3f} {times['bf16'] / times['fp8']:7.2f} {gemm} "
+                  f"{(n * k + 4 * held[0][2].numel()) / times['fp8'] / copy:6.3f} {times['bf16'] / times['fp8']:7.2f} {gemm} "
                   f"{flops / times['bf16'] / 1e12:9.0f} {flops / times['fp8'] / 1e12:8.0f}", flush=True)
         del held
     lt.close()
-    print("# /copy: weight bytes / time over copy bandwidth (bf16: 2 N K; fp8: N K + 4 N); fp8 us includes the "
+    print("# /copy: weight bytes / time over copy bandwidth (bf16: 2 N K; fp8: N K + its scales' 4 N, or 4 N K / 128 "
+          "in blocks); fp8 us includes the "
           "input's quantization past 16 rows ('fp8 gemm us': the matmul alone); speedup = bf16 time / fp8 time")
     return results
 

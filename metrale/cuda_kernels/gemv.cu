@@ -1,6 +1,7 @@
 // Skinny GEMM ("GEMV") for decode linears: out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]), M <= 16: the
 // kernels of skinny_gemm.cuh (its comment gives the design) over x's rows as they are, for a bf16 weight and for an
-// e4m3 weight with one float32 scale a row (widened in registers to the bf16 weight it dequantizes to).
+// e4m3 weight with one float32 scale a row or one a row per 128 columns (widened in registers to the bf16 weight it
+// dequantizes to).
 #include "skinny_gemm.cuh"
 
 // Grid: ceil(N / 16) CTAs of 256 threads. x_stride in 16-byte chunks, out_stride in elements, k_chunks = K / 8;
@@ -49,4 +50,22 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M16) skinny_gemm_
     wait_for_previous_kernel();
     skinny_gemm<2>(out, out_stride, StridedRows{x, x_stride}, Fp8RowWeights{weight, scales}, bias, m, n, k_chunks,
                    relu);
+}
+
+// FP8 weights with a scale a row for each 128 columns (a checkpoint's 128 x 128 block scales): scales [K / 128, N]
+// float32 (Fp8BlockWeights), the rest as above.
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M8) skinny_gemm_m8_fp8_blocks(
+    bf16* out, long long out_stride, const uint4* x, long long x_stride, const uint4* weight, const float* scales,
+    const bf16* bias, int m, int n, int k_chunks, int relu) {
+    wait_for_previous_kernel();
+    skinny_gemm<1>(out, out_stride, StridedRows{x, x_stride}, Fp8BlockWeights{{weight, scales}, n}, bias, m, n,
+                   k_chunks, relu);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M16) skinny_gemm_m16_fp8_blocks(
+    bf16* out, long long out_stride, const uint4* x, long long x_stride, const uint4* weight, const float* scales,
+    const bf16* bias, int m, int n, int k_chunks, int relu) {
+    wait_for_previous_kernel();
+    skinny_gemm<2>(out, out_stride, StridedRows{x, x_stride}, Fp8BlockWeights{{weight, scales}, n}, bias, m, n,
+                   k_chunks, relu);
 }

@@ -3,7 +3,7 @@
 //
 // weight [N, K] bf16, contiguous (nn.Linear layout), passed as 16-byte chunks: k_chunks = K / 8 per row; or e4m3
 // with a float32 scale a row (Fp8RowWeights: a lane's 16-byte load is two chunks' weights, 16 of K, widened to bf16
-// in registers before their mmas; K % 16 == 0).
+// in registers before their mmas; K % 16 == 0), or a scale a row for each 128 columns (Fp8BlockWeights).
 // x [M, K] bf16, row stride x_stride in 16-byte chunks (x may be a column slice). out [M, N] bf16 or float32,
 // row stride out_stride in elements; bias [N] of out's dtype or null. Every pointer 16-byte aligned but out's
 // and bias's (element-aligned: they are written and read one element at a time).
@@ -72,13 +72,15 @@ __device__ __forceinline__ uint4 load_activation(const uint4* pointer, bool vali
 }
 
 // The weight's form, as skinny_gemm reads it: a lane's 16-byte load covers CHUNKS 16-byte chunks of x (8 of K
-// each); widen() turns it into those chunks' bf16 weights, ready for the mma; UNROLL, the warp steps loaded before
-// the first is multiplied (4 KB of weight in flight a warp for either form).
+// each); widen() turns it into those chunks' bf16 weights, ready for the mma, times scale(r, chunk), row r's scale
+// at the load's first chunk (read once a row unless BLOCKED, once a load if so); UNROLL, the warp steps loaded
+// before the first is multiplied (4 KB of weight in flight a warp for either form).
 struct Bf16Weights {          // [N, K] bf16: a load is one chunk, as it is
     static constexpr int CHUNKS = 1, UNROLL = 4;
+    static constexpr bool BLOCKED = false;
     const uint4* data;
     __device__ __forceinline__ const uint4* row(int r, int k_chunks) const { return data + (long long)r * k_chunks; }
-    __device__ __forceinline__ float scale(int) const { return 1.f; }
+    __device__ __forceinline__ float scale(int, int) const { return 1.f; }
     __device__ __forceinline__ static void widen(uint4 raw, float, uint4 (&out)[CHUNKS]) { out[0] = raw; }
 };
 
@@ -106,16 +108,26 @@ __device__ __forceinline__ uint4 e4m3x8_to_bf16x8(unsigned int low, unsigned int
 
 struct Fp8RowWeights {        // [N, K] e4m3 with one float32 scale a row: a load is two chunks (16 of K)
     static constexpr int CHUNKS = 2, UNROLL = 4;
+    static constexpr bool BLOCKED = false;
     const uint4* data;
     const float* scales;
     __device__ __forceinline__ const uint4* row(int r, int k_chunks) const {
         return data + (long long)r * (k_chunks / CHUNKS);
     }
-    __device__ __forceinline__ float scale(int r) const { return scales[r]; }
+    __device__ __forceinline__ float scale(int r, int) const { return scales[r]; }
     __device__ __forceinline__ static void widen(uint4 raw, float scale, uint4 (&out)[CHUNKS]) {
         out[0] = e4m3x8_to_bf16x8(raw.x, raw.y, scale);
         out[1] = e4m3x8_to_bf16x8(raw.z, raw.w, scale);
     }
+};
+
+// [N, K] e4m3 with a float32 scale a row for each 128 columns, scales [K / 128, N] (a column block's N scales
+// together: cuBLASLt's VEC128_32F, as fp8_matrix.py uploads a checkpoint's 128 x 128 block scales): a load's 16
+// columns lie in one block (16 chunks a block, a load's first chunk even).
+struct Fp8BlockWeights : Fp8RowWeights {
+    static constexpr bool BLOCKED = true;
+    int n;
+    __device__ __forceinline__ float scale(int r, int chunk) const { return __ldg(scales + (chunk >> 4) * n + r); }
 };
 
 __device__ __forceinline__ float to_float(bf16 v) { return bf16_to_float(v); }
@@ -157,8 +169,8 @@ __device__ __forceinline__ void skinny_gemm(Out* out, long long out_stride, Rows
     const bool low_valid = row0 + g < n, high_valid = row0 + g + 8 < n;
     const uint4* w_low = weight.row(low_valid ? row0 + g : 0, k_chunks) + chunk_begin / CHUNKS;
     const uint4* w_high = weight.row(high_valid ? row0 + g + 8 : 0, k_chunks) + chunk_begin / CHUNKS;
-    const float scale_low = weight.scale(low_valid ? row0 + g : 0);
-    const float scale_high = weight.scale(high_valid ? row0 + g + 8 : 0);
+    const int scale_low_row = low_valid ? row0 + g : 0, scale_high_row = high_valid ? row0 + g + 8 : 0;
+    const float scale_low = weight.scale(scale_low_row, 0), scale_high = weight.scale(scale_high_row, 0);
     const uint4* x_row[TOKEN_TILES];
     bool x_valid[TOKEN_TILES];
 #pragma unroll
@@ -173,11 +185,19 @@ __device__ __forceinline__ void skinny_gemm(Out* out, long long out_stride, Rows
     const int batches = (step_end - step_begin + UNROLL - 1) / UNROLL;   // the same in every lane: mma is warp-wide
     for (int batch = 0, chunk = chunk_begin; batch < batches; ++batch, chunk += UNROLL * STEP) {
         uint4 raw_low[UNROLL], raw_high[UNROLL], b[UNROLL][TOKEN_TILES][CHUNKS];
+        float s_low[UNROLL], s_high[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const bool k_valid = chunk + u * STEP < chunk_end;
             raw_low[u] = load_weight(w_low + u * STEP_CHUNKS, k_valid && low_valid);
             raw_high[u] = load_weight(w_high + u * STEP_CHUNKS, k_valid && high_valid);
+            if constexpr (Weights::BLOCKED) {       // a load past K reads block 0's scale, for nothing
+                s_low[u] = weight.scale(scale_low_row, k_valid ? chunk + u * STEP : 0);
+                s_high[u] = weight.scale(scale_high_row, k_valid ? chunk + u * STEP : 0);
+            } else {
+                s_low[u] = scale_low;
+                s_high[u] = scale_high;
+            }
 #pragma unroll
             for (int j = 0; j < TOKEN_TILES; ++j)
 #pragma unroll
@@ -191,8 +211,8 @@ __device__ __forceinline__ void skinny_gemm(Out* out, long long out_stride, Rows
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             uint4 a_low[CHUNKS], a_high[CHUNKS];
-            Weights::widen(raw_low[u], scale_low, a_low);
-            Weights::widen(raw_high[u], scale_high, a_high);
+            Weights::widen(raw_low[u], s_low[u], a_low);
+            Weights::widen(raw_high[u], s_high[u], a_high);
 #pragma unroll
             for (int c = 0; c < CHUNKS; ++c)
 #pragma unroll

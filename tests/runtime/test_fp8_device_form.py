@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from metrale.runtime.backend.cuda.fp8_matrix import Fp8Matrix, kept_as_fp8
+from metrale.runtime.backend.cuda.fp8_matrix import Fp8Matrix, device_scales, kept_as_fp8
 from metrale.runtime.backend.cuda.linears import k_splits
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.build import _memory_shapes
@@ -47,6 +47,20 @@ def test_one_scale_a_row_in_e4m3_is_kept_on_hopper_with_cublas_12_9():
     assert not kept_as_fp8(e5m2, "sm_90a", 130100)
     assert not kept_as_fp8(torch.randn(48, 64), "sm_90a", 130100)
     assert not kept_as_fp8(NeverDequantized(), "sm_90a", 130100)
+
+
+def test_a_scale_a_row_per_128_columns_is_kept_where_k_is_a_multiple_of_128():
+    """A release's 128 x 128 block scales, as Fp8Weight holds them (a block's scale on each of its rows): kept, the
+    device's scales [K / 128, N], a column block's together."""
+    data = torch.randn(300, 384).to(torch.float8_e4m3fn)
+    scales = torch.rand(3, 3) + 0.5
+    weight = Fp8Weight.of_checkpoint(data, scales, (128, 128))
+    assert kept_as_fp8(weight, "sm_90a", 130100) and not kept_as_fp8(weight, "sm_89", 130100)
+    assert torch.equal(device_scales(weight), scales.repeat_interleave(128, 0)[:300].T)
+    rows = quantize_rows(torch.randn(48, 64))
+    assert torch.equal(device_scales(rows), rows.scales[:, 0])                # a scale a row: [N]
+    ragged = Fp8Weight.of_checkpoint(torch.randn(300, 320).to(torch.float8_e4m3fn), torch.ones(3, 3), (128, 128))
+    assert not kept_as_fp8(ragged, "sm_90a", 130100)                         # K = 320: a partial last block
 
 
 @pytest.mark.parametrize("strategy, kept", [("tensor", True), ("channel", True), ("block", False)])
@@ -94,6 +108,11 @@ def test_fp8_weights_give_each_stream_a_buffer_for_the_widest_input(tmp_path):
     assert widest_fp8_input(held, quantize=False) == max(shape_of(held, key)[1] for key in fp8_keys)
     blocks = load_checkpoint(write_fp8("deepseek_v3", tmp_path / "blocks")).tensors
     assert widest_fp8_input(blocks, quantize=False) == 0
+    # Blocks of 128 columns are kept where K is a whole number of them.
+    blocks = load_checkpoint(write_fp8("qwen3", tmp_path / "blocks128", block=(128, 128))).tensors
+    kept = [key for key in blocks if key.endswith("proj.weight") and shape_of(blocks, key)[1] % 128 == 0]
+    assert kept and all(blocks.holds_fp8(key) == (key in kept) for key in blocks)
+    assert widest_fp8_input(blocks, quantize=False) == max(shape_of(blocks, key)[1] for key in kept)
 
 
 class Unread(Mapping):

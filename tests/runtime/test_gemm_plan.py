@@ -8,8 +8,10 @@ import torch
 from metrale.runtime.backend.cuda.gemm import CublasLt
 from metrale.runtime.backend.cuda.gemm_plan import (CUBLAS_OP_N, CUBLAS_OP_T, CUBLASLT_EPILOGUE_BIAS,
                                                     CUBLASLT_EPILOGUE_DEFAULT, CUBLASLT_EPILOGUE_RELU,
-                                                    CUBLASLT_EPILOGUE_RELU_BIAS, GemmPlan, LinearKey, MatrixLayout,
-                                                    fp8_linear_key, linear_key)
+                                                    CUBLASLT_EPILOGUE_RELU_BIAS,
+                                                    CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F,
+                                                    CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, GemmPlan, LinearKey,
+                                                    MatrixLayout, fp8_linear_key, linear_key)
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.errors import FailedPrecondition, InvalidArgument
 
@@ -116,7 +118,7 @@ def test_key_ignores_pointers_and_sees_strides_dtype_and_bias():
     wide_x = tensor((7, 576), ptr=BASE * 16, row_stride=640)
     assert linear_key(out, wide_x, weight, bias).x_stride == 640
     assert linear_key(out, x, weight, bias) == (7, 1536, 576, 576, 1536, "bfloat16", True, False, 1, 1, 0, 0, False,
-                                                False)
+                                                False, False)
 
 
 def test_an_fp8_linear_is_the_same_tn_gemm_over_e4m3_with_a_scale_a_row():
@@ -127,11 +129,11 @@ def test_an_fp8_linear_is_the_same_tn_gemm_over_e4m3_with_a_scale_a_row():
     key = fp8_linear_key(out, x, x_scales, data, scales, bias, relu=True)
     assert key == LinearKey(m, n, k, k, n + 64, "bfloat16", True, True, fp8=True)
     plan = GemmPlan.for_linear(key)
-    assert plan.scaled and (plan.transa, plan.transb, plan.epilogue) == (CUBLAS_OP_T, CUBLAS_OP_N,
-                                                                         CUBLASLT_EPILOGUE_RELU_BIAS)
+    assert plan.scale_mode == CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F
+    assert (plan.transa, plan.transb, plan.epilogue) == (CUBLAS_OP_T, CUBLAS_OP_N, CUBLASLT_EPILOGUE_RELU_BIAS)
     assert (plan.a, plan.b, plan.d) == (MatrixLayout("float8_e4m3", k, n, k), MatrixLayout("float8_e4m3", k, m, k),
                                         MatrixLayout("bfloat16", n, m, n + 64))
-    assert not GemmPlan.for_linear(linear_key(*operands())).scaled
+    assert GemmPlan.for_linear(linear_key(*operands())).scale_mode is None
     bad = {"x in bf16": (out, tensor((m, k)), x_scales, data, scales, None),
            "K not a multiple of 16": (out, tensor((m, 8), "float8_e4m3"), x_scales, tensor((n, 8), "float8_e4m3"),
                                       scales, None),
@@ -141,6 +143,25 @@ def test_an_fp8_linear_is_the_same_tn_gemm_over_e4m3_with_a_scale_a_row():
     for case, operands_ in bad.items():
         with pytest.raises(InvalidArgument, match="FP8 linear"):
             fp8_linear_key(*operands_)
+            pytest.fail(case)
+
+
+def test_an_fp8_linear_in_blocks_scales_a_row_per_128_of_k():
+    """A weight in blocks: the input's scales [K / 128, M] and the weight's [K / 128, N], each VEC128_32F."""
+    m, n, k = 40, 1536, 640
+    x, data = tensor((m, k), "float8_e4m3", ptr=BASE * 16), tensor((n, k), "float8_e4m3", ptr=BASE * 32)
+    x_scales, scales = tensor((5, m), "float32", ptr=BASE * 80), tensor((5, n), "float32", ptr=BASE * 96)
+    out = tensor((m, n), ptr=BASE * 64)
+    key = fp8_linear_key(out, x, x_scales, data, scales, None, blocks=True)
+    assert key == LinearKey(m, n, k, k, n, "bfloat16", False, False, fp8=True, blocks=True)
+    assert GemmPlan.for_linear(key).scale_mode == CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
+    bad = {"a scale a row": (out, x, tensor((m,), "float32"), data, tensor((n,), "float32")),
+           "scales transposed": (out, x, tensor((m, 5), "float32"), data, tensor((n, 5), "float32")),
+           "K not a multiple of 128": (out, tensor((m, 576), "float8_e4m3"), tensor((4, m), "float32"),
+                                       tensor((n, 576), "float8_e4m3"), tensor((4, n), "float32"))}
+    for case, operands_ in bad.items():
+        with pytest.raises(InvalidArgument, match="FP8 linear"):
+            fp8_linear_key(*operands_, None, blocks=True)
             pytest.fail(case)
 
 

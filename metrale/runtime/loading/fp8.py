@@ -15,6 +15,8 @@ from metrale.runtime.loading.deferred_weight import DeferredWeight
 from metrale.runtime.loading.fp8_schemes import ASIDE, WEIGHT_SCALES, Fp8Scheme, fp8_scheme
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# The block columns of the scales a GPU keeps (cuda/fp8_matrix.py's BLOCK: DeepSeek's and Qwen3's 128 x 128).
+KEPT_BLOCK = 128
 
 
 def dequantized(tensors: Mapping[str, torch.Tensor], quantization: dict) -> Mapping[str, torch.Tensor]:
@@ -76,12 +78,15 @@ class Fp8Tensors(TensorsAsRead):
         return next((name + s for s in WEIGHT_SCALES if name + s in self.tensors), None)
 
     def holds_fp8(self, name: str) -> bool:
-        """A 2-D e4m3 weight with one scale or one a row (by the headers): what a Hopper GPU keeps in FP8."""
+        """A 2-D e4m3 weight with one scale, one a row, or one a block of KEPT_BLOCK columns (a whole number of them
+        a row), by the headers: what a Hopper GPU keeps in FP8."""
         scale, shape = self.scale_name(name), self.shape(name)
         if scale is None or len(shape) != 2 or self.scheme.fmt != "e4m3":
             return False
         scale_shape = self.shape(scale)
-        return math.prod(scale_shape) == 1 or (self.block is None and scale_shape in ((shape[0],), (shape[0], 1)))
+        if self.block is not None:
+            return math.prod(scale_shape) == 1 or (self.block[1] == KEPT_BLOCK and shape[1] % KEPT_BLOCK == 0)
+        return math.prod(scale_shape) == 1 or scale_shape in ((shape[0],), (shape[0], 1))
 
     def read(self, name: str, tensor: torch.Tensor):
         if tensor.dtype not in FP8_DTYPES:

@@ -1,5 +1,6 @@
-"""FP8 weights' linears on the GPU: the per-token quantization of an input (fp8.cu) against torch's e4m3 cast; the
-skinny GEMM over an FP8 weight against a float64 reference over the weight it dequantizes to; cuBLASLt's W8A8 matmul
+"""FP8 weights' linears on the GPU: the per-token quantization of an input (fp8.cu), and per token and 128 columns,
+against torch's e4m3 cast; the skinny GEMM over an FP8 weight (a scale a row, or a row per 128 columns) against a
+float64 reference over the weight it dequantizes to; cuBLASLt's W8A8 matmul (scaled a row, or a row per 128 columns)
 and linears.fp8_linear_into against a float64 reference from the same quantized operands."""
 
 from types import SimpleNamespace
@@ -11,11 +12,12 @@ pytest.importorskip("cuda.core")
 
 from gpu_reference import relative_error  # noqa: E402
 from metrale.runtime.backend.cuda import kernels  # noqa: E402
-from metrale.runtime.backend.cuda.fp8_matrix import Fp8Matrix  # noqa: E402
+from metrale.runtime.backend.cuda.fp8_matrix import BLOCK, Fp8Matrix, device_scales  # noqa: E402
 from metrale.runtime.backend.cuda.gemm import CublasLt  # noqa: E402
 from metrale.runtime.backend.cuda.linears import fp8_linear_into  # noqa: E402
 from metrale.runtime.backend.cuda.tensor import DeviceTensor  # noqa: E402
-from metrale.runtime.loading.fp8 import E4M3_MAX, quantize_rows  # noqa: E402
+from metrale.runtime.loading.fp8 import E4M3_MAX, Fp8Weight, quantize_rows  # noqa: E402
+from fp8_checkpoints import quantized as block_quantized  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -31,6 +33,18 @@ def fp8_weight(n: int, k: int, seed: int):
     quantized = quantize_rows(torch.randn(n, k, generator=generator) / k ** 0.5)
     data, scales = quantized.data.cuda(), quantized.scales.reshape(-1).cuda()
     matrix = Fp8Matrix(DeviceTensor.from_torch(data), DeviceTensor.from_torch(scales))
+    return matrix, (data, scales), quantized.dequantize().to(torch.bfloat16).cuda()
+
+
+def fp8_block_weight(n: int, k: int, seed: int):
+    """fp8_weight's triple for a weight quantized in 128 x 128 blocks, as the releases are (K % 128 == 0): the
+    Fp8Matrix holds a scale a row per 128 columns, [K / 128, N]."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=generator) / k ** 0.5
+    weight *= torch.logspace(-2, 2, n)[:, None] * torch.logspace(1, -1, k)[None, :]      # blocks of unlike scales
+    quantized = Fp8Weight.of_checkpoint(*block_quantized(weight, (BLOCK, BLOCK)), (BLOCK, BLOCK))
+    data, scales = quantized.data.cuda(), device_scales(quantized).cuda()
+    matrix = Fp8Matrix(DeviceTensor.from_torch(data), DeviceTensor.from_torch(scales), blocks=True)
     return matrix, (data, scales), quantized.dequantize().to(torch.bfloat16).cuda()
 
 
@@ -50,6 +64,16 @@ def torch_quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
     quantized = (values / scales[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return quantized.cuda(), scales.cuda()
+
+
+def torch_group_quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch_quantized per 128 columns: (e4m3 [M, K], float32 scales [K / 128, M])."""
+    m, k = x.shape
+    values = x.float().cpu().view(m, k // BLOCK, BLOCK)
+    scales = values.abs().amax(dim=2) / E4M3_MAX
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    quantized = (values / scales[:, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(m, k)
+    return quantized.cuda(), scales.T.contiguous().cuda()
 
 
 @pytest.fixture(scope="module")
@@ -134,5 +158,81 @@ def test_fp8_linear_into_quantizes_then_multiplies(kernel_library, cublaslt, str
         reference = x.double() @ dequantized.double().T
     else:
         reference = w8a8_reference(*torch_quantized(x), data, scales)
+    error = relative_error(out, reference)
+    assert error < BOUND, f"relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("m, k, pad", [(1, 128, 0), (5, 4096, 0), (33, 14336, 0), (300, 640, 32)])
+def test_quantize_groups_equals_torchs_cast(kernel_library, stream, m, k, pad):
+    x = random_x(m, k, seed=m + k, pad=pad)
+    x[:, k - 128:] *= 1e-3                               # a group far below its row's largest
+    x[m // 2, :128] = 0                                  # a group of zeros: scale 1, all zeros
+    q = torch.full((m, k), 0x7f, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)     # NaN
+    scales = torch.full((k // BLOCK, m), float("nan"), device="cuda")
+    torch.cuda.synchronize()
+    kernels.fp8.quantize_groups(kernel_library, stream, DeviceTensor.from_torch(q), DeviceTensor.from_torch(scales),
+                                DeviceTensor.from_torch(x))
+    stream.sync()
+    want_q, want_scales = torch_group_quantized(x)
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+# (N, K) with K % 128 == 0: Llama-3-8B's qkv, o, gate_up, down; a small model's; N not a multiple of 16 or 128.
+BLOCK_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (960, 640), (1000, 256), (17, 128)]
+
+
+@pytest.mark.parametrize("n, k", BLOCK_SHAPES)
+@pytest.mark.parametrize("m", [1, 8, 9, 16])
+def test_skinny_fp8_in_blocks_is_the_linear_of_the_dequantized_weight(kernel_library, stream, m, n, k):
+    matrix, _, dequantized = fp8_block_weight(n, k, seed=n + k)
+    x = random_x(m, k, seed=m + 5 * k, pad=8 if m == 9 else 0)
+    bias = torch.randn(n, device="cuda").bfloat16() if m % 2 else None
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    torch.cuda.synchronize()
+    kernels.skinny_gemm.skinny_linear(kernel_library, stream, DeviceTensor.from_torch(out), DeviceTensor.from_torch(x),
+                                      matrix, DeviceTensor.from_torch(bias) if bias is not None else None)
+    stream.sync()
+    reference = x.double() @ dequantized.double().T + (bias.double() if bias is not None else 0)
+    error = relative_error(out, reference)
+    assert error < BOUND, f"relative error {error:.2e}"
+
+
+def w8a8_block_reference(q_x, x_scales, data, scales) -> torch.Tensor:
+    """The product of x's and the weight's values, each element times its row's scale for its 128 columns."""
+    return ((q_x.double() * x_scales.double().T.repeat_interleave(BLOCK, 1))
+            @ (data.double() * scales.double().T.repeat_interleave(BLOCK, 1)).T)
+
+
+@pytest.mark.parametrize("n, k", BLOCK_SHAPES[:6])
+@pytest.mark.parametrize("m", [17, 33, 64, 300, 4096])
+def test_cublaslt_w8a8_in_blocks_matches_float64(cublaslt, stream, m, n, k):
+    matrix, (data, scales), _ = fp8_block_weight(n, k, seed=n * k)
+    q_x, x_scales = torch_group_quantized(random_x(m, k, seed=m * n))
+    out = torch.full((m, n + 16), float("nan"), dtype=torch.bfloat16, device="cuda")[:, 8:8 + n]   # a column slice
+    torch.cuda.synchronize()
+    cublaslt.fp8_linear(stream, DeviceTensor.from_torch(out), DeviceTensor.from_torch(q_x),
+                        DeviceTensor.from_torch(x_scales), matrix)
+    stream.sync()
+    error = relative_error(out, w8a8_block_reference(q_x, x_scales, data, scales))
+    assert error < BOUND, f"relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("m", [1, 16, 17, 200])
+def test_fp8_linear_into_in_blocks_quantizes_by_groups_then_multiplies(kernel_library, cublaslt, stream, m):
+    n, k = 4096, 1024
+    matrix, (data, scales), dequantized = fp8_block_weight(n, k, seed=m)
+    x = random_x(m, k, seed=2 * m, pad=16)
+    buffer = torch.empty(256, 2048, dtype=torch.float8_e4m3fn, device="cuda")
+    ctx = SimpleNamespace(stream=stream, gemm_workspace=None, fp8_input=DeviceTensor.from_torch(buffer),
+                          fp8_scales=DeviceTensor.from_torch(torch.empty(256 * 2048 // BLOCK, device="cuda")))
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    torch.cuda.synchronize()
+    fp8_linear_into(kernel_library, cublaslt, ctx, DeviceTensor.from_torch(out), DeviceTensor.from_torch(x), matrix)
+    stream.sync()
+    if m <= 16:
+        reference = x.double() @ dequantized.double().T
+    else:
+        reference = w8a8_block_reference(*torch_group_quantized(x), data, scales)
     error = relative_error(out, reference)
     assert error < BOUND, f"relative error {error:.2e}"

@@ -3,8 +3,9 @@ the logits of the bf16 engine over a checkpoint of the dequantized weights, with
 GEMMs sum K in another order). Wider steps quantize each linear's input per token (W8A8): against the CPU backend's
 float32 run of the FP8 weights (which test_fp8_checkpoint shows equal to transformers on them within 1e-4), within
 W8A8_BOUND (docs/architecture.md derives it), beside the bf16 engine's own error over the dequantized weights. The
-same narrow-step rule for FP8 checkpoints as llm-compressor publishes them and for M2M100. (The helpers that write the
-dequantized copies give the CPU backend's logits exactly: the tests run there with DEVICE "cpu".)"""
+same narrow-step rule for FP8 checkpoints as llm-compressor publishes them, for releases with 128 x 128 block scales
+(kept in FP8, both rules) and for M2M100. (The helpers that write the dequantized copies give the CPU backend's logits
+exactly: the tests run there with DEVICE "cpu".)"""
 
 import json
 
@@ -15,14 +16,14 @@ from safetensors.torch import load_file, save_file
 from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.loading import load_checkpoint
-from metrale.runtime.loading.fp8 import is_linear_weight, quantize_rows
+from metrale.runtime.loading.fp8 import Fp8Weight, is_linear_weight, quantize_rows
 from metrale.runtime.sampling import OutputOptions
 from metrale.runtime.step import DecodeToken, PrefillSlice, Step
 from tiny_models import write_tiny, write_tiny_m2m100
 
 from cuda_engines import SOURCES
 from gpu_reference import TOLERANCE, relative_error
-from fp8_checkpoints import BLOCK, write_compressed
+from fp8_checkpoints import BLOCK, write_compressed, write_fp8
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -68,6 +69,29 @@ def dequantized_copy(published, strategy: str, target):
     del config["quantization_config"]
     (target / "config.json").write_text(json.dumps(config))
     return target
+
+
+def read_dequantized(published, target):
+    """A checkpoint with each FP8 weight as the float32 values the loader reads it as (Fp8Weight.dequantize), without
+    its quantization_config, in target."""
+    tensors = load_checkpoint(published).tensors
+    target.mkdir()
+    save_file({key: (w.dequantize() if isinstance(w, Fp8Weight) else w).contiguous()
+               for key in tensors if isinstance(w := tensors[key], (torch.Tensor, Fp8Weight))},
+              target / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((published / "config.json").read_text())
+    del config["quantization_config"]
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def fp8_matrices(tree) -> list:
+    """The Fp8Matrix weights in a model's weights (dicts, lists and tuples of them)."""
+    if isinstance(tree, dict):
+        return [m for value in tree.values() for m in fp8_matrices(value)]
+    if isinstance(tree, (list, tuple)):
+        return [m for value in tree for m in fp8_matrices(value)]
+    return [tree] if type(tree).__name__ == "Fp8Matrix" else []
 
 
 def engine(directory, tmp_path, device: str, quantize: str = "none"):
@@ -149,3 +173,28 @@ def test_m2m100_quantized_at_load_is_the_bf16_engine_over_its_dequantized_weight
     errors = [relative_error(row[s], expected[s]) for row, expected in zip(got, want) for s in sources]
     print(f"m2m100: W8A16 against bf16 over the dequantized weights, largest relative error {max(errors):.2e}")
     assert max(errors) < TOLERANCE[torch.bfloat16], errors
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3_untied"])
+def test_releases_in_128_blocks_stay_fp8_within_both_rules(name, tmp_path):
+    """DeepSeek's and Qwen3's FP8 layout (weight_scale_inv a 128 x 128 block): the weights whose K is a multiple of 128
+    stay FP8 (a scale a row per 128 columns); narrow steps are the bf16 engine over the dequantized weights within
+    bf16's rounding, wide steps (inputs quantized per token and 128 columns) the CPU backend's float32 run within
+    W8A8_BOUND."""
+    published = write_fp8(name, tmp_path, block=(128, 128))
+    rounded = read_dequantized(published, tmp_path / "rounded")
+    fp8, bf16 = engine(published, tmp_path, "cuda"), engine(rounded, tmp_path, "cuda")
+    kept = fp8_matrices(fp8.model.weights)
+    assert kept and all(m.blocks for m in kept)
+    narrow = prompts(2, 4, seed=7)
+    want, fed = run(bf16, narrow, None, 6)
+    got, _ = run(fp8, narrow, fed, 6)
+    errors = [relative_error(row[s], expected[s]) for row, expected in zip(got, want) for s in narrow]
+    wide = prompts(20, 24, seed=8)
+    cpu_want, cpu_fed = run(engine(published, tmp_path, "cpu"), wide, None, 6)
+    cpu_got, _ = run(fp8, wide, cpu_fed, 6)
+    w8a8 = [relative_error(row[s], expected[s]) for row, expected in zip(cpu_got, cpu_want) for s in wide]
+    print(f"{name} in 128 x 128 blocks: {len(kept)} FP8 weights; narrow against bf16 {max(errors):.2e}, wide "
+          f"against the CPU's float32 {max(w8a8):.2e}")
+    assert max(errors) < TOLERANCE[torch.bfloat16], errors
+    assert max(w8a8) < W8A8_BOUND, w8a8

@@ -14,8 +14,8 @@ from dataclasses import replace
 import numpy as np
 
 from metrale.runtime.backend.cuda.gemm_plan import (ALIGNMENT, CUBLAS_COMPUTE_32F, CUBLASLT_EPILOGUE_BIAS,
-                                                    CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F, CUDA_DATA_TYPE,
-                                                    GemmPlan, LinearKey, fp8_linear_key, head_linear_key, linear_key)
+                                                    CUDA_DATA_TYPE, GemmPlan, LinearKey, fp8_linear_key,
+                                                    head_linear_key, linear_key)
 from metrale.runtime.backend.cuda.launch import require
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.errors import DeviceFault, FailedPrecondition, InvalidArgument
@@ -129,10 +129,11 @@ class CublasLt:
                    bias: DeviceTensor | None = None, workspace: DeviceTensor | None = None, relu: bool = False) -> None:
         """out [M, N] bf16 = (x [M, K] e4m3 x x_scales [M]) @ weight.T (+ bias [N] bf16), then max(., 0) if relu:
         cuBLASLt's FP8 matmul, each operand scaled a row (OUTER_VEC_32F), fp32 accumulation. weight: an Fp8Matrix
-        (data [N, K] e4m3, scales [N] float32). Checked by fp8_linear_key."""
+        (data [N, K] e4m3, scales [N] float32); in blocks, each scaled a row per 128 of K (VEC128_32F): x_scales
+        [K / 128, M], weight.scales [K / 128, N]. Checked by fp8_linear_key."""
         if self._handle is None:
             raise FailedPrecondition("FP8 linear on a closed CublasLt")
-        key = fp8_linear_key(out, x, x_scales, weight.data, weight.scales, bias, relu)
+        key = fp8_linear_key(out, x, x_scales, weight.data, weight.scales, bias, relu, weight.blocks)
         if key.m == 0:
             return
         workspace = self._workspace_of(workspace)
@@ -236,10 +237,10 @@ class CublasLt:
                 # The heuristic reads the bias pointer only for its alignment: address ALIGNMENT stands for every
                 # bias linear_key accepts. Each call sets the real one (_enqueue_pointing).
                 self._set_desc(desc, attr.BIAS_POINTER, ALIGNMENT)
-            if plan.scaled:
+            if plan.scale_mode is not None:
                 for mode, pointer in ((attr.A_SCALE_MODE, attr.A_SCALE_POINTER),
                                       (attr.B_SCALE_MODE, attr.B_SCALE_POINTER)):
-                    self._set_desc(desc, mode, CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F)
+                    self._set_desc(desc, mode, plan.scale_mode)
                     self._set_desc(desc, pointer, ALIGNMENT)    # as the bias pointer: fp8_linear sets the real ones
             for layout in (plan.a, plan.b, plan.d):
                 layouts.append(self._call("cublasLtMatrixLayoutCreate", lt.matrix_layout_create,

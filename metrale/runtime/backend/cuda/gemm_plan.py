@@ -15,8 +15,10 @@ CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 CUBLASLT_EPILOGUE_DEFAULT, CUBLASLT_EPILOGUE_RELU, CUBLASLT_EPILOGUE_BIAS = 1, 2, 4
 CUBLASLT_EPILOGUE_RELU_BIAS = CUBLASLT_EPILOGUE_RELU | CUBLASLT_EPILOGUE_BIAS
 # cublasLtMatmulMatrixScale_t: a float32 scale for each row of op(A) and each column of op(B) (an FP8 weight's rows,
-# a quantized input's tokens).
+# a quantized input's tokens); or one for each of those per 128 of K, [K / 128, rows or columns] (an FP8 weight in
+# blocks, an input quantized per 128 columns).
 CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F = 3
+CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F = 4
 OUT_DTYPES = ("bfloat16", "float32")
 # Every pointer and row stride is checked to this alignment, and the heuristic is told so: its default
 # assumption is 256 bytes, and an algorithm picked under it may misbehave on a row view that is only 16-aligned.
@@ -43,6 +45,7 @@ class LinearKey(NamedTuple):
     out_head_stride: int = 0
     transposed: bool = False     # the heads' weights stored [heads, K, N]
     fp8: bool = False            # x and weight e4m3, each with a float32 scale a row (W8A8: fp8_linear_key)
+    blocks: bool = False         # fp8, each scale a row per 128 of K
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ class GemmPlan:
     transa: int
     transb: int
     epilogue: int
-    scaled: bool = False    # A and B scaled by OUTER_VEC_32F vectors (the FP8 matmul)
+    scale_mode: int | None = None    # the FP8 matmul's: A and B scaled by OUTER_VEC_32F or VEC128_32F vectors
 
     @classmethod
     def for_linear(cls, key: LinearKey) -> "GemmPlan":
@@ -83,7 +86,9 @@ class GemmPlan:
             return cls(a=MatrixLayout("float8_e4m3", key.k, key.n, key.k),
                        b=MatrixLayout("float8_e4m3", key.k, key.m, key.x_stride),
                        d=MatrixLayout(key.out_dtype, key.n, key.m, key.out_stride), transa=CUBLAS_OP_T,
-                       transb=CUBLAS_OP_N, epilogue=_EPILOGUES[key.has_bias, key.relu], scaled=True)
+                       transb=CUBLAS_OP_N, epilogue=_EPILOGUES[key.has_bias, key.relu],
+                       scale_mode=(CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F if key.blocks
+                                   else CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F))
         if key.heads > 1:       # batch h: weight[h], and x's and out's columns of head h
             # weight[h] [N, K] row-major is column-major [K, N], transposed; stored [K, N], it is [N, K] as it is
             a = (MatrixLayout("bfloat16", key.n, key.k, key.n, key.heads, key.n * key.k) if key.transposed
@@ -185,10 +190,12 @@ def head_linear_key(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, x_
 
 
 def fp8_linear_key(out: DeviceTensor, x: DeviceTensor, x_scales: DeviceTensor, data: DeviceTensor,
-                   scales: DeviceTensor, bias: DeviceTensor | None, relu: bool = False) -> LinearKey:
+                   scales: DeviceTensor, bias: DeviceTensor | None, relu: bool = False, blocks: bool = False
+                   ) -> LinearKey:
     """Checks a W8A8 linear's operands and returns its cache key: out [M, N] bf16 (a column slice may do) = (x [M, K]
     x x_scales [M]) @ (data [N, K] x scales [N]).T (+ bias [N] bf16): x and data contiguous e4m3, K % 16 == 0, every
-    pointer and out's row stride 16-byte aligned."""
+    pointer and out's row stride 16-byte aligned. blocks: a scale a row per 128 of K, x_scales [K / 128, M] and
+    scales [K / 128, N] (contiguous), K % 128 == 0."""
     if len(x.shape) != 2 or x.dtype != "float8_e4m3" or not x.is_contiguous:
         raise InvalidArgument(f"FP8 linear: x must be a contiguous [M, K] float8_e4m3, not {x.shape} {x.dtype}")
     if len(data.shape) != 2 or data.dtype != "float8_e4m3" or not data.is_contiguous:
@@ -196,16 +203,19 @@ def fp8_linear_key(out: DeviceTensor, x: DeviceTensor, x_scales: DeviceTensor, d
                               f"{data.dtype}")
     m, k = x.shape
     n = data.shape[0]
-    if data.shape[1] != k or n == 0 or k % 16:
+    k_multiple = 128 if blocks else 16
+    if data.shape[1] != k or n == 0 or k % k_multiple:
         raise InvalidArgument(f"FP8 linear: x {x.shape} and weight {data.shape} must agree on a K that is a "
-                              f"multiple of 16, with N > 0")
-    if x_scales.shape != (m,) or scales.shape != (n,) or x_scales.dtype != "float32" or scales.dtype != "float32":
-        raise InvalidArgument(f"FP8 linear: scales must be [{m}] and [{n}] float32, not {x_scales.shape} "
-                              f"{x_scales.dtype} and {scales.shape} {scales.dtype}")
+                              f"multiple of {k_multiple}, with N > 0")
+    want_x, want_w = ((k // 128, m), (k // 128, n)) if blocks else ((m,), (n,))
+    if (x_scales.shape != want_x or scales.shape != want_w or x_scales.dtype != "float32" or scales.dtype != "float32"
+            or not (x_scales.is_contiguous and scales.is_contiguous)):
+        raise InvalidArgument(f"FP8 linear: scales must be contiguous {list(want_x)} and {list(want_w)} float32, not "
+                              f"{x_scales.shape} {x_scales.dtype} and {scales.shape} {scales.dtype}")
     if out.shape != (m, n) or out.dtype != "bfloat16" or out.stride < n:
         raise InvalidArgument(f"FP8 linear: out must be [{m}, {n}] bfloat16, not {out.shape} {out.dtype}")
     if (x.ptr | data.ptr | out.ptr | 2 * out.stride | x_scales.ptr | scales.ptr) % ALIGNMENT:
         raise InvalidArgument(f"FP8 linear: x, weight, out and the scales must be {ALIGNMENT}-byte aligned")
     if bias is not None and (bias.shape != (n,) or bias.dtype != "bfloat16" or bias.ptr % ALIGNMENT):
         raise InvalidArgument(f"FP8 linear: bias must be an aligned [{n}] bfloat16, not {bias.shape} {bias.dtype}")
-    return LinearKey(m, n, k, k, out.stride, "bfloat16", bias is not None, relu, fp8=True)
+    return LinearKey(m, n, k, k, out.stride, "bfloat16", bias is not None, relu, fp8=True, blocks=blocks)

@@ -8,7 +8,7 @@ import torch
 
 from metrale.runtime.backend.cuda import hyper_connection, kernels, latent_prefill, mixture, sparse_selection
 from metrale.runtime.backend.cuda.batch import CudaBatch
-from metrale.runtime.backend.cuda.fp8_matrix import Fp8Matrix, kept_as_fp8
+from metrale.runtime.backend.cuda.fp8_matrix import Fp8Matrix, device_scales, kept_as_fp8
 from metrale.runtime.backend.cuda.resources import CudaResources
 from metrale.runtime.backend.cuda.stream_context import StreamContext, padded_vocab
 from metrale.runtime.backend.cuda.linears import k_splits, linear_into, partials
@@ -32,10 +32,12 @@ class CudaLayerMath:
         return self.resources.bound.context
 
     def upload(self, tensor: torch.Tensor) -> DeviceTensor | Fp8Matrix:
-        """bf16; an FP8 weight in the form fp8_matrix.py keeps (one scale a row) as an Fp8Matrix."""
+        """bf16; an FP8 weight in a form fp8_matrix.py keeps (one scale a row, or a row per 128 columns) as an
+        Fp8Matrix."""
         if kept_as_fp8(tensor, self.lib.arch, self.resources.gemm.version):
+            scales = device_scales(tensor)
             return Fp8Matrix(self._upload(tensor.data.view(torch.uint8), "float8_e4m3"),
-                             self._upload(tensor.scales.reshape(-1), "float32"))
+                             self._upload(scales, "float32"), blocks=scales.dim() == 2)
         return self._upload(tensor.to(torch.bfloat16), "bfloat16")
 
     def upload_lm_head(self, tensor: torch.Tensor) -> DeviceTensor:

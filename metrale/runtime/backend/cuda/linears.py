@@ -1,7 +1,7 @@
 """Which GEMM runs a linear on the CUDA backend: the skinny-GEMM kernel for a few rows, cuBLASLt otherwise, and at
 decode row counts the K-split form (float32 partials of K's slices) that a norm or the attention kernel sums. An FP8
 weight (fp8_matrix.py): the skinny GEMM for a few rows, else cuBLASLt's FP8 matmul over the input quantized per
-token; never split."""
+token (and per 128 columns for a weight in blocks); never split."""
 
 from metrale.runtime.backend.cuda import kernels
 from metrale.runtime.backend.cuda.fp8_matrix import Fp8Matrix
@@ -50,7 +50,7 @@ def fp8_linear_into(lib, gemm, ctx, out: DeviceTensor, x: DeviceTensor, weight: 
                     bias: DeviceTensor | None = None, relu: bool = False) -> None:
     """out = x @ weight.T (+ bias, then relu) for an FP8 weight: up to 16 rows on the skinny GEMM (the weight
     widened to bf16 in registers: exact to the bf16 weight it dequantizes to); more on cuBLASLt's FP8 matmul, x first
-    quantized per token into the stream's fp8_input."""
+    quantized per token (and 128 columns, for a weight in blocks) into the stream's fp8_input."""
     m, k = x.shape
     if m <= kernels.skinny_gemm.MAX_M:
         kernels.skinny_gemm.skinny_linear(lib, ctx.stream, out, x, weight, bias, relu=relu)
@@ -59,8 +59,12 @@ def fp8_linear_into(lib, gemm, ctx, out: DeviceTensor, x: DeviceTensor, weight: 
         raise InvalidArgument(f"an FP8 linear's input [{m}, {k}] does not fit the stream's FP8 input buffer "
                               f"{None if ctx.fp8_input is None else ctx.fp8_input.shape} (MemoryShapes.fp8_width)")
     quantized = DeviceTensor(ctx.fp8_input.ptr, (m, k), "float8_e4m3")
-    scales = ctx.fp8_scales.rows(0, m)
-    kernels.fp8.quantize_rows(lib, ctx.stream, quantized, scales, x)
+    if weight.blocks:       # scales [K / 128, M]: the buffer holds a scale per 128 columns of its rows
+        scales = DeviceTensor(ctx.fp8_scales.ptr, (k // kernels.fp8.GROUP, m), "float32")
+        kernels.fp8.quantize_groups(lib, ctx.stream, quantized, scales, x)
+    else:
+        scales = ctx.fp8_scales.rows(0, m)
+        kernels.fp8.quantize_rows(lib, ctx.stream, quantized, scales, x)
     gemm.fp8_linear(ctx.stream, out, quantized, scales, weight, bias, ctx.gemm_workspace, relu=relu)
 
 

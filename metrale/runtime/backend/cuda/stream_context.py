@@ -75,9 +75,11 @@ def stream_buffers(lib, shapes: MemoryShapes) -> Buffers:
         # moe_route's count of its finished blocks: 0 between launches (its last block resets it).
         "moe_done": ((1,), "int32"),
     }
-    # An FP8 linear's input quantized per token (its rows of e4m3, their scales), read by the GEMM right after.
+    # An FP8 linear's input quantized per token (its rows of e4m3, their scales: one a row, or one a row per 128
+    # columns for a weight in blocks), read by the GEMM right after.
     if shapes.fp8_width:
-        buffers.update({"fp8_input": ((t, shapes.fp8_width), "float8_e4m3"), "fp8_scales": ((t,), "float32")})
+        buffers.update({"fp8_input": ((t, shapes.fp8_width), "float8_e4m3"),
+                        "fp8_scales": ((t * max(1, shapes.fp8_width // kernels.fp8.GROUP),), "float32")})
     # Multi-head latent attention's up-projected prefill (latent_prefill.py), where its head dims are built.
     if shapes.latent_rank and latent_prefill.supports(shapes.latent_nope, shapes.latent_rope, shapes.latent_v):
         sizes = latent_prefill.buffer_elements(shapes.latent_rank + shapes.latent_rope, shapes.latent_heads,

@@ -1,9 +1,10 @@
 """Launcher for cuda_kernels/gemv.cu: the skinny GEMM of decode linears, out = x @ weight.T (+ bias), M <= 16, for a
-bf16 weight and for an Fp8Matrix (e4m3 with a scale a row, widened to bf16 in registers)."""
+bf16 weight and for an Fp8Matrix (e4m3 with a scale a row, or a row per 128 columns, widened to bf16 in
+registers)."""
 
 import numpy as np
 
-from metrale.runtime.backend.cuda.fp8_matrix import K_MULTIPLE, Fp8Matrix
+from metrale.runtime.backend.cuda.fp8_matrix import BLOCK, K_MULTIPLE, Fp8Matrix
 from metrale.runtime.backend.cuda.launch import ceil_div, launch_kernel
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.errors import InvalidArgument
@@ -16,7 +17,9 @@ OUT_DTYPES = ("bfloat16", "float32")
 # (M <= 8, out dtype) -> kernel: M <= 8 is one 8-token mma tile, M <= 16 two.
 KERNELS = {(True, "bfloat16"): "skinny_gemm_m8_bf16", (True, "float32"): "skinny_gemm_m8_f32",
            (False, "bfloat16"): "skinny_gemm_m16_bf16", (False, "float32"): "skinny_gemm_m16_f32"}
-FP8_KERNELS = {True: "skinny_gemm_m8_fp8", False: "skinny_gemm_m16_fp8"}      # bf16 out
+# (M <= 8, weight in blocks) -> kernel, bf16 out.
+FP8_KERNELS = {(True, False): "skinny_gemm_m8_fp8", (False, False): "skinny_gemm_m16_fp8",
+               (True, True): "skinny_gemm_m8_fp8_blocks", (False, True): "skinny_gemm_m16_fp8_blocks"}
 NULL = np.uint64(0)
 
 
@@ -62,8 +65,10 @@ def _fp8_problem(weight: Fp8Matrix, out: DeviceTensor) -> str | None:
     if len(data.shape) != 2 or data.dtype != "float8_e4m3" or not data.is_contiguous or data.shape[1] % K_MULTIPLE:
         return (f"an FP8 weight must be a contiguous [N, K] float8_e4m3 with K % {K_MULTIPLE} == 0, not {data.shape} "
                 f"{data.dtype}")
-    if scales.shape != (data.shape[0],) or scales.dtype != "float32":
-        return f"an FP8 weight's scales must be [{data.shape[0]}] float32, not {scales.shape} {scales.dtype}"
+    n, k = data.shape
+    want = (k // BLOCK, n) if weight.blocks else (n,)
+    if scales.shape != want or scales.dtype != "float32" or (weight.blocks and k % BLOCK):
+        return f"an FP8 weight's scales must be {list(want)} float32, not {scales.shape} {scales.dtype}"
     if out.dtype != "bfloat16":
         return f"an FP8 weight's out must be bfloat16, not {out.dtype}"
     return None
@@ -91,7 +96,7 @@ def skinny_linear(lib, stream, out: DeviceTensor, x: DeviceTensor, weight: Devic
         return
     n = out.shape[1]
     if isinstance(weight, Fp8Matrix):
-        launch_kernel(stream, lib.get(FP8_KERNELS[m <= 8], MODULE), ceil_div(n, TILE_ROWS), THREADS, out,
+        launch_kernel(stream, lib.get(FP8_KERNELS[m <= 8, weight.blocks], MODULE), ceil_div(n, TILE_ROWS), THREADS, out,
                       np.int64(out.stride), x, np.int64(x.stride // 8), weight.data, weight.scales,
                       bias if bias is not None else NULL, m, n, k // 8, int(relu))
         return
