@@ -158,7 +158,9 @@ def test_an_fp8_linear_in_blocks_scales_a_row_per_128_of_k():
     bad = {"a scale a row": (out, x, tensor((m,), "float32"), data, tensor((n,), "float32")),
            "scales transposed": (out, x, tensor((m, 5), "float32"), data, tensor((n, 5), "float32")),
            "K not a multiple of 128": (out, tensor((m, 576), "float8_e4m3"), tensor((4, m), "float32"),
-                                       tensor((n, 576), "float8_e4m3"), tensor((4, n), "float32"))}
+                                       tensor((n, 576), "float8_e4m3"), tensor((4, n), "float32")),
+           "M not a multiple of 4": (tensor((m - 1, n)), tensor((m - 1, k), "float8_e4m3", ptr=BASE * 16),
+                                     tensor((5, m - 1), "float32", ptr=BASE * 80), data, scales)}
     for case, operands_ in bad.items():
         with pytest.raises(InvalidArgument, match="FP8 linear"):
             fp8_linear_key(*operands_, None, blocks=True)

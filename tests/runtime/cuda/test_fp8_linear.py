@@ -179,7 +179,7 @@ def test_quantize_groups_equals_torchs_cast(kernel_library, stream, m, k, pad):
 
 
 # (N, K) with K % 128 == 0: Llama-3-8B's qkv, o, gate_up, down; a small model's; N not a multiple of 16 or 128.
-BLOCK_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (960, 640), (1000, 256), (17, 128)]
+BLOCK_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (960, 640), (1000, 256), (17, 256)]
 
 
 @pytest.mark.parametrize("n, k", BLOCK_SHAPES)
@@ -204,22 +204,28 @@ def w8a8_block_reference(q_x, x_scales, data, scales) -> torch.Tensor:
             @ (data.double() * scales.double().T.repeat_interleave(BLOCK, 1)).T)
 
 
+@pytest.mark.parametrize("with_bias, relu", [(False, False), (True, True)])
 @pytest.mark.parametrize("n, k", BLOCK_SHAPES[:6])
-@pytest.mark.parametrize("m", [17, 33, 64, 300, 4096])
-def test_cublaslt_w8a8_in_blocks_matches_float64(cublaslt, stream, m, n, k):
+@pytest.mark.parametrize("m", [20, 36, 64, 300, 4096])
+def test_cublaslt_w8a8_in_blocks_matches_float64(cublaslt, stream, m, n, k, with_bias, relu):
+    """M a multiple of 4, as cuBLASLt's VEC128_32F matmul takes it."""
     matrix, (data, scales), _ = fp8_block_weight(n, k, seed=n * k)
     q_x, x_scales = torch_group_quantized(random_x(m, k, seed=m * n))
+    bias = torch.randn(n, device="cuda").bfloat16() if with_bias else None
     out = torch.full((m, n + 16), float("nan"), dtype=torch.bfloat16, device="cuda")[:, 8:8 + n]   # a column slice
     torch.cuda.synchronize()
     cublaslt.fp8_linear(stream, DeviceTensor.from_torch(out), DeviceTensor.from_torch(q_x),
-                        DeviceTensor.from_torch(x_scales), matrix)
+                        DeviceTensor.from_torch(x_scales), matrix,
+                        DeviceTensor.from_torch(bias) if bias is not None else None, relu=relu)
     stream.sync()
-    error = relative_error(out, w8a8_block_reference(q_x, x_scales, data, scales))
+    reference = w8a8_block_reference(q_x, x_scales, data, scales) + (bias.double() if bias is not None else 0)
+    error = relative_error(out, reference.clamp_min(0) if relu else reference)
     assert error < BOUND, f"relative error {error:.2e}"
 
 
-@pytest.mark.parametrize("m", [1, 16, 17, 200])
+@pytest.mark.parametrize("m", [1, 16, 17, 200, 203])
 def test_fp8_linear_into_in_blocks_quantizes_by_groups_then_multiplies(kernel_library, cublaslt, stream, m):
+    """Rows in fours on cuBLASLt (W8A8), the rest (up to 16 rows; the last M % 4 past them) on the skinny GEMM."""
     n, k = 4096, 1024
     matrix, (data, scales), dequantized = fp8_block_weight(n, k, seed=m)
     x = random_x(m, k, seed=2 * m, pad=16)
@@ -230,9 +236,8 @@ def test_fp8_linear_into_in_blocks_quantizes_by_groups_then_multiplies(kernel_li
     torch.cuda.synchronize()
     fp8_linear_into(kernel_library, cublaslt, ctx, DeviceTensor.from_torch(out), DeviceTensor.from_torch(x), matrix)
     stream.sync()
-    if m <= 16:
-        reference = x.double() @ dequantized.double().T
-    else:
-        reference = w8a8_block_reference(*torch_group_quantized(x), data, scales)
+    body = 0 if m <= 16 else m - m % 4
+    reference = x.double() @ dequantized.double().T
+    reference[:body] = w8a8_block_reference(*torch_group_quantized(x[:body]), data, scales)
     error = relative_error(out, reference)
     assert error < BOUND, f"relative error {error:.2e}"

@@ -195,7 +195,7 @@ def fp8_linear_key(out: DeviceTensor, x: DeviceTensor, x_scales: DeviceTensor, d
     """Checks a W8A8 linear's operands and returns its cache key: out [M, N] bf16 (a column slice may do) = (x [M, K]
     x x_scales [M]) @ (data [N, K] x scales [N]).T (+ bias [N] bf16): x and data contiguous e4m3, K % 16 == 0, every
     pointer and out's row stride 16-byte aligned. blocks: a scale a row per 128 of K, x_scales [K / 128, M] and
-    scales [K / 128, N] (contiguous), K % 128 == 0."""
+    scales [K / 128, N] (contiguous), K % 128 == 0, M % 4 == 0."""
     if len(x.shape) != 2 or x.dtype != "float8_e4m3" or not x.is_contiguous:
         raise InvalidArgument(f"FP8 linear: x must be a contiguous [M, K] float8_e4m3, not {x.shape} {x.dtype}")
     if len(data.shape) != 2 or data.dtype != "float8_e4m3" or not data.is_contiguous:
@@ -207,6 +207,8 @@ def fp8_linear_key(out: DeviceTensor, x: DeviceTensor, x_scales: DeviceTensor, d
     if data.shape[1] != k or n == 0 or k % k_multiple:
         raise InvalidArgument(f"FP8 linear: x {x.shape} and weight {data.shape} must agree on a K that is a "
                               f"multiple of {k_multiple}, with N > 0")
+    if blocks and m % 4:
+        raise InvalidArgument(f"FP8 linear: {m} rows in 128-column blocks; cuBLASLt takes them in multiples of 4")
     want_x, want_w = ((k // 128, m), (k // 128, n)) if blocks else ((m,), (n,))
     if (x_scales.shape != want_x or scales.shape != want_w or x_scales.dtype != "float32" or scales.dtype != "float32"
             or not (x_scales.is_contiguous and scales.is_contiguous)):

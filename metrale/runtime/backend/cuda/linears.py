@@ -21,6 +21,8 @@ SKINNY_MAX_WEIGHT = 64 << 20
 # less than the norm's extra).
 SPLIT_LONG_K = 2048
 SPLITS_BY_ROWS = ((SKINNY_MAX_M, 1, 1), (64, 4, 8), (256, 1, 4))      # (up to rows, short K, long K)
+# cuBLASLt's FP8 matmul with VEC128_32F scales takes tokens in multiples of 4 (fewer: CUBLAS_STATUS_NOT_SUPPORTED).
+ROWS_MULTIPLE = 4
 
 
 def k_splits(rows: int, weight: DeviceTensor | Fp8Matrix) -> int:
@@ -58,14 +60,30 @@ def fp8_linear_into(lib, gemm, ctx, out: DeviceTensor, x: DeviceTensor, weight: 
     if ctx.fp8_input is None or k > ctx.fp8_input.shape[1] or m > ctx.fp8_input.shape[0]:
         raise InvalidArgument(f"an FP8 linear's input [{m}, {k}] does not fit the stream's FP8 input buffer "
                               f"{None if ctx.fp8_input is None else ctx.fp8_input.shape} (MemoryShapes.fp8_width)")
+    if weight.blocks:
+        _fp8_blocks_linear_into(lib, gemm, ctx, out, x, weight, bias, relu)
+        return
     quantized = DeviceTensor(ctx.fp8_input.ptr, (m, k), "float8_e4m3")
-    if weight.blocks:       # scales [K / 128, M]: the buffer holds a scale per 128 columns of its rows
-        scales = DeviceTensor(ctx.fp8_scales.ptr, (k // kernels.fp8.GROUP, m), "float32")
-        kernels.fp8.quantize_groups(lib, ctx.stream, quantized, scales, x)
-    else:
-        scales = ctx.fp8_scales.rows(0, m)
-        kernels.fp8.quantize_rows(lib, ctx.stream, quantized, scales, x)
+    scales = ctx.fp8_scales.rows(0, m)
+    kernels.fp8.quantize_rows(lib, ctx.stream, quantized, scales, x)
     gemm.fp8_linear(ctx.stream, out, quantized, scales, weight, bias, ctx.gemm_workspace, relu=relu)
+
+
+def _fp8_blocks_linear_into(lib, gemm, ctx, out: DeviceTensor, x: DeviceTensor, weight: Fp8Matrix,
+                            bias: DeviceTensor | None, relu: bool) -> None:
+    """fp8_linear_into's W8A8 path for a weight in blocks: x quantized per token and 128 columns (scales [K / 128,
+    M]), then cuBLASLt's VEC128_32F matmul, which takes tokens in multiples of ROWS_MULTIPLE: the last M %
+    ROWS_MULTIPLE rows (a prefill of another count; decode graphs pad to powers of two) run on the skinny GEMM (W8A16,
+    one more pass over the weight)."""
+    m, k = x.shape
+    body = m - m % ROWS_MULTIPLE
+    quantized = DeviceTensor(ctx.fp8_input.ptr, (body, k), "float8_e4m3")
+    scales = DeviceTensor(ctx.fp8_scales.ptr, (k // kernels.fp8.GROUP, body), "float32")
+    kernels.fp8.quantize_groups(lib, ctx.stream, quantized, scales, x.rows(0, body))
+    gemm.fp8_linear(ctx.stream, out.rows(0, body), quantized, scales, weight, bias, ctx.gemm_workspace, relu=relu)
+    if body < m:
+        kernels.skinny_gemm.skinny_linear(lib, ctx.stream, out.rows(body, m), x.rows(body, m), weight, bias,
+                                          relu=relu)
 
 
 def partials(gemm, ctx, x: DeviceTensor, weight: DeviceTensor, splits: int) -> DeviceTensor:
