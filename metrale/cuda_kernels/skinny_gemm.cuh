@@ -127,7 +127,7 @@ struct Fp8RowWeights {        // [N, K] e4m3 with one float32 scale a row: a loa
 struct Fp8BlockWeights : Fp8RowWeights {
     static constexpr bool BLOCKED = true;
     int n;
-    __device__ __forceinline__ float scale(int r, int chunk) const { return __ldg(scales + (chunk >> 4) * n + r); }
+    __device__ __forceinline__ float scale(int r, int chunk) const { return scales[(chunk >> 4) * n + r]; }
 };
 
 __device__ __forceinline__ float to_float(bf16 v) { return bf16_to_float(v); }
