@@ -78,15 +78,19 @@ class Fp8Tensors(TensorsAsRead):
         return next((name + s for s in WEIGHT_SCALES if name + s in self.tensors), None)
 
     def holds_fp8(self, name: str) -> bool:
-        """A 2-D e4m3 weight with one scale, one a row, or one a block of KEPT_BLOCK columns (a whole number of them
-        a row), by the headers: what a Hopper GPU keeps in FP8."""
+        """A 2-D e4m3 weight with one scale, one a row (a block as wide as the weight too), or one a block of
+        KEPT_BLOCK columns (a whole number of them a row), by the headers: what a Hopper GPU keeps in FP8."""
         scale, shape = self.scale_name(name), self.shape(name)
         if scale is None or len(shape) != 2 or self.scheme.fmt != "e4m3":
             return False
         scale_shape = self.shape(scale)
-        if self.block is not None:
-            return math.prod(scale_shape) == 1 or (self.block[1] == KEPT_BLOCK and shape[1] % KEPT_BLOCK == 0)
-        return math.prod(scale_shape) == 1 or scale_shape in ((shape[0],), (shape[0], 1))
+        if math.prod(scale_shape) == 1:
+            return True
+        if self.block is None:
+            return scale_shape in ((shape[0],), (shape[0], 1))
+        # One block across the columns is one scale a row.
+        return (shape[1] <= self.block[1] and shape[1] % 16 == 0) or (self.block[1] == KEPT_BLOCK
+                                                                      and shape[1] % KEPT_BLOCK == 0)
 
     def read(self, name: str, tensor: torch.Tensor):
         if tensor.dtype not in FP8_DTYPES:
@@ -233,7 +237,10 @@ class Fp8Weight(DeferredWeight):
         return cls(torch.cat([w.data for w in weights]), torch.cat([w.scales for w in weights]), weights[0].block)
 
     @classmethod
-    def stacked(cls, weights: list["Fp8Weight"]) -> "Fp8Experts":
+    def stacked(cls, weights: list["Fp8Weight"]) -> "Fp8Experts | None":
+        """Experts with one scale a row (what a GPU keeps); others dequantize one by one, as before."""
+        if weights[0].scales.shape[1] != 1:
+            return None
         return Fp8Experts(torch.stack([w.data for w in weights]), torch.stack([w.scales for w in weights]),
                           weights[0].block)
 

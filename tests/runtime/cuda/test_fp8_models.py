@@ -176,7 +176,7 @@ def test_m2m100_quantized_at_load_is_the_bf16_engine_over_its_dequantized_weight
     assert max(errors) < TOLERANCE[torch.bfloat16], errors
 
 
-@pytest.mark.parametrize("name", ["qwen3", "llama3_untied"])
+@pytest.mark.parametrize("name", ["qwen3"])              # its o_proj (K = 256) is in blocks; K = 128 is one a row
 def test_releases_in_128_blocks_stay_fp8_within_both_rules(name, tmp_path):
     """DeepSeek's and Qwen3's FP8 layout (weight_scale_inv a 128 x 128 block): the weights whose K is a multiple of 128
     stay FP8 (a scale a row per 128 columns); narrow steps are the bf16 engine over the dequantized weights within

@@ -43,8 +43,8 @@ class Fp8Matrix:
 
 def kept_as_fp8(weight, arch: str, cublas_version: int) -> bool:
     """Whether a checkpoint weight goes to the device as an Fp8Matrix: an Fp8Weight of e4m3 values with one scale a
-    row and K a multiple of K_MULTIPLE, or with one a row per BLOCK columns and K a multiple of BLOCK, on Hopper or
-    later with cuBLAS MIN_CUBLAS or later; a mixture's Fp8Experts with one scale a row and K a multiple of K_MULTIPLE
+    row and K a multiple of K_MULTIPLE on Hopper or later, or with one a row per BLOCK columns and K a multiple of
+    BLOCK on Hopper, with cuBLAS MIN_CUBLAS or later; a mixture's Fp8Experts with one scale a row and K a multiple of K_MULTIPLE
     on Hopper or later (moe.cu's kernels, no cuBLAS). (Any other weight is never asked for its parts: a GGUF BlockWeight would
     dequantize itself to answer.)"""
     if isinstance(weight, Fp8Experts):          # a mixture's experts: one scale a row
@@ -57,7 +57,8 @@ def kept_as_fp8(weight, arch: str, cublas_version: int) -> bool:
         return False
     if tuple(scales.shape) == (data.shape[0], 1):
         return data.shape[1] % K_MULTIPLE == 0
-    return weight.block == BLOCK and data.shape[1] % BLOCK == 0
+    # cuBLASLt's VEC128_32F scales are Hopper's (Blackwell's block scales are other formats).
+    return arch_number(arch) == 90 and weight.block == BLOCK and data.shape[1] % BLOCK == 0
 
 
 def device_scales(weight: Fp8Weight | Fp8Experts) -> torch.Tensor:
