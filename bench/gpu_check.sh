@@ -55,10 +55,11 @@
 #            tokens, beside dense latent attention over the same cache, batches 1 and 64 at 4k and 32k (~1 min)
 #   serving  bench/serving.py: the reference gateway and a Llama-3-8B-shaped worker under Poisson arrivals at several
 #            rates (throughput, TTFT and ITL p50/p99), and the gateway at saturation against the step benchmark (~6 min)
-#   fp8      --quantize fp8: the FP8 tests, bench/gpu_fp8_gemm.py (the FP8 linears beside bf16's), then
+#   fp8      --quantize fp8: the FP8 tests, bench/gpu_fp8_gemm.py (the FP8 linears beside bf16's; again with weights
+#            in 128 x 128 blocks, as DeepSeek's and Qwen3's releases hold them), then
 #            bench/gpu_decode.py at the Llama-3-8B shape with FP8 weights: decode at batches 1, 64, 256 against the
 #            FP8 floor and the bf16 peer, through gRPC, and the 8 x 1k prefill against the FP8 GEMM rate; the decode
-#            attention kernel alone over an FP8 cache (bench/gpu_attention.py --decode-only --kv-dtype fp8)  (~7 min)
+#            attention kernel alone over an FP8 cache (bench/gpu_attention.py --decode-only --kv-dtype fp8)  (~8 min)
 #   mha      bench/gpu_mha_attention.py: the multi-head decode attention kernels at NLLB's beam step shapes, with each
 #            bench/variants/decode_attention_mha/NAME.cu (carry bench/variants) timed beside the package's  (~1 min)
 # Usage (from the repository root, with .whl carried):
@@ -117,6 +118,9 @@ for part in "${@:-tests}"; do
       summary+=("$(grep -E 'largest relative error' "$OUT/fp8.log")")
       python3 -m bench.gpu_fp8_gemm > "$OUT/fp8_gemm.txt" 2>&1 || summary+=("fp8: FAILED (see fp8_gemm.txt)")
       summary+=("== fp8 gemm" "$(grep -v '^# gpu' "$OUT/fp8_gemm.txt")")
+      python3 -m bench.gpu_fp8_gemm --blocks --skinny 1,16 --rows 64,1024,8192 > "$OUT/fp8_gemm_blocks.txt" 2>&1 \
+        || summary+=("fp8: FAILED (see fp8_gemm_blocks.txt)")
+      summary+=("== fp8 gemm, weights in 128 x 128 blocks" "$(grep -v '^# gpu' "$OUT/fp8_gemm_blocks.txt")")
       run_bench llama3-8b-fp8 bench.gpu_decode --shape llama3-8b --batches 1,64,256 --prefill 8x1024 \
         --engine-config '{"quantize": "fp8"}'
       python3 -m bench.gpu_attention --decode-only --kv-dtype fp8 > "$OUT/fp8_kv_attention.txt" 2>&1 \

@@ -102,9 +102,10 @@ def main(argv=None) -> list[dict]:
             row = {"linear": linear, "n": n, "k": k, "m": m, **{f"{name}_s": t for name, t in times.items()}}
             results.append(row)
             gemm = f"{times['gemm'] * 1e6:11.2f}" if "gemm" in times else f"{'':>11}"
+            fp8_bytes = n * k + 4 * held[0][2].numel()           # the e4m3 values and their scales
             print(f"{linear:<8} {f'{n}x{k}':>11} {m:>5} {times['bf16'] * 1e6:8.2f} "
                   f"{2 * n * k / times['bf16'] / copy:6.3f} {times['fp8'] * 1e6:8.2f} "
-                  f"{(n * k + 4 * held[0][2].numel()) / times['fp8'] / copy:6.3f} {times['bf16'] / times['fp8']:7.2f} {gemm} "
+                  f"{fp8_bytes / times['fp8'] / copy:6.3f} {times['bf16'] / times['fp8']:7.2f} {gemm} "
                   f"{flops / times['bf16'] / 1e12:9.0f} {flops / times['fp8'] / 1e12:8.0f}", flush=True)
         del held
     lt.close()
