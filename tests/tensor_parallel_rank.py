@@ -1,14 +1,14 @@
 """One rank of a tensor-parallel engine on the CPU backend, for the tests: builds its shard of a checkpoint in a gloo
 group; rank 0 runs steps() on its engine and saves what it saw, the others follow its calls.
 
-python tests/tensor_parallel_rank.py CHECKPOINT RANK SIZE PORT OUT [DIE_AFTER]
+python tests/tensor_parallel_rank.py CHECKPOINT RANK SIZE PORT OUT [DIE_AFTER] [kv_dtype=KV_DTYPE]
 
 DIE_AFTER: the other ranks exit, as a crash would, at rank 0's DIE_AFTER-th message; rank 0 then saves the error its
-step raised."""
+step raised. KV_DTYPE: the engine's kv_dtype (CONFIG's otherwise)."""
 
 import os
-
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -53,14 +53,16 @@ class DyingGroup:
         return self.group.receive()
 
 
-def main(checkpoint: str, rank: int, size: int, port: int, out: str, die_after: int | None = None) -> None:
+def main(checkpoint: str, rank: int, size: int, port: int, out: str, die_after: int | None = None,
+         kv_dtype: str = CONFIG.kv_dtype) -> None:
     from metrale.runtime.parallel.group import GlooGroup, Shard
 
     from metrale.runtime.parallel.follower import follow
 
+    config = replace(CONFIG, kv_dtype=kv_dtype)
     group = GlooGroup(Shard(rank, size), f"127.0.0.1:{port}", timeout_s=60)
     if rank == 0:
-        engine, _ = build_engine(load_checkpoint(checkpoint), CONFIG, group=group)
+        engine, _ = build_engine(load_checkpoint(checkpoint), config, group=group)
         try:
             tokens, logits = steps(engine)
         except Exception as error:
@@ -70,10 +72,12 @@ def main(checkpoint: str, rank: int, size: int, port: int, out: str, die_after: 
         torch.save({"tokens": tokens, "logits": logits}, out)
     else:
         follower = group if die_after is None else DyingGroup(group, die_after)
-        follow(follower, *build_follower(load_checkpoint(checkpoint), CONFIG, group))
+        follow(follower, *build_follower(load_checkpoint(checkpoint), config, group))
     group.close()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5],
-         int(sys.argv[6]) if len(sys.argv) > 6 else None)
+    options = dict(arg.split("=", 1) for arg in sys.argv[6:] if "=" in arg)
+    die = [int(arg) for arg in sys.argv[6:] if "=" not in arg]
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], die[0] if die else None,
+         **options)

@@ -5,17 +5,19 @@ import os
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
-from metrale.runtime.build import build_engine
+from metrale.runtime.build import build_engine, build_follower
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.loading import load_checkpoint
 from metrale.runtime.parallel.group import Shard
-from metrale.runtime.parallel.sharding import COLUMNS, ROWS, ShardedTensors
+from metrale.runtime.parallel.sharding import COLUMNS, HEADS, ROWS, ShardedTensors
 from tensor_parallel_rank import CONFIG, steps
 from tiny_models import write_tiny
 
@@ -57,6 +59,29 @@ def test_two_ranks_give_the_one_device_tokens_and_logits(name, tmp_path):
         assert float((ours - want).abs().max() / want.abs().max()) < 1e-5, f"output {i}"
 
 
+def test_an_fp8_kv_cache_takes_each_rank_s_heads_scales(tmp_path):
+    """k_scale / v_scale a KV head (one layer) and one for all (the other): each rank's cache holds its own heads'
+    scales, and the tokens and logits are the one device's with the same FP8 cache."""
+    directory = write_tiny("qwen2", tmp_path / "qwen2")                       # 2 KV heads
+    tensors = load_file(directory / "model.safetensors")
+    tensors.update({"model.layers.0.self_attn.k_scale": torch.tensor([0.003, 0.5]),
+                    "model.layers.0.self_attn.v_scale": torch.tensor([0.05, 0.004]).view(2, 1, 1),
+                    "model.layers.1.self_attn.k_scale": torch.tensor(0.004),
+                    "model.layers.1.self_attn.v_scale": torch.tensor([0.03])})
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    config = replace(CONFIG, kv_dtype="fp8")
+    f32 = torch.tensor([[0.003, 0.05], [0.5, 0.004], [0.004, 0.03]]).tolist()          # as the checkpoint holds them
+    for rank in (0, 1):
+        specs = build_follower(load_checkpoint(directory), config, ShardOnly(rank, 2))[2]
+        assert [specs[0].scales, specs[1].scales] == [((f32[rank][0],), (f32[rank][1],)), ((f32[2][0],), (f32[2][1],))]
+    tensor_parallel, codes = run_ranks(directory, 2, tmp_path / "rank0.pt", "kv_dtype=fp8")
+    assert codes == [0, 0]
+    tokens, logits = steps(build_engine(load_checkpoint(directory), config)[0])
+    assert tensor_parallel["tokens"] == tokens
+    for i, (ours, want) in enumerate(zip(tensor_parallel["logits"], logits)):
+        assert float((ours - want).abs().max() / want.abs().max()) < 1e-5, f"output {i}"
+
+
 def test_a_rank_that_dies_fails_the_step_as_a_lost_rank(tmp_path):
     """Rank 1 ends at rank 0's fourth call (after the cache, the warm-up and the first prefill): rank 0's next
     step gets RankLost (a DeviceFault: the worker stops serving), not a hang and not a bug's StepFailed."""
@@ -84,13 +109,17 @@ def test_what_cannot_be_split_is_refused_at_load(name, message, tmp_path):
 
 def test_a_rank_holds_its_rows_or_columns_and_the_bias_once():
     weight, bias = torch.arange(24.0).view(4, 6), torch.arange(4.0)
-    tensors = {"a.q_proj.weight": weight, "a.o_proj.weight": weight, "a.o_proj.bias": bias, "a.norm.weight": bias}
-    splits = {"q_proj.weight": COLUMNS, "o_proj.weight": ROWS, "o_proj.bias": ROWS}
+    tensors = {"a.q_proj.weight": weight, "a.o_proj.weight": weight, "a.o_proj.bias": bias, "a.norm.weight": bias,
+               "a.k_scale": bias.view(4, 1, 1), "b.k_scale": torch.tensor(0.5)}
+    splits = {"q_proj.weight": COLUMNS, "o_proj.weight": ROWS, "o_proj.bias": ROWS, "k_scale": HEADS}
     first, second = (ShardedTensors(tensors, splits, Shard(rank, 2)) for rank in (0, 1))
     assert torch.equal(torch.cat([first["a.q_proj.weight"], second["a.q_proj.weight"]]), weight)
     assert torch.equal(torch.cat([first["a.o_proj.weight"], second["a.o_proj.weight"]], dim=1), weight)
     assert torch.equal(first["a.o_proj.bias"], bias) and not second["a.o_proj.bias"].any()
     assert first["a.norm.weight"] is bias
-    assert [first.numel(n) for n in tensors] == [12, 12, 4, 4]
+    # A value a KV head goes by heads, however shaped; one for all stays whole.
+    assert torch.equal(torch.cat([first["a.k_scale"], second["a.k_scale"]]), bias)
+    assert first["b.k_scale"] is second["b.k_scale"] is tensors["b.k_scale"]
+    assert [first.numel(n) for n in tensors] == [12, 12, 4, 4, 2, 1]
     with pytest.raises(InvalidArgument, match=r"a.q_proj.weight's rows \(4\) is not a multiple of --tensor-parallel 3"):
         ShardedTensors(tensors, splits, Shard(0, 3))["a.q_proj.weight"]

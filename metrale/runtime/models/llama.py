@@ -9,11 +9,11 @@ from metrale.runtime.backend.layer_math import LayerMath, RopeTable
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.cache.specs import PagedKv
 from metrale.runtime.errors import InvalidArgument
-from metrale.runtime.models.checkpoint import eos_token_ids, kv_scales, tensor_reader
+from metrale.runtime.models.checkpoint import KV_SCALE_NAMES, eos_token_ids, kv_scales, tensor_reader
 from metrale.runtime.models.moe import MoeConfig, load_moe
 from metrale.runtime.models.rope import inverse_frequencies, rope_cos_sin, rope_parameters
 from metrale.runtime.parallel.group import Shard
-from metrale.runtime.parallel.sharding import COLUMNS, ROWS
+from metrale.runtime.parallel.sharding import COLUMNS, HEADS, ROWS
 
 
 @dataclass(frozen=True)
@@ -70,10 +70,12 @@ QK_NORM_TENSORS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 
 
 # Tensor parallel (parallel/sharding.py): the heads' projections and the MLP's gate and up split by output rows, the
-# attention output and MLP down by input columns.
+# attention output and MLP down by input columns, an FP8 KV cache's scales a KV head by heads (every name
+# checkpoint.py's kv_scales reads).
 SPLITS = {"q_proj.weight": COLUMNS, "k_proj.weight": COLUMNS, "v_proj.weight": COLUMNS, "q_proj.bias": COLUMNS,
           "k_proj.bias": COLUMNS, "v_proj.bias": COLUMNS, "gate_proj.weight": COLUMNS, "up_proj.weight": COLUMNS,
-          "o_proj.weight": ROWS, "o_proj.bias": ROWS, "down_proj.weight": ROWS}
+          "o_proj.weight": ROWS, "o_proj.bias": ROWS, "down_proj.weight": ROWS,
+          **{name: HEADS for names in KV_SCALE_NAMES for name in names}}
 
 
 def tensor_parallel(config: DecoderConfig, shard: Shard) -> tuple[DecoderConfig, dict[str, str]]:

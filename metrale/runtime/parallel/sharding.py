@@ -2,9 +2,12 @@
 (query/key/value heads, the MLP's gate and up) by its output rows, "columns" of the layer (each rank computes its
 heads' or its MLP slice's outputs in full); the linear after it (attention output, MLP down) by its input columns,
 "rows" (each rank's product is a partial sum that the layer math sums over the ranks, its bias added once: rank 0
-holds it, the others zeros); everything else (norms, the embedding) whole on every rank. A family says which
-tensor is which by name suffix, and divides its config's head and width counts by the size."""
+holds it, the others zeros); a value for each KV head (an FP8 KV cache's scales) by heads, as the key and value
+projections' rows go, where it is not one value for all; everything else (norms, the embedding) whole on every
+rank. A family says which tensor is which by name suffix, and divides its config's head and width counts by the
+size."""
 
+import math
 from typing import Mapping
 
 import torch
@@ -15,11 +18,12 @@ from metrale.runtime.parallel.group import Shard
 
 COLUMNS = "columns"
 ROWS = "rows"
+HEADS = "heads"
 
 
 class ShardedTensors(TensorsAsRead):
-    """name -> this rank's part of the checkpoint tensor: splits maps name suffixes to COLUMNS or ROWS (any other
-    tensor is whole)."""
+    """name -> this rank's part of the checkpoint tensor: splits maps name suffixes to COLUMNS, ROWS or HEADS (any
+    other tensor is whole)."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], splits: Mapping[str, str], shard: Shard):
         self.splits, self.shard = splits, shard
@@ -30,8 +34,10 @@ class ShardedTensors(TensorsAsRead):
 
     def read(self, name: str, tensor: torch.Tensor):
         kind = self.split_of(name)
-        if kind is None:
+        if kind is None or (kind == HEADS and tensor.numel() == 1):
             return tensor
+        if kind == HEADS:           # a value a KV head, however the checkpoint shapes it ([heads], [heads, 1, 1])
+            return tensor.flatten()[self.shard.part(tensor.numel(), f"{name}'s heads")].contiguous()
         if type(tensor) is not torch.Tensor:
             raise InvalidArgument(f"tensor parallel splits plain tensors, not {name}'s {type(tensor).__name__} "
                                   f"(quantized checkpoints run on one device)")
@@ -43,6 +49,9 @@ class ShardedTensors(TensorsAsRead):
 
     def shape(self, name: str) -> tuple[int, ...]:
         shape, kind = super().shape(name), self.split_of(name)
+        if kind == HEADS:
+            numel = math.prod(shape)
+            return shape if numel == 1 else (numel // self.shard.size,)
         if kind == COLUMNS:
             return (shape[0] // self.shard.size, *shape[1:])
         if kind == ROWS and len(shape) == 2:
