@@ -34,38 +34,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M16) skinny_gemm_
     skinny_gemm<2>(out, out_stride, StridedRows{x, x_stride}, Bf16Weights{weight}, bias, m, n, k_chunks, relu);
 }
 
-// FP8 weights (sm_89 and later): weight [N, K] e4m3 as 16-byte loads (K / 16 a row; k_chunks = K / 8 as above),
-// scales [N] float32; out bf16.
-extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M8) skinny_gemm_m8_fp8(
-    bf16* out, long long out_stride, const uint4* x, long long x_stride, const uint4* weight, const float* scales,
-    const bf16* bias, int m, int n, int k_chunks, int relu) {
-    wait_for_previous_kernel();
-    skinny_gemm<1>(out, out_stride, StridedRows{x, x_stride}, Fp8RowWeights{weight, scales}, bias, m, n, k_chunks,
-                   relu);
-}
-
-extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M16) skinny_gemm_m16_fp8(
-    bf16* out, long long out_stride, const uint4* x, long long x_stride, const uint4* weight, const float* scales,
-    const bf16* bias, int m, int n, int k_chunks, int relu) {
-    wait_for_previous_kernel();
-    skinny_gemm<2>(out, out_stride, StridedRows{x, x_stride}, Fp8RowWeights{weight, scales}, bias, m, n, k_chunks,
-                   relu);
-}
-
-// FP8 weights with a scale a row for each 128 columns (a checkpoint's 128 x 128 block scales): scales [K / 128, N]
-// float32 (Fp8BlockWeights), the rest as above.
-extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M8) skinny_gemm_m8_fp8_blocks(
-    bf16* out, long long out_stride, const uint4* x, long long x_stride, const uint4* weight, const float* scales,
-    const bf16* bias, int m, int n, int k_chunks, int relu) {
-    wait_for_previous_kernel();
-    skinny_gemm<1>(out, out_stride, StridedRows{x, x_stride}, Fp8BlockWeights{{weight, scales}, n}, bias, m, n,
-                   k_chunks, relu);
-}
-
-extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M16) skinny_gemm_m16_fp8_blocks(
-    bf16* out, long long out_stride, const uint4* x, long long x_stride, const uint4* weight, const float* scales,
-    const bf16* bias, int m, int n, int k_chunks, int relu) {
-    wait_for_previous_kernel();
-    skinny_gemm<2>(out, out_stride, StridedRows{x, x_stride}, Fp8BlockWeights{{weight, scales}, n}, bias, m, n,
-                   k_chunks, relu);
-}
+// FP8 weights (sm_89 and later): weight [N, K] e4m3 as 16-byte loads (K / 16 a row; k_chunks = K / 8 as above);
+// scales [N] float32 (Fp8RowWeights), or, _blocks, a scale a row for each 128 columns (a checkpoint's 128 x 128 block
+// scales), [K / 128, N] float32 (Fp8BlockWeights); out bf16. WEIGHTS: the weight's form over weight, scales and n.
+#define SKINNY_GEMM_FP8(NAME, TOKEN_TILES, MIN_CTAS, WEIGHTS)                                                        \
+    extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS) NAME(bf16* out, long long out_stride,          \
+        const uint4* x, long long x_stride, const uint4* weight, const float* scales, const bf16* bias, int m,     \
+        int n, int k_chunks, int relu) {                                                                           \
+        wait_for_previous_kernel();                                                                                \
+        skinny_gemm<TOKEN_TILES>(out, out_stride, StridedRows{x, x_stride}, WEIGHTS, bias, m, n, k_chunks, relu);  \
+    }
+SKINNY_GEMM_FP8(skinny_gemm_m8_fp8, 1, MIN_CTAS_M8, (Fp8RowWeights{weight, scales}))
+SKINNY_GEMM_FP8(skinny_gemm_m16_fp8, 2, MIN_CTAS_M16, (Fp8RowWeights{weight, scales}))
+SKINNY_GEMM_FP8(skinny_gemm_m8_fp8_blocks, 1, MIN_CTAS_M8, (Fp8BlockWeights{{weight, scales}, n}))
+SKINNY_GEMM_FP8(skinny_gemm_m16_fp8_blocks, 2, MIN_CTAS_M16, (Fp8BlockWeights{{weight, scales}, n}))

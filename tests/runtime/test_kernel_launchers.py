@@ -7,13 +7,16 @@ import pytest
 pytest.importorskip("cuda.core")
 
 from launcher_fakes import BASE, FakeLibrary, bf16, f32, fp8_kv, i32, parameter_types  # noqa: E402
-from metrale.runtime.backend.cuda.kernels import activation, embedding, norm, rope_kv  # noqa: E402
+from metrale.runtime.backend.cuda.fp8_matrix import Fp8Matrix  # noqa: E402
+from metrale.runtime.backend.cuda.kernels import activation, embedding, fp8, norm, rope_kv, skinny_gemm  # noqa: E402
 from metrale.runtime.backend.cuda.launch import ceil_div, kernel_arg  # noqa: E402
 from metrale.runtime.backend.cuda.tensor import DeviceTensor  # noqa: E402
 from metrale.runtime.errors import InvalidArgument  # noqa: E402
 
-LAUNCHER_MODULES = (activation, embedding, norm, rope_kv)
-MACROS = {"rope_and_write_kv": "ROPE_AND_WRITE_KV", "rope_and_write_kv_fp8": "ROPE_AND_WRITE_KV"}   # stamped out
+LAUNCHER_MODULES = (activation, embedding, fp8, norm, rope_kv, skinny_gemm)
+# Kernels stamped out by a macro (one declaration for all of them).
+MACROS = {"rope_and_write_kv": "ROPE_AND_WRITE_KV", "rope_and_write_kv_fp8": "ROPE_AND_WRITE_KV",
+          **{f"skinny_gemm_m{m}_fp8{blocks}": "SKINNY_GEMM_FP8" for m in (8, 16) for blocks in ("", "_blocks")}}
 
 
 @pytest.fixture
@@ -280,3 +283,23 @@ def test_rope_and_write_kv_into_an_fp8_cache(launches):
                               fp8_kv(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM), HEADS, KV_HEADS, HEAD_DIM)
     [(name, _, _, args)] = launches
     assert name == "rope_and_write_kv_fp8" and args[7] == BASE + (1 << 28)     # the cache's scales
+
+
+@pytest.mark.parametrize("blocks", [False, True])
+@pytest.mark.parametrize("m", [1, 9])
+def test_an_fp8_weight_s_decode_linear_launches_its_form_s_kernel(launches, m, blocks):
+    """A scale a row or a row per 128 columns: the skinny GEMM's entry for the form, the scales after the weight."""
+    n, k = 48, 256
+    scales = f32(k // 128, n, offset=1 << 24) if blocks else f32(n, offset=1 << 24)
+    weight = Fp8Matrix(DeviceTensor(BASE, (n, k), "float8_e4m3"), scales, blocks)
+    skinny_gemm.skinny_linear(FakeLibrary(), None, bf16(m, n), bf16(m, k), weight)
+    [(name, grid, _, args)] = launches
+    assert name == f"skinny_gemm_m{8 if m <= 8 else 16}_fp8{'_blocks' if blocks else ''}"
+    assert grid == (ceil_div(n, 16),) and args[5] == BASE + (1 << 24) and args[7:10] == [m, n, k // 8]
+
+
+def test_an_input_quantized_by_128_columns_launches_a_ctas_a_row(launches):
+    m, k = 5, 512
+    fp8.quantize_groups(FakeLibrary(), None, DeviceTensor(BASE, (m, k), "float8_e4m3"), f32(k // 128, m), bf16(m, k))
+    [(name, grid, _, args)] = launches
+    assert (name, grid) == ("quantize_groups_e4m3", (m,)) and args[4:] == [k // 8, m]

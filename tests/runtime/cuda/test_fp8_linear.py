@@ -99,69 +99,6 @@ def test_quantize_rows_equals_torchs_cast(kernel_library, stream, m, k, pad):
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
-@pytest.mark.parametrize("relu", [False, True])
-@pytest.mark.parametrize("n, k", SHAPES)
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
-def test_skinny_fp8_is_the_linear_of_the_dequantized_weight(kernel_library, stream, m, n, k, relu):
-    """W8A16: the weight widened to the bf16 values it dequantizes to, in registers; fp32 accumulation."""
-    matrix, _, dequantized = fp8_weight(n, k, seed=n + k)
-    x = random_x(m, k, seed=m + 3 * k, pad=8 if m == 9 else 0)
-    bias = torch.randn(n, device="cuda").bfloat16() if m % 2 else None
-    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    torch.cuda.synchronize()
-    kernels.skinny_gemm.skinny_linear(kernel_library, stream, DeviceTensor.from_torch(out), DeviceTensor.from_torch(x),
-                                      matrix, DeviceTensor.from_torch(bias) if bias is not None else None, relu=relu)
-    stream.sync()
-    reference = x.double() @ dequantized.double().T + (bias.double() if bias is not None else 0)
-    error = relative_error(out, reference.clamp_min(0) if relu else reference)
-    assert error < BOUND, f"relative error {error:.2e}"
-
-
-def w8a8_reference(q_x, x_scales, data, scales, bias=None, relu=False) -> torch.Tensor:
-    result = (q_x.double() * x_scales.double()[:, None]) @ (data.double() * scales.double()[:, None]).T
-    result = result + bias.double() if bias is not None else result
-    return result.clamp_min(0) if relu else result
-
-
-@pytest.mark.parametrize("with_bias, relu", [(False, False), (True, False), (True, True)])
-@pytest.mark.parametrize("n, k", SHAPES[:6])
-@pytest.mark.parametrize("m", [17, 64, 300, 4096])
-def test_cublaslt_w8a8_matches_float64(cublaslt, stream, m, n, k, with_bias, relu):
-    matrix, (data, scales), _ = fp8_weight(n, k, seed=n * k)
-    q_x, x_scales = torch_quantized(random_x(m, k, seed=m * n))
-    bias = torch.randn(n, device="cuda").bfloat16() if with_bias else None
-    out = torch.full((m, n + 16), float("nan"), dtype=torch.bfloat16, device="cuda")[:, 8:8 + n]   # a column slice
-    torch.cuda.synchronize()
-    cublaslt.fp8_linear(stream, DeviceTensor.from_torch(out), DeviceTensor.from_torch(q_x),
-                        DeviceTensor.from_torch(x_scales), matrix,
-                        DeviceTensor.from_torch(bias) if bias is not None else None, relu=relu)
-    stream.sync()
-    error = relative_error(out, w8a8_reference(q_x, x_scales, data, scales, bias, relu))
-    assert error < BOUND, f"relative error {error:.2e}"
-
-
-@pytest.mark.parametrize("m", [1, 16, 17, 200])
-def test_fp8_linear_into_quantizes_then_multiplies(kernel_library, cublaslt, stream, m):
-    """Up to 16 rows the skinny GEMM (the dequantized weight's product); past them the input quantized per token
-    into the stream's buffer, then the W8A8 matmul."""
-    n, k = 4096, 1024
-    matrix, (data, scales), dequantized = fp8_weight(n, k, seed=m)
-    x = random_x(m, k, seed=2 * m, pad=16)
-    buffer = torch.empty(256, 2048, dtype=torch.float8_e4m3fn, device="cuda")
-    ctx = SimpleNamespace(stream=stream, gemm_workspace=None, fp8_input=DeviceTensor.from_torch(buffer),
-                          fp8_scales=DeviceTensor.from_torch(torch.empty(256, device="cuda")))
-    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    torch.cuda.synchronize()
-    fp8_linear_into(kernel_library, cublaslt, ctx, DeviceTensor.from_torch(out), DeviceTensor.from_torch(x), matrix)
-    stream.sync()
-    if m <= 16:
-        reference = x.double() @ dequantized.double().T
-    else:
-        reference = w8a8_reference(*torch_quantized(x), data, scales)
-    error = relative_error(out, reference)
-    assert error < BOUND, f"relative error {error:.2e}"
-
-
 @pytest.mark.parametrize("m, k, pad", [(1, 128, 0), (5, 4096, 0), (33, 14336, 0), (300, 640, 32)])
 def test_quantize_groups_equals_torchs_cast(kernel_library, stream, m, k, pad):
     x = random_x(m, k, seed=m + k, pad=pad)
@@ -180,37 +117,51 @@ def test_quantize_groups_equals_torchs_cast(kernel_library, stream, m, k, pad):
 
 # (N, K) with K % 128 == 0: Llama-3-8B's qkv, o, gate_up, down; a small model's; N not a multiple of 16 or 128.
 BLOCK_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (960, 640), (1000, 256), (17, 256)]
+# The two forms of an FP8 weight: (its weight maker, the input's quantization the W8A8 matmul takes, its shapes, the
+# W8A8 matmul's row counts: multiples of 4 in blocks).
+FORMS = {"row": (fp8_weight, torch_quantized, SHAPES, [17, 64, 300, 4096]),
+         "blocks": (fp8_block_weight, torch_group_quantized, BLOCK_SHAPES, [20, 36, 64, 300, 4096])}
 
 
-@pytest.mark.parametrize("n, k", BLOCK_SHAPES)
-@pytest.mark.parametrize("m", [1, 8, 9, 16])
-def test_skinny_fp8_in_blocks_is_the_linear_of_the_dequantized_weight(kernel_library, stream, m, n, k):
-    matrix, _, dequantized = fp8_block_weight(n, k, seed=n + k)
-    x = random_x(m, k, seed=m + 5 * k, pad=8 if m == 9 else 0)
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("form, n, k", [(form, n, k) for form, (_, _, shapes, _) in FORMS.items() for n, k in shapes])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
+def test_skinny_fp8_is_the_linear_of_the_dequantized_weight(kernel_library, stream, form, m, n, k, relu):
+    """W8A16: the weight widened to the bf16 values it dequantizes to, in registers (with each row's scale, or its
+    scale for each 128 columns); fp32 accumulation."""
+    matrix, _, dequantized = FORMS[form][0](n, k, seed=n + k)
+    x = random_x(m, k, seed=m + 3 * k, pad=8 if m == 9 else 0)
     bias = torch.randn(n, device="cuda").bfloat16() if m % 2 else None
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     torch.cuda.synchronize()
     kernels.skinny_gemm.skinny_linear(kernel_library, stream, DeviceTensor.from_torch(out), DeviceTensor.from_torch(x),
-                                      matrix, DeviceTensor.from_torch(bias) if bias is not None else None)
+                                      matrix, DeviceTensor.from_torch(bias) if bias is not None else None, relu=relu)
     stream.sync()
     reference = x.double() @ dequantized.double().T + (bias.double() if bias is not None else 0)
-    error = relative_error(out, reference)
+    error = relative_error(out, reference.clamp_min(0) if relu else reference)
     assert error < BOUND, f"relative error {error:.2e}"
 
 
-def w8a8_block_reference(q_x, x_scales, data, scales) -> torch.Tensor:
-    """The product of x's and the weight's values, each element times its row's scale for its 128 columns."""
-    return ((q_x.double() * x_scales.double().T.repeat_interleave(BLOCK, 1))
-            @ (data.double() * scales.double().T.repeat_interleave(BLOCK, 1)).T)
+def per_element(scales: torch.Tensor) -> torch.Tensor:
+    """Scales [rows] (one a row) or [K / 128, rows] (a row's for each 128 columns) as a factor for each element of
+    [rows, K], in float64."""
+    return scales.double()[:, None] if scales.dim() == 1 else scales.double().T.repeat_interleave(BLOCK, 1)
 
 
-@pytest.mark.parametrize("with_bias, relu", [(False, False), (True, True)])
-@pytest.mark.parametrize("n, k", BLOCK_SHAPES[:6])
-@pytest.mark.parametrize("m", [20, 36, 64, 300, 4096])
-def test_cublaslt_w8a8_in_blocks_matches_float64(cublaslt, stream, m, n, k, with_bias, relu):
-    """M a multiple of 4, as cuBLASLt's VEC128_32F matmul takes it."""
-    matrix, (data, scales), _ = fp8_block_weight(n, k, seed=n * k)
-    q_x, x_scales = torch_group_quantized(random_x(m, k, seed=m * n))
+def w8a8_reference(q_x, x_scales, data, scales, bias=None, relu=False) -> torch.Tensor:
+    result = (q_x.double() * per_element(x_scales)) @ (data.double() * per_element(scales)).T
+    result = result + bias.double() if bias is not None else result
+    return result.clamp_min(0) if relu else result
+
+
+@pytest.mark.parametrize("form, m, n, k", [(form, m, n, k) for form, (_, _, shapes, rows) in FORMS.items()
+                                           for n, k in shapes[:6] for m in rows])
+@pytest.mark.parametrize("with_bias, relu", [(False, False), (True, False), (True, True)])
+def test_cublaslt_w8a8_matches_float64(cublaslt, stream, form, m, n, k, with_bias, relu):
+    """Each operand scaled a row (OUTER_VEC_32F), or a row for each 128 columns (VEC128_32F, M a multiple of 4)."""
+    make_weight, quantized, _, _ = FORMS[form]
+    matrix, (data, scales), _ = make_weight(n, k, seed=n * k)
+    q_x, x_scales = quantized(random_x(m, k, seed=m * n))
     bias = torch.randn(n, device="cuda").bfloat16() if with_bias else None
     out = torch.full((m, n + 16), float("nan"), dtype=torch.bfloat16, device="cuda")[:, 8:8 + n]   # a column slice
     torch.cuda.synchronize()
@@ -218,16 +169,19 @@ def test_cublaslt_w8a8_in_blocks_matches_float64(cublaslt, stream, m, n, k, with
                         DeviceTensor.from_torch(x_scales), matrix,
                         DeviceTensor.from_torch(bias) if bias is not None else None, relu=relu)
     stream.sync()
-    reference = w8a8_block_reference(q_x, x_scales, data, scales) + (bias.double() if bias is not None else 0)
-    error = relative_error(out, reference.clamp_min(0) if relu else reference)
+    error = relative_error(out, w8a8_reference(q_x, x_scales, data, scales, bias, relu))
     assert error < BOUND, f"relative error {error:.2e}"
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("m", [1, 16, 17, 200, 203])
-def test_fp8_linear_into_in_blocks_quantizes_by_groups_then_multiplies(kernel_library, cublaslt, stream, m):
-    """Rows in fours on cuBLASLt (W8A8), the rest (up to 16 rows; the last M % 4 past them) on the skinny GEMM."""
+def test_fp8_linear_into_quantizes_then_multiplies(kernel_library, cublaslt, stream, form, m):
+    """Up to 16 rows the skinny GEMM (the dequantized weight's product); past them the input quantized per token
+    (and 128 columns, in blocks) into the stream's buffer, then the W8A8 matmul: in blocks over rows in fours, the
+    last M % 4 on the skinny GEMM."""
     n, k = 4096, 1024
-    matrix, (data, scales), dequantized = fp8_block_weight(n, k, seed=m)
+    make_weight, quantized, _, _ = FORMS[form]
+    matrix, (data, scales), dequantized = make_weight(n, k, seed=m)
     x = random_x(m, k, seed=2 * m, pad=16)
     buffer = torch.empty(256, 2048, dtype=torch.float8_e4m3fn, device="cuda")
     ctx = SimpleNamespace(stream=stream, gemm_workspace=None, fp8_input=DeviceTensor.from_torch(buffer),
@@ -236,8 +190,8 @@ def test_fp8_linear_into_in_blocks_quantizes_by_groups_then_multiplies(kernel_li
     torch.cuda.synchronize()
     fp8_linear_into(kernel_library, cublaslt, ctx, DeviceTensor.from_torch(out), DeviceTensor.from_torch(x), matrix)
     stream.sync()
-    body = 0 if m <= 16 else m - m % 4
+    body = 0 if m <= 16 else m - m % 4 if form == "blocks" else m
     reference = x.double() @ dequantized.double().T
-    reference[:body] = w8a8_block_reference(*torch_group_quantized(x[:body]), data, scales)
+    reference[:body] = w8a8_reference(*quantized(x[:body]), data, scales)
     error = relative_error(out, reference)
     assert error < BOUND, f"relative error {error:.2e}"

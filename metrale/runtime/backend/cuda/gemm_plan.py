@@ -5,6 +5,7 @@ column-major layouts and operations (GemmPlan) that key asks of cuBLASLt."""
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from metrale.runtime.backend.cuda.fp8_matrix import BLOCK
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.errors import InvalidArgument
 
@@ -19,6 +20,8 @@ CUBLASLT_EPILOGUE_RELU_BIAS = CUBLASLT_EPILOGUE_RELU | CUBLASLT_EPILOGUE_BIAS
 # blocks, an input quantized per 128 columns).
 CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F = 3
 CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F = 4
+# The FP8 matmul with VEC128_32F scales takes tokens in multiples of this (others: CUBLAS_STATUS_NOT_SUPPORTED).
+VEC128_ROWS = 4
 OUT_DTYPES = ("bfloat16", "float32")
 # Every pointer and row stride is checked to this alignment, and the heuristic is told so: its default
 # assumption is 256 bytes, and an algorithm picked under it may misbehave on a row view that is only 16-aligned.
@@ -195,7 +198,7 @@ def fp8_linear_key(out: DeviceTensor, x: DeviceTensor, x_scales: DeviceTensor, d
     """Checks a W8A8 linear's operands and returns its cache key: out [M, N] bf16 (a column slice may do) = (x [M, K]
     x x_scales [M]) @ (data [N, K] x scales [N]).T (+ bias [N] bf16): x and data contiguous e4m3, K % 16 == 0, every
     pointer and out's row stride 16-byte aligned. blocks: a scale a row per 128 of K, x_scales [K / 128, M] and
-    scales [K / 128, N] (contiguous), K % 128 == 0, M % 4 == 0."""
+    scales [K / 128, N] (contiguous), K % 128 == 0, M % VEC128_ROWS == 0."""
     if len(x.shape) != 2 or x.dtype != "float8_e4m3" or not x.is_contiguous:
         raise InvalidArgument(f"FP8 linear: x must be a contiguous [M, K] float8_e4m3, not {x.shape} {x.dtype}")
     if len(data.shape) != 2 or data.dtype != "float8_e4m3" or not data.is_contiguous:
@@ -203,13 +206,14 @@ def fp8_linear_key(out: DeviceTensor, x: DeviceTensor, x_scales: DeviceTensor, d
                               f"{data.dtype}")
     m, k = x.shape
     n = data.shape[0]
-    k_multiple = 128 if blocks else 16
+    k_multiple = BLOCK if blocks else 16
     if data.shape[1] != k or n == 0 or k % k_multiple:
         raise InvalidArgument(f"FP8 linear: x {x.shape} and weight {data.shape} must agree on a K that is a "
                               f"multiple of {k_multiple}, with N > 0")
-    if blocks and m % 4:
-        raise InvalidArgument(f"FP8 linear: {m} rows in 128-column blocks; cuBLASLt takes them in multiples of 4")
-    want_x, want_w = ((k // 128, m), (k // 128, n)) if blocks else ((m,), (n,))
+    if blocks and m % VEC128_ROWS:
+        raise InvalidArgument(f"FP8 linear: {m} rows in {BLOCK}-column blocks; cuBLASLt takes them in multiples of "
+                              f"{VEC128_ROWS}")
+    want_x, want_w = ((k // BLOCK, m), (k // BLOCK, n)) if blocks else ((m,), (n,))
     if (x_scales.shape != want_x or scales.shape != want_w or x_scales.dtype != "float32" or scales.dtype != "float32"
             or not (x_scales.is_contiguous and scales.is_contiguous)):
         raise InvalidArgument(f"FP8 linear: scales must be contiguous {list(want_x)} and {list(want_w)} float32, not "

@@ -4,7 +4,8 @@ weight (fp8_matrix.py): the skinny GEMM for a few rows, else cuBLASLt's FP8 matm
 token (and per 128 columns for a weight in blocks); never split."""
 
 from metrale.runtime.backend.cuda import kernels
-from metrale.runtime.backend.cuda.fp8_matrix import Fp8Matrix
+from metrale.runtime.backend.cuda.fp8_matrix import BLOCK, Fp8Matrix
+from metrale.runtime.backend.cuda.gemm_plan import VEC128_ROWS
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.errors import InvalidArgument
 
@@ -21,8 +22,6 @@ SKINNY_MAX_WEIGHT = 64 << 20
 # less than the norm's extra).
 SPLIT_LONG_K = 2048
 SPLITS_BY_ROWS = ((SKINNY_MAX_M, 1, 1), (64, 4, 8), (256, 1, 4))      # (up to rows, short K, long K)
-# cuBLASLt's FP8 matmul with VEC128_32F scales takes tokens in multiples of 4 (fewer: CUBLAS_STATUS_NOT_SUPPORTED).
-ROWS_MULTIPLE = 4
 
 
 def k_splits(rows: int, weight: DeviceTensor | Fp8Matrix) -> int:
@@ -72,13 +71,13 @@ def fp8_linear_into(lib, gemm, ctx, out: DeviceTensor, x: DeviceTensor, weight: 
 def _fp8_blocks_linear_into(lib, gemm, ctx, out: DeviceTensor, x: DeviceTensor, weight: Fp8Matrix,
                             bias: DeviceTensor | None, relu: bool) -> None:
     """fp8_linear_into's W8A8 path for a weight in blocks: x quantized per token and 128 columns (scales [K / 128,
-    M]), then cuBLASLt's VEC128_32F matmul, which takes tokens in multiples of ROWS_MULTIPLE: the last M %
-    ROWS_MULTIPLE rows (a prefill of another count; decode graphs pad to powers of two) run on the skinny GEMM (W8A16,
+    M]), then cuBLASLt's VEC128_32F matmul, which takes tokens in multiples of VEC128_ROWS: the last M %
+    VEC128_ROWS rows (a prefill of another count; decode graphs pad to powers of two) run on the skinny GEMM (W8A16,
     one more pass over the weight)."""
     m, k = x.shape
-    body = m - m % ROWS_MULTIPLE
+    body = m - m % VEC128_ROWS
     quantized = DeviceTensor(ctx.fp8_input.ptr, (body, k), "float8_e4m3")
-    scales = DeviceTensor(ctx.fp8_scales.ptr, (k // kernels.fp8.GROUP, body), "float32")
+    scales = DeviceTensor(ctx.fp8_scales.ptr, (k // BLOCK, body), "float32")
     kernels.fp8.quantize_groups(lib, ctx.stream, quantized, scales, x.rows(0, body))
     gemm.fp8_linear(ctx.stream, out.rows(0, body), quantized, scales, weight, bias, ctx.gemm_workspace, relu=relu)
     if body < m:

@@ -13,6 +13,7 @@ from cuda.core import EventOptions, StreamOptions
 from metrale.runtime.backend.cuda import kernels, latent_prefill
 from metrale.runtime.backend.cuda.batch import CudaBatch, PrefillPadding, metadata_elements, pack_batch, set_tokens
 from metrale.runtime.backend.cuda.device import ALIGNMENT, Arena, CudaDevice, RingArena
+from metrale.runtime.backend.cuda.fp8_matrix import BLOCK
 from metrale.runtime.backend.cuda.graphs import DecodeGraphs, PrefillGraphs
 from metrale.runtime.backend.cuda.sampler import OUT_WORDS, DeviceSampler
 from metrale.runtime.backend.cuda.tensor import DTYPES, DeviceTensor
@@ -79,7 +80,7 @@ def stream_buffers(lib, shapes: MemoryShapes) -> Buffers:
     # columns for a weight in blocks), read by the GEMM right after.
     if shapes.fp8_width:
         buffers.update({"fp8_input": ((t, shapes.fp8_width), "float8_e4m3"),
-                        "fp8_scales": ((t * max(1, shapes.fp8_width // kernels.fp8.GROUP),), "float32")})
+                        "fp8_scales": ((t * max(1, shapes.fp8_width // BLOCK),), "float32")})
     # Multi-head latent attention's up-projected prefill (latent_prefill.py), where its head dims are built.
     if shapes.latent_rank and latent_prefill.supports(shapes.latent_nope, shapes.latent_rope, shapes.latent_v):
         sizes = latent_prefill.buffer_elements(shapes.latent_rank + shapes.latent_rope, shapes.latent_heads,

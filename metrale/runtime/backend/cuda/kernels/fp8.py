@@ -3,13 +3,13 @@ and 128 columns."""
 
 import numpy as np
 
+from metrale.runtime.backend.cuda.fp8_matrix import BLOCK
 from metrale.runtime.backend.cuda.launch import launch_kernel
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.errors import InvalidArgument
 
 MODULE = "fp8"
 THREADS = 256            # as in fp8.cu
-GROUP = 128              # the columns of a scale of quantize_groups
 
 
 def quantize_rows(lib, stream, q: DeviceTensor, scales: DeviceTensor, x: DeviceTensor) -> None:
@@ -27,13 +27,13 @@ def quantize_rows(lib, stream, q: DeviceTensor, scales: DeviceTensor, x: DeviceT
 
 
 def quantize_groups(lib, stream, q: DeviceTensor, scales: DeviceTensor, x: DeviceTensor) -> None:
-    """quantize_rows per GROUP columns: scales [K / GROUP, M] float32 (contiguous: a group's M scales together, as
-    cuBLASLt's VEC128_32F reads them), scales[g, r] = max |x[r, GROUP g:GROUP (g + 1)]| / 448 (1 for zeros), q[r, c]
-    = x[r, c] / scales[c // GROUP, r] rounded to nearest e4m3. K % GROUP == 0."""
+    """quantize_rows per BLOCK columns: scales [K / BLOCK, M] float32 (contiguous: a block's M scales together, as
+    cuBLASLt's VEC128_32F reads them), scales[g, r] = max |x[r, BLOCK g:BLOCK (g + 1)]| / 448 (1 for zeros), q[r, c]
+    = x[r, c] / scales[c // BLOCK, r] rounded to nearest e4m3. K % BLOCK == 0."""
     m, k = x.shape
-    _check("quantize_groups", q, x, GROUP)
-    if not (scales.dtype == "float32" and scales.shape == (k // GROUP, m) and scales.is_contiguous):
-        raise InvalidArgument(f"quantize_groups: scales must be a contiguous [{k // GROUP}, {m}] float32, not "
+    _check("quantize_groups", q, x, BLOCK)
+    if not (scales.dtype == "float32" and scales.shape == (k // BLOCK, m) and scales.is_contiguous):
+        raise InvalidArgument(f"quantize_groups: scales must be a contiguous [{k // BLOCK}, {m}] float32, not "
                               f"{scales.shape} {scales.dtype}")
     if m == 0:
         return
