@@ -177,10 +177,14 @@ def extreme(field) -> st.SearchStrategy:
 
 
 def set_path(request, path: tuple, field, value) -> None:
+    """Sets the field at path to value; nothing where the path no longer leads anywhere (the first of two changes
+    emptied a list on it, or chose another member of a oneof above it)."""
     parent = request
     for name in path[:-1]:
         parent = getattr(parent, name)
         if not hasattr(parent, "DESCRIPTOR"):     # a repeated message field: its first element
+            if not len(parent):
+                return
             parent = parent[0]
     if not field.is_repeated:
         setattr(parent, path[-1], value)
