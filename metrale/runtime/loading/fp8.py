@@ -17,6 +17,8 @@ from metrale.runtime.loading.fp8_schemes import ASIDE, WEIGHT_SCALES, Fp8Scheme,
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # The block columns of the scales a GPU keeps (cuda/fp8_matrix.py's BLOCK: DeepSeek's and Qwen3's 128 x 128).
 KEPT_BLOCK = 128
+# The multiple of 16 columns a GPU keeps a weight with a scale a row in (cuda/fp8_matrix.py's K_MULTIPLE).
+KEPT_K_MULTIPLE = 16
 
 
 def dequantized(tensors: Mapping[str, torch.Tensor], quantization: dict) -> Mapping[str, torch.Tensor]:
@@ -89,8 +91,8 @@ class Fp8Tensors(TensorsAsRead):
         if self.block is None:
             return scale_shape in ((shape[0],), (shape[0], 1))
         # One block across the columns is one scale a row.
-        return (shape[1] <= self.block[1] and shape[1] % 16 == 0) or (self.block[1] == KEPT_BLOCK
-                                                                      and shape[1] % KEPT_BLOCK == 0)
+        one_block = shape[1] <= self.block[1] and shape[1] % KEPT_K_MULTIPLE == 0
+        return one_block or (self.block[1] == KEPT_BLOCK and shape[1] % KEPT_BLOCK == 0)
 
     def read(self, name: str, tensor: torch.Tensor):
         if tensor.dtype not in FP8_DTYPES:

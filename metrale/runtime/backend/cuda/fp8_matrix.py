@@ -13,10 +13,10 @@ import torch
 
 from metrale.runtime.backend.cuda.compiler import arch_number
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
-from metrale.runtime.loading.fp8 import KEPT_BLOCK, Fp8Weight
+from metrale.runtime.loading.fp8 import KEPT_BLOCK, KEPT_K_MULTIPLE, Fp8Weight
 
 # cuBLASLt's FP8 matmul takes K, and the skinny GEMM's 16-byte loads of a row, in multiples of 16.
-K_MULTIPLE = 16
+K_MULTIPLE = KEPT_K_MULTIPLE
 # The columns a scale of a weight in blocks covers (cuBLASLt's VEC128_32F; DeepSeek's weight_block_size [128, 128]).
 BLOCK = KEPT_BLOCK
 # cuBLASLt's version with OUTER_VEC_32F scales (cublasLtGetVersion's form of 12.9.0).
