@@ -48,6 +48,9 @@ class StubEngine:
     def live_seq_ids(self) -> list[int]:
         return []
 
+    def idle_seq_ids(self, seconds: float) -> list[int]:
+        return []
+
 
 def stub_worker_server(config: WorkerConfig) -> WorkerServer:
     """The real WorkerServer (servicer, interceptor, stream threads, options) around StubEngine; call it on the event loop

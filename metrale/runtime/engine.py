@@ -21,9 +21,9 @@ from metrale.runtime.forks import ForkResult, check_fork, fork
 from metrale.runtime.forwards import Forwards
 from metrale.runtime.planner import Limits, Plan, plan_step, rows_returning_logits
 from metrale.runtime.reservation import ReleaseResult, Reservations
-from metrale.runtime.run_ahead import Ahead, Guesses, RunAheadCounts
+from metrale.runtime.run_ahead import Ahead, GuessOutput, Guesses, RunAheadCounts
 from metrale.runtime.sampling import SampleRow
-from metrale.runtime.rounds import Rounds
+from metrale.runtime.rounds import Rounds, outputs_of
 from metrale.runtime.sequence import SequenceTable
 from metrale.runtime.step import Step, StepOutput
 
@@ -76,8 +76,8 @@ class Engine:
         taken = self.guesses.settle(step.seq_ids, step, cancelled)
         successor = None
         if taken is not None:
-            output, undo = taken.output, (taken.snapshot, taken.plan)
             successor = self._take_successor(taken, run_ahead)
+            output, undo = taken.output, (taken.snapshot, taken.plan)
         else:
             output, undo = self._run(step, cancelled)
         if reply is not None:
@@ -106,7 +106,8 @@ class Engine:
         if not self.runner.queues_work:
             return successor
         try:
-            successor.launched = self.rounds.launch(successor.plan.rounds[0], lambda: False, successor.staged)
+            successor.launched = self.rounds.launch(successor.plan.rounds[0], lambda: False, successor.staged,
+                                                    successor.tokens)
         except Exception:
             log.exception("run_ahead_failed")
             self._abandon(successor)
@@ -319,21 +320,24 @@ class Engine:
         with self._lock:
             return self.sequences.ids()
 
-    def _run_guess(self, ahead: Ahead, on_queued: Callable[[], None]) -> StepOutput:
+    def _run_guess(self, ahead: Ahead, on_queued: Callable[[], None]) -> GuessOutput:
         """Queues the guess (where the engine has not already), reserves its successor while the device works,
-        then waits for the guess's outputs."""
+        then waits for the guess's sampling: its tokens, and its outputs built once the request that takes it has
+        queued the successor (the device's wait for the host is only what that takes)."""
         started = time.perf_counter()
         try:
-            launched = ahead.launched or self.rounds.launch(ahead.plan.rounds[0], lambda: False, ahead.staged)
+            launched = ahead.launched or self.rounds.launch(ahead.plan.rounds[0], lambda: False, ahead.staged,
+                                                            ahead.tokens)
             on_queued()
             self._reserve_successor(ahead)
-            outputs = self.rounds.finish(launched)
+            result = self.rounds.result(launched)
         except Exception:
             self._quiesce()     # before whoever settles the guess gives its blocks back
             raise
         finally:
             ahead.launched = ahead.staged = None
-        return StepOutput(outputs, int((time.perf_counter() - started) * 1e6))
+        forward_us = int((time.perf_counter() - started) * 1e6)
+        return GuessOutput(result.tokens, lambda: StepOutput(outputs_of(launched, result), forward_us))
 
     def _reserve_successor(self, ahead: Ahead) -> None:
         """Guesses.reserve_next, and the successor's inputs staged, where a failure costs only the successor. Its

@@ -14,7 +14,7 @@ from metrale.runtime.cache.manager import CacheManager
 from metrale.runtime.errors import Cancelled
 from metrale.runtime.forwards import Forwards
 from metrale.runtime.planner import Chunk, Limits
-from metrale.runtime.sampling import SampleRow
+from metrale.runtime.sampling import SampleResult, SampleRow
 from metrale.runtime.sequence import Sequence, SequenceTable
 from metrale.runtime.step import SequenceOutput
 
@@ -49,14 +49,16 @@ class Rounds:
                     for c, seq in zip(chunks, sequences)]
         return Staged(sequences, build_batch(segments, self.kv_block_size))
 
-    def launch(self, chunks: tuple[Chunk, ...], cancelled: Callable[[], bool], staged: "Staged | None" = None
-               ) -> "Launched":
+    def launch(self, chunks: tuple[Chunk, ...], cancelled: Callable[[], bool], staged: "Staged | None" = None,
+               tokens: list[int] | None = None) -> "Launched":
         """Queues the round's forward and sampling; its sequences hold its tokens from here on. staged: its
-        inputs built already (stage), each chunk one token, set here from the chunks."""
+        inputs built already (stage), each chunk one token, set here: `tokens` (one a chunk, in order: the chunks
+        take them once the forward is queued), else the chunks' own."""
         if staged is None:
             staged = self.stage(chunks)
         else:
-            staged.batch.token_ids.copy_(torch.tensor([c.tokens[0] for c in chunks], dtype=torch.int64))
+            staged.batch.token_ids.copy_(torch.tensor(tokens if tokens is not None else [c.tokens[0] for c in chunks],
+                                                      dtype=torch.int64))
         sequences, batch = staged.sequences, staged.batch
         with self.forwards.lock:
             if self.encoder_decoder:
@@ -68,6 +70,9 @@ class Rounds:
             if cancelled():
                 raise Cancelled()
             with self._lock:
+                if tokens is not None:
+                    for c, token in zip(chunks, tokens):
+                        c.tokens = (token,)
                 for c, seq in zip(chunks, sequences):
                     seq.tokens.extend(c.tokens)
                     seq.state_source = seq.state_slot
@@ -89,14 +94,22 @@ class Rounds:
             self.forwards.copy_states(copies)
 
     @staticmethod
+    def result(launched: "Launched") -> SampleResult:
+        """Waits for a launched round's sampling; its result (empty where it samples none)."""
+        if launched.sampling is None:
+            return SampleResult([], [], [], [])
+        return launched.sampling.result()
+
+    @staticmethod
     def finish(launched: "Launched") -> list[SequenceOutput]:
         """Waits for a launched round's sampling; its outputs."""
-        if launched.sampling is None:
-            return []
-        result = launched.sampling.result()
-        return list(map(SequenceOutput._make, zip([seq.seq_id for seq in launched.sampled], result.tokens,
-                                                  result.logprobs, result.top_logprobs, result.logits,
-                                                  launched.cached)))
+        return outputs_of(launched, Rounds.result(launched))
+
+
+def outputs_of(launched: "Launched", result: SampleResult) -> list[SequenceOutput]:
+    """A launched round's outputs, from its sampling's result."""
+    return list(map(SequenceOutput._make, zip([seq.seq_id for seq in launched.sampled], result.tokens,
+                                              result.logprobs, result.top_logprobs, result.logits, launched.cached)))
 
 
 @dataclass(slots=True)

@@ -39,58 +39,78 @@ log = structlog.get_logger()
 
 @dataclass(eq=False)
 class Ahead:
-    """A reserved guess: its plan (whose one round holds its tokens: a successor's are set by fill()), the state to
-    restore if it is not taken, and (once done) its outputs."""
+    """A reserved guess: its plan, its tokens (a successor's set by fill()), the state to restore if it is not taken,
+    and (once done) its outputs."""
     plan: Plan
     snapshot: dict
     blocks_taken: int
     # run_forward(ahead, on_queued): the guessed step's outputs; on_queued() once its device work is queued.
-    run_forward: Callable[["Ahead", Callable[[], None]], StepOutput] = field(repr=False)
+    run_forward: Callable[["Ahead", Callable[[], None]], "GuessOutput"] = field(repr=False)
+    # Each sequence's token, in the plan's order: its round's chunks take them when it is launched.
+    tokens: list[int] | None = None
     done: threading.Event = field(default_factory=threading.Event)
-    output: StepOutput | None = None
+    result: "GuessOutput | None" = None
     # A successor's inputs, built while its predecessor runs (rounds.Staged).
     staged: object = None
     # Its device work, once queued ahead of run() (rounds.Launched): run() then only finishes it.
     launched: object = None
     # The guess after this one, reserved while this one runs (not queued until a request takes this one).
     next: "Ahead | None" = None
+    # The plan's sequences, in its order (the same list every time it is asked for).
+    seq_ids: list[int] = field(init=False, repr=False)
 
-    @property
-    def seq_ids(self) -> list[int]:
-        return [chunk.seq_id for chunk in self.plan.rounds[0]]
-
-    @property
-    def decode(self) -> tuple[DecodeToken, ...]:
-        """The step the guess is: its sequences, each with its token."""
-        return tuple(DecodeToken(chunk.seq_id, chunk.tokens[0]) for chunk in self.plan.rounds[0])
+    def __post_init__(self):
+        self.seq_ids = [chunk.seq_id for chunk in self.plan.rounds[0]]
 
     @property
     def queued(self) -> bool:
         return self.launched is not None
 
-    def matches(self, decode: tuple[DecodeToken, ...]) -> bool:
-        return self.output is not None and decode == self.decode
+    def matches(self, step: Step) -> bool:
+        """Whether the pure decode step is exactly this guess: its sequences, in order, each with its token."""
+        return (self.result is not None and step.seq_ids == self.seq_ids
+                and [entry.token for entry in step.decode] == self.tokens)
 
     def fill(self, tokens: list[int]) -> None:
         """A successor's tokens: what its predecessor sampled, in order."""
-        for chunk, token in zip(self.plan.rounds[0], tokens):
-            chunk.tokens = (token,)
+        self.tokens = tokens
+
+    @property
+    def output(self) -> StepOutput:
+        """The guessed step's outputs (built from its sampling's result once asked: a taken guess's after its
+        successor is queued)."""
+        return self.result.output()
 
     def run(self, on_queued: Callable[[], None]) -> None:
         """Runs the guessed step (on the stream's thread); on_queued() once its device work is queued. A failure
         leaves no output to take: the request then runs the step itself and meets the error (a device fault)
         there, as its own; it is logged here too, so that a guess path that always fails shows."""
         try:
-            self.output = self.run_forward(self, on_queued)
+            self.result = self.run_forward(self, on_queued)
         except Exception:
             log.exception("run_ahead_failed")
-            self.output = None
+            self.result = None
         finally:
             self.done.set()
 
     def skip(self) -> None:
         """The stream has other work queued: leave the guess unrun; the next step on its sequences undoes it."""
         self.done.set()
+
+
+class GuessOutput:
+    """A guess's outputs as its sampling left them: its tokens at once (its successor's, when a request takes it),
+    the StepOutput built once, when first asked for."""
+
+    __slots__ = ("tokens", "_build", "_output")
+
+    def __init__(self, tokens: list[int], build: Callable[[], StepOutput]):
+        self.tokens, self._build, self._output = tokens, build, None
+
+    def output(self) -> StepOutput:
+        if self._output is None:
+            self._output = self._build()
+        return self._output
 
 
 @dataclass
@@ -130,8 +150,8 @@ class Guesses:
             guess = Step(decode=tuple(DecodeToken(entry.seq_id, sampled[entry.seq_id]) for entry in step.decode))
             ahead = self._reserve(guess, run_forward)
             if ahead is not None:
-                for seq_id in sampled:
-                    self._ahead[seq_id] = ahead
+                ahead.tokens = [entry.token for entry in guess.decode]
+                self._ahead.update(dict.fromkeys(ahead.seq_ids, ahead))
         return ahead
 
     def reserve_next(self, ahead: Ahead) -> Ahead | None:
@@ -140,8 +160,8 @@ class Guesses:
         with self._lock:
             if self._blocks_wanted:
                 return None
-            # Tokens 0 until fill(): the plan needs the sequences and their lengths, not the tokens.
-            ahead.next = self._reserve(Step(decode=tuple(DecodeToken(i, 0) for i in ahead.seq_ids)),
+            # Tokens 0 in its plan: the plan needs the sequences and their lengths, not the tokens (fill() gives them).
+            ahead.next = self._reserve(Step(decode=tuple(map(DecodeToken, ahead.seq_ids, [0] * len(ahead.seq_ids)))),
                                        ahead.run_forward)
         return ahead.next
 
@@ -165,7 +185,7 @@ class Guesses:
         with self._lock:
             if not self._ahead:
                 return None
-            pending = list({id(a): a for i in seq_ids if (a := self._ahead.get(i)) is not None}.values())
+            pending = self._pending(seq_ids)
         for ahead in pending:
             ahead.done.wait()
         taken = None
@@ -173,18 +193,26 @@ class Guesses:
             for ahead in pending:
                 if self._ahead.get(ahead.seq_ids[0]) is not ahead:     # settled by another stream meanwhile
                     continue
-                for seq_id in ahead.seq_ids:
-                    del self._ahead[seq_id]
-                if step is not None and not step.prefill and ahead.matches(step.decode) and not cancelled():
+                if step is not None and not step.prefill and ahead.matches(step) and not cancelled():
                     taken = ahead
                     self.counts.taken += 1
-                    if (successor := ahead.next) is not None:
-                        successor.fill([out.token for out in ahead.output.outputs])
-                        for seq_id in successor.seq_ids:
-                            self._ahead[seq_id] = successor
+                    if (successor := ahead.next) is not None:   # the same sequences: it takes their entries over
+                        successor.fill(ahead.result.tokens)
+                        self._ahead.update(dict.fromkeys(successor.seq_ids, successor))
+                        continue
                 else:
                     self._undo(ahead)
+                for seq_id in ahead.seq_ids:
+                    del self._ahead[seq_id]
         return taken
+
+    def _pending(self, seq_ids: list[int]) -> list[Ahead]:
+        """The guesses on these sequences, each once; the caller holds the lock. A step on exactly one guess's
+        sequences (a gateway's next decode step) is found without a look at each."""
+        first = self._ahead.get(seq_ids[0]) if seq_ids else None
+        if first is not None and first.seq_ids == seq_ids:
+            return [first]
+        return list({id(a): a for i in seq_ids if (a := self._ahead.get(i)) is not None}.values())
 
     def abandon(self, ahead: Ahead) -> None:
         """Undoes a taken guess's successor that the engine queued and then could not go on with (its device work

@@ -18,6 +18,7 @@ def bench(monkeypatch):
     import bench.beam_generate
     import bench.beam_host
     import bench.cpu_decode
+    import bench.engine_host
     import bench.fp8_accuracy
     import bench.gguf_accuracy
     import bench.grpc_overhead
@@ -117,6 +118,16 @@ def test_beam_host_times_the_loop_without_a_model(bench, capsys):
     rows = bench.beam_host.main(["--batches", "1,3", "--reps", "2", "--new-tokens", "4", "--source-len", "5"])
     assert [r.batch for r in rows] == [1, 3] and all(len(r.step_ms) == 2 and r.p50 > 0 for r in rows)
     assert "host ms a step" in capsys.readouterr().out
+
+
+def test_engine_host_times_the_engine_and_grpc_over_an_emulated_device(bench, capsys):
+    rows = bench.engine_host.main(["--batches", "1,3", "--device-ms", "0,2", "--context", "40", "--steps", "4",
+                                   "--warmup", "2"])
+    assert [(r.path, r.batch) for r in rows] == [("engine", 1), ("engine", 3), ("gRPC", 1), ("gRPC", 3)]
+    assert all(len(r.step_ms) == 4 and len(r.idle_ms) == 4 for r in rows)
+    # an emulated step of 2 ms is waited for: no step of it is shorter
+    assert all(min(r.step_ms) >= 2.0 for r in rows if r.batch == 3)
+    assert "host share" in capsys.readouterr().out
 
 
 def test_serving_reports_every_rate_and_the_step_benchmark(bench, tmp_path, capsys):

@@ -14,6 +14,9 @@ from metrale.runtime.backend.cuda.kernels.sampling import (  # noqa: E402
     ENTRY_WORDS, FLAG_GREEDY, FLAG_LOGPROBS, FLAG_PENALISED, PARAM_WORDS, PARAMS_DTYPE, apply_penalties,
     pack_penalties, pack_sampling_params, sample_rows)
 from metrale.runtime.backend.cuda.launch import kernel_arg  # noqa: E402
+from metrale.runtime.backend.cuda.sampler import OUT_WORDS, Wanted, read_outputs  # noqa: E402
+from metrale.runtime.errors import DeviceFault  # noqa: E402
+from metrale.runtime.sampling.params import MAX_TOP_LOGPROBS  # noqa: E402
 from metrale.runtime.backend.cuda.tensor import DeviceTensor  # noqa: E402
 from metrale.runtime.errors import InvalidArgument  # noqa: E402
 from metrale.runtime.sampling import OutputOptions, SampleRow, SamplingParams  # noqa: E402
@@ -72,6 +75,43 @@ def test_pack_sampling_params_shares_each_pair_of_params_and_options():
     assert len(cache) == 5 and pack_sampling_params(rows[::-1], cache).tolist() == together.tolist()[::-1]
     fields = together.view(PARAMS_DTYPE).reshape(len(rows))
     assert fields["top_k"][4] == 2**31 - 1 and fields["position_hi"].tolist() == [0, 1, 2, 3, 4, 0]
+
+
+def outputs_image(tokens, logprobs, top_ids, top_logprobs) -> np.ndarray:
+    """The outputs region as sample_rows leaves it: tokens, logprobs, then the top-n ids and logprobs, a row each."""
+    n = len(tokens)
+    host = np.zeros(n * OUT_WORDS, dtype=np.int32)
+    host[:n] = tokens
+    host[n:2 * n] = np.asarray(logprobs, dtype=np.float32).view(np.int32)
+    host[2 * n:2 * n + n * MAX_TOP_LOGPROBS] = np.asarray(top_ids, dtype=np.int32).reshape(-1)
+    host[2 * n + n * MAX_TOP_LOGPROBS:] = np.asarray(top_logprobs, dtype=np.float32).view(np.int32).reshape(-1)
+    return host
+
+
+@pytest.mark.parametrize("flags", [(True, True, True), (False, False, False), (True, False, True)])
+def test_read_outputs_gives_each_row_what_it_asked_for(flags):
+    options = [OutputOptions(logprobs=flags[0], top_logprobs=2), OutputOptions(logprobs=flags[1]),
+               OutputOptions(logprobs=flags[2], top_logprobs=MAX_TOP_LOGPROBS, return_logits=True)]
+    rows = [SampleRow(SamplingParams(), o, 0, 4, [], ()) for o in options]
+    top_ids = np.arange(3 * MAX_TOP_LOGPROBS).reshape(3, MAX_TOP_LOGPROBS) + 100
+    top_logprobs = -np.arange(3 * MAX_TOP_LOGPROBS, dtype=np.float32).reshape(3, MAX_TOP_LOGPROBS) / 8
+    wanted = Wanted(rows)
+    result = read_outputs(outputs_image([7, 8, 9], [-0.5, -1.5, -2.5], top_ids, top_logprobs), wanted)
+    assert result.tokens == [7, 8, 9]
+    assert [lp if flag else "nan" for lp, flag in zip(result.logprobs, flags)] == \
+        [lp if flag else "nan" for lp, flag in zip([-0.5, -1.5, -2.5], flags)]
+    assert all(np.isnan(lp) for lp, flag in zip(result.logprobs, flags) if not flag)
+    assert result.top_logprobs[0] == (top_ids[0, :2].tolist(), top_logprobs[0, :2].tolist())
+    assert result.top_logprobs[1] is None
+    assert result.top_logprobs[2] == (top_ids[2].tolist(), top_logprobs[2].tolist())
+    assert wanted.raw == [2] and result.logits == [None, None, None]      # the sampler copies row 2's logits
+
+
+def test_read_outputs_refuses_a_row_with_nothing_to_sample():
+    rows = [SampleRow(SamplingParams(), OutputOptions(), 0, 4, [], ())] * 2
+    zeros = np.zeros((2, MAX_TOP_LOGPROBS))
+    with pytest.raises(DeviceFault, match="no finite maximum"):
+        read_outputs(outputs_image([3, -1], [0.0, 0.0], zeros, zeros), Wanted(rows))
 
 
 def test_pack_penalties_lists_each_token_once():

@@ -39,7 +39,7 @@ class DecodeGraphs:
 
     def bucket(self, batch: ForwardBatch) -> int | None:
         """The graph size a forward fits, or None: not a pure decode step, or larger than every bucket."""
-        if any(n != 1 for n in batch.query_lens) or not batch.samples_every_row:
+        if batch.query_lens.count(1) != len(batch.query_lens) or not batch.samples_every_row:
             return None
         if (batch.cross is not None) != (self.max_source_len > 0):
             return None

@@ -55,36 +55,61 @@ class DeviceSampler:
         ctx.mark_sampled()
         return QueuedRows(self, logits, rows)
 
-    def result(self, logits: DeviceTensor, rows) -> SampleResult:
+    def result(self, queued: "QueuedRows") -> SampleResult:
         """Waits for the stream, then reads the outputs region (and the logits rows asked for) back."""
-        n = len(rows)
-        host = self.ctx.copy_to_host(DeviceTensor(self.outputs.ptr, (n * OUT_WORDS,), "int32"))
-        tokens = host[:n].tolist()
-        if (host[:n] < 0).any():
-            raise DeviceFault("a logits row has no finite maximum (NaN or +inf logits): nothing to sample")
-        logprobs = host[n:2 * n].view(np.float32).tolist()
+        wanted = queued.wanted
+        result = read_outputs(self.ctx.copy_to_host(DeviceTensor(self.outputs.ptr, (wanted.rows * OUT_WORDS,),
+                                                                 "int32")), wanted)
+        for i in wanted.raw:
+            result.logits[i] = torch.from_numpy(self.ctx.copy_to_host(queued.logits.rows(i, i + 1))[0])
+        return result
+
+
+class Wanted:
+    """What a sampling's rows asked for beside their tokens, read from their options when it is queued (while the
+    device works), so that reading its result back is only the copy and its conversion: whether rows want their
+    logprob (all, none, or each row's flag), the (row, n) of those asking for top-n, the rows asking for logits."""
+
+    __slots__ = ("rows", "logprobs", "top", "raw")
+
+    def __init__(self, rows):
         options = [row.options for row in rows]
-        top, raw = [None] * n, [None] * n
-        if any(o.top_logprobs or o.return_logits for o in options):
-            ids = host[2 * n:2 * n + n * MAX_TOP_LOGPROBS].reshape(n, MAX_TOP_LOGPROBS)
-            values = host[2 * n + n * MAX_TOP_LOGPROBS:].view(np.float32).reshape(n, MAX_TOP_LOGPROBS)
-            for i, o in enumerate(options):
-                if k := o.top_logprobs:
-                    top[i] = (ids[i, :k].tolist(), values[i, :k].tolist())
-                if o.return_logits:
-                    raw[i] = torch.from_numpy(self.ctx.copy_to_host(logits.rows(i, i + 1))[0])
-        if not all(o.logprobs for o in options):
-            logprobs = [lp if o.logprobs else math.nan for lp, o in zip(logprobs, options)]
-        return SampleResult(tokens, logprobs, top, raw)
+        self.rows = len(options)
+        flags = [o.logprobs for o in options]
+        self.logprobs = True if all(flags) else False if not any(flags) else flags
+        self.top = [(i, o.top_logprobs) for i, o in enumerate(options) if o.top_logprobs]
+        self.raw = [i for i, o in enumerate(options) if o.return_logits]
+
+
+def read_outputs(host: np.ndarray, wanted: Wanted) -> SampleResult:
+    """The outputs region's image (int32 [rows * OUT_WORDS]: tokens, logprobs, top-n ids, top-n logprobs) as a
+    SampleResult; logits rows None (the caller copies those it wants)."""
+    n = wanted.rows
+    tokens = host[:n].tolist()
+    if (host[:n] < 0).any():
+        raise DeviceFault("a logits row has no finite maximum (NaN or +inf logits): nothing to sample")
+    if wanted.logprobs is False:
+        logprobs = [math.nan] * n
+    else:
+        logprobs = host[n:2 * n].view(np.float32).tolist()
+        if wanted.logprobs is not True:
+            logprobs = [lp if flag else math.nan for lp, flag in zip(logprobs, wanted.logprobs)]
+    top = [None] * n
+    if wanted.top:
+        ids = host[2 * n:2 * n + n * MAX_TOP_LOGPROBS].reshape(n, MAX_TOP_LOGPROBS)
+        values = host[2 * n + n * MAX_TOP_LOGPROBS:].view(np.float32).reshape(n, MAX_TOP_LOGPROBS)
+        for i, k in wanted.top:
+            top[i] = (ids[i, :k].tolist(), values[i, :k].tolist())
+    return SampleResult(tokens, logprobs, top, [None] * n)
 
 
 class QueuedRows:
     """A stream's queued sampling (Runner.queue_sample's answer on CUDA): read back by result()."""
 
-    __slots__ = ("sampler", "logits", "rows")
+    __slots__ = ("sampler", "logits", "wanted")
 
     def __init__(self, sampler: DeviceSampler, logits: DeviceTensor, rows):
-        self.sampler, self.logits, self.rows = sampler, logits, rows
+        self.sampler, self.logits, self.wanted = sampler, logits, Wanted(rows)
 
     def result(self) -> SampleResult:
-        return self.sampler.result(self.logits, self.rows)
+        return self.sampler.result(self)
