@@ -30,9 +30,11 @@ from metrale.runtime.engine import Engine
 from metrale.runtime.sampling import SampleResult
 from metrale.runtime.step import DecodeToken, PrefillSlice, Step
 from metrale.service.in_process import InProcessWorker
-from metrale.service.server import WorkerServer
+from metrale.service.server import WorkerServer, freeze_heap
 
 GRAPH_SIZES = EngineConfig().cuda_graph_batch_sizes
+# The last seconds of an emulated wait spent spinning (yielding the interpreter lock at each turn).
+SPIN_S = 2e-3
 
 
 class EmulatedDevice:
@@ -55,10 +57,11 @@ class EmulatedDevice:
 
     @staticmethod
     def wait(done_at: float) -> None:
-        """Until done_at, the interpreter lock free as in a stream synchronize: a sleep, then yields for its last
-        0.5 ms (a sleep alone wakes 0.1-0.9 ms late)."""
+        """Until done_at, the interpreter lock free as in a stream synchronize: a sleep, then a spin for its last
+        SPIN_S, as CUDA's synchronize spins (a sleep alone wakes 0.1-0.9 ms late, and a thread woken from one runs
+        its next microseconds cold)."""
         while (left := done_at - time.perf_counter()) > 0:
-            time.sleep(left - 5e-4 if left > 6e-4 else 0)
+            time.sleep(left - SPIN_S if left > SPIN_S + 1e-4 else 0)
 
 
 class InstantRunner:
@@ -216,6 +219,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     device_ms = dict(zip(batches, device_ms if len(device_ms) > 1 else device_ms * len(batches), strict=True))
     print(machine_line("engine_host"), flush=True)
     engine, info = instant_engine(max(batches), args.context, 2 * (args.warmup + args.steps) + 8)
+    freeze_heap()       # as serve does once the worker is loaded
     emulate = lambda batch: setattr(engine.runner, "emulated", EmulatedDevice(device_ms[batch]))  # noqa: E731
     rows = []
     for batch in batches:
