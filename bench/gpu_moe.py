@@ -15,7 +15,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import resource
 import shutil
 import sys
 import threading
