@@ -78,18 +78,22 @@ def beam_id_count(m: pb.BeamGenerateRequest) -> int:
 def forward_response(out: StepOutput, response: pb.ForwardResponse) -> pb.ForwardResponse:
     """The step's outputs, written into response (empty: a new one, or a StepResponse's result); queue_us is the
     caller's to set once the stream has said it."""
-    response.seq_ids[:] = [o.seq_id for o in out.outputs]
-    response.tokens[:] = [o.token for o in out.outputs]
-    response.logprobs[:] = [o.logprob for o in out.outputs]
-    response.cached_tokens[:] = [o.cached_tokens for o in out.outputs]
     response.forward_us = out.forward_us
-    for o in out.outputs:
-        if o.top_logprobs is not None:
-            ids, logprobs = o.top_logprobs
-            response.top_logprobs.add(seq_id=o.seq_id, token_ids=ids, logprobs=logprobs)
-        if o.logits is not None:
-            data = o.logits.float().numpy().astype("<f4", copy=False).tobytes()
-            response.logits.add(seq_id=o.seq_id, data=data)
+    if not out.outputs:
+        return response
+    seq_ids, tokens, logprobs, tops, logits, cached = zip(*out.outputs)     # the columns, in one pass
+    response.seq_ids[:] = seq_ids
+    response.tokens[:] = tokens
+    response.logprobs[:] = logprobs
+    response.cached_tokens[:] = cached
+    if tops.count(None) < len(tops) or logits.count(None) < len(logits):
+        for o in out.outputs:
+            if o.top_logprobs is not None:
+                ids, values = o.top_logprobs
+                response.top_logprobs.add(seq_id=o.seq_id, token_ids=ids, logprobs=values)
+            if o.logits is not None:
+                data = o.logits.float().numpy().astype("<f4", copy=False).tobytes()
+                response.logits.add(seq_id=o.seq_id, data=data)
     return response
 
 
