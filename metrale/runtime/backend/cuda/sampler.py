@@ -44,7 +44,8 @@ class DeviceSampler:
             offsets, entries, biases = ctx.upload_lists([lists.entry_offsets, lists.entries, lists.biases],
                                                          "the penalty lists")
             kernels.apply_penalties(lib, stream, processed, logits, params, offsets, entries, biases)
-        top_n = max(row.options.top_logprobs for row in rows)
+        wanted = Wanted(rows)
+        top_n = max((k for _, k in wanted.top), default=0)
         base = self.outputs.ptr
         tokens = DeviceTensor(base, (n,), "int32")
         logprobs = DeviceTensor(base + 4 * n, (n,), "float32")
@@ -53,7 +54,7 @@ class DeviceSampler:
         kernels.sample_rows(lib, stream, logits, params, tokens, logprobs, top_ids, top_logprobs, top_n,
                             processed=processed)
         ctx.mark_sampled()
-        return QueuedRows(self, logits, rows)
+        return QueuedRows(self, logits, wanted)
 
     def result(self, queued: "QueuedRows") -> SampleResult:
         """Waits for the stream, then reads the outputs region (and the logits rows asked for) back."""
@@ -108,8 +109,8 @@ class QueuedRows:
 
     __slots__ = ("sampler", "logits", "wanted")
 
-    def __init__(self, sampler: DeviceSampler, logits: DeviceTensor, rows):
-        self.sampler, self.logits, self.wanted = sampler, logits, Wanted(rows)
+    def __init__(self, sampler: DeviceSampler, logits: DeviceTensor, wanted: Wanted):
+        self.sampler, self.logits, self.wanted = sampler, logits, wanted
 
     def result(self) -> SampleResult:
         return self.sampler.result(self)
