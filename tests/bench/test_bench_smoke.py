@@ -125,8 +125,9 @@ def test_engine_host_times_the_engine_and_grpc_over_an_emulated_device(bench, ca
                                    "--warmup", "2"])
     assert [(r.path, r.batch) for r in rows] == [("engine", 1), ("engine", 3), ("gRPC", 1), ("gRPC", 3)]
     assert all(len(r.step_ms) == 4 and len(r.idle_ms) == 4 for r in rows)
-    # an emulated step of 2 ms is waited for: no step of it is shorter
-    assert all(min(r.step_ms) >= 2.0 for r in rows if r.batch == 3)
+    # the device's steps of 2 ms run one after another: of the 4 timed answers' steps, at least the last 3 start
+    # within the timed run (a step's answer may come sooner than 2 ms after its request: its guess ran ahead)
+    assert all(sum(r.step_ms) >= 3 * 2.0 for r in rows if r.batch == 3)
     assert "host share" in capsys.readouterr().out
 
 
