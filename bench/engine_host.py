@@ -1,10 +1,12 @@
 """The host's share of a decode step, without a device: the real engine (sequence table, planner, reservations,
 run-ahead's guess chain, rounds) and the CUDA backend's host work a step (the decode graph's metadata image, packed
-ahead where staged; the sampling parameters; the outputs read back), over a device that answers at once. Timed on
-the engine alone, as a stream's thread steps it, and through a real WorkerServer driven over one Steps channel by a
-client in its own process, as a gateway would. On a GPU the device step comes on top, less what run-ahead hides.
+ahead where staged; the sampling parameters; the outputs read back) over an emulated device, a stream whose every
+forward takes the step time given (--device-ms). Timed on the engine alone, as a stream's thread steps it, and
+through a real WorkerServer driven over one Steps channel by a client in its own process, as a gateway would; with
+the device's idle time between steps, the wait for the host that run-ahead must hide.
 
-python -m bench.engine_host [--batches 1,64,256] [--context 1024] [--steps 200] [--profile 25]
+python -m bench.engine_host [--batches 1,64,256] [--device-ms 4.46,8.09,17.42] [--context 1024] [--steps 200]
+    [--profile 25]
 """
 
 import argparse
