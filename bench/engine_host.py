@@ -19,9 +19,11 @@ import numpy as np
 
 from bench.grpc_client import decode_round_trips_in_subprocess
 from bench.grpc_overhead import loopback_config, machine_line, quiet_logs
-from bench.model_shapes import SHAPES, random_checkpoint
+from bench.engine_runner import EngineRunner
+from bench.model_shapes import SHAPES, random_checkpoint, random_tokens
 from bench.phases import host_profile
 from metrale.runtime.backend.cuda.batch import metadata_elements, pack_batch, set_tokens
+from metrale.runtime.backend.cuda.graphs import decode_bucket
 from metrale.runtime.backend.cuda.kernels.sampling import pack_sampling_params
 from metrale.runtime.backend.cuda.sampler import OUT_WORDS, Wanted, read_outputs
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
@@ -30,7 +32,7 @@ from metrale.runtime.cache.blocks import blocks_for
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.engine import Engine
 from metrale.runtime.sampling import SampleResult
-from metrale.runtime.step import DecodeToken, PrefillSlice, Step
+from metrale.runtime.step import DecodeToken, Step
 from metrale.service.in_process import InProcessWorker
 from metrale.service.server import WorkerServer, freeze_heap
 
@@ -94,19 +96,13 @@ class InstantRunner:
     def counters(self) -> dict[str, int]:
         return self.runner.counters()
 
-    @staticmethod
-    def bucket(batch) -> int | None:
-        if batch.query_lens.count(1) != len(batch.query_lens) or not batch.samples_every_row:
-            return None
-        return next((size for size in GRAPH_SIZES if size >= batch.num_tokens), None)
-
     def stage(self, batch) -> None:
-        if size := self.bucket(batch):
+        if size := decode_bucket(batch, GRAPH_SIZES):
             batch.staged = (size, pack_batch(batch, self.region, self.max_blocks, pad_to=size))
 
     def run_forward(self, forward, batch, replayable: bool) -> float:
         """When the forward's emulated device time ends (the 'logits' queue_sample takes)."""
-        size = self.bucket(batch) or 0
+        size = decode_bucket(batch, GRAPH_SIZES) or 0
         if batch.staged is not None and batch.staged[0] == size:
             prepared = batch.staged[1]
             set_tokens(prepared, batch.token_ids)
@@ -132,7 +128,7 @@ class InstantSample:
 
     def result(self) -> SampleResult:
         EmulatedDevice.wait(self.done_at)
-        return read_outputs(np.zeros(self.wanted.rows * OUT_WORDS, dtype=np.int32), self.wanted)
+        return read_outputs(np.zeros(self.wanted.num_rows * OUT_WORDS, dtype=np.int32), self.wanted)
 
 
 def instant_engine(max_batch: int, context: int, steps: int) -> tuple[Engine, object]:
@@ -175,15 +171,10 @@ class EngineLoop:
     tokens; the guess it returns (queued already: the device runs it while the answer travels) then run, which
     reserves and stages its successor and waits for its outputs, and the next step takes it."""
 
-    def __init__(self, engine: Engine, batch: int, context: int, first_seq_id: int):
-        self.engine = engine
-        self.ids = list(range(first_seq_id, first_seq_id + batch))
-        per_step = max(1, engine.config.max_batch_tokens // context)
-        tokens = {}
-        for start in range(0, batch, per_step):
-            slices = tuple(PrefillSlice(i, tuple(range(1, context + 1))) for i in self.ids[start:start + per_step])
-            tokens.update((o.seq_id, o.token) for o in engine.step(Step(prefill=slices)).outputs)
-        self.request = Step(decode=tuple(map(DecodeToken, self.ids, map(tokens.get, self.ids))))
+    def __init__(self, engine: Engine, prefilled: dict[int, int]):
+        """prefilled: the sequences' ids and sampled tokens (EngineRunner.prefill)."""
+        self.engine, self.ids = engine, list(prefilled)
+        self.request = Step(decode=tuple(map(DecodeToken, self.ids, prefilled.values())))
 
     def step(self) -> None:
         out = self.engine.step(self.request, run_ahead=True)
@@ -223,9 +214,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     engine, info = instant_engine(max(batches), args.context, 2 * (args.warmup + args.steps) + 8)
     freeze_heap()       # as serve does once the worker is loaded
     emulate = lambda batch: setattr(engine.runner, "emulated", EmulatedDevice(device_ms[batch]))  # noqa: E731
-    rows = []
+    rows, prompts = [], EngineRunner(engine, engine.config.max_batch_tokens)
     for batch in batches:
-        loop = EngineLoop(engine, batch, args.context, first_seq_id=batch << 20)
+        loop = EngineLoop(engine, prompts.prefill(random_tokens(batch, args.context, SHAPES["tiny"].vocab, batch)))
         emulate(batch)
         times = loop.time(args.warmup, args.steps)
         rows.append(Row("engine", batch, device_ms[batch], times, engine.runner.emulated.idle_ms[-args.steps:]))

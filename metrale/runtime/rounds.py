@@ -52,13 +52,13 @@ class Rounds:
     def launch(self, chunks: tuple[Chunk, ...], cancelled: Callable[[], bool], staged: "Staged | None" = None,
                tokens: list[int] | None = None) -> "Launched":
         """Queues the round's forward and sampling; its sequences hold its tokens from here on. staged: its
-        inputs built already (stage), each chunk one token, set here: `tokens` (one a chunk, in order: the chunks
-        take them once the forward is queued), else the chunks' own."""
+        inputs built already (stage), each chunk one token, whose `tokens` (one a chunk, in order) are set here;
+        the chunks take them once the forward is queued."""
+        fill = staged is not None
         if staged is None:
             staged = self.stage(chunks)
         else:
-            staged.batch.token_ids.copy_(torch.tensor(tokens if tokens is not None else [c.tokens[0] for c in chunks],
-                                                      dtype=torch.int64))
+            staged.batch.token_ids.copy_(torch.tensor(tokens, dtype=torch.int64))
         sequences, batch = staged.sequences, staged.batch
         with self.forwards.lock:
             if self.encoder_decoder:
@@ -70,7 +70,7 @@ class Rounds:
             if cancelled():
                 raise Cancelled()
             with self._lock:
-                if tokens is not None:
+                if fill:
                     for c, token in zip(chunks, tokens):
                         c.tokens = (token,)
                 for c, seq in zip(chunks, sequences):

@@ -77,3 +77,12 @@ def test_decoder_prompts_pad_their_sampled_rows_too():
     every_row.sample_rows = torch.arange(5)
     assert prompts.padding(every_row) is None            # more sampled rows than segments: not a prompt pass
 
+
+
+def test_a_decode_step_fits_the_smallest_bucket_it_reaches_and_nothing_else_fits_one():
+    sizes = (1, 2, 4, 8)
+    assert graphs.decode_bucket(encoder_batch([1, 1, 1], sample=True), sizes) == 4
+    assert graphs.decode_bucket(encoder_batch([1], sample=True), sizes) == 1
+    assert graphs.decode_bucket(encoder_batch([1] * 9, sample=True), sizes) is None           # past every bucket
+    assert graphs.decode_bucket(encoder_batch([1, 2], sample=True), sizes) is None            # a segment of two tokens
+    assert graphs.decode_bucket(encoder_batch([1, 1]), sizes) is None      # rows that sample nothing

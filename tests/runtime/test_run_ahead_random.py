@@ -13,21 +13,14 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from metrale.runtime.errors import WorkerError  # noqa: E402
-from metrale.runtime.loading import load_checkpoint  # noqa: E402
 from metrale.runtime.sampling import OutputOptions, SamplingParams  # noqa: E402
 from metrale.runtime.step import DecodeToken, PrefillSlice, Step  # noqa: E402
-from test_run_ahead_chain import Stream, engine_of, state  # noqa: E402
-from tiny_models import write_tiny  # noqa: E402
+# checkpoint: the chain's fixture, a Llama and a hybrid whose guesses also advance recurrent states into slots
+from test_run_ahead_chain import Stream, checkpoint, engine_of, state  # noqa: E402,F401
 
 SAMPLINGS = [SamplingParams(), SamplingParams(temperature=0.9, top_k=40, seed=3),
              SamplingParams(temperature=0.8, seed=5, repetition_penalty=1.2)]
 MAX_LIVE = 6
-
-
-@pytest.fixture(scope="module", params=["llama_tied", "nemotron_h"])
-def checkpoint(request, tmp_path_factory):
-    """A Llama, and a hybrid whose guesses also advance recurrent states into slots."""
-    return load_checkpoint(write_tiny(request.param, tmp_path_factory.mktemp("random") / request.param))
 
 
 def outputs(out) -> list[tuple]:

@@ -38,12 +38,11 @@ class DecodeGraphs:
         self.replays = 0
 
     def bucket(self, batch: ForwardBatch) -> int | None:
-        """The graph size a forward fits, or None: not a pure decode step, or larger than every bucket."""
-        if batch.query_lens.count(1) != len(batch.query_lens) or not batch.samples_every_row:
-            return None
+        """The graph size a forward fits, or None: not a pure decode step (with a cross batch exactly where the
+        graphs have one), or larger than every bucket."""
         if (batch.cross is not None) != (self.max_source_len > 0):
             return None
-        return next((size for size in self.batch_sizes if size >= batch.num_tokens), None)
+        return decode_bucket(batch, self.batch_sizes)
 
     def run(self, forward: Callable, batch: ForwardBatch, size: int) -> DeviceTensor:
         """Logits [B, vocab] of the batch's rows, from the bucket's graph (captured on first use)."""
@@ -227,6 +226,14 @@ def no_collection():
             _captures -= 1
             if _captures == 0 and _collector_was_on:
                 gc.enable()
+
+
+def decode_bucket(batch: ForwardBatch, batch_sizes: tuple[int, ...]) -> int | None:
+    """The smallest of the ascending batch_sizes a pure decode step (one token a segment, every row sampled) fits;
+    None for any other forward, or one larger than every size."""
+    if batch.query_lens.count(1) != len(batch.query_lens) or not batch.samples_every_row:
+        return None
+    return next((size for size in batch_sizes if size >= batch.num_tokens), None)
 
 
 def empty_decode_batch(encoder_decoder: bool, recurrent: bool = False) -> ForwardBatch:

@@ -59,7 +59,7 @@ class DeviceSampler:
     def result(self, queued: "QueuedRows") -> SampleResult:
         """Waits for the stream, then reads the outputs region (and the logits rows asked for) back."""
         wanted = queued.wanted
-        result = read_outputs(self.ctx.copy_to_host(DeviceTensor(self.outputs.ptr, (wanted.rows * OUT_WORDS,),
+        result = read_outputs(self.ctx.copy_to_host(DeviceTensor(self.outputs.ptr, (wanted.num_rows * OUT_WORDS,),
                                                                  "int32")), wanted)
         for i in wanted.raw:
             result.logits[i] = torch.from_numpy(self.ctx.copy_to_host(queued.logits.rows(i, i + 1))[0])
@@ -71,11 +71,11 @@ class Wanted:
     device works), so that reading its result back is only the copy and its conversion: whether rows want their
     logprob (all, none, or each row's flag), the (row, n) of those asking for top-n, the rows asking for logits."""
 
-    __slots__ = ("rows", "logprobs", "top", "raw")
+    __slots__ = ("num_rows", "logprobs", "top", "raw")
 
     def __init__(self, rows):
         options = [row.options for row in rows]
-        self.rows = len(options)
+        self.num_rows = len(options)
         flags = [o.logprobs for o in options]
         self.logprobs = True if all(flags) else False if not any(flags) else flags
         self.top = [(i, o.top_logprobs) for i, o in enumerate(options) if o.top_logprobs]
@@ -83,9 +83,9 @@ class Wanted:
 
 
 def read_outputs(host: np.ndarray, wanted: Wanted) -> SampleResult:
-    """The outputs region's image (int32 [rows * OUT_WORDS]: tokens, logprobs, top-n ids, top-n logprobs) as a
+    """The outputs region's image (int32 [num_rows * OUT_WORDS]: tokens, logprobs, top-n ids, top-n logprobs) as a
     SampleResult; logits rows None (the caller copies those it wants)."""
-    n = wanted.rows
+    n = wanted.num_rows
     tokens = host[:n].tolist()
     if (host[:n] < 0).any():
         raise DeviceFault("a logits row has no finite maximum (NaN or +inf logits): nothing to sample")
