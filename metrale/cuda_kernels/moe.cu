@@ -30,6 +30,32 @@ struct TileRows {
     }
 };
 
+// expert(w, e): expert e's weights in w's form (an expert's n rows one after another's).
+__device__ __forceinline__ Bf16Weights expert_weights(const uint4* weight, const float*, int expert, int n,
+                                                      int k_chunks, Bf16Weights) {
+    return Bf16Weights{weight + (long long)expert * n * k_chunks};
+}
+__device__ __forceinline__ Fp8RowWeights expert_weights(const uint4* weight, const float* scales, int expert, int n,
+                                                        int k_chunks, Fp8RowWeights) {
+    return Fp8RowWeights{weight + (long long)expert * n * (k_chunks / Fp8RowWeights::CHUNKS),
+                         scales + (long long)expert * n};
+}
+
+template <typename Weights>
+__device__ __forceinline__ void moe_skinny_gemm(bf16* out, const uint4* a, long long a_stride, const uint4* weight,
+                                                const float* scales, const int* sorted_entries, int gather_div,
+                                                const int* offsets, const int* tiles, const int* tile_count, int n,
+                                                int k_chunks, int gated, float limit) {
+    const int tile = blockIdx.y;
+    if (tile >= tile_count[0]) return;
+    const int expert = tiles[2 * tile], row0 = tiles[2 * tile + 1];
+    const int rows = min(8, offsets[expert + 1] - row0), width = gated ? n / 2 : n;
+    skinny_gemm<1>(out + (long long)row0 * width, (long long)width,
+                   TileRows{a, a_stride, sorted_entries, gather_div, row0},
+                   expert_weights(weight, scales, expert, n, k_chunks, Weights{}),
+                   static_cast<const bf16*>(nullptr), rows, n, k_chunks, 0, gated, limit);
+}
+
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M8)
@@ -37,14 +63,19 @@ moe_skinny_gemm_m8(bf16* out, const uint4* a, long long a_stride, const uint4* w
                    int gather_div, const int* offsets, const int* tiles, const int* tile_count, int n, int k_chunks,
                    int gated, float limit) {
     wait_for_previous_kernel();
-    const int tile = blockIdx.y;
-    if (tile >= tile_count[0]) return;
-    const int expert = tiles[2 * tile], row0 = tiles[2 * tile + 1];
-    const int rows = min(8, offsets[expert + 1] - row0), width = gated ? n / 2 : n;
-    skinny_gemm<1>(out + (long long)row0 * width, (long long)width,
-                   TileRows{a, a_stride, sorted_entries, gather_div, row0},
-                   Bf16Weights{weight + (long long)expert * n * k_chunks},
-                   static_cast<const bf16*>(nullptr), rows, n, k_chunks, 0, gated, limit);
+    moe_skinny_gemm<Bf16Weights>(out, a, a_stride, weight, nullptr, sorted_entries, gather_div, offsets, tiles,
+                                 tile_count, n, k_chunks, gated, limit);
+}
+
+// FP8 experts (sm_89 and later): weight [E, N, K] e4m3 with scales [E, N] float32, each widened in registers to the
+// bf16 weight it dequantizes to (skinny_gemm.cuh's Fp8RowWeights); K % 16 == 0.
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M8)
+moe_skinny_gemm_m8_fp8(bf16* out, const uint4* a, long long a_stride, const uint4* weight, const float* scales,
+                       const int* sorted_entries, int gather_div, const int* offsets, const int* tiles,
+                       const int* tile_count, int n, int k_chunks, int gated, float limit) {
+    wait_for_previous_kernel();
+    moe_skinny_gemm<Fp8RowWeights>(out, a, a_stride, weight, scales, sorted_entries, gather_div, offsets, tiles,
+                                   tile_count, n, k_chunks, gated, limit);
 }
 
 // Tiles of 64 or 128 rows (prefills, and decode batches of more than a few rows an expert): a CTA of 4 warps owns
@@ -60,34 +91,48 @@ namespace {
 constexpr int GEMM_THREADS = 128, BN = 128;
 constexpr int GEMM_SHARED_BYTES = 48 * 1024;
 
-template <int BM>
+// FP8: the experts' weights e4m3 with a float32 scale a row ([E, N] scales). A stage then holds the BN weight rows'
+// e4m3 bytes (half a bf16 tile), each thread's 16-byte copies widened by that thread, once landed, to bf16(value x
+// scale) in the swizzled bf16 tile `wide` (one, not one a stage), which the mma reads as it reads a bf16 stage: W8A16,
+// the bf16 GEMM of the dequantized weights, bit for bit. A barrier between the widening and the mma.
+template <int BM, bool FP8 = false>
 struct GroupedGemm {
     static constexpr int BK = BM == 64 ? 64 : 32, ROW_CHUNKS = BK / 8;
     static constexpr int WARPS_M = BM / 64, WARPS_N = 4 / WARPS_M;
     static constexpr int WARP_N = BN / WARPS_N, N_TILES = WARP_N / 8;          // 8-column mma tiles of a warp
-    static constexpr int STAGE_CHUNKS = (BM + BN) * ROW_CHUNKS;                // 16-byte chunks a stage
-    static constexpr int STAGES = GEMM_SHARED_BYTES / (16 * STAGE_CHUNKS);      // 2 (BM 64) or 3 (BM 128)
+    static constexpr int W_STAGE_CHUNKS = FP8 ? BN * ROW_CHUNKS / 2 : BN * ROW_CHUNKS;
+    static constexpr int STAGE_CHUNKS = BM * ROW_CHUNKS + W_STAGE_CHUNKS;      // 16-byte chunks a stage
+    static constexpr int WIDE_CHUNKS = FP8 ? BN * ROW_CHUNKS : 0;              // the widened weight tile
+    // 2 (BM 64) or 3 (BM 128), either form.
+    static constexpr int STAGES = (GEMM_SHARED_BYTES - 16 * WIDE_CHUNKS) / (16 * STAGE_CHUNKS);
     static constexpr int A_LOADS = BM * ROW_CHUNKS / GEMM_THREADS;              // chunks a thread copies a stage
     static constexpr int W_LOADS = BN * ROW_CHUNKS / GEMM_THREADS;
     static constexpr int ROW_STEP = GEMM_THREADS / ROW_CHUNKS;                  // rows between a thread's copies
+    // FP8: a weight row's BK bytes are W8_ROW 16-byte copies; a thread's W8_LOADS rows W8_STEP apart.
+    static constexpr int W8_ROW = BK / 16, W8_LOADS = BN * W8_ROW / GEMM_THREADS, W8_STEP = GEMM_THREADS / W8_ROW;
     static_assert(BM == 64 || BM == 128, "tiles of 64 or 128 rows");
+    static_assert(STAGES >= 2, "a stage in flight while one is read");
 
     static __device__ __forceinline__ int swizzled(int row, int chunk) {
         return row * ROW_CHUNKS + (ROW_CHUNKS == 4 ? chunk ^ ((row >> 1) & 3) : chunk ^ (row & 7));
     }
 };
 
-template <int BM, bool GATED>
-__device__ __forceinline__ void grouped_gemm(bf16* out, const bf16* a, long long a_stride, const bf16* weight,
-                                             const int* sorted_entries, int gather_div, const int* offsets,
-                                             const int* tiles, const int* tile_count, int n, int k, float limit) {
-    using G = GroupedGemm<BM>;
+// weight: [E, N, K] bf16, or e4m3 (FP8) with scales [E, N].
+template <int BM, bool GATED, bool FP8 = false>
+__device__ __forceinline__ void grouped_gemm(bf16* out, const bf16* a, long long a_stride, const void* weight,
+                                             const float* scales, const int* sorted_entries, int gather_div,
+                                             const int* offsets, const int* tiles, const int* tile_count, int n,
+                                             int k, float limit) {
+    using G = GroupedGemm<BM, FP8>;
     const int tile = blockIdx.y;
     if (tile >= tile_count[0]) return;
     const int expert = tiles[2 * tile], row0 = tiles[2 * tile + 1];
     const int rows = min(BM, offsets[expert + 1] - row0), col0 = blockIdx.x * BN;
-    const bf16* w = weight + (long long)expert * n * k;
+    const bf16* w = static_cast<const bf16*>(weight) + (long long)expert * n * k;
+    const unsigned char* w8 = static_cast<const unsigned char*>(weight) + (long long)expert * n * k;
     __shared__ __align__(128) uint4 ring[G::STAGES][G::STAGE_CHUNKS];     // a stage: BM a rows, then BN w rows
+    __shared__ __align__(128) uint4 wide[FP8 ? G::WIDE_CHUNKS : 1];       // FP8: the stage's w rows in bf16
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int warp_row = (warp / G::WARPS_N) * 64, warp_col = (warp % G::WARPS_N) * G::WARP_N;
     const int chunk = threadIdx.x % G::ROW_CHUNKS;          // the 16-byte chunk of BK this thread copies, every row
@@ -111,15 +156,34 @@ __device__ __forceinline__ void grouped_gemm(bf16* out, const bf16* a, long long
             const bool valid = a_valid[i] && k_valid;
             copy_async_16(s + G::swizzled(r, chunk), valid ? a_rows[i] + k0 : a, valid);
         }
+        if constexpr (FP8) {
 #pragma unroll
-        for (int i = 0; i < G::W_LOADS; ++i) {
-            const int r = threadIdx.x / G::ROW_CHUNKS + G::ROW_STEP * i;
-            const bool valid = col0 + r < n && k_valid;
-            copy_async_16(s + BM * G::ROW_CHUNKS + G::swizzled(r, chunk),
-                          valid ? w + (long long)(col0 + r) * k + k0 + chunk * 8 : w, valid);
+            for (int i = 0; i < G::W8_LOADS; ++i) {
+                const int r = threadIdx.x / G::W8_ROW + G::W8_STEP * i, c = threadIdx.x % G::W8_ROW;
+                const bool valid = col0 + r < n && k0 + c * 16 < k;
+                copy_async_16(s + BM * G::ROW_CHUNKS + r * G::W8_ROW + c,
+                              valid ? w8 + (long long)(col0 + r) * k + k0 + c * 16 : w8, valid);
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < G::W_LOADS; ++i) {
+                const int r = threadIdx.x / G::ROW_CHUNKS + G::ROW_STEP * i;
+                const bool valid = col0 + r < n && k_valid;
+                copy_async_16(s + BM * G::ROW_CHUNKS + G::swizzled(r, chunk),
+                              valid ? w + (long long)(col0 + r) * k + k0 + chunk * 8 : w, valid);
+            }
         }
     };
 
+    // FP8: the scales of this thread's W8_LOADS weight rows (a row past N widens zeros).
+    float row_scale[FP8 ? G::W8_LOADS : 1];
+    if constexpr (FP8) {
+#pragma unroll
+        for (int i = 0; i < G::W8_LOADS; ++i) {
+            const int r = threadIdx.x / G::W8_ROW + G::W8_STEP * i;
+            row_scale[i] = col0 + r < n ? scales[(long long)expert * n + col0 + r] : 0.f;
+        }
+    }
     float acc[4][G::N_TILES][4] = {};
     const int steps = (k + G::BK - 1) / G::BK;
 #pragma unroll
@@ -134,6 +198,18 @@ __device__ __forceinline__ void grouped_gemm(bf16* out, const bf16* a, long long
         if (next < steps) load(next % G::STAGES, next * G::BK);
         copy_async_commit();
         const uint4* s = ring[step % G::STAGES];
+        const uint4* w_tile = s + BM * G::ROW_CHUNKS;
+        if constexpr (FP8) {     // this thread's own copies, landed: into `wide`, read by all after the barrier
+#pragma unroll
+            for (int i = 0; i < G::W8_LOADS; ++i) {
+                const int r = threadIdx.x / G::W8_ROW + G::W8_STEP * i, c = threadIdx.x % G::W8_ROW;
+                const uint4 raw = w_tile[r * G::W8_ROW + c];
+                wide[G::swizzled(r, 2 * c)] = e4m3x8_to_bf16x8(raw.x, raw.y, row_scale[i]);
+                wide[G::swizzled(r, 2 * c + 1)] = e4m3x8_to_bf16x8(raw.z, raw.w, row_scale[i]);
+            }
+            __syncthreads();
+            w_tile = wide;
+        }
 #pragma unroll
         for (int kk = 0; kk < G::BK / 16; ++kk) {
             // A, matrices (rows +0, k +0), (+8, +0), (+0, +8), (+8, +8): lane l gives row l & 15, chunk 2kk + l / 16.
@@ -145,9 +221,8 @@ __device__ __forceinline__ void grouped_gemm(bf16* out, const bf16* a, long long
 #pragma unroll
             for (int j = 0; j < G::N_TILES; j += 2) {
                 unsigned b[4];
-                ldmatrix_x4(b, s + BM * G::ROW_CHUNKS +
-                                   G::swizzled(warp_col + 8 * j + (lane & 7) + ((lane >> 4) << 3),
-                                            2 * kk + ((lane >> 3) & 1)));
+                ldmatrix_x4(b, w_tile + G::swizzled(warp_col + 8 * j + (lane & 7) + ((lane >> 4) << 3),
+                                                    2 * kk + ((lane >> 3) & 1)));
 #pragma unroll
                 for (int m = 0; m < 4; ++m) {
                     mma_bf16(acc[m][j], frag[m], b[0], b[1]);
@@ -199,19 +274,31 @@ __device__ __forceinline__ void grouped_gemm(bf16* out, const bf16* a, long long
 }  // namespace
 
 // moe_grouped_gemm_m{64,128}[_gated]: the tile rows, and the activation in the epilogue (gated; limit: its clamp) or
-// not.
+// not. The _fp8 entries (sm_89 and later) take e4m3 weights [E, N, K] and their scales [E, N] (K % 16 == 0).
 #define MOE_GROUPED_GEMM(NAME, BM, GATED)                                                                            \
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS) NAME(bf16* out, const bf16* a, long long a_stride,  \
         const bf16* weight, const int* sorted_entries, int gather_div, const int* offsets, const int* tiles,       \
         const int* tile_count, int n, int k, float limit) {                                                        \
         wait_for_previous_kernel();                                                                                \
-        grouped_gemm<BM, GATED>(out, a, a_stride, weight, sorted_entries, gather_div, offsets, tiles, tile_count,  \
-                                n, k, limit);                                                                      \
+        grouped_gemm<BM, GATED>(out, a, a_stride, weight, nullptr, sorted_entries, gather_div, offsets, tiles,     \
+                                tile_count, n, k, limit);                                                          \
+    }
+#define MOE_GROUPED_GEMM_FP8(NAME, BM, GATED)                                                                        \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS) NAME(bf16* out, const bf16* a, long long a_stride,  \
+        const unsigned char* weight, const float* scales, const int* sorted_entries, int gather_div,               \
+        const int* offsets, const int* tiles, const int* tile_count, int n, int k, float limit) {                  \
+        wait_for_previous_kernel();                                                                                \
+        grouped_gemm<BM, GATED, true>(out, a, a_stride, weight, scales, sorted_entries, gather_div, offsets,       \
+                                      tiles, tile_count, n, k, limit);                                             \
     }
 MOE_GROUPED_GEMM(moe_grouped_gemm_m64, 64, false)
 MOE_GROUPED_GEMM(moe_grouped_gemm_m128, 128, false)
 MOE_GROUPED_GEMM(moe_grouped_gemm_m64_gated, 64, true)
 MOE_GROUPED_GEMM(moe_grouped_gemm_m128_gated, 128, true)
+MOE_GROUPED_GEMM_FP8(moe_grouped_gemm_m64_fp8, 64, false)
+MOE_GROUPED_GEMM_FP8(moe_grouped_gemm_m128_fp8, 128, false)
+MOE_GROUPED_GEMM_FP8(moe_grouped_gemm_m64_gated_fp8, 64, true)
+MOE_GROUPED_GEMM_FP8(moe_grouped_gemm_m128_gated_fp8, 128, true)
 
 // out [T, H] = bf16(sum over j of weights[t, j] * expert_out[positions[t * top_k + j]] (+ shared[t], where given)),
 // in fp32. Grid: (ceil(H / (2 * blockDim.x)), T); each thread two columns.

@@ -63,6 +63,26 @@ def test_a_scale_a_row_per_128_columns_is_kept_where_k_is_a_multiple_of_128():
     assert not kept_as_fp8(ragged, "sm_90a", 130100)                         # K = 320: a partial last block
 
 
+def test_a_mixture_s_experts_stack_in_fp8_and_are_kept_interleaved():
+    """torch.stack of FP8 experts (as models/moe.py stacks them) stays FP8, and so does the CUDA backend's
+    interleaving of their gate and up rows; kept on Hopper with one scale a row."""
+    from metrale.runtime.backend.cuda.kernels.moe import interleave_gate_up
+    from metrale.runtime.loading.fp8 import Fp8Experts
+
+    experts = [torch.cat([quantize_rows(torch.randn(16, 64)), quantize_rows(torch.randn(16, 64))]) for _ in range(3)]
+    stacked = torch.stack(experts)
+    assert isinstance(stacked, Fp8Experts) and stacked.shape == (3, 32, 64)
+    assert torch.equal(stacked.dequantize(), torch.stack([e.dequantize() for e in experts]))
+    interleaved = interleave_gate_up(stacked)
+    assert isinstance(interleaved, Fp8Experts)
+    assert torch.equal(interleaved.dequantize(), interleave_gate_up(stacked.dequantize()))
+    assert kept_as_fp8(interleaved, "sm_90a", 0) and not kept_as_fp8(interleaved, "sm_89", 0)
+    assert device_scales(interleaved).shape == (3, 32)
+    assert torch.equal(stacked.to(torch.bfloat16), stacked.dequantize().bfloat16())     # the CPU backend's upload
+    mixed = [experts[0], Fp8Weight(experts[1].data, torch.ones(32, 2), 32)]            # unlike blocks: dequantized
+    assert isinstance(torch.stack(mixed), torch.Tensor)
+
+
 @pytest.mark.parametrize("strategy, kept", [("tensor", True), ("channel", True), ("block", False)])
 def test_published_fp8_with_a_scale_a_row_or_for_all_stays_fp8(strategy, kept, tmp_path):
     """llm-compressor's FP8 by tensor or channel reaches a Hopper device in FP8 (one scale a row); block scales go

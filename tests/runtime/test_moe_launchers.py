@@ -8,7 +8,9 @@ import pytest
 pytest.importorskip("cuda.core")
 
 from launcher_fakes import FakeLibrary, bf16, f32, i32, parameter_types, record_launches  # noqa: E402
+from metrale.runtime.backend.cuda.fp8_matrix import Fp8Matrix  # noqa: E402
 from metrale.runtime.backend.cuda.kernels import moe  # noqa: E402
+from metrale.runtime.backend.cuda.tensor import DeviceTensor  # noqa: E402
 from metrale.runtime.errors import InvalidArgument  # noqa: E402
 
 EXPERTS, TOP_K, HIDDEN, WIDTH = 128, 8, 2048, 768
@@ -21,27 +23,36 @@ def routed(tokens: int, experts: int = EXPERTS, top_k: int = TOP_K) -> moe.Route
                       i32(moe.max_tiles(entries, experts, rows), 2), i32(1), rows)
 
 
-def layer(lib, tokens: int, bias: bool = False) -> None:
+def experts(fp8: bool, *shape: int):
+    """Experts' weights [E, N, K]: bf16, or FP8 (e4m3 with a scale a row) as the backend uploads them."""
+    if not fp8:
+        return bf16(*shape)
+    return Fp8Matrix(DeviceTensor(1 << 30, shape, "float8_e4m3"), f32(*shape[:2]))
+
+
+def layer(lib, tokens: int, bias: bool = False, fp8: bool = False) -> None:
     r = routed(tokens)
     entries = tokens * TOP_K
     moe.route(lib, None, r, f32(tokens, EXPERTS), TOP_K, not bias, True, f32(EXPERTS) if bias else None,
               8 if bias else 1, 4 if bias else 1, 2.5, i32(1))
-    moe.grouped_gemm(lib, None, bf16(entries, WIDTH), bf16(tokens, HIDDEN), bf16(EXPERTS, 2 * WIDTH, HIDDEN), r,
-                     TOP_K, gated=True)
-    moe.grouped_gemm(lib, None, bf16(entries, HIDDEN), bf16(entries, WIDTH), bf16(EXPERTS, HIDDEN, WIDTH), r, 0)
+    moe.grouped_gemm(lib, None, bf16(entries, WIDTH), bf16(tokens, HIDDEN), experts(fp8, EXPERTS, 2 * WIDTH, HIDDEN),
+                     r, TOP_K, gated=True)
+    moe.grouped_gemm(lib, None, bf16(entries, HIDDEN), bf16(entries, WIDTH), experts(fp8, EXPERTS, HIDDEN, WIDTH), r, 0)
     moe.combine(lib, None, bf16(tokens, HIDDEN), bf16(entries, HIDDEN), r, bf16(tokens, HIDDEN))
 
 
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("tokens, bias", [(1, False), (64, True), (256, False), (8192, True)])
-def test_a_layers_launches_match_the_kernels(monkeypatch, tokens, bias):
+def test_a_layers_launches_match_the_kernels(monkeypatch, tokens, bias, fp8):
     launches = record_launches(monkeypatch, moe)
-    layer(FakeLibrary(), tokens, bias)
+    layer(FakeLibrary(), tokens, bias, fp8)
     names = [name for (_, name), *_ in launches]
     gemm = moe.TILE_ROWS[moe.tile_rows(tokens * TOP_K, EXPERTS)]
     gated = gemm + ("_gated" if "grouped" in gemm else "")      # the tiled GEMM's activation: its own kernel
-    assert names == ["moe_route", gated, gemm, "moe_combine"]
+    suffix = "_fp8" if fp8 else ""
+    assert names == ["moe_route", gated + suffix, gemm + suffix, "moe_combine"]
     for (module, name), grid, block, args, _ in launches:
-        macro = "MOE_GROUPED_GEMM" if "grouped" in name else None
+        macro = ("MOE_GROUPED_GEMM_FP8" if fp8 else "MOE_GROUPED_GEMM") if "grouped" in name else None
         assert [type(a) for a in args] == parameter_types(module, name, macro), name
         grid = grid if isinstance(grid, tuple) else (grid,)
         assert all(0 < g <= 65535 for g in grid[1:]) and 0 < grid[0] < 2 ** 31, (name, grid)

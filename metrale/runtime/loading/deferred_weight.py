@@ -1,7 +1,7 @@
 """A 2-D checkpoint weight kept in a quantized form (GGUF blocks, FP8) that stands in for its dequantized float32
 tensor wherever model code treats it as one: any torch function, method or operator on it works on dequantize()'s
-tensor, except the few a subclass keeps in its own form (joined(): torch.cat of its kind along rows), so a backend
-that multiplies the form itself gets it at upload."""
+tensor, except the few a subclass keeps in its own form (joined(): torch.cat of its kind along rows; stacked():
+torch.stack of its kind, a mixture's experts), so a backend that multiplies the form itself gets it at upload."""
 
 from abc import ABC, abstractmethod
 
@@ -23,6 +23,11 @@ class DeferredWeight(ABC):
     def joins(self, other: "DeferredWeight") -> bool:
         return False
 
+    @classmethod
+    def stacked(cls, weights: list["DeferredWeight"]):
+        """torch.stack of weights that each join the first, in a form of the subclass's; None: dequantized."""
+        return None
+
     def dim(self) -> int:
         return 2
 
@@ -38,10 +43,10 @@ class DeferredWeight(ABC):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.cat:
-            joined = _joined(*args, **kwargs)
-            if joined is not None:
-                return joined
+        if func is torch.cat or func is torch.stack:
+            kept = (_joined if func is torch.cat else _stacked)(*args, **kwargs)
+            if kept is not None:
+                return kept
         return func(*dequantized(args), **dequantized(kwargs))
 
     def __getattr__(self, name: str):
@@ -93,6 +98,17 @@ def _joined(tensors, dim: int = 0, **out):
     if not all(isinstance(w, type(first)) and first.joins(w) for w in tensors):
         return None
     return type(first).joined(tensors)
+
+
+def _stacked(tensors, dim: int = 0, **out):
+    """torch.stack(tensors, dim) in the weights' own form (stacked()), where the weights join; else None."""
+    tensors = list(tensors)
+    first = tensors[0] if tensors else None
+    if dim != 0 or out or not isinstance(first, DeferredWeight):
+        return None
+    if not all(isinstance(w, type(first)) and first.joins(w) and w.shape == first.shape for w in tensors):
+        return None
+    return type(first).stacked(tensors)
 
 
 def dequantized(value):

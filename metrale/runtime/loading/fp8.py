@@ -238,6 +238,40 @@ class Fp8Weight(DeferredWeight):
     def joined(cls, weights: list["Fp8Weight"]) -> "Fp8Weight":
         return cls(torch.cat([w.data for w in weights]), torch.cat([w.scales for w in weights]), weights[0].block)
 
+    @classmethod
+    def stacked(cls, weights: list["Fp8Weight"]) -> "Fp8Experts | None":
+        """Experts with one scale a row (what a GPU keeps); others dequantize one by one, as before."""
+        if weights[0].scales.shape[1] != 1:
+            return None
+        return Fp8Experts(torch.stack([w.data for w in weights]), torch.stack([w.scales for w in weights]),
+                          weights[0].block)
+
+
+class Fp8Experts(DeferredWeight):
+    """A mixture's experts' FP8 weights stacked (torch.stack of Fp8Weights of one block and shape): data [experts,
+    rows, columns] and scales [experts, rows, ceil(columns / block)], each expert as its Fp8Weight. rows(order) picks
+    every expert's rows in one order (the CUDA backend's interleaved gate and up rows) in the form."""
+
+    OWN = ("data", "scales", "block", "shape")
+
+    def __init__(self, data: torch.Tensor, scales: torch.Tensor, block: int):
+        self.data, self.scales, self.block, self.shape = data, scales, block, data.shape
+
+    def dim(self) -> int:
+        return 3
+
+    def numel(self) -> int:
+        return self.data.numel()
+
+    def dequantize(self) -> torch.Tensor:
+        return self.data.float() * self.scales.repeat_interleave(self.block, -1)[..., :self.shape[-1]]
+
+    def rows(self, order: torch.Tensor) -> "Fp8Experts":
+        return Fp8Experts(self.data[:, order], self.scales[:, order], self.block)
+
+    def __repr__(self) -> str:
+        return f"Fp8Experts({self.data.dtype}, {list(self.shape)}, blocks of {self.block})"
+
 
 def _check_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> None:
     """scale: one a block of weight's."""

@@ -2,7 +2,8 @@
 same float32 logits (softmax and DeepSeek-V3's grouped sigmoid, with exactly tied scores, which must go as
 torch.topk on the GPU breaks them, as transformers' run there does: the lower expert id), the same launch's
 grouping of the entries by expert, and a whole layer (route, the grouped GEMMs with silu between, the combine with
-shared experts) at decode and prefill row counts, up to Qwen3-30B-A3B's mixture (128 experts, top-8, 2048 x 768)."""
+shared experts) at decode and prefill row counts, up to Qwen3-30B-A3B's mixture (128 experts, top-8, 2048 x 768);
+and FP8 experts (e4m3, a scale a row) against the bf16 experts of the weights they dequantize to."""
 
 import pytest
 import torch
@@ -12,9 +13,11 @@ pytest.importorskip("cuda.core")
 
 from gpu_reference import TOLERANCE, relative_error  # noqa: E402
 from metrale.runtime.backend.cpu.moe import choose  # noqa: E402
+from metrale.runtime.backend.cuda.fp8_matrix import Fp8Matrix, device_scales  # noqa: E402
 from metrale.runtime.backend.cuda.kernels import activation, moe  # noqa: E402
 from metrale.runtime.backend.cuda.tensor import DeviceTensor  # noqa: E402
 from metrale.runtime.backend.layer_math import MoeRouter  # noqa: E402
+from metrale.runtime.loading.fp8 import Fp8Experts, quantize_rows  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -130,9 +133,17 @@ def test_route_groups_the_entries_by_expert(kernel_library, stream, tokens, expe
     assert [tuple(t) for t in tiles[:len(want)].tolist()] == want
 
 
+def device_weight(weight):
+    """A bf16 torch weight on the device as it is, an Fp8Experts as the CUDA backend uploads it (an Fp8Matrix)."""
+    if isinstance(weight, Fp8Experts):
+        return Fp8Matrix(d(weight.data.to(DEVICE)), d(device_scales(weight).to(DEVICE)))
+    return d(weight)
+
+
 def device_layer(kernel_library, stream, x, logits, router: MoeRouter, gate_up, down, bias, shared, fused=True):
     """CudaLayerMath.moe's launches with torch buffers, from the given router logits; fused: the activation in the up
-    GEMM's epilogue (its rows interleaved), else activation.cu's silu_mul after it."""
+    GEMM's epilogue (its rows interleaved), else activation.cu's silu_mul after it. gate_up and down: bf16 tensors,
+    or both Fp8Experts."""
     tokens, hidden = x.shape
     experts, top_k, width = gate_up.shape[0], router.top_k, down.shape[2]
     routed, kept = routed_buffers(tokens, experts, top_k)
@@ -140,16 +151,18 @@ def device_layer(kernel_library, stream, x, logits, router: MoeRouter, gate_up, 
     activated = torch.full((tokens * top_k, width), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     expert_out = torch.empty(tokens * top_k, hidden, dtype=torch.bfloat16, device=DEVICE)
     out = torch.full_like(x, float("nan"))
-    interleaved = moe.interleave_gate_up(gate_up).contiguous() if fused else None
+    interleaved = moe.interleave_gate_up(gate_up) if fused else None
+    interleaved = interleaved.contiguous() if isinstance(interleaved, torch.Tensor) else interleaved
     torch.cuda.synchronize()            # torch's fills and copies, before the kernels' stream reads them
     launch_route(kernel_library, stream, routed, kept, logits, router, bias)
     if fused:
-        moe.grouped_gemm(kernel_library, stream, d(activated), d(x), d(interleaved), routed, gather_div=top_k,
-                         gated=True)
+        moe.grouped_gemm(kernel_library, stream, d(activated), d(x), device_weight(interleaved), routed,
+                         gather_div=top_k, gated=True)
     else:
-        moe.grouped_gemm(kernel_library, stream, d(gate_up_rows), d(x), d(gate_up), routed, gather_div=top_k)
+        moe.grouped_gemm(kernel_library, stream, d(gate_up_rows), d(x), device_weight(gate_up), routed,
+                         gather_div=top_k)
         activation.silu_mul(kernel_library, stream, d(activated), d(gate_up_rows))
-    moe.grouped_gemm(kernel_library, stream, d(expert_out), d(activated), d(down), routed, gather_div=0)
+    moe.grouped_gemm(kernel_library, stream, d(expert_out), d(activated), device_weight(down), routed, gather_div=0)
     moe.combine(kernel_library, stream, d(out), d(expert_out), routed, None if shared is None else d(shared))
     stream.sync()
     return out.float().cpu(), kept[0].long().cpu()
@@ -192,6 +205,32 @@ def test_layer_matches_the_cpu_math(kernel_library, stream, tokens, experts, top
     if shared:
         want += shared_out.double()
     assert relative_error(out, want) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, hidden, width, softmax, shared",
+                         [layer for layer in LAYERS if layer[3] % 16 == 0 and layer[4] % 16 == 0])
+def test_fp8_experts_are_the_bf16_experts_of_their_dequantized_weights(kernel_library, stream, tokens, experts, top_k,
+                                                                       hidden, width, softmax, shared):
+    """W8A16: each weight widened to the bf16 value it dequantizes to. The tiled GEMM then runs the bf16 GEMM's
+    mmas in its order, bit for bit; the skinny GEMM splits K in other steps (16 columns a load, not 8), within
+    bf16's rounding."""
+    torch.manual_seed(1)
+    x = torch.randn(tokens, hidden, device=DEVICE).bfloat16()
+    gate_up = torch.stack([quantize_rows(0.05 * torch.randn(2 * width, hidden)) for _ in range(experts)])
+    down = torch.stack([quantize_rows(0.05 * torch.randn(hidden, width)) for _ in range(experts)])
+    assert isinstance(gate_up, Fp8Experts) and isinstance(down, Fp8Experts)
+    shared_out = torch.randn(tokens, hidden, device=DEVICE).bfloat16() if shared else None
+    router = MoeRouter(None, top_k, "softmax", normalize=True)
+    logits = logits_for(tokens, experts, True, ties=False)
+    out, ids = device_layer(kernel_library, stream, x, logits, router, gate_up, down, None, shared_out)
+    want, want_ids = device_layer(kernel_library, stream, x, logits, router,
+                                  gate_up.dequantize().bfloat16().to(DEVICE), down.dequantize().bfloat16().to(DEVICE),
+                                  None, shared_out)
+    assert torch.equal(ids, want_ids)
+    if moe.tile_rows(tokens * top_k, experts) >= 64:
+        assert torch.equal(out, want)
+    else:
+        assert relative_error(out, want.double()) < TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.parametrize("softmax", [True, False])

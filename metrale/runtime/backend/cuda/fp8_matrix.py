@@ -13,7 +13,7 @@ import torch
 
 from metrale.runtime.backend.cuda.compiler import arch_number
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
-from metrale.runtime.loading.fp8 import KEPT_BLOCK, KEPT_K_MULTIPLE, Fp8Weight
+from metrale.runtime.loading.fp8 import KEPT_BLOCK, KEPT_K_MULTIPLE, Fp8Experts, Fp8Weight
 
 # cuBLASLt's FP8 matmul takes K, and the skinny GEMM's 16-byte loads of a row, in multiples of 16.
 K_MULTIPLE = KEPT_K_MULTIPLE
@@ -44,8 +44,12 @@ class Fp8Matrix:
 def kept_as_fp8(weight, arch: str, cublas_version: int) -> bool:
     """Whether a checkpoint weight goes to the device as an Fp8Matrix: an Fp8Weight of e4m3 values with one scale a
     row and K a multiple of K_MULTIPLE on Hopper or later, or with one a row per BLOCK columns and K a multiple of
-    BLOCK on Hopper, with cuBLAS MIN_CUBLAS or later. (Any other weight is never asked for its parts: a GGUF
-    BlockWeight would dequantize itself to answer.)"""
+    BLOCK on Hopper, with cuBLAS MIN_CUBLAS or later; a mixture's Fp8Experts with one scale a row and K a multiple of K_MULTIPLE
+    on Hopper or later (moe.cu's kernels, no cuBLAS). (Any other weight is never asked for its parts: a GGUF BlockWeight would
+    dequantize itself to answer.)"""
+    if isinstance(weight, Fp8Experts):          # a mixture's experts: one scale a row
+        return (arch_number(arch) >= 90 and weight.data.dtype == torch.float8_e4m3fn
+                and weight.scales.shape[-1] == 1 and weight.shape[-1] % K_MULTIPLE == 0)
     if not isinstance(weight, Fp8Weight) or arch_number(arch) < 90 or cublas_version < MIN_CUBLAS:
         return False
     data, scales = weight.data, weight.scales
@@ -57,6 +61,9 @@ def kept_as_fp8(weight, arch: str, cublas_version: int) -> bool:
     return arch_number(arch) == 90 and weight.block == BLOCK and data.shape[1] % BLOCK == 0
 
 
-def device_scales(weight: Fp8Weight) -> torch.Tensor:
-    """A kept weight's scales as an Fp8Matrix holds them: [N] for one a row, [K / BLOCK, N] contiguous for blocks."""
+def device_scales(weight: Fp8Weight | Fp8Experts) -> torch.Tensor:
+    """A kept weight's scales as an Fp8Matrix holds them: [N] for one a row, [K / BLOCK, N] contiguous for blocks;
+    experts' [E, N]."""
+    if isinstance(weight, Fp8Experts):
+        return weight.scales[..., 0].contiguous()
     return weight.scales.reshape(-1) if weight.scales.shape[1] == 1 else weight.scales.T.contiguous()

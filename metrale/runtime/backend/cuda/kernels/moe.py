@@ -7,8 +7,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from metrale.runtime.backend.cuda.fp8_matrix import Fp8Matrix
 from metrale.runtime.backend.cuda.launch import MAX_GRID_YZ, ceil_div, launch_kernel, require
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
+from metrale.runtime.loading.fp8 import Fp8Experts
 
 MODULE, ROUTE_MODULE = "moe", "moe_route"
 MAX_EXPERTS = 512           # moe_route.cu's MOE_MAX_EXPERTS
@@ -102,32 +104,42 @@ def route(lib, stream, routed: Routed, logits: DeviceTensor, top_k: int, softmax
                   routed.positions, routed.tiles, routed.tile_count, done)
 
 
-def interleave_gate_up(up: torch.Tensor) -> torch.Tensor:
+def interleave_gate_up(up):
     """A gated MLP's up [..., 2 W, K] (the gate's W rows, then the up's) as grouped_gemm(gated=True) takes it: rows
-    interleaved by 8, the gate's rows 8 q .. 8 q + 7 then the up's. W % 8 == 0."""
+    interleaved by 8, the gate's rows 8 q .. 8 q + 7 then the up's. W % 8 == 0. Experts in FP8 (loading/fp8.py's
+    Fp8Experts) stay FP8."""
     width = up.shape[-2] // 2
     require(up.shape[-2] % 16 == 0, f"moe gemm: a gated width {width} must be a multiple of 8")
-    gate, value = up.unflatten(-2, (2, width // 8, 8)).unbind(-4)
-    return torch.stack((gate, value), dim=-3).flatten(-4, -2)
+    order = torch.arange(2 * width).view(2, width // 8, 8).transpose(0, 1).flatten()
+    return up.rows(order) if isinstance(up, Fp8Experts) else up[..., order, :]
 
 
-def grouped_gemm(lib, stream, out: DeviceTensor, a: DeviceTensor, weight: DeviceTensor, routed: Routed,
+def grouped_gemm(lib, stream, out: DeviceTensor, a: DeviceTensor, weight: DeviceTensor | Fp8Matrix, routed: Routed,
                  gather_div: int, gated: bool = False, limit: float = 0.0) -> None:
     """out [entries, N] (rows in sorted order) = each row's a @ its expert's weight [E, N, K].T, bf16 with fp32
     accumulation: a's row sorted_entries[row] // gather_div (gather_div = top_k: x [T, K] by token) or, with
     gather_div 0, a's row `row` (a [entries, K] already sorted). K % 8 == 0, 16-byte aligned rows. gated: weight
     from interleave_gate_up, and out [entries, N / 2] = silu(gate) * up, the activation in the GEMM's epilogue
-    (limit > 0: silu(min(gate, limit)) * clamp(up, -limit, limit), Hy4's clamped SwiGLU)."""
-    experts, n, k = weight.shape
+    (limit > 0: silu(min(gate, limit)) * clamp(up, -limit, limit), Hy4's clamped SwiGLU). An Fp8Matrix weight (e4m3
+    [E, N, K] with scales [E, N], K % 16 == 0) is widened to the bf16 weight it dequantizes to (W8A16)."""
+    fp8 = isinstance(weight, Fp8Matrix)
+    data = weight.data if fp8 else weight
+    experts, n, k = data.shape
     width = n // 2 if gated else n
-    require(weight.dtype == "bfloat16" and weight.is_contiguous, "moe gemm: weight must be contiguous bf16")
+    if fp8:
+        require(data.dtype == "float8_e4m3" and data.is_contiguous and k % 16 == 0 and not weight.blocks
+                and weight.scales.shape == (experts, n) and weight.scales.dtype == "float32",
+                f"moe gemm: FP8 experts must be contiguous e4m3 [E, N, K] with K % 16 == 0 and scales [E, N] "
+                f"float32, not {data.shape} {data.dtype} with {weight.scales.shape}")
+    else:
+        require(weight.dtype == "bfloat16" and weight.is_contiguous, "moe gemm: weight must be contiguous bf16")
     require(a.dtype == "bfloat16" and len(a.shape) == 2 and a.shape[1] == k,
             f"moe gemm: a must be bf16 [*, {k}], not {a.shape} {a.dtype}")
     require(out.shape == (routed.entries, width) and out.dtype == "bfloat16" and out.is_contiguous,
             f"moe gemm: out must be contiguous bf16 [{routed.entries}, {width}]")
     require(k % 8 == 0 and n % (16 if gated else 2) == 0,
             f"moe gemm: K {k} must be a multiple of 8 and N {n} of {16 if gated else 2}")
-    require((a.ptr | weight.ptr | 2 * a.stride) % 16 == 0 and out.ptr % 4 == 0,
+    require((a.ptr | data.ptr | 2 * a.stride) % 16 == 0 and out.ptr % 4 == 0,
             "moe gemm: a and weight must be 16-byte aligned (pointer and row stride)")
     require(gather_div > 0 or a.shape[0] == routed.entries, "moe gemm: unsorted rows need gather_div")
     require(limit >= 0 and (gated or not limit), f"moe gemm: a clamp ({limit}) applies to a gated GEMM, at least 0")
@@ -135,15 +147,17 @@ def grouped_gemm(lib, stream, out: DeviceTensor, a: DeviceTensor, weight: Device
     if routed.entries == 0:
         return
     tiles = routed.tiles.shape[0]
+    weights = (data, weight.scales) if fp8 else (data,)
+    suffix = "_fp8" if fp8 else ""
     if routed.tile_rows >= 64:
-        kernel = lib.get(TILE_ROWS[routed.tile_rows] + ("_gated" if gated else ""), MODULE)
-        launch_kernel(stream, kernel, (ceil_div(n, GEMM_BN), tiles), GEMM_THREADS, out, a, np.int64(a.stride), weight,
-                      routed.sorted_entries, gather_div, routed.offsets, routed.tiles, routed.tile_count, n, k,
-                      np.float32(limit))
+        kernel = lib.get(TILE_ROWS[routed.tile_rows] + ("_gated" if gated else "") + suffix, MODULE)
+        launch_kernel(stream, kernel, (ceil_div(n, GEMM_BN), tiles), GEMM_THREADS, out, a, np.int64(a.stride),
+                      *weights, routed.sorted_entries, gather_div, routed.offsets, routed.tiles, routed.tile_count, n,
+                      k, np.float32(limit))
     else:                   # the skinny GEMM: rows and K in 16-byte chunks
-        kernel = lib.get(TILE_ROWS[routed.tile_rows], MODULE)
+        kernel = lib.get(TILE_ROWS[routed.tile_rows] + suffix, MODULE)
         launch_kernel(stream, kernel, (ceil_div(n, SKINNY_ROWS), tiles), SKINNY_THREADS, out, a,
-                      np.int64(a.stride // 8), weight, routed.sorted_entries, gather_div, routed.offsets,
+                      np.int64(a.stride // 8), *weights, routed.sorted_entries, gather_div, routed.offsets,
                       routed.tiles, routed.tile_count, n, k // 8, int(gated), np.float32(limit))
 
 
