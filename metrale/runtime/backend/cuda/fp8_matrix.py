@@ -44,9 +44,9 @@ class Fp8Matrix:
 def kept_as_fp8(weight, arch: str, cublas_version: int) -> bool:
     """Whether a checkpoint weight goes to the device as an Fp8Matrix: an Fp8Weight of e4m3 values with one scale a
     row and K a multiple of K_MULTIPLE on Hopper or later, or with one a row per BLOCK columns and K a multiple of
-    BLOCK on Hopper, with cuBLAS MIN_CUBLAS or later; a mixture's Fp8Experts with one scale a row and K a multiple of K_MULTIPLE
-    on Hopper or later (moe.cu's kernels, no cuBLAS). (Any other weight is never asked for its parts: a GGUF BlockWeight would
-    dequantize itself to answer.)"""
+    BLOCK on Hopper, with cuBLAS MIN_CUBLAS or later; a mixture's Fp8Experts with one scale a row and K a multiple of
+    K_MULTIPLE on Hopper or later (moe.cu's kernels, no cuBLAS). (Any other weight is never asked for its parts: a
+    GGUF BlockWeight would dequantize itself to answer.)"""
     if isinstance(weight, Fp8Experts):          # a mixture's experts: one scale a row
         return (arch_number(arch) >= 90 and weight.data.dtype == torch.float8_e4m3fn
                 and weight.scales.shape[-1] == 1 and weight.shape[-1] % K_MULTIPLE == 0)
