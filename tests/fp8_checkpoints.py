@@ -29,9 +29,10 @@ def quantized(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tenso
     return fp8, scale
 
 
-def write_fp8(name: str, directory: Path, block: tuple[int, int] = BLOCK) -> Path:
-    """The tiny checkpoint with every linear's weight (not the embedding, LM head, norms or routers) in FP8."""
-    source = write_tiny(name, directory / "bf16")
+def write_fp8(name: str, directory: Path, block: tuple[int, int] = BLOCK, **widths) -> Path:
+    """The tiny checkpoint (write_tiny's widths) with every linear's weight (not the embedding, LM head, norms or
+    routers) in FP8."""
+    source = write_tiny(name, directory / "bf16", **widths)
     tensors, out = load_file(source / "model.safetensors"), {}
     for key, tensor in tensors.items():
         linear = tensor.dim() == 2 and key.endswith("proj.weight") or "proj_with_mqa" in key

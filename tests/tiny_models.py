@@ -141,13 +141,13 @@ TINY_SSM = {
 
 
 def write_tiny(name: str, directory: Path, seed: int = 0, shard: bool = False, weight_std: float = 0.15,
-               norm_std: float = 0.5) -> Path:
+               norm_std: float = 0.5, **widths) -> Path:
     """A random model of architecture `name` (TINY, TINY_MOE, TINY_MLA, TINY_SPARSE or TINY_SSM) saved as
     safetensors in directory; weights scaled so the logits are far from uniform. shard=True writes several files
-    with an index."""
+    with an index. widths: config values over the architecture's (a test that needs wider weights)."""
     ssm = name in TINY_SSM
     config_class, model_class, overrides = {**TINY, **TINY_MOE, **TINY_MLA, **TINY_SPARSE, **TINY_SSM}[name]
-    config = getattr(transformers, config_class)(**{**(MIXER if ssm else BASE), **overrides})
+    config = getattr(transformers, config_class)(**{**(MIXER if ssm else BASE), **overrides, **widths})
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config).eval()
     with torch.no_grad():

@@ -40,6 +40,12 @@ __device__ __forceinline__ Fp8RowWeights expert_weights(const uint4* weight, con
     return Fp8RowWeights{weight + (long long)expert * n * (k_chunks / Fp8RowWeights::CHUNKS),
                          scales + (long long)expert * n};
 }
+// In blocks: an expert's scales [K / 128, N] (16 chunks a block), after the experts before it.
+__device__ __forceinline__ Fp8BlockWeights expert_weights(const uint4* weight, const float* scales, int expert, int n,
+                                                          int k_chunks, Fp8BlockWeights) {
+    return Fp8BlockWeights{{weight + (long long)expert * n * (k_chunks / Fp8RowWeights::CHUNKS),
+                            scales + (long long)expert * (k_chunks / 16) * n}, n};
+}
 
 template <typename Weights>
 __device__ __forceinline__ void moe_skinny_gemm(bf16* out, const uint4* a, long long a_stride, const uint4* weight,
@@ -67,16 +73,19 @@ moe_skinny_gemm_m8(bf16* out, const uint4* a, long long a_stride, const uint4* w
                                  tile_count, n, k_chunks, gated, limit);
 }
 
-// FP8 experts (sm_89 and later): weight [E, N, K] e4m3 with scales [E, N] float32, each widened in registers to the
-// bf16 weight it dequantizes to (skinny_gemm.cuh's Fp8RowWeights); K % 16 == 0.
-extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M8)
-moe_skinny_gemm_m8_fp8(bf16* out, const uint4* a, long long a_stride, const uint4* weight, const float* scales,
-                       const int* sorted_entries, int gather_div, const int* offsets, const int* tiles,
-                       const int* tile_count, int n, int k_chunks, int gated, float limit) {
-    wait_for_previous_kernel();
-    moe_skinny_gemm<Fp8RowWeights>(out, a, a_stride, weight, scales, sorted_entries, gather_div, offsets, tiles,
-                                   tile_count, n, k_chunks, gated, limit);
-}
+// FP8 experts (sm_89 and later): weight [E, N, K] e4m3, each load widened in registers to the bf16 weight it
+// dequantizes to: _fp8, scales [E, N] float32 (skinny_gemm.cuh's Fp8RowWeights), K % 16 == 0; _fp8_blocks, a row's
+// scale for each 128 columns, [E, K / 128, N] (Fp8BlockWeights: DeepSeek's and Qwen3's releases), K % 128 == 0.
+#define MOE_SKINNY_GEMM_FP8(NAME, WEIGHTS)                                                                           \
+    extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_M8) NAME(bf16* out, const uint4* a,             \
+        long long a_stride, const uint4* weight, const float* scales, const int* sorted_entries, int gather_div,   \
+        const int* offsets, const int* tiles, const int* tile_count, int n, int k_chunks, int gated, float limit) {\
+        wait_for_previous_kernel();                                                                                \
+        moe_skinny_gemm<WEIGHTS>(out, a, a_stride, weight, scales, sorted_entries, gather_div, offsets, tiles,     \
+                                 tile_count, n, k_chunks, gated, limit);                                           \
+    }
+MOE_SKINNY_GEMM_FP8(moe_skinny_gemm_m8_fp8, Fp8RowWeights)
+MOE_SKINNY_GEMM_FP8(moe_skinny_gemm_m8_fp8_blocks, Fp8BlockWeights)
 
 // Tiles of 64 or 128 rows (prefills, and decode batches of more than a few rows an expert): a CTA of 4 warps owns
 // BN = 128 columns of a tile, over BK of K at a time in a STAGES-deep cp.async ring (48 KB of static shared memory):
@@ -91,10 +100,12 @@ namespace {
 constexpr int GEMM_THREADS = 128, BN = 128;
 constexpr int GEMM_SHARED_BYTES = 48 * 1024;
 
-// FP8: the experts' weights e4m3 with a float32 scale a row ([E, N] scales). A stage then holds the BN weight rows'
-// e4m3 bytes (half a bf16 tile), each thread's 16-byte copies widened by that thread, once landed, to bf16(value x
-// scale) in the swizzled bf16 tile `wide` (one, not one a stage), which the mma reads as it reads a bf16 stage: W8A16,
-// the bf16 GEMM of the dequantized weights, bit for bit. A barrier between the widening and the mma.
+// FP8: the experts' weights e4m3 with a float32 scale a row ([E, N] scales), or in blocks a row's scale for each
+// FP8_BLOCK columns ([E, K / FP8_BLOCK, N]: a stage's BK columns lie in one block). A stage then holds the BN weight
+// rows' e4m3 bytes (half a bf16 tile), each thread's 16-byte copies widened by that thread, once landed, to bf16(value
+// x scale) in the swizzled bf16 tile `wide` (one, not one a stage), which the mma reads as it reads a bf16 stage:
+// W8A16, the bf16 GEMM of the dequantized weights, bit for bit. A barrier between the widening and the mma.
+constexpr int FP8_BLOCK = 128;
 template <int BM, bool FP8 = false>
 struct GroupedGemm {
     static constexpr int BK = BM == 64 ? 64 : 32, ROW_CHUNKS = BK / 8;
@@ -112,14 +123,15 @@ struct GroupedGemm {
     static constexpr int W8_ROW = BK / 16, W8_LOADS = BN * W8_ROW / GEMM_THREADS, W8_STEP = GEMM_THREADS / W8_ROW;
     static_assert(BM == 64 || BM == 128, "tiles of 64 or 128 rows");
     static_assert(STAGES >= 2, "a stage in flight while one is read");
+    static_assert(FP8_BLOCK % BK == 0, "a stage's columns in one scale block");
 
     static __device__ __forceinline__ int swizzled(int row, int chunk) {
         return row * ROW_CHUNKS + (ROW_CHUNKS == 4 ? chunk ^ ((row >> 1) & 3) : chunk ^ (row & 7));
     }
 };
 
-// weight: [E, N, K] bf16, or e4m3 (FP8) with scales [E, N].
-template <int BM, bool GATED, bool FP8 = false>
+// weight: [E, N, K] bf16, or e4m3 (FP8) with scales [E, N], or [E, K / FP8_BLOCK, N] (BLOCKS).
+template <int BM, bool GATED, bool FP8 = false, bool BLOCKS = false>
 __device__ __forceinline__ void grouped_gemm(bf16* out, const bf16* a, long long a_stride, const void* weight,
                                              const float* scales, const int* sorted_entries, int gather_div,
                                              const int* offsets, const int* tiles, const int* tile_count, int n,
@@ -175,15 +187,18 @@ __device__ __forceinline__ void grouped_gemm(bf16* out, const bf16* a, long long
         }
     };
 
-    // FP8: the scales of this thread's W8_LOADS weight rows (a row past N widens zeros).
+    // FP8: the scales of this thread's W8_LOADS weight rows, for the columns from k0 (a row past N widens zeros).
     float row_scale[FP8 ? G::W8_LOADS : 1];
-    if constexpr (FP8) {
+    auto load_scales = [&](int k0) {
+        const float* expert_scales = scales + (BLOCKS ? ((long long)expert * (k / FP8_BLOCK) + k0 / FP8_BLOCK) * n
+                                                      : (long long)expert * n);
 #pragma unroll
         for (int i = 0; i < G::W8_LOADS; ++i) {
             const int r = threadIdx.x / G::W8_ROW + G::W8_STEP * i;
-            row_scale[i] = col0 + r < n ? scales[(long long)expert * n + col0 + r] : 0.f;
+            row_scale[i] = col0 + r < n ? expert_scales[col0 + r] : 0.f;
         }
-    }
+    };
+    if constexpr (FP8) load_scales(0);
     float acc[4][G::N_TILES][4] = {};
     const int steps = (k + G::BK - 1) / G::BK;
 #pragma unroll
@@ -207,6 +222,8 @@ __device__ __forceinline__ void grouped_gemm(bf16* out, const bf16* a, long long
                 wide[G::swizzled(r, 2 * c)] = e4m3x8_to_bf16x8(raw.x, raw.y, row_scale[i]);
                 wide[G::swizzled(r, 2 * c + 1)] = e4m3x8_to_bf16x8(raw.z, raw.w, row_scale[i]);
             }
+            // In blocks, the next step's scales where it starts a block: read while this step's mmas run.
+            if (BLOCKS && step + 1 < steps && (step + 1) * G::BK % FP8_BLOCK == 0) load_scales((step + 1) * G::BK);
             __syncthreads();
             w_tile = wide;
         }
@@ -274,7 +291,8 @@ __device__ __forceinline__ void grouped_gemm(bf16* out, const bf16* a, long long
 }  // namespace
 
 // moe_grouped_gemm_m{64,128}[_gated]: the tile rows, and the activation in the epilogue (gated; limit: its clamp) or
-// not. The _fp8 entries (sm_89 and later) take e4m3 weights [E, N, K] and their scales [E, N] (K % 16 == 0).
+// not. The _fp8 entries (sm_89 and later) take e4m3 weights [E, N, K] and their scales [E, N] (K % 16 == 0); the
+// _fp8_blocks entries scales [E, K / 128, N] (K % 128 == 0).
 #define MOE_GROUPED_GEMM(NAME, BM, GATED)                                                                            \
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS) NAME(bf16* out, const bf16* a, long long a_stride,  \
         const bf16* weight, const int* sorted_entries, int gather_div, const int* offsets, const int* tiles,       \
@@ -283,22 +301,26 @@ __device__ __forceinline__ void grouped_gemm(bf16* out, const bf16* a, long long
         grouped_gemm<BM, GATED>(out, a, a_stride, weight, nullptr, sorted_entries, gather_div, offsets, tiles,     \
                                 tile_count, n, k, limit);                                                          \
     }
-#define MOE_GROUPED_GEMM_FP8(NAME, BM, GATED)                                                                        \
+#define MOE_GROUPED_GEMM_FP8(NAME, BM, GATED, BLOCKS)                                                                \
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS) NAME(bf16* out, const bf16* a, long long a_stride,  \
         const unsigned char* weight, const float* scales, const int* sorted_entries, int gather_div,               \
         const int* offsets, const int* tiles, const int* tile_count, int n, int k, float limit) {                  \
         wait_for_previous_kernel();                                                                                \
-        grouped_gemm<BM, GATED, true>(out, a, a_stride, weight, scales, sorted_entries, gather_div, offsets,       \
-                                      tiles, tile_count, n, k, limit);                                             \
+        grouped_gemm<BM, GATED, true, BLOCKS>(out, a, a_stride, weight, scales, sorted_entries, gather_div,        \
+                                              offsets, tiles, tile_count, n, k, limit);                            \
     }
 MOE_GROUPED_GEMM(moe_grouped_gemm_m64, 64, false)
 MOE_GROUPED_GEMM(moe_grouped_gemm_m128, 128, false)
 MOE_GROUPED_GEMM(moe_grouped_gemm_m64_gated, 64, true)
 MOE_GROUPED_GEMM(moe_grouped_gemm_m128_gated, 128, true)
-MOE_GROUPED_GEMM_FP8(moe_grouped_gemm_m64_fp8, 64, false)
-MOE_GROUPED_GEMM_FP8(moe_grouped_gemm_m128_fp8, 128, false)
-MOE_GROUPED_GEMM_FP8(moe_grouped_gemm_m64_gated_fp8, 64, true)
-MOE_GROUPED_GEMM_FP8(moe_grouped_gemm_m128_gated_fp8, 128, true)
+MOE_GROUPED_GEMM_FP8(moe_grouped_gemm_m64_fp8, 64, false, false)
+MOE_GROUPED_GEMM_FP8(moe_grouped_gemm_m128_fp8, 128, false, false)
+MOE_GROUPED_GEMM_FP8(moe_grouped_gemm_m64_gated_fp8, 64, true, false)
+MOE_GROUPED_GEMM_FP8(moe_grouped_gemm_m128_gated_fp8, 128, true, false)
+MOE_GROUPED_GEMM_FP8(moe_grouped_gemm_m64_fp8_blocks, 64, false, true)
+MOE_GROUPED_GEMM_FP8(moe_grouped_gemm_m128_fp8_blocks, 128, false, true)
+MOE_GROUPED_GEMM_FP8(moe_grouped_gemm_m64_gated_fp8_blocks, 64, true, true)
+MOE_GROUPED_GEMM_FP8(moe_grouped_gemm_m128_gated_fp8_blocks, 128, true, true)
 
 // out [T, H] = bf16(sum over j of weights[t, j] * expert_out[positions[t * top_k + j]] (+ shared[t], where given)),
 // in fp32. Grid: (ceil(H / (2 * blockDim.x)), T); each thread two columns.

@@ -83,6 +83,29 @@ def test_a_mixture_s_experts_stack_in_fp8_and_are_kept_interleaved():
     assert isinstance(torch.stack(mixed), torch.Tensor)
 
 
+def test_a_release_s_experts_in_128_x_128_blocks_stack_and_are_kept_where_k_is_a_multiple_of_128():
+    """Experts as DeepSeek's and Qwen3's FP8 releases hold them (a block's scale on each of its rows): stacked in
+    FP8, interleaved rows and all, their device scales [E, K / 128, N] (an expert's column block's N together)."""
+    from metrale.runtime.backend.cuda.kernels.moe import interleave_gate_up
+    from metrale.runtime.loading.fp8 import Fp8Experts
+
+    def expert(rows: int, columns: int) -> Fp8Weight:
+        return Fp8Weight.of_checkpoint(torch.randn(rows, columns).to(torch.float8_e4m3fn),
+                                       torch.rand(-(-rows // 128), -(-columns // 128)) + 0.5, (128, 128))
+
+    experts = [expert(160, 256) for _ in range(3)]
+    stacked = interleave_gate_up(torch.stack(experts))
+    assert isinstance(stacked, Fp8Experts) and stacked.shape == (3, 160, 256)
+    assert torch.equal(stacked.dequantize(), interleave_gate_up(torch.stack([e.dequantize() for e in experts])))
+    assert kept_as_fp8(stacked, "sm_90a", 0) and not kept_as_fp8(stacked, "sm_89", 0)
+    scales = device_scales(stacked)
+    assert scales.shape == (3, 2, 160) and scales.is_contiguous()
+    assert torch.equal(scales, stacked.scales.transpose(1, 2))
+    assert not kept_as_fp8(torch.stack([expert(160, 320) for _ in range(2)]), "sm_90a", 0)  # a partial last block
+    narrow = torch.stack([expert(160, 128) for _ in range(2)])               # one block across: a scale a row
+    assert kept_as_fp8(narrow, "sm_90a", 0) and device_scales(narrow).shape == (2, 160)
+
+
 @pytest.mark.parametrize("strategy, kept", [("tensor", True), ("channel", True), ("block", False)])
 def test_published_fp8_with_a_scale_a_row_or_for_all_stays_fp8(strategy, kept, tmp_path):
     """llm-compressor's FP8 by tensor or channel reaches a Hopper device in FP8 (one scale a row); block scales go

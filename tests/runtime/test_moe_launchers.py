@@ -23,14 +23,17 @@ def routed(tokens: int, experts: int = EXPERTS, top_k: int = TOP_K) -> moe.Route
                       i32(moe.max_tiles(entries, experts, rows), 2), i32(1), rows)
 
 
-def experts(fp8: bool, *shape: int):
-    """Experts' weights [E, N, K]: bf16, or FP8 (e4m3 with a scale a row) as the backend uploads them."""
+def experts(fp8: str, *shape: int):
+    """Experts' weights [E, N, K]: bf16 (fp8 ""), or FP8 as the backend uploads them: e4m3 with a scale a row
+    ("rows") or a row's per 128 columns ("blocks")."""
     if not fp8:
         return bf16(*shape)
-    return Fp8Matrix(DeviceTensor(1 << 30, shape, "float8_e4m3"), f32(*shape[:2]))
+    e, n, k = shape
+    scales = f32(e, k // 128, n) if fp8 == "blocks" else f32(e, n)
+    return Fp8Matrix(DeviceTensor(1 << 30, shape, "float8_e4m3"), scales, blocks=fp8 == "blocks")
 
 
-def layer(lib, tokens: int, bias: bool = False, fp8: bool = False) -> None:
+def layer(lib, tokens: int, bias: bool = False, fp8: str = "") -> None:
     r = routed(tokens)
     entries = tokens * TOP_K
     moe.route(lib, None, r, f32(tokens, EXPERTS), TOP_K, not bias, True, f32(EXPERTS) if bias else None,
@@ -41,7 +44,7 @@ def layer(lib, tokens: int, bias: bool = False, fp8: bool = False) -> None:
     moe.combine(lib, None, bf16(tokens, HIDDEN), bf16(entries, HIDDEN), r, bf16(tokens, HIDDEN))
 
 
-@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("fp8", ["", "rows", "blocks"])
 @pytest.mark.parametrize("tokens, bias", [(1, False), (64, True), (256, False), (8192, True)])
 def test_a_layers_launches_match_the_kernels(monkeypatch, tokens, bias, fp8):
     launches = record_launches(monkeypatch, moe)
@@ -49,10 +52,13 @@ def test_a_layers_launches_match_the_kernels(monkeypatch, tokens, bias, fp8):
     names = [name for (_, name), *_ in launches]
     gemm = moe.TILE_ROWS[moe.tile_rows(tokens * TOP_K, EXPERTS)]
     gated = gemm + ("_gated" if "grouped" in gemm else "")      # the tiled GEMM's activation: its own kernel
-    suffix = "_fp8" if fp8 else ""
+    suffix = {"": "", "rows": "_fp8", "blocks": "_fp8_blocks"}[fp8]
     assert names == ["moe_route", gated + suffix, gemm + suffix, "moe_combine"]
     for (module, name), grid, block, args, _ in launches:
-        macro = ("MOE_GROUPED_GEMM_FP8" if fp8 else "MOE_GROUPED_GEMM") if "grouped" in name else None
+        if "grouped" in name:
+            macro = "MOE_GROUPED_GEMM_FP8" if fp8 else "MOE_GROUPED_GEMM"
+        else:                   # the bf16 skinny GEMM is declared as itself
+            macro = "MOE_SKINNY_GEMM_FP8" if fp8 and "skinny" in name else None
         assert [type(a) for a in args] == parameter_types(module, name, macro), name
         grid = grid if isinstance(grid, tuple) else (grid,)
         assert all(0 < g <= 65535 for g in grid[1:]) and 0 < grid[0] < 2 ** 31, (name, grid)
@@ -89,6 +95,12 @@ def route_4(lib, experts: int, held_k: int, top_k: int, n_group: int = 1, topk_g
                                  gated=True),                   # a gated width not a multiple of 8
     lambda lib: moe.grouped_gemm(lib, None, bf16(32, 192), bf16(4, 64), bf16(8, 192, 64), routed(4, 8, 8), 8,
                                  gated=True),                   # gated out as wide as the gate and up
+    lambda lib: moe.grouped_gemm(lib, None, bf16(32, 64), bf16(4, 192), experts("blocks", 8, 64, 192),
+                                 routed(4, 8, 8), 8),           # FP8 blocks with K not a multiple of 128
+    lambda lib: moe.grouped_gemm(lib, None, bf16(32, 64), bf16(4, 256), Fp8Matrix(
+        DeviceTensor(1 << 30, (8, 64, 256), "float8_e4m3"), f32(8, 64), blocks=True), routed(4, 8, 8), 8),
+    lambda lib: moe.grouped_gemm(lib, None, bf16(32, 64), bf16(4, 248), experts("rows", 8, 64, 248),
+                                 routed(4, 8, 8), 8),           # FP8 rows with K not a multiple of 16
     lambda lib: moe.combine(lib, None, bf16(4, 64), bf16(4, 64), routed(4, 8, 8)),
 ])
 def test_bad_shapes_are_refused_before_a_launch(monkeypatch, call):

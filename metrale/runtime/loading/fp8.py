@@ -239,10 +239,7 @@ class Fp8Weight(DeferredWeight):
         return cls(torch.cat([w.data for w in weights]), torch.cat([w.scales for w in weights]), weights[0].block)
 
     @classmethod
-    def stacked(cls, weights: list["Fp8Weight"]) -> "Fp8Experts | None":
-        """Experts with one scale a row (what a GPU keeps); others dequantize one by one, as before."""
-        if weights[0].scales.shape[1] != 1:
-            return None
+    def stacked(cls, weights: list["Fp8Weight"]) -> "Fp8Experts":
         return Fp8Experts(torch.stack([w.data for w in weights]), torch.stack([w.scales for w in weights]),
                           weights[0].block)
 

@@ -7,6 +7,7 @@ same narrow-step rule for FP8 checkpoints as llm-compressor publishes them, for 
 (kept in FP8, both rules) and for M2M100. (The helpers that write the dequantized copies give the CPU backend's logits
 exactly: the tests run there with DEVICE "cpu".)"""
 
+import dataclasses
 import json
 
 import pytest
@@ -86,12 +87,17 @@ def read_dequantized(published, target):
 
 
 def fp8_matrices(tree) -> list:
-    """The Fp8Matrix weights in a model's weights (dicts, lists and tuples of them)."""
+    """The Fp8Matrix weights in a model's weights (dicts, lists, tuples and dataclasses of them: a mixture's
+    Experts)."""
+    if type(tree).__name__ == "Fp8Matrix":
+        return [tree]
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        tree = [getattr(tree, field.name) for field in dataclasses.fields(tree)]
     if isinstance(tree, dict):
         return [m for value in tree.values() for m in fp8_matrices(value)]
     if isinstance(tree, (list, tuple)):
         return [m for value in tree for m in fp8_matrices(value)]
-    return [tree] if type(tree).__name__ == "Fp8Matrix" else []
+    return []
 
 
 def engine(directory, tmp_path, device: str, quantize: str = "none"):
@@ -206,3 +212,20 @@ def test_releases_in_128_blocks_stay_fp8_within_both_rules(name, tmp_path):
           f"against the CPU's float32 {max(w8a8):.2e}")
     assert max(errors) < TOLERANCE[torch.bfloat16], errors
     assert max(w8a8) < W8A8_BOUND, w8a8
+
+
+def test_a_mixture_s_release_in_128_blocks_keeps_its_experts_in_fp8(tmp_path):
+    """Qwen3-30B-A3B-FP8's layout (each expert's weight_scale_inv in 128 x 128 blocks), at a size whose experts span
+    two blocks of K: they stay FP8 in blocks (moe.cu's _fp8_blocks GEMMs, W8A16), and narrow steps are the bf16
+    engine over the dequantized weights within bf16's rounding."""
+    published = write_fp8("qwen3_moe", tmp_path, block=(128, 128), hidden_size=256, moe_intermediate_size=256)
+    rounded = read_dequantized(published, tmp_path / "rounded")
+    fp8, bf16 = engine(published, tmp_path, "cuda"), engine(rounded, tmp_path, "cuda")
+    experts = [m for m in fp8_matrices(fp8.model.weights) if len(m.data.shape) == 3]
+    assert experts and all(m.blocks and m.scales.shape[1] == 2 for m in experts)
+    narrow = prompts(2, 4, seed=9)
+    want, fed = run(bf16, narrow, None, 6)
+    got, _ = run(fp8, narrow, fed, 6)
+    errors = [relative_error(row[s], expected[s]) for row, expected in zip(got, want) for s in narrow]
+    print(f"qwen3_moe in 128 x 128 blocks: {len(experts)} FP8 expert weights; narrow against bf16 {max(errors):.2e}")
+    assert max(errors) < TOLERANCE[torch.bfloat16], errors

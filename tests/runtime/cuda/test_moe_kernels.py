@@ -3,7 +3,8 @@ same float32 logits (softmax and DeepSeek-V3's grouped sigmoid, with exactly tie
 torch.topk on the GPU breaks them, as transformers' run there does: the lower expert id), the same launch's
 grouping of the entries by expert, and a whole layer (route, the grouped GEMMs with silu between, the combine with
 shared experts) at decode and prefill row counts, up to Qwen3-30B-A3B's mixture (128 experts, top-8, 2048 x 768);
-and FP8 experts (e4m3, a scale a row) against the bf16 experts of the weights they dequantize to."""
+and FP8 experts (e4m3, a scale a row or 128 x 128 blocks) against the bf16 experts of the weights they
+dequantize to."""
 
 import pytest
 import torch
@@ -17,7 +18,8 @@ from metrale.runtime.backend.cuda.fp8_matrix import Fp8Matrix, device_scales  # 
 from metrale.runtime.backend.cuda.kernels import activation, moe  # noqa: E402
 from metrale.runtime.backend.cuda.tensor import DeviceTensor  # noqa: E402
 from metrale.runtime.backend.layer_math import MoeRouter  # noqa: E402
-from metrale.runtime.loading.fp8 import Fp8Experts, quantize_rows  # noqa: E402
+from metrale.runtime.loading.fp8 import Fp8Experts, Fp8Weight, quantize_rows  # noqa: E402
+from fp8_checkpoints import quantized  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -136,7 +138,8 @@ def test_route_groups_the_entries_by_expert(kernel_library, stream, tokens, expe
 def device_weight(weight):
     """A bf16 torch weight on the device as it is, an Fp8Experts as the CUDA backend uploads it (an Fp8Matrix)."""
     if isinstance(weight, Fp8Experts):
-        return Fp8Matrix(d(weight.data.to(DEVICE)), d(device_scales(weight).to(DEVICE)))
+        scales = device_scales(weight)
+        return Fp8Matrix(d(weight.data.to(DEVICE)), d(scales.to(DEVICE)), blocks=scales.dim() == weight.dim())
     return d(weight)
 
 
@@ -207,18 +210,34 @@ def test_layer_matches_the_cpu_math(kernel_library, stream, tokens, experts, top
     assert relative_error(out, want) < TOLERANCE[torch.bfloat16]
 
 
-@pytest.mark.parametrize("tokens, experts, top_k, hidden, width, softmax, shared",
-                         [layer for layer in LAYERS if layer[3] % 16 == 0 and layer[4] % 16 == 0])
-def test_fp8_experts_are_the_bf16_experts_of_their_dequantized_weights(kernel_library, stream, tokens, experts, top_k,
-                                                                       hidden, width, softmax, shared):
+def fp8_experts(form: str, experts: int, rows: int, columns: int) -> Fp8Experts:
+    """Random experts stacked as models/moe.py stacks a checkpoint's: quantized with a scale a row (--quantize fp8),
+    or in 128 x 128 blocks as DeepSeek's and Qwen3's releases hold them."""
+    weights = [0.05 * torch.randn(rows, columns) for _ in range(experts)]
+    if form == "rows":
+        return torch.stack([quantize_rows(w) for w in weights])
+    return torch.stack([Fp8Weight.of_checkpoint(*quantized(w, (128, 128)), (128, 128)) for w in weights])
+
+
+# Layers whose widths the form takes: rows, multiples of 16; blocks, of 128 (with K over several blocks, a partial
+# last tile of N, and decode and prefill rows).
+FP8_LAYERS = ([("rows", *layer) for layer in LAYERS if layer[3] % 16 == 0 and layer[4] % 16 == 0]
+              + [("blocks", *layer) for layer in LAYERS if layer[3] % 128 == 0 and layer[4] % 128 == 0]
+              + [("blocks", 3, 8, 2, 384, 128, True, True), ("blocks", 300, 8, 2, 256, 128, True, False)])
+
+
+@pytest.mark.parametrize("form, tokens, experts, top_k, hidden, width, softmax, shared", FP8_LAYERS)
+def test_fp8_experts_are_the_bf16_experts_of_their_dequantized_weights(kernel_library, stream, form, tokens, experts,
+                                                                       top_k, hidden, width, softmax, shared):
     """W8A16: each weight widened to the bf16 value it dequantizes to. The tiled GEMM then runs the bf16 GEMM's
     mmas in its order, bit for bit; the skinny GEMM splits K in other steps (16 columns a load, not 8), within
     bf16's rounding."""
     torch.manual_seed(1)
     x = torch.randn(tokens, hidden, device=DEVICE).bfloat16()
-    gate_up = torch.stack([quantize_rows(0.05 * torch.randn(2 * width, hidden)) for _ in range(experts)])
-    down = torch.stack([quantize_rows(0.05 * torch.randn(hidden, width)) for _ in range(experts)])
+    gate_up = fp8_experts(form, experts, 2 * width, hidden)
+    down = fp8_experts(form, experts, hidden, width)
     assert isinstance(gate_up, Fp8Experts) and isinstance(down, Fp8Experts)
+    assert device_weight(moe.interleave_gate_up(gate_up)).blocks == (form == "blocks")
     shared_out = torch.randn(tokens, hidden, device=DEVICE).bfloat16() if shared else None
     router = MoeRouter(None, top_k, "softmax", normalize=True)
     logits = logits_for(tokens, experts, True, ties=False)

@@ -5,7 +5,8 @@ and joined (loading/fp8.py's Fp8Weight keeps a block's scale on each of its rows
 rows on the skinny GEMM (the weight widened to bf16 in registers: W8A16), more rows on cuBLASLt's FP8 matmul over
 the input quantized per token (W8A8), and per token and 128 columns for a weight in blocks. Any other FP8 form (e5m2,
 blocks of other sizes) is uploaded dequantized to bf16, as is every FP8 weight on a device or cuBLAS without those
-scale modes (OUTER_VEC_32F, VEC128_32F: Hopper and later, cuBLAS 12.9 and later)."""
+scale modes (OUTER_VEC_32F, VEC128_32F: Hopper and later, cuBLAS 12.9 and later). A mixture's experts stack in
+either form, for moe.cu's grouped GEMMs (W8A16 at every row count, no cuBLAS)."""
 
 from dataclasses import dataclass
 
@@ -27,7 +28,8 @@ MIN_CUBLAS = 120900
 class Fp8Matrix:
     """weight [N, K] = data [N, K] (e4m3) x scales (float32): scales [N], row by row; or, in blocks (blocks=True),
     scales [K / BLOCK, N], element (r, c) times scales[c // BLOCK, r] (a column block's N scales together, as
-    cuBLASLt's VEC128_32F takes them)."""
+    cuBLASLt's VEC128_32F takes them). A mixture's experts [E, N, K] (moe.cu's grouped GEMMs): scales [E, N], or in
+    blocks [E, K / BLOCK, N]."""
     data: DeviceTensor
     scales: DeviceTensor
     blocks: bool = False
@@ -45,11 +47,14 @@ def kept_as_fp8(weight, arch: str, cublas_version: int) -> bool:
     """Whether a checkpoint weight goes to the device as an Fp8Matrix: an Fp8Weight of e4m3 values with one scale a
     row and K a multiple of K_MULTIPLE on Hopper or later, or with one a row per BLOCK columns and K a multiple of
     BLOCK on Hopper, with cuBLAS MIN_CUBLAS or later; a mixture's Fp8Experts with one scale a row and K a multiple of
-    K_MULTIPLE on Hopper or later (moe.cu's kernels, no cuBLAS). (Any other weight is never asked for its parts: a
-    GGUF BlockWeight would dequantize itself to answer.)"""
-    if isinstance(weight, Fp8Experts):          # a mixture's experts: one scale a row
-        return (arch_number(arch) >= 90 and weight.data.dtype == torch.float8_e4m3fn
-                and weight.scales.shape[-1] == 1 and weight.shape[-1] % K_MULTIPLE == 0)
+    K_MULTIPLE, or one a row per BLOCK columns and K a multiple of BLOCK, on Hopper or later (moe.cu's kernels, no
+    cuBLAS). (Any other weight is never asked for its parts: a GGUF BlockWeight would dequantize itself to answer.)"""
+    if isinstance(weight, Fp8Experts):          # a mixture's experts: one scale a row, or a row's per block
+        if arch_number(arch) < 90 or weight.data.dtype != torch.float8_e4m3fn:
+            return False
+        if weight.scales.shape[-1] == 1:
+            return weight.shape[-1] % K_MULTIPLE == 0
+        return weight.block == BLOCK and weight.shape[-1] % BLOCK == 0
     if not isinstance(weight, Fp8Weight) or arch_number(arch) < 90 or cublas_version < MIN_CUBLAS:
         return False
     data, scales = weight.data, weight.scales
@@ -63,7 +68,7 @@ def kept_as_fp8(weight, arch: str, cublas_version: int) -> bool:
 
 def device_scales(weight: Fp8Weight | Fp8Experts) -> torch.Tensor:
     """A kept weight's scales as an Fp8Matrix holds them: [N] for one a row, [K / BLOCK, N] contiguous for blocks;
-    experts' [E, N]."""
-    if isinstance(weight, Fp8Experts):
+    experts' [E, N] and [E, K / BLOCK, N]. In blocks, one dimension more than one a row."""
+    if weight.scales.shape[-1] == 1:
         return weight.scales[..., 0].contiguous()
-    return weight.scales.reshape(-1) if weight.scales.shape[1] == 1 else weight.scales.T.contiguous()
+    return weight.scales.transpose(-1, -2).contiguous()

@@ -37,7 +37,7 @@ class CudaLayerMath:
         if kept_as_fp8(tensor, self.lib.arch, self.resources.gemm.version):
             scales = device_scales(tensor)
             return Fp8Matrix(self._upload(tensor.data.view(torch.uint8), "float8_e4m3"),
-                             self._upload(scales, "float32"), blocks=scales.dim() == 2 and tensor.dim() == 2)
+                             self._upload(scales, "float32"), blocks=scales.dim() == tensor.dim())
         return self._upload(tensor.to(torch.bfloat16), "bfloat16")
 
     def upload_lm_head(self, tensor: torch.Tensor) -> DeviceTensor:

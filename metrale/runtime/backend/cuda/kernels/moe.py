@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from metrale.runtime.backend.cuda.fp8_matrix import Fp8Matrix
+from metrale.runtime.backend.cuda.fp8_matrix import BLOCK, Fp8Matrix
 from metrale.runtime.backend.cuda.launch import MAX_GRID_YZ, ceil_div, launch_kernel, require
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.loading.fp8 import Fp8Experts
@@ -121,16 +121,20 @@ def grouped_gemm(lib, stream, out: DeviceTensor, a: DeviceTensor, weight: Device
     gather_div 0, a's row `row` (a [entries, K] already sorted). K % 8 == 0, 16-byte aligned rows. gated: weight
     from interleave_gate_up, and out [entries, N / 2] = silu(gate) * up, the activation in the GEMM's epilogue
     (limit > 0: silu(min(gate, limit)) * clamp(up, -limit, limit), Hy4's clamped SwiGLU). An Fp8Matrix weight (e4m3
-    [E, N, K] with scales [E, N], K % 16 == 0) is widened to the bf16 weight it dequantizes to (W8A16)."""
+    [E, N, K] with scales [E, N], K % 16 == 0; in blocks, scales [E, K / 128, N], K % 128 == 0) is widened to the
+    bf16 weight it dequantizes to (W8A16)."""
     fp8 = isinstance(weight, Fp8Matrix)
     data = weight.data if fp8 else weight
     experts, n, k = data.shape
     width = n // 2 if gated else n
     if fp8:
-        require(data.dtype == "float8_e4m3" and data.is_contiguous and k % 16 == 0 and not weight.blocks
-                and weight.scales.shape == (experts, n) and weight.scales.dtype == "float32",
-                f"moe gemm: FP8 experts must be contiguous e4m3 [E, N, K] with K % 16 == 0 and scales [E, N] "
-                f"float32, not {data.shape} {data.dtype} with {weight.scales.shape}")
+        blocks = weight.blocks
+        columns, scales = (BLOCK, (experts, k // BLOCK, n)) if blocks else (16, (experts, n))
+        require(data.dtype == "float8_e4m3" and data.is_contiguous and k % columns == 0
+                and weight.scales.shape == scales and weight.scales.dtype == "float32",
+                f"moe gemm: FP8 experts must be contiguous e4m3 [E, N, K] with K % {columns} == 0 and scales "
+                f"{'[E, K / 128, N]' if blocks else '[E, N]'} float32, not {data.shape} {data.dtype} with "
+                f"{weight.scales.shape}")
     else:
         require(weight.dtype == "bfloat16" and weight.is_contiguous, "moe gemm: weight must be contiguous bf16")
     require(a.dtype == "bfloat16" and len(a.shape) == 2 and a.shape[1] == k,
@@ -148,7 +152,7 @@ def grouped_gemm(lib, stream, out: DeviceTensor, a: DeviceTensor, weight: Device
         return
     tiles = routed.tiles.shape[0]
     weights = (data, weight.scales) if fp8 else (data,)
-    suffix = "_fp8" if fp8 else ""
+    suffix = ("_fp8_blocks" if weight.blocks else "_fp8") if fp8 else ""
     if routed.tile_rows >= 64:
         kernel = lib.get(TILE_ROWS[routed.tile_rows] + ("_gated" if gated else "") + suffix, MODULE)
         launch_kernel(stream, kernel, (ceil_div(n, GEMM_BN), tiles), GEMM_THREADS, out, a, np.int64(a.stride),
