@@ -43,6 +43,9 @@
 #   moe      bench/gpu_moe.py at the Qwen3-30B-A3B shape: transformers' generate at batch 1, the engine loaded from
 #            safetensors shards (where the disk holds them), decode at batches 1, 8, 64, 256 against the floor of the
 #            experts routed to, through Steps too, the 8 x 1k prefill, the MoE kernels' shares            (~9 min)
+#   moe-fp8  the FP8 experts' kernel tests (a scale a row and 128 x 128 blocks, against the bf16 experts of their
+#            dequantized weights), then bench/gpu_moe.py at the Qwen3-30B-A3B shape under --quantize fp8: decode at
+#            batches 1, 8, 64, 256 against the FP8 floor, through Steps too, the 8 x 1k prefill     (~8 min)
 #   mla      bench/gpu_moe.py at the DeepSeek-V2-Lite shape (multi-head latent attention, 64 experts, top-6): decode at
 #            batches 1, 64, 256 with 1k and 8k contexts against the floor of the experts routed to, the dense weights
 #            and the latent cache; the 8 x 1k prefill; an 8k prompt whole and in chunks of 1k              (~10 min)
@@ -65,7 +68,7 @@
 # Usage (from the repository root, with .whl carried):
 #   bash bench/gpu_check.sh [tests|models|api|api-models|load|kernels|smollm2|llama|long-prefill|prefill-variants|
 #     long-decode-8k|long-decode-32k|profile|prefix|beam|search|ssm|ssm-kernels|ssm-profile|ssm-prefix|moe-kernels|
-#     moe|mla|mla-kernels|hy4|hy4-32k|dsa-kernels|fp8|mha|serving]...
+#     moe|moe-fp8|mla|mla-kernels|hy4|hy4-32k|dsa-kernels|fp8|mha|serving]...
 # (default: tests). Logs and JSON land in $OUT (default /tmp/gpu-check).
 set -uo pipefail
 source scripts/device_env.sh || exit 1
@@ -166,6 +169,9 @@ for part in "${@:-tests}"; do
     moe)
       run_bench moe bench.gpu_moe --shape qwen3-30b-a3b --checkpoint-dir /tmp/metrale-moe-checkpoint
       rm -rf /tmp/metrale-moe-checkpoint ;;
+    moe-fp8)
+      run_pytest moe-fp8-kernels -m gpu tests/runtime/cuda/test_moe_kernels.py -k fp8
+      run_bench moe-fp8 bench.gpu_moe --shape qwen3-30b-a3b --quantize fp8 --hf-steps 0 --chunked-prefill '' ;;
     mla)
       run_bench mla-1k bench.gpu_moe --shape deepseek-v2-lite --batches 1,64,256 --context 1024 --hf-steps 4 \
         --checkpoint-dir /tmp/metrale-mla-checkpoint

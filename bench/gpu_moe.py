@@ -30,7 +30,7 @@ from bench.gpu_decode import decode_grpc_row, write_json
 from bench.kernel_parts import GEMM_KEYS, device_ms_by_part, format_parts
 from bench.model_shapes import random_tokens
 from bench.moe_shapes import MOE_SHAPES, MoeShape, decode_step_bytes, expert_bytes, hf_config, kv_bytes_per_token, \
-    mha_kv_bytes_per_token, prefill_flops, total_params
+    mha_kv_bytes_per_token, prefill_flops, require_fp8_floor, total_params
 from bench.phases import Run, add_run_options, log
 from bench.side_by_side import time_generate
 from metrale.runtime.build import build_engine
@@ -65,8 +65,16 @@ def parse_args(argv):
     parser.add_argument("--hf-steps", type=int, default=8, help="tokens transformers generates per timing; 0: none")
     parser.add_argument("--checkpoint-dir", default=None,
                         help="write the weights here as safetensors shards and load the engine from them")
+    parser.add_argument("--quantize", default="none", choices=("none", "fp8"),
+                        help="the engine's --quantize (fp8: the floor counts e4m3 weights with a scale a row)")
     add_run_options(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.quantize == "fp8":
+        try:
+            require_fp8_floor(MOE_SHAPES[args.shape])
+        except ValueError as error:
+            parser.error(f"--quantize fp8 --shape {args.shape}: {error}")
+    return args
 
 
 class RoutingProbe:
@@ -250,7 +258,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = EngineConfig(device=device, kv_blocks=kv_blocks,
                           max_batch_tokens=max(8192, prompts * prompt_len, long_len),
                           max_seqs=max(max_batch, prompts), max_model_len=longest, prefix_cache=False,
-                          cuda_graph_batch_sizes=tuple(sorted(set(batches))))
+                          cuda_graph_batch_sizes=tuple(sorted(set(batches))), quantize=args.quantize)
     result["engine_config"] = dataclasses.asdict(config)
     host_before = resident_gb()
     started = time.perf_counter()
@@ -275,6 +283,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     rows, hits, step_parts = [], {}, {}
     mean_context = args.context + args.warmup + (args.steps + 1) / 2
+    fp8 = args.quantize == "fp8"
     step_args = argparse.Namespace(context=args.context, steps=args.steps, warmup=args.warmup, seed=args.seed)
     for batch in batches:
         row = DecodeRow(batch, "metrale", 0.0)
@@ -283,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict:
                                        args.warmup, args.steps, device == "cuda")
         if measured:
             (row.step_ms, row.other_ms), hits[batch], step_parts[batch] = measured
-        row.floor_ms = decode_step_bytes(shape, batch, mean_context, hits.get(batch, 0)) / bandwidth * 1e3
+        row.floor_ms = decode_step_bytes(shape, batch, mean_context, hits.get(batch, 0), fp8) / bandwidth * 1e3
         rows.append(row)
         if worker:
             rows.append(decode_grpc_row(run, step_args, worker, shape, batch, row.floor_ms, rpc="steps"))
@@ -325,7 +334,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"# decode at {args.context}-token contexts: {args.steps} timed steps after {args.warmup} warm-up; floor = "
           f"(dense weights + the experts the step's tokens routed to, counted over {COUNTED_STEPS} steps: "
           + ", ".join(f"batch {b} {hits[b] / shape.layers:.1f} of {shape.experts} a layer" for b in hits)
-          + f", {expert_bytes(shape) / 1e6:.2f} MB each + KV) / copy bandwidth {bandwidth / 1e12:.3f} TB/s; "
+          + f", {expert_bytes(shape, fp8) / 1e6:.2f} MB each{' in FP8' if fp8 else ''} + KV) / copy bandwidth "
+          f"{bandwidth / 1e12:.3f} TB/s; "
           f"metrale: device time (CUDA events); steps: a client process's round trip over one Steps stream; "
           f"hf-eager: transformers' generate, bf16, ms per token")
     print(format_decode_table(rows))

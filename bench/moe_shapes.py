@@ -138,14 +138,32 @@ def dense_layer_params(shape: MoeShape) -> int:
     return attention_params(shape) + shape.experts * shape.hidden + 3 * shape.shared * shape.width * shape.hidden
 
 
-def expert_bytes(shape: MoeShape) -> int:
-    """One expert of one layer, bf16: its gate, up and down projections."""
+def expert_bytes(shape: MoeShape, fp8: bool = False) -> int:
+    """One expert of one layer, bf16: its gate, up and down projections; fp8: e4m3 with a float32 scale a row."""
+    if fp8:
+        return 3 * shape.width * shape.hidden + 4 * (2 * shape.width + shape.hidden)
     return 2 * 3 * shape.width * shape.hidden
 
 
-def dense_decode_bytes(shape: MoeShape) -> int:
+def require_fp8_floor(shape: MoeShape) -> None:
+    """The FP8 floor counts grouped-query attention's mixtures (Qwen3-MoE's): latent attention keeps some of its
+    projections bf16, which these counts do not follow."""
+    if shape.kv_lora or shape.shared or shape.dense_layers:
+        raise ValueError("the FP8 floor is counted for Qwen3-MoE-like shapes (no latent attention, shared experts "
+                         "or dense layers)")
+
+
+def dense_decode_bytes(shape: MoeShape, fp8: bool = False) -> int:
     """What a decode step reads whatever the routing: every mixture layer's dense parameters, every dense layer's
-    attention and MLP, the final norm and the vocab projection (the embedding gives one row a token)."""
+    attention and MLP, the final norm and the vocab projection (the embedding gives one row a token). fp8
+    (--quantize fp8, require_fp8_floor's shapes): the attention's projections e4m3 with a float32 scale a row; the
+    router, norms and vocab projection bf16."""
+    if fp8:
+        require_fp8_floor(shape)
+        q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+        matrices = shape.hidden * (q + 2 * kv) + q * shape.hidden + 4 * (q + 2 * kv + shape.hidden)
+        bf16 = dense_layer_params(shape) - (shape.hidden * (q + 2 * kv) + q * shape.hidden)
+        return shape.layers * (matrices + 2 * bf16) + 2 * (shape.hidden + shape.vocab * shape.hidden)
     dense = shape.dense_layers * (attention_params(shape) + 3 * shape.hidden * shape.dense_width)
     indexers = shape.index_layers * indexer_params(shape)
     head = 2 * shape.hc_mult * shape.hc_mult * shape.hidden      # Hy4's float32 hyper-connection head
@@ -184,10 +202,12 @@ def total_params(shape: MoeShape) -> int:
             + shape.hidden + shape.index_layers * indexer_params(shape))
 
 
-def decode_step_bytes(shape: MoeShape, batch: int, context: float, experts_hit: float) -> float:
+def decode_step_bytes(shape: MoeShape, batch: int, context: float, experts_hit: float, fp8: bool = False) -> float:
     """The floor's bytes of a decode step: the dense weights, the experts its tokens routed to (experts_hit, summed
-    over the layers) and every sequence's KV (MLA: its latent cache; sparse attention: cache_read_bytes')."""
-    return dense_decode_bytes(shape) + experts_hit * expert_bytes(shape) + cache_read_bytes(shape, batch, context)
+    over the layers) and every sequence's KV (MLA: its latent cache; sparse attention: cache_read_bytes'). fp8: the
+    weights as --quantize fp8 keeps them (dense_decode_bytes, expert_bytes)."""
+    return (dense_decode_bytes(shape, fp8) + experts_hit * expert_bytes(shape, fp8)
+            + cache_read_bytes(shape, batch, context))
 
 
 def prefill_flops(shape: MoeShape, num_seqs: int, seq_len: int) -> float:

@@ -221,6 +221,28 @@ def test_gpu_moe_runs_every_phase_on_the_cpu(bench, tmp_path, capsys):
     assert result["chunked_prefill"]["whole"] > 0 and result["chunked_prefill"]["chunked"] > 0
 
 
+def test_gpu_moe_quantized_holds_its_steps_to_the_fp8_floor(bench):
+    """--quantize fp8: the engine quantizes at load (the CPU backend multiplies the weights dequantized), and the
+    floor counts the weights as the CUDA backend keeps them: e4m3 with a float32 scale a row, the router, norms and
+    vocab projection bf16. Latent attention's shapes are refused (some of their projections stay bf16)."""
+    from bench.moe_shapes import MOE_SHAPES, decode_step_bytes, dense_decode_bytes, expert_bytes
+
+    shape = MOE_SHAPES["moe-tiny"]
+    result = bench.gpu_moe.main(["--shape", "moe-tiny", "--device", "cpu", "--batches", "2", "--context", "8",
+                                 "--steps", "2", "--warmup", "1", "--prefill", "", "--chunked-prefill", "",
+                                 "--hf-steps", "0", "--copy-mb", "1", "--gemm-size", "32", "--skip-grpc",
+                                 "--quantize", "fp8"])
+    assert result["errors"] == [] and result["engine_config"]["quantize"] == "fp8"
+    row, = result["decode_rows"]
+    mean_context = 8 + 1 + (2 + 1) / 2
+    floor = decode_step_bytes(shape, 2, mean_context, result["experts_hit"][2], fp8=True)
+    assert row.floor_ms == pytest.approx(floor / result["copy_bandwidth_bytes_per_s"] * 1e3)
+    assert expert_bytes(shape, fp8=True) == 3 * shape.width * shape.hidden + 4 * (2 * shape.width + shape.hidden)
+    assert dense_decode_bytes(shape, fp8=True) < dense_decode_bytes(shape)
+    with pytest.raises(SystemExit):
+        bench.gpu_moe.parse_args(["--shape", "mla-tiny", "--quantize", "fp8"])
+
+
 def test_gpu_moe_runs_a_latent_attention_shape_on_the_cpu(bench, capsys):
     """DeepSeek-V2's layout (the first layer dense, the others mixtures with shared experts): the routing counted
     over the mixture layers alone, the latent cache's bytes beside a plain cache's."""
