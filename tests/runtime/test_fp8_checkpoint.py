@@ -15,7 +15,8 @@ from metrale.runtime.build import build_engine
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.loading import load_checkpoint
-from metrale.runtime.loading.fp8 import Fp8Weight, dequantize, is_linear_weight, quantize_rows
+from metrale.runtime.loading.fp8 import Fp8Experts, Fp8Weight, QuantizedTensors, dequantize, is_linear_weight, \
+    is_stacked_experts, quantize_experts, quantize_rows
 from engine_runs import greedy_logits
 from fp8_checkpoints import BLOCK, quantized, write_compressed, write_fp8
 from tiny_models import load_reference, write_tiny
@@ -132,16 +133,18 @@ def test_an_fp8_weight_without_its_scale_is_refused(tmp_path):
 
 @pytest.mark.parametrize("name", ["llama3_untied", "qwen3", "mixtral", "deepseek_v3", "hy_v4"])
 def test_quantize_fp8_runs_the_checkpoint_as_its_fp8_weights(name, tmp_path):
-    """--quantize fp8 against transformers loading the checkpoint with each linear weight replaced by its e4m3
-    values times their row's scale; and visibly apart from the unquantized model."""
+    """--quantize fp8 against transformers loading the checkpoint with each linear weight (and stacked experts,
+    as Hy4's are saved) replaced by its e4m3 values times their row's scale; and visibly apart from the unquantized
+    model."""
     source = write_tiny(name, tmp_path / "model")
     tensors = load_file(source / "model.safetensors")
     linear = [key for key, tensor in tensors.items() if is_linear_weight(key, tensor)]
     assert linear and not any("embed" in key or "norm" in key or key.endswith(".gate.weight") for key in linear)
     rounded = tmp_path / "rounded"
     rounded.mkdir()
-    save_file({key: quantize_rows(t).dequantize() if key in linear else t for key, t in tensors.items()},
-              rounded / "model.safetensors", metadata={"format": "pt"})
+    save_file({key: quantize_rows(t).dequantize() if key in linear
+               else quantize_experts(t).dequantize() if is_stacked_experts(key, t) else t
+               for key, t in tensors.items()}, rounded / "model.safetensors", metadata={"format": "pt"})
     (rounded / "config.json").write_text((source / "config.json").read_text())
     engine, info = build_engine(load_checkpoint(source), EngineConfig(device="cpu", kv_blocks=16, quantize="fp8"))
     ours = assert_greedy_matches(engine, info.vocab_size, load_reference(rounded), name)
@@ -149,6 +152,38 @@ def test_quantize_fp8_runs_the_checkpoint_as_its_fp8_weights(name, tmp_path):
     prompt = torch.randint(3, info.vocab_size, (12,), generator=torch.Generator().manual_seed(3)).tolist()
     unquantized = greedy_logits(plain, prompt, 0)[0][0]
     assert float((ours[0] - unquantized).abs().max() / unquantized.abs().max()) > 1e-3
+
+
+def test_quantize_fp8_quantizes_stacked_experts_as_the_same_experts_one_by_one(tmp_path):
+    """transformers 5's stacked experts ([experts, rows, columns] under experts.gate_up_proj and experts.down_proj,
+    as a model it initialised holds them) quantize row by row as the same experts saved one by one: an Fp8Experts,
+    and the same logits."""
+    source = write_tiny("qwen3_moe", tmp_path / "model")
+    tensors = load_file(source / "model.safetensors")
+    restacked, experts = {}, {}
+    for key, tensor in tensors.items():
+        prefix, _, rest = key.partition("mlp.experts.")
+        if rest:                # "<e>.gate_proj.weight": this layer's experts, gathered
+            expert, name, _ = rest.split(".")
+            experts.setdefault(prefix, {})[(int(expert), name)] = tensor
+        else:
+            restacked[key] = tensor
+    for prefix, weights in experts.items():
+        count = 1 + max(e for e, _ in weights)
+        restacked[prefix + "mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([weights[e, "gate_proj"], weights[e, "up_proj"]]) for e in range(count)])
+        restacked[prefix + "mlp.experts.down_proj"] = torch.stack([weights[e, "down_proj"] for e in range(count)])
+    stacked = tmp_path / "stacked"
+    stacked.mkdir()
+    save_file(restacked, stacked / "model.safetensors", metadata={"format": "pt"})
+    (stacked / "config.json").write_text((source / "config.json").read_text())
+    quantized_tensors = QuantizedTensors(load_checkpoint(stacked).tensors)
+    assert isinstance(quantized_tensors["model.layers.0.mlp.experts.down_proj"], Fp8Experts)
+    prompt = torch.randint(3, 256, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    logits = [greedy_logits(build_engine(load_checkpoint(directory), EngineConfig(device="cpu", kv_blocks=16,
+                                                                                  quantize="fp8"))[0], prompt, 4)
+              for directory in (source, stacked)]
+    assert logits[0][1] == logits[1][1] and all(torch.equal(a, b) for a, b in zip(logits[0][0], logits[1][0]))
 
 
 def test_an_fp8_weight_keeps_its_form_through_row_picks_and_stacks():

@@ -119,11 +119,15 @@ def to_e4m3(x: torch.Tensor) -> torch.Tensor:
 
 
 class QuantizedTensors(TensorsAsRead):
-    """Each linear weight as an Fp8Weight (e4m3, one scale a row: its largest magnitude over E4M3_MAX), quantized
-    as it is read; the rest as they are."""
+    """Each linear weight as an Fp8Weight (e4m3, one scale a row: its largest magnitude over E4M3_MAX), and a
+    mixture's stacked experts as an Fp8Experts of the same, quantized as they are read; the rest as they are."""
 
     def read(self, name: str, tensor: torch.Tensor):
-        return quantize_rows(tensor) if is_linear_weight(name, tensor) else tensor
+        if is_linear_weight(name, tensor):
+            return quantize_rows(tensor)
+        if is_stacked_experts(name, tensor):
+            return quantize_experts(tensor)
+        return tensor
 
 
 def widest_fp8_input(tensors: Mapping, quantize: bool) -> int:
@@ -140,6 +144,16 @@ def widest_fp8_input(tensors: Mapping, quantize: bool) -> int:
 def is_linear_name(name: str) -> bool:
     """A name --quantize fp8 may quantize (the tensor must also be a 2-D floating weight: is_linear_weight)."""
     return name.endswith(".weight") and not any(key in name for key in NOT_LINEAR)
+
+
+# A mixture's experts as transformers 5 holds them, stacked [experts, rows, columns] under one name a projection.
+STACKED_EXPERTS = ("experts.gate_up_proj", "experts.up_proj", "experts.down_proj")
+
+
+def is_stacked_experts(name: str, tensor) -> bool:
+    """Whether --quantize fp8 quantizes this checkpoint tensor as stacked experts (floating, of 16 bits or more)."""
+    return (name.endswith(STACKED_EXPERTS) and isinstance(tensor, torch.Tensor) and tensor.dim() == 3
+            and tensor.dtype.is_floating_point and tensor.element_size() >= 2)
 
 
 def is_linear_weight(name: str, tensor) -> bool:
@@ -160,6 +174,13 @@ def quantize_rows(weight: torch.Tensor) -> "Fp8Weight":
     scale = values.abs().amax(dim=1, keepdim=True) / E4M3_MAX
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     return Fp8Weight(to_e4m3(values / scale), scale, weight.shape[1])
+
+
+def quantize_experts(weight: torch.Tensor) -> "Fp8Experts":
+    """Stacked experts [experts, rows, columns] as quantize_rows quantizes each expert's matrix."""
+    experts, rows, columns = weight.shape
+    each = quantize_rows(weight.reshape(experts * rows, columns))
+    return Fp8Experts(each.data.view(experts, rows, columns), each.scales.view(experts, rows, 1), columns)
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
