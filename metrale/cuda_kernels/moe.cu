@@ -188,7 +188,7 @@ __device__ __forceinline__ void grouped_gemm(bf16* out, const bf16* a, long long
     };
 
     // FP8: the scales of this thread's W8_LOADS weight rows, for the columns from k0 (a row past N widens zeros).
-    float row_scale[FP8 ? G::W8_LOADS : 1];
+    float row_scale[G::W8_LOADS];
     auto load_scales = [&](int k0) {
         const float* expert_scales = scales + (BLOCKS ? ((long long)expert * (k / FP8_BLOCK) + k0 / FP8_BLOCK) * n
                                                       : (long long)expert * n);

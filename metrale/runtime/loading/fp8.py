@@ -177,10 +177,10 @@ def quantize_rows(weight: torch.Tensor) -> "Fp8Weight":
 
 
 def quantize_experts(weight: torch.Tensor) -> "Fp8Experts":
-    """Stacked experts [experts, rows, columns] as quantize_rows quantizes each expert's matrix."""
-    experts, rows, columns = weight.shape
-    each = quantize_rows(weight.reshape(experts * rows, columns))
-    return Fp8Experts(each.data.view(experts, rows, columns), each.scales.view(experts, rows, 1), columns)
+    """Stacked experts [experts, rows, columns] as quantize_rows quantizes each expert's matrix (one at a time: the
+    host holds one expert's float32 copy, not the layer's)."""
+    each = [quantize_rows(expert) for expert in weight]
+    return Fp8Experts(torch.stack([w.data for w in each]), torch.stack([w.scales for w in each]), weight.shape[2])
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
@@ -273,6 +273,10 @@ class Fp8Experts(DeferredWeight):
     OWN = ("data", "scales", "block", "shape")
 
     def __init__(self, data: torch.Tensor, scales: torch.Tensor, block: int):
+        experts, rows, columns = data.shape
+        if scales.dtype != torch.float32 or block < 1 or tuple(scales.shape) != (experts, rows, -(-columns // block)):
+            raise InvalidArgument(f"FP8 experts {tuple(data.shape)} with scales {tuple(scales.shape)} "
+                                  f"{scales.dtype} in blocks of {block} columns do not fit together")
         self.data, self.scales, self.block, self.shape = data, scales, block, data.shape
 
     def dim(self) -> int:
@@ -282,7 +286,9 @@ class Fp8Experts(DeferredWeight):
         return self.data.numel()
 
     def dequantize(self) -> torch.Tensor:
-        return self.data.float() * self.scales.repeat_interleave(self.block, -1)[..., :self.shape[-1]]
+        """Expert by expert (Fp8Weight.dequantize's values): no float32 copy of every scale a value at once."""
+        return torch.stack([Fp8Weight(data, scales, self.block).dequantize()
+                            for data, scales in zip(self.data, self.scales)])
 
     def rows(self, order: torch.Tensor) -> "Fp8Experts":
         return Fp8Experts(self.data[:, order], self.scales[:, order], self.block)

@@ -216,8 +216,8 @@ def test_releases_in_128_blocks_stay_fp8_within_both_rules(name, tmp_path):
 
 def test_a_mixture_s_release_in_128_blocks_keeps_its_experts_in_fp8(tmp_path):
     """Qwen3-30B-A3B-FP8's layout (each expert's weight_scale_inv in 128 x 128 blocks), at a size whose experts span
-    two blocks of K: they stay FP8 in blocks (moe.cu's _fp8_blocks GEMMs, W8A16), and narrow steps are the bf16
-    engine over the dequantized weights within bf16's rounding."""
+    two blocks of K: they stay FP8 in blocks (W8A16), and narrow steps (moe.cu's skinny _fp8_blocks GEMM; the tiled
+    one is test_moe_kernels') are the bf16 engine over the dequantized weights within bf16's rounding."""
     published = write_fp8("qwen3_moe", tmp_path, block=(128, 128), hidden_size=256, moe_intermediate_size=256)
     rounded = read_dequantized(published, tmp_path / "rounded")
     fp8, bf16 = engine(published, tmp_path, "cuda"), engine(rounded, tmp_path, "cuda")

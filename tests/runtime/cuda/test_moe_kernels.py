@@ -18,8 +18,7 @@ from metrale.runtime.backend.cuda.fp8_matrix import Fp8Matrix, device_scales  # 
 from metrale.runtime.backend.cuda.kernels import activation, moe  # noqa: E402
 from metrale.runtime.backend.cuda.tensor import DeviceTensor  # noqa: E402
 from metrale.runtime.backend.layer_math import MoeRouter  # noqa: E402
-from metrale.runtime.loading.fp8 import Fp8Experts, Fp8Weight, quantize_rows  # noqa: E402
-from fp8_checkpoints import quantized  # noqa: E402
+from metrale.runtime.loading.fp8 import E4M3_MAX, Fp8Experts, Fp8Weight, quantize_rows, to_e4m3  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -210,20 +209,28 @@ def test_layer_matches_the_cpu_math(kernel_library, stream, tokens, experts, top
     assert relative_error(out, want) < TOLERANCE[torch.bfloat16]
 
 
+def in_blocks(weight: torch.Tensor) -> Fp8Weight:
+    """weight [rows, columns] in e4m3 with a scale a row for each 128 columns (columns % 128 == 0), as Fp8Weight holds
+    a release's 128 x 128 blocks, but each row's and block's scale its own (its amax over 448, times 1, 2, 4 or 8):
+    a scale read for the wrong row or block shows."""
+    rows, columns = weight.shape
+    blocks = weight.float().view(rows, columns // 128, 128)
+    scales = blocks.abs().amax(-1) / E4M3_MAX * 2.0 ** torch.randint(0, 4, (rows, columns // 128))
+    return Fp8Weight(to_e4m3(blocks / scales[..., None]).view(rows, columns), scales, 128)
+
+
 def fp8_experts(form: str, experts: int, rows: int, columns: int) -> Fp8Experts:
     """Random experts stacked as models/moe.py stacks a checkpoint's: quantized with a scale a row (--quantize fp8),
-    or in 128 x 128 blocks as DeepSeek's and Qwen3's releases hold them."""
+    or in blocks of 128 columns (in_blocks)."""
     weights = [0.05 * torch.randn(rows, columns) for _ in range(experts)]
-    if form == "rows":
-        return torch.stack([quantize_rows(w) for w in weights])
-    return torch.stack([Fp8Weight.of_checkpoint(*quantized(w, (128, 128)), (128, 128)) for w in weights])
+    return torch.stack([quantize_rows(w) if form == "rows" else in_blocks(w) for w in weights])
 
 
-# Layers whose widths the form takes: rows, multiples of 16; blocks, of 128 (with K over several blocks, a partial
-# last tile of N, and decode and prefill rows).
+# Layers whose widths the form takes: rows, multiples of 16; blocks, of 128 (K over one or several blocks, decode
+# and prefill rows; a partial tile of N: test_fp8_experts_in_blocks_with_a_partial_tile_of_n).
 FP8_LAYERS = ([("rows", *layer) for layer in LAYERS if layer[3] % 16 == 0 and layer[4] % 16 == 0]
               + [("blocks", *layer) for layer in LAYERS if layer[3] % 128 == 0 and layer[4] % 128 == 0]
-              + [("blocks", 3, 8, 2, 384, 128, True, True), ("blocks", 300, 8, 2, 256, 128, True, False)])
+              + [("blocks", 3, 8, 2, 384, 256, True, True), ("blocks", 300, 8, 2, 256, 256, True, False)])
 
 
 @pytest.mark.parametrize("form, tokens, experts, top_k, hidden, width, softmax, shared", FP8_LAYERS)
@@ -250,6 +257,35 @@ def test_fp8_experts_are_the_bf16_experts_of_their_dequantized_weights(kernel_li
         assert torch.equal(out, want)
     else:
         assert relative_error(out, want.double()) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("tokens, tile_rows", [(3, 8), (60, 64), (700, 128)])      # 8 experts, top-2
+def test_fp8_experts_in_blocks_with_a_partial_tile_of_n(kernel_library, stream, tokens, tile_rows):
+    """One grouped GEMM (not gated) over FP8 experts in blocks whose N, 200, leaves a partial tile of 128 and of 16
+    columns, K over three blocks: the bf16 GEMM of the dequantized weights (tiled, bit for bit; skinny, within
+    bf16's rounding)."""
+    experts, top_k, n, k = 8, 2, 200, 384
+    torch.manual_seed(2)
+    weight = torch.stack([in_blocks(0.05 * torch.randn(n, k)) for _ in range(experts)])
+    x = torch.randn(tokens, k, device=DEVICE).bfloat16()
+    router = MoeRouter(None, top_k, "softmax", normalize=True)
+    logits = logits_for(tokens, experts, True, ties=False)
+    assert moe.tile_rows(tokens * top_k, experts) == tile_rows and device_weight(weight).blocks
+    outs = []
+    for form in (weight, weight.dequantize().bfloat16().to(DEVICE)):
+        routed, kept = routed_buffers(tokens, experts, top_k)
+        out = torch.full((tokens * top_k, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        torch.cuda.synchronize()
+        launch_route(kernel_library, stream, routed, kept, logits, router, None)
+        moe.grouped_gemm(kernel_library, stream, d(out), d(x), device_weight(form), routed, gather_div=top_k)
+        stream.sync()
+        outs.append(out.float().cpu())
+    got, want = outs
+    assert not got.isnan().any()
+    if tile_rows >= 64:
+        assert torch.equal(got, want)
+    else:
+        assert relative_error(got, want.double()) < TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.parametrize("softmax", [True, False])

@@ -131,9 +131,10 @@ def grouped_gemm(lib, stream, out: DeviceTensor, a: DeviceTensor, weight: Device
         blocks = weight.blocks
         columns, scales = (BLOCK, (experts, k // BLOCK, n)) if blocks else (16, (experts, n))
         require(data.dtype == "float8_e4m3" and data.is_contiguous and k % columns == 0
-                and weight.scales.shape == scales and weight.scales.dtype == "float32",
-                f"moe gemm: FP8 experts must be contiguous e4m3 [E, N, K] with K % {columns} == 0 and scales "
-                f"{'[E, K / 128, N]' if blocks else '[E, N]'} float32, not {data.shape} {data.dtype} with "
+                and weight.scales.shape == scales and weight.scales.dtype == "float32"
+                and weight.scales.is_contiguous,
+                f"moe gemm: FP8 experts must be contiguous e4m3 [E, N, K] with K % {columns} == 0 and contiguous "
+                f"scales {'[E, K / 128, N]' if blocks else '[E, N]'} float32, not {data.shape} {data.dtype} with "
                 f"{weight.scales.shape}")
     else:
         require(weight.dtype == "bfloat16" and weight.is_contiguous, "moe gemm: weight must be contiguous bf16")
