@@ -195,7 +195,10 @@ def test_releases_in_128_blocks_stay_fp8_within_both_rules(name, tmp_path):
     stay FP8 (a scale a row per 128 columns); narrow steps are the bf16 engine over the dequantized weights within
     bf16's rounding, wide steps (inputs quantized per token and 128 columns) the CPU backend's float32 run within
     W8A8_BOUND."""
-    published = write_fp8(name, tmp_path, block=(128, 128))
+    # The widths of the bound's derivation (checkpoints'): at write_tiny's own, the logits are sharper and the CPU's
+    # float32 run with each FP8 linear's input rounded as the GPU rounds it (e4m3 per token and 128 columns) is
+    # already 0.23 off the exact one; at these, 0.09.
+    published = write_fp8(name, tmp_path, block=(128, 128), weight_std=0.04, norm_std=0.1)
     rounded = read_dequantized(published, tmp_path / "rounded")
     fp8, bf16 = engine(published, tmp_path, "cuda"), engine(rounded, tmp_path, "cuda")
     kept = fp8_matrices(fp8.model.weights)          # K = 128 is one block: a scale a row

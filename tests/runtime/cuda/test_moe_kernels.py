@@ -51,13 +51,17 @@ def routed_buffers(tokens: int, experts: int, top_k: int) -> tuple[moe.Routed, l
 
 
 def launch_route(kernel_library, stream, routed: moe.Routed, kept, logits: torch.Tensor, router: MoeRouter, bias):
-    moe.route(kernel_library, stream, routed, d(logits.to(DEVICE)), router.top_k, router.scoring == "softmax",
+    """logits and bias on the device already: DeviceTensor.from_torch holds no reference, so a temporary's memory
+    would go back to torch's allocator, and to its next tensor, before the launch has read it."""
+    assert logits.is_cuda and (bias is None or bias.is_cuda)
+    moe.route(kernel_library, stream, routed, d(logits), router.top_k, router.scoring == "softmax",
               router.normalize, None if bias is None else d(bias), router.n_group, router.topk_group, router.scaling,
               d(kept[-1]), router.group_score, router.float32_logits)
 
 
 def device_route(kernel_library, stream, logits: torch.Tensor, router: MoeRouter, bias):
     routed, kept = routed_buffers(logits.shape[0], logits.shape[1], router.top_k)
+    logits = logits.to(DEVICE)
     torch.cuda.synchronize()
     launch_route(kernel_library, stream, routed, kept, logits, router, bias)
     stream.sync()
@@ -116,9 +120,10 @@ def test_route_groups_the_entries_by_expert(kernel_library, stream, tokens, expe
                        for t in range(tokens)])
     logits = torch.zeros(tokens, experts).scatter_(1, ids, torch.arange(top_k, 0, -1.0).expand(tokens, top_k) + 9)
     router = MoeRouter(None, top_k, "softmax", normalize=True)
+    logits_on_device = logits.to(DEVICE)
     torch.cuda.synchronize()
     for _ in range(2):
-        launch_route(kernel_library, stream, routed, kept, logits, router, None)
+        launch_route(kernel_library, stream, routed, kept, logits_on_device, router, None)
     stream.sync()
     assert torch.equal(kept[0].long().cpu(), ids) and kept[-1].item() == 0
     offsets, sorted_entries, positions, tiles, count = (t.cpu() for t in kept[2:7])
@@ -134,11 +139,14 @@ def test_route_groups_the_entries_by_expert(kernel_library, stream, tokens, expe
     assert [tuple(t) for t in tiles[:len(want)].tolist()] == want
 
 
-def device_weight(weight):
-    """A bf16 torch weight on the device as it is, an Fp8Experts as the CUDA backend uploads it (an Fp8Matrix)."""
+def device_weight(weight, held: list[torch.Tensor]):
+    """A bf16 torch weight on the device as it is, an Fp8Experts as the CUDA backend uploads it (an Fp8Matrix), its
+    torch tensors appended to held: the caller keeps them until its launches have run (from_torch holds no
+    reference)."""
     if isinstance(weight, Fp8Experts):
         scales = device_scales(weight)
-        return Fp8Matrix(d(weight.data.to(DEVICE)), d(scales.to(DEVICE)), blocks=scales.dim() == weight.dim())
+        held += [weight.data.to(DEVICE), scales.to(DEVICE)]
+        return Fp8Matrix(d(held[-2]), d(held[-1]), blocks=scales.dim() == weight.dim())
     return d(weight)
 
 
@@ -155,16 +163,16 @@ def device_layer(kernel_library, stream, x, logits, router: MoeRouter, gate_up, 
     out = torch.full_like(x, float("nan"))
     interleaved = moe.interleave_gate_up(gate_up) if fused else None
     interleaved = interleaved.contiguous() if isinstance(interleaved, torch.Tensor) else interleaved
+    held = [logits.to(DEVICE)]
+    up_weight, down_weight = device_weight(interleaved if fused else gate_up, held), device_weight(down, held)
     torch.cuda.synchronize()            # torch's fills and copies, before the kernels' stream reads them
-    launch_route(kernel_library, stream, routed, kept, logits, router, bias)
+    launch_route(kernel_library, stream, routed, kept, held[0], router, bias)
     if fused:
-        moe.grouped_gemm(kernel_library, stream, d(activated), d(x), device_weight(interleaved), routed,
-                         gather_div=top_k, gated=True)
+        moe.grouped_gemm(kernel_library, stream, d(activated), d(x), up_weight, routed, gather_div=top_k, gated=True)
     else:
-        moe.grouped_gemm(kernel_library, stream, d(gate_up_rows), d(x), device_weight(gate_up), routed,
-                         gather_div=top_k)
+        moe.grouped_gemm(kernel_library, stream, d(gate_up_rows), d(x), up_weight, routed, gather_div=top_k)
         activation.silu_mul(kernel_library, stream, d(activated), d(gate_up_rows))
-    moe.grouped_gemm(kernel_library, stream, d(expert_out), d(activated), device_weight(down), routed, gather_div=0)
+    moe.grouped_gemm(kernel_library, stream, d(expert_out), d(activated), down_weight, routed, gather_div=0)
     moe.combine(kernel_library, stream, d(out), d(expert_out), routed, None if shared is None else d(shared))
     stream.sync()
     return out.float().cpu(), kept[0].long().cpu()
@@ -244,7 +252,7 @@ def test_fp8_experts_are_the_bf16_experts_of_their_dequantized_weights(kernel_li
     gate_up = fp8_experts(form, experts, 2 * width, hidden)
     down = fp8_experts(form, experts, hidden, width)
     assert isinstance(gate_up, Fp8Experts) and isinstance(down, Fp8Experts)
-    assert device_weight(moe.interleave_gate_up(gate_up)).blocks == (form == "blocks")
+    assert device_weight(moe.interleave_gate_up(gate_up), []).blocks == (form == "blocks")
     shared_out = torch.randn(tokens, hidden, device=DEVICE).bfloat16() if shared else None
     router = MoeRouter(None, top_k, "softmax", normalize=True)
     logits = logits_for(tokens, experts, True, ties=False)
@@ -270,16 +278,18 @@ def test_fp8_experts_in_blocks_with_a_partial_tile_of_n(kernel_library, stream, 
     x = torch.randn(tokens, k, device=DEVICE).bfloat16()
     router = MoeRouter(None, top_k, "softmax", normalize=True)
     logits = logits_for(tokens, experts, True, ties=False)
-    assert moe.tile_rows(tokens * top_k, experts) == tile_rows and device_weight(weight).blocks
+    assert moe.tile_rows(tokens * top_k, experts) == tile_rows and device_weight(weight, []).blocks
     outs = []
     for form in (weight, weight.dequantize().bfloat16().to(DEVICE)):
         routed, kept = routed_buffers(tokens, experts, top_k)
         out = torch.full((tokens * top_k, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        held = [logits.to(DEVICE)]
+        on_device = device_weight(form, held)
         torch.cuda.synchronize()
-        launch_route(kernel_library, stream, routed, kept, logits, router, None)
-        moe.grouped_gemm(kernel_library, stream, d(out), d(x), device_weight(form), routed, gather_div=top_k)
+        launch_route(kernel_library, stream, routed, kept, held[0], router, None)
+        moe.grouped_gemm(kernel_library, stream, d(out), d(x), on_device, routed, gather_div=top_k)
         stream.sync()
-        outs.append(out.float().cpu())
+        outs.append(out.float().cpu()[kept[4].long().cpu()])      # by entry: an expert's rows are in no set order
     got, want = outs
     assert not got.isnan().any()
     if tile_rows >= 64:
