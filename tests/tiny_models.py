@@ -4,6 +4,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 BASE = dict(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
@@ -163,6 +164,29 @@ def write_tiny(name: str, directory: Path, seed: int = 0, shard: bool = False, w
                 buffer.normal_(0.0, 0.1)
     model.save_pretrained(directory, max_shard_size="40KB" if shard else "1GB")
     return directory
+
+
+def restack_experts(source: Path, target: Path) -> Path:
+    """source's checkpoint (a mixture saved an expert at a time, as write_tiny's "<module>.experts.<e>.gate_proj",
+    up_proj and down_proj) with each layer's experts stacked as transformers 5 holds them: experts.gate_up_proj [E,
+    2 W, H] (each expert's gate rows, then its up rows) and experts.down_proj [E, H, W], in target."""
+    tensors, restacked, experts = load_file(source / "model.safetensors"), {}, {}
+    for key, tensor in tensors.items():
+        prefix, _, rest = key.partition("mlp.experts.")
+        if rest:                # "<e>.gate_proj.weight": this layer's experts, gathered
+            expert, name, _ = rest.split(".")
+            experts.setdefault(prefix, {})[(int(expert), name)] = tensor
+        else:
+            restacked[key] = tensor
+    for prefix, weights in experts.items():
+        count = 1 + max(e for e, _ in weights)
+        restacked[prefix + "mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([weights[e, "gate_proj"], weights[e, "up_proj"]]) for e in range(count)])
+        restacked[prefix + "mlp.experts.down_proj"] = torch.stack([weights[e, "down_proj"] for e in range(count)])
+    target.mkdir()
+    save_file(restacked, target / "model.safetensors", metadata={"format": "pt"})
+    (target / "config.json").write_text((source / "config.json").read_text())
+    return target
 
 
 def load_reference(directory: Path):

@@ -19,7 +19,7 @@ from metrale.runtime.loading.fp8 import Fp8Experts, Fp8Weight, QuantizedTensors,
     is_stacked_experts, quantize_experts, quantize_rows
 from engine_runs import greedy_logits
 from fp8_checkpoints import BLOCK, quantized, write_compressed, write_fp8
-from tiny_models import load_reference, write_tiny
+from tiny_models import load_reference, restack_experts, write_tiny
 
 def assert_greedy_matches(engine, vocab_size: int, reference, name: str) -> list:
     """The engine's greedy logits and tokens over 8 steps against the reference's on the same tokens (1e-4
@@ -159,24 +159,7 @@ def test_quantize_fp8_quantizes_stacked_experts_as_the_same_experts_one_by_one(t
     as a model it initialised holds them) quantize row by row as the same experts saved one by one: an Fp8Experts,
     and the same logits."""
     source = write_tiny("qwen3_moe", tmp_path / "model")
-    tensors = load_file(source / "model.safetensors")
-    restacked, experts = {}, {}
-    for key, tensor in tensors.items():
-        prefix, _, rest = key.partition("mlp.experts.")
-        if rest:                # "<e>.gate_proj.weight": this layer's experts, gathered
-            expert, name, _ = rest.split(".")
-            experts.setdefault(prefix, {})[(int(expert), name)] = tensor
-        else:
-            restacked[key] = tensor
-    for prefix, weights in experts.items():
-        count = 1 + max(e for e, _ in weights)
-        restacked[prefix + "mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([weights[e, "gate_proj"], weights[e, "up_proj"]]) for e in range(count)])
-        restacked[prefix + "mlp.experts.down_proj"] = torch.stack([weights[e, "down_proj"] for e in range(count)])
-    stacked = tmp_path / "stacked"
-    stacked.mkdir()
-    save_file(restacked, stacked / "model.safetensors", metadata={"format": "pt"})
-    (stacked / "config.json").write_text((source / "config.json").read_text())
+    stacked = restack_experts(source, tmp_path / "stacked")
     quantized_tensors = QuantizedTensors(load_checkpoint(stacked).tensors)
     assert isinstance(quantized_tensors["model.layers.0.mlp.experts.down_proj"], Fp8Experts)
     prompt = torch.randint(3, 256, (12,), generator=torch.Generator().manual_seed(3)).tolist()

@@ -17,9 +17,9 @@ from metrale.runtime.config import EngineConfig
 from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.loading import load_checkpoint
 from metrale.runtime.parallel.group import Shard
-from metrale.runtime.parallel.sharding import COLUMNS, HEADS, ROWS, ShardedTensors
+from metrale.runtime.parallel.sharding import COLUMNS, HALVES, HEADS, ROWS, ShardedTensors
 from tensor_parallel_rank import CONFIG, steps
-from tiny_models import write_tiny
+from tiny_models import restack_experts, write_tiny
 
 RANK_SCRIPT = Path(__file__).parents[1] / "tensor_parallel_rank.py"
 # The ranks import this checkout's package, whichever one pip installed.
@@ -45,10 +45,16 @@ def run_ranks(directory: Path, size: int, out: Path, *extra: str) -> tuple[dict,
 
 
 # Heads 4 and KV heads 2 split in two; tied and untied embeddings (the LM head's vocabulary split, the embedding
-# whole), row-split biases (added once), Qwen3's per-head norms, Mistral's window.
-@pytest.mark.parametrize("name", ["llama_tied", "llama_attention_bias", "qwen2", "qwen3", "mistral"])
+# whole), row-split biases (added once), Qwen3's per-head norms, Mistral's window; mixtures of experts, each expert's
+# width split (Mixtral's w1 / w3 / w2; Qwen3-MoE with a dense layer among them, its experts also stacked as
+# transformers 5 holds them; dots.llm1's grouped sigmoid router and shared experts).
+@pytest.mark.parametrize("name", ["llama_tied", "llama_attention_bias", "qwen2", "qwen3", "mistral", "mixtral",
+                                  "qwen3_moe", "qwen3_moe stacked", "dots1"])
 def test_two_ranks_give_the_one_device_tokens_and_logits(name, tmp_path):
-    directory = write_tiny(name, tmp_path / name)
+    family, _, stacked = name.partition(" ")
+    directory = write_tiny(family, tmp_path / family)
+    if stacked:
+        directory = restack_experts(directory, tmp_path / "stacked")
     tensor_parallel, codes = run_ranks(directory, 2, tmp_path / "rank0.pt")
     assert codes == [0, 0]
     engine, _ = build_engine(load_checkpoint(directory), CONFIG)
@@ -99,7 +105,8 @@ class ShardOnly:
 
 
 @pytest.mark.parametrize("name, message", [("llama3_untied", "num_key_value_heads (1)"),
-                                           ("mixtral", "mixtures of experts"), ("mamba2", "Mamba2ForCausalLM")])
+                                           ("deepseek_v2_lite", "DeepseekV2ForCausalLM"),
+                                           ("mamba2", "Mamba2ForCausalLM")])
 def test_what_cannot_be_split_is_refused_at_load(name, message, tmp_path):
     directory = write_tiny(name, tmp_path / name)
     with pytest.raises(InvalidArgument, match="tensor.parallel") as caught:
@@ -123,3 +130,19 @@ def test_a_rank_holds_its_rows_or_columns_and_the_bias_once():
     assert [first.numel(n) for n in tensors] == [12, 12, 4, 4, 2, 1]
     with pytest.raises(InvalidArgument, match=r"a.q_proj.weight's rows \(4\) is not a multiple of --tensor-parallel 3"):
         ShardedTensors(tensors, splits, Shard(0, 3))["a.q_proj.weight"]
+
+
+def test_stacked_experts_split_as_each_expert_would():
+    """transformers 5's stacked experts: gate_up [E, 2 W, H] each half (the gate's rows, the up's) by rows,
+    down [E, H, W] by columns, up alone [E, W, H] by rows: each rank's expert e is expert e's own split."""
+    gate, up, down = torch.randn(3, 4, 6), torch.randn(3, 4, 6), torch.randn(3, 6, 4)
+    tensors = {"m.experts.gate_up_proj": torch.cat([gate, up], dim=1), "m.experts.down_proj": down,
+               "m.experts.up_proj": up}
+    splits = {"experts.gate_up_proj": HALVES, "experts.up_proj": COLUMNS, "experts.down_proj": ROWS}
+    for rank in (0, 1):
+        shard = ShardedTensors(tensors, splits, Shard(rank, 2))
+        rows = slice(2 * rank, 2 * rank + 2)
+        assert torch.equal(shard["m.experts.gate_up_proj"], torch.cat([gate[:, rows], up[:, rows]], dim=1))
+        assert torch.equal(shard["m.experts.down_proj"], down[..., rows])
+        assert torch.equal(shard["m.experts.up_proj"], up[:, rows])
+        assert [shard.shape(name) for name in tensors] == [(3, 4, 6), (3, 6, 2), (3, 2, 6)]

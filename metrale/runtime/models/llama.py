@@ -13,7 +13,7 @@ from metrale.runtime.models.checkpoint import KV_SCALE_NAMES, eos_token_ids, kv_
 from metrale.runtime.models.moe import MoeConfig, load_moe
 from metrale.runtime.models.rope import inverse_frequencies, rope_cos_sin, rope_parameters
 from metrale.runtime.parallel.group import Shard
-from metrale.runtime.parallel.sharding import COLUMNS, HEADS, ROWS
+from metrale.runtime.parallel.sharding import COLUMNS, HALVES, HEADS, ROWS
 
 
 @dataclass(frozen=True)
@@ -71,20 +71,29 @@ QK_NORM_TENSORS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 
 # Tensor parallel (parallel/sharding.py): the heads' projections and the MLP's gate and up split by output rows, the
 # attention output and MLP down by input columns, an FP8 KV cache's scales a KV head by heads (every name
-# checkpoint.py's kv_scales reads).
+# checkpoint.py's kv_scales reads). A mixture's experts and shared experts split as the dense MLP (each expert's own
+# tensors, Mixtral's w1 / w3 / w2 among them, or transformers 5's stacked ones); its router is whole on every rank,
+# so every rank routes each token to the same experts and sums its slice of their widths.
 SPLITS = {"q_proj.weight": COLUMNS, "k_proj.weight": COLUMNS, "v_proj.weight": COLUMNS, "q_proj.bias": COLUMNS,
           "k_proj.bias": COLUMNS, "v_proj.bias": COLUMNS, "gate_proj.weight": COLUMNS, "up_proj.weight": COLUMNS,
           "o_proj.weight": ROWS, "o_proj.bias": ROWS, "down_proj.weight": ROWS,
+          "w1.weight": COLUMNS, "w3.weight": COLUMNS, "w2.weight": ROWS,
+          "experts.gate_up_proj": HALVES, "experts.up_proj": COLUMNS, "experts.down_proj": ROWS,
           **{name: HEADS for names in KV_SCALE_NAMES for name in names}}
 
 
 def tensor_parallel(config: DecoderConfig, shard: Shard) -> tuple[DecoderConfig, dict[str, str]]:
-    """A rank's config (its share of the heads, KV heads and MLP width) and the checkpoint's splits."""
-    if config.moe:
-        raise InvalidArgument("tensor parallel does not run mixtures of experts yet (one device does)")
+    """A rank's config (its share of the heads, KV heads, dense MLP width and experts' widths) and the checkpoint's
+    splits."""
+    moe = config.moe
+    if moe:
+        moe = replace(moe, width=shard.divided(moe.width, "moe_intermediate_size"),
+                      shared_width=shard.divided(moe.shared_width, "the shared experts' width"))
+    dense = not moe or len(moe.layers) < config.num_layers
     local = replace(config, num_heads=shard.divided(config.num_heads, "num_attention_heads"),
                     num_kv_heads=shard.divided(config.num_kv_heads, "num_key_value_heads"),
-                    intermediate_size=shard.divided(config.intermediate_size, "intermediate_size"))
+                    intermediate_size=(shard.divided(config.intermediate_size, "intermediate_size") if dense
+                                       else config.intermediate_size), moe=moe)
     return local, SPLITS
 
 
@@ -138,7 +147,7 @@ class LlamaForCausalLM:
         shared = None
         if "shared" in layer:
             shared = ops.linear(ops.silu_mul(ops.linear(h, layer["shared"]["up_proj"])), layer["shared"]["down_proj"])
-        return ops.moe(h, layer["router"], layer["experts"], shared)
+        return ops.all_reduce(ops.moe(h, layer["router"], layer["experts"], shared))
 
     def _attention(self, h, layer: dict, meta, kv):
         ops, c = self.math, self.config

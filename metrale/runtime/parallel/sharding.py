@@ -3,9 +3,11 @@
 heads' or its MLP slice's outputs in full); the linear after it (attention output, MLP down) by its input columns,
 "rows" (each rank's product is a partial sum that the layer math sums over the ranks, its bias added once: rank 0
 holds it, the others zeros); a value for each KV head (an FP8 KV cache's scales) by heads, as the key and value
-projections' rows go, where it is not one value for all; everything else (norms, the embedding) whole on every
-rank. A family says which tensor is which by name suffix, and divides its config's head and width counts by the
-size."""
+projections' rows go, where it is not one value for all; everything else (norms, the embedding, a mixture's router)
+whole on every rank. A mixture's experts split as its dense MLP does, each expert's width over the ranks: experts
+stacked [experts, rows, columns] (transformers 5) split their last two dimensions as a linear's two, and a stacked
+gate-and-up projection (HALVES: the gate's rows, then the up's) each half by rows. A family says which tensor is
+which by name suffix, and divides its config's head and width counts by the size."""
 
 import math
 from typing import Mapping
@@ -19,11 +21,12 @@ from metrale.runtime.parallel.group import Shard
 COLUMNS = "columns"
 ROWS = "rows"
 HEADS = "heads"
+HALVES = "halves"
 
 
 class ShardedTensors(TensorsAsRead):
-    """name -> this rank's part of the checkpoint tensor: splits maps name suffixes to COLUMNS, ROWS or HEADS (any
-    other tensor is whole)."""
+    """name -> this rank's part of the checkpoint tensor: splits maps name suffixes to COLUMNS, ROWS, HALVES or HEADS
+    (any other tensor is whole)."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], splits: Mapping[str, str], shard: Shard):
         self.splits, self.shard = splits, shard
@@ -41,19 +44,25 @@ class ShardedTensors(TensorsAsRead):
         if type(tensor) is not torch.Tensor:
             raise InvalidArgument(f"tensor parallel splits plain tensors, not {name}'s {type(tensor).__name__} "
                                   f"(quantized checkpoints run on one device)")
-        if kind == COLUMNS:
-            return tensor[self.shard.part(tensor.shape[0], f"{name}'s rows")].contiguous()
-        if tensor.dim() == 1:       # a row-split linear's bias: added once, by rank 0
+        if kind == ROWS and tensor.dim() == 1:      # a row-split linear's bias: added once, by rank 0
             return tensor if self.shard.rank == 0 else torch.zeros_like(tensor)
-        return tensor[:, self.shard.part(tensor.shape[1], f"{name}'s columns")].contiguous()
+        if kind == ROWS:
+            return tensor[..., self.shard.part(tensor.shape[-1], f"{name}'s columns")].contiguous()
+        rows = max(tensor.dim() - 2, 0)         # the output rows' dimension: a linear's, or stacked experts'
+        at = (slice(None),) * rows
+        if kind == HALVES:                     # the gate's rows, then the up's: each half's part
+            return torch.cat([half[at + (self.shard.part(half.shape[rows], f"{name}'s rows"),)]
+                              for half in tensor.chunk(2, dim=rows)], dim=rows)
+        return tensor[at + (self.shard.part(tensor.shape[rows], f"{name}'s rows"),)].contiguous()
 
     def shape(self, name: str) -> tuple[int, ...]:
         shape, kind = super().shape(name), self.split_of(name)
         if kind == HEADS:
             numel = math.prod(shape)
             return shape if numel == 1 else (numel // self.shard.size,)
-        if kind == COLUMNS:
-            return (shape[0] // self.shard.size, *shape[1:])
-        if kind == ROWS and len(shape) == 2:
-            return (shape[0], shape[1] // self.shard.size)
+        if kind in (COLUMNS, HALVES):
+            rows = max(len(shape) - 2, 0)
+            return (*shape[:rows], shape[rows] // self.shard.size, *shape[rows + 1:])
+        if kind == ROWS and len(shape) >= 2:
+            return (*shape[:-1], shape[-1] // self.shard.size)
         return shape
