@@ -23,13 +23,18 @@ CONFIG = EngineConfig(device="cpu", kv_blocks=32, kv_block_size=4)
 
 
 def steps(engine) -> tuple[list[int], list[torch.Tensor]]:
-    """Two sequences: one prompt in one chunk, another in two chunks beside it, then greedy decode steps of both;
-    the tokens chosen and every step's logits rows."""
+    """Two sequences: one prompt in one chunk, another in two chunks beside it (an encoder-decoder's two sources,
+    each whole), then greedy decode steps of both; the tokens chosen and every step's logits rows."""
     logits_out = OutputOptions(return_logits=True)
     first, second = tuple(range(3, 23)), tuple(range(40, 53))
-    outputs = engine.step(Step(prefill=(PrefillSlice(1, first, output=logits_out),
-                                        PrefillSlice(2, second[:6], is_last_chunk=False, output=logits_out)))).outputs
-    outputs += engine.step(Step(prefill=(PrefillSlice(2, second[6:], chunk_start=6),))).outputs
+    if getattr(engine.model.config, "is_encoder_decoder", False):     # sources come whole (the encoder's), two in one step
+        outputs = engine.step(Step(prefill=(PrefillSlice(1, first, output=logits_out),
+                                            PrefillSlice(2, second, output=logits_out)))).outputs
+    else:
+        outputs = engine.step(Step(prefill=(PrefillSlice(1, first, output=logits_out),
+                                            PrefillSlice(2, second[:6], is_last_chunk=False,
+                                                         output=logits_out)))).outputs
+        outputs += engine.step(Step(prefill=(PrefillSlice(2, second[6:], chunk_start=6),))).outputs
     tokens, logits = [o.token for o in outputs], [o.logits for o in outputs]
     last = {1: tokens[0], 2: tokens[1]}
     for _ in range(NUM_DECODES):

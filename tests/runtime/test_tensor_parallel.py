@@ -19,7 +19,7 @@ from metrale.runtime.loading import load_checkpoint
 from metrale.runtime.parallel.group import Shard
 from metrale.runtime.parallel.sharding import COLUMNS, HALVES, HEADS, ROWS, ShardedTensors
 from tensor_parallel_rank import CONFIG, steps
-from tiny_models import restack_experts, write_tiny
+from tiny_models import restack_experts, write_tiny, write_tiny_m2m100
 
 RANK_SCRIPT = Path(__file__).parents[1] / "tensor_parallel_rank.py"
 # The ranks import this checkout's package, whichever one pip installed.
@@ -47,12 +47,14 @@ def run_ranks(directory: Path, size: int, out: Path, *extra: str) -> tuple[dict,
 # Heads 4 and KV heads 2 split in two; tied and untied embeddings (the LM head's vocabulary split, the embedding
 # whole), row-split biases (added once), Qwen3's per-head norms, Mistral's window; mixtures of experts, each expert's
 # width split (Mixtral's w1 / w3 / w2; Qwen3-MoE with a dense layer among them, its experts also stacked as
-# transformers 5 holds them; dots.llm1's grouped sigmoid router and shared experts).
+# transformers 5 holds them; dots.llm1's grouped sigmoid router and shared experts); M2M100's encoder and decoder
+# (self- and cross-attention heads, feed-forward widths, biased projections).
 @pytest.mark.parametrize("name", ["llama_tied", "llama_attention_bias", "qwen2", "qwen3", "mistral", "mixtral",
-                                  "qwen3_moe", "qwen3_moe stacked", "dots1"])
+                                  "qwen3_moe", "qwen3_moe stacked", "dots1", "m2m100"])
 def test_two_ranks_give_the_one_device_tokens_and_logits(name, tmp_path):
     family, _, stacked = name.partition(" ")
-    directory = write_tiny(family, tmp_path / family)
+    directory = (write_tiny_m2m100(tmp_path / family) if family == "m2m100"
+                 else write_tiny(family, tmp_path / family))
     if stacked:
         directory = restack_experts(directory, tmp_path / "stacked")
     tensor_parallel, codes = run_ranks(directory, 2, tmp_path / "rank0.pt")

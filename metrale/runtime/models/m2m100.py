@@ -9,7 +9,7 @@ per source and writes into the source's own blocks of the same paged pool (a seq
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -18,6 +18,8 @@ from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.cache.specs import PagedKv
 from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.models.checkpoint import eos_token_ids, tensor_reader
+from metrale.runtime.parallel.group import Shard
+from metrale.runtime.parallel.sharding import COLUMNS, ROWS
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,7 @@ class M2M100Config:
     num_layers: int              # decoder layers: the ones with paged KV
     num_encoder_heads: int
     num_heads: int
+    head_dim: int                # d_model / heads (a tensor-parallel rank keeps it, with its share of the heads)
     encoder_ffn: int
     intermediate_size: int       # the decoder's feed-forward width
     max_position_embeddings: int
@@ -46,12 +49,13 @@ class M2M100Config:
     has_ssm: bool = False
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
     def num_kv_heads(self) -> int:
         return self.num_heads
+
+    @property
+    def attention_width(self) -> int:
+        """Each of q, k and v's width: hidden_size, or a tensor-parallel rank's share of it."""
+        return self.num_heads * self.head_dim
 
 
 def config_from_hf(hf: dict) -> M2M100Config:
@@ -66,10 +70,24 @@ def config_from_hf(hf: dict) -> M2M100Config:
         architecture=hf["architectures"][0], vocab_size=hf["vocab_size"], hidden_size=hf["d_model"],
         num_encoder_layers=hf["encoder_layers"], num_layers=hf["decoder_layers"],
         num_encoder_heads=hf["encoder_attention_heads"], num_heads=hf["decoder_attention_heads"],
-        encoder_ffn=hf["encoder_ffn_dim"], intermediate_size=hf["decoder_ffn_dim"],
+        head_dim=hf["d_model"] // hf["decoder_attention_heads"], encoder_ffn=hf["encoder_ffn_dim"], intermediate_size=hf["decoder_ffn_dim"],
         max_position_embeddings=hf["max_position_embeddings"], scale_embedding=hf.get("scale_embedding", False),
         pad_token_id=hf["pad_token_id"], decoder_start_token_id=hf["decoder_start_token_id"], eos_token_ids=eos,
         bos_token_id=hf.get("bos_token_id"))
+
+
+# Tensor parallel (parallel/sharding.py), as the Llama family splits: every attention's q, k and v projections (self
+# and cross, encoder and decoder) and fc1 by output rows, their out_proj and fc2 by input columns (biases: rank 0's).
+SPLITS = {**{f"{p}_proj.{t}": COLUMNS for p in "qkv" for t in ("weight", "bias")}, "fc1.weight": COLUMNS,
+          "fc1.bias": COLUMNS, "out_proj.weight": ROWS, "out_proj.bias": ROWS, "fc2.weight": ROWS, "fc2.bias": ROWS}
+
+
+def tensor_parallel(config: M2M100Config, shard: Shard) -> tuple[M2M100Config, dict[str, str]]:
+    """A rank's config (its share of both stacks' heads and feed-forward widths) and the checkpoint's splits."""
+    return replace(config, num_encoder_heads=shard.divided(config.num_encoder_heads, "encoder_attention_heads"),
+                   num_heads=shard.divided(config.num_heads, "decoder_attention_heads"),
+                   encoder_ffn=shard.divided(config.encoder_ffn, "encoder_ffn_dim"),
+                   intermediate_size=shard.divided(config.intermediate_size, "decoder_ffn_dim")), SPLITS
 
 
 def sinusoidal_positions(num_positions: int, dim: int, padding_idx: int) -> torch.Tensor:
@@ -139,24 +157,24 @@ class M2M100ForConditionalGeneration:
         meta = ops.prepare(batch)
         positions = (ops.device_ids(self._positions(batch)) if host_positions
                      else ops.fairseq_position_ids(meta, c.pad_token_id))
-        head_dim = c.hidden_size // c.num_encoder_heads
+        width, head_dim = c.attention_width, c.head_dim
         for i, layer in enumerate(w["encoder"]):
             if i == 0:      # the token and position embeddings, gathered by the norm
                 h, residual = ops.embedding_layer_norm(w["embed"], meta.token_ids, self.positions, positions,
                                                        *layer["self_attn_layer_norm"], c.layer_norm_eps)
             else:
                 h, residual = ops.layer_norm(x, *layer["self_attn_layer_norm"], c.layer_norm_eps, residual)
-            q, k, v = _split(ops.linear(h, *layer["qkv"]), c.hidden_size)
+            q, k, v = _split(ops.linear(h, *layer["qkv"]), width)
             scratch = kv_cache[i % len(kv_cache)]
             ops.write_kv(k, v, meta, scratch)
             o = ops.paged_attention(q, scratch, meta, c.num_encoder_heads, head_dim, head_dim ** -0.5, None,
                                     causal=False)
-            h = ops.linear(o, *layer["out"])
+            h = ops.all_reduce(ops.linear(o, *layer["out"]))
             h, residual = ops.layer_norm(h, *layer["final_layer_norm"], c.layer_norm_eps, residual)
-            x = ops.linear(ops.linear_relu(h, *layer["fc1"]), *layer["fc2"])
+            x = ops.all_reduce(ops.linear(ops.linear_relu(h, *layer["fc1"]), *layer["fc2"]))
         states, _ = ops.layer_norm(x, *w["encoder_norm"], c.layer_norm_eps, residual)
         for layer, kv in zip(w["decoder"], kv_cache):
-            k, v = _split(ops.linear(states, *layer["cross_kv"]), c.hidden_size, parts=2)
+            k, v = _split(ops.linear(states, *layer["cross_kv"]), width, parts=2)
             ops.write_kv(k, v, meta, kv)
 
     def forward(self, batch: ForwardBatch, kv_cache: list) -> torch.Tensor:
@@ -171,20 +189,22 @@ class M2M100ForConditionalGeneration:
         meta, cross = ops.prepare(batch), ops.prepare(batch.cross, cross=True)
         positions = (ops.device_ids(self._positions(batch)) if host_positions
                      else ops.fairseq_position_ids(meta, c.pad_token_id))
-        scale, eps = c.head_dim ** -0.5, c.layer_norm_eps
+        scale, eps, width = c.head_dim ** -0.5, c.layer_norm_eps, c.attention_width
         for i, (layer, kv) in enumerate(zip(w["decoder"], kv_cache)):
             if i == 0:      # the token and position embeddings, gathered by the norm
                 h, residual = ops.embedding_layer_norm(w["embed"], meta.token_ids, self.positions, positions,
                                                        *layer["self_attn_layer_norm"], eps)
             else:
                 h, residual = ops.layer_norm(x, *layer["self_attn_layer_norm"], eps, residual)
-            q, k, v = _split(ops.linear(h, *layer["qkv"]), c.hidden_size)
+            q, k, v = _split(ops.linear(h, *layer["qkv"]), width)
             o = ops.self_attention(q, k, v, self.no_rope, meta, kv, c.num_heads, c.head_dim, scale, None)
-            h, residual = ops.layer_norm(Linear(o, *layer["out"]), *layer["encoder_attn_layer_norm"], eps, residual)
+            h, residual = ops.layer_norm(ops.all_reduce(Linear(o, *layer["out"])), *layer["encoder_attn_layer_norm"],
+                                         eps, residual)
             o = ops.paged_attention(Linear(h, *layer["cross_q"]), kv, cross, c.num_heads, c.head_dim, scale, None,
                                     causal=False)
-            h, residual = ops.layer_norm(Linear(o, *layer["cross_out"]), *layer["final_layer_norm"], eps, residual)
-            x = Linear(ops.linear_relu(h, *layer["fc1"]), *layer["fc2"])
+            h, residual = ops.layer_norm(ops.all_reduce(Linear(o, *layer["cross_out"])), *layer["final_layer_norm"],
+                                         eps, residual)
+            x = ops.all_reduce(Linear(ops.linear_relu(h, *layer["fc1"]), *layer["fc2"]))
         x, residual = ops.sampled_rows(x, residual, meta)
         x, _ = ops.layer_norm(x, *w["decoder_norm"], eps, residual)
         return ops.logits(x, w["lm_head"])
@@ -198,8 +218,8 @@ class M2M100ForConditionalGeneration:
         return batch.positions + 1 + pad     # no padding token among them: each counts on from its position
 
 
-def _split(x, hidden: int, parts: int = 3):
-    return tuple(x[:, i * hidden:(i + 1) * hidden] for i in range(parts))
+def _split(x, width: int, parts: int = 3):
+    return tuple(x[:, i * width:(i + 1) * width] for i in range(parts))
 
 
 def _load_weights(c: M2M100Config, tensors: dict[str, torch.Tensor], ops: LayerMath) -> dict:
