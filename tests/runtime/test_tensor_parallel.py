@@ -17,7 +17,7 @@ from metrale.runtime.config import EngineConfig
 from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.loading import load_checkpoint
 from metrale.runtime.parallel.group import Shard
-from metrale.runtime.parallel.sharding import COLUMNS, HALVES, HEADS, ROWS, ShardedTensors
+from metrale.runtime.parallel.sharding import COLUMNS, HEADS, ROWS, Segments, ShardedTensors
 from tensor_parallel_rank import CONFIG, steps
 from tiny_models import restack_experts, write_tiny, write_tiny_m2m100
 
@@ -48,9 +48,12 @@ def run_ranks(directory: Path, size: int, out: Path, *extra: str) -> tuple[dict,
 # whole), row-split biases (added once), Qwen3's per-head norms, Mistral's window; mixtures of experts, each expert's
 # width split (Mixtral's w1 / w3 / w2; Qwen3-MoE with a dense layer among them, its experts also stacked as
 # transformers 5 holds them; dots.llm1's grouped sigmoid router and shared experts); M2M100's encoder and decoder
-# (self- and cross-attention heads, feed-forward widths, biased projections).
+# (self- and cross-attention heads, feed-forward widths, biased projections); Mamba2 mixers (in_proj's and the conv's
+# segments by heads and groups, the scan's and the gated norm's per-head tensors, the states a rank's heads'), alone
+# and among Nemotron-H's attention, ReLU² MLP and ReLU² experts.
 @pytest.mark.parametrize("name", ["llama_tied", "llama_attention_bias", "qwen2", "qwen3", "mistral", "mixtral",
-                                  "qwen3_moe", "qwen3_moe stacked", "dots1", "m2m100"])
+                                  "qwen3_moe", "qwen3_moe stacked", "dots1", "m2m100", "mamba2", "nemotron_h",
+                                  "nemotron_h_moe"])
 def test_two_ranks_give_the_one_device_tokens_and_logits(name, tmp_path):
     family, _, stacked = name.partition(" ")
     directory = (write_tiny_m2m100(tmp_path / family) if family == "m2m100"
@@ -108,7 +111,7 @@ class ShardOnly:
 
 @pytest.mark.parametrize("name, message", [("llama3_untied", "num_key_value_heads (1)"),
                                            ("deepseek_v2_lite", "DeepseekV2ForCausalLM"),
-                                           ("mamba2", "Mamba2ForCausalLM")])
+                                           ("falcon_h1", "FalconH1ForCausalLM")])
 def test_what_cannot_be_split_is_refused_at_load(name, message, tmp_path):
     directory = write_tiny(name, tmp_path / name)
     with pytest.raises(InvalidArgument, match="tensor.parallel") as caught:
@@ -140,7 +143,8 @@ def test_stacked_experts_split_as_each_expert_would():
     gate, up, down = torch.randn(3, 4, 6), torch.randn(3, 4, 6), torch.randn(3, 6, 4)
     tensors = {"m.experts.gate_up_proj": torch.cat([gate, up], dim=1), "m.experts.down_proj": down,
                "m.experts.up_proj": up}
-    splits = {"experts.gate_up_proj": HALVES, "experts.up_proj": COLUMNS, "experts.down_proj": ROWS}
+    splits = {"experts.gate_up_proj": Segments((4, 4), dim=1), "experts.up_proj": COLUMNS,
+              "experts.down_proj": ROWS}
     for rank in (0, 1):
         shard = ShardedTensors(tensors, splits, Shard(rank, 2))
         rows = slice(2 * rank, 2 * rank + 2)

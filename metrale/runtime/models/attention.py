@@ -11,4 +11,4 @@ def packed_attention(ops: LayerMath, h, layer: dict, meta, kv, rope: RopeTable, 
     qkv = ops.linear(h, layer["qkv_proj"], layer.get("qkv_bias"))
     q, k, v = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size], qkv[:, q_size + kv_size:]
     o = ops.self_attention(q, k, v, rope, meta, kv, num_kv_heads, head_dim, scale, None)
-    return ops.linear(o, layer["o_proj"], layer.get("o_bias"))
+    return ops.all_reduce(ops.linear(o, layer["o_proj"], layer.get("o_bias")))      # a rank's heads' partial sum

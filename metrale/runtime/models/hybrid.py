@@ -2,7 +2,7 @@
 positions, a ReLU² MLP or a mixture of ReLU² experts: Nemotron-H, and Mamba2 (every block a Mamba2 mixer). The
 layer kinds are data (config.layer_kinds), each with its own cache spec: a recurrent state, paged K/V, nothing."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -15,6 +15,8 @@ from metrale.runtime.models.attention import packed_attention
 from metrale.runtime.models.checkpoint import eos_token_ids, tensor_reader
 from metrale.runtime.models.mamba2_mixer import MixerShape
 from metrale.runtime.models.moe import MoeConfig, load_moe
+from metrale.runtime.parallel.group import Shard
+from metrale.runtime.parallel.sharding import COLUMNS, ROWS
 
 LAYER_KINDS = ("mamba", "attention", "mlp", "moe")
 
@@ -65,6 +67,33 @@ class HybridConfig:
                    bos_token_id=hf.get("bos_token_id"), pad_token_id=hf.get("pad_token_id"), **family)
 
 
+# Tensor parallel (parallel/sharding.py), beside the Mamba2 mixers' (mamba2_mixer.tensor_parallel): attention heads
+# and the ReLU² MLPs' (a block's, each expert's and the shared experts') widths by output rows, the linears after them
+# by input columns.
+SPLITS = {**{f"mixer.{p}_proj.weight": COLUMNS for p in "qkv"}, "mixer.o_proj.weight": ROWS,
+          "up_proj.weight": COLUMNS, "up_proj.bias": COLUMNS, "down_proj.weight": ROWS, "down_proj.bias": ROWS,
+          "experts.up_proj": COLUMNS, "experts.down_proj": ROWS}
+
+
+def tensor_parallel(config: HybridConfig, shard: Shard) -> tuple[HybridConfig, dict]:
+    """A rank's config (its share of the mixers' heads and groups, the attention heads, the MLP and experts' widths,
+    where the model has such layers) and the checkpoint's splits."""
+    kinds, divided = set(config.layer_kinds), shard.divided
+    mixer, splits = config.mixer, dict(SPLITS)
+    if "mamba" in kinds:
+        mixer, mixer_splits = mamba2_mixer.tensor_parallel(mixer, shard)
+        splits.update(mixer_splits)
+    moe = config.moe and replace(config.moe, width=divided(config.moe.width, "moe_intermediate_size"),
+                                 shared_width=divided(config.moe.shared_width, "the shared experts' width"))
+    attention = "attention" in kinds
+    return replace(config, mixer=mixer, moe=moe,
+                   num_heads=divided(config.num_heads, "num_attention_heads") if attention else config.num_heads,
+                   num_kv_heads=(divided(config.num_kv_heads, "num_key_value_heads") if attention
+                                 else config.num_kv_heads),
+                   intermediate_size=(divided(config.intermediate_size, "intermediate_size") if "mlp" in kinds
+                                      else config.intermediate_size)), splits
+
+
 class HybridForCausalLM:
     def __init__(self, config: HybridConfig, tensors: dict[str, torch.Tensor], math: LayerMath, max_model_len: int):
         self.config = config
@@ -100,10 +129,10 @@ class HybridForCausalLM:
                 x = packed_attention(ops, h, layer, meta, layer_cache, self.rope, c.num_heads, c.num_kv_heads,
                                      c.head_dim, self.scale)
             elif kind == "mlp":
-                x = self._mlp(h, layer)
+                x = ops.all_reduce(self._mlp(h, layer))
             else:
                 shared = self._mlp(h, layer["shared"]) if "shared" in layer else None
-                x = ops.moe(h, layer["router"], layer["experts"], shared)
+                x = ops.all_reduce(ops.moe(h, layer["router"], layer["experts"], shared))
         x, residual = ops.sampled_rows(x, residual, meta)
         x, _ = ops.rms_norm(x, w["norm"], c.norm_eps, residual)
         return ops.logits(x, w["lm_head"])
@@ -131,7 +160,7 @@ def _load_weights(c: HybridConfig, tensors: dict[str, torch.Tensor], ops: LayerM
     take = tensor_reader(tensors, c.architecture)
 
     if c.tie_word_embeddings:
-        embed = lm_head = ops.upload_lm_head(take(prefix + "embeddings.weight"))
+        embed, lm_head = ops.upload_tied(take(prefix + "embeddings.weight"))
     else:
         embed, lm_head = ops.upload(take(prefix + "embeddings.weight")), ops.upload_lm_head(take("lm_head.weight"))
     layers = []

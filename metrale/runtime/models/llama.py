@@ -13,7 +13,7 @@ from metrale.runtime.models.checkpoint import KV_SCALE_NAMES, eos_token_ids, kv_
 from metrale.runtime.models.moe import MoeConfig, load_moe
 from metrale.runtime.models.rope import inverse_frequencies, rope_cos_sin, rope_parameters
 from metrale.runtime.parallel.group import Shard
-from metrale.runtime.parallel.sharding import COLUMNS, HALVES, HEADS, ROWS
+from metrale.runtime.parallel.sharding import COLUMNS, HEADS, ROWS, Segments
 
 
 @dataclass(frozen=True)
@@ -78,15 +78,16 @@ SPLITS = {"q_proj.weight": COLUMNS, "k_proj.weight": COLUMNS, "v_proj.weight": C
           "k_proj.bias": COLUMNS, "v_proj.bias": COLUMNS, "gate_proj.weight": COLUMNS, "up_proj.weight": COLUMNS,
           "o_proj.weight": ROWS, "o_proj.bias": ROWS, "down_proj.weight": ROWS,
           "w1.weight": COLUMNS, "w3.weight": COLUMNS, "w2.weight": ROWS,
-          "experts.gate_up_proj": HALVES, "experts.up_proj": COLUMNS, "experts.down_proj": ROWS,
+          "experts.up_proj": COLUMNS, "experts.down_proj": ROWS,
           **{name: HEADS for names in KV_SCALE_NAMES for name in names}}
 
 
 def tensor_parallel(config: DecoderConfig, shard: Shard) -> tuple[DecoderConfig, dict[str, str]]:
     """A rank's config (its share of the heads, KV heads, dense MLP width and experts' widths) and the checkpoint's
-    splits."""
-    moe = config.moe
+    splits (a mixture's stacked gate-and-up experts [E, 2 W, H]: the gate's W rows, then the up's)."""
+    moe, splits = config.moe, SPLITS
     if moe:
+        splits = {**SPLITS, "experts.gate_up_proj": Segments((moe.width, moe.width), dim=1)}
         moe = replace(moe, width=shard.divided(moe.width, "moe_intermediate_size"),
                       shared_width=shard.divided(moe.shared_width, "the shared experts' width"))
     dense = not moe or len(moe.layers) < config.num_layers
@@ -94,7 +95,7 @@ def tensor_parallel(config: DecoderConfig, shard: Shard) -> tuple[DecoderConfig,
                     num_kv_heads=shard.divided(config.num_kv_heads, "num_key_value_heads"),
                     intermediate_size=(shard.divided(config.intermediate_size, "intermediate_size") if dense
                                        else config.intermediate_size), moe=moe)
-    return local, SPLITS
+    return local, splits
 
 
 def config_from_hf(hf: dict) -> DecoderConfig:

@@ -3,13 +3,15 @@ in_proj to the gate z, the conv's channels (x, B, C) and dt; the causal conv; th
 state; the gated RMSNorm; out_proj."""
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from metrale.runtime.backend.layer_math import LayerMath, SsmScan
 from metrale.runtime.cache.specs import RecurrentState
 from metrale.runtime.errors import InvalidArgument
+from metrale.runtime.parallel.group import Shard
+from metrale.runtime.parallel.sharding import COLUMNS, ROWS, Segments
 
 # The longest sequence of a model whose config sets no position limit (a pure SSM has none): the default
 # max_model_len there; --max-model-len may set more.
@@ -68,6 +70,21 @@ class MixerShape:
                                (self.num_heads, self.head_dim, self.state_size)))
 
 
+def tensor_parallel(shape: MixerShape, shard: Shard) -> tuple[MixerShape, dict]:
+    """A rank's mixer (its share of the heads and of the groups of B and C, whose heads it holds) and its tensors'
+    splits: in_proj's gate, x, B, C and dt rows and the conv's x, B and C channels each by heads or groups, the
+    scan's per-head A, D and dt bias and the gated norm's weight (a group's norm is its rank's) likewise, out_proj
+    by input columns."""
+    local = replace(shape, num_heads=shard.divided(shape.num_heads, "mamba num_heads"),
+                    n_groups=shard.divided(shape.n_groups, "mamba n_groups"))
+    inner, groups = shape.inner_size, shape.n_groups * shape.state_size
+    projected, channels = Segments((inner, inner, groups, groups, shape.num_heads)), Segments((inner, groups, groups))
+    return local, {"mixer.in_proj.weight": projected, "mixer.in_proj.bias": projected,
+                   "mixer.conv1d.weight": channels, "mixer.conv1d.bias": channels, "mixer.A_log": COLUMNS,
+                   "mixer.D": COLUMNS, "mixer.dt_bias": COLUMNS, "mixer.norm.weight": COLUMNS,
+                   "mixer.out_proj.weight": ROWS, "mixer.out_proj.bias": ROWS}
+
+
 def hf_float(value) -> float:
     """A float of a config.json as transformers writes it ({"__float__": "Infinity"} for inf)."""
     return float(value["__float__"]) if isinstance(value, dict) else float(value)
@@ -101,7 +118,8 @@ def load_mixer(take, prefix: str, shape: MixerShape, ops: LayerMath, in_scale: t
 
 
 def mixer(ops: LayerMath, h, w: dict, shape: MixerShape, meta, state) -> object:
-    """h [T, hidden] -> [T, hidden]; state: the layer's (conv state, scan state) slot tensors."""
+    """h [T, hidden] -> [T, hidden]; state: the layer's (conv state, scan state) slot tensors. Under tensor parallel
+    (tensor_parallel) shape is a rank's share of the heads and groups, and out_proj's partial sums are summed."""
     conv_state, ssm_state = state
     inner, conv_size = shape.inner_size, shape.conv_size
     projected = ops.linear(h, w["in_proj"], w.get("in_proj_bias"))        # [T, inner + conv_size + heads]
@@ -114,4 +132,4 @@ def mixer(ops: LayerMath, h, w: dict, shape: MixerShape, meta, state) -> object:
     else:
         y = ops.gated_rms_norm(y, gate, w["gated_norm"], shape.norm_eps, inner // shape.n_groups,
                                norm_before_gate=shape.norm == "before_gate")
-    return ops.linear(y, w["out_proj"], w.get("out_proj_bias"))
+    return ops.all_reduce(ops.linear(y, w["out_proj"], w.get("out_proj_bias")))     # a rank's heads' partial sum

@@ -5,11 +5,13 @@ heads' or its MLP slice's outputs in full); the linear after it (attention outpu
 holds it, the others zeros); a value for each KV head (an FP8 KV cache's scales) by heads, as the key and value
 projections' rows go, where it is not one value for all; everything else (norms, the embedding, a mixture's router)
 whole on every rank. A mixture's experts split as its dense MLP does, each expert's width over the ranks: experts
-stacked [experts, rows, columns] (transformers 5) split their last two dimensions as a linear's two, and a stacked
-gate-and-up projection (HALVES: the gate's rows, then the up's) each half by rows. A family says which tensor is
-which by name suffix, and divides its config's head and width counts by the size."""
+stacked [experts, rows, columns] (transformers 5) split their last two dimensions as a linear's two. A tensor whose
+rows are several linears' or parts' one after another (a stacked gate-and-up projection; a Mamba2 mixer's in_proj:
+its gate, x, B, C and dt; its conv's x, B and C channels) splits each segment (Segments). A family says which tensor
+is which by name suffix, and divides its config's head and width counts by the size."""
 
 import math
+from dataclasses import dataclass
 from typing import Mapping
 
 import torch
@@ -21,18 +23,25 @@ from metrale.runtime.parallel.group import Shard
 COLUMNS = "columns"
 ROWS = "rows"
 HEADS = "heads"
-HALVES = "halves"
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Rows along `dim` that are segments of the given sizes one after another, each split over the ranks: a rank
+    holds its part of every segment, in their order."""
+    sizes: tuple[int, ...]
+    dim: int = 0
 
 
 class ShardedTensors(TensorsAsRead):
-    """name -> this rank's part of the checkpoint tensor: splits maps name suffixes to COLUMNS, ROWS, HALVES or HEADS
-    (any other tensor is whole)."""
+    """name -> this rank's part of the checkpoint tensor: splits maps name suffixes to COLUMNS, ROWS, HEADS or a
+    Segments (any other tensor is whole)."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], splits: Mapping[str, str], shard: Shard):
+    def __init__(self, tensors: Mapping[str, torch.Tensor], splits: Mapping[str, "str | Segments"], shard: Shard):
         self.splits, self.shard = splits, shard
         super().__init__(tensors)
 
-    def split_of(self, name: str) -> str | None:
+    def split_of(self, name: str) -> "str | Segments | None":
         return next((kind for suffix, kind in self.splits.items() if name.endswith(suffix)), None)
 
     def read(self, name: str, tensor: torch.Tensor):
@@ -48,20 +57,24 @@ class ShardedTensors(TensorsAsRead):
             return tensor if self.shard.rank == 0 else torch.zeros_like(tensor)
         if kind == ROWS:
             return tensor[..., self.shard.part(tensor.shape[-1], f"{name}'s columns")].contiguous()
+        if isinstance(kind, Segments):
+            if sum(kind.sizes) != tensor.shape[kind.dim]:
+                raise InvalidArgument(f"{name} has {tensor.shape[kind.dim]} rows along dimension {kind.dim}, not its "
+                                      f"config's {' + '.join(map(str, kind.sizes))}")
+            at = (slice(None),) * kind.dim
+            return torch.cat([segment[at + (self.shard.part(size, f"{name}'s segment of {size}"),)]
+                              for segment, size in zip(tensor.split(kind.sizes, dim=kind.dim), kind.sizes)],
+                             dim=kind.dim)
         rows = max(tensor.dim() - 2, 0)         # the output rows' dimension: a linear's, or stacked experts'
-        at = (slice(None),) * rows
-        if kind == HALVES:                     # the gate's rows, then the up's: each half's part
-            return torch.cat([half[at + (self.shard.part(half.shape[rows], f"{name}'s rows"),)]
-                              for half in tensor.chunk(2, dim=rows)], dim=rows)
-        return tensor[at + (self.shard.part(tensor.shape[rows], f"{name}'s rows"),)].contiguous()
+        return tensor[(slice(None),) * rows + (self.shard.part(tensor.shape[rows], f"{name}'s rows"),)].contiguous()
 
     def shape(self, name: str) -> tuple[int, ...]:
         shape, kind = super().shape(name), self.split_of(name)
         if kind == HEADS:
             numel = math.prod(shape)
             return shape if numel == 1 else (numel // self.shard.size,)
-        if kind in (COLUMNS, HALVES):
-            rows = max(len(shape) - 2, 0)
+        if kind == COLUMNS or isinstance(kind, Segments):
+            rows = kind.dim if isinstance(kind, Segments) else max(len(shape) - 2, 0)
             return (*shape[:rows], shape[rows] // self.shard.size, *shape[rows + 1:])
         if kind == ROWS and len(shape) >= 2:
             return (*shape[:-1], shape[-1] // self.shard.size)
