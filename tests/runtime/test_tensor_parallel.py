@@ -18,6 +18,7 @@ from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.loading import load_checkpoint
 from metrale.runtime.parallel.group import Shard
 from metrale.runtime.parallel.sharding import COLUMNS, HEADS, ROWS, Segments, ShardedTensors
+from fp8_checkpoints import write_fp8
 from tensor_parallel_rank import CONFIG, steps
 from tiny_models import restack_experts, write_tiny, write_tiny_m2m100
 
@@ -44,20 +45,34 @@ def run_ranks(directory: Path, size: int, out: Path, *extra: str) -> tuple[dict,
     return torch.load(out), [rank.returncode for rank in ranks]
 
 
-# Heads 4 and KV heads 2 split in two; tied and untied embeddings (the LM head's vocabulary split, the embedding
-# whole), row-split biases (added once), Qwen3's per-head norms, Mistral's window; mixtures of experts, each expert's
-# width split (Mixtral's w1 / w3 / w2; Qwen3-MoE with a dense layer among them, its experts also stacked as
-# transformers 5 holds them; dots.llm1's grouped sigmoid router and shared experts); M2M100's encoder and decoder
-# (self- and cross-attention heads, feed-forward widths, biased projections); Mamba2 mixers (in_proj's and the conv's
-# segments by heads and groups, the scan's and the gated norm's per-head tensors, the states a rank's heads'), alone
-# and among Nemotron-H's attention, ReLU² MLP and ReLU² experts.
-@pytest.mark.parametrize("name", ["llama_tied", "llama_attention_bias", "qwen2", "qwen3", "mistral", "mixtral",
-                                  "qwen3_moe", "qwen3_moe stacked", "dots1", "m2m100", "mamba2", "nemotron_h",
-                                  "nemotron_h_moe"])
+# What each family's plan splits, two ranks against one device:
+# - Llama's: heads 4 and KV heads 2 split in two, or one KV head that both ranks hold; tied and untied embeddings
+#   (the LM head's vocabulary split, the embedding whole); row-split biases (added once); Qwen3's per-head norms;
+#   Mistral's window.
+# - mixtures: each expert's width (Mixtral's w1 / w3 / w2; Qwen3-MoE with a dense layer among them, its experts also
+#   stacked as transformers 5 holds them; dots.llm1's grouped sigmoid router and shared experts).
+# - M2M100's encoder and decoder: self- and cross-attention heads, feed-forward widths, biased projections.
+# - Mamba2 mixers: in_proj's and the conv's segments by heads and groups, the scan's and the gated norm's per-head
+#   tensors, the states a rank's heads'; alone, among Nemotron-H's attention, ReLU² MLP and ReLU² experts, and beside
+#   Falcon-H1's attention (its µP multipliers folded into each rank's part; as released, one group of B and C, which
+#   every rank then holds), and among Granite 4.0-H's attention, shared MLP and stacked experts (at two groups: as
+#   released, its one group's gated norm would span the ranks).
+# - latent attention by query heads, the latent whole on every rank: DeepSeek-V2-Lite's direct query, V2's and V3's
+#   low-rank one with their routers, MiniCPM3's dense layers and scalings, V3.2's sparse attention (the indexer whole,
+#   so every rank chooses the same tokens), Hy4's gates, sinks and hyper-connections (whole).
+WIDTHS = {"granite_hybrid": dict(mamba_n_groups=2), "granite_hybrid_moe": dict(mamba_n_groups=2)}
+
+
+@pytest.mark.parametrize("name", [
+    "llama_tied", "llama3_untied", "llama_attention_bias", "qwen2", "qwen3", "mistral",
+    "mixtral", "qwen3_moe", "qwen3_moe stacked", "dots1",
+    "m2m100",
+    "mamba2", "nemotron_h", "nemotron_h_moe", "falcon_h1", "falcon_h1_tied", "granite_hybrid", "granite_hybrid_moe",
+    "deepseek_v2_lite", "deepseek_v2", "deepseek_v3", "minicpm3", "deepseek_v32", "hy_v4"])
 def test_two_ranks_give_the_one_device_tokens_and_logits(name, tmp_path):
     family, _, stacked = name.partition(" ")
     directory = (write_tiny_m2m100(tmp_path / family) if family == "m2m100"
-                 else write_tiny(family, tmp_path / family))
+                 else write_tiny(family, tmp_path / family, **WIDTHS.get(family, {})))
     if stacked:
         directory = restack_experts(directory, tmp_path / "stacked")
     tensor_parallel, codes = run_ranks(directory, 2, tmp_path / "rank0.pt")
@@ -109,14 +124,26 @@ class ShardOnly:
         self.shard = Shard(rank, size)
 
 
-@pytest.mark.parametrize("name, message", [("llama3_untied", "num_key_value_heads (1)"),
-                                           ("deepseek_v2_lite", "DeepseekV2ForCausalLM"),
-                                           ("falcon_h1", "FalconH1ForCausalLM")])
-def test_what_cannot_be_split_is_refused_at_load(name, message, tmp_path):
-    directory = write_tiny(name, tmp_path / name)
+# KV heads that neither the ranks divide nor divide them; a Mamba2 mixer's groups fewer than the ranks under its gated
+# norm (a group's statistics would span ranks: Granite 4.0-H as released).
+@pytest.mark.parametrize("name, widths, size, message", [
+    ("llama3_untied", dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3), 2, "num_key_value_heads (3)"),
+    ("falcon_h1", {}, 4, "mamba n_groups (2) is not a multiple of --tensor-parallel 4 (fewer groups than ranks split "
+                         "only without the mixer's gated norm)"),
+    ("granite_hybrid", {}, 2, "mamba n_groups (1) is not a multiple of --tensor-parallel 2 (fewer groups")])
+def test_what_cannot_be_split_is_refused_at_load(name, widths, size, message, tmp_path):
+    directory = write_tiny(name, tmp_path / name, **widths)
     with pytest.raises(InvalidArgument, match="tensor.parallel") as caught:
-        build_engine(load_checkpoint(directory), EngineConfig(device="cpu", kv_blocks=8), group=ShardOnly(0, 2))
+        build_engine(load_checkpoint(directory), EngineConfig(device="cpu", kv_blocks=8), group=ShardOnly(0, size))
     assert message in str(caught.value)
+
+
+def test_a_checkpoint_s_fp8_weights_are_refused(tmp_path):
+    """A published FP8 checkpoint's weights and their block scales would split apart: refused at load (--quantize
+    fp8 quantizes each rank's part of a bf16 checkpoint instead)."""
+    directory = write_fp8("llama_tied", tmp_path, block=(128, 128))
+    with pytest.raises(InvalidArgument, match="tensor parallel splits plain tensors, not model.layers.0.self_attn."):
+        build_engine(load_checkpoint(directory), EngineConfig(device="cpu", kv_blocks=8), group=ShardOnly(0, 2))
 
 
 def test_a_rank_holds_its_rows_or_columns_and_the_bias_once():

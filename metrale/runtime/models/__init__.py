@@ -29,13 +29,15 @@ ARCHITECTURES: dict[str, Family] = {
                                              m2m100.tensor_parallel),
     "Mamba2ForCausalLM": Family(mamba2.config_from_hf, hybrid.HybridForCausalLM, hybrid.tensor_parallel),
     "NemotronHForCausalLM": Family(nemotron_h.config_from_hf, hybrid.HybridForCausalLM, hybrid.tensor_parallel),
-    "FalconH1ForCausalLM": Family(falcon_h1.config_from_hf, falcon_h1.FalconH1ForCausalLM),
-    "GraniteMoeHybridForCausalLM": Family(granite_hybrid.config_from_hf, granite_hybrid.GraniteHybridForCausalLM),
-    "DeepseekV2ForCausalLM": Family(deepseek.config_from_hf, deepseek.DeepseekForCausalLM),
-    "DeepseekV3ForCausalLM": Family(deepseek.config_from_hf, deepseek.DeepseekForCausalLM),
-    "DeepseekV32ForCausalLM": Family(deepseek.config_from_hf, deepseek.DeepseekForCausalLM),
-    "MiniCPM3ForCausalLM": Family(deepseek.config_from_hf, deepseek.DeepseekForCausalLM),
-    "HYV4ForCausalLM": Family(hy_v4.config_from_hf, hy_v4.HyV4ForCausalLM),
+    "FalconH1ForCausalLM": Family(falcon_h1.config_from_hf, falcon_h1.FalconH1ForCausalLM,
+                                  falcon_h1.tensor_parallel),
+    "GraniteMoeHybridForCausalLM": Family(granite_hybrid.config_from_hf, granite_hybrid.GraniteHybridForCausalLM,
+                                          granite_hybrid.tensor_parallel),
+    "DeepseekV2ForCausalLM": Family(deepseek.config_from_hf, deepseek.DeepseekForCausalLM, deepseek.tensor_parallel),
+    "DeepseekV3ForCausalLM": Family(deepseek.config_from_hf, deepseek.DeepseekForCausalLM, deepseek.tensor_parallel),
+    "DeepseekV32ForCausalLM": Family(deepseek.config_from_hf, deepseek.DeepseekForCausalLM, deepseek.tensor_parallel),
+    "MiniCPM3ForCausalLM": Family(deepseek.config_from_hf, deepseek.DeepseekForCausalLM, deepseek.tensor_parallel),
+    "HYV4ForCausalLM": Family(hy_v4.config_from_hf, hy_v4.HyV4ForCausalLM, hy_v4.tensor_parallel),
 }
 
 

@@ -10,7 +10,7 @@ embedding, residual-branch and logit scalings are folded into the weights. The m
 checkpoint may hold (past num_hidden_layers) are not read."""
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -26,6 +26,8 @@ from metrale.runtime.models.moe import MoeConfig, load_moe
 from metrale.runtime.models.sparse_index import IndexerConfig
 from metrale.runtime.models.rope import attention_factor, inverse_frequencies, rope_cos_sin, rope_parameters, \
     rotate_half_order, yarn_mscale
+from metrale.runtime.parallel.group import Shard
+from metrale.runtime.parallel.sharding import COLUMNS, ROWS, Segments
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,31 @@ def moe_layers(hf: dict) -> tuple[int, ...]:
     return tuple(range(hf.get("first_k_dense_replace") or 0, hf["num_hidden_layers"]))
 
 
+# Tensor parallel (parallel/sharding.py), by query heads as serving engines split latent attention: each rank up-
+# projects its heads' queries, keys and values from the latent (q_proj or q_b_proj, kv_b_proj by output rows), gates
+# them and adds their sinks (Hy4), and multiplies its heads' outputs by its columns of o_proj; the low-rank query
+# (q_a_proj) and the latent (kv_a_proj_with_mqa) stay whole, so every rank caches the whole latent, and the sparse
+# attention's indexer stays whole, so every rank chooses the same tokens. The MLPs and experts split as the Llama
+# family's.
+SPLITS = {"q_proj.weight": COLUMNS, "q_b_proj.weight": COLUMNS, "kv_b_proj.weight": COLUMNS, "o_proj.weight": ROWS,
+          "o_proj.bias": ROWS, "self_attn.sinks": COLUMNS, "gate_proj.weight": COLUMNS, "up_proj.weight": COLUMNS,
+          "down_proj.weight": ROWS, "experts.up_proj": COLUMNS, "experts.down_proj": ROWS}
+
+
+def tensor_parallel(config: MlaConfig, shard: Shard) -> tuple[MlaConfig, dict]:
+    """A rank's config (its share of the heads, the dense MLP's width where a layer has one, the experts' widths)
+    and the checkpoint's splits."""
+    moe, splits = config.moe, SPLITS
+    if moe:
+        splits = {**SPLITS, "experts.gate_up_proj": Segments((moe.width, moe.width), dim=1)}
+        moe = replace(moe, width=shard.divided(moe.width, "moe_intermediate_size"),
+                      shared_width=shard.divided(moe.shared_width, "the shared experts' width"))
+    dense = not moe or len(moe.layers) < config.num_layers
+    return replace(config, num_heads=shard.divided(config.num_heads, "num_attention_heads"), moe=moe,
+                   intermediate_size=(shard.divided(config.intermediate_size, "intermediate_size") if dense
+                                      else config.intermediate_size)), splits
+
+
 class DeepseekForCausalLM:
     def __init__(self, config: MlaConfig, tensors: dict[str, torch.Tensor], math: LayerMath, max_model_len: int):
         self.config = config
@@ -228,17 +255,17 @@ class DeepseekForCausalLM:
                                  self.scale, selection, layer.get("sinks"))
         if c.gated_attention:
             o = ops.mul_sigmoid(o, inputs["gate"])
-        return ops.linear(o, layer["o_proj"], layer.get("o_bias")), selection
+        return ops.all_reduce(ops.linear(o, layer["o_proj"], layer.get("o_bias"))), selection
 
     def _mlp(self, h, layer: dict):
         """The dense MLP, or the mixture of experts with its shared experts' MLP."""
         ops = self.math
         if "router" not in layer:
-            return ops.linear(ops.silu_mul(ops.linear(h, layer["gate_up_proj"])), layer["down_proj"])
+            return ops.all_reduce(ops.linear(ops.silu_mul(ops.linear(h, layer["gate_up_proj"])), layer["down_proj"]))
         shared = None
         if "shared" in layer:
             shared = ops.linear(ops.silu_mul(ops.linear(h, layer["shared"]["up_proj"])), layer["shared"]["down_proj"])
-        return ops.moe(h, layer["router"], layer["experts"], shared)
+        return ops.all_reduce(ops.moe(h, layer["router"], layer["experts"], shared))
 
 
 def fused_input_rows(c: MlaConfig) -> list[int]:
@@ -322,7 +349,7 @@ def _load_weights(c: MlaConfig, tensors: dict[str, torch.Tensor], ops: LayerMath
     # with the divisor in the final norm's weight.
     table = take("model.embed_tokens.weight")
     if c.tie_word_embeddings and c.embedding_scale == 1.0:
-        embed = lm_head = ops.upload_lm_head(table)
+        embed, lm_head = ops.upload_tied(table)
     else:
         embed = ops.upload(table * c.embedding_scale)
         lm_head = ops.upload_lm_head(table if c.tie_word_embeddings else take("lm_head.weight"))

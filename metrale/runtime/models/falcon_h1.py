@@ -2,7 +2,7 @@
 their outputs are summed, then a SwiGLU MLP; µP multipliers throughout, folded into the weights at load (each
 multiplies a linear's input or output, or the embedding or LM head)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -15,6 +15,8 @@ from metrale.runtime.models.attention import packed_attention
 from metrale.runtime.models.checkpoint import eos_token_ids, scaled_tied_head_bytes, tensor_reader
 from metrale.runtime.models.mamba2_mixer import MixerShape, hf_float
 from metrale.runtime.models.rope import inverse_frequencies, rope_cos_sin, rope_parameters
+from metrale.runtime.parallel.group import Shard
+from metrale.runtime.parallel.sharding import COLUMNS, ROWS, kv_heads
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,22 @@ def config_from_hf(hf: dict) -> FalconH1Config:
         pad_token_id=hf.get("pad_token_id"))
 
 
+# Tensor parallel (parallel/sharding.py): the attention's heads and the MLP's width by the Llama family's rule (q, k,
+# v, gate and up by output rows with their biases; o and down by input columns), the mixer by its heads and groups
+# (mamba2_mixer.tensor_parallel); the µP multipliers fold into each rank's part as into the whole.
+SPLITS = {**{f"{p}_proj.{t}": COLUMNS for p in ("q", "k", "v", "gate", "up") for t in ("weight", "bias")},
+          **{f"{p}_proj.{t}": ROWS for p in ("o", "down") for t in ("weight", "bias")}}
+
+
+def tensor_parallel(config: FalconH1Config, shard: Shard) -> tuple[FalconH1Config, dict]:
+    mixer, mixer_splits = mamba2_mixer.tensor_parallel(config.mixer, shard, module="mamba.")
+    local_kv_heads, kv = kv_heads(config.num_kv_heads, config.head_dim, shard)
+    return replace(config, mixer=mixer, num_heads=shard.divided(config.num_heads, "num_attention_heads"),
+                   num_kv_heads=local_kv_heads,
+                   intermediate_size=shard.divided(config.intermediate_size, "intermediate_size")), \
+        {**SPLITS, **{f"{p}_proj.{t}": kv for p in "kv" for t in ("weight", "bias")}, **mixer_splits}
+
+
 class FalconH1ForCausalLM:
     # The embedding and the LM head scaled apart, from one table where they are tied.
     extra_weight_bytes = staticmethod(scaled_tied_head_bytes)
@@ -124,7 +142,7 @@ class FalconH1ForCausalLM:
                                                 c.head_dim, self.scale))
             h, residual = ops.rms_norm(x, layer["pre_ff_layernorm"], c.rms_norm_eps, residual)
             h = ops.silu_mul(ops.linear(h, layer["gate_up_proj"], layer.get("gate_up_bias")))
-            x = ops.linear(h, layer["down_proj"], layer.get("down_bias"))
+            x = ops.all_reduce(ops.linear(h, layer["down_proj"], layer.get("down_bias")))
         x, residual = ops.sampled_rows(x, residual, meta)
         x, _ = ops.rms_norm(x, w["norm"], c.rms_norm_eps, residual)
         return ops.logits(x, w["lm_head"])

@@ -4,7 +4,7 @@ num_local_experts > 0: softmax over the top-k logits, the same as softmax top-k 
 residual times residual_multiplier; the embedding and logits multipliers and residual_multiplier folded into the
 weights at load."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -19,6 +19,8 @@ from metrale.runtime.models.mamba2_mixer import MixerShape, hf_float
 from metrale.runtime.models.moe import MoeConfig
 from metrale.runtime.models.nemotron_h import KINDS
 from metrale.runtime.models.rope import inverse_frequencies, rope_cos_sin, rope_parameters
+from metrale.runtime.parallel.group import Shard
+from metrale.runtime.parallel.sharding import COLUMNS, ROWS, Segments, kv_heads
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,28 @@ def config_from_hf(hf: dict) -> GraniteHybridConfig:
         moe=moe, eos_token_ids=eos, bos_token_id=hf.get("bos_token_id"), pad_token_id=hf.get("pad_token_id"))
 
 
+def tensor_parallel(config: GraniteHybridConfig, shard: Shard) -> tuple[GraniteHybridConfig, dict]:
+    """A rank's config and the checkpoint's splits (parallel/sharding.py): the mixers by their heads and groups
+    (mamba2_mixer.tensor_parallel), the attention by heads (q, k, v by output rows with their biases, o by input
+    columns), the shared MLP's and the experts' widths (input_linear's gate rows and up rows each by rows,
+    output_linear by input columns; each expert's alike, stacked in either naming)."""
+    mixer, splits = mamba2_mixer.tensor_parallel(config.mixer, shard, module="mamba.")
+    local_kv_heads, kv = kv_heads(config.num_kv_heads, config.head_dim, shard)
+    width = config.intermediate_size
+    splits.update({"q_proj.weight": COLUMNS, "q_proj.bias": COLUMNS, "k_proj.weight": kv, "k_proj.bias": kv,
+                   "v_proj.weight": kv, "v_proj.bias": kv, "o_proj.weight": ROWS, "o_proj.bias": ROWS,
+                   "shared_mlp.input_linear.weight": Segments((width, width)), "shared_mlp.output_linear.weight": ROWS})
+    moe = config.moe
+    if moe:
+        experts = Segments((moe.width, moe.width), dim=1)
+        splits.update({"block_sparse_moe.input_linear.weight": experts, "experts.gate_up_proj": experts,
+                       "block_sparse_moe.output_linear.weight": ROWS, "experts.down_proj": ROWS})
+        moe = replace(moe, width=shard.divided(moe.width, "intermediate_size"))
+    return replace(config, mixer=mixer, moe=moe, num_heads=shard.divided(config.num_heads, "num_attention_heads"),
+                   num_kv_heads=local_kv_heads,
+                   intermediate_size=shard.divided(width, "shared_intermediate_size")), splits
+
+
 class GraniteHybridForCausalLM:
     # The embedding and the LM head scaled apart, from one table where they are tied.
     extra_weight_bytes = staticmethod(scaled_tied_head_bytes)
@@ -135,6 +159,7 @@ class GraniteHybridForCausalLM:
             x = ops.linear(ops.silu_mul(ops.linear(h, layer["input_linear"])), layer["output_linear"])
             if c.moe:
                 x = ops.moe(h, layer["router"], layer["experts"], x)
+            x = ops.all_reduce(x)           # a rank's partial sums of the shared MLP (and of the experts)
         x, residual = ops.sampled_rows(x, residual, meta)
         x, _ = ops.rms_norm(x, w["norm"], c.rms_norm_eps, residual)
         return ops.logits(x, w["lm_head"])

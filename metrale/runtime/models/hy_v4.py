@@ -15,6 +15,8 @@ from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.models import deepseek, hyper, sparse_index
 from metrale.runtime.models.checkpoint import Renamed, tensor_reader
 from metrale.runtime.models.hyper import HyperConfig
+from metrale.runtime.parallel.group import Shard
+from metrale.runtime.parallel.sharding import COLUMNS
 
 # Released name -> transformers' (its conversion mapping for hy_v4), applied in order.
 RENAMES = [
@@ -45,6 +47,14 @@ def config_from_hf(hf: dict) -> deepseek.MlaConfig:
         indexer=sparse_index.indexer_config({**hf, "indexer_types": indexer_types}, rope_first=False,
                                             rope_interleave=True, norm_eps=eps),
         gated_attention=True, attention_sinks=True, hyper=hc, hc_mult=hc.hc_mult)
+
+
+def tensor_parallel(config: deepseek.MlaConfig, shard: Shard) -> tuple[deepseek.MlaConfig, dict]:
+    """DeepSeek's split (deepseek.tensor_parallel: heads, with their gates and sinks; the latent, the indexers and
+    here the hyper-connections whole), under the released checkpoint's names of the gate and sinks too (RENAMES
+    maps them after the split reads them)."""
+    local, splits = deepseek.tensor_parallel(config, shard)
+    return local, {**splits, "linear_gate.weight": COLUMNS, "learnable_sink_param": COLUMNS}
 
 
 def default_indexer_types(layers: int) -> list[str]:

@@ -16,7 +16,7 @@ from metrale.runtime.models.checkpoint import eos_token_ids, tensor_reader
 from metrale.runtime.models.mamba2_mixer import MixerShape
 from metrale.runtime.models.moe import MoeConfig, load_moe
 from metrale.runtime.parallel.group import Shard
-from metrale.runtime.parallel.sharding import COLUMNS, ROWS
+from metrale.runtime.parallel.sharding import COLUMNS, ROWS, kv_heads
 
 LAYER_KINDS = ("mamba", "attention", "mlp", "moe")
 
@@ -85,11 +85,12 @@ def tensor_parallel(config: HybridConfig, shard: Shard) -> tuple[HybridConfig, d
         splits.update(mixer_splits)
     moe = config.moe and replace(config.moe, width=divided(config.moe.width, "moe_intermediate_size"),
                                  shared_width=divided(config.moe.shared_width, "the shared experts' width"))
-    attention = "attention" in kinds
-    return replace(config, mixer=mixer, moe=moe,
-                   num_heads=divided(config.num_heads, "num_attention_heads") if attention else config.num_heads,
-                   num_kv_heads=(divided(config.num_kv_heads, "num_key_value_heads") if attention
-                                 else config.num_kv_heads),
+    num_heads, num_kv_heads = config.num_heads, config.num_kv_heads
+    if "attention" in kinds:
+        num_heads = divided(num_heads, "num_attention_heads")
+        num_kv_heads, kv = kv_heads(num_kv_heads, config.head_dim, shard)
+        splits.update({"mixer.k_proj.weight": kv, "mixer.v_proj.weight": kv})
+    return replace(config, mixer=mixer, moe=moe, num_heads=num_heads, num_kv_heads=num_kv_heads,
                    intermediate_size=(divided(config.intermediate_size, "intermediate_size") if "mlp" in kinds
                                       else config.intermediate_size)), splits
 

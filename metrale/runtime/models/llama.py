@@ -13,7 +13,7 @@ from metrale.runtime.models.checkpoint import KV_SCALE_NAMES, eos_token_ids, kv_
 from metrale.runtime.models.moe import MoeConfig, load_moe
 from metrale.runtime.models.rope import inverse_frequencies, rope_cos_sin, rope_parameters
 from metrale.runtime.parallel.group import Shard
-from metrale.runtime.parallel.sharding import COLUMNS, HEADS, ROWS, Segments
+from metrale.runtime.parallel.sharding import COLUMNS, HEADS, ROWS, Segments, kv_heads
 
 
 @dataclass(frozen=True)
@@ -83,16 +83,17 @@ SPLITS = {"q_proj.weight": COLUMNS, "k_proj.weight": COLUMNS, "v_proj.weight": C
 
 
 def tensor_parallel(config: DecoderConfig, shard: Shard) -> tuple[DecoderConfig, dict[str, str]]:
-    """A rank's config (its share of the heads, KV heads, dense MLP width and experts' widths) and the checkpoint's
-    splits (a mixture's stacked gate-and-up experts [E, 2 W, H]: the gate's W rows, then the up's)."""
-    moe, splits = config.moe, SPLITS
+    """A rank's config (its share of the heads, KV heads (sharding.kv_heads), dense MLP width and experts' widths) and
+    the checkpoint's splits (a mixture's stacked gate-and-up experts [E, 2 W, H]: the gate's W rows, then the up's)."""
+    local_kv_heads, kv = kv_heads(config.num_kv_heads, config.head_dim, shard)
+    moe, splits = config.moe, {**SPLITS, **{f"{p}_proj.{t}": kv for p in "kv" for t in ("weight", "bias")}}
     if moe:
-        splits = {**SPLITS, "experts.gate_up_proj": Segments((moe.width, moe.width), dim=1)}
+        splits["experts.gate_up_proj"] = Segments((moe.width, moe.width), dim=1)
         moe = replace(moe, width=shard.divided(moe.width, "moe_intermediate_size"),
                       shared_width=shard.divided(moe.shared_width, "the shared experts' width"))
     dense = not moe or len(moe.layers) < config.num_layers
     local = replace(config, num_heads=shard.divided(config.num_heads, "num_attention_heads"),
-                    num_kv_heads=shard.divided(config.num_kv_heads, "num_key_value_heads"),
+                    num_kv_heads=local_kv_heads,
                     intermediate_size=(shard.divided(config.intermediate_size, "intermediate_size") if dense
                                        else config.intermediate_size), moe=moe)
     return local, splits

@@ -70,19 +70,30 @@ class MixerShape:
                                (self.num_heads, self.head_dim, self.state_size)))
 
 
-def tensor_parallel(shape: MixerShape, shard: Shard) -> tuple[MixerShape, dict]:
-    """A rank's mixer (its share of the heads and of the groups of B and C, whose heads it holds) and its tensors'
-    splits: in_proj's gate, x, B, C and dt rows and the conv's x, B and C channels each by heads or groups, the
-    scan's per-head A, D and dt bias and the gated norm's weight (a group's norm is its rank's) likewise, out_proj
-    by input columns."""
+def tensor_parallel(shape: MixerShape, shard: Shard, module: str = "mixer.") -> tuple[MixerShape, dict]:
+    """A rank's mixer (its share of the heads, and of the groups of B and C whose heads it holds) and the splits of
+    its tensors under `module`: in_proj's gate, x, B, C and dt rows and the conv's x, B and C channels each by heads
+    or groups, the scan's per-head A, D and dt bias and the gated norm's weight (a group's norm is its rank's)
+    likewise, out_proj by input columns. Fewer groups than ranks (a divisor of their number) and no norm: each
+    rank's heads read one group, which it holds (the ranks of one group hold it alike); with the norm, a group's
+    statistics would span ranks, which is refused."""
+    groups, size = shape.n_groups, shard.size
+    pieces = None
+    if groups % size:
+        if size % groups or shape.norm != "none":
+            raise InvalidArgument(f"mamba n_groups ({groups}) is not a multiple of --tensor-parallel {size}"
+                                  + ("" if size % groups else " (fewer groups than ranks split only without the "
+                                                              "mixer's gated norm)"))
+        pieces = (size, size, groups, groups, size)
     local = replace(shape, num_heads=shard.divided(shape.num_heads, "mamba num_heads"),
-                    n_groups=shard.divided(shape.n_groups, "mamba n_groups"))
-    inner, groups = shape.inner_size, shape.n_groups * shape.state_size
-    projected, channels = Segments((inner, inner, groups, groups, shape.num_heads)), Segments((inner, groups, groups))
-    return local, {"mixer.in_proj.weight": projected, "mixer.in_proj.bias": projected,
-                   "mixer.conv1d.weight": channels, "mixer.conv1d.bias": channels, "mixer.A_log": COLUMNS,
-                   "mixer.D": COLUMNS, "mixer.dt_bias": COLUMNS, "mixer.norm.weight": COLUMNS,
-                   "mixer.out_proj.weight": ROWS, "mixer.out_proj.bias": ROWS}
+                    n_groups=max(groups // size, 1))
+    inner, width = shape.inner_size, groups * shape.state_size
+    projected = Segments((inner, inner, width, width, shape.num_heads), pieces=pieces)
+    channels = Segments((inner, width, width), pieces=pieces and pieces[1:4])
+    splits = {"in_proj.weight": projected, "in_proj.bias": projected, "conv1d.weight": channels,
+              "conv1d.bias": channels, "A_log": COLUMNS, "D": COLUMNS, "dt_bias": COLUMNS, "norm.weight": COLUMNS,
+              "out_proj.weight": ROWS, "out_proj.bias": ROWS}
+    return local, {module + name: kind for name, kind in splits.items()}
 
 
 def hf_float(value) -> float:

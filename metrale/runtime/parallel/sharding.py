@@ -28,9 +28,30 @@ HEADS = "heads"
 @dataclass(frozen=True)
 class Segments:
     """Rows along `dim` that are segments of the given sizes one after another, each split over the ranks: a rank
-    holds its part of every segment, in their order."""
+    holds its part of every segment, in their order. pieces: each segment's number of parts (None: one a rank); a
+    segment of fewer parts than ranks (a divisor of their number) is shared by the ranks in turn, rank r holding part
+    r * pieces // size (a Mamba2 mixer's B and C groups, fewer than the ranks: each rank's heads read one group)."""
     sizes: tuple[int, ...]
     dim: int = 0
+    pieces: tuple[int, ...] | None = None
+
+    def parts(self, shard: Shard, name: str) -> list[tuple[int, int, int]]:
+        """(segment size, first row, rows) of the rank's part of each segment."""
+        out = []
+        for i, size in enumerate(self.sizes):
+            pieces = shard.size if self.pieces is None else self.pieces[i]
+            piece = Shard(shard.rank * pieces // shard.size, pieces).part(size, f"{name}'s segment of {size}")
+            out.append((size, piece.start, piece.stop - piece.start))
+        return out
+
+
+def kv_heads(count: int, head_dim: int, shard: Shard) -> tuple[int, "str | Segments"]:
+    """A rank's KV heads and the split of the key and value projections' rows (and biases): by heads where the ranks
+    divide them; where they are fewer than the ranks (a divisor of their number), each rank holds the one KV head its
+    query heads read, the ranks of one head alike (as Megatron-LM replicates grouped-query attention's KV heads)."""
+    if count % shard.size == 0 or shard.size % count:
+        return shard.divided(count, "num_key_value_heads"), COLUMNS
+    return 1, Segments((count * head_dim,), pieces=(count,))
 
 
 class ShardedTensors(TensorsAsRead):
@@ -61,9 +82,9 @@ class ShardedTensors(TensorsAsRead):
             if sum(kind.sizes) != tensor.shape[kind.dim]:
                 raise InvalidArgument(f"{name} has {tensor.shape[kind.dim]} rows along dimension {kind.dim}, not its "
                                       f"config's {' + '.join(map(str, kind.sizes))}")
-            at = (slice(None),) * kind.dim
-            return torch.cat([segment[at + (self.shard.part(size, f"{name}'s segment of {size}"),)]
-                              for segment, size in zip(tensor.split(kind.sizes, dim=kind.dim), kind.sizes)],
+            segments = tensor.split(kind.sizes, dim=kind.dim)
+            return torch.cat([segment.narrow(kind.dim, start, rows)
+                              for segment, (_, start, rows) in zip(segments, kind.parts(self.shard, name))],
                              dim=kind.dim)
         rows = max(tensor.dim() - 2, 0)         # the output rows' dimension: a linear's, or stacked experts'
         return tensor[(slice(None),) * rows + (self.shard.part(tensor.shape[rows], f"{name}'s rows"),)].contiguous()
@@ -73,8 +94,11 @@ class ShardedTensors(TensorsAsRead):
         if kind == HEADS:
             numel = math.prod(shape)
             return shape if numel == 1 else (numel // self.shard.size,)
-        if kind == COLUMNS or isinstance(kind, Segments):
-            rows = kind.dim if isinstance(kind, Segments) else max(len(shape) - 2, 0)
+        if isinstance(kind, Segments):
+            rows = sum(part[2] for part in kind.parts(self.shard, name))
+            return (*shape[:kind.dim], rows, *shape[kind.dim + 1:])
+        if kind == COLUMNS:
+            rows = max(len(shape) - 2, 0)
             return (*shape[:rows], shape[rows] // self.shard.size, *shape[rows + 1:])
         if kind == ROWS and len(shape) >= 2:
             return (*shape[:-1], shape[-1] // self.shard.size)
