@@ -12,6 +12,8 @@ def pytest_addoption(parser):
                      help="backend of the in-process workers of the API tests")
     parser.addoption("--worker-model", default="llama_tied",
                      help="the tiny architecture (tests/tiny_models.py) the API tests' workers serve")
+    parser.addoption("--worker-tensor-parallel", default=1, type=int,
+                     help="ranks the API tests' workers split their model over (serve --tensor-parallel)")
 
 
 def pytest_configure(config):

@@ -112,6 +112,12 @@ class StepFailed(WorkerError):
     serves on."""
 
 
+class CollectiveFailed(StepFailed):
+    """A tensor-parallel forward's collective broke off (another rank's part of the call failed, or this rank left
+    it); the ranks start new collectives together and the worker serves on (a rank that cannot be reached is
+    RankLost)."""
+
+
 class DeviceFault(WorkerError):
     """The device itself failed (a driver or library status, a kernel's fault flag); the worker stops serving."""
 

@@ -90,6 +90,8 @@ class WorkerServer:
         except BaseException:
             for rank in ranks:
                 rank.terminate()
+            if group is not None:
+                group.close()
             raise
         return cls(engine, info, checkpoint.tokenizer, config, ranks)
 

@@ -108,6 +108,20 @@ def test_an_fp8_kv_cache_takes_each_rank_s_heads_scales(tmp_path):
         assert float((ours - want).abs().max() / want.abs().max()) < 1e-5, f"output {i}"
 
 
+def test_a_forward_that_fails_partway_on_one_rank_fails_that_step_alone(tmp_path):
+    """Rank 1's model raises in its third forward, after that forward's first collective (a bug there): rank 0's
+    step fails alone (CollectiveFailed, a StepFailed: what it changed is undone), every rank leaves that forward's
+    collectives and they make new ones, and the step run again gives the one device's tokens and logits, as does
+    every step after it."""
+    directory = write_tiny("llama_tied", tmp_path / "llama_tied")
+    outcome, codes = run_ranks(directory, 2, tmp_path / "rank0.pt", "fail=3")
+    assert codes == [0, 0] and outcome["failures"] == ["CollectiveFailed"]
+    tokens, logits = steps(build_engine(load_checkpoint(directory), CONFIG)[0])
+    assert outcome["tokens"] == tokens
+    for i, (ours, want) in enumerate(zip(outcome["logits"], logits)):
+        assert float((ours - want).abs().max() / want.abs().max()) < 1e-5, f"output {i}"
+
+
 def test_a_rank_that_dies_fails_the_step_as_a_lost_rank(tmp_path):
     """Rank 1 ends at rank 0's fourth call (after the cache, the warm-up and the first prefill): rank 0's next
     step gets RankLost (a DeviceFault: the worker stops serving), not a hang and not a bug's StepFailed."""

@@ -31,6 +31,7 @@ def step_rpc(request):
 @pytest.fixture(scope="session", autouse=True)
 def worker_device(request):
     WORKER_DEVICE["device"] = request.config.getoption("--worker-device")
+    WORKER_DEVICE["tensor_parallel"] = request.config.getoption("--worker-tensor-parallel")
     return WORKER_DEVICE["device"]
 
 

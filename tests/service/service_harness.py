@@ -15,13 +15,15 @@ def serve_checkpoint(checkpoint, config: WorkerConfig) -> InProcessWorker:
     return running
 
 
-# The API tests' backend: "cpu" here; bench/gpu_check.sh runs them on "cuda" with --worker-device.
-WORKER_DEVICE = {"device": "cpu"}
+# The API tests' backend: "cpu" here; bench/gpu_check.sh runs them on "cuda" with --worker-device. Their workers'
+# ranks: one, or --worker-tensor-parallel's.
+WORKER_DEVICE = {"device": "cpu", "tensor_parallel": 1}
 
 
 def start_worker(directory, metrics_port: int | None = None, worker: dict | None = None, **engine) -> InProcessWorker:
     """worker: more WorkerConfig fields (TLS, tokens); engine: EngineConfig fields."""
     config = WorkerConfig(host="127.0.0.1", port=0, drain_timeout=5.0, metrics_port=metrics_port,
                           engine=EngineConfig(device=WORKER_DEVICE["device"], **{"kv_blocks": 64, **engine}),
-                          **{"max_message_mb": 4, **(worker or {})})
+                          **{"max_message_mb": 4, "tensor_parallel": WORKER_DEVICE["tensor_parallel"],
+                             **(worker or {})})
     return serve_checkpoint(load_checkpoint(directory), config)

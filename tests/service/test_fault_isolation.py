@@ -2,6 +2,8 @@
 leaked, and every live sequence continues exactly as a replay on a worker where nothing failed. Only the device's
 own errors (ops.device_errors, DeviceFault) take the worker out of rotation."""
 
+import inspect
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -94,9 +96,18 @@ def inject_validation(worker, monkeypatch):
 
 
 def inject_planning(worker, monkeypatch):
-    # Raised by the first block allocation: after the step has created sequence 5, before it holds its blocks.
+    # Raised by the call's first block allocation: after the step has created sequence 5, before it holds its blocks.
+    # Run-ahead's reservations of guessed steps (run_ahead.py's _reserve: a guess's chained successor is reserved on
+    # the stream's thread while the test goes on) pass through.
     blocks = worker.engine.cache.blocks
-    monkeypatch.setattr(blocks, "allocate", raising_on_call(1, RuntimeError("injected in planning"), blocks.allocate))
+    original = blocks.allocate
+    raising = raising_on_call(1, RuntimeError("injected in planning"), original)
+
+    def allocate(num_blocks):
+        if any(frame.filename.endswith("run_ahead.py") and frame.function == "_reserve" for frame in inspect.stack()):
+            return original(num_blocks)
+        return raising(num_blocks)
+    monkeypatch.setattr(blocks, "allocate", allocate)
 
 
 def inject_forward(worker, monkeypatch):

@@ -1,7 +1,14 @@
 """A tensor-parallel worker's other ranks: each holds its shard of the model and of the cache and runs rank 0's
 calls (leader.py) as they come, until rank 0 stops it. It answers nothing: rank 0 samples from the gathered logits."""
 
-from metrale.runtime.parallel.leader import STOP
+import structlog
+
+from metrale.runtime.parallel.leader import RENEW, STOP
+
+log = structlog.get_logger()
+
+# The calls whose collectives meet rank 0's: one that fails here fails there too, and the ranks carry on together.
+COLLECTIVE_CALLS = ("warm_up", "forward", "encode")
 
 
 def follow(group, model, runner, specs: tuple) -> None:
@@ -14,19 +21,28 @@ def follow(group, model, runner, specs: tuple) -> None:
     def encode(batch):
         model.encode(batch, layers)
 
+    calls = {"allocate_cache": lambda *args: runner.allocate_cache(specs, *args),
+             "warm_up": lambda *args: runner.warm_up(forward, *args),
+             "forward": lambda *args: runner.run_forward(forward, *args),
+             "encode": lambda *args: runner.run_encoder(encode, *args),
+             "copy_blocks": lambda *args: runner.copy_block_prefixes(layers, *args),
+             "copy_states": lambda *args: runner.copy_state_slots(layers, *args)}
     while (message := group.receive()) != STOP:
+        if message == RENEW:            # after a call that failed partway, on any rank
+            group.renew_collectives()
+            continue
         call, *args = message
-        if call == "allocate_cache":
-            layers = runner.allocate_cache(specs, *args)
-        elif call == "warm_up":
-            runner.warm_up(forward, *args)
-        elif call == "forward":
-            runner.run_forward(forward, *args)
-        elif call == "encode":
-            runner.run_encoder(encode, *args)
-        elif call == "copy_blocks":
-            runner.copy_block_prefixes(layers, *args)
-        elif call == "copy_states":
-            runner.copy_state_slots(layers, *args)
-        else:
+        if call not in calls:
             raise ValueError(f"rank 0 sent an unknown call {call!r}")
+        try:
+            result = calls[call](*args)
+        except Exception:
+            if call not in COLLECTIVE_CALLS:
+                raise                   # this rank's shard would differ from rank 0's: it ends (RankLost there)
+            # Rank 0's call fails too, its collectives broken off (at once, or at its next call's), and it sends
+            # RENEW.
+            log.warning("tensor_parallel_call_failed", call=call, rank=group.shard.rank, exc_info=True)
+            group.drop_collectives()
+            continue
+        if call == "allocate_cache":
+            layers = result

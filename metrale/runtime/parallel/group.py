@@ -1,14 +1,17 @@
 """The ranks of a tensor-parallel worker and their collectives: a sum over the ranks, a gather along the last dim,
 and rank 0's calls handed to the others (leader.py, follower.py). Over torch.distributed's gloo on the CPU backend
-(CI proves the sharded math with processes on one machine)."""
+(CI proves the sharded math with processes on one machine), in process groups of the worker's own, not
+torch.distributed's global one: a process may hold several workers' groups, one after another or at once (the
+tests' in-process workers)."""
 
+import pickle
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from metrale.runtime.errors import InvalidArgument, RankLost
+from metrale.runtime.errors import CollectiveFailed, InvalidArgument, RankLost
 
 
 @dataclass(frozen=True)
@@ -36,47 +39,76 @@ CALL_WAIT = timedelta(days=365)
 class GlooGroup:
     """The ranks joined at address (host:port, rank 0 listens) over gloo. timeout_s bounds every collective of a
     forward, so a rank that hangs fails the step; the wait for rank 0's next call is unbounded, and a rank that
-    exits (or whose machine drops it) fails it at once."""
+    exits (or whose machine drops it) fails it at once. A forward that fails partway on any rank leaves its
+    collectives (drop_collectives: the others' fail at once, their peer gone) and the ranks make new ones together
+    (renew_collectives, at rank 0's word: leader.py)."""
 
     def __init__(self, shard: Shard, address: str, timeout_s: float = 60.0):
-        self.shard = shard
-        dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=shard.rank, world_size=shard.size,
-                                timeout=CALL_WAIT)
-        self.collectives = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self.shard, self.timeout, self.generation = shard, timedelta(seconds=timeout_s), 0
+        host, port = address.rsplit(":", 1)
+        self.store = dist.TCPStore(host, int(port), shard.size, shard.rank == 0, timeout=CALL_WAIT)
+        self.calls = dist.ProcessGroupGloo(dist.PrefixStore("calls", self.store), shard.rank, shard.size, CALL_WAIT)
+        self.collectives = self._collectives()
+
+    def _collectives(self):
+        return dist.ProcessGroupGloo(dist.PrefixStore(f"collectives.{self.generation}", self.store), self.shard.rank,
+                                     self.shard.size, self.timeout)
+
+    def drop_collectives(self) -> None:
+        """Leaves the current collectives: another rank in one (or entering one) fails it at once."""
+        self.collectives = None
+
+    def renew_collectives(self) -> None:
+        """New collectives, made by every rank together (each within the collectives' timeout, else RankLost)."""
+        self.generation += 1
+        try:
+            self.collectives = self._collectives()
+        except RuntimeError as error:
+            raise RankLost(f"tensor-parallel ranks did not meet again after a failed call: {error}") from error
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the ranks (in float32, then in x's dtype): every rank gets the same sum."""
         total = x.float().contiguous()
         try:
-            dist.all_reduce(total, group=self.collectives)
+            self._current().allreduce([total]).wait()
         except RuntimeError as error:
-            raise RankLost(f"tensor-parallel sum failed: {error}") from error
+            raise CollectiveFailed(f"tensor-parallel sum failed: {error}") from error
         return total.to(x.dtype)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's x, concatenated along the last dim in rank order."""
         parts = [torch.empty_like(x) for _ in range(self.shard.size)]
         try:
-            dist.all_gather(parts, x.contiguous(), group=self.collectives)
+            self._current().allgather([parts], [x.contiguous()]).wait()
         except RuntimeError as error:
-            raise RankLost(f"tensor-parallel gather failed: {error}") from error
+            raise CollectiveFailed(f"tensor-parallel gather failed: {error}") from error
         return torch.cat(parts, dim=-1)
+
+    def _current(self):
+        if self.collectives is None:
+            raise CollectiveFailed("tensor-parallel collectives left after a failed call, not yet renewed")
+        return self.collectives
 
     def send(self, message) -> None:
         """Rank 0: a picklable message to every other rank, in the order sent."""
-        self._broadcast(message)
+        self._broadcast(pickle.dumps(message))
 
     def receive(self):
         """Another rank: rank 0's next message."""
-        return self._broadcast(None)
+        return pickle.loads(self._broadcast(b""))
 
-    def _broadcast(self, message):
-        box = [message]
+    def _broadcast(self, payload: bytes) -> bytes:
+        """Rank 0's payload on every rank: its length, then its bytes."""
+        length = torch.tensor([len(payload)], dtype=torch.int64)
         try:
-            dist.broadcast_object_list(box, src=0)
+            self.calls.broadcast(length, 0).wait()
+            data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.shard.rank == 0
+                    else torch.empty(int(length[0]), dtype=torch.uint8))
+            self.calls.broadcast(data, 0).wait()
         except RuntimeError as error:
             raise RankLost(f"tensor-parallel message failed: {error}") from error
-        return box[0]
+        return data.numpy().tobytes()
 
     def close(self) -> None:
-        dist.destroy_process_group()
+        """Leaves the group: its connections close with it."""
+        self.calls = self.collectives = self.store = None

@@ -1,7 +1,8 @@
 """Rank 0's runner in a tensor-parallel worker: the engine's, with every call that changes what the ranks hold (the
 cache's allocation, forwards, encoder passes, cache copies, warm-up) sent to the other ranks before it runs here.
 They run the same calls in the same order (follower.py), so each forward's collectives meet across the ranks; one
-call at a time, so two streams' forwards cannot cross."""
+call at a time, so two streams' forwards cannot cross. A call that fails partway, on this rank or another, fails
+alone: every rank leaves its collectives and they make new ones at RENEW before the next call."""
 
 import dataclasses
 import threading
@@ -9,6 +10,7 @@ import threading
 from metrale.runtime.backend.runner import Runner
 
 STOP = ("stop",)
+RENEW = ("renew",)
 
 
 class LeaderRunner:
@@ -24,7 +26,18 @@ class LeaderRunner:
     def _mirrored(self, message: tuple, run):
         with self.lock:
             self.group.send(message)
-            return run()
+            try:
+                return run()
+            except BaseException:
+                self._recover()
+                raise
+
+    def _recover(self) -> None:
+        """After a call that failed partway: this rank leaves its collectives (another rank in one fails it at
+        once), then every rank makes new ones (RankLost where one cannot be reached)."""
+        self.group.drop_collectives()
+        self.group.send(RENEW)
+        self.group.renew_collectives()
 
     def allocate_cache(self, specs, num_blocks, block_size, num_state_slots):
         """Rank 0 sizes the cache; each rank allocates its shard of it (its model's specs)."""
@@ -53,9 +66,13 @@ class LeaderRunner:
         return self._mirrored(("copy_states", copies), lambda: self.runner.copy_state_slots(layers, copies))
 
     def stop(self) -> None:
-        """Ends the other ranks' loops."""
+        """Ends the other ranks' loops (where they can still be reached) and leaves the group, so that this process
+        can join another."""
         with self.lock:
-            self.group.send(STOP)
+            try:
+                self.group.send(STOP)
+            finally:
+                self.group.close()
 
 
 def _sendable(batch):
