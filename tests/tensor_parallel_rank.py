@@ -63,6 +63,9 @@ class DyingGroup:
     def __init__(self, group, die_after: int):
         self.group, self.left = group, die_after
 
+    def __getattr__(self, name):
+        return getattr(self.group, name)
+
     def receive(self):
         self.left -= 1
         if self.left < 0:

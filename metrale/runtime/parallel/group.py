@@ -49,6 +49,7 @@ class GlooGroup:
         self.store = dist.TCPStore(host, int(port), shard.size, shard.rank == 0, timeout=CALL_WAIT)
         self.calls = dist.ProcessGroupGloo(dist.PrefixStore("calls", self.store), shard.rank, shard.size, CALL_WAIT)
         self.collectives = self._collectives()
+        self.store.set_timeout(self.timeout)        # renewals meet within the collectives' timeout
 
     def _collectives(self):
         return dist.ProcessGroupGloo(dist.PrefixStore(f"collectives.{self.generation}", self.store), self.shard.rank,
