@@ -170,8 +170,13 @@ def test_a_rank_holds_its_rows_or_columns_and_the_bias_once():
     assert torch.equal(torch.cat([first["a.o_proj.weight"], second["a.o_proj.weight"]], dim=1), weight)
     assert torch.equal(first["a.o_proj.bias"], bias) and not second["a.o_proj.bias"].any()
     assert first["a.norm.weight"] is bias
-    # A value a KV head goes by heads, however shaped; one for all stays whole.
+    # A value a KV head goes by heads, however shaped; one for all stays whole. Fewer heads than ranks: each rank
+    # holds the head its query heads read (sharding.kv_heads), ranks 0-1 head 0, ranks 2-3 head 1.
     assert torch.equal(torch.cat([first["a.k_scale"], second["a.k_scale"]]), bias)
+    two = {"a.k_scale": torch.tensor([0.5, 0.25])}
+    assert [ShardedTensors(two, splits, Shard(rank, 4))["a.k_scale"].tolist() for rank in range(4)] == \
+        [[0.5], [0.5], [0.25], [0.25]]
+    assert ShardedTensors(two, splits, Shard(3, 4)).shape("a.k_scale") == (1,)
     assert first["b.k_scale"] is second["b.k_scale"] is tensors["b.k_scale"]
     assert [first.numel(n) for n in tensors] == [12, 12, 4, 4, 2, 1]
     with pytest.raises(InvalidArgument, match=r"a.q_proj.weight's rows \(4\) is not a multiple of --tensor-parallel 3"):

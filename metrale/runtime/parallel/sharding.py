@@ -70,7 +70,7 @@ class ShardedTensors(TensorsAsRead):
         if kind is None or (kind == HEADS and tensor.numel() == 1):
             return tensor
         if kind == HEADS:           # a value a KV head, however the checkpoint shapes it ([heads], [heads, 1, 1])
-            return tensor.flatten()[self.shard.part(tensor.numel(), f"{name}'s heads")].contiguous()
+            return tensor.flatten()[self._heads(tensor.numel(), name)].contiguous()
         if type(tensor) is not torch.Tensor:
             raise InvalidArgument(f"tensor parallel splits plain tensors, not {name}'s {type(tensor).__name__} "
                                   f"(quantized checkpoints run on one device)")
@@ -89,11 +89,20 @@ class ShardedTensors(TensorsAsRead):
         rows = max(tensor.dim() - 2, 0)         # the output rows' dimension: a linear's, or stacked experts'
         return tensor[(slice(None),) * rows + (self.shard.part(tensor.shape[rows], f"{name}'s rows"),)].contiguous()
 
+    def _heads(self, count: int, name: str) -> slice:
+        """The rank's KV heads of `count`: its part, or the one its query heads read where they are fewer than the
+        ranks (kv_heads)."""
+        if count < self.shard.size and self.shard.size % count == 0:
+            head = self.shard.rank * count // self.shard.size
+            return slice(head, head + 1)
+        return self.shard.part(count, f"{name}'s heads")
+
     def shape(self, name: str) -> tuple[int, ...]:
         shape, kind = super().shape(name), self.split_of(name)
         if kind == HEADS:
             numel = math.prod(shape)
-            return shape if numel == 1 else (numel // self.shard.size,)
+            heads = self._heads(numel, name)
+            return shape if numel == 1 else (heads.stop - heads.start,)
         if isinstance(kind, Segments):
             rows = sum(part[2] for part in kind.parts(self.shard, name))
             return (*shape[:kind.dim], rows, *shape[kind.dim + 1:])
