@@ -18,7 +18,7 @@ from metrale.runtime.backend.layer_math import LatentAttention, LayerMath, RopeT
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.cache.specs import PagedIndexKeys, PagedLatent
 from metrale.runtime.errors import InvalidArgument
-from metrale.runtime.models import hyper, sparse_index
+from metrale.runtime.models import hyper, moe as mixture, sparse_index
 from metrale.runtime.models.fused_linear import fuse, padding_rows
 from metrale.runtime.models.checkpoint import eos_token_ids, tensor_reader
 from metrale.runtime.models.hyper import HyperConfig
@@ -27,7 +27,7 @@ from metrale.runtime.models.sparse_index import IndexerConfig
 from metrale.runtime.models.rope import attention_factor, inverse_frequencies, rope_cos_sin, rope_parameters, \
     rotate_half_order, yarn_mscale
 from metrale.runtime.parallel.group import Shard
-from metrale.runtime.parallel.sharding import COLUMNS, ROWS, Segments
+from metrale.runtime.parallel.sharding import COLUMNS, ROWS
 
 
 @dataclass(frozen=True)
@@ -159,17 +159,16 @@ def moe_layers(hf: dict) -> tuple[int, ...]:
 # family's.
 SPLITS = {"q_proj.weight": COLUMNS, "q_b_proj.weight": COLUMNS, "kv_b_proj.weight": COLUMNS, "o_proj.weight": ROWS,
           "o_proj.bias": ROWS, "self_attn.sinks": COLUMNS, "gate_proj.weight": COLUMNS, "up_proj.weight": COLUMNS,
-          "down_proj.weight": ROWS, "experts.up_proj": COLUMNS, "experts.down_proj": ROWS}
+          "down_proj.weight": ROWS}
 
 
 def tensor_parallel(config: MlaConfig, shard: Shard) -> tuple[MlaConfig, dict]:
     """A rank's config (its share of the heads, the dense MLP's width where a layer has one, the experts' widths)
     and the checkpoint's splits."""
-    moe, splits = config.moe, SPLITS
+    moe, splits = config.moe, dict(SPLITS)
     if moe:
-        splits = {**SPLITS, "experts.gate_up_proj": Segments((moe.width, moe.width), dim=1)}
-        moe = replace(moe, width=shard.divided(moe.width, "moe_intermediate_size"),
-                      shared_width=shard.divided(moe.shared_width, "the shared experts' width"))
+        moe, experts = mixture.tensor_parallel(moe, shard)
+        splits.update(experts)
     dense = not moe or len(moe.layers) < config.num_layers
     return replace(config, num_heads=shard.divided(config.num_heads, "num_attention_heads"), moe=moe,
                    intermediate_size=(shard.divided(config.intermediate_size, "intermediate_size") if dense

@@ -16,7 +16,7 @@ from metrale.runtime.models.checkpoint import eos_token_ids, scaled_tied_head_by
 from metrale.runtime.models.mamba2_mixer import MixerShape, hf_float
 from metrale.runtime.models.rope import inverse_frequencies, rope_cos_sin, rope_parameters
 from metrale.runtime.parallel.group import Shard
-from metrale.runtime.parallel.sharding import COLUMNS, ROWS, kv_heads
+from metrale.runtime.parallel.sharding import COLUMNS, ROWS, attention
 
 
 @dataclass(frozen=True)
@@ -91,20 +91,20 @@ def config_from_hf(hf: dict) -> FalconH1Config:
         pad_token_id=hf.get("pad_token_id"))
 
 
-# Tensor parallel (parallel/sharding.py): the attention's heads and the MLP's width by the Llama family's rule (q, k,
-# v, gate and up by output rows with their biases; o and down by input columns), the mixer by its heads and groups
+# Tensor parallel (parallel/sharding.py): the attention by heads (sharding.attention), the MLP's gate and up by output
+# rows with their biases and its down by input columns, the mixer by its heads and groups
 # (mamba2_mixer.tensor_parallel); the µP multipliers fold into each rank's part as into the whole.
-SPLITS = {**{f"{p}_proj.{t}": COLUMNS for p in ("q", "k", "v", "gate", "up") for t in ("weight", "bias")},
-          **{f"{p}_proj.{t}": ROWS for p in ("o", "down") for t in ("weight", "bias")}}
+SPLITS = {**{f"{p}_proj.{t}": COLUMNS for p in ("gate", "up") for t in ("weight", "bias")},
+          "down_proj.weight": ROWS, "down_proj.bias": ROWS}
 
 
 def tensor_parallel(config: FalconH1Config, shard: Shard) -> tuple[FalconH1Config, dict]:
-    mixer, mixer_splits = mamba2_mixer.tensor_parallel(config.mixer, shard, module="mamba.")
-    local_kv_heads, kv = kv_heads(config.num_kv_heads, config.head_dim, shard)
-    return replace(config, mixer=mixer, num_heads=shard.divided(config.num_heads, "num_attention_heads"),
-                   num_kv_heads=local_kv_heads,
+    mixer, splits = mamba2_mixer.tensor_parallel(config.mixer, shard, module="mamba.")
+    num_heads, num_kv_heads, attention_splits = attention(config.num_heads, config.num_kv_heads, config.head_dim,
+                                                          shard)
+    return replace(config, mixer=mixer, num_heads=num_heads, num_kv_heads=num_kv_heads,
                    intermediate_size=shard.divided(config.intermediate_size, "intermediate_size")), \
-        {**SPLITS, **{f"{p}_proj.{t}": kv for p in "kv" for t in ("weight", "bias")}, **mixer_splits}
+        {**splits, **attention_splits, **SPLITS}
 
 
 class FalconH1ForCausalLM:

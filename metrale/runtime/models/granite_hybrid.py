@@ -12,7 +12,7 @@ from metrale.runtime.backend.layer_math import LayerMath, RopeTable
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.cache.specs import PagedKv
 from metrale.runtime.errors import InvalidArgument
-from metrale.runtime.models import mamba2_mixer
+from metrale.runtime.models import mamba2_mixer, moe as mixture
 from metrale.runtime.models.attention import packed_attention
 from metrale.runtime.models.checkpoint import eos_token_ids, scaled_tied_head_bytes, tensor_reader
 from metrale.runtime.models.mamba2_mixer import MixerShape, hf_float
@@ -20,7 +20,7 @@ from metrale.runtime.models.moe import MoeConfig
 from metrale.runtime.models.nemotron_h import KINDS
 from metrale.runtime.models.rope import inverse_frequencies, rope_cos_sin, rope_parameters
 from metrale.runtime.parallel.group import Shard
-from metrale.runtime.parallel.sharding import COLUMNS, ROWS, Segments, kv_heads
+from metrale.runtime.parallel.sharding import ROWS, Segments, attention
 
 
 @dataclass(frozen=True)
@@ -100,19 +100,18 @@ def tensor_parallel(config: GraniteHybridConfig, shard: Shard) -> tuple[GraniteH
     columns), the shared MLP's and the experts' widths (input_linear's gate rows and up rows each by rows,
     output_linear by input columns; each expert's alike, stacked in either naming)."""
     mixer, splits = mamba2_mixer.tensor_parallel(config.mixer, shard, module="mamba.")
-    local_kv_heads, kv = kv_heads(config.num_kv_heads, config.head_dim, shard)
+    num_heads, num_kv_heads, attention_splits = attention(config.num_heads, config.num_kv_heads, config.head_dim,
+                                                          shard)
     width = config.intermediate_size
-    splits.update({"q_proj.weight": COLUMNS, "q_proj.bias": COLUMNS, "k_proj.weight": kv, "k_proj.bias": kv,
-                   "v_proj.weight": kv, "v_proj.bias": kv, "o_proj.weight": ROWS, "o_proj.bias": ROWS,
-                   "shared_mlp.input_linear.weight": Segments((width, width)), "shared_mlp.output_linear.weight": ROWS})
+    splits.update({**attention_splits, "shared_mlp.input_linear.weight": Segments((width, width)),
+                   "shared_mlp.output_linear.weight": ROWS})
     moe = config.moe
-    if moe:
-        experts = Segments((moe.width, moe.width), dim=1)
-        splits.update({"block_sparse_moe.input_linear.weight": experts, "experts.gate_up_proj": experts,
-                       "block_sparse_moe.output_linear.weight": ROWS, "experts.down_proj": ROWS})
-        moe = replace(moe, width=shard.divided(moe.width, "intermediate_size"))
-    return replace(config, mixer=mixer, moe=moe, num_heads=shard.divided(config.num_heads, "num_attention_heads"),
-                   num_kv_heads=local_kv_heads,
+    if moe:         # its own names of the stacked experts beside transformers 5's (moe.tensor_parallel's)
+        splits.update({"block_sparse_moe.input_linear.weight": Segments((moe.width, moe.width), dim=1),
+                       "block_sparse_moe.output_linear.weight": ROWS})
+        moe, experts = mixture.tensor_parallel(moe, shard)
+        splits.update(experts)
+    return replace(config, mixer=mixer, moe=moe, num_heads=num_heads, num_kv_heads=num_kv_heads,
                    intermediate_size=shard.divided(width, "shared_intermediate_size")), splits
 
 

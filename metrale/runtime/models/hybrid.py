@@ -10,13 +10,13 @@ from metrale.runtime.backend.layer_math import LayerMath, RopeTable
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.cache.specs import NoCache, PagedKv
 from metrale.runtime.errors import InvalidArgument
-from metrale.runtime.models import mamba2_mixer
+from metrale.runtime.models import mamba2_mixer, moe as mixture
 from metrale.runtime.models.attention import packed_attention
 from metrale.runtime.models.checkpoint import eos_token_ids, tensor_reader
 from metrale.runtime.models.mamba2_mixer import MixerShape
 from metrale.runtime.models.moe import MoeConfig, load_moe
 from metrale.runtime.parallel.group import Shard
-from metrale.runtime.parallel.sharding import COLUMNS, ROWS, kv_heads
+from metrale.runtime.parallel.sharding import COLUMNS, ROWS, attention
 
 LAYER_KINDS = ("mamba", "attention", "mlp", "moe")
 
@@ -67,31 +67,29 @@ class HybridConfig:
                    bos_token_id=hf.get("bos_token_id"), pad_token_id=hf.get("pad_token_id"), **family)
 
 
-# Tensor parallel (parallel/sharding.py), beside the Mamba2 mixers' (mamba2_mixer.tensor_parallel): attention heads
-# and the ReLU² MLPs' (a block's, each expert's and the shared experts') widths by output rows, the linears after them
-# by input columns.
-SPLITS = {**{f"mixer.{p}_proj.weight": COLUMNS for p in "qkv"}, "mixer.o_proj.weight": ROWS,
-          "up_proj.weight": COLUMNS, "up_proj.bias": COLUMNS, "down_proj.weight": ROWS, "down_proj.bias": ROWS,
-          "experts.up_proj": COLUMNS, "experts.down_proj": ROWS}
+# Tensor parallel (parallel/sharding.py), beside the Mamba2 mixers' (mamba2_mixer.tensor_parallel), the attention's
+# (sharding.attention) and the experts' (moe.tensor_parallel): the ReLU² MLP's width by up's output rows and down's
+# input columns.
+SPLITS = {"up_proj.weight": COLUMNS, "up_proj.bias": COLUMNS, "down_proj.weight": ROWS, "down_proj.bias": ROWS}
 
 
 def tensor_parallel(config: HybridConfig, shard: Shard) -> tuple[HybridConfig, dict]:
     """A rank's config (its share of the mixers' heads and groups, the attention heads, the MLP and experts' widths,
     where the model has such layers) and the checkpoint's splits."""
-    kinds, divided = set(config.layer_kinds), shard.divided
-    mixer, splits = config.mixer, dict(SPLITS)
+    kinds = set(config.layer_kinds)
+    mixer, moe, splits = config.mixer, config.moe, dict(SPLITS)
+    num_heads, num_kv_heads = config.num_heads, config.num_kv_heads
     if "mamba" in kinds:
         mixer, mixer_splits = mamba2_mixer.tensor_parallel(mixer, shard)
         splits.update(mixer_splits)
-    moe = config.moe and replace(config.moe, width=divided(config.moe.width, "moe_intermediate_size"),
-                                 shared_width=divided(config.moe.shared_width, "the shared experts' width"))
-    num_heads, num_kv_heads = config.num_heads, config.num_kv_heads
     if "attention" in kinds:
-        num_heads = divided(num_heads, "num_attention_heads")
-        num_kv_heads, kv = kv_heads(num_kv_heads, config.head_dim, shard)
-        splits.update({"mixer.k_proj.weight": kv, "mixer.v_proj.weight": kv})
+        num_heads, num_kv_heads, attention_splits = attention(num_heads, num_kv_heads, config.head_dim, shard)
+        splits.update(attention_splits)
+    if moe:
+        moe, experts = mixture.tensor_parallel(moe, shard)
+        splits.update(experts)
     return replace(config, mixer=mixer, moe=moe, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                   intermediate_size=(divided(config.intermediate_size, "intermediate_size") if "mlp" in kinds
+                   intermediate_size=(shard.divided(config.intermediate_size, "intermediate_size") if "mlp" in kinds
                                       else config.intermediate_size)), splits
 
 

@@ -10,10 +10,11 @@ from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.cache.specs import PagedKv
 from metrale.runtime.errors import InvalidArgument
 from metrale.runtime.models.checkpoint import KV_SCALE_NAMES, eos_token_ids, kv_scales, tensor_reader
+from metrale.runtime.models import moe as mixture
 from metrale.runtime.models.moe import MoeConfig, load_moe
 from metrale.runtime.models.rope import inverse_frequencies, rope_cos_sin, rope_parameters
 from metrale.runtime.parallel.group import Shard
-from metrale.runtime.parallel.sharding import COLUMNS, HEADS, ROWS, Segments, kv_heads
+from metrale.runtime.parallel.sharding import COLUMNS, HEADS, ROWS, attention
 
 
 @dataclass(frozen=True)
@@ -69,33 +70,26 @@ LAYER_TENSORS = ("input_layernorm.weight", "post_attention_layernorm.weight", "s
 QK_NORM_TENSORS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 
 
-# Tensor parallel (parallel/sharding.py): the heads' projections and the MLP's gate and up split by output rows, the
-# attention output and MLP down by input columns, an FP8 KV cache's scales a KV head by heads (every name
-# checkpoint.py's kv_scales reads). A mixture's experts and shared experts split as the dense MLP (each expert's own
-# tensors, Mixtral's w1 / w3 / w2 among them, or transformers 5's stacked ones); its router is whole on every rank,
-# so every rank routes each token to the same experts and sums its slice of their widths.
-SPLITS = {"q_proj.weight": COLUMNS, "k_proj.weight": COLUMNS, "v_proj.weight": COLUMNS, "q_proj.bias": COLUMNS,
-          "k_proj.bias": COLUMNS, "v_proj.bias": COLUMNS, "gate_proj.weight": COLUMNS, "up_proj.weight": COLUMNS,
-          "o_proj.weight": ROWS, "o_proj.bias": ROWS, "down_proj.weight": ROWS,
-          "w1.weight": COLUMNS, "w3.weight": COLUMNS, "w2.weight": ROWS,
-          "experts.up_proj": COLUMNS, "experts.down_proj": ROWS,
+# Tensor parallel (parallel/sharding.py): the attention by heads (sharding.attention), the MLP's gate and up by output
+# rows and its down by input columns, an FP8 KV cache's scales a KV head by heads (every name checkpoint.py's
+# kv_scales reads); a mixture's experts and shared experts as the dense MLP (moe.tensor_parallel).
+SPLITS = {"gate_proj.weight": COLUMNS, "up_proj.weight": COLUMNS, "down_proj.weight": ROWS,
           **{name: HEADS for names in KV_SCALE_NAMES for name in names}}
 
 
 def tensor_parallel(config: DecoderConfig, shard: Shard) -> tuple[DecoderConfig, dict[str, str]]:
-    """A rank's config (its share of the heads, KV heads (sharding.kv_heads), dense MLP width and experts' widths) and
-    the checkpoint's splits (a mixture's stacked gate-and-up experts [E, 2 W, H]: the gate's W rows, then the up's)."""
-    local_kv_heads, kv = kv_heads(config.num_kv_heads, config.head_dim, shard)
-    moe, splits = config.moe, {**SPLITS, **{f"{p}_proj.{t}": kv for p in "kv" for t in ("weight", "bias")}}
+    """A rank's config (its share of the heads, KV heads, dense MLP width and experts' widths) and the checkpoint's
+    splits."""
+    heads, kv_heads, splits = attention(config.num_heads, config.num_kv_heads, config.head_dim, shard)
+    splits.update(SPLITS)
+    moe = config.moe
     if moe:
-        splits["experts.gate_up_proj"] = Segments((moe.width, moe.width), dim=1)
-        moe = replace(moe, width=shard.divided(moe.width, "moe_intermediate_size"),
-                      shared_width=shard.divided(moe.shared_width, "the shared experts' width"))
+        moe, experts = mixture.tensor_parallel(moe, shard)
+        splits.update(experts)
     dense = not moe or len(moe.layers) < config.num_layers
-    local = replace(config, num_heads=shard.divided(config.num_heads, "num_attention_heads"),
-                    num_kv_heads=local_kv_heads,
+    local = replace(config, num_heads=heads, num_kv_heads=kv_heads, moe=moe,
                     intermediate_size=(shard.divided(config.intermediate_size, "intermediate_size") if dense
-                                       else config.intermediate_size), moe=moe)
+                                       else config.intermediate_size))
     return local, splits
 
 

@@ -1,13 +1,15 @@
 """A decoder's mixture-of-experts MLP: which layers have one, its router and experts as config.json describes them,
 and their tensors read from a checkpoint (each expert's own, as released, or transformers 5's stacked ones)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
 from metrale.runtime.backend.layer_math import LayerMath, MoeRouter
 from metrale.runtime.errors import InvalidArgument
+from metrale.runtime.parallel.group import Shard
+from metrale.runtime.parallel.sharding import COLUMNS, ROWS, Segments
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,21 @@ class MoeConfig:
                                  or self.top_k > self.topk_group * self.num_experts // self.n_group):
             raise InvalidArgument(f"top-{self.top_k} over {self.topk_group} of {self.n_group} groups of "
                                   f"{self.num_experts // self.n_group} experts cannot be chosen")
+
+
+def tensor_parallel(moe: MoeConfig, shard: Shard) -> tuple[MoeConfig, dict]:
+    """A rank's mixture (its share of each expert's and the shared experts' width; the router whole, so every rank
+    routes a token to the same experts and sums its slice of each) and the experts' splits (parallel/sharding.py),
+    each expert's tensors or transformers 5's stacked ones: the first projection (a gated one's gate rows, then its
+    up rows, each by rows) by output rows, the down projection by input columns."""
+    gate, up, down = moe.expert_names
+    splits = {**{f"{name}.{t}": COLUMNS for name in (gate, up) if name for t in ("weight", "bias")},
+              f"{down}.weight": ROWS, f"{down}.bias": ROWS, "experts.down_proj": ROWS,
+              **({"experts.gate_up_proj": Segments((moe.width, moe.width), dim=1)} if moe.gated
+                 else {"experts.up_proj": COLUMNS})}
+    local = replace(moe, width=shard.divided(moe.width, "the experts' width"),
+                    shared_width=shard.divided(moe.shared_width, "the shared experts' width"))
+    return local, splits
 
 
 def load_moe(take: Callable[[str], torch.Tensor], has: Callable[[str], bool], prefix: str, moe: MoeConfig,

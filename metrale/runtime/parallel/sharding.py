@@ -49,9 +49,28 @@ def kv_heads(count: int, head_dim: int, shard: Shard) -> tuple[int, "str | Segme
     """A rank's KV heads and the split of the key and value projections' rows (and biases): by heads where the ranks
     divide them; where they are fewer than the ranks (a divisor of their number), each rank holds the one KV head its
     query heads read, the ranks of one head alike (as Megatron-LM replicates grouped-query attention's KV heads)."""
-    if count % shard.size == 0 or shard.size % count:
-        return shard.divided(count, "num_key_value_heads"), COLUMNS
+    heads = head_share(count, shard, "num_key_value_heads")
+    if count % shard.size == 0:
+        return heads.stop - heads.start, COLUMNS
     return 1, Segments((count * head_dim,), pieces=(count,))
+
+
+def head_share(count: int, shard: Shard, what: str) -> slice:
+    """The rank's KV heads of `count`: its part, or the one its query heads read where they are fewer than the
+    ranks (a divisor of their number)."""
+    if count < shard.size and shard.size % count == 0:
+        head = shard.rank * count // shard.size
+        return slice(head, head + 1)
+    return shard.part(count, what)
+
+
+def attention(num_heads: int, num_kv_heads: int, head_dim: int, shard: Shard) -> tuple[int, int, dict]:
+    """A rank's query and KV heads, and the splits of an attention's q, k, v and o projections (and biases): q by
+    heads, k and v by KV heads (kv_heads), o by input columns."""
+    local_kv_heads, kv = kv_heads(num_kv_heads, head_dim, shard)
+    splits = {"q_proj.weight": COLUMNS, "q_proj.bias": COLUMNS, "o_proj.weight": ROWS, "o_proj.bias": ROWS,
+              **{f"{p}_proj.{t}": kv for p in "kv" for t in ("weight", "bias")}}
+    return shard.divided(num_heads, "num_attention_heads"), local_kv_heads, splits
 
 
 class ShardedTensors(TensorsAsRead):
@@ -70,7 +89,7 @@ class ShardedTensors(TensorsAsRead):
         if kind is None or (kind == HEADS and tensor.numel() == 1):
             return tensor
         if kind == HEADS:           # a value a KV head, however the checkpoint shapes it ([heads], [heads, 1, 1])
-            return tensor.flatten()[self._heads(tensor.numel(), name)].contiguous()
+            return tensor.flatten()[head_share(tensor.numel(), self.shard, f"{name}'s heads")].contiguous()
         if type(tensor) is not torch.Tensor:
             raise InvalidArgument(f"tensor parallel splits plain tensors, not {name}'s {type(tensor).__name__} "
                                   f"(quantized checkpoints run on one device)")
@@ -89,19 +108,11 @@ class ShardedTensors(TensorsAsRead):
         rows = max(tensor.dim() - 2, 0)         # the output rows' dimension: a linear's, or stacked experts'
         return tensor[(slice(None),) * rows + (self.shard.part(tensor.shape[rows], f"{name}'s rows"),)].contiguous()
 
-    def _heads(self, count: int, name: str) -> slice:
-        """The rank's KV heads of `count`: its part, or the one its query heads read where they are fewer than the
-        ranks (kv_heads)."""
-        if count < self.shard.size and self.shard.size % count == 0:
-            head = self.shard.rank * count // self.shard.size
-            return slice(head, head + 1)
-        return self.shard.part(count, f"{name}'s heads")
-
     def shape(self, name: str) -> tuple[int, ...]:
         shape, kind = super().shape(name), self.split_of(name)
         if kind == HEADS:
             numel = math.prod(shape)
-            heads = self._heads(numel, name)
+            heads = head_share(numel, self.shard, f"{name}'s heads")
             return shape if numel == 1 else (heads.stop - heads.start,)
         if isinstance(kind, Segments):
             rows = sum(part[2] for part in kind.parts(self.shard, name))
