@@ -63,12 +63,18 @@
 #            bench/gpu_decode.py at the Llama-3-8B shape with FP8 weights: decode at batches 1, 64, 256 against the
 #            FP8 floor and the bf16 peer, through gRPC, and the 8 x 1k prefill against the FP8 GEMM rate; the decode
 #            attention kernel alone over an FP8 cache (bench/gpu_attention.py --decode-only --kv-dtype fp8)  (~8 min)
+#   tp       tensor parallel on the CUDA backend: a one-rank group over NCCL on one GPU and, where two GPUs are seen,
+#            two ranks against the one-device engine (tests/runtime/cuda/test_tensor_parallel_cuda.py); then, with two
+#            GPUs, the API tests against two-rank CUDA workers                                         (~3 min)
+#   tp-figures  bench/gpu_tensor_parallel.py: the Llama-3-8B shape at 1 and 2 ranks (decode batches 1 and 64 on the
+#            engine and through Steps, prefill 1 x 4096, NCCL's share of a step), then the Llama-3-70B shape at 2 ranks
+#                                                                                                        (~9 min)
 #   mha      bench/gpu_mha_attention.py: the multi-head decode attention kernels at NLLB's beam step shapes, with each
 #            bench/variants/decode_attention_mha/NAME.cu (carry bench/variants) timed beside the package's  (~1 min)
 # Usage (from the repository root, with .whl carried):
 #   bash bench/gpu_check.sh [tests|models|api|api-models|load|kernels|smollm2|llama|long-prefill|prefill-variants|
 #     long-decode-8k|long-decode-32k|profile|prefix|beam|search|ssm|ssm-kernels|ssm-profile|ssm-prefix|moe-kernels|
-#     moe|moe-fp8|mla|mla-kernels|hy4|hy4-32k|dsa-kernels|fp8|mha|serving]...
+#     moe|moe-fp8|mla|mla-kernels|hy4|hy4-32k|dsa-kernels|fp8|tp|tp-figures|mha|serving]...
 # (default: tests). Logs and JSON land in $OUT (default /tmp/gpu-check).
 set -uo pipefail
 source scripts/device_env.sh || exit 1
@@ -96,6 +102,16 @@ for part in "${@:-tests}"; do
         tests/service/test_faults.py tests/service/test_metrics.py tests/service/test_run_ahead.py \
         tests/service/test_beam_api.py tests/service/test_fault_isolation.py tests/service/test_limits.py \
         tests/service/test_prefix_cache_api.py ;;
+    tp)
+      run_pytest tp -m gpu -s tests/runtime/cuda/test_tensor_parallel_cuda.py
+      if (( $(nvidia-smi -L | wc -l) >= 2 )); then
+        run_pytest api-on-cuda-tp --worker-device cuda --worker-tensor-parallel 2 tests/service/test_forward_api.py \
+          tests/service/test_errors.py tests/service/test_concurrency.py tests/service/test_faults.py \
+          tests/service/test_run_ahead.py tests/service/test_beam_api.py tests/service/test_fault_isolation.py
+      fi ;;
+    tp-figures)
+      run_bench tp-llama3-8b bench.gpu_tensor_parallel --shape llama3-8b --ranks 1,2 --time-budget 300
+      run_bench tp-llama3-70b bench.gpu_tensor_parallel --shape llama3-70b --ranks 2 --time-budget 240 ;;
     api-models)
       run_pytest api-on-cuda-hybrid --worker-device cuda --worker-model nemotron_h tests/service/test_forward_api.py \
         tests/service/test_errors.py tests/service/test_beam_api.py tests/service/test_run_ahead.py \

@@ -2,6 +2,7 @@
 and MLP layers), and their byte and FLOP accounting."""
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,9 @@ class Shape:
 SHAPES = {
     "llama3-8b": Shape(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256, tied=False,
                        rope_theta=500000.0),
+    # Llama-3-70B's widths: past one H200 in bf16 with a KV cache beside it, the tensor-parallel shape.
+    "llama3-70b": Shape(hidden=8192, layers=80, heads=64, kv_heads=8, ffn=28672, vocab=128256, tied=False,
+                        rope_theta=500000.0),
     "smollm2-135m": Shape(hidden=576, layers=30, heads=9, kv_heads=3, ffn=1536, vocab=49152, tied=True,
                           rope_theta=100000.0),
     # For the CPU smoke test.
@@ -145,19 +149,58 @@ def random_checkpoint(shape: "Shape | HybridShape", seed: int = 0, generate_on: 
     decays from ~0.3 to ~0.99) and its conv weights N(0, 0.3). generate_on='cuda' draws them on the GPU and copies
     them back, much faster than the CPU's generator for 8B parameters."""
     generator = torch.Generator(device=generate_on).manual_seed(seed)
-    hybrid = isinstance(shape, HybridShape)
-    tensors = {}
-    for name, dims in (hybrid_tensor_shapes(shape) if hybrid else tensor_shapes(shape)).items():
-        t = torch.randn(dims, generator=generator, device=generate_on, dtype=torch.bfloat16)
-        if name.endswith("A_log"):
-            t = torch.rand(dims, generator=generator, device=generate_on, dtype=torch.bfloat16).mul_(2.5)
-        elif name.endswith("conv1d.weight"):
-            t = t.mul_(0.3)
-        else:
-            t = t.mul_(0.05).add_(1.0) if len(dims) == 1 else t.mul_(0.02)
-        tensors[name] = t.cpu()
-    return Checkpoint(config=hybrid_hf_config(shape) if hybrid else hf_config(shape), tensors=tensors,
-                      source=f"random bf16 {shape_name(shape)}")
+    tensors = {name: _drawn(name, dims, generator, generate_on) for name, dims in _tensor_shapes(shape).items()}
+    return Checkpoint(config=_hf_config(shape), tensors=tensors, source=f"random bf16 {shape_name(shape)}")
+
+
+def drawn_checkpoint(shape: "Shape | HybridShape", seed: int = 0, generate_on: str = "cpu") -> Checkpoint:
+    """random_checkpoint's kind of weights, each tensor drawn only as it is taken (RandomTensors): a tensor-parallel
+    rank keeps only its part of each, so no process holds a whole model in host memory, and every rank that draws
+    with the same seed draws the same model."""
+    return Checkpoint(config=_hf_config(shape), tensors=RandomTensors(_tensor_shapes(shape), seed, generate_on),
+                      source=f"random bf16 {shape_name(shape)}, seed {seed}")
+
+
+class RandomTensors(Mapping):
+    """name -> a random tensor of its shape, drawn when taken from a generator of its own (the seed and the name's
+    place), so the same tensor comes whatever was taken before it."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], seed: int, generate_on: str):
+        self.shapes, self.seed, self.generate_on = shapes, seed, generate_on
+        self.places = {name: i for i, name in enumerate(shapes)}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        generator = torch.Generator(device=self.generate_on).manual_seed(self.seed * 1_000_003 + self.places[name])
+        return _drawn(name, self.shapes[name], generator, self.generate_on)
+
+    def __iter__(self):
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.shapes[name]
+
+
+def _drawn(name: str, dims: tuple[int, ...], generator, generate_on: str) -> torch.Tensor:
+    """One of random_checkpoint's tensors, in host memory."""
+    t = torch.randn(dims, generator=generator, device=generate_on, dtype=torch.bfloat16)
+    if name.endswith("A_log"):
+        t = torch.rand(dims, generator=generator, device=generate_on, dtype=torch.bfloat16).mul_(2.5)
+    elif name.endswith("conv1d.weight"):
+        t = t.mul_(0.3)
+    else:
+        t = t.mul_(0.05).add_(1.0) if len(dims) == 1 else t.mul_(0.02)
+    return t.cpu()
+
+
+def _tensor_shapes(shape: "Shape | HybridShape") -> dict[str, tuple[int, ...]]:
+    return hybrid_tensor_shapes(shape) if isinstance(shape, HybridShape) else tensor_shapes(shape)
+
+
+def _hf_config(shape: "Shape | HybridShape") -> dict:
+    return hybrid_hf_config(shape) if isinstance(shape, HybridShape) else hf_config(shape)
 
 
 def shape_name(shape: "Shape | HybridShape") -> str:

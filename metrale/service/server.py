@@ -15,7 +15,7 @@ from metrale.runtime.backend import runs_on_cuda
 from metrale.runtime.build import ModelInfo, build_engine
 from metrale.runtime.own_thread import run_on_own_thread
 from metrale.runtime.parallel.group import GlooGroup, Shard
-from metrale.runtime.parallel.launch import free_address, start_followers
+from metrale.runtime.parallel.launch import RankWatch, free_address, start_followers
 from metrale.runtime.streams import StreamThreads
 from metrale.runtime.loading import Checkpoint
 from metrale.service.config import WorkerConfig
@@ -71,6 +71,7 @@ class WorkerServer:
         self._stopped = asyncio.Event()
         self._fault_task = None
         self._expiry_task = None
+        self._watch: RankWatch | None = None
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, config: WorkerConfig) -> "WorkerServer":
@@ -103,6 +104,8 @@ class WorkerServer:
         if self.health_server is not None:
             await self.health_server.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        if self.ranks:
+            self._watch = RankWatch(self.ranks, self._rank_lost_on(asyncio.get_running_loop()))
         if self.config.sequence_ttl:
             self._expiry_task = asyncio.get_running_loop().create_task(self._expire_idle_sequences())
         log.info("serving", port=self.port, model=self.servicer.info.model_id, device=self.servicer.info.device,
@@ -128,6 +131,8 @@ class WorkerServer:
             await self.health_server.stop(grace=0)
         await asyncio.to_thread(self.threads.close)
         self.servicer.close()
+        if self._watch is not None:
+            await asyncio.to_thread(self._watch.stop)
         if self.ranks:
             await asyncio.to_thread(self._stop_ranks)
         self._stopped.set()
@@ -163,6 +168,20 @@ class WorkerServer:
     async def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
+
+    def _rank_lost_on(self, loop):
+        """RankWatch's on_lost: _on_rank_lost on the server's loop (unless the loop is gone, and the worker with it)."""
+        def on_lost(why: str) -> None:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(self._on_rank_lost, why)
+        return on_lost
+
+    def _on_rank_lost(self, why: str) -> None:
+        """Another rank's process ended while serving: its collectives are left (a step waiting on the device for
+        its part ends, RankLost), every later call is RankLost, and health goes NOT_SERVING."""
+        log.error("tensor_parallel_rank_lost", why=why)
+        self.servicer.engine.runner.lose(why)
+        self._on_device_fault()
 
     def _on_device_fault(self) -> None:
         log.error("device_fault: reporting NOT_SERVING")

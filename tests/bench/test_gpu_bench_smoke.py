@@ -19,6 +19,7 @@ def bench(monkeypatch):
     import bench.gpu_decode
     import bench.gpu_moe
     import bench.gpu_ssm
+    import bench.gpu_tensor_parallel
     import bench.model_shapes
     import bench.peer_llama
 
@@ -286,3 +287,29 @@ def test_gpu_decode_skip_engine(bench, tmp_path):
     assert [(r.batch, r.impl) for r in result["decode_rows"]] == [(1, "peer"), (2, "peer")]
     assert all(r.ok and len(r.step_ms) == 2 for r in result["decode_rows"])
     assert [(r.label, r.impl) for r in result["prefill_rows"] if r.ok] == [("1x16", "peer")]
+
+
+def test_gpu_tensor_parallel_runs_one_and_two_ranks_on_the_cpu(bench, tmp_path, capsys):
+    """Rank 1 spawned, drawing the same weights as rank 0 (the check's logits agree), every row timed, the tables
+    printed with the speed-up column."""
+    rows, errors = bench.gpu_tensor_parallel.main([
+        "--device", "cpu", "--shape", "tiny", "--ranks", "1,2", "--batches", "1,2", "--context", "8", "--steps", "2",
+        "--warmup", "1", "--prefill", "1x16", "--prefill-reps", "1", "--prefill-warmup", "1", "--copy-mb", "8",
+        "--gemm-size", "64", "--json", str(tmp_path / "tp.json")])
+    assert [(r.ranks, r.row.impl) for r in rows if r.row.ok] == [
+        (ranks, impl) for ranks in (1, 2) for impl in ("metrale", "metrale", "steps", "metrale", "steps")]
+    assert errors[1] == 0.0 and errors[2] < 5e-2
+    out = capsys.readouterr().out
+    assert "speed-up" in out and "WARNING" not in out
+    assert json.loads((tmp_path / "tp.json").read_text())["check_errors"]["2"] == errors[2]
+
+
+def test_drawn_weights_come_the_same_in_any_order(bench):
+    """A tensor-parallel rank takes only some tensors, in its own order: each is the same as a whole draw's."""
+    shape = bench.model_shapes.SHAPES["tiny"]
+    names = list(bench.model_shapes.tensor_shapes(shape))
+    forward = bench.model_shapes.drawn_checkpoint(shape, seed=3).tensors
+    backward = bench.model_shapes.drawn_checkpoint(shape, seed=3).tensors
+    taken = {name: backward[name] for name in reversed(names)}
+    assert all(torch.equal(forward[name], taken[name]) for name in names)
+    assert not torch.equal(forward[names[2]], bench.model_shapes.drawn_checkpoint(shape, seed=4).tensors[names[2]])

@@ -183,6 +183,22 @@ def test_a_gpu_count_other_than_the_ranks_is_refused(chart):
         render(chart, {"worker": {"tensor-parallel": 4}, "gpu": {"count": 2}})
 
 
+def test_a_tensor_parallel_worker_gets_shared_memory_for_its_ranks_and_extra_env(chart):
+    """/dev/shm in memory for NCCL's buffers between the ranks' processes (none for one rank); extraEnv reaches
+    the worker's environment (and so every rank's)."""
+    env = [{"name": "NCCL_DEBUG", "value": "WARN"}]
+    rendered = render(chart, {"worker": {"tensor-parallel": 2}, "gpu": {"count": 2}, "extraEnv": env,
+                              "sharedMemory": {"sizeLimit": "4Gi"}})
+    worker = container(rendered)
+    assert {"name": "shared-memory", "mountPath": "/dev/shm"} in worker["volumeMounts"]
+    (deployment,) = rendered["deployment.yaml"]
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["shared-memory"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "4Gi"}
+    assert worker["env"][-1] == env[0]
+    one = container(render(chart, {}))
+    assert all(m["mountPath"] != "/dev/shm" for m in one["volumeMounts"])
+
+
 # Values files the schema must refuse, one mistake each (their first line says which).
 BAD_VALUES_FILES = sorted((Path(__file__).parent / "bad-values").glob("*.yaml"))
 

@@ -6,19 +6,21 @@ import pytest
 from metrale.runtime.backend.cpu import CpuRunner
 from metrale.runtime.backend.cpu.layer_math import CpuLayerMath
 from metrale.runtime.backend.cuda.device import ALIGNMENT
-from metrale.runtime.backend.cuda.stream_context import padded_vocab
+from metrale.runtime.backend.cuda.stream_context import padded_vocab, vocab_part
 from metrale.runtime.build import _weight_bytes, build_engine
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.loading import load_checkpoint
 from metrale.runtime.models import family_of
+from metrale.runtime.parallel.group import Shard
+from metrale.runtime.parallel.sharding import ShardedTensors
 from tiny_models import TINY, TINY_MLA, TINY_MOE, TINY_SPARSE, TINY_SSM, write_tiny, write_tiny_m2m100
 
 
 class ArenaTally(CpuLayerMath):
     """The CPU layer math, counting the bytes the CUDA backend's uploads take from its weights arena."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, group=None):
+        super().__init__(group=group)
         self.taken = 0
 
     def _take(self, tensor, size):
@@ -32,8 +34,16 @@ class ArenaTally(CpuLayerMath):
         return self._take(super().upload_float32(tensor), 4)
 
     def upload_lm_head(self, tensor):
-        self.taken += -(-padded_vocab(tensor.shape[0]) * tensor.shape[1] * 2 // ALIGNMENT) * ALIGNMENT
-        return super().upload(tensor)
+        rows = padded_vocab(tensor.shape[0]) if self.group is None else vocab_part(tensor.shape[0], self.group.size)
+        self.taken += -(-rows * tensor.shape[1] * 2 // ALIGNMENT) * ALIGNMENT
+        return super().upload(tensor) if self.group is None else super().upload_lm_head(tensor)
+
+
+class Ranks:
+    """A tensor-parallel group as the uploads see it: the rank's shard."""
+
+    def __init__(self, shard):
+        self.shard, self.size = shard, shard.size
 
 
 @pytest.mark.parametrize("name", [*TINY, *TINY_MOE, *TINY_MLA, *TINY_SPARSE, *TINY_SSM, "m2m100"])
@@ -46,6 +56,21 @@ def test_the_weights_arena_holds_every_upload_of_the_model(name, tmp_path):
     family.model_class(config, checkpoint.tensors, tally, config.max_position_embeddings)
     planned = _weight_bytes(checkpoint.tensors, checkpoint.numel, config, config.max_position_embeddings,
                             family.model_class)
+    assert tally.taken <= planned < 3 * tally.taken
+
+
+@pytest.mark.parametrize("name", ["llama_tied", "llama3_untied", "mixtral", "deepseek_v2"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_tensor_parallel_ranks_weights_arena_holds_its_uploads(name, rank, tmp_path):
+    """Its shard of every tensor, and the LM head's part of the vocabulary beside a tied table."""
+    checkpoint = load_checkpoint(write_tiny(name, tmp_path))
+    family = family_of(checkpoint.config)
+    shard = Shard(rank, 2)
+    config, splits = family.tensor_parallel(family.config_from_hf(checkpoint.config), shard)
+    tensors = ShardedTensors(checkpoint.tensors, splits, shard)
+    tally = ArenaTally(Ranks(shard))
+    family.model_class(config, tensors, tally, config.max_position_embeddings)
+    planned = _weight_bytes(tensors, tensors.numel, config, config.max_position_embeddings, family.model_class, 2)
     assert tally.taken <= planned < 3 * tally.taken
 
 

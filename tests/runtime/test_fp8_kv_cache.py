@@ -188,7 +188,7 @@ class FakeCuda:
 
 
 def cuda_runner(arch: str) -> CudaRunner:
-    return CudaRunner(SimpleNamespace(cuda=FakeCuda(), lib=SimpleNamespace(arch=arch)))
+    return CudaRunner(SimpleNamespace(cuda=FakeCuda(), lib=SimpleNamespace(arch=arch), collectives=None))
 
 
 @pytest.mark.parametrize("arch, kv_dtypes", [("sm_80", ("auto",)), ("sm_89", ("auto", "fp8")),

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("cuda.core")
 
-from metrale.runtime.backend.cuda.stream_context import StreamContext  # noqa: E402
+from metrale.runtime.backend.cuda.stream_context import MAX_PENDING, StreamContext  # noqa: E402
 from metrale.runtime.backend.cuda.tensor import DeviceTensor  # noqa: E402
 from metrale.runtime.batch import Segment, build_batch  # noqa: E402
 from metrale.runtime.sequence import BlockTable  # noqa: E402
@@ -22,12 +22,14 @@ BLOCK, MAX_BLOCKS = 16, 8
 
 def stream(base: int):
     """What StreamContext.prepare, pack and stage read of a stream: its shapes, regions and copies."""
-    ctx = SimpleNamespace(_prepared=None, _timing=False, uploads=[], ring=SimpleNamespace(reset=lambda: None),
+    ctx = SimpleNamespace(_prepared=None, _timing=False, uploads=[], _pending=[], waits=[],
+                          ring=SimpleNamespace(reset=lambda: None),
                           shapes=SimpleNamespace(max_batch_tokens=64, max_seqs=16, max_blocks_per_seq=MAX_BLOCKS,
                                                  ssm_chunk_size=0, index_topk=0),
                           metadata=DeviceTensor(base, (4096,), "int32"),
                           cross_metadata=DeviceTensor(base + 1 << 20, (4096,), "int32"))
-    ctx.copy_to_device = lambda dst, host: ctx.uploads.append((dst.ptr, host.copy()))
+    ctx.copy_to_device = lambda dst, host: (ctx.uploads.append((dst.ptr, host.copy())), ctx._pending.append(host))
+    ctx.synchronize = lambda: (ctx.waits.append(len(ctx._pending)), ctx._pending.clear())
     for name in ("prepare", "pack", "stage"):
         setattr(ctx, name, functools.partial(getattr(StreamContext, name), ctx))
     return ctx
@@ -66,3 +68,13 @@ def test_timed_rounds_give_each_rounds_device_time_and_the_idle_time_before_it()
     rounds = StreamContext.take_rounds(ctx)
     assert np.isnan(rounds[0][1]) and rounds[0][0] == 4.0
     assert rounds[1:] == [(4.5, 0.5), (2.0, 0.5)] and ctx._timed_rounds == []
+
+
+def test_a_stream_never_waited_for_waits_for_its_device_before_its_copies_pile_up():
+    """A tensor-parallel follower's stream samples nothing, so no read-back ever waits for it: before a forward, once
+    it keeps more than MAX_PENDING host arrays alive for its queued copies, it waits for its device and lets them go."""
+    ctx = stream(1 << 30)
+    for _ in range(3 * MAX_PENDING):
+        ctx.prepare(decode_batch([5]), pad_to=4)
+    assert ctx.waits and all(waited == MAX_PENDING + 1 for waited in ctx.waits)
+    assert len(ctx._pending) <= MAX_PENDING + 1

@@ -5,8 +5,10 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,9 +16,13 @@ from safetensors.torch import load_file, save_file
 
 from metrale.runtime.build import build_engine, build_follower
 from metrale.runtime.config import EngineConfig
-from metrale.runtime.errors import InvalidArgument
+from metrale.runtime.batch import Segment, build_batch
+from metrale.runtime.sequence import BlockTable
+from metrale.runtime.errors import InvalidArgument, RankLost
 from metrale.runtime.loading import load_checkpoint
-from metrale.runtime.parallel.group import Shard
+from metrale.runtime.parallel.follower import follow
+from metrale.runtime.parallel.group import GlooGroup, Shard
+from metrale.runtime.parallel.leader import STOP, LeaderRunner
 from metrale.runtime.parallel.sharding import COLUMNS, HEADS, ROWS, Segments, ShardedTensors
 from fp8_checkpoints import write_fp8
 from tensor_parallel_rank import CONFIG, steps
@@ -198,3 +204,130 @@ def test_stacked_experts_split_as_each_expert_would():
         assert torch.equal(shard["m.experts.down_proj"], down[..., rows])
         assert torch.equal(shard["m.experts.up_proj"], up[:, rows])
         assert [shard.shape(name) for name in tensors] == [(3, 4, 6), (3, 6, 2), (3, 2, 6)]
+
+
+class Recorded:
+    """A runner that records what it is asked: stream bindings and calls, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def bind_stream(self, stream):
+        self.calls.append(("bind", stream))
+
+    def run_forward(self, forward, batch, replayable):
+        self.calls.append(("forward", batch))
+
+    def queue_sample(self, logits, rows):
+        return SimpleNamespace(result=lambda: "sampled")
+
+
+def a_batch():
+    return build_batch([Segment(BlockTable([3]), 0, (5, 6), True)], 4)
+
+
+class Mailbox:
+    """Rank 0's messages to the others, in memory: what the leader sends, a follower receives."""
+
+    def __init__(self, shard):
+        self.shard, self.sent, self.lost = shard, [], None
+
+    def send(self, message):
+        self.sent.append(message)
+
+    def receive(self):
+        return self.sent.pop(0)
+
+    def check(self):
+        GlooGroup.check(self)
+
+    def lose(self, why):
+        self.lost = why
+
+
+def test_a_follower_runs_each_call_on_the_stream_of_rank_0_s_caller():
+    """Rank 0's calls from two stream threads: each reaches the other rank with its caller's stream, which that rank
+    binds before it runs the call."""
+    leader = LeaderRunner(Recorded(), Mailbox(Shard(0, 2)))
+    mailbox, batch = leader.group, a_batch()
+
+    def on_stream(stream):
+        leader.bind_stream(stream)
+        leader.run_forward(None, batch, False)
+    for stream in (1, 0, 1):
+        thread = threading.Thread(target=on_stream, args=(stream,))
+        thread.start()
+        thread.join()
+    mailbox.send(STOP)
+    follower = Recorded()
+    follow(mailbox, None, follower, ())
+    assert [call[0] for call in follower.calls] == ["bind", "forward"] * 3
+    assert [call[1] for call in follower.calls[::2]] == [1, 0, 1]
+
+
+def test_once_a_rank_is_lost_every_call_and_every_sampling_under_way_is_rank_lost():
+    """A sampling queued before the loss was waited for on the device until the collectives were left: its tokens
+    are not the model's, so its result is RankLost too."""
+    leader = LeaderRunner(Recorded(), Mailbox(Shard(0, 2)))
+    queued = leader.queue_sample(None, [])
+    leader.group.lost = "metrale-rank-1 ended (exit code -9)"
+    with pytest.raises(RankLost, match="exit code -9"):
+        queued.result()
+    with pytest.raises(RankLost):
+        leader.run_forward(None, a_batch(), False)
+    assert leader.group.sent == []
+
+
+class FakeCommunicator:
+    """nccl4py's Communicator as NcclCollectives makes and aborts it, without a GPU: what each was made with."""
+
+    made = []
+
+    def __init__(self, size, rank, unique_id):
+        self.size, self.rank, self.unique_id, self.aborted, self.ptr = size, rank, bytes(unique_id), False, 0
+        FakeCommunicator.made.append(self)
+
+    @classmethod
+    def init(cls, size, rank, unique_id):
+        return cls(size, rank, unique_id)
+
+    def abort(self):
+        self.aborted = True
+
+
+def test_the_ranks_nccl_communicators_meet_under_each_generation_and_the_old_one_is_aborted(monkeypatch):
+    """Rank 0's unique id reaches the other rank through the store, a new one at each renewal (after a failed call),
+    when every rank aborts the old communicator first (its operations waiting for a rank that stopped partway would
+    hold the streams) and forgets what captured it; a lost rank aborts it too."""
+    from nccl.core import UniqueId
+
+    from metrale.runtime.backend.cuda import collectives
+
+    ids = iter(UniqueId.from_bytes(bytes([n]) * 128) for n in range(1, 10))
+    monkeypatch.setattr(collectives, "get_unique_id", lambda: next(ids))
+    monkeypatch.setattr(collectives, "Communicator", FakeCommunicator)
+    FakeCommunicator.made = []
+    address, made, forgotten = f"127.0.0.1:{free_port()}", {}, []
+
+    def rank(r):
+        group = GlooGroup(Shard(r, 2), address, timeout_s=20)
+        made[r] = collectives.NcclCollectives(group)
+        made[r].on_renew.append(lambda: forgotten.append(r))
+        if r == 0:                          # a call failed on rank 0 alone: it leaves, rank 1 only renews
+            group.drop_collectives()
+        group.renew_collectives()
+        made[r] = (made[r], group)
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    zero, one = ([c for c in FakeCommunicator.made if c.rank == r] for r in (0, 1))     # each rank's, in order
+    assert [c.size for c in zero + one] == [2] * 4
+    assert [c.unique_id for c in zero] == [c.unique_id for c in one] and zero[0].unique_id != zero[1].unique_id
+    assert [c.aborted for c in zero + one] == [True, False, True, False] and sorted(forgotten) == [0, 1]
+    nccl, group = made[1]
+    group.lose("metrale-rank-0 ended (exit code -9)")
+    assert all(c.aborted for c in FakeCommunicator.made if c.rank == 1)
+    with pytest.raises(RankLost, match="exit code -9"):
+        group.check()

@@ -1,6 +1,6 @@
 """`serve --tensor-parallel 2` on the CPU backend, as a gateway sees it: one endpoint whose steps run on two ranks
-(processes) give the one-process worker's tokens; a rank that dies turns health NOT_SERVING and fails the next step
-with UNAVAILABLE; SIGTERM ends every rank."""
+(processes) give the one-process worker's tokens; a rank that dies turns health NOT_SERVING (at once, with no call
+under way) and fails the next step with UNAVAILABLE; SIGTERM ends every rank."""
 
 import os
 import signal
@@ -84,5 +84,26 @@ def test_a_dead_rank_turns_the_worker_not_serving(checkpoint, tmp_path):
         while worker.health_status() != health_pb2.HealthCheckResponse.NOT_SERVING:
             assert time.monotonic() < deadline, "health stayed SERVING"
             time.sleep(0.05)
+    finally:
+        worker.stop()
+
+
+def test_a_rank_that_dies_while_the_worker_is_idle_turns_it_not_serving_at_once(checkpoint, tmp_path):
+    worker = WorkerProcess(checkpoint, tmp_path / "tp.log", ("--kv-blocks", "64", "--tensor-parallel", "2"))
+    worker.start(timeout=120)
+    try:
+        chosen = greedy(worker.stub, steps=1)
+        assert worker.health_status() == health_pb2.HealthCheckResponse.SERVING
+        for pid in rank_pids(worker):
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while worker.health_status() != health_pb2.HealthCheckResponse.NOT_SERVING:
+            assert time.monotonic() < deadline, "health stayed SERVING with no call under way"
+            time.sleep(0.05)
+        with pytest.raises(grpc.RpcError) as caught:
+            worker.stub.Decode(pb.DecodeRequest(seq_ids=list(chosen), tokens=[t[-1] for t in chosen.values()]),
+                               timeout=60)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE, caught.value.details()
+        assert "ended (exit code -9)" in caught.value.details(), caught.value.details()
     finally:
         worker.stop()

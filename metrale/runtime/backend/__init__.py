@@ -43,14 +43,12 @@ def create_backend(device: str, dtype: str, cache_dir: Path, programmatic_launch
     """device: 'auto' (CUDA where a GPU is present), 'cpu' or 'cuda'; programmatic_launch: CUDA's PDL on Hopper;
     dequantize: the CPU backend dequantizes GGUF block weights at upload instead of multiplying them as they are
     (the CUDA backend always uploads them dequantized, in bfloat16); group: a tensor-parallel worker's ranks
-    (parallel/group.py), None for one device."""
+    (parallel/group.py), None for one device: on CUDA, rank r runs on the r-th visible GPU."""
     if runs_on_cuda(device):
         if not cuda_available():
             raise FailedPrecondition("--device cuda, but no CUDA device is visible")
-        if group is not None:
-            raise FailedPrecondition("tensor parallel runs on the CPU backend only, for now")
         from metrale.runtime.backend.cuda import create_cuda_backend
-        return Backend(*create_cuda_backend(cache_dir, dtype, programmatic_launch))
+        return Backend(*create_cuda_backend(cache_dir, dtype, programmatic_launch, group))
     from metrale.runtime.backend.cpu import create_cpu_backend
     return Backend(*create_cpu_backend(dtype, dequantize, group))
 

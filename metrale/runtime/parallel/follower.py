@@ -31,10 +31,11 @@ def follow(group, model, runner, specs: tuple) -> None:
         if message == RENEW:            # after a call that failed partway, on any rank
             group.renew_collectives()
             continue
-        call, *args = message
+        call, stream, *args = message
         if call not in calls:
             raise ValueError(f"rank 0 sent an unknown call {call!r}")
         try:
+            runner.bind_stream(stream)
             result = calls[call](*args)
         except Exception:
             if call not in COLLECTIVE_CALLS:

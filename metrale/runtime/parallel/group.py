@@ -45,6 +45,8 @@ class GlooGroup:
 
     def __init__(self, shard: Shard, address: str, timeout_s: float = 60.0):
         self.shard, self.timeout, self.generation = shard, timedelta(seconds=timeout_s), 0
+        self.device = None          # a backend's collectives of its own (the CUDA backend's NCCL): attach()
+        self.lost: str | None = None    # why the ranks cannot go on (lose()), once one is gone
         host, port = address.rsplit(":", 1)
         self.store = dist.TCPStore(host, int(port), shard.size, shard.rank == 0, timeout=CALL_WAIT)
         self.calls = dist.ProcessGroupGloo(dist.PrefixStore("calls", self.store), shard.rank, shard.size, CALL_WAIT)
@@ -55,9 +57,15 @@ class GlooGroup:
         return dist.ProcessGroupGloo(dist.PrefixStore(f"collectives.{self.generation}", self.store), self.shard.rank,
                                      self.shard.size, self.timeout)
 
+    def attach(self, device) -> None:
+        """A backend's collectives over the device (drop(), renew(), close()), left and renewed with the group's."""
+        self.device = device
+
     def drop_collectives(self) -> None:
         """Leaves the current collectives: another rank in one (or entering one) fails it at once."""
         self.collectives = None
+        if self.device is not None:
+            self.device.drop()
 
     def renew_collectives(self) -> None:
         """New collectives, made by every rank together (each within the collectives' timeout, else RankLost)."""
@@ -66,6 +74,19 @@ class GlooGroup:
             self.collectives = self._collectives()
         except RuntimeError as error:
             raise RankLost(f"tensor-parallel ranks did not meet again after a failed call: {error}") from error
+        if self.device is not None:
+            self.device.renew()
+
+    def lose(self, why: str) -> None:
+        """Another rank is gone (its process ended): the collectives are left, so that a step waiting on the device
+        for that rank's part ends, and every later call is RankLost (check()). From any thread."""
+        self.lost = why
+        self.drop_collectives()
+
+    def check(self) -> None:
+        """RankLost once a rank is gone: what a step that waited on the device got is not the model's."""
+        if self.lost is not None:
+            raise RankLost(f"a tensor-parallel rank is gone: {self.lost}")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the ranks (in float32, then in x's dtype): every rank gets the same sum."""
@@ -112,4 +133,6 @@ class GlooGroup:
 
     def close(self) -> None:
         """Leaves the group: its connections close with it."""
-        self.calls = self.collectives = self.store = None
+        if self.device is not None:
+            self.device.close()
+        self.calls = self.collectives = self.store = self.device = None

@@ -1,9 +1,13 @@
 """Starts a tensor-parallel worker's other ranks as processes of their own (spawned: no state of rank 0's is
-inherited), each loading the checkpoint itself and following rank 0's calls until it stops them or goes away."""
+inherited, the environment is), each loading the checkpoint itself and following rank 0's calls until it stops them
+or goes away; and rank 0's watch over them (RankWatch)."""
 
 import multiprocessing
+import multiprocessing.connection
 import socket
+import threading
 from pathlib import Path
+from typing import Callable
 
 from metrale.runtime.build import build_follower
 from metrale.runtime.config import EngineConfig
@@ -37,3 +41,30 @@ def run_follower(model_path: str, config: EngineConfig, rank: int, size: int, ad
                                           Path(cache_dir) if cache_dir else None)
     follow(group, model, runner, specs)
     group.close()
+
+
+class RankWatch:
+    """Rank 0's watch over the other ranks' processes, on a thread of its own: the first one to end before stop()
+    calls on_lost(why), once. A rank's collectives on the device wait for its part without end (NCCL has no timeout):
+    on_lost is what ends that wait (GlooGroup.lose) and turns the worker NOT_SERVING, whether a step is under way
+    or none is."""
+
+    def __init__(self, ranks: list[multiprocessing.Process], on_lost: Callable[[str], None]):
+        self._stopped, self._stop = multiprocessing.Pipe(duplex=False)
+        self._thread = threading.Thread(target=self._watch, args=(ranks, on_lost), name="metrale-rank-watch",
+                                        daemon=True)
+        self._thread.start()
+
+    def _watch(self, ranks, on_lost) -> None:
+        by_sentinel = {rank.sentinel: rank for rank in ranks}
+        ended = multiprocessing.connection.wait([*by_sentinel, self._stopped])
+        if self._stopped in ended:
+            return
+        rank = by_sentinel[ended[0]]
+        rank.join(timeout=1)
+        on_lost(f"{rank.name} ended (exit code {rank.exitcode})")
+
+    def stop(self) -> None:
+        """Ends the watch (before the ranks are stopped on purpose)."""
+        self._stop.send(None)
+        self._thread.join()

@@ -1,8 +1,10 @@
 """Rank 0's runner in a tensor-parallel worker: the engine's, with every call that changes what the ranks hold (the
 cache's allocation, forwards, encoder passes, cache copies, warm-up) sent to the other ranks before it runs here.
 They run the same calls in the same order (follower.py), so each forward's collectives meet across the ranks; one
-call at a time, so two streams' forwards cannot cross. A call that fails partway, on this rank or another, fails
-alone: every rank leaves its collectives and they make new ones at RENEW before the next call."""
+call at a time, so two streams' forwards cannot cross, each with the stream its caller is bound to (the others run
+it on theirs). A call that fails partway, on this rank or another, fails alone: every rank leaves its collectives and
+they make new ones at RENEW before the next call. Once a rank is gone (GlooGroup.lose), every call is RankLost, and so
+is a sampling whose wait on the device that rank's loss ended."""
 
 import dataclasses
 import threading
@@ -18,19 +20,33 @@ class LeaderRunner:
         self.runner, self.group = runner, group
         self.lock = threading.Lock()
         self.concurrent_forwards = False
+        self._bound = threading.local()         # the calling thread's stream
 
     def __getattr__(self, name):
-        """What only rank 0 does (planning, sampling, beam candidates, counters) or keeps to itself."""
+        """What only rank 0 does (planning, beam candidates, counters) or keeps to itself."""
         return getattr(self.runner, name)
 
+    def bind_stream(self, stream: int) -> None:
+        self.runner.bind_stream(stream)
+        self._bound.stream = stream
+
     def _mirrored(self, message: tuple, run):
+        """message: (call, *args), sent as (call, the caller's stream, *args)."""
         with self.lock:
-            self.group.send(message)
+            self.group.check()
+            self.group.send((message[0], getattr(self._bound, "stream", 0), *message[1:]))
             try:
                 return run()
             except BaseException:
                 self._recover()
                 raise
+
+    def queue_sample(self, logits, rows):
+        return CheckedSample(self.runner.queue_sample(logits, rows), self.group)
+
+    def synchronize(self) -> None:
+        self.runner.synchronize()
+        self.group.check()
 
     def _recover(self) -> None:
         """After a call that failed partway: this rank leaves its collectives (another rank in one fails it at
@@ -65,6 +81,11 @@ class LeaderRunner:
     def copy_state_slots(self, layers, copies):
         return self._mirrored(("copy_states", copies), lambda: self.runner.copy_state_slots(layers, copies))
 
+    def lose(self, why: str) -> None:
+        """Another rank is gone (RankWatch): a step waiting for its part on the device ends, and every call is
+        RankLost from now on."""
+        self.group.lose(why)
+
     def stop(self) -> None:
         """Ends the other ranks' loops (where they can still be reached) and leaves the group, so that this process
         can join another."""
@@ -73,6 +94,21 @@ class LeaderRunner:
                 self.group.send(STOP)
             finally:
                 self.group.close()
+
+
+class CheckedSample:
+    """A queued sampling whose result is RankLost where a rank was lost meanwhile: its logits lacked that rank's part
+    (the wait for them ended with the collectives' abort, not with the part)."""
+
+    __slots__ = ("queued", "group")
+
+    def __init__(self, queued, group):
+        self.queued, self.group = queued, group
+
+    def result(self):
+        result = self.queued.result()
+        self.group.check()
+        return result
 
 
 def _sendable(batch):

@@ -26,6 +26,12 @@ def check(result) -> object:
     return values[0] if len(values) == 1 else values
 
 
+def device_count() -> int:
+    """The GPUs this process sees (CUDA_VISIBLE_DEVICES's)."""
+    check(driver.cuInit(0))
+    return int(check(driver.cuDeviceGetCount()))
+
+
 def arch_of(device: Device) -> str:
     """NVRTC target: 'sm_90a' on Hopper (wgmma, setmaxnreg), 'sm_XY' elsewhere."""
     return "sm_90a" if device.arch == "90" else f"sm_{device.arch}"
@@ -80,6 +86,18 @@ class CudaDevice:
     def device_address(self, host: np.ndarray) -> int:
         """Where a kernel reads and writes a pinned() array: its own address under unified addressing."""
         return int(check(driver.cuMemHostGetDevicePointer(host.ctypes.data, 0)))
+
+    def copy_columns(self, dst: DeviceTensor, src: DeviceTensor, stream) -> None:
+        """dst = src on the device, queued on `stream` (capturable): 2-D tensors of one shape and dtype, either
+        strided (a column slice of a wider one)."""
+        if dst.shape != src.shape or dst.dtype != src.dtype or len(dst.shape) != 2:
+            raise ValueError(f"copy of a {src.shape} {src.dtype} tensor into a {dst.shape} {dst.dtype} one")
+        copy = driver.CUDA_MEMCPY2D()
+        copy.srcMemoryType = copy.dstMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        copy.srcDevice, copy.srcPitch = src.ptr, src.stride * src.itemsize
+        copy.dstDevice, copy.dstPitch = dst.ptr, dst.stride * dst.itemsize
+        copy.WidthInBytes, copy.Height = dst.shape[1] * dst.itemsize, dst.shape[0]
+        check(driver.cuMemcpy2DAsync(copy, int(stream.handle)))
 
     def copy_to_host(self, src: DeviceTensor, stream) -> np.ndarray:
         """Synchronous: queued on `stream` after its work, then waits for the stream."""

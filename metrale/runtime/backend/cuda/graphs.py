@@ -60,6 +60,11 @@ class DecodeGraphs:
         for size in self.batch_sizes:
             self._captured(forward, size)
 
+    def forget(self) -> None:
+        """Drops every captured graph (each is captured again on its next use): what they captured is gone (a
+        tensor-parallel communicator renewed)."""
+        self._graphs.clear()
+
     def size_for(self, rows: int) -> int | None:
         """The smallest bucket of at least `rows` decode rows, or None."""
         return next((size for size in self.batch_sizes if size >= rows), None)
@@ -176,6 +181,11 @@ class PrefillGraphs:
         graph.launch(self.ctx.stream)
         self.replays += 1
         return out.rows(0, len(batch.sample_rows)) if padding.sampled else out
+
+
+    def forget(self) -> None:
+        """As DecodeGraphs.forget."""
+        self._graphs.clear()
 
 
 def _power_of_two(n: int) -> int:

@@ -45,6 +45,8 @@ class CudaRunner:
         # The attention kernels read bf16 K/V, and e4m3 K/V from sm_89 on (the conversions are Ada's and later).
         self.kv_dtypes = ("auto", "fp8") if arch_number(self.lib.arch) >= 89 else ("auto",)
         self._states: kernels.ssm.StateTable | None = None     # the recurrent layers' state tensors, where any
+        if resources.collectives is not None:
+            resources.collectives.on_renew.append(self._forget_graphs)
 
     def plan(self, weight_bytes: int, shapes: MemoryShapes) -> None:
         self.resources.plan(weight_bytes, shapes)
@@ -172,6 +174,15 @@ class CudaRunner:
             ctx.synchronize()
         finally:
             gemm.tuner = None
+
+    def _forget_graphs(self) -> None:
+        """Every stream's graphs, captured again as they are next used: they captured the collectives of a
+        communicator that is gone (collectives.py's renew). Every rank forgets them at the same call, so the ranks
+        capture again at the same forward."""
+        for ctx in self.resources.streams:
+            for graphs in (ctx.graphs, ctx.encoder_graphs, ctx.prompt_graphs):
+                if graphs is not None:
+                    graphs.forget()
 
     @property
     def decode_graph_rows(self) -> int:

@@ -31,12 +31,16 @@ BEAM_STATE_BYTES = 32 << 20
 WORKSPACE_LAYERS = 3
 TIMED = EventOptions(timing_enabled=True)
 MAX_TIMED_ROUNDS = 1 << 16
+# Host arrays a stream's copies read, kept until it is waited for: a stream that is never waited for (a
+# tensor-parallel follower's, which samples nothing) waits for its device before a forward once it holds more.
+MAX_PENDING = 64
 
 Buffers = dict[str, tuple[tuple[int, ...], str]]
 
 
-def stream_buffers(lib, shapes: MemoryShapes) -> Buffers:
-    """name -> (shape, dtype) of every buffer one stream owns, sized by the engine's limits."""
+def stream_buffers(lib, shapes: MemoryShapes, ranks: int = 1) -> Buffers:
+    """name -> (shape, dtype) of every buffer one stream owns, sized by the engine's limits; ranks: a tensor-parallel
+    worker's, whose vocabulary parts each stream gathers."""
     t, seqs = shapes.max_batch_tokens, shapes.max_seqs
     per_layer = 2 * t * (4 * shapes.hidden + 2 * shapes.q_size + 2 * shapes.kv_size + 3 * shapes.intermediate
                          + shapes.ssm_width + shapes.moe_width + shapes.latent_width)
@@ -55,8 +59,8 @@ def stream_buffers(lib, shapes: MemoryShapes) -> Buffers:
     buffers = {
         "workspace": ((WORKSPACE_LAYERS * per_layer + 4 * t * shapes.hidden * 2,), "uint8"),
         # The LM head's output in the model's dtype, as transformers' bf16 run has it; as wide as the LM head's
-        # padded rows (padded_vocab): the GEMM writes them all.
-        "logits": ((seqs, padded_vocab(shapes.vocab)), "bfloat16"),
+        # padded rows (padded_vocab; the ranks' parts side by side: vocab_part): the GEMM writes them all.
+        "logits": ((seqs, ranks * vocab_part(shapes.vocab, ranks)), "bfloat16"),
         # The sampler's rows: the logits widened to float32, and a penalised copy.
         "widened": ((seqs, shapes.vocab), "float32"),
         "processed": ((seqs, shapes.vocab), "float32"),
@@ -76,6 +80,9 @@ def stream_buffers(lib, shapes: MemoryShapes) -> Buffers:
         # moe_route's count of its finished blocks: 0 between launches (its last block resets it).
         "moe_done": ((1,), "int32"),
     }
+    # Tensor parallel: every rank's part of the logits rows, rank after rank (each [rows, part]), as NCCL gathers them.
+    if ranks > 1:
+        buffers["logits_parts"] = ((ranks * seqs * vocab_part(shapes.vocab, ranks),), "bfloat16")
     # An FP8 linear's input quantized per token (its rows of e4m3, their scales: one a row, or one a row per 128
     # columns for a weight in blocks), read by the GEMM right after.
     if shapes.fp8_width:
@@ -125,6 +132,12 @@ def padded_vocab(vocab: int) -> int:
     return -(-vocab // LM_HEAD_PADDING_ROWS) * LM_HEAD_PADDING_ROWS
 
 
+def vocab_part(vocab: int, ranks: int) -> int:
+    """The LM head's rows on each of `ranks` tensor-parallel ranks: an equal share, padded as padded_vocab; the last
+    rank's rows past the vocabulary are zeros (their logits columns are dropped)."""
+    return padded_vocab(-(-vocab // ranks))
+
+
 def stream_bytes(buffers: Buffers) -> int:
     """The size of one stream's region: every buffer ALIGNMENT-aligned, as Arena.take places them."""
     return sum(-(-math.prod(shape) * DTYPES[dtype][0] // ALIGNMENT) * ALIGNMENT for shape, dtype in buffers.values())
@@ -142,6 +155,7 @@ class StreamContext:
         workspace = taken["workspace"]
         self.ring = RingArena(workspace.ptr, workspace.nbytes, f"{region.name} activation workspace")
         self.logits = taken["logits"]     # [max_seqs, padded_vocab]; logits() hands out the vocab columns
+        self.logits_parts = taken.get("logits_parts")
         self.metadata, self.cross_metadata = taken["metadata"], taken["cross_metadata"]
         self.kv_copies = taken["kv_copies"]
         self.decode_partials, self.gemm_workspace = taken["decode_partials"], taken["gemm_workspace"]
@@ -184,6 +198,8 @@ class StreamContext:
         its own region; the ring goes on."""
         if self._prepared is not None:      # capturing: the batch already in place
             return self._prepared_cross if cross else self._prepared
+        if len(self._pending) > MAX_PENDING:
+            self.synchronize()
         key = (self, pad_to, cross, prefill)
         if batch.staged is not None and batch.staged[0] == key:     # packed ahead: only its tokens set now
             prepared = batch.staged[1]

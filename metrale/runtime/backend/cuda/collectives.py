@@ -1,0 +1,85 @@
+"""A tensor-parallel worker's collectives on the device: NCCL (through nccl4py) sums and gathers of device tensors,
+queued on the calling stream like any kernel, so a decode graph captures them with the rest of its launches.
+
+One communicator per worker, its unique id handed from rank 0 to the others through the ranks' store
+(parallel/group.py). Every rank queues the same collectives in the same order (rank 0's calls are mirrored one at a
+time, parallel/leader.py), and NCCL orders a communicator's operations among themselves whatever stream queued them.
+After a call that failed partway the communicator is aborted on every rank (its queued operations end) and a new one
+made (renew); the graphs that captured the old one are captured again (CudaRunner._forget_graphs)."""
+
+from nccl.bindings import nccl as bindings
+from nccl.core import Communicator, UniqueId, get_unique_id
+
+from metrale.runtime.backend.cuda.tensor import DeviceTensor
+from metrale.runtime.errors import CollectiveFailed, InvalidArgument, RankLost
+
+NCCL_DTYPES = {"bfloat16": bindings.DataType.Bfloat16, "float32": bindings.DataType.Float32,
+               "float16": bindings.DataType.Float16}
+
+
+class NcclCollectives:
+    """group: the ranks' GlooGroup (its shard, store and generation); the calling thread's device is this rank's
+    (CudaDevice made it current)."""
+
+    def __init__(self, group):
+        self.group, self.shard = group, group.shard
+        self._communicator: Communicator | None = None
+        self._comm = None          # the communicator's binding handle, for the per-layer calls
+        self.on_renew = []         # called after each renewal: what captured the old communicator forgets it
+        self._make()
+        group.attach(self)
+
+    def renew(self) -> None:
+        """A new communicator, every rank together, under the group's current generation (each rank within the
+        store's timeout, else RankLost). The old one is aborted first where this rank's call did not fail: its
+        operations waiting for a rank that stopped partway would hold this rank's streams."""
+        self.drop()
+        self._make()
+        for forget in self.on_renew:
+            forget()
+
+    def _make(self) -> None:
+        key = f"nccl.{self.group.generation}"
+        try:
+            if self.shard.rank == 0:
+                unique_id = get_unique_id()
+                self.group.store.set(key, bytes(unique_id))
+            else:
+                unique_id = UniqueId.from_bytes(self.group.store.get(key))
+        except RuntimeError as error:
+            raise RankLost(f"tensor-parallel ranks did not meet to make their NCCL communicator: {error}") from error
+        try:
+            self._communicator = Communicator.init(self.shard.size, self.shard.rank, unique_id)
+        except Exception as error:      # NCCL's own errors (nccl.bindings' NCCLError), and nccl4py's NcclInvalid
+            raise RankLost(f"tensor-parallel NCCL communicator failed: {error}") from error
+        self._comm = bindings.Comm(self._communicator.ptr)
+
+    def drop(self) -> None:
+        """Aborts the communicator: its operations queued on this rank's streams end (their results undefined) and
+        its next use fails until renew(). Safe from another thread (a rank found dead while a step waits)."""
+        communicator, self._communicator, self._comm = self._communicator, None, None
+        if communicator is not None:
+            communicator.abort()
+
+    def close(self) -> None:
+        self.drop()
+
+    def all_reduce(self, x: DeviceTensor, stream) -> DeviceTensor:
+        """x summed over the ranks, in place, in x's dtype."""
+        if not x.is_contiguous:
+            raise InvalidArgument(f"a tensor-parallel sum of a strided {x.shape} tensor")
+        bindings.all_reduce(x.ptr, x.ptr, x.numel, int(NCCL_DTYPES[x.dtype]), int(bindings.RedOp.Sum),
+                            self._current(), int(stream.handle))
+        return x
+
+    def all_gather(self, parts: DeviceTensor, count: int, stream) -> None:
+        """Every rank's `count` elements, in rank order from parts' start, on every rank: in place, each rank's own
+        already at parts' start + rank * count."""
+        mine = parts.ptr + self.shard.rank * count * parts.itemsize
+        bindings.all_gather(mine, parts.ptr, count, int(NCCL_DTYPES[parts.dtype]), self._current(),
+                            int(stream.handle))
+
+    def _current(self):
+        if self._comm is None:
+            raise CollectiveFailed("tensor-parallel NCCL communicator aborted after a failed call, not yet renewed")
+        return self._comm
