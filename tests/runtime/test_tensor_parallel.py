@@ -6,7 +6,9 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -209,6 +211,8 @@ def test_stacked_experts_split_as_each_expert_would():
 class Recorded:
     """A runner that records what it is asked: stream bindings and calls, in order."""
 
+    queues_work = False
+
     def __init__(self):
         self.calls = []
 
@@ -229,8 +233,9 @@ def a_batch():
 class Mailbox:
     """Rank 0's messages to the others, in memory: what the leader sends, a follower receives."""
 
-    def __init__(self, shard):
+    def __init__(self, shard, timeout_s: float = 60.0):
         self.shard, self.sent, self.lost = shard, [], None
+        self.timeout, self.aborted = timedelta(seconds=timeout_s), threading.Event()
 
     def send(self, message):
         self.sent.append(message)
@@ -243,6 +248,7 @@ class Mailbox:
 
     def lose(self, why):
         self.lost = why
+        self.aborted.set()          # as NCCL's abort ends the device's wait for the lost rank's part
 
 
 def test_a_follower_runs_each_call_on_the_stream_of_rank_0_s_caller():
@@ -331,3 +337,32 @@ def test_the_ranks_nccl_communicators_meet_under_each_generation_and_the_old_one
     assert all(c.aborted for c in FakeCommunicator.made if c.rank == 1)
     with pytest.raises(RankLost, match="exit code -9"):
         group.check()
+
+
+class Hanging(Recorded):
+    """A CUDA-like runner whose sampling waits on the device for a rank that hangs: until the collectives are
+    aborted."""
+
+    queues_work = True
+
+    def __init__(self, aborted):
+        super().__init__()
+        self.aborted = aborted
+
+    def queue_sample(self, logits, rows):
+        return SimpleNamespace(result=lambda: self.aborted.wait(30) and "garbage")
+
+
+def test_a_wait_on_the_device_past_the_collectives_timeout_loses_the_ranks():
+    """A rank that hangs (alive, never done): NCCL waits for its part without end. Rank 0's wait for a sampling passes
+    the collectives' timeout, the ranks are lost (the abort ends the wait), the sampling is RankLost and so is every
+    call after it."""
+    group = Mailbox(Shard(0, 2), timeout_s=0.3)
+    leader = LeaderRunner(Hanging(group.aborted), group)
+    started = time.monotonic()
+    with pytest.raises(RankLost, match="passed 0.3 s"):
+        leader.queue_sample(None, []).result()
+    assert time.monotonic() - started < 5
+    with pytest.raises(RankLost):
+        leader.run_forward(None, a_batch(), False)
+    leader.watch.stop()

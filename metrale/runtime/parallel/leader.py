@@ -4,10 +4,14 @@ They run the same calls in the same order (follower.py), so each forward's colle
 call at a time, so two streams' forwards cannot cross, each with the stream its caller is bound to (the others run
 it on theirs). A call that fails partway, on this rank or another, fails alone: every rank leaves its collectives and
 they make new ones at RENEW before the next call. Once a rank is gone (GlooGroup.lose), every call is RankLost, and so
-is a sampling whose wait on the device that rank's loss ended."""
+is a sampling whose wait on the device that rank's loss ended. Where the device works ahead of the host (CUDA), a
+wait on it that outlasts the collectives' timeout loses the ranks too (DeviceWatch): NCCL waits for a hung rank's
+part without end."""
 
+import contextlib
 import dataclasses
 import threading
+import time
 
 from metrale.runtime.backend.runner import Runner
 
@@ -21,6 +25,7 @@ class LeaderRunner:
         self.lock = threading.Lock()
         self.concurrent_forwards = False
         self._bound = threading.local()         # the calling thread's stream
+        self.watch = DeviceWatch(group, group.timeout.total_seconds()) if runner.queues_work else None
 
     def __getattr__(self, name):
         """What only rank 0 does (planning, beam candidates, counters) or keeps to itself."""
@@ -36,16 +41,22 @@ class LeaderRunner:
             self.group.check()
             self.group.send((message[0], getattr(self._bound, "stream", 0), *message[1:]))
             try:
-                return run()
+                with self.waiting():
+                    return run()
             except BaseException:
                 self._recover()
                 raise
 
+    def waiting(self):
+        """Around a wait on the device: bounded by the watch, where there is one."""
+        return self.watch.waiting() if self.watch is not None else contextlib.nullcontext()
+
     def queue_sample(self, logits, rows):
-        return CheckedSample(self.runner.queue_sample(logits, rows), self.group)
+        return CheckedSample(self.runner.queue_sample(logits, rows), self)
 
     def synchronize(self) -> None:
-        self.runner.synchronize()
+        with self.waiting():
+            self.runner.synchronize()
         self.group.check()
 
     def _recover(self) -> None:
@@ -90,6 +101,8 @@ class LeaderRunner:
         """Ends the other ranks' loops (where they can still be reached) and leaves the group, so that this process
         can join another."""
         with self.lock:
+            if self.watch is not None:
+                self.watch.stop()
             try:
                 self.group.send(STOP)
             finally:
@@ -100,15 +113,47 @@ class CheckedSample:
     """A queued sampling whose result is RankLost where a rank was lost meanwhile: its logits lacked that rank's part
     (the wait for them ended with the collectives' abort, not with the part)."""
 
-    __slots__ = ("queued", "group")
+    __slots__ = ("queued", "leader")
 
-    def __init__(self, queued, group):
-        self.queued, self.group = queued, group
+    def __init__(self, queued, leader: LeaderRunner):
+        self.queued, self.leader = queued, leader
 
     def result(self):
-        result = self.queued.result()
-        self.group.check()
+        with self.leader.waiting():
+            result = self.queued.result()
+        self.leader.group.check()
         return result
+
+
+class DeviceWatch:
+    """Rank 0's bound on its waits for the device, on a thread of its own: a wait that outlasts timeout_s (the
+    collectives' timeout) means a rank's part never came (it hangs; NCCL waits for it without end), so the ranks are
+    lost (GlooGroup.lose), which ends the wait (the collectives are aborted) and fails it with RankLost."""
+
+    def __init__(self, group, timeout_s: float):
+        self.group, self.timeout_s = group, timeout_s
+        self._deadlines: dict[int, float] = {}      # thread -> when its wait is over time
+        self._stopped = threading.Event()
+        threading.Thread(target=self._watch, name="metrale-device-watch", daemon=True).start()
+
+    @contextlib.contextmanager
+    def waiting(self):
+        thread = threading.get_ident()
+        self._deadlines[thread] = time.monotonic() + self.timeout_s
+        try:
+            yield
+        finally:
+            del self._deadlines[thread]
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(min(1.0, self.timeout_s / 4)):
+            late = [d for d in list(self._deadlines.values()) if d < time.monotonic()]
+            if late and self.group.lost is None:
+                self.group.lose(f"a wait on the device passed {self.timeout_s:g} s (a rank hangs)")
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
 
 
 def _sendable(batch):
