@@ -68,7 +68,7 @@
 #            GPUs, the API tests against two-rank CUDA workers                                         (~3 min)
 #   tp-figures  bench/gpu_tensor_parallel.py: the Llama-3-8B shape at 1 and 2 ranks (decode batches 1 and 64 on the
 #            engine and through Steps, prefill 1 x 4096, NCCL's share of a step), then the Llama-3-70B shape at 2 ranks
-#                                                                                                        (~9 min)
+#            (about 77 GiB a rank with batch 64's KV: nvidia-h200-x2, not H100s)                           (~9 min)
 #   mha      bench/gpu_mha_attention.py: the multi-head decode attention kernels at NLLB's beam step shapes, with each
 #            bench/variants/decode_attention_mha/NAME.cu (carry bench/variants) timed beside the package's  (~1 min)
 # Usage (from the repository root, with .whl carried):

@@ -20,11 +20,11 @@ from metrale.runtime.build import build_engine, build_follower
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.batch import Segment, build_batch
 from metrale.runtime.sequence import BlockTable
-from metrale.runtime.errors import InvalidArgument, RankLost
+from metrale.runtime.errors import CollectiveFailed, InvalidArgument, RankLost
 from metrale.runtime.loading import load_checkpoint
 from metrale.runtime.parallel.follower import follow
 from metrale.runtime.parallel.group import GlooGroup, Shard
-from metrale.runtime.parallel.leader import STOP, LeaderRunner
+from metrale.runtime.parallel.leader import RENEW, STOP, LeaderRunner
 from metrale.runtime.parallel.sharding import COLUMNS, HEADS, ROWS, Segments, ShardedTensors
 from fp8_checkpoints import write_fp8
 from tensor_parallel_rank import CONFIG, steps
@@ -250,6 +250,22 @@ class Mailbox:
         self.lost = why
         self.aborted.set()          # as NCCL's abort ends the device's wait for the lost rank's part
 
+    interrupted, reported, renewed = False, False, 0
+
+    def failure_reported(self):
+        return self.reported
+
+    def interrupt(self):
+        self.interrupted = True
+        self.aborted.set()
+
+    def drop_collectives(self):
+        pass
+
+    def renew_collectives(self):
+        self.renewed += 1
+        self.interrupted = self.reported = False
+
 
 def test_a_follower_runs_each_call_on_the_stream_of_rank_0_s_caller():
     """Rank 0's calls from two stream threads: each reaches the other rank with its caller's stream, which that rank
@@ -302,9 +318,12 @@ class FakeCommunicator:
 
 
 def test_the_ranks_nccl_communicators_meet_under_each_generation_and_the_old_one_is_aborted(monkeypatch):
-    """Rank 0's unique id reaches the other rank through the store, a new one at each renewal (after a failed call),
-    when every rank aborts the old communicator first (its operations waiting for a rank that stopped partway would
-    hold the streams) and forgets what captured it; a lost rank aborts it too."""
+    """Rank 0's unique id reaches the other rank through the store, a new one at each renewal (after a failed call,
+    on rank 0 alone here), when every rank aborts the old communicator first (its operations waiting for a rank that
+    stopped partway would hold the streams), after letting go of what captured it (NCCL's abort waits for those
+    graphs); leaving the collectives at the failure aborts nothing yet (the others abort theirs at the renewal). A
+    failure reported by rank 1 is seen by rank 0 under that generation only; a lost rank aborts the communicator
+    too."""
     from nccl.core import UniqueId
 
     from metrale.runtime.backend.cuda import collectives
@@ -313,16 +332,20 @@ def test_the_ranks_nccl_communicators_meet_under_each_generation_and_the_old_one
     monkeypatch.setattr(collectives, "get_unique_id", lambda: next(ids))
     monkeypatch.setattr(collectives, "Communicator", FakeCommunicator)
     FakeCommunicator.made = []
-    address, made, forgotten = f"127.0.0.1:{free_port()}", {}, []
+    address, made, released, left = f"127.0.0.1:{free_port()}", {}, [], {}
 
     def rank(r):
         group = GlooGroup(Shard(r, 2), address, timeout_s=20)
-        made[r] = collectives.NcclCollectives(group)
-        made[r].on_renew.append(lambda: forgotten.append(r))
-        if r == 0:                          # a call failed on rank 0 alone: it leaves, rank 1 only renews
+        nccl = collectives.NcclCollectives(group)
+        nccl.before_abort.append(lambda: released.append((r, [c.aborted for c in FakeCommunicator.made
+                                                              if c.rank == r])))
+        if r == 0:
             group.drop_collectives()
+            left[r] = [c.aborted for c in FakeCommunicator.made if c.rank == r]
         group.renew_collectives()
-        made[r] = (made[r], group)
+        if r == 1:
+            group.report_failure()
+        made[r] = group
     threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
     for thread in threads:
         thread.start()
@@ -331,10 +354,17 @@ def test_the_ranks_nccl_communicators_meet_under_each_generation_and_the_old_one
     zero, one = ([c for c in FakeCommunicator.made if c.rank == r] for r in (0, 1))     # each rank's, in order
     assert [c.size for c in zero + one] == [2] * 4
     assert [c.unique_id for c in zero] == [c.unique_id for c in one] and zero[0].unique_id != zero[1].unique_id
-    assert [c.aborted for c in zero + one] == [True, False, True, False] and sorted(forgotten) == [0, 1]
-    nccl, group = made[1]
+    assert [c.aborted for c in zero + one] == [True, False, True, False] and not any(left[0])
+    assert sorted(r for r, _ in released) == [0, 1] and not any(any(before) for _, before in released)
+    assert made[0].failure_reported() and made[0].generation == 1
+    made[0].renew_collectives, made[0].generation = None, 2      # a later generation's: not that failure
+    assert not made[0].failure_reported()
+    group = made[1]
     group.lose("metrale-rank-0 ended (exit code -9)")
-    assert all(c.aborted for c in FakeCommunicator.made if c.rank == 1)
+    deadline = time.monotonic() + 10
+    while not all(c.aborted for c in one) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(c.aborted for c in one)
     with pytest.raises(RankLost, match="exit code -9"):
         group.check()
 
@@ -365,4 +395,40 @@ def test_a_wait_on_the_device_past_the_collectives_timeout_loses_the_ranks():
     assert time.monotonic() - started < 5
     with pytest.raises(RankLost):
         leader.run_forward(None, a_batch(), False)
+    leader.watch.stop()
+
+
+def test_each_stream_holds_the_ranks_vocabulary_parts_side_by_side():
+    """The CUDA backend's logits rows: as wide as every rank's part of the vocabulary (each padded to 64 rows), with
+    the buffer the parts are gathered into, also for a group of one; one device's as before."""
+    from metrale.runtime.backend.cuda.stream_context import padded_vocab, stream_buffers, vocab_part
+    from metrale.runtime.backend.runner import MemoryShapes
+
+    shapes = MemoryShapes(hidden=64, q_size=0, kv_size=0, intermediate=128, vocab=1000, max_batch_tokens=32,
+                          max_seqs=8, max_blocks_per_seq=4, head_dim=16, kv_block_size=16)
+    one = stream_buffers(None, shapes)
+    assert one["logits"] == ((8, padded_vocab(1000)), "bfloat16") and "logits_parts" not in one
+    for ranks in (1, 2, 3):
+        buffers = stream_buffers(None, shapes, ranks)
+        part = vocab_part(1000, ranks)
+        assert part % 64 == 0 and ranks * part >= 1000 > (ranks - 1) * part
+        assert buffers["logits"] == ((8, ranks * part), "bfloat16")
+        assert buffers["logits_parts"] == ((ranks * 8 * part,), "bfloat16")
+
+
+def test_a_failure_reported_by_another_rank_fails_the_waiting_step_alone_and_the_ranks_renew():
+    """Rank 1's part of the step failed (a bug there) and it said so: rank 0's wait on the device for that part, which
+    NCCL would hold without end, is interrupted (the collectives aborted); the sampling fails as a StepFailed (the
+    engine undoes the step), rank 0 sends RENEW and renews, and the next call goes on."""
+    group = Mailbox(Shard(0, 2), timeout_s=30)
+    leader = LeaderRunner(Hanging(group.aborted), group)
+    queued = leader.queue_sample(None, [])
+    group.reported = True
+    started = time.monotonic()
+    with pytest.raises(CollectiveFailed, match="another tensor-parallel rank's part"):
+        queued.result()
+    assert time.monotonic() - started < 5 and group.lost is None
+    assert group.sent == [RENEW] and group.renewed == 1 and not group.interrupted
+    leader.run_forward(None, a_batch(), False)
+    assert [message[0] for message in group.sent] == [RENEW[0], "forward"]
     leader.watch.stop()

@@ -1,5 +1,7 @@
 """A tensor-parallel worker's other ranks: each holds its shard of the model and of the cache and runs rank 0's
-calls (leader.py) as they come, until rank 0 stops it. It answers nothing: rank 0 samples from the gathered logits."""
+calls (leader.py) as they come, each on rank 0's caller's stream, until rank 0 stops it. It answers nothing: rank 0
+samples from the gathered logits. A call whose part here fails is reported to rank 0, whose wait on the device for
+that part it ends."""
 
 import structlog
 
@@ -14,6 +16,8 @@ COLLECTIVE_CALLS = ("warm_up", "forward", "encode")
 def follow(group, model, runner, specs: tuple) -> None:
     """specs: the model's cache specs as rank 0's (build.py's with_kv_dtype)."""
     layers = None
+    if hasattr(runner, "bound_waits"):      # a device that works ahead: never wait on it past a collective's time
+        runner.bound_waits(group.timeout.total_seconds())
 
     def forward(batch):
         return model.forward(batch, layers)
@@ -40,9 +44,10 @@ def follow(group, model, runner, specs: tuple) -> None:
         except Exception:
             if call not in COLLECTIVE_CALLS:
                 raise                   # this rank's shard would differ from rank 0's: it ends (RankLost there)
-            # Rank 0's call fails too, its collectives broken off (at once, or at its next call's), and it sends
-            # RENEW.
+            # Rank 0's call fails too, its collectives broken off (at once, or at its next call's; on the device at
+            # its watch's word), and it sends RENEW.
             log.warning("tensor_parallel_call_failed", call=call, rank=group.shard.rank, exc_info=True)
+            group.report_failure()
             group.drop_collectives()
             continue
         if call == "allocate_cache":

@@ -5,6 +5,7 @@ torch.distributed's global one: a process may hold several workers' groups, one 
 tests' in-process workers)."""
 
 import pickle
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -47,6 +48,7 @@ class GlooGroup:
         self.shard, self.timeout, self.generation = shard, timedelta(seconds=timeout_s), 0
         self.device = None          # a backend's collectives of its own (the CUDA backend's NCCL): attach()
         self.lost: str | None = None    # why the ranks cannot go on (lose()), once one is gone
+        self.interrupted = False        # the device's collectives aborted for a rank's failed call (interrupt())
         host, port = address.rsplit(":", 1)
         self.store = dist.TCPStore(host, int(port), shard.size, shard.rank == 0, timeout=CALL_WAIT)
         self.calls = dist.ProcessGroupGloo(dist.PrefixStore("calls", self.store), shard.rank, shard.size, CALL_WAIT)
@@ -58,14 +60,14 @@ class GlooGroup:
                                      self.shard.size, self.timeout)
 
     def attach(self, device) -> None:
-        """A backend's collectives over the device (drop(), renew(), close()), left and renewed with the group's."""
+        """A backend's collectives over the device (renew(), abort(), close()): renewed with the group's, at RENEW,
+        and aborted where a rank is lost or interrupted."""
         self.device = device
 
     def drop_collectives(self) -> None:
-        """Leaves the current collectives: another rank in one (or entering one) fails it at once."""
+        """Leaves the current collectives: another rank in one (or entering one) fails it at once. (The device's
+        run on: no host waits in them, and every rank aborts them together at the renewal.)"""
         self.collectives = None
-        if self.device is not None:
-            self.device.drop()
 
     def renew_collectives(self) -> None:
         """New collectives, made by every rank together (each within the collectives' timeout, else RankLost)."""
@@ -76,12 +78,35 @@ class GlooGroup:
             raise RankLost(f"tensor-parallel ranks did not meet again after a failed call: {error}") from error
         if self.device is not None:
             self.device.renew()
+        self.interrupted = False
+
+    def report_failure(self) -> None:
+        """A rank other than 0 whose part of a call failed: says so, for rank 0 waiting on the device for that part
+        (its DeviceWatch interrupts the wait)."""
+        self.store.set(f"failed.{self.generation}", str(self.shard.rank))
+
+    def failure_reported(self) -> bool:
+        """Rank 0: whether another rank's part of a call under this generation failed."""
+        return self.store.check([f"failed.{self.generation}"])
+
+    def interrupt(self) -> None:
+        """Rank 0, another rank's part of the step having failed: the device's collectives are aborted (from a
+        thread of their own), which ends the wait for that part; the step then fails and the ranks renew them."""
+        self.interrupted = True
+        self._abort_device()
 
     def lose(self, why: str) -> None:
-        """Another rank is gone (its process ended): the collectives are left, so that a step waiting on the device
-        for that rank's part ends, and every later call is RankLost (check()). From any thread."""
+        """Another rank is gone (its process ended, or it hangs): the collectives are left and the device's aborted,
+        so that a step waiting on the device for that rank's part ends, and every later call is RankLost (check()).
+        From any thread."""
         self.lost = why
         self.drop_collectives()
+        self._abort_device()
+
+    def _abort_device(self) -> None:
+        """On a thread of its own: an abort that waited on the lost rank would hold the caller (the event loop)."""
+        if self.device is not None:
+            threading.Thread(target=self.device.abort, name="metrale-collectives-abort", daemon=True).start()
 
     def check(self) -> None:
         """RankLost once a rank is gone: what a step that waited on the device got is not the model's."""

@@ -14,6 +14,7 @@ import threading
 import time
 
 from metrale.runtime.backend.runner import Runner
+from metrale.runtime.errors import CollectiveFailed
 
 STOP = ("stop",)
 RENEW = ("renew",)
@@ -35,14 +36,17 @@ class LeaderRunner:
         self.runner.bind_stream(stream)
         self._bound.stream = stream
 
-    def _mirrored(self, message: tuple, run):
-        """message: (call, *args), sent as (call, the caller's stream, *args)."""
+    def _mirrored(self, message: tuple, run, watched: bool = True):
+        """message: (call, *args), sent as (call, the caller's stream, *args). watched: what run() waits for on the
+        device is bounded by the watch (not the warm-up's tuning and captures, nor the cache's allocation)."""
         with self.lock:
             self.group.check()
             self.group.send((message[0], getattr(self._bound, "stream", 0), *message[1:]))
             try:
-                with self.waiting():
-                    return run()
+                with self.waiting() if watched else contextlib.nullcontext():
+                    result = run()
+                self._settled()
+                return result
             except BaseException:
                 self._recover()
                 raise
@@ -51,13 +55,31 @@ class LeaderRunner:
         """Around a wait on the device: bounded by the watch, where there is one."""
         return self.watch.waiting() if self.watch is not None else contextlib.nullcontext()
 
+    def _settled(self) -> None:
+        """After a wait on the device: RankLost once a rank is gone; CollectiveFailed where another rank's part of
+        the step failed (the collectives were aborted, which ended the wait: what it got is not the model's)."""
+        self.group.check()
+        if self.group.interrupted:
+            raise CollectiveFailed("another tensor-parallel rank's part of the step failed")
+
     def queue_sample(self, logits, rows):
         return CheckedSample(self.runner.queue_sample(logits, rows), self)
 
     def synchronize(self) -> None:
         with self.waiting():
             self.runner.synchronize()
-        self.group.check()
+        self.settle_wait()
+
+    def settle_wait(self) -> None:
+        """_settled for a wait outside a mirrored call (a sampling's read-back): an interrupted step's collectives
+        are renewed here, once, by the first wait to see it."""
+        try:
+            self._settled()
+        except CollectiveFailed:
+            with self.lock:
+                if self.group.interrupted:
+                    self._recover()
+            raise
 
     def _recover(self) -> None:
         """After a call that failed partway: this rank leaves its collectives (another rank in one fails it at
@@ -69,11 +91,13 @@ class LeaderRunner:
     def allocate_cache(self, specs, num_blocks, block_size, num_state_slots):
         """Rank 0 sizes the cache; each rank allocates its shard of it (its model's specs)."""
         return self._mirrored(("allocate_cache", num_blocks, block_size, num_state_slots),
-                              lambda: self.runner.allocate_cache(specs, num_blocks, block_size, num_state_slots))
+                              lambda: self.runner.allocate_cache(specs, num_blocks, block_size, num_state_slots),
+                              watched=False)
 
     def warm_up(self, forward, graph_batch_sizes, max_context, max_source_len=0):
         return self._mirrored(("warm_up", graph_batch_sizes, max_context, max_source_len),
-                              lambda: self.runner.warm_up(forward, graph_batch_sizes, max_context, max_source_len))
+                              lambda: self.runner.warm_up(forward, graph_batch_sizes, max_context, max_source_len),
+                              watched=False)
 
     def run_forward(self, forward, batch, replayable):
         return self._mirrored(("forward", _sendable(batch), replayable),
@@ -121,14 +145,18 @@ class CheckedSample:
     def result(self):
         with self.leader.waiting():
             result = self.queued.result()
-        self.leader.group.check()
+        self.leader.settle_wait()
         return result
 
 
 class DeviceWatch:
-    """Rank 0's bound on its waits for the device, on a thread of its own: a wait that outlasts timeout_s (the
-    collectives' timeout) means a rank's part never came (it hangs; NCCL waits for it without end), so the ranks are
-    lost (GlooGroup.lose), which ends the wait (the collectives are aborted) and fails it with RankLost."""
+    """Rank 0's watch over its waits for the device, on a thread of its own. NCCL waits for another rank's part of a
+    collective without end, so while rank 0 waits: where that rank's part of the call failed (it said so,
+    GlooGroup.report_failure), the wait is interrupted (GlooGroup.interrupt: the collectives are aborted, the step
+    fails alone and the ranks renew them); a wait that outlasts timeout_s (the collectives' timeout) means that rank
+    hangs, and the ranks are lost (GlooGroup.lose: every call RankLost from then on)."""
+
+    TICK_S = 0.1
 
     def __init__(self, group, timeout_s: float):
         self.group, self.timeout_s = group, timeout_s
@@ -146,11 +174,14 @@ class DeviceWatch:
             del self._deadlines[thread]
 
     def _watch(self) -> None:
-        while not self._stopped.wait(min(1.0, self.timeout_s / 4)):
-            late = [d for d in list(self._deadlines.values()) if d < time.monotonic()]
-            if late and self.group.lost is None:
+        while not self._stopped.wait(min(self.TICK_S, self.timeout_s / 4)):
+            deadlines = list(self._deadlines.values())
+            if not deadlines or self.group.lost is not None:
+                continue
+            if min(deadlines) < time.monotonic():
                 self.group.lose(f"a wait on the device passed {self.timeout_s:g} s (a rank hangs)")
-                return
+            elif not self.group.interrupted and self.group.failure_reported():
+                self.group.interrupt()
 
     def stop(self) -> None:
         self._stopped.set()

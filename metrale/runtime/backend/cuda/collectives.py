@@ -4,8 +4,14 @@ queued on the calling stream like any kernel, so a decode graph captures them wi
 One communicator per worker, its unique id handed from rank 0 to the others through the ranks' store
 (parallel/group.py). Every rank queues the same collectives in the same order (rank 0's calls are mirrored one at a
 time, parallel/leader.py), and NCCL orders a communicator's operations among themselves whatever stream queued them.
-After a call that failed partway the communicator is aborted on every rank (its queued operations end) and a new one
-made (renew); the graphs that captured the old one are captured again (CudaRunner._forget_graphs)."""
+
+After a call that failed partway every rank aborts the communicator at rank 0's RENEW (its operations still queued,
+some waiting for a rank that stopped partway, end) and they make a new one together. NCCL's abort waits for every
+graph that captured the communicator to be gone, so what holds them lets go first (before_abort: the runner's
+graphs, captured again at their next use). Once a rank is lost the communicator is aborted from another thread, which
+ends rank 0's wait on the device for that rank's part."""
+
+import threading
 
 from nccl.bindings import nccl as bindings
 from nccl.core import Communicator, UniqueId, get_unique_id
@@ -25,18 +31,32 @@ class NcclCollectives:
         self.group, self.shard = group, group.shard
         self._communicator: Communicator | None = None
         self._comm = None          # the communicator's binding handle, for the per-layer calls
-        self.on_renew = []         # called after each renewal: what captured the old communicator forgets it
+        # Every use of the communicator, and its abort (from any thread), one at a time: NCCL allows no two at once.
+        self._lock = threading.Lock()
+        # Called before an abort, under the lock: what captured the communicator (graphs) lets go of it.
+        self.before_abort = []
         self._make()
         group.attach(self)
 
     def renew(self) -> None:
-        """A new communicator, every rank together, under the group's current generation (each rank within the
-        store's timeout, else RankLost). The old one is aborted first where this rank's call did not fail: its
-        operations waiting for a rank that stopped partway would hold this rank's streams."""
-        self.drop()
+        """The communicator aborted (where it still is) and a new one made, every rank together, under the group's
+        current generation (each rank within the store's timeout, else RankLost)."""
+        self.abort()
         self._make()
-        for forget in self.on_renew:
-            forget()
+
+    def abort(self) -> None:
+        """Its operations queued on this rank's streams end (their results undefined), and its use fails until
+        renew(). From any thread."""
+        with self._lock:
+            communicator, self._communicator, self._comm = self._communicator, None, None
+            if communicator is None:
+                return
+            for release in self.before_abort:
+                release()
+            communicator.abort()
+
+    def close(self) -> None:
+        self.abort()
 
     def _make(self) -> None:
         key = f"nccl.{self.group.generation}"
@@ -49,35 +69,34 @@ class NcclCollectives:
         except RuntimeError as error:
             raise RankLost(f"tensor-parallel ranks did not meet to make their NCCL communicator: {error}") from error
         try:
-            self._communicator = Communicator.init(self.shard.size, self.shard.rank, unique_id)
+            communicator = Communicator.init(self.shard.size, self.shard.rank, unique_id)
         except Exception as error:      # NCCL's own errors (nccl.bindings' NCCLError), and nccl4py's NcclInvalid
             raise RankLost(f"tensor-parallel NCCL communicator failed: {error}") from error
-        self._comm = bindings.Comm(self._communicator.ptr)
-
-    def drop(self) -> None:
-        """Aborts the communicator: its operations queued on this rank's streams end (their results undefined) and
-        its next use fails until renew(). Safe from another thread (a rank found dead while a step waits)."""
-        communicator, self._communicator, self._comm = self._communicator, None, None
-        if communicator is not None:
-            communicator.abort()
-
-    def close(self) -> None:
-        self.drop()
+        with self._lock:
+            self._communicator, self._comm = communicator, bindings.Comm(communicator.ptr)
 
     def all_reduce(self, x: DeviceTensor, stream) -> DeviceTensor:
         """x summed over the ranks, in place, in x's dtype."""
         if not x.is_contiguous:
             raise InvalidArgument(f"a tensor-parallel sum of a strided {x.shape} tensor")
-        bindings.all_reduce(x.ptr, x.ptr, x.numel, int(NCCL_DTYPES[x.dtype]), int(bindings.RedOp.Sum),
-                            self._current(), int(stream.handle))
+        with self._lock:
+            try:
+                bindings.all_reduce(x.ptr, x.ptr, x.numel, int(NCCL_DTYPES[x.dtype]), int(bindings.RedOp.Sum),
+                                    self._current(), int(stream.handle))
+            except bindings.NCCLError as error:
+                raise CollectiveFailed(f"tensor-parallel sum failed: {error}") from error
         return x
 
     def all_gather(self, parts: DeviceTensor, count: int, stream) -> None:
         """Every rank's `count` elements, in rank order from parts' start, on every rank: in place, each rank's own
         already at parts' start + rank * count."""
         mine = parts.ptr + self.shard.rank * count * parts.itemsize
-        bindings.all_gather(mine, parts.ptr, count, int(NCCL_DTYPES[parts.dtype]), self._current(),
-                            int(stream.handle))
+        with self._lock:
+            try:
+                bindings.all_gather(mine, parts.ptr, count, int(NCCL_DTYPES[parts.dtype]), self._current(),
+                                    int(stream.handle))
+            except bindings.NCCLError as error:
+                raise CollectiveFailed(f"tensor-parallel gather failed: {error}") from error
 
     def _current(self):
         if self._comm is None:

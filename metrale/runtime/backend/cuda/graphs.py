@@ -61,8 +61,10 @@ class DecodeGraphs:
             self._captured(forward, size)
 
     def forget(self) -> None:
-        """Drops every captured graph (each is captured again on its next use): what they captured is gone (a
-        tensor-parallel communicator renewed)."""
+        """Closes every captured graph (each is captured again on its next use): what they captured is going (a
+        tensor-parallel communicator, whose abort waits for them)."""
+        for graph, _ in self._graphs.values():
+            graph.close()
         self._graphs.clear()
 
     def size_for(self, rows: int) -> int | None:
@@ -185,6 +187,8 @@ class PrefillGraphs:
 
     def forget(self) -> None:
         """As DecodeGraphs.forget."""
+        for graph, _ in self._graphs.values():
+            graph.close()
         self._graphs.clear()
 
 

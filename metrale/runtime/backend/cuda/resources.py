@@ -39,7 +39,7 @@ class CudaResources:
         if shapes.streams < 1:
             raise InvalidArgument(f"the memory plan needs at least one stream, not {shapes.streams}")
         self.shapes = shapes
-        buffers = stream_buffers(self.lib, shapes, 1 if self.shard is None else self.shard.size)
+        buffers = stream_buffers(self.lib, shapes, None if self.shard is None else self.shard.size)
         per_stream = stream_bytes(buffers)
         base = self.cuda.allocate(shapes.streams * per_stream)
         # The weights' bound counts every tensor as bf16: memory is committed only as far as the upload reaches.

@@ -46,7 +46,7 @@ class CudaRunner:
         self.kv_dtypes = ("auto", "fp8") if arch_number(self.lib.arch) >= 89 else ("auto",)
         self._states: kernels.ssm.StateTable | None = None     # the recurrent layers' state tensors, where any
         if resources.collectives is not None:
-            resources.collectives.on_renew.append(self._forget_graphs)
+            resources.collectives.before_abort.append(self._close_graphs)
 
     def plan(self, weight_bytes: int, shapes: MemoryShapes) -> None:
         self.resources.plan(weight_bytes, shapes)
@@ -175,14 +175,19 @@ class CudaRunner:
         finally:
             gemm.tuner = None
 
-    def _forget_graphs(self) -> None:
-        """Every stream's graphs, captured again as they are next used: they captured the collectives of a
-        communicator that is gone (collectives.py's renew). Every rank forgets them at the same call, so the ranks
-        capture again at the same forward."""
+    def _close_graphs(self) -> None:
+        """Every stream's graphs closed, captured again as they are next used: they captured the collectives of a
+        communicator about to be aborted (collectives.py), whose abort waits for them to be gone. Every rank closes
+        them at the same call (RENEW), so the ranks capture again at the same forward."""
         for ctx in self.resources.streams:
             for graphs in (ctx.graphs, ctx.encoder_graphs, ctx.prompt_graphs):
                 if graphs is not None:
                     graphs.forget()
+
+    def bound_waits(self, seconds: float) -> None:
+        """A tensor-parallel follower: every wait for a stream at most `seconds` (StreamContext.synchronize)."""
+        for ctx in self.resources.streams:
+            ctx.wait_limit_s = seconds
 
     @property
     def decode_graph_rows(self) -> int:

@@ -5,6 +5,7 @@ blocks they write are disjoint."""
 import contextlib
 import math
 import threading
+import time
 
 import numpy as np
 import torch
@@ -20,7 +21,7 @@ from metrale.runtime.backend.cuda.tensor import DTYPES, DeviceTensor
 from metrale.runtime.backend.layer_math import LM_HEAD_PADDING_ROWS
 from metrale.runtime.backend.runner import MemoryShapes
 from metrale.runtime.batch import ForwardBatch
-from metrale.runtime.errors import InvalidArgument, ListsTooLarge
+from metrale.runtime.errors import CollectiveFailed, InvalidArgument, ListsTooLarge
 
 GEMM_WORKSPACE_BYTES = 32 << 20
 # A step's small per-row lists (the sampler's penalty entries and biases, a beam step's banned ids).
@@ -34,13 +35,16 @@ MAX_TIMED_ROUNDS = 1 << 16
 # Host arrays a stream's copies read, kept until it is waited for: a stream that is never waited for (a
 # tensor-parallel follower's, which samples nothing) waits for its device before a forward once it holds more.
 MAX_PENDING = 64
+# How often a bounded wait for the stream (StreamContext.wait_limit_s) looks whether it is done.
+WAIT_POLL_S = 50e-6
 
 Buffers = dict[str, tuple[tuple[int, ...], str]]
 
 
-def stream_buffers(lib, shapes: MemoryShapes, ranks: int = 1) -> Buffers:
+def stream_buffers(lib, shapes: MemoryShapes, ranks: int | None = None) -> Buffers:
     """name -> (shape, dtype) of every buffer one stream owns, sized by the engine's limits; ranks: a tensor-parallel
-    worker's, whose vocabulary parts each stream gathers."""
+    worker's (a group of one included), whose vocabulary parts each stream gathers; None: one device, no group."""
+    parts = ranks or 1
     t, seqs = shapes.max_batch_tokens, shapes.max_seqs
     per_layer = 2 * t * (4 * shapes.hidden + 2 * shapes.q_size + 2 * shapes.kv_size + 3 * shapes.intermediate
                          + shapes.ssm_width + shapes.moe_width + shapes.latent_width)
@@ -60,7 +64,7 @@ def stream_buffers(lib, shapes: MemoryShapes, ranks: int = 1) -> Buffers:
         "workspace": ((WORKSPACE_LAYERS * per_layer + 4 * t * shapes.hidden * 2,), "uint8"),
         # The LM head's output in the model's dtype, as transformers' bf16 run has it; as wide as the LM head's
         # padded rows (padded_vocab; the ranks' parts side by side: vocab_part): the GEMM writes them all.
-        "logits": ((seqs, ranks * vocab_part(shapes.vocab, ranks)), "bfloat16"),
+        "logits": ((seqs, parts * vocab_part(shapes.vocab, parts)), "bfloat16"),
         # The sampler's rows: the logits widened to float32, and a penalised copy.
         "widened": ((seqs, shapes.vocab), "float32"),
         "processed": ((seqs, shapes.vocab), "float32"),
@@ -81,7 +85,7 @@ def stream_buffers(lib, shapes: MemoryShapes, ranks: int = 1) -> Buffers:
         "moe_done": ((1,), "int32"),
     }
     # Tensor parallel: every rank's part of the logits rows, rank after rank (each [rows, part]), as NCCL gathers them.
-    if ranks > 1:
+    if ranks is not None:
         buffers["logits_parts"] = ((ranks * seqs * vocab_part(shapes.vocab, ranks),), "bfloat16")
     # An FP8 linear's input quantized per token (its rows of e4m3, their scales: one a row, or one a row per 128
     # columns for a weight in blocks), read by the GEMM right after.
@@ -177,6 +181,7 @@ class StreamContext:
         self.encoder_graphs: PrefillGraphs | None = None
         self.prompt_graphs: PrefillGraphs | None = None
         self._pending = []   # host arrays the stream's copies read, kept until the stream is synchronized
+        self.wait_limit_s: float | None = None      # synchronize()'s bound, where it has one (CudaRunner.bound_waits)
         self._prepared: CudaBatch | None = None
         self._prepared_cross: CudaBatch | None = None
         self._timing, self._round_events = False, (None, None)
@@ -285,9 +290,23 @@ class StreamContext:
         return host
 
     def synchronize(self) -> None:
-        """Waits for everything queued on the stream."""
-        self.stream.sync()
+        """Waits for everything queued on the stream: at most wait_limit_s where set (CollectiveFailed past it)."""
+        if self.wait_limit_s is None:
+            self.stream.sync()
+        else:
+            self._bounded_wait()
         self._pending.clear()
+
+    def _bounded_wait(self) -> None:
+        """A tensor-parallel follower's wait: its stream may hold collectives that rank 0 never queued (rank 0's call
+        failed partway), which would hold it without end; past the limit the call fails here and the ranks renew the
+        collectives (an abort, which ends them)."""
+        done = self.stream.record()
+        deadline = time.monotonic() + self.wait_limit_s
+        while not done.is_done:
+            if time.monotonic() > deadline:
+                raise CollectiveFailed(f"a tensor-parallel step's collectives did not finish in {self.wait_limit_s:g} s")
+            time.sleep(WAIT_POLL_S)
 
     def time_steps(self, enabled: bool) -> None:
         self._timing = enabled
