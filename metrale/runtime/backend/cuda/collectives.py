@@ -19,6 +19,8 @@ from nccl.core import Communicator, UniqueId, get_unique_id
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.errors import CollectiveFailed, InvalidArgument, RankLost
 
+# How long an abort waits for the communicator while another call holds it.
+ABORT_WAIT_S = 30.0
 NCCL_DTYPES = {"bfloat16": bindings.DataType.Bfloat16, "float32": bindings.DataType.Float32,
                "float16": bindings.DataType.Float16}
 
@@ -46,14 +48,19 @@ class NcclCollectives:
 
     def abort(self) -> None:
         """Its operations queued on this rank's streams end (their results undefined), and its use fails until
-        renew(). From any thread."""
-        with self._lock:
+        renew(). From any thread; where another abort holds the communicator past ABORT_WAIT_S (one waiting on a lost
+        rank), this one leaves it to that one."""
+        if not self._lock.acquire(timeout=ABORT_WAIT_S):
+            return
+        try:
             communicator, self._communicator, self._comm = self._communicator, None, None
             if communicator is None:
                 return
             for release in self.before_abort:
                 release()
             communicator.abort()
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
         self.abort()
