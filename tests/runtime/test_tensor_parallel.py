@@ -432,3 +432,40 @@ def test_a_failure_reported_by_another_rank_fails_the_waiting_step_alone_and_the
     leader.run_forward(None, a_batch(), False)
     assert [message[0] for message in group.sent] == [RENEW[0], "forward"]
     leader.watch.stop()
+
+
+class GatherPlan:
+    """What the CUDA layer math's gathered logits queue, recorded without a GPU: the LM head's linear (its output),
+    the gather (its buffer and count) and rank 0's column copies (destination, source)."""
+
+    def __init__(self):
+        self.linears, self.gathers, self.copies = [], [], []
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_ranks_logits_go_to_its_place_and_rank_0_lays_the_parts_side_by_side(rank, monkeypatch):
+    """Rows 3 of a 1000-token vocabulary over 2 ranks (parts of 512 rows): the rank's product goes to its place in the
+    gathered buffer (after rank 0's [3, 512]), the in-place gather counts one part's elements, and rank 0 copies part
+    r into columns [512 r, 512 (r + 1)) of its logits rows (of the logits buffer's stride); the vocab's columns come
+    back."""
+    pytest.importorskip("cuda.core")
+    from metrale.runtime.backend.cuda import layer_math
+    from metrale.runtime.backend.cuda.tensor import DeviceTensor
+
+    plan, base = GatherPlan(), 1 << 32
+    monkeypatch.setattr(layer_math, "linear_into", lambda lib, gemm, ctx, out, x, weight: plan.linears.append(out))
+    ctx = SimpleNamespace(stream="stream", logits=DeviceTensor(base, (8, 1024), "bfloat16"),
+                          logits_parts=DeviceTensor(base + (1 << 20), (2 * 8 * 512,), "bfloat16"))
+    resources = SimpleNamespace(
+        cuda=SimpleNamespace(copy_columns=lambda dst, src, stream: plan.copies.append((dst, src))), lib=None,
+        gemm=None, bound=SimpleNamespace(context=ctx), shapes=SimpleNamespace(vocab=1000), shard=Shard(rank, 2),
+        collectives=SimpleNamespace(all_gather=lambda parts, count, stream: plan.gathers.append((parts, count))))
+    math = layer_math.CudaLayerMath(resources)
+    out = math.logits(DeviceTensor(base + (1 << 24), (3, 64), "bfloat16"), DeviceTensor(0, (512, 64), "bfloat16"))
+    parts = ctx.logits_parts.ptr
+    assert plan.linears == [DeviceTensor(parts + rank * 3 * 512 * 2, (3, 512), "bfloat16")]
+    assert plan.gathers == [(ctx.logits_parts, 3 * 512)]
+    expected = [(DeviceTensor(base + r * 512 * 2, (3, 512), "bfloat16", 1024),
+                 DeviceTensor(parts + r * 3 * 512 * 2, (3, 512), "bfloat16")) for r in (0, 1)]
+    assert plan.copies == (expected if rank == 0 else [])
+    assert out == DeviceTensor(base, (3, 1000), "bfloat16", 1024)
