@@ -19,6 +19,8 @@ ENV PATH=/opt/metrale/bin:$PATH
 # torch only hands checkpoint tensors over at load time: its CPU build is enough (the GPU path is cuda-python,
 # NVRTC and cuBLASLt), and it keeps a CUDA build of torch out of the image.
 RUN pip install torch --index-url https://download.pytorch.org/whl/cpu
+# NCCL's library for tensor parallel's collectives (nccl4py loads it; the CPU build of torch does not bring it).
+RUN pip install nvidia-nccl-cu13
 COPY pyproject.toml README.md /src/
 COPY protos /src/protos
 COPY metrale /src/metrale

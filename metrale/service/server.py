@@ -35,10 +35,12 @@ class WorkerServer:
     """The running worker: the server, its servicer and health state. start(), then wait() or drain().
     Built on the event loop that will serve it."""
 
-    def __init__(self, engine, info: ModelInfo, tokenizer, config: WorkerConfig, ranks: list | None = None):
+    def __init__(self, engine, info: ModelInfo, tokenizer, config: WorkerConfig, ranks: list | None = None,
+                 watch: RankWatch | None = None):
         self.config = config
-        # A tensor-parallel worker's other ranks (processes), stopped after the last step.
-        self.ranks = ranks or []
+        # A tensor-parallel worker's other ranks (processes), stopped after the last step, and the watch over them
+        # (one is made at start() where none is given).
+        self.ranks, self._watch = ranks or [], watch
         self.threads = StreamThreads(config.engine.num_streams, on_thread_start=engine.bind_stream)
         self.state = ServingState(config.max_concurrent_rpcs)
         self.health = health.aio.HealthServicer()
@@ -71,30 +73,34 @@ class WorkerServer:
         self._stopped = asyncio.Event()
         self._fault_task = None
         self._expiry_task = None
-        self._watch: RankWatch | None = None
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, config: WorkerConfig) -> "WorkerServer":
         """The engine built on this thread for the CUDA backend (the thread keeps the device's context current), on
         a thread of its own for the CPU backend (own_thread.py: its OpenMP team ends with the build)."""
-        group, ranks = None, []
+        group, ranks, watch = None, [], None
         if config.tensor_parallel > 1:
             address = free_address()
             ranks = start_followers(checkpoint.source, config.engine, config.tensor_parallel, address,
                                     config.cache_dir)
             group = GlooGroup(Shard(0, config.tensor_parallel), address)
+            watch = RankWatch(ranks, group.lose)        # a rank lost while loading: the build's waits end
 
         def build():
             return build_engine(checkpoint, config.engine, Path(config.cache_dir) if config.cache_dir else None, group)
         try:
             engine, info = build() if runs_on_cuda(config.engine.device) else run_on_own_thread(build)
+            if group is not None:
+                group.check()
         except BaseException:
+            if watch is not None:
+                watch.stop()
             for rank in ranks:
                 rank.terminate()
             if group is not None:
                 group.close()
             raise
-        return cls(engine, info, checkpoint.tokenizer, config, ranks)
+        return cls(engine, info, checkpoint.tokenizer, config, ranks, watch)
 
     async def start(self) -> None:
         if self.config.metrics_port:
@@ -105,7 +111,11 @@ class WorkerServer:
             await self.health_server.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         if self.ranks:
-            self._watch = RankWatch(self.ranks, self._rank_lost_on(asyncio.get_running_loop()))
+            on_lost = self._rank_lost_on(asyncio.get_running_loop())
+            if self._watch is None:
+                self._watch = RankWatch(self.ranks, on_lost)
+            self._watch.on_lost = on_lost
+            self.servicer.engine.runner.when_lost(on_lost)
         if self.config.sequence_ttl:
             self._expiry_task = asyncio.get_running_loop().create_task(self._expire_idle_sequences())
         log.info("serving", port=self.port, model=self.servicer.info.model_id, device=self.servicer.info.device,
@@ -170,15 +180,17 @@ class WorkerServer:
             await self.health.set(name, status)
 
     def _rank_lost_on(self, loop):
-        """RankWatch's on_lost: _on_rank_lost on the server's loop (unless the loop is gone, and the worker with it)."""
+        """RankWatch's and DeviceWatch's on_lost: _on_rank_lost on the server's loop (unless the loop is gone, and the
+        worker with it)."""
         def on_lost(why: str) -> None:
             if not loop.is_closed():
                 loop.call_soon_threadsafe(self._on_rank_lost, why)
         return on_lost
 
     def _on_rank_lost(self, why: str) -> None:
-        """Another rank's process ended while serving: its collectives are left (a step waiting on the device for
-        its part ends, RankLost), every later call is RankLost, and health goes NOT_SERVING."""
+        """Another rank's process ended, or a wait on the device for its part outlasted the collectives' timeout,
+        while serving: its collectives are left (a step waiting on the device for its part ends, RankLost), every
+        later call is RankLost, and health goes NOT_SERVING."""
         log.error("tensor_parallel_rank_lost", why=why)
         self.servicer.engine.runner.lose(why)
         self._on_device_fault()

@@ -250,7 +250,15 @@ class Mailbox:
         self.lost = why
         self.aborted.set()          # as NCCL's abort ends the device's wait for the lost rank's part
 
-    interrupted, reported, renewed = False, False, 0
+    interrupted, reported, renewed, generation, announced = False, False, 0, 0, 0
+
+    def announce_renewal(self):
+        self.announced += 1
+
+    reports = 0
+
+    def report_failure(self):
+        self.reported, self.reports = True, self.reports + 1
 
     def failure_reported(self):
         return self.reported
@@ -264,6 +272,7 @@ class Mailbox:
 
     def renew_collectives(self):
         self.renewed += 1
+        self.generation += 1
         self.interrupted = self.reported = False
 
 
@@ -428,7 +437,7 @@ def test_a_failure_reported_by_another_rank_fails_the_waiting_step_alone_and_the
     with pytest.raises(CollectiveFailed, match="another tensor-parallel rank's part"):
         queued.result()
     assert time.monotonic() - started < 5 and group.lost is None
-    assert group.sent == [RENEW] and group.renewed == 1 and not group.interrupted
+    assert group.sent == [RENEW] and group.renewed == group.announced == 1 and not group.interrupted
     leader.run_forward(None, a_batch(), False)
     assert [message[0] for message in group.sent] == [RENEW[0], "forward"]
     leader.watch.stop()
@@ -469,3 +478,37 @@ def test_a_ranks_logits_go_to_its_place_and_rank_0_lays_the_parts_side_by_side(r
                  DeviceTensor(parts + r * 3 * 512 * 2, (3, 512), "bfloat16")) for r in (0, 1)]
     assert plan.copies == (expected if rank == 0 else [])
     assert out == DeviceTensor(base, (3, 1000), "bfloat16", 1024)
+
+
+def test_a_sampling_queued_before_the_collectives_were_renewed_is_a_failed_step():
+    """Another stream's call failed and the ranks renewed the collectives while this sampling's work was queued: the
+    renewal's abort ended that work partway, so its tokens are not the model's."""
+    leader = LeaderRunner(Recorded(), Mailbox(Shard(0, 2)))
+    queued = leader.queue_sample(None, [])
+    leader.group.renew_collectives()
+    with pytest.raises(CollectiveFailed):
+        queued.result()
+    assert leader.queue_sample(None, []).result() == "sampled"
+
+
+class FailingOnce(Recorded):
+    def run_forward(self, forward, batch, replayable):
+        super().run_forward(forward, batch, replayable)
+        if len([c for c in self.calls if c[0] == "forward"]) == 1:
+            raise RuntimeError("a bug in this rank's forward")
+
+    def copy_block_prefixes(self, layers, copies):
+        self.calls.append(("copy", copies))
+
+
+def test_a_follower_whose_part_failed_reports_it_and_runs_no_collectives_until_renewed():
+    """Its collectives would pair with the rest of the failed call's on rank 0: another stream's forward sent meanwhile
+    is left to fail there too; a cache copy (no collectives) still runs; after RENEW the next forward runs."""
+    mailbox = Mailbox(Shard(1, 2))
+    batch = a_batch()
+    mailbox.sent = [("forward", 0, batch, False), ("forward", 1, batch, False), ("copy_blocks", 0, [(1, 2, 3)]),
+                    RENEW, ("forward", 0, batch, False), STOP]
+    follower = FailingOnce()
+    follow(mailbox, None, follower, ())
+    assert [c[0] for c in follower.calls if c[0] != "bind"] == ["forward", "copy", "forward"]
+    assert mailbox.reports == 1 and mailbox.renewed == 1

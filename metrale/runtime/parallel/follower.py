@@ -15,9 +15,9 @@ COLLECTIVE_CALLS = ("warm_up", "forward", "encode")
 
 def follow(group, model, runner, specs: tuple) -> None:
     """specs: the model's cache specs as rank 0's (build.py's with_kv_dtype)."""
-    layers = None
-    if hasattr(runner, "bound_waits"):      # a device that works ahead: never wait on it past a collective's time
-        runner.bound_waits(group.timeout.total_seconds())
+    layers, failed = None, False
+    if hasattr(runner, "bound_waits"):      # a device that works ahead: a wait on it ends where rank 0 renews
+        runner.bound_waits(group.timeout.total_seconds() / 2, group.renewing)
 
     def forward(batch):
         return model.forward(batch, layers)
@@ -34,10 +34,15 @@ def follow(group, model, runner, specs: tuple) -> None:
     while (message := group.receive()) != STOP:
         if message == RENEW:            # after a call that failed partway, on any rank
             group.renew_collectives()
+            failed = False
             continue
         call, stream, *args = message
         if call not in calls:
             raise ValueError(f"rank 0 sent an unknown call {call!r}")
+        if failed and call in COLLECTIVE_CALLS:
+            # Another stream's call, sent before rank 0 knew: its collectives would pair with the failed call's
+            # rest on rank 0. Rank 0 fails it too (its collectives are renewed under it).
+            continue
         try:
             runner.bind_stream(stream)
             result = calls[call](*args)
@@ -49,6 +54,7 @@ def follow(group, model, runner, specs: tuple) -> None:
             log.warning("tensor_parallel_call_failed", call=call, rank=group.shard.rank, exc_info=True)
             group.report_failure()
             group.drop_collectives()
+            failed = True
             continue
         if call == "allocate_cache":
             layers = result

@@ -60,8 +60,8 @@ class GlooGroup:
                                      self.shard.size, self.timeout)
 
     def attach(self, device) -> None:
-        """A backend's collectives over the device (renew(), abort(), close()): renewed with the group's, at RENEW,
-        and aborted where a rank is lost or interrupted."""
+        """A backend's collectives over the device (renew(), detach(), close()): renewed with the group's, at RENEW,
+        and taken out of use where a rank is lost or a wait interrupted."""
         self.device = device
 
     def drop_collectives(self) -> None:
@@ -74,11 +74,24 @@ class GlooGroup:
         self.generation += 1
         try:
             self.collectives = self._collectives()
+            if self.device is not None:
+                self.device.renew()
         except RuntimeError as error:
+            self.lose(f"the ranks did not meet again after a failed call: {error}")
             raise RankLost(f"tensor-parallel ranks did not meet again after a failed call: {error}") from error
-        if self.device is not None:
-            self.device.renew()
+        except RankLost as error:
+            self.lose(str(error))
+            raise
         self.interrupted = False
+
+    def announce_renewal(self) -> None:
+        """Rank 0, before RENEW: for a rank whose device waits on collectives rank 0 never queued (renewing()),
+        which then stops waiting and reads RENEW."""
+        self.store.set(f"renew.{self.generation}", "")
+
+    def renewing(self) -> bool:
+        """Another rank: whether rank 0 is renewing the collectives of this generation."""
+        return self.store.check([f"renew.{self.generation}"])
 
     def report_failure(self) -> None:
         """A rank other than 0 whose part of a call failed: says so, for rank 0 waiting on the device for that part
@@ -104,9 +117,11 @@ class GlooGroup:
         self._abort_device()
 
     def _abort_device(self) -> None:
-        """On a thread of its own: an abort that waited on the lost rank would hold the caller (the event loop)."""
-        if self.device is not None:
-            threading.Thread(target=self.device.abort, name="metrale-collectives-abort", daemon=True).start()
+        """The device's collectives taken out of use here, and aborted on a thread of their own: the abort may wait
+        (for the graphs that captured them, let go of at the renewal) and must not hold the caller."""
+        communicator = self.device.detach() if self.device is not None else None
+        if communicator is not None:
+            threading.Thread(target=communicator.abort, name="metrale-collectives-abort", daemon=True).start()
 
     def check(self) -> None:
         """RankLost once a rank is gone: what a step that waited on the device got is not the model's."""

@@ -50,19 +50,20 @@ class RankWatch:
     or none is."""
 
     def __init__(self, ranks: list[multiprocessing.Process], on_lost: Callable[[str], None]):
+        """on_lost may be replaced later (the server's, once it serves, after the build's)."""
+        self.on_lost = on_lost
         self._stopped, self._stop = multiprocessing.Pipe(duplex=False)
-        self._thread = threading.Thread(target=self._watch, args=(ranks, on_lost), name="metrale-rank-watch",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._watch, args=(ranks,), name="metrale-rank-watch", daemon=True)
         self._thread.start()
 
-    def _watch(self, ranks, on_lost) -> None:
+    def _watch(self, ranks) -> None:
         by_sentinel = {rank.sentinel: rank for rank in ranks}
         ended = multiprocessing.connection.wait([*by_sentinel, self._stopped])
         if self._stopped in ended:
             return
         rank = by_sentinel[ended[0]]
         rank.join(timeout=1)
-        on_lost(f"{rank.name} ended (exit code {rank.exitcode})")
+        self.on_lost(f"{rank.name} ended (exit code {rank.exitcode})")
 
     def stop(self) -> None:
         """Ends the watch (before the ranks are stopped on purpose)."""

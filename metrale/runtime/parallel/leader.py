@@ -41,11 +41,12 @@ class LeaderRunner:
         device is bounded by the watch (not the warm-up's tuning and captures, nor the cache's allocation)."""
         with self.lock:
             self.group.check()
+            generation = self.group.generation
             self.group.send((message[0], getattr(self._bound, "stream", 0), *message[1:]))
             try:
                 with self.waiting() if watched else contextlib.nullcontext():
                     result = run()
-                self._settled()
+                self._settled(generation)
                 return result
             except BaseException:
                 self._recover()
@@ -55,26 +56,31 @@ class LeaderRunner:
         """Around a wait on the device: bounded by the watch, where there is one."""
         return self.watch.waiting() if self.watch is not None else contextlib.nullcontext()
 
-    def _settled(self) -> None:
-        """After a wait on the device: RankLost once a rank is gone; CollectiveFailed where another rank's part of
-        the step failed (the collectives were aborted, which ended the wait: what it got is not the model's)."""
+    def _settled(self, generation: int) -> None:
+        """After a wait on the device for work queued under the collectives' `generation`: RankLost once a rank is
+        gone; CollectiveFailed where another rank's part of the step failed, or the collectives were renewed since
+        (either way they were aborted, which ended the wait: what it got is not the model's)."""
         self.group.check()
-        if self.group.interrupted:
+        if self.group.interrupted or self.group.generation != generation:
             raise CollectiveFailed("another tensor-parallel rank's part of the step failed")
 
     def queue_sample(self, logits, rows):
-        return CheckedSample(self.runner.queue_sample(logits, rows), self)
+        return CheckedSample(self.runner.queue_sample(logits, rows), self, self.group.generation)
+
+    def beam_candidates(self, logits, banned, count):
+        return CheckedCandidates(self.runner.beam_candidates(logits, banned, count), self, self.group.generation)
 
     def synchronize(self) -> None:
+        generation = self.group.generation
         with self.waiting():
             self.runner.synchronize()
-        self.settle_wait()
+        self.settle_wait(generation)
 
-    def settle_wait(self) -> None:
+    def settle_wait(self, generation: int) -> None:
         """_settled for a wait outside a mirrored call (a sampling's read-back): an interrupted step's collectives
         are renewed here, once, by the first wait to see it."""
         try:
-            self._settled()
+            self._settled(generation)
         except CollectiveFailed:
             with self.lock:
                 if self.group.interrupted:
@@ -83,10 +89,17 @@ class LeaderRunner:
 
     def _recover(self) -> None:
         """After a call that failed partway: this rank leaves its collectives (another rank in one fails it at
-        once), then every rank makes new ones (RankLost where one cannot be reached)."""
+        once), says it renews them (a rank waiting on its device for collectives this one never queued stops
+        waiting), then every rank makes new ones (RankLost where one cannot be reached)."""
         self.group.drop_collectives()
+        self.group.announce_renewal()
         self.group.send(RENEW)
         self.group.renew_collectives()
+
+    def when_lost(self, callback) -> None:
+        """callback(why) once the ranks are lost to a wait past the collectives' timeout (the server's health)."""
+        if self.watch is not None:
+            self.watch.on_lost = callback
 
     def allocate_cache(self, specs, num_blocks, block_size, num_state_slots):
         """Rank 0 sizes the cache; each rank allocates its shard of it (its model's specs)."""
@@ -137,16 +150,32 @@ class CheckedSample:
     """A queued sampling whose result is RankLost where a rank was lost meanwhile: its logits lacked that rank's part
     (the wait for them ended with the collectives' abort, not with the part)."""
 
-    __slots__ = ("queued", "leader")
+    __slots__ = ("queued", "leader", "generation")
 
-    def __init__(self, queued, leader: LeaderRunner):
-        self.queued, self.leader = queued, leader
+    def __init__(self, queued, leader: LeaderRunner, generation: int):
+        self.queued, self.leader, self.generation = queued, leader, generation
 
     def result(self):
         with self.leader.waiting():
             result = self.queued.result()
-        self.leader.settle_wait()
+        self.leader.settle_wait(self.generation)
         return result
+
+
+class CheckedCandidates:
+    """A beam step's queued candidates (Runner.beam_candidates') whose host() is checked as CheckedSample's result."""
+
+    def __init__(self, candidates, leader: LeaderRunner, generation: int):
+        self.candidates, self.leader, self.generation = candidates, leader, generation
+
+    def __getattr__(self, name):
+        return getattr(self.candidates, name)
+
+    def host(self):
+        with self.leader.waiting():
+            values = self.candidates.host()
+        self.leader.settle_wait(self.generation)
+        return values
 
 
 class DeviceWatch:
@@ -160,6 +189,7 @@ class DeviceWatch:
 
     def __init__(self, group, timeout_s: float):
         self.group, self.timeout_s = group, timeout_s
+        self.on_lost = lambda why: None         # LeaderRunner.when_lost's
         self._deadlines: dict[int, float] = {}      # thread -> when its wait is over time
         self._stopped = threading.Event()
         threading.Thread(target=self._watch, name="metrale-device-watch", daemon=True).start()
@@ -179,7 +209,9 @@ class DeviceWatch:
             if not deadlines or self.group.lost is not None:
                 continue
             if min(deadlines) < time.monotonic():
-                self.group.lose(f"a wait on the device passed {self.timeout_s:g} s (a rank hangs)")
+                why = f"a wait on the device passed {self.timeout_s:g} s (a rank hangs)"
+                self.group.lose(why)
+                self.on_lost(why)
             elif not self.group.interrupted and self.group.failure_reported():
                 self.group.interrupt()
 

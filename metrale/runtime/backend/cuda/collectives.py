@@ -8,8 +8,8 @@ time, parallel/leader.py), and NCCL orders a communicator's operations among the
 After a call that failed partway every rank aborts the communicator at rank 0's RENEW (its operations still queued,
 some waiting for a rank that stopped partway, end) and they make a new one together. NCCL's abort waits for every
 graph that captured the communicator to be gone, so what holds them lets go first (before_abort: the runner's
-graphs, captured again at their next use). Once a rank is lost the communicator is aborted from another thread, which
-ends rank 0's wait on the device for that rank's part."""
+graphs, captured again at their next use). Once a rank is lost, or another rank's part of a step failed, rank 0
+detaches the communicator and aborts it on a thread of its own, which ends its wait on the device for that part."""
 
 import threading
 
@@ -19,7 +19,7 @@ from nccl.core import Communicator, UniqueId, get_unique_id
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.errors import CollectiveFailed, InvalidArgument, RankLost
 
-# How long an abort waits for the communicator while another call holds it.
+# How long an abort waits for the communicator while a call on it holds it.
 ABORT_WAIT_S = 30.0
 NCCL_DTYPES = {"bfloat16": bindings.DataType.Bfloat16, "float32": bindings.DataType.Float32,
                "float16": bindings.DataType.Float16}
@@ -41,29 +41,39 @@ class NcclCollectives:
         group.attach(self)
 
     def renew(self) -> None:
-        """The communicator aborted (where it still is) and a new one made, every rank together, under the group's
-        current generation (each rank within the store's timeout, else RankLost)."""
-        self.abort()
+        """The communicator aborted (where no detach() took it already) and a new one made, every rank together,
+        under the group's current generation (each rank within the store's timeout, else RankLost). What captured
+        the old one lets go of it first, so that its abort, here or on a thread detach() started, can end."""
+        self._abort(self._taken(release=True))
         self._make()
 
-    def abort(self) -> None:
-        """Its operations queued on this rank's streams end (their results undefined), and its use fails until
-        renew(). From any thread; where another abort holds the communicator past ABORT_WAIT_S (one waiting on a lost
-        rank), this one leaves it to that one."""
-        if not self._lock.acquire(timeout=ABORT_WAIT_S):
-            return
+    def close(self) -> None:
+        self._abort(self._taken(release=True))
+
+    def detach(self):
+        """The communicator, taken out of use (every later call fails until renew()) for the caller to abort on a
+        thread of its own: its operations on this rank's streams end at once (NCCL raises its abort flag first),
+        though the abort itself may wait for what captured it until renew() lets go of that. From any thread."""
+        return self._taken(release=False)
+
+    def _taken(self, release: bool):
+        """The communicator out of use, under the lock where it comes within ABORT_WAIT_S (an enqueue stuck on the
+        host keeps it; an abort must go ahead regardless); release: what captured it lets go of it first."""
+        locked = self._lock.acquire(timeout=ABORT_WAIT_S)
         try:
             communicator, self._communicator, self._comm = self._communicator, None, None
-            if communicator is None:
-                return
-            for release in self.before_abort:
-                release()
-            communicator.abort()
+            if release:
+                for let_go in self.before_abort:
+                    let_go()
+            return communicator
         finally:
-            self._lock.release()
+            if locked:
+                self._lock.release()
 
-    def close(self) -> None:
-        self.abort()
+    @staticmethod
+    def _abort(communicator) -> None:
+        if communicator is not None:
+            communicator.abort()
 
     def _make(self) -> None:
         key = f"nccl.{self.group.generation}"

@@ -208,8 +208,13 @@ def capture(ctx, run: Callable[[], object], prepared: tuple) -> tuple[object, ob
         try:
             with ctx.reuse_prepared(*prepared):
                 result = run()
-        finally:
-            builder.end_building()
+        except BaseException:
+            try:
+                builder.end_building()
+            finally:
+                builder.close()     # what it captured goes (a tensor-parallel collective holds its communicator)
+            raise
+        builder.end_building()
     graph = builder.complete()
     graph.upload(stream)
     return graph, result

@@ -184,10 +184,11 @@ class CudaRunner:
                 if graphs is not None:
                     graphs.forget()
 
-    def bound_waits(self, seconds: float) -> None:
-        """A tensor-parallel follower: every wait for a stream at most `seconds` (StreamContext.synchronize)."""
+    def bound_waits(self, seconds: float, renewing) -> None:
+        """A tensor-parallel follower: every wait for a stream at most `seconds`, and over once renewing() (rank 0
+        renews the collectives) (StreamContext.synchronize)."""
         for ctx in self.resources.streams:
-            ctx.wait_limit_s = seconds
+            ctx.wait_limit_s, ctx.wait_over = seconds, renewing
 
     @property
     def decode_graph_rows(self) -> int:

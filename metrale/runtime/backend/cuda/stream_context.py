@@ -35,8 +35,10 @@ MAX_TIMED_ROUNDS = 1 << 16
 # Host arrays a stream's copies read, kept until it is waited for: a stream that is never waited for (a
 # tensor-parallel follower's, which samples nothing) waits for its device before a forward once it holds more.
 MAX_PENDING = 64
-# How often a bounded wait for the stream (StreamContext.wait_limit_s) looks whether it is done.
+# How often a bounded wait for the stream (StreamContext.wait_limit_s) looks whether it is done, and whether it is
+# over anyway (StreamContext.wait_over: rank 0 renews the collectives).
 WAIT_POLL_S = 50e-6
+WAIT_ASK_S = 0.01
 
 Buffers = dict[str, tuple[tuple[int, ...], str]]
 
@@ -182,6 +184,7 @@ class StreamContext:
         self.prompt_graphs: PrefillGraphs | None = None
         self._pending = []   # host arrays the stream's copies read, kept until the stream is synchronized
         self.wait_limit_s: float | None = None      # synchronize()'s bound, where it has one (CudaRunner.bound_waits)
+        self.wait_over = lambda: False
         self._prepared: CudaBatch | None = None
         self._prepared_cross: CudaBatch | None = None
         self._timing, self._round_events = False, (None, None)
@@ -299,13 +302,20 @@ class StreamContext:
 
     def _bounded_wait(self) -> None:
         """A tensor-parallel follower's wait: its stream may hold collectives that rank 0 never queued (rank 0's call
-        failed partway), which would hold it without end; past the limit the call fails here and the ranks renew the
-        collectives (an abort, which ends them)."""
+        failed partway), which would hold it without end. Where rank 0 says it renews them (wait_over(), asked every
+        WAIT_ASK_S), or past the limit, the call fails here and the rank goes on to the renewal (whose abort ends
+        them)."""
         done = self.stream.record()
-        deadline = time.monotonic() + self.wait_limit_s
+        started = time.monotonic()
+        asked = started
         while not done.is_done:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now - started > self.wait_limit_s:
                 raise CollectiveFailed(f"a tensor-parallel step's collectives did not finish in {self.wait_limit_s:g} s")
+            if now - asked > WAIT_ASK_S:
+                asked = now
+                if self.wait_over():
+                    raise CollectiveFailed("rank 0 renews the tensor-parallel collectives this step waits on")
             time.sleep(WAIT_POLL_S)
 
     def time_steps(self, enabled: bool) -> None:
