@@ -212,8 +212,14 @@ class DeviceWatch:
                 why = f"a wait on the device passed {self.timeout_s:g} s (a rank hangs)"
                 self.group.lose(why)
                 self.on_lost(why)
-            elif not self.group.interrupted and self.group.failure_reported():
+            elif not self.group.interrupted and self._failure_reported():
                 self.group.interrupt()
+
+    def _failure_reported(self) -> bool:
+        try:
+            return self.group.failure_reported()
+        except RuntimeError:        # the store unreachable: a lost rank's watch (RankWatch) says so
+            return False
 
     def stop(self) -> None:
         self._stopped.set()
