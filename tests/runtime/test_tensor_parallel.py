@@ -345,7 +345,7 @@ def test_the_ranks_nccl_communicators_meet_under_each_generation_and_the_old_one
 
     def rank(r):
         group = GlooGroup(Shard(r, 2), address, timeout_s=20)
-        nccl = collectives.NcclCollectives(group)
+        nccl = collectives.NcclCollectives(group, SimpleNamespace(set_current=lambda: None))
         nccl.before_abort.append(lambda: released.append((r, [c.aborted for c in FakeCommunicator.made
                                                               if c.rank == r])))
         if r == 0:
@@ -512,3 +512,21 @@ def test_a_follower_whose_part_failed_reports_it_and_runs_no_collectives_until_r
     follow(mailbox, None, follower, ())
     assert [c[0] for c in follower.calls if c[0] != "bind"] == ["forward", "copy", "forward"]
     assert mailbox.reports == 1 and mailbox.renewed == 1
+
+
+def test_a_communicator_whose_init_never_ends_is_a_lost_rank(monkeypatch):
+    """NCCL's init waits for every rank without end: one that died after the store's meeting must not hold this one
+    past the collectives' timeout."""
+    from nccl.core import UniqueId
+
+    from metrale.runtime.backend.cuda import collectives
+
+    never = threading.Event()
+    monkeypatch.setattr(collectives, "get_unique_id", lambda: UniqueId.from_bytes(bytes(128)))
+    monkeypatch.setattr(collectives, "Communicator", SimpleNamespace(init=lambda *args: never.wait()))
+    group = GlooGroup(Shard(0, 1), f"127.0.0.1:{free_port()}", timeout_s=0.5)
+    started = time.monotonic()
+    with pytest.raises(RankLost, match="not made within 0.5 s"):
+        collectives.NcclCollectives(group, SimpleNamespace(set_current=lambda: None))
+    assert time.monotonic() - started < 5
+    never.set()

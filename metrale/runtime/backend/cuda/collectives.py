@@ -26,11 +26,11 @@ NCCL_DTYPES = {"bfloat16": bindings.DataType.Bfloat16, "float32": bindings.DataT
 
 
 class NcclCollectives:
-    """group: the ranks' GlooGroup (its shard, store and generation); the calling thread's device is this rank's
-    (CudaDevice made it current)."""
+    """group: the ranks' GlooGroup (its shard, store and generation)."""
 
-    def __init__(self, group):
-        self.group, self.shard = group, group.shard
+    def __init__(self, group, device):
+        """device: this rank's cuda.core Device (current on the threads that make communicators)."""
+        self.group, self.shard, self.device = group, group.shard, device
         self._communicator: Communicator | None = None
         self._comm = None          # the communicator's binding handle, for the per-layer calls
         # Every use of the communicator, and its abort (from any thread), one at a time: NCCL allows no two at once.
@@ -85,12 +85,29 @@ class NcclCollectives:
                 unique_id = UniqueId.from_bytes(self.group.store.get(key))
         except RuntimeError as error:
             raise RankLost(f"tensor-parallel ranks did not meet to make their NCCL communicator: {error}") from error
-        try:
-            communicator = Communicator.init(self.shard.size, self.shard.rank, unique_id)
-        except Exception as error:      # NCCL's own errors (nccl.bindings' NCCLError), and nccl4py's NcclInvalid
-            raise RankLost(f"tensor-parallel NCCL communicator failed: {error}") from error
+        communicator = self._initialized(unique_id)
         with self._lock:
             self._communicator, self._comm = communicator, bindings.Comm(communicator.ptr)
+
+    def _initialized(self, unique_id) -> Communicator:
+        """NCCL's communicator, made on a thread of its own (with this rank's device current there): its init waits
+        for every rank without end, and one that never comes (it died after the store's meeting) must not hold this
+        one; past the collectives' timeout the ranks are lost (RankLost), and that thread is left waiting."""
+        made = {}
+
+        def init():
+            try:
+                self.device.set_current()
+                made["communicator"] = Communicator.init(self.shard.size, self.shard.rank, unique_id)
+            except Exception as error:      # NCCL's own (nccl.bindings' NCCLError), nccl4py's NcclInvalid, CUDA's
+                made["error"] = error
+        thread = threading.Thread(target=init, name="metrale-nccl-init", daemon=True)
+        thread.start()
+        thread.join(self.group.timeout.total_seconds())
+        if "communicator" in made:
+            return made["communicator"]
+        why = made.get("error", f"not made within {self.group.timeout.total_seconds():g} s")
+        raise RankLost(f"tensor-parallel NCCL communicator failed: {why}")
 
     def all_reduce(self, x: DeviceTensor, stream) -> DeviceTensor:
         """x summed over the ranks, in place, in x's dtype."""

@@ -24,7 +24,7 @@ class CudaResources:
         self.collectives, self.shard = None, None
         if group is not None:
             from metrale.runtime.backend.cuda.collectives import NcclCollectives    # NCCL's only where it runs
-            self.collectives, self.shard = NcclCollectives(group), group.shard
+            self.collectives, self.shard = NcclCollectives(group, self.cuda.device), group.shard
         self.shapes: MemoryShapes | None = None
         self.weights: Arena | None = None
         self.streams: list[StreamContext] = []
