@@ -116,6 +116,8 @@ class WorkerServer:
                 self._watch = RankWatch(self.ranks, on_lost)
             self._watch.on_lost = on_lost
             self.servicer.engine.runner.when_lost(on_lost)
+            if self.servicer.engine.runner.group.lost is not None:      # lost between the build and now
+                on_lost(self.servicer.engine.runner.group.lost)
         if self.config.sequence_ttl:
             self._expiry_task = asyncio.get_running_loop().create_task(self._expire_idle_sequences())
         log.info("serving", port=self.port, model=self.servicer.info.model_id, device=self.servicer.info.device,

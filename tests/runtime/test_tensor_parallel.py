@@ -257,6 +257,9 @@ class Mailbox:
 
     reports = 0
 
+    def renewing(self):
+        return False
+
     def report_failure(self):
         self.reported, self.reports = True, self.reports + 1
 
@@ -480,15 +483,34 @@ def test_a_ranks_logits_go_to_its_place_and_rank_0_lays_the_parts_side_by_side(r
     assert out == DeviceTensor(base, (3, 1000), "bfloat16", 1024)
 
 
-def test_a_sampling_queued_before_the_collectives_were_renewed_is_a_failed_step():
-    """Another stream's call failed and the ranks renewed the collectives while this sampling's work was queued: the
-    renewal's abort ended that work partway, so its tokens are not the model's."""
-    leader = LeaderRunner(Recorded(), Mailbox(Shard(0, 2)))
-    queued = leader.queue_sample(None, [])
-    leader.group.renew_collectives()
-    with pytest.raises(CollectiveFailed):
-        queued.result()
-    assert leader.queue_sample(None, []).result() == "sampled"
+class Queuing(Recorded):
+    """A runner whose forwards and samplings are queued on a device (CUDA's)."""
+
+    queues_work = True
+
+
+def test_a_sampling_of_a_forward_queued_before_the_collectives_were_renewed_is_a_failed_step():
+    """Another stream's call failed and the ranks renewed the collectives after this forward was queued (before or
+    after its sampling was): the renewal's abort ended that work partway, so its tokens are not the model's. On a
+    device that does not queue work (the CPU's), a forward is done when it returns, and its sampling stands."""
+    for renewed_before_sampling in (True, False):
+        leader = LeaderRunner(Queuing(), Mailbox(Shard(0, 2)))
+        leader.run_forward(None, a_batch(), False)
+        if renewed_before_sampling:
+            leader.group.renew_collectives()
+        queued = leader.queue_sample(None, [])
+        if not renewed_before_sampling:
+            leader.group.renew_collectives()
+        with pytest.raises(CollectiveFailed):
+            queued.result()
+        leader.run_forward(None, a_batch(), False)
+        assert leader.queue_sample(None, []).result() == "sampled"
+        leader.watch.stop()
+    cpu = LeaderRunner(Recorded(), Mailbox(Shard(0, 2)))
+    cpu.run_forward(None, a_batch(), False)
+    queued = cpu.queue_sample(None, [])
+    cpu.group.renew_collectives()
+    assert queued.result() == "sampled"
 
 
 class FailingOnce(Recorded):

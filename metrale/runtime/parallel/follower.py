@@ -52,7 +52,8 @@ def follow(group, model, runner, specs: tuple) -> None:
             # Rank 0's call fails too, its collectives broken off (at once, or at its next call's; on the device at
             # its watch's word), and it sends RENEW.
             log.warning("tensor_parallel_call_failed", call=call, rank=group.shard.rank, exc_info=True)
-            group.report_failure()
+            if not group.renewing():    # rank 0's renewal ended the wait: nothing to tell it
+                group.report_failure()
             group.drop_collectives()
             failed = True
             continue

@@ -121,7 +121,8 @@ class GlooGroup:
         (for the graphs that captured them, let go of at the renewal) and must not hold the caller."""
         communicator = self.device.detach() if self.device is not None else None
         if communicator is not None:
-            threading.Thread(target=communicator.abort, name="metrale-collectives-abort", daemon=True).start()
+            threading.Thread(target=self.device.abort_detached, args=(communicator,), name="metrale-collectives-abort",
+                             daemon=True).start()
 
     def check(self) -> None:
         """RankLost once a rank is gone: what a step that waited on the device got is not the model's."""

@@ -41,7 +41,7 @@ class LeaderRunner:
         device is bounded by the watch (not the warm-up's tuning and captures, nor the cache's allocation)."""
         with self.lock:
             self.group.check()
-            generation = self.group.generation
+            generation = self._bound.generation = self.group.generation
             self.group.send((message[0], getattr(self._bound, "stream", 0), *message[1:]))
             try:
                 with self.waiting() if watched else contextlib.nullcontext():
@@ -49,7 +49,8 @@ class LeaderRunner:
                 self._settled(generation)
                 return result
             except BaseException:
-                self._recover()
+                if self.group.lost is None:
+                    self._recover()
                 raise
 
     def waiting(self):
@@ -61,14 +62,20 @@ class LeaderRunner:
         gone; CollectiveFailed where another rank's part of the step failed, or the collectives were renewed since
         (either way they were aborted, which ended the wait: what it got is not the model's)."""
         self.group.check()
-        if self.group.interrupted or self.group.generation != generation:
+        if self.group.interrupted or (self.runner.queues_work and self.group.generation != generation):
             raise CollectiveFailed("another tensor-parallel rank's part of the step failed")
 
+    def _forward_generation(self) -> int:
+        """The collectives' generation the calling thread's latest forward was queued under (what its sampling
+        reads), whatever renewal came since."""
+        return getattr(self._bound, "generation", self.group.generation)
+
     def queue_sample(self, logits, rows):
-        return CheckedSample(self.runner.queue_sample(logits, rows), self, self.group.generation)
+        return CheckedSample(self.runner.queue_sample(logits, rows), self, self._forward_generation())
 
     def beam_candidates(self, logits, banned, count):
-        return CheckedCandidates(self.runner.beam_candidates(logits, banned, count), self, self.group.generation)
+        return CheckedCandidates(self.runner.beam_candidates(logits, banned, count), self,
+                                 self._forward_generation())
 
     def synchronize(self) -> None:
         generation = self.group.generation
@@ -83,7 +90,7 @@ class LeaderRunner:
             self._settled(generation)
         except CollectiveFailed:
             with self.lock:
-                if self.group.interrupted:
+                if self.group.interrupted and self.group.lost is None:
                     self._recover()
             raise
 

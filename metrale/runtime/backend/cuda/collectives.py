@@ -51,10 +51,21 @@ class NcclCollectives:
         self._abort(self._taken(release=True))
 
     def detach(self):
-        """The communicator, taken out of use (every later call fails until renew()) for the caller to abort on a
-        thread of its own: its operations on this rank's streams end at once (NCCL raises its abort flag first),
-        though the abort itself may wait for what captured it until renew() lets go of that. From any thread."""
-        return self._taken(release=False)
+        """The communicator, taken out of use at once (every later call fails until renew(); a call already holding
+        it goes on), for abort_detached() on a thread of its own. From any thread: it waits for nothing."""
+        communicator, self._communicator, self._comm = self._communicator, None, None
+        return communicator
+
+    def abort_detached(self, communicator) -> None:
+        """detach()'s communicator aborted once no call holds it (or past ABORT_WAIT_S): its operations on this
+        rank's streams end at once (NCCL raises its abort flag first), though the abort itself may wait for what
+        captured it until renew() lets go of that."""
+        locked = self._lock.acquire(timeout=ABORT_WAIT_S)
+        try:
+            communicator.abort()
+        finally:
+            if locked:
+                self._lock.release()
 
     def _taken(self, release: bool):
         """The communicator out of use, under the lock where it comes within ABORT_WAIT_S (an enqueue stuck on the

@@ -209,9 +209,9 @@ def capture(ctx, run: Callable[[], object], prepared: tuple) -> tuple[object, ob
             with ctx.reuse_prepared(*prepared):
                 result = run()
         except BaseException:
-            try:
+            with contextlib.suppress(Exception):        # the error to raise is run()'s
                 builder.end_building()
-            finally:
+            with contextlib.suppress(Exception):
                 builder.close()     # what it captured goes (a tensor-parallel collective holds its communicator)
             raise
         builder.end_building()
