@@ -97,3 +97,36 @@ def test_two_ranks_give_the_one_device_run(llama, tmp_path):
                 follower.terminate()
     assert [follower.exitcode for follower in followers] == [0]
     assert_agrees(chosen, ours, tokens, rows)
+
+
+def test_one_rank_renews_its_communicator_after_a_step_fails_partway(tmp_path):
+    """Rank 0's prefill raises after its third sum (a bug there): the step fails alone (StepFailed); the ranks renew
+    the communicator, which closes the decode graphs captured at warm-up over the old one first (NCCL's abort waits
+    for them) and captures them again at their next use; every step after gives the one-device run."""
+    from metrale.runtime.errors import StepFailed
+
+    directory = write_tiny("llama3_untied", tmp_path / "llama", weight_std=0.04, norm_std=0.1)
+    one_device, _ = build_engine(load_checkpoint(directory), CONFIG, cache_dir=tmp_path / "cache")
+    tokens, rows = forced_greedy(one_device)
+    group = GlooGroup(Shard(0, 1), free_address())
+    engine, _ = build_engine(load_checkpoint(directory), CONFIG, cache_dir=tmp_path / "cache", group=group)
+    math, calls = engine.model.math, []
+    all_reduce = math.all_reduce
+
+    def failing(x):
+        calls.append(x)
+        out = all_reduce(x)
+        if len(calls) == 3:
+            raise RuntimeError("injected after a collective")
+        return out
+    math.all_reduce = failing
+    try:
+        with pytest.raises(StepFailed):
+            engine.step(Step(prefill=tuple(PrefillSlice(seq, tuple(prompt)) for seq, prompt in PROMPTS.items())))
+        math.all_reduce = all_reduce
+        assert group.generation == 1
+        chosen, ours = forced_greedy(engine, tokens)
+        assert engine.runner.counters()["graph_replays"] >= NUM_DECODES
+    finally:
+        engine.runner.stop()
+    assert_agrees(chosen, ours, tokens, rows)
