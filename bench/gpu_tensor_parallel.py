@@ -22,7 +22,7 @@ from bench.gpu_ceilings import copy_bandwidth, gemm_rate, gpu_machine_line
 from bench.gpu_decode import decode_engine_row, decode_grpc_row, write_json
 from bench.model_shapes import SHAPES, drawn_checkpoint, kv_bytes_per_token, layer_matmul_params, prefill_flops, \
     random_tokens
-from bench.phases import Run, log
+from bench.phases import Run, add_run_options, log
 from bench.prefill_cases import parse_prefill_cases
 from metrale.runtime.build import build_engine, build_follower
 from metrale.runtime.cache.blocks import blocks_for
@@ -47,13 +47,8 @@ def parse_args(argv):
     parser.add_argument("--prefill", default="1x4096", help="prefill cases NUMxLEN, comma-separated; '' for none")
     parser.add_argument("--prefill-reps", type=int, default=5, help="timed prefills per case")
     parser.add_argument("--prefill-warmup", type=int, default=2, help="untimed prefills first")
-    parser.add_argument("--copy-mb", type=int, default=4096, help="bytes copied to measure copy bandwidth (MB)")
-    parser.add_argument("--gemm-size", type=int, default=8192, help="n of the n^3 bf16 GEMM for the GEMM rate")
     parser.add_argument("--profile-steps", type=int, default=5, help="decode steps profiled for the NCCL share")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--time-budget", type=float, default=540.0,
-                        help="seconds; phases that would start later are skipped")
-    parser.add_argument("--json", default=None, help="write every number here")
+    add_run_options(parser)
     return parser.parse_args(argv)
 
 
@@ -166,7 +161,8 @@ def measure_ranks(run: Run, args, ranks: int, config: EngineConfig, bandwidth: f
                 ours.release_all()
                 engine_row.nccl_share = share
             rows.append(engine_row)
-            rows.append(RankedRow(ranks, decode_grpc_row(run, args, worker, shape, batch, floor_ms, rpc="steps")))
+            if not args.skip_grpc:
+                rows.append(RankedRow(ranks, decode_grpc_row(run, args, worker, shape, batch, floor_ms, rpc="steps")))
     finally:
         worker.stop()
     return rows

@@ -114,10 +114,9 @@ class WorkerServer:
             on_lost = self._rank_lost_on(asyncio.get_running_loop())
             if self._watch is None:
                 self._watch = RankWatch(self.ranks, on_lost)
-            self._watch.on_lost = on_lost
-            self.servicer.engine.runner.when_lost(on_lost)
-            if self.servicer.engine.runner.group.lost is not None:      # lost between the build and now
-                on_lost(self.servicer.engine.runner.group.lost)
+            else:                       # the build's, which only ended the build's waits
+                self._watch.on_lost = on_lost
+            self.servicer.engine.runner.when_lost(on_lost)      # and at once, where lost since the build
         if self.config.sequence_ttl:
             self._expiry_task = asyncio.get_running_loop().create_task(self._expire_idle_sequences())
         log.info("serving", port=self.port, model=self.servicer.info.model_id, device=self.servicer.info.device,

@@ -76,12 +76,10 @@ class GlooGroup:
             self.collectives = self._collectives()
             if self.device is not None:
                 self.device.renew()
-        except RuntimeError as error:
-            self.lose(f"the ranks did not meet again after a failed call: {error}")
-            raise RankLost(f"tensor-parallel ranks did not meet again after a failed call: {error}") from error
-        except RankLost as error:
-            self.lose(str(error))
-            raise
+        except (RuntimeError, RankLost) as error:   # gloo's meeting, or the device's collectives' (RankLost)
+            why = f"the ranks did not meet again after a failed call: {error}"
+            self.lose(why)
+            raise RankLost(f"tensor-parallel {why}") from error
         self.interrupted = False
 
     def announce_renewal(self) -> None:

@@ -78,14 +78,14 @@ class LeaderRunner:
                                  self._forward_generation())
 
     def synchronize(self) -> None:
-        generation = self.group.generation
-        with self.waiting():
-            self.runner.synchronize()
-        self.settle_wait(generation)
+        self.checked_wait(self.runner.synchronize, self.group.generation)
 
-    def settle_wait(self, generation: int) -> None:
-        """_settled for a wait outside a mirrored call (a sampling's read-back): an interrupted step's collectives
-        are renewed here, once, by the first wait to see it."""
+    def checked_wait(self, wait, generation: int):
+        """wait() (on the device, outside a mirrored call: a sampling's read-back), watched, then _settled for work
+        queued under `generation`; an interrupted step's collectives are renewed here, once, by the first wait to
+        see it."""
+        with self.waiting():
+            result = wait()
         try:
             self._settled(generation)
         except CollectiveFailed:
@@ -93,6 +93,7 @@ class LeaderRunner:
                 if self.group.interrupted and self.group.lost is None:
                     self._recover()
             raise
+        return result
 
     def _recover(self) -> None:
         """After a call that failed partway: this rank leaves its collectives (another rank in one fails it at
@@ -104,9 +105,12 @@ class LeaderRunner:
         self.group.renew_collectives()
 
     def when_lost(self, callback) -> None:
-        """callback(why) once the ranks are lost to a wait past the collectives' timeout (the server's health)."""
+        """callback(why) once the ranks are lost to a wait past the collectives' timeout (the server's health), and
+        now where they are lost already."""
         if self.watch is not None:
             self.watch.on_lost = callback
+        if self.group.lost is not None:
+            callback(self.group.lost)
 
     def allocate_cache(self, specs, num_blocks, block_size, num_state_slots):
         """Rank 0 sizes the cache; each rank allocates its shard of it (its model's specs)."""
@@ -163,10 +167,7 @@ class CheckedSample:
         self.queued, self.leader, self.generation = queued, leader, generation
 
     def result(self):
-        with self.leader.waiting():
-            result = self.queued.result()
-        self.leader.settle_wait(self.generation)
-        return result
+        return self.leader.checked_wait(self.queued.result, self.generation)
 
 
 class CheckedCandidates:
@@ -179,10 +180,7 @@ class CheckedCandidates:
         return getattr(self.candidates, name)
 
     def host(self):
-        with self.leader.waiting():
-            values = self.candidates.host()
-        self.leader.settle_wait(self.generation)
-        return values
+        return self.leader.checked_wait(self.candidates.host, self.generation)
 
 
 class DeviceWatch:

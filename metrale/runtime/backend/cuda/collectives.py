@@ -11,6 +11,7 @@ graph that captured the communicator to be gone, so what holds them lets go firs
 graphs, captured again at their next use). Once a rank is lost, or another rank's part of a step failed, rank 0
 detaches the communicator and aborts it on a thread of its own, which ends its wait on the device for that part."""
 
+import contextlib
 import threading
 
 from nccl.bindings import nccl as bindings
@@ -42,13 +43,19 @@ class NcclCollectives:
 
     def renew(self) -> None:
         """The communicator aborted (where no detach() took it already) and a new one made, every rank together,
-        under the group's current generation (each rank within the store's timeout, else RankLost). What captured
-        the old one lets go of it first, so that its abort, here or on a thread detach() started, can end."""
-        self._abort(self._taken(release=True))
+        under the group's current generation (each rank within the store's timeout, else RankLost)."""
+        self.close()
         self._make()
 
     def close(self) -> None:
-        self._abort(self._taken(release=True))
+        """The communicator aborted, what captured it let go of first: so that its abort, here or on the thread
+        detach() started, can end."""
+        with self._holding():
+            communicator = self.detach()
+            for let_go in self.before_abort:
+                let_go()
+            if communicator is not None:
+                communicator.abort()
 
     def detach(self):
         """The communicator, taken out of use at once (every later call fails until renew(); a call already holding
@@ -57,34 +64,22 @@ class NcclCollectives:
         return communicator
 
     def abort_detached(self, communicator) -> None:
-        """detach()'s communicator aborted once no call holds it (or past ABORT_WAIT_S): its operations on this
-        rank's streams end at once (NCCL raises its abort flag first), though the abort itself may wait for what
-        captured it until renew() lets go of that."""
+        """detach()'s communicator aborted once no call holds it: its operations on this rank's streams end at once
+        (NCCL raises its abort flag first), though the abort itself may wait for what captured it until renew() lets
+        go of that."""
+        with self._holding():
+            communicator.abort()
+
+    @contextlib.contextmanager
+    def _holding(self):
+        """The lock, where it comes within ABORT_WAIT_S: an enqueue stuck on the host keeps it, and an abort must go
+        ahead regardless."""
         locked = self._lock.acquire(timeout=ABORT_WAIT_S)
         try:
-            communicator.abort()
+            yield
         finally:
             if locked:
                 self._lock.release()
-
-    def _taken(self, release: bool):
-        """The communicator out of use, under the lock where it comes within ABORT_WAIT_S (an enqueue stuck on the
-        host keeps it; an abort must go ahead regardless); release: what captured it lets go of it first."""
-        locked = self._lock.acquire(timeout=ABORT_WAIT_S)
-        try:
-            communicator, self._communicator, self._comm = self._communicator, None, None
-            if release:
-                for let_go in self.before_abort:
-                    let_go()
-            return communicator
-        finally:
-            if locked:
-                self._lock.release()
-
-    @staticmethod
-    def _abort(communicator) -> None:
-        if communicator is not None:
-            communicator.abort()
 
     def _make(self) -> None:
         key = f"nccl.{self.group.generation}"
@@ -124,24 +119,23 @@ class NcclCollectives:
         """x summed over the ranks, in place, in x's dtype."""
         if not x.is_contiguous:
             raise InvalidArgument(f"a tensor-parallel sum of a strided {x.shape} tensor")
-        with self._lock:
-            try:
-                bindings.all_reduce(x.ptr, x.ptr, x.numel, int(NCCL_DTYPES[x.dtype]), int(bindings.RedOp.Sum),
-                                    self._current(), int(stream.handle))
-            except bindings.NCCLError as error:
-                raise CollectiveFailed(f"tensor-parallel sum failed: {error}") from error
+        self._queue("sum", bindings.all_reduce, stream, x.ptr, x.ptr, x.numel, int(NCCL_DTYPES[x.dtype]),
+                    int(bindings.RedOp.Sum))
         return x
 
     def all_gather(self, parts: DeviceTensor, count: int, stream) -> None:
         """Every rank's `count` elements, in rank order from parts' start, on every rank: in place, each rank's own
         already at parts' start + rank * count."""
         mine = parts.ptr + self.shard.rank * count * parts.itemsize
+        self._queue("gather", bindings.all_gather, stream, mine, parts.ptr, count, int(NCCL_DTYPES[parts.dtype]))
+
+    def _queue(self, what: str, collective, stream, *args) -> None:
+        """collective(*args, communicator, stream) queued on the stream; NCCL's error a CollectiveFailed."""
         with self._lock:
             try:
-                bindings.all_gather(mine, parts.ptr, count, int(NCCL_DTYPES[parts.dtype]), self._current(),
-                                    int(stream.handle))
+                collective(*args, self._current(), int(stream.handle))
             except bindings.NCCLError as error:
-                raise CollectiveFailed(f"tensor-parallel gather failed: {error}") from error
+                raise CollectiveFailed(f"tensor-parallel {what} failed: {error}") from error
 
     def _current(self):
         if self._comm is None:

@@ -63,9 +63,7 @@ class DecodeGraphs:
     def forget(self) -> None:
         """Closes every captured graph (each is captured again on its next use): what they captured is going (a
         tensor-parallel communicator, whose abort waits for them)."""
-        for graph, _ in self._graphs.values():
-            graph.close()
-        self._graphs.clear()
+        _close_all(self._graphs)
 
     def size_for(self, rows: int) -> int | None:
         """The smallest bucket of at least `rows` decode rows, or None."""
@@ -184,12 +182,16 @@ class PrefillGraphs:
         self.replays += 1
         return out.rows(0, len(batch.sample_rows)) if padding.sampled else out
 
-
     def forget(self) -> None:
         """As DecodeGraphs.forget."""
-        for graph, _ in self._graphs.values():
-            graph.close()
-        self._graphs.clear()
+        _close_all(self._graphs)
+
+
+def _close_all(graphs: dict) -> None:
+    """Every (graph, output) of a shape-keyed dict closed, and the dict emptied."""
+    for graph, _ in graphs.values():
+        graph.close()
+    graphs.clear()
 
 
 def _power_of_two(n: int) -> int:

@@ -10,7 +10,8 @@ from metrale.runtime.backend.cuda import hyper_connection, kernels, latent_prefi
 from metrale.runtime.backend.cuda.batch import CudaBatch
 from metrale.runtime.backend.cuda.fp8_matrix import Fp8Matrix, device_scales, kept_as_fp8
 from metrale.runtime.backend.cuda.resources import CudaResources
-from metrale.runtime.backend.cuda.stream_context import StreamContext, padded_vocab, vocab_part
+from metrale.runtime.backend.cuda.stream_context import StreamContext
+from metrale.runtime.backend.cuda.vocab_parts import gathered_logits, head_rows
 from metrale.runtime.backend.cuda.linears import k_splits, linear_into, partials
 from metrale.runtime.backend.cuda.tensor import DTYPES, DeviceTensor
 from metrale.runtime.backend.layer_math import Experts, LatentAttention, Linear, MoeRouter, RopeTable, SsmScan, \
@@ -42,13 +43,8 @@ class CudaLayerMath:
         return self._upload(tensor.to(torch.bfloat16), "bfloat16")
 
     def upload_lm_head(self, tensor: torch.Tensor) -> DeviceTensor:
-        """Padded to padded_vocab rows; tensor parallel: the rank's vocab_part of the rows (logits gathers them)."""
-        if self.shard is None:
-            rows = padded_vocab(tensor.shape[0])
-            return self.upload(torch.nn.functional.pad(tensor, (0, 0, 0, rows - tensor.shape[0])))
-        rows = vocab_part(tensor.shape[0], self.shard.size)
-        part = tensor[self.shard.rank * rows:(self.shard.rank + 1) * rows]
-        return self.upload(torch.nn.functional.pad(part, (0, 0, 0, rows - part.shape[0])))
+        """The rows this device holds (vocab_parts.head_rows; tensor parallel, its part: logits gathers them)."""
+        return self.upload(head_rows(tensor, self.shard))
 
     def upload_tied(self, table: torch.Tensor) -> tuple[DeviceTensor, DeviceTensor]:
         """The embedding and the LM head of one table: one upload on one device; tensor parallel, the whole table
@@ -382,26 +378,10 @@ class CudaLayerMath:
 
     def logits(self, x, lm_head):
         ctx = self.resources.bound.context
-        if self.collectives is None:
-            out = ctx.logits.rows(0, x.shape[0]).columns(0, lm_head.shape[0])
-            linear_into(self.lib, self.resources.gemm, ctx, out, x, lm_head)
-            return out.columns(0, self.resources.shapes.vocab)
-        return self._gathered_logits(ctx, x, lm_head)
-
-    def _gathered_logits(self, ctx: StreamContext, x, lm_head):
-        """Tensor parallel: the rank's part of every row's logits, into its place among the ranks' parts (rank after
-        rank, each [rows, part]); NCCL gathers the others'; rank 0 lays them side by side in its logits rows, which
-        it samples (the others' logits are never read)."""
-        rows, part, rank = x.shape[0], lm_head.shape[0], self.shard.rank
-        parts = ctx.logits_parts
-        mine = DeviceTensor(parts.ptr + rank * rows * part * parts.itemsize, (rows, part), parts.dtype)
-        linear_into(self.lib, self.resources.gemm, ctx, mine, x, lm_head)
-        self.collectives.all_gather(parts, rows * part, ctx.stream)
-        out = ctx.logits.rows(0, rows)
-        if rank == 0:
-            for r in range(self.shard.size):
-                source = DeviceTensor(parts.ptr + r * rows * part * parts.itemsize, (rows, part), parts.dtype)
-                self.cuda.copy_columns(out.columns(r * part, (r + 1) * part), source, ctx.stream)
+        if self.collectives is not None:
+            return gathered_logits(self.resources, ctx, x, lm_head)
+        out = ctx.logits.rows(0, x.shape[0]).columns(0, lm_head.shape[0])
+        linear_into(self.lib, self.resources.gemm, ctx, out, x, lm_head)
         return out.columns(0, self.resources.shapes.vocab)
 
 
