@@ -101,7 +101,7 @@ def _load(checkpoint: Checkpoint, config: EngineConfig, cache_dir: Path | None, 
         raise InvalidArgument(f"--kv-dtype {config.kv_dtype} does not run on the {backend.runner.device} backend "
                               f"(it runs {', '.join(backend.runner.kv_dtypes)})")
     backend.runner.plan(_weight_bytes(tensors, getattr(tensors, "numel", checkpoint.numel), local_config, max_model_len,
-                                      family.model_class, group.shard.size if group else 1),
+                                      family.model_class, group.shard.size if group else None),
                         _memory_shapes(local_config, config, max_model_len,
                                        fp8.widest_fp8_input(tensors, config.quantize == "fp8")))
     tensors = fp8.QuantizedTensors(tensors) if config.quantize == "fp8" else tensors
@@ -119,15 +119,15 @@ def _shard(family: Family, model_config, checkpoint: Checkpoint, group):
     return local_config, ShardedTensors(checkpoint.tensors, splits, group.shard)
 
 
-def _weight_bytes(names, numel, c, max_model_len: int, model_class: type, ranks: int = 1) -> int:
+def _weight_bytes(names, numel, c, max_model_len: int, model_class: type, ranks: int | None = None) -> int:
     """An upper bound: every checkpoint tensor (names, each of numel(name) elements: this rank's part) in bf16, rope
     tables in float32, each 256-byte aligned, and what the model uploads beside its checkpoint's tensors
-    (model_class.extra_weight_bytes, where it has one, and the LM head's padding rows; tensor parallel, a tied
-    table's part of the vocabulary beside the whole table)."""
+    (model_class.extra_weight_bytes, where it has one, and the LM head's padding rows; in a group of ranks (None:
+    none), even of one, a tied table's part of the vocabulary beside the whole table)."""
     tensors = sum(2 * numel(name) + 256 for name in names)
     extra = getattr(model_class, "extra_weight_bytes", lambda config: 0)(c) + 2 * LM_HEAD_PADDING_ROWS * c.hidden_size
-    if ranks > 1:
-        extra += 2 * (-(-c.vocab_size // ranks) + LM_HEAD_PADDING_ROWS) * c.hidden_size
+    if ranks is not None:
+        extra += 2 * (-(-c.vocab_size // ranks) + LM_HEAD_PADDING_ROWS) * c.hidden_size + 256
     return tensors + 2 * (4 * max_model_len * c.head_dim // 2 + 256) + extra
 
 

@@ -6,7 +6,7 @@ import pytest
 from metrale.runtime.backend.cpu import CpuRunner
 from metrale.runtime.backend.cpu.layer_math import CpuLayerMath
 from metrale.runtime.backend.cuda.device import ALIGNMENT
-from metrale.runtime.backend.cuda.stream_context import padded_vocab, vocab_part
+from metrale.runtime.backend.cuda.vocab_parts import head_rows
 from metrale.runtime.build import _weight_bytes, build_engine
 from metrale.runtime.config import EngineConfig
 from metrale.runtime.loading import load_checkpoint
@@ -34,9 +34,8 @@ class ArenaTally(CpuLayerMath):
         return self._take(super().upload_float32(tensor), 4)
 
     def upload_lm_head(self, tensor):
-        rows = padded_vocab(tensor.shape[0]) if self.group is None else vocab_part(tensor.shape[0], self.group.size)
-        self.taken += -(-rows * tensor.shape[1] * 2 // ALIGNMENT) * ALIGNMENT
-        return super().upload(tensor) if self.group is None else super().upload_lm_head(tensor)
+        """The rows the CUDA backend uploads (its padding; a rank's part)."""
+        return self._take(head_rows(tensor, None if self.group is None else self.group.shard), 2)
 
 
 class Ranks:
@@ -60,17 +59,18 @@ def test_the_weights_arena_holds_every_upload_of_the_model(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["llama_tied", "llama3_untied", "mixtral", "deepseek_v2"])
-@pytest.mark.parametrize("rank", [0, 1])
-def test_a_tensor_parallel_ranks_weights_arena_holds_its_uploads(name, rank, tmp_path):
-    """Its shard of every tensor, and the LM head's part of the vocabulary beside a tied table."""
+@pytest.mark.parametrize("rank, size", [(0, 1), (0, 2), (1, 2)])
+def test_a_tensor_parallel_ranks_weights_arena_holds_its_uploads(name, rank, size, tmp_path):
+    """Its shard of every tensor, and the LM head's part of the vocabulary beside a tied table (in a group of one
+    rank too)."""
     checkpoint = load_checkpoint(write_tiny(name, tmp_path))
     family = family_of(checkpoint.config)
-    shard = Shard(rank, 2)
+    shard = Shard(rank, size)
     config, splits = family.tensor_parallel(family.config_from_hf(checkpoint.config), shard)
     tensors = ShardedTensors(checkpoint.tensors, splits, shard)
     tally = ArenaTally(Ranks(shard))
     family.model_class(config, tensors, tally, config.max_position_embeddings)
-    planned = _weight_bytes(tensors, tensors.numel, config, config.max_position_embeddings, family.model_class, 2)
+    planned = _weight_bytes(tensors, tensors.numel, config, config.max_position_embeddings, family.model_class, size)
     assert tally.taken <= planned < 3 * tally.taken
 
 

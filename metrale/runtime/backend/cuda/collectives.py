@@ -9,9 +9,13 @@ After a call that failed partway every rank aborts the communicator at rank 0's 
 some waiting for a rank that stopped partway, end) and they make a new one together. NCCL's abort waits for every
 graph that captured the communicator to be gone, so what holds them lets go first (before_abort: the runner's
 graphs, captured again at their next use). Once a rank is lost, or another rank's part of a step failed, rank 0
-detaches the communicator and aborts it on a thread of its own, which ends its wait on the device for that part."""
+detaches the communicator and aborts it on a thread of its own, which ends its wait on the device for that part.
+
+NVLink multicast (NVLS) stays off unless the environment turns it on (NCCL_NVLS_ENABLE=1): on hosts whose GPUs
+others share, a program using it can take them out of service."""
 
 import contextlib
+import os
 import threading
 
 from nccl.bindings import nccl as bindings
@@ -19,6 +23,8 @@ from nccl.core import Communicator, UniqueId, get_unique_id
 
 from metrale.runtime.backend.cuda.tensor import DeviceTensor
 from metrale.runtime.errors import CollectiveFailed, InvalidArgument, RankLost
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")   # read by NCCL at its first communicator, after this import
 
 # How long an abort waits for the communicator while a call on it holds it.
 ABORT_WAIT_S = 30.0
