@@ -130,6 +130,19 @@ struct Fp8BlockWeights : Fp8RowWeights {
     __device__ __forceinline__ float scale(int r, int chunk) const { return scales[(chunk >> 4) * n + r]; }
 };
 
+// A dense gated MLP's gate and up stacked as its checkpoint fuses them ([gate; up], `half` rows each, half % 8 == 0),
+// read as skinny_gemm's gated form wants its rows (n = 2 half): tile row 16 q + i is the gate's row 8 q + i, tile row
+// 16 q + 8 + i the up's, so a CTA's 16 rows are the out columns 8 q .. 8 q + 7. Any weight form.
+template <typename Weights>
+struct GateUpHalves : Weights {
+    int half;
+    __device__ __forceinline__ int stacked(int r) const { return ((r >> 4) << 3) + (r & 7) + ((r & 8) ? half : 0); }
+    __device__ __forceinline__ const uint4* row(int r, int k_chunks) const {
+        return Weights::row(stacked(r), k_chunks);
+    }
+    __device__ __forceinline__ float scale(int r, int chunk) const { return Weights::scale(stacked(r), chunk); }
+};
+
 __device__ __forceinline__ float to_float(bf16 v) { return bf16_to_float(v); }
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ void store(bf16* p, float v) { *p = float_to_bf16(v); }
@@ -144,7 +157,8 @@ struct StridedRows {
 
 // TOKEN_TILES = 1 (M <= 8) or 2 (M <= 16): 8-token B tiles, each with its own accumulator. rows(t): the first
 // 16-byte chunk of token t's x row (StridedRows, or a gather). gated (no bias, no relu): the weight is a gated MLP's
-// gate and up rows interleaved by 8 (rows 16 q + i and 16 q + 8 + i: the gate's and the up's row 8 q + i), and out
+// gate and up rows interleaved by 8 (rows 16 q + i and 16 q + 8 + i: the gate's and the up's row 8 q + i; as
+// moe.cu's experts are stored, or as GateUpHalves reads a dense MLP's [gate; up]), and out
 // [M, N / 2] = silu(gate) * up (common.cuh's silu_mul_of_rounded, with its clamp where limit > 0), N % 16 == 0: a
 // CTA's 16 rows are 8 columns.
 template <int TOKEN_TILES, typename Out, typename Rows, typename Weights>

@@ -16,7 +16,8 @@ from metrale.runtime.errors import InvalidArgument  # noqa: E402
 LAUNCHER_MODULES = (activation, embedding, fp8, norm, rope_kv, skinny_gemm)
 # Kernels stamped out by a macro (one declaration for all of them).
 MACROS = {"rope_and_write_kv": "ROPE_AND_WRITE_KV", "rope_and_write_kv_fp8": "ROPE_AND_WRITE_KV",
-          **{f"skinny_gemm_m{m}_fp8{blocks}": "SKINNY_GEMM_FP8" for m in (8, 16) for blocks in ("", "_blocks")}}
+          **{f"skinny_gemm_m{m}_fp8{blocks}": "SKINNY_GEMM_FP8" for m in (8, 16) for blocks in ("", "_blocks")},
+          **{f"skinny_gated_m{m}_{form}": "SKINNY_GEMM_GATED" for m in (8, 16) for form in ("bf16", "fp8", "fp8_blocks")}}
 
 
 @pytest.fixture
@@ -296,6 +297,37 @@ def test_an_fp8_weight_s_decode_linear_launches_its_form_s_kernel(launches, m, b
     [(name, grid, _, args)] = launches
     assert name == f"skinny_gemm_m{8 if m <= 8 else 16}_fp8{'_blocks' if blocks else ''}"
     assert grid == (ceil_div(n, 16),) and args[5] == BASE + (1 << 24) and args[7:10] == [m, n, k // 8]
+
+
+@pytest.mark.parametrize("form", ["bf16", "fp8", "fp8_blocks"])
+@pytest.mark.parametrize("m", [1, 9])
+def test_a_gated_mlp_s_gate_up_and_activation_launch_as_one(launches, m, form):
+    """[gate; up] of 2 x 24 rows: 3 CTAs of 8 out columns each; the scales after the weight (null for bf16)."""
+    half, k = 24, 256
+    if form == "bf16":
+        weight = bf16(2 * half, k)
+    else:
+        scales = f32(k // 128, 2 * half, offset=1 << 24) if form == "fp8_blocks" else f32(2 * half, offset=1 << 24)
+        weight = Fp8Matrix(DeviceTensor(BASE, (2 * half, k), "float8_e4m3"), scales, form == "fp8_blocks")
+    out = bf16(m, half, row_stride=half + 8)
+    skinny_gemm.skinny_gated(FakeLibrary(), None, out, bf16(m, k), weight)
+    [(name, grid, _, args)] = launches
+    assert name == f"skinny_gated_m{8 if m <= 8 else 16}_{form}" and grid == (3,)
+    assert args[1] == half + 8 and args[5] == (0 if form == "bf16" else BASE + (1 << 24)) and args[6:] == [m, half,
+                                                                                                          k // 8]
+
+
+@pytest.mark.parametrize("case, out, weight, x", [
+    ("halves not a multiple of 8", bf16(2, 20), bf16(40, 64), bf16(2, 64)),
+    ("out of the product's width", bf16(2, 48), bf16(48, 64), bf16(2, 64)),
+    ("float32 out", f32(2, 24), bf16(48, 64), bf16(2, 64)),
+    ("over 16 rows", bf16(17, 24), bf16(48, 64), bf16(17, 64)),
+    ("K disagrees", bf16(2, 24), bf16(48, 72), bf16(2, 64))])
+def test_a_gated_gate_up_that_cannot_run_is_refused_before_any_kernel(launches, case, out, weight, x):
+    lib = FakeLibrary()
+    with pytest.raises(InvalidArgument, match="skinny_gated"):
+        skinny_gemm.skinny_gated(lib, None, out, x, weight)
+    assert lib.requested == [] and launches == []
 
 
 def test_an_input_quantized_by_128_columns_launches_a_ctas_a_row(launches):

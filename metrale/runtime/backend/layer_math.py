@@ -268,8 +268,9 @@ class LayerMath(Protocol):
     def relu(self, x: Tensor) -> Tensor:
         """max(x, 0), elementwise."""
 
-    def silu_mul(self, gate_up: Tensor) -> Tensor:
-        """[T, 2 * I] -> silu(gate) * up, [T, I]."""
+    def silu_mul(self, gate_up: Tensor | Linear) -> Tensor:
+        """[T, 2 * I] -> silu(gate) * up, [T, I]. gate_up may be a Linear (its weight [gate; up]), which a backend may
+        compute with the activation."""
 
     def relu_squared(self, x: Tensor) -> Tensor:
         """max(x, 0) ** 2, elementwise (Nemotron-H's MLP)."""

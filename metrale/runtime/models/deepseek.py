@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from metrale.runtime.backend.layer_math import LatentAttention, LayerMath, RopeTable
+from metrale.runtime.backend.layer_math import LatentAttention, LayerMath, Linear, RopeTable
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.cache.specs import PagedIndexKeys, PagedLatent
 from metrale.runtime.errors import InvalidArgument
@@ -260,10 +260,10 @@ class DeepseekForCausalLM:
         """The dense MLP, or the mixture of experts with its shared experts' MLP."""
         ops = self.math
         if "router" not in layer:
-            return ops.all_reduce(ops.linear(ops.silu_mul(ops.linear(h, layer["gate_up_proj"])), layer["down_proj"]))
+            return ops.all_reduce(ops.linear(ops.silu_mul(Linear(h, layer["gate_up_proj"])), layer["down_proj"]))
         shared = None
         if "shared" in layer:
-            shared = ops.linear(ops.silu_mul(ops.linear(h, layer["shared"]["up_proj"])), layer["shared"]["down_proj"])
+            shared = ops.linear(ops.silu_mul(Linear(h, layer["shared"]["up_proj"])), layer["shared"]["down_proj"])
         return ops.all_reduce(ops.moe(h, layer["router"], layer["experts"], shared))
 
 

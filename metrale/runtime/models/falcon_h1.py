@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from metrale.runtime.backend.layer_math import LayerMath, RopeTable
+from metrale.runtime.backend.layer_math import LayerMath, Linear, RopeTable
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.cache.specs import PagedKv
 from metrale.runtime.errors import InvalidArgument
@@ -141,7 +141,7 @@ class FalconH1ForCausalLM:
             x = ops.add(mixed, packed_attention(ops, h, layer, meta, kv, self.rope, c.num_heads, c.num_kv_heads,
                                                 c.head_dim, self.scale))
             h, residual = ops.rms_norm(x, layer["pre_ff_layernorm"], c.rms_norm_eps, residual)
-            h = ops.silu_mul(ops.linear(h, layer["gate_up_proj"], layer.get("gate_up_bias")))
+            h = ops.silu_mul(Linear(h, layer["gate_up_proj"], layer.get("gate_up_bias")))
             x = ops.all_reduce(ops.linear(h, layer["down_proj"], layer.get("down_bias")))
         x, residual = ops.sampled_rows(x, residual, meta)
         x, _ = ops.rms_norm(x, w["norm"], c.rms_norm_eps, residual)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from metrale.runtime.backend.layer_math import LayerMath, RopeTable
+from metrale.runtime.backend.layer_math import LayerMath, Linear, RopeTable
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.cache.specs import PagedKv
 from metrale.runtime.errors import InvalidArgument
@@ -155,7 +155,7 @@ class GraniteHybridForCausalLM:
                 x = packed_attention(ops, h, layer, meta, layer_cache, self.rope, c.num_heads, c.num_kv_heads,
                                      c.head_dim, c.attention_scale)
             h, residual = ops.rms_norm(x, layer["post_attention_layernorm"], c.rms_norm_eps, residual)
-            x = ops.linear(ops.silu_mul(ops.linear(h, layer["input_linear"])), layer["output_linear"])
+            x = ops.linear(ops.silu_mul(Linear(h, layer["input_linear"])), layer["output_linear"])
             if c.moe:
                 x = ops.moe(h, layer["router"], layer["experts"], x)
             x = ops.all_reduce(x)           # a rank's partial sums of the shared MLP (and of the experts)

@@ -5,7 +5,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from metrale.runtime.backend.layer_math import LayerMath, RopeTable
+from metrale.runtime.backend.layer_math import LayerMath, Linear, RopeTable
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.cache.specs import PagedKv
 from metrale.runtime.errors import InvalidArgument
@@ -138,11 +138,11 @@ class LlamaForCausalLM:
         """The dense MLP, or the mixture of experts (plus its shared experts' MLP, where it has them)."""
         ops = self.math
         if "router" not in layer:
-            return ops.all_reduce(ops.linear(ops.silu_mul(ops.linear(h, layer["mlp.gate_up_proj"])),
+            return ops.all_reduce(ops.linear(ops.silu_mul(Linear(h, layer["mlp.gate_up_proj"])),
                                              layer["mlp.down_proj.weight"]))
         shared = None
         if "shared" in layer:
-            shared = ops.linear(ops.silu_mul(ops.linear(h, layer["shared"]["up_proj"])), layer["shared"]["down_proj"])
+            shared = ops.linear(ops.silu_mul(Linear(h, layer["shared"]["up_proj"])), layer["shared"]["down_proj"])
         return ops.all_reduce(ops.moe(h, layer["router"], layer["experts"], shared))
 
     def _attention(self, h, layer: dict, meta, kv):

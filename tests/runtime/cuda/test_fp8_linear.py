@@ -1,7 +1,8 @@
 """FP8 weights' linears on the GPU: the per-token quantization of an input (fp8.cu), and per token and 128 columns,
 against torch's e4m3 cast; the skinny GEMM over an FP8 weight (a scale a row, or a row per 128 columns) against a
 float64 reference over the weight it dequantizes to; cuBLASLt's W8A8 matmul (scaled a row, or a row per 128 columns)
-and linears.fp8_linear_into against a float64 reference from the same quantized operands."""
+and linears.fp8_linear_into against a float64 reference from the same quantized operands; the gated skinny GEMM of an
+FP8 [gate; up] against the linear then its activation."""
 
 from types import SimpleNamespace
 
@@ -18,6 +19,7 @@ from metrale.runtime.backend.cuda.linears import fp8_linear_into  # noqa: E402
 from metrale.runtime.backend.cuda.tensor import DeviceTensor  # noqa: E402
 from metrale.runtime.loading.fp8 import E4M3_MAX, Fp8Weight, quantize_rows  # noqa: E402
 from fp8_checkpoints import quantized as block_quantized  # noqa: E402
+from test_skinny_gemm import gated_pair  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -140,6 +142,17 @@ def test_skinny_fp8_is_the_linear_of_the_dequantized_weight(kernel_library, stre
     reference = x.double() @ dequantized.double().T + (bias.double() if bias is not None else 0)
     error = relative_error(out, reference.clamp_min(0) if relu else reference)
     assert error < BOUND, f"relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("form, half, k", [("row", 14336, 4096), ("row", 24, 208), ("blocks", 14336, 4096),
+                                          ("blocks", 1536, 640), ("blocks", 24, 256)])
+@pytest.mark.parametrize("m", [1, 9, 16])
+def test_skinny_fp8_gated_is_the_linear_then_its_activation(kernel_library, stream, form, m, half, k):
+    """A dense MLP's FP8 [gate; up] (Llama-3-8B's; small; a scale a row or a row per 128 columns): the gated kernel
+    reads each half's rows and scales as the linear does, bit for bit the linear then silu_mul."""
+    matrix, tensors, _ = FORMS[form][0](2 * half, k, seed=half + k)     # tensors: held while the kernels read them
+    fused, apart = gated_pair(kernel_library, stream, random_x(m, k, seed=m + k), matrix)
+    assert torch.isfinite(fused).all() and torch.equal(fused, apart)
 
 
 def per_element(scales: torch.Tensor) -> torch.Tensor:

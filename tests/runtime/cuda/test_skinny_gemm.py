@@ -1,5 +1,5 @@
 """gemv.cu's skinny GEMM (out = x @ weight.T + bias, M <= 16) against a float64 torch reference from the same bf16
-inputs; and its launcher's checks, which need no GPU."""
+inputs, and its gated form against the GEMM then the activation; and its launcher's checks, which need no GPU."""
 
 import re
 
@@ -12,6 +12,7 @@ pytest.importorskip("cuda.core")
 from gpu_reference import TOLERANCE, relative_error  # noqa: E402
 from metrale.runtime.backend.cuda.compiler import kernel_sources  # noqa: E402
 from metrale.runtime.backend.cuda.kernels import skinny_gemm  # noqa: E402
+from metrale.runtime.backend.cuda.kernels.activation import silu_mul  # noqa: E402
 from metrale.runtime.backend.cuda.kernels.skinny_gemm import skinny_linear, supports  # noqa: E402
 from metrale.runtime.backend.cuda.launch import ceil_div, kernel_arg  # noqa: E402
 from metrale.runtime.backend.cuda.tensor import DeviceTensor  # noqa: E402
@@ -128,6 +129,36 @@ def test_skinny_linear_reads_and_writes_column_slices(kernel_library, stream, we
     run(kernel_library, stream, out, x, weight, bias)
     check(out, x, weight, bias)
     assert out_wide[:, :64].isnan().all() and out_wide[:, 64 + n:].isnan().all()
+
+
+def gated_pair(lib, stream, x, weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(skinny_gated's out, skinny_linear's [M, 2 I] then activation.silu_mul's) for x and weight [gate; up] (bf16,
+    or an Fp8Matrix); both poisoned first."""
+    m, half = x.shape[0], weight.shape[0] // 2
+    fused, _ = poisoned(m, half, "bfloat16")
+    product, _ = poisoned(m, 2 * half, "bfloat16")
+    apart, _ = poisoned(m, half, "bfloat16")
+    device_x = DeviceTensor.from_torch(x)
+    device_weight = weight if not isinstance(weight, torch.Tensor) else DeviceTensor.from_torch(weight)
+    torch.cuda.synchronize()
+    skinny_gemm.skinny_gated(lib, stream, DeviceTensor.from_torch(fused), device_x, device_weight)
+    skinny_linear(lib, stream, DeviceTensor.from_torch(product), device_x, device_weight)
+    silu_mul(lib, stream, DeviceTensor.from_torch(apart), DeviceTensor.from_torch(product))
+    stream.sync()
+    return fused, apart
+
+
+@gpu
+@pytest.mark.parametrize("half, k", [(14336, 4096), (1536, 576), (24, 200), (8, 64)])
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 16])
+def test_gated_gate_up_is_the_linear_then_its_activation(kernel_library, stream, weights, m, half, k):
+    """A dense MLP's [gate; up] (Llama-3-8B's, SmolLM2's, three CTAs' worth, one CTA's): bit for bit the skinny GEMM
+    then silu_mul, and silu(gate) * up of the float64 product within bf16's rounding."""
+    weight, x = weights(2 * half, k), random_x(m, k, seed=m + half + k, pad=8)
+    fused, apart = gated_pair(kernel_library, stream, x, weight)
+    assert torch.equal(fused, apart)
+    gate, up = (x.double() @ weight.double().T).chunk(2, dim=1)
+    assert relative_error(fused, torch.nn.functional.silu(gate) * up) < 2 * TOLERANCE[fused.dtype]
 
 
 # The launcher without a GPU: made-up addresses, a library that hands out names, launch_kernel recorded.

@@ -137,7 +137,7 @@ class CpuLayerMath:
         return out
 
     def silu_mul(self, gate_up):
-        gate, up = gate_up.chunk(2, dim=-1)
+        gate, up = self._computed(gate_up).chunk(2, dim=-1)
         return F.silu(gate) * up
 
     def relu_squared(self, x):

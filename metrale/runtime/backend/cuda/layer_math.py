@@ -12,7 +12,7 @@ from metrale.runtime.backend.cuda.fp8_matrix import Fp8Matrix, device_scales, ke
 from metrale.runtime.backend.cuda.resources import CudaResources
 from metrale.runtime.backend.cuda.stream_context import StreamContext
 from metrale.runtime.backend.cuda.vocab_parts import gathered_logits, head_rows
-from metrale.runtime.backend.cuda.linears import k_splits, linear_into, partials
+from metrale.runtime.backend.cuda.linears import gated_fits, k_splits, linear_into, partials
 from metrale.runtime.backend.cuda.tensor import DTYPES, DeviceTensor
 from metrale.runtime.backend.layer_math import Experts, LatentAttention, Linear, MoeRouter, RopeTable, SsmScan, \
     rope_then_attention
@@ -160,7 +160,15 @@ class CudaLayerMath:
         return out
 
     def silu_mul(self, gate_up):
+        """A Linear [gate; up] at decode rows: the GEMM and the activation in one skinny launch (gated_fits)."""
         ctx = self.resources.bound.context
+        if isinstance(gate_up, Linear):
+            x, weight = gate_up.x, gate_up.weight
+            if gate_up.bias is None and gated_fits(x, weight):
+                out = ctx.new(x.shape[0], weight.shape[0] // 2)
+                kernels.skinny_gemm.skinny_gated(self.lib, ctx.stream, out, x, weight)
+                return out
+            gate_up = self._computed(gate_up)
         out = ctx.new(gate_up.shape[0], gate_up.shape[1] // 2)
         kernels.activation.silu_mul(self.lib, ctx.stream, out, gate_up)
         return out

@@ -1,6 +1,6 @@
 """Launcher for cuda_kernels/gemv.cu: the skinny GEMM of decode linears, out = x @ weight.T (+ bias), M <= 16, for a
 bf16 weight and for an Fp8Matrix (e4m3 with a scale a row, or a row per 128 columns, widened to bf16 in
-registers)."""
+registers); and a dense gated MLP's gate/up with its activation in the same launch (skinny_gated)."""
 
 import numpy as np
 
@@ -20,6 +20,9 @@ KERNELS = {(True, "bfloat16"): "skinny_gemm_m8_bf16", (True, "float32"): "skinny
 # (M <= 8, weight in blocks) -> kernel, bf16 out.
 FP8_KERNELS = {(True, False): "skinny_gemm_m8_fp8", (False, False): "skinny_gemm_m16_fp8",
                (True, True): "skinny_gemm_m8_fp8_blocks", (False, True): "skinny_gemm_m16_fp8_blocks"}
+# (M <= 8, weight form) -> the gated kernel: gate/up and silu(gate) * up in one launch, bf16 out.
+GATED_KERNELS = {(fits8, form): f"skinny_gated_m{8 if fits8 else 16}_{form}" for fits8 in (True, False)
+                 for form in ("bf16", "fp8", "fp8_blocks")}
 NULL = np.uint64(0)
 
 
@@ -74,6 +77,19 @@ def _fp8_problem(weight: Fp8Matrix, out: DeviceTensor) -> str | None:
     return None
 
 
+def gated_unsupported_reason(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor | Fp8Matrix) -> str | None:
+    """Why skinny_gated cannot run this gate/up, or None: skinny_linear's conditions for the weight [2 I, K] (I % 8
+    == 0) and its product [M, 2 I], and out [M, I] bf16."""
+    m, n = x.shape[0], weight.shape[0]
+    if n % 16:
+        return f"a gated weight's rows ({n}) must be two halves of a multiple of 8"
+    if out.shape != (m, n // 2) or out.dtype != "bfloat16":
+        return f"out must be [{m}, {n // 2}] bfloat16, not {out.shape} {out.dtype}"
+    if out.ptr % out.itemsize or out.stride < n // 2:
+        return f"out {out.ptr:#x} must be aligned, its row stride {out.stride} at least {n // 2}"
+    return unsupported_reason(DeviceTensor(out.ptr, (m, n), "bfloat16"), x, weight, None)
+
+
 def supports(x: DeviceTensor, weight: DeviceTensor | Fp8Matrix, out: DeviceTensor,
              bias: DeviceTensor | None = None) -> bool:
     """Whether skinny_linear takes this linear (M <= MAX_M, K % 8 == 0, alignment, dtypes); never raises."""
@@ -103,3 +119,21 @@ def skinny_linear(lib, stream, out: DeviceTensor, x: DeviceTensor, weight: Devic
     kernel = lib.get(KERNELS[m <= 8, out.dtype], MODULE)
     launch_kernel(stream, kernel, ceil_div(n, TILE_ROWS), THREADS, out, np.int64(out.stride), x,
                   np.int64(x.stride // 8), weight, bias if bias is not None else NULL, m, n, k // 8, int(relu))
+
+
+def skinny_gated(lib, stream, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor | Fp8Matrix) -> None:
+    """out [M, I] = silu(x @ gate.T) * (x @ up.T) for a dense gated MLP's weight [gate; up] [2 I, K] (I % 8 == 0),
+    M <= 16, in one launch: bit for bit skinny_linear's [M, 2 I] followed by activation.silu_mul. x and weight as
+    skinny_linear takes them (bf16 or an Fp8Matrix); out bf16, may be a column slice. M == 0 launches nothing."""
+    problem = gated_unsupported_reason(out, x, weight)
+    if problem is not None:
+        raise InvalidArgument(f"skinny_gated: {problem}")
+    m, k = x.shape
+    if m == 0:
+        return
+    fp8 = isinstance(weight, Fp8Matrix)
+    form = ("fp8_blocks" if weight.blocks else "fp8") if fp8 else "bf16"
+    half = weight.shape[0] // 2
+    launch_kernel(stream, lib.get(GATED_KERNELS[m <= 8, form], MODULE), ceil_div(2 * half, TILE_ROWS), THREADS, out,
+                  np.int64(out.stride), x, np.int64(x.stride // 8), weight.data if fp8 else weight,
+                  weight.scales if fp8 else NULL, m, half, k // 8)
