@@ -21,7 +21,7 @@ from bench.grpc_client import decode_round_trips_in_subprocess
 from bench.model_shapes import SHAPES, decode_step_bytes, decode_weight_bytes, kv_bytes_per_token, prefill_flops, \
     random_checkpoint, random_tokens
 from bench.peer_llama import build_peer, check_compiled_decode, peer_prefill, time_peer_decode
-from bench.phases import Run, log
+from bench.phases import Run, add_decode_options, log
 from bench.prefill_cases import measure_chunked_prefill, measure_prefill, parse_chunked_prefill, \
     parse_prefill_cases
 from bench.side_by_side import check_same_model, chunks_of, time_hf_generate
@@ -35,12 +35,7 @@ from metrale.service.server import WorkerServer
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES), help="model shape (random weights)")
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the smoke test's path")
-    parser.add_argument("--batches", default="1,8,32,64,128,256", help="decode batch sizes, comma-separated")
-    parser.add_argument("--context", type=int, default=1024, help="tokens each sequence holds before decoding")
-    parser.add_argument("--steps", type=int, default=32, help="timed decode steps per batch and implementation")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed decode steps first (peer: compile, graphs)")
+    add_decode_options(parser, SHAPES, "llama3-8b", "1,8,32,64,128,256", steps=32, warmup=5)
     parser.add_argument("--prefill", default="1x4096,8x512", help="prefill cases NUMxLEN, comma-separated; "
                                                                   "'' for none")
     parser.add_argument("--chunked-prefill", default="", metavar="LENxCHUNK",

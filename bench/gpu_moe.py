@@ -31,7 +31,7 @@ from bench.kernel_parts import GEMM_KEYS, device_ms_by_part, format_parts
 from bench.model_shapes import random_tokens
 from bench.moe_shapes import MOE_SHAPES, MoeShape, decode_step_bytes, expert_bytes, hf_config, kv_bytes_per_token, \
     mha_kv_bytes_per_token, prefill_flops, require_fp8_floor, total_params
-from bench.phases import Run, add_run_options, log
+from bench.phases import Run, add_decode_options, add_run_options, log
 from bench.side_by_side import time_generate
 from metrale.runtime.build import build_engine
 from metrale.runtime.cache.blocks import blocks_for
@@ -51,12 +51,7 @@ COUNTED_STEPS = 4           # decode steps whose routing is read back to count t
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(MOE_SHAPES))
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the smoke test's path")
-    parser.add_argument("--batches", default="1,8,64,256", help="decode batch sizes, comma-separated")
-    parser.add_argument("--context", type=int, default=1024, help="tokens each sequence holds before decoding")
-    parser.add_argument("--steps", type=int, default=16, help="timed decode steps per batch")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first")
+    add_decode_options(parser, MOE_SHAPES, "qwen3-30b-a3b", "1,8,64,256", steps=16, warmup=3)
     parser.add_argument("--prefill", default="8x1024", help="prompts x tokens of the timed prefill ('' none)")
     parser.add_argument("--prefill-reps", type=int, default=3)
     parser.add_argument("--chunked-prefill", default="8192x1024",

@@ -20,7 +20,7 @@ from bench.gpu_decode import decode_engine_row, decode_grpc_row, write_json
 from bench.kernel_parts import GEMM_KEYS, device_ms_by_part, format_parts
 from bench.model_shapes import HYBRID_SHAPES, decode_step_bytes, hybrid_decode_weight_bytes, \
     hybrid_kv_bytes_per_token, hybrid_prefill_flops, hybrid_state_bytes, random_checkpoint, random_tokens
-from bench.phases import Run, add_run_options, log
+from bench.phases import Run, add_decode_options, add_run_options, log
 from bench.side_by_side import time_hf_generate
 from metrale.runtime.build import build_engine
 from metrale.runtime.cache.blocks import blocks_for
@@ -36,12 +36,8 @@ KERNEL_PARTS = (("scan", ("ssm_scan", "ssm_chunk")), ("conv", ("ssm_conv",)), ("
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="nemotron-h-8b", choices=sorted(HYBRID_SHAPES))
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the smoke test's path")
-    parser.add_argument("--batches", default="1,32,128", help="decode batch sizes, comma-separated")
+    add_decode_options(parser, HYBRID_SHAPES, "nemotron-h-8b", "1,32,128", steps=16, warmup=3, context=False)
     parser.add_argument("--contexts", default="1024,8192", help="tokens each sequence holds before decoding")
-    parser.add_argument("--steps", type=int, default=16, help="timed decode steps per batch and implementation")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first")
     parser.add_argument("--prefill", type=int, default=8192, help="tokens of the one prompt whose prefill is timed")
     parser.add_argument("--prefill-reps", type=int, default=3)
     parser.add_argument("--hf-steps", type=int, default=8, help="tokens transformers generates per timing; 0: none")

@@ -22,7 +22,7 @@ from bench.gpu_ceilings import copy_bandwidth, gemm_rate, gpu_machine_line
 from bench.gpu_decode import decode_engine_row, decode_grpc_row, write_json
 from bench.model_shapes import SHAPES, drawn_checkpoint, kv_bytes_per_token, layer_matmul_params, prefill_flops, \
     random_tokens
-from bench.phases import Run, add_run_options, log
+from bench.phases import Run, add_decode_options, add_run_options, log
 from bench.prefill_cases import parse_prefill_cases
 from metrale.runtime.build import build_engine, build_follower
 from metrale.runtime.cache.blocks import blocks_for
@@ -37,13 +37,8 @@ from metrale.service.server import WorkerServer
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES), help="model shape (random weights)")
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the smoke test's path")
+    add_decode_options(parser, SHAPES, "llama3-8b", "1,64", steps=32, warmup=5)
     parser.add_argument("--ranks", default="1,2", help="rank counts to run, comma-separated")
-    parser.add_argument("--batches", default="1,64", help="decode batch sizes, comma-separated")
-    parser.add_argument("--context", type=int, default=1024, help="tokens each sequence holds before decoding")
-    parser.add_argument("--steps", type=int, default=32, help="timed decode steps per batch")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed decode steps first")
     parser.add_argument("--prefill", default="1x4096", help="prefill cases NUMxLEN, comma-separated; '' for none")
     parser.add_argument("--prefill-reps", type=int, default=5, help="timed prefills per case")
     parser.add_argument("--prefill-warmup", type=int, default=2, help="untimed prefills first")

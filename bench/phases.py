@@ -73,6 +73,20 @@ def host_profile(call, rows: int, sort: str = "tottime") -> str:
     return text[text.find("ncalls"):].rstrip()
 
 
+def add_decode_options(parser, shapes, shape: str, batches: str, steps: int, warmup: int, context: bool = True
+                       ) -> None:
+    """The options every decode bench takes: the model shape (one of shapes, random weights), the device, the batch
+    sizes, the context each sequence holds (where the bench takes one), the timed and untimed steps."""
+    parser.add_argument("--shape", default=shape, choices=sorted(shapes), help="model shape (random weights)")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the smoke test's path")
+    parser.add_argument("--batches", default=batches, help="decode batch sizes, comma-separated")
+    if context:
+        parser.add_argument("--context", type=int, default=1024, help="tokens each sequence holds before decoding")
+    parser.add_argument("--steps", type=int, default=steps, help="timed decode steps per batch (and implementation)")
+    parser.add_argument("--warmup", type=int, default=warmup, help="untimed decode steps first (a peer's: compile, "
+                                                                   "graphs)")
+
+
 def add_run_options(parser, time_budget: float = 540.0) -> None:
     """The options a GPU bench's run takes beside its own: the ceilings' sizes, gRPC off, the seed, the time
     budget, the JSON file."""
