@@ -29,10 +29,28 @@ NULL = np.uint64(0)
 def unsupported_reason(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor | Fp8Matrix,
                        bias: DeviceTensor | None) -> str | None:
     """Why skinny_linear cannot run this linear, or None. Plain comparisons; a message is formatted only on failure."""
+    problem = inputs_reason(x, weight)
+    if problem is not None:
+        return problem
+    m, n = x.shape[0], weight.shape[0]
+    if out.shape != (m, n) or out.dtype not in OUT_DTYPES:
+        return f"out must be [{m}, {n}] in one of {OUT_DTYPES}, not {out.shape} {out.dtype}"
+    if isinstance(weight, Fp8Matrix) and out.dtype != "bfloat16":
+        return f"an FP8 weight's out must be bfloat16, not {out.dtype}"
+    problem = _out_reason(out)
+    if problem is None and bias is not None and (bias.shape != (n,) or bias.dtype != out.dtype
+                                                 or bias.ptr % bias.itemsize):
+        problem = (f"bias must be an aligned [{n}] {out.dtype} (out's dtype), not {bias.shape} {bias.dtype} "
+                   f"at {bias.ptr:#x}")
+    return problem
+
+
+def inputs_reason(x: DeviceTensor, weight: DeviceTensor | Fp8Matrix) -> str | None:
+    """Why the skinny kernels cannot read this x and weight, or None (M <= MAX_M, K % 8 == 0, dtypes, alignment)."""
     if len(x.shape) != 2 or x.dtype != "bfloat16":
         return f"x must be [M, K] bfloat16, not {x.shape} {x.dtype}"
     if isinstance(weight, Fp8Matrix):
-        problem = _fp8_problem(weight, out)
+        problem = _fp8_problem(weight)
         if problem is not None:
             return problem
     elif len(weight.shape) != 2 or weight.dtype != "bfloat16" or not weight.is_contiguous:
@@ -45,25 +63,26 @@ def unsupported_reason(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor 
         return f"x {x.shape} and weight {weight.shape} must agree on a non-zero K, with N > 0"
     if k % 8:
         return f"K = {k} must be a multiple of 8"
-    if out.shape != (m, n) or out.dtype not in OUT_DTYPES:
-        return f"out must be [{m}, {n}] in one of {OUT_DTYPES}, not {out.shape} {out.dtype}"
-    x_stride, out_stride = x.stride, out.stride
-    if x_stride < k or out_stride < n:
-        return f"a row stride is shorter than its row (x {x_stride} < {k} or out {out_stride} < {n})"
+    if x.stride < k:
+        return f"a row stride is shorter than its row (x {x.stride} < {k})"
     weight_ptr = weight.data.ptr if isinstance(weight, Fp8Matrix) else weight.ptr
-    if (x.ptr | weight_ptr | 2 * x_stride) % 16:
-        return (f"x and weight must be 16-byte aligned (pointer and row stride): x {x.ptr:#x} stride {x_stride}, "
+    if (x.ptr | weight_ptr | 2 * x.stride) % 16:
+        return (f"x and weight must be 16-byte aligned (pointer and row stride): x {x.ptr:#x} stride {x.stride}, "
                 f"weight {weight_ptr:#x}")
-    if out.ptr % out.itemsize:
-        return f"out {out.ptr:#x} is not {out.itemsize}-byte aligned"
-    if bias is not None and (bias.shape != (n,) or bias.dtype != out.dtype or bias.ptr % bias.itemsize):
-        return (f"bias must be an aligned [{n}] {out.dtype} (out's dtype), not {bias.shape} {bias.dtype} "
-                f"at {bias.ptr:#x}")
     return None
 
 
-def _fp8_problem(weight: Fp8Matrix, out: DeviceTensor) -> str | None:
-    """Why the FP8 kernels cannot take this weight and out, or None."""
+def _out_reason(out: DeviceTensor) -> str | None:
+    """Why the kernels cannot write this out (its shape and dtype checked already), or None."""
+    if out.stride < out.shape[1]:
+        return f"a row stride is shorter than its row (out {out.stride} < {out.shape[1]})"
+    if out.ptr % out.itemsize:
+        return f"out {out.ptr:#x} is not {out.itemsize}-byte aligned"
+    return None
+
+
+def _fp8_problem(weight: Fp8Matrix) -> str | None:
+    """Why the FP8 kernels cannot take this weight, or None."""
     data, scales = weight.data, weight.scales
     if len(data.shape) != 2 or data.dtype != "float8_e4m3" or not data.is_contiguous or data.shape[1] % K_MULTIPLE:
         return (f"an FP8 weight must be a contiguous [N, K] float8_e4m3 with K % {K_MULTIPLE} == 0, not {data.shape} "
@@ -72,22 +91,25 @@ def _fp8_problem(weight: Fp8Matrix, out: DeviceTensor) -> str | None:
     want = (k // BLOCK, n) if weight.blocks else (n,)
     if scales.shape != want or scales.dtype != "float32" or (weight.blocks and k % BLOCK):
         return f"an FP8 weight's scales must be {list(want)} float32, not {scales.shape} {scales.dtype}"
-    if out.dtype != "bfloat16":
-        return f"an FP8 weight's out must be bfloat16, not {out.dtype}"
     return None
 
 
+def gated_inputs_reason(x: DeviceTensor, weight: DeviceTensor | Fp8Matrix) -> str | None:
+    """Why skinny_gated cannot read this x and gate/up weight [2 I, K] (I % 8 == 0), or None."""
+    if weight.shape[0] % 16:
+        return f"a gated weight's rows ({weight.shape[0]}) must be two halves of a multiple of 8"
+    return inputs_reason(x, weight)
+
+
 def gated_unsupported_reason(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor | Fp8Matrix) -> str | None:
-    """Why skinny_gated cannot run this gate/up, or None: skinny_linear's conditions for the weight [2 I, K] (I % 8
-    == 0) and its product [M, 2 I], and out [M, I] bf16."""
-    m, n = x.shape[0], weight.shape[0]
-    if n % 16:
-        return f"a gated weight's rows ({n}) must be two halves of a multiple of 8"
-    if out.shape != (m, n // 2) or out.dtype != "bfloat16":
-        return f"out must be [{m}, {n // 2}] bfloat16, not {out.shape} {out.dtype}"
-    if out.ptr % out.itemsize or out.stride < n // 2:
-        return f"out {out.ptr:#x} must be aligned, its row stride {out.stride} at least {n // 2}"
-    return unsupported_reason(DeviceTensor(out.ptr, (m, n), "bfloat16"), x, weight, None)
+    """Why skinny_gated cannot run this gate/up, or None: gated_inputs_reason, and out [M, I] bf16."""
+    problem = gated_inputs_reason(x, weight)
+    if problem is not None:
+        return problem
+    m, half = x.shape[0], weight.shape[0] // 2
+    if out.shape != (m, half) or out.dtype != "bfloat16":
+        return f"out must be [{m}, {half}] bfloat16, not {out.shape} {out.dtype}"
+    return _out_reason(out)
 
 
 def supports(x: DeviceTensor, weight: DeviceTensor | Fp8Matrix, out: DeviceTensor,
